@@ -1,0 +1,1 @@
+"""Generated protobuf modules."""
