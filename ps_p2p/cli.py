@@ -1,0 +1,324 @@
+"""The ``ps-node`` command.
+
+Subcommands::
+
+    ps-node keygen  --key-file PATH                 create a key file, print the peer ID
+    ps-node run     --role user|model|verifier ...  run one node until interrupted
+    ps-node devnet  --model PATH --prompts FILE     a local network of OS processes, prompts through it
+    ps-node ask     --multiaddr MADDR "prompt"      join as a user, ask once, print the answer
+
+``main(argv) -> int`` returns the exit status: 0 ok, 1 a failure at run time, 2 bad usage or
+configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import sys
+from typing import Any
+
+import trio
+
+from ps_p2p.errors import ConfigError, PsError
+
+log = logging.getLogger("ps_p2p.cli")
+
+
+def _setup_logging(level: str, *, libp2p_level: str = "WARNING") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    import libp2p  # noqa: F401  (import first: it resets its logger's level on import)
+
+    logging.getLogger("libp2p").setLevel(getattr(logging, libp2p_level.upper(), logging.WARNING))
+    logging.getLogger("libp2p").propagate = True
+    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+# ---------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ps-node",
+        description="PlanetServe node: anonymous, verified LLM serving over py-libp2p.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    keygen = sub.add_parser("keygen", help="create a key file and print its peer ID")
+    keygen.add_argument("--key-file", required=True, help="where to write the keys (mode 0600)")
+
+    run = sub.add_parser("run", help="run one node until interrupted")
+    run.add_argument("--role", action="append", choices=["user", "model", "verifier"],
+                     help="role of this node; repeat for several (default: user)")
+    run.add_argument("--listen", help="listen multiaddr (default /ip4/127.0.0.1/tcp/0)")
+    run.add_argument("--multiaddr", action="append", dest="bootstrap", metavar="MADDR",
+                     help="bootstrap peer (a verifier) with /p2p/<peer ID>; repeatable")
+    run.add_argument("--verifier", action="append", dest="verifiers", metavar="PEER_ID",
+                     help="trusted verifier peer ID; repeatable (default: the --multiaddr peers)")
+    run.add_argument("--key-file", help="identity + onion keys, created on first run "
+                                        "(default ~/.ps_p2p/node.key)")
+    run.add_argument("--model", help="model role: HF folder or .gguf (transformers), "
+                                     "or the served model name (vllm)")
+    run.add_argument("--engine", choices=["transformers", "vllm"], help="default transformers")
+    run.add_argument("--vllm-url", help="vllm serve base URL (default http://127.0.0.1:8000)")
+    run.add_argument("--device", help="transformers device: cpu, cuda, cuda:1 (default cpu)")
+    run.add_argument("--model-id", help="model ID announced (default: the model folder name)")
+    run.add_argument("--capacity", type=int, help="model role: concurrent requests (default 2)")
+    run.add_argument("--organization", help="organization shown in the node record")
+    run.add_argument("--config", help="TOML config file; command-line flags win over it")
+    run.add_argument("--api", metavar="HOST:PORT",
+                     help="user role: serve the local OpenAI-compatible API here (e.g. 127.0.0.1:8088)")
+    run.add_argument("--status-file", help="write a JSON status (peer ID, addresses, API URL, "
+                                           "ready paths) here and keep it current")
+    run.add_argument("--tamper", action="store_true", default=None,
+                     help="TESTING ONLY: corrupt relayed cells and cloves (a malicious relay)")
+
+    devnet = sub.add_parser("devnet", help="run a local network of OS processes and send prompts through it")
+    devnet.add_argument("--model", required=True, help="model for the model nodes (HF folder or .gguf)")
+    devnet.add_argument("--prompts", required=True,
+                        help="prompts: a text file (one per line) or ../shared/data JSON/JSONL")
+    devnet.add_argument("--users", type=int, default=8, help="user nodes (default 8)")
+    devnet.add_argument("--models", type=int, default=2, help="model nodes (default 2)")
+    devnet.add_argument("--verifiers", type=int, default=4, help="verifier nodes (default 4)")
+    devnet.add_argument("--json", dest="json_out", metavar="OUT",
+                        help="write one JSON object per prompt to OUT (JSON lines)")
+    devnet.add_argument("--perturb", choices=["none", "kill-relay", "tamper-clove"], default="none",
+                        help="kill-relay: kill one relay on one path of each user mid-run; "
+                             "tamper-clove: one relay corrupts what it forwards")
+    devnet.add_argument("--limit", type=int, help="send only the first N prompts")
+    devnet.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
+    devnet.add_argument("--concurrency", type=int, default=4, help="prompts in flight (default 4)")
+    devnet.add_argument("--timeout", type=float, default=120.0, help="deadline per prompt, s (default 120)")
+    devnet.add_argument("--workdir", help="keep keys, status files and logs here (default: a temp dir)")
+    devnet.add_argument("--show", type=int, default=300,
+                        help="print at most this many characters of each answer (default 300)")
+
+    ask = sub.add_parser("ask", help="join a running network as a user, ask once, print the answer")
+    ask.add_argument("--multiaddr", action="append", dest="bootstrap", required=True, metavar="MADDR",
+                     help="a verifier's multiaddr with /p2p/<peer ID>; repeatable")
+    ask.add_argument("--model-id", help="ask a model node serving this model ID")
+    ask.add_argument("--max-tokens", type=int, default=64)
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default 120)")
+    ask.add_argument("--json", action="store_true", help="print the answer as JSON")
+    ask.add_argument("prompt")
+    return parser
+
+
+# ---------------------------------------------------------------------- commands
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from ps_p2p.keys import load_or_create_keys
+
+    path = pathlib.Path(args.key_file).expanduser()
+    if path.exists():
+        raise ConfigError(f"{path} exists; refusing to overwrite a key file")
+    keys = load_or_create_keys(path)
+    print(keys.identity.peer_id_str)
+    return 0
+
+
+def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from ps_p2p.config import load_config
+
+    overrides: dict[str, Any] = {
+        "roles": args.role,
+        "listen": args.listen,
+        "bootstrap": args.bootstrap,
+        "verifiers": args.verifiers,
+        "key_file": args.key_file,
+        "model": args.model,
+        "engine": args.engine,
+        "vllm_url": args.vllm_url,
+        "device": args.device,
+        "model_id": args.model_id,
+        "organization": args.organization,
+        "tamper": args.tamper,
+    }
+    config = load_config(args.config, overrides)
+    if args.capacity is not None:
+        if args.capacity < 1:
+            raise ConfigError("--capacity must be >= 1")
+        config.model_node.capacity = args.capacity
+    return config
+
+
+def make_engine(config):  # type: ignore[no-untyped-def]
+    """The engine of a model node's config (None without the model role)."""
+    if "model" not in config.roles:
+        return None
+    from ps_p2p.engines import load_engine
+
+    if config.engine == "transformers":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return load_engine(
+        config.engine,
+        model=config.model,
+        device=config.device,
+        base_url=config.vllm_url,
+        model_id=config.model_id,
+    )
+
+
+async def _run_node(config, api: str | None, status_file: str | None) -> None:  # type: ignore[no-untyped-def]
+    from ps_p2p.keys import load_or_create_keys
+    from ps_p2p.node import Node
+
+    keys = load_or_create_keys(config.key_path)
+    engine = make_engine(config)
+    if engine is not None:
+        log.info("model %s loaded (%s engine)", engine.model_id, config.engine)
+    node = Node(config, keys, engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        api_url = None
+        if api:
+            from ps_p2p.api.openai_compat import serve_api
+
+            api_url = await nursery.start(serve_api, node, api)
+        print(f"peer ID {keys.identity.peer_id_str}", file=sys.stderr)
+        for addr in node.listen_addrs:
+            print(f"listening on {addr}", file=sys.stderr)
+        if status_file:
+            nursery.start_soon(_status_writer, node, pathlib.Path(status_file), api_url)
+
+
+async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:  # type: ignore[no-untyped-def]
+    while True:
+        d = node.directory
+        status = {
+            "pid": os.getpid(),
+            "peer_id": node.keys.identity.peer_id_str,
+            "roles": list(node.config.roles),
+            "listen": node.listen_addrs,
+            "api": api_url,
+            "directory": None if d is None else {
+                "height": d.height, "users": len(d.users()), "model_nodes": len(d.model_nodes()),
+            },
+            "ready_paths": len(node.user.ready_paths()) if node.user else 0,
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(status))
+        tmp.replace(path)
+        await trio.sleep(0.5)  # periodic refresh of a file other processes poll
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    config = _run_config(args)
+    try:
+        trio.run(_run_node, config, args.api, args.status_file)
+    except KeyboardInterrupt:
+        log.info("interrupted; node stopped")
+    return 0
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+    from ps_p2p.config import NodeConfig
+    from ps_p2p.keys import NodeKeys
+    from ps_p2p.node import Node
+
+    config = NodeConfig(roles=["user"], bootstrap=args.bootstrap, relay=False, register=False)
+    config.validate()
+    keys = NodeKeys.generate()
+
+    async def main() -> int:
+        async with trio.open_nursery() as nursery:
+            node = await nursery.start(Node(config, keys).run)
+            print("joining the network...", file=sys.stderr)
+            try:
+                await node.wait_directory(min_models=1, timeout=args.timeout)
+            except trio.TooSlowError:
+                print("error: no directory with a model node from the verifier", file=sys.stderr)
+                nursery.cancel_scope.cancel()
+                return 1
+            assert node.user is not None
+            answer = await node.user.ask(
+                args.prompt,
+                model_id=args.model_id,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                timeout=args.timeout,
+            )
+            nursery.cancel_scope.cancel()
+        from libp2p.peer.id import ID
+
+        served_by = ID(answer.served_by).to_base58() if answer.served_by else ""
+        if args.json:
+            print(json.dumps({
+                "ok": answer.ok, "response": answer.text, "served_by": served_by,
+                "signature_valid": answer.signature_valid, "cloves_received": answer.cloves_received,
+                "latency_ms": round(answer.latency_ms, 1), "error": answer.error or None,
+            }))
+        elif answer.ok:
+            print(answer.text)
+            print(
+                f"-- served by {served_by}, signature valid, {answer.cloves_received} cloves, "
+                f"{answer.latency_ms:.0f} ms",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: {answer.error}", file=sys.stderr)
+        return 0 if answer.ok else 1
+
+    return trio.run(main)
+
+
+def _cmd_devnet(args: argparse.Namespace) -> int:
+    from ps_p2p.testing.devnet import DevnetOptions, run_devnet
+
+    options = DevnetOptions(
+        model=args.model,
+        prompts=args.prompts,
+        users=args.users,
+        models=args.models,
+        verifiers=args.verifiers,
+        json_out=args.json_out,
+        perturb=args.perturb,
+        limit=args.limit,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        timeout=args.timeout,
+        workdir=args.workdir,
+        show=args.show,
+        log_level=args.log_level,
+    )
+    return run_devnet(options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``ps-node``; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        if args.command == "keygen":
+            return _cmd_keygen(args)
+        if args.command == "run":
+            return _cmd_run(args)
+        if args.command == "ask":
+            return _cmd_ask(args)
+        if args.command == "devnet":
+            return _cmd_devnet(args)
+    except ConfigError as exc:
+        print(f"ps-node: {exc}", file=sys.stderr)
+        return 2
+    except PsError as exc:
+        print(f"ps-node: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

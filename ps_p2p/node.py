@@ -1,0 +1,323 @@
+"""One PlanetServe node: a py-libp2p host with the services of its roles.
+
+:class:`Node` assembles, for the roles in its :class:`~ps_p2p.config.NodeConfig`:
+
+* every role: the host (TCP + Noise + Yamux), the directory client (register the signed node record
+  with the verifiers every ``register_interval`` seconds, fetch and verify the directory every
+  ``directory_refresh`` seconds, feed the records' addresses to the peerstore);
+* user: the overlay service as relay and proxy, and the :class:`~ps_p2p.roles.user.UserClient`;
+* model: the overlay service (as clove destination) and the
+  :class:`~ps_p2p.roles.model.ModelNodeService` with its engine;
+* verifier: the :class:`~ps_p2p.protocols.directory.DirectoryService`.
+
+Use it embedded in another trio program::
+
+    async with trio.open_nursery() as nursery:
+        node = await nursery.start(Node(config, keys, engine).run)
+        await node.wait_directory()
+        answer = await node.user.ask("Once upon a time")
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import multiaddr
+import trio
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
+from libp2p.peer.id import ID
+
+from ps_p2p import records
+from ps_p2p.config import NodeConfig
+from ps_p2p.engines.base import Engine
+from ps_p2p.errors import ConfigError, PsError
+from ps_p2p.keys import NodeKeys
+from ps_p2p.protocols import directory as directory_proto
+from ps_p2p.protocols.host import open_host
+from ps_p2p.protocols.overlay import OverlayConfig, OverlayService
+from ps_p2p.records import Directory, NodeRecord, Role
+from ps_p2p.roles.model import ModelNodeService
+from ps_p2p.roles.user import UserClient
+
+log = logging.getLogger(__name__)
+
+_ROLE = {"user": Role.USER, "model": Role.MODEL, "verifier": Role.VERIFIER}
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _DisconnectNotifee(INotifee):
+    """Tells the overlay when the last connection to a peer closed."""
+
+    def __init__(self, on_disconnect: Callable[[bytes], None]) -> None:
+        self._on_disconnect = on_disconnect
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        return None
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        peer = conn.muxed_conn.peer_id
+        if not network.get_connections(peer):
+            self._on_disconnect(peer.to_bytes())
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
+
+
+class Node:
+    """A PlanetServe node (see the module docstring).
+
+    Args:
+        config: validated :class:`NodeConfig`.
+        keys: identity and onion keys (``ps_p2p.keys.load_or_create_keys``).
+        engine: the inference engine; required with the model role.
+        rng: randomness for relay/verifier/model choice (seed it in tests).
+
+    Raises:
+        ConfigError: model role without an engine, or a bad trusted verifier ID.
+    """
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        keys: NodeKeys,
+        engine: Engine | None = None,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        config.validate()
+        if "model" in config.roles and engine is None:
+            raise ConfigError("the model role needs an engine")
+        self.config = config
+        self.keys = keys
+        self.engine = engine
+        self.rng = rng or random.SystemRandom()
+        self.peer_id = keys.identity.peer_id
+        self.roles = frozenset(_ROLE[r] for r in config.roles)
+        self.host = None
+        self.overlay: OverlayService | None = None
+        self.user: UserClient | None = None
+        self.model: ModelNodeService | None = None
+        self.directory_service: directory_proto.DirectoryService | None = None
+        self.directory: Directory | None = None
+        self.listen_addrs: list[str] = []
+        self._directory_ready = trio.Event()
+        self._bootstrap: dict[bytes, str] = {}
+        for addr in config.bootstrap:
+            peer = ID.from_base58(addr.rsplit("/p2p/", 1)[1]).to_bytes()
+            self._bootstrap[peer] = addr
+        try:
+            trusted = [ID.from_base58(v).to_bytes() for v in config.verifiers]
+        except Exception as exc:
+            raise ConfigError(f"bad --verifier peer ID: {exc}") from exc
+        if not trusted:
+            trusted = list(self._bootstrap)
+        if Role.VERIFIER in self.roles:
+            trusted.append(self.peer_id)
+        self.trusted_verifiers = frozenset(trusted)
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, *, task_status: trio.TaskStatus["Node"] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the host and every service; ``task_status.started(self)`` once listening."""
+        async with open_host(self.keys.identity, [self.config.listen]) as host:
+            self.host = host
+            from ps_p2p.protocols.host import listen_multiaddrs
+
+            self.listen_addrs = listen_multiaddrs(host)
+            async with trio.open_nursery() as nursery:
+                if Role.VERIFIER in self.roles:
+                    self.directory_service = directory_proto.DirectoryService(
+                        self.keys.identity,
+                        directory_lifetime_ms=int(self.config.directory_lifetime * 1000),
+                    )
+                    self.directory_service.register_handlers(host)
+                if self.roles & {Role.USER, Role.MODEL}:
+                    self.overlay = OverlayService(
+                        host,
+                        self.keys.onion,
+                        OverlayConfig(
+                            relay=Role.USER in self.roles and self.config.relay,
+                            tamper=self.config.tamper,
+                        ),
+                    )
+                    host.get_network().register_notifee(
+                        _DisconnectNotifee(self.overlay.peer_disconnected)
+                    )
+                    await nursery.start(self.overlay.run)
+                if Role.MODEL in self.roles:
+                    assert self.engine is not None and self.overlay is not None
+                    self.model = ModelNodeService(
+                        self.keys.identity, self.engine, self.config.model_node
+                    )
+                    self.model.attach(self.overlay)
+                    await nursery.start(self.model.run)
+                if Role.USER in self.roles:
+                    assert self.overlay is not None
+                    self.user = UserClient(
+                        self.overlay, lambda: self.directory, self.config.user, rng=self.rng
+                    )
+                    await nursery.start(self.user.run)
+                nursery.start_soon(self._directory_loop)
+                log.info(
+                    "node %s up: roles %s, listening on %s",
+                    self.keys.identity.peer_id_str,
+                    ",".join(self.config.roles),
+                    " ".join(self.listen_addrs),
+                )
+                task_status.started(self)
+
+    async def wait_directory(self, min_users: int = 0, min_models: int = 0, timeout: float = 30.0) -> Directory:
+        """Wait for a verified directory with at least the given numbers of users and model nodes.
+
+        Raises:
+            trio.TooSlowError: not within ``timeout`` seconds.
+        """
+        with trio.fail_after(timeout):
+            while True:
+                d = self.directory
+                if d is not None and len(d.users()) >= min_users and len(d.model_nodes()) >= min_models:
+                    return d
+                await self._directory_ready.wait()
+
+    # ------------------------------------------------------------------ directory client
+
+    def own_record(self, now_ms: int) -> NodeRecord:
+        """This node's signed record, valid ``record_lifetime`` seconds from ``now_ms``."""
+        cfg = self.config
+        record = NodeRecord(
+            peer_id=self.peer_id,
+            addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in self.listen_addrs),
+            roles=self.roles,
+            onion_key=self.keys.onion.public,
+            model_id=self.engine.model_id if (self.engine is not None and Role.MODEL in self.roles) else "",
+            organization=cfg.organization,
+            capacity=cfg.model_node.capacity if Role.MODEL in self.roles else 0,
+            issued_at_ms=now_ms,
+            expires_at_ms=now_ms + int(cfg.record_lifetime * 1000),
+        )
+        return records.sign_record(self.keys.identity, record)
+
+    def _verifier_targets(self) -> list[bytes]:
+        targets = [v for v in self.trusted_verifiers if v != self.peer_id]
+        self.rng.shuffle(targets)
+        return targets
+
+    async def _directory_loop(self) -> None:
+        assert self.host is not None
+        next_register = 0.0
+        while True:
+            now = trio.current_time()
+            if self.directory_service is not None and now >= next_register:
+                self.directory_service.registry.register(self.own_record(_now_ms()), _now_ms())
+            targets = self._verifier_targets()
+            if now >= next_register and self.config.register:
+                ok = 0
+                for verifier in targets:
+                    ok += await self._register_with(verifier)
+                if ok or not targets:
+                    next_register = now + self.config.register_interval
+                else:
+                    next_register = now + 1.0
+            await self._refresh_directory(targets)
+            await trio.sleep(self._refresh_delay())
+
+    def _refresh_delay(self) -> float:
+        # Refresh fast until the first directory with peers arrived, then at the configured pace.
+        d = self.directory
+        if d is None or len(d.records) <= 1:
+            return min(0.5, self.config.directory_refresh)
+        return self.config.directory_refresh
+
+    async def _ensure_connected(self, peer: bytes) -> bool:
+        assert self.host is not None
+        if self.host.get_network().get_connections(ID(peer)):
+            return True
+        addr = self._bootstrap.get(peer)
+        try:
+            if addr is not None:
+                from ps_p2p.protocols.host import connect
+
+                with trio.fail_after(5):
+                    await connect(self.host, addr)
+                return True
+        except (Exception, trio.TooSlowError) as exc:
+            log.info("cannot reach verifier %s: %s", ID(peer).to_base58()[-8:], exc)
+            return False
+        return True  # known from the directory; new_stream dials it
+
+    async def _register_with(self, verifier: bytes) -> int:
+        assert self.host is not None
+        if not await self._ensure_connected(verifier):
+            return 0
+        try:
+            await directory_proto.register(
+                self.host, verifier, self.own_record(_now_ms()), timeout=5.0
+            )
+            return 1
+        except (PsError, Exception) as exc:
+            log.info("registration with %s failed: %s", ID(verifier).to_base58()[-8:], exc)
+            return 0
+
+    async def _refresh_directory(self, targets: list[bytes]) -> None:
+        assert self.host is not None
+        if self.directory_service is not None and not targets:
+            self._install(self.directory_service.signed_directory(_now_ms()))
+            return
+        for verifier in targets:
+            if not await self._ensure_connected(verifier):
+                continue
+            try:
+                directory = await directory_proto.fetch_directory(
+                    self.host,
+                    verifier,
+                    trusted_verifiers=self.trusted_verifiers,
+                    quorum=self.config.quorum,
+                    now_ms=_now_ms(),
+                    timeout=5.0,
+                )
+            except (PsError, Exception) as exc:
+                log.info("directory from %s refused: %s", ID(verifier).to_base58()[-8:], exc)
+                continue
+            self._install(directory)
+            return
+
+    def _install(self, directory: Directory) -> None:
+        assert self.host is not None
+        old = self.directory
+        if old is not None and directory.height < old.height and directory.issued_at_ms <= old.issued_at_ms:
+            return
+        self.directory = directory
+        store = self.host.get_peerstore()
+        for record in directory.records:
+            if record.peer_id == self.peer_id:
+                continue
+            addrs = []
+            for a in record.addrs:
+                try:
+                    addrs.append(multiaddr.Multiaddr(a))
+                except Exception:
+                    continue
+            if addrs:
+                store.add_addrs(ID(record.peer_id), addrs, 0)
+        if old is None or len(old.records) != len(directory.records):
+            log.info(
+                "directory height %d: %d users, %d model nodes",
+                directory.height, len(directory.users()), len(directory.model_nodes()),
+            )
+        self._directory_ready.set()
+        self._directory_ready = trio.Event()

@@ -1,0 +1,237 @@
+"""Message links: one outbound stream per (peer, protocol), fed by a bounded queue.
+
+The overlay protocols (onion setup, clove relaying) are one-way message streams: a node writes its
+frames to a peer on a stream it opened itself and reads the peer's frames from streams the peer
+opened. A :class:`LinkManager` owns the outbound side for one protocol ID:
+
+* :meth:`LinkManager.send` never blocks the caller: it puts an already-framed message on the
+  peer's bounded queue (``queue_frames`` deep) and returns ``False`` when the queue is full, so one
+  slow peer can never stall the task that owns the overlay core;
+* a writer task per peer opens the stream lazily (dialing the peer from the peerstore's
+  addresses if needed), coalesces queued frames into one ``write()`` and, when the stream fails,
+  reports the peer through ``on_link_down`` and forgets the link (the next send opens a new one).
+
+The inbound side is :func:`serve_frames`: a guarded stream handler that reads size-limited frames and
+hands each one to a synchronous callback; a callback that raises
+:class:`~ps_p2p.errors.RemoteProtocolError` resets that one stream.
+
+py-libp2p pitfalls handled here (DESIGN.md): a reader that stops reading for 5 s makes the Yamux writer
+fail, so inbound streams are always drained; an exception escaping a handler kills the host, so
+every handler is wrapped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
+
+from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.protocols.framing import encode_frame, read_frame
+
+log = logging.getLogger(__name__)
+
+#: Bytes coalesced into one stream write at most.
+MAX_COALESCED_BYTES = 1 << 20
+
+
+@dataclass
+class _Link:
+    peer_id: bytes
+    send: trio.MemorySendChannel[bytes]
+    receive: trio.MemoryReceiveChannel[bytes]
+    dropped: int = 0
+    sent: int = 0
+    closed: bool = False
+
+
+@dataclass
+class LinkStats:
+    """Counters of a :class:`LinkManager` (for logs and metrics)."""
+
+    frames_sent: int = 0
+    frames_dropped: int = 0
+    links_opened: int = 0
+    links_failed: int = 0
+    failed_peers: dict[bytes, str] = field(default_factory=dict)
+
+
+class LinkManager:
+    """Outbound message links of one protocol to many peers.
+
+    Args:
+        host: a running py-libp2p host.
+        nursery: where writer tasks run (one per peer with traffic).
+        protocol_id: e.g. ``/planetserve/clove/1.0.0``.
+        on_link_down: called (synchronously, in the writer task) with the peer ID bytes and a reason
+            when a stream to that peer could not be opened or failed while writing.
+        queue_frames: frames queued per peer before :meth:`send` starts refusing (default 4096).
+        open_timeout: seconds allowed to dial and negotiate a stream (default 5 s).
+    """
+
+    def __init__(
+        self,
+        host: IHost,
+        nursery: trio.Nursery,
+        protocol_id: str,
+        *,
+        on_link_down: Callable[[bytes, str], None] | None = None,
+        queue_frames: int = 4096,
+        open_timeout: float = 5.0,
+    ) -> None:
+        self._host = host
+        self._nursery = nursery
+        self._protocol_id = TProtocol(protocol_id)
+        self._on_link_down = on_link_down
+        self._queue_frames = queue_frames
+        self._open_timeout = open_timeout
+        self._links: dict[bytes, _Link] = {}
+        self.stats = LinkStats()
+
+    def send(self, peer_id: bytes, message: bytes) -> bool:
+        """Queue one message (the frame prefix is added here) for ``peer_id``; never blocks.
+
+        Returns:
+            True when queued; False when the peer's queue is full (the message is dropped and
+            counted) or the link just failed.
+        """
+        link = self._links.get(peer_id)
+        if link is None or link.closed:
+            link = self._open(peer_id)
+        try:
+            link.send.send_nowait(encode_frame(message))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            link.dropped += 1
+            self.stats.frames_dropped += 1
+            if link.dropped in (1, 100, 10_000):
+                log.warning(
+                    "%s: queue to %s full, dropped %d frame(s)",
+                    self._protocol_id, _short(peer_id), link.dropped,
+                )
+            return False
+        return True
+
+    def close(self, peer_id: bytes) -> None:
+        """Finish the link to ``peer_id`` after its queued frames are written."""
+        link = self._links.pop(peer_id, None)
+        if link is not None:
+            link.closed = True
+            link.send.close()
+
+    def close_all(self) -> None:
+        """Finish every link (queued frames are still written)."""
+        for peer_id in list(self._links):
+            self.close(peer_id)
+
+    def _open(self, peer_id: bytes) -> _Link:
+        send, receive = trio.open_memory_channel[bytes](self._queue_frames)
+        link = _Link(peer_id, send, receive)
+        self._links[peer_id] = link
+        self._nursery.start_soon(self._run_link, link)
+        return link
+
+    async def _run_link(self, link: _Link) -> None:
+        stream: INetStream | None = None
+        reason = "closed"
+        try:
+            with trio.fail_after(self._open_timeout):
+                stream = await self._host.new_stream(ID(link.peer_id), [self._protocol_id])
+            self.stats.links_opened += 1
+            async with link.receive:
+                async for frame in link.receive:
+                    parts = [frame]
+                    size = len(frame)
+                    while size < MAX_COALESCED_BYTES:
+                        try:
+                            more = link.receive.receive_nowait()
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                        parts.append(more)
+                        size += len(more)
+                    await stream.write(parts[0] if len(parts) == 1 else b"".join(parts))
+                    link.sent += len(parts)
+                    self.stats.frames_sent += len(parts)
+        except trio.TooSlowError:
+            reason = f"could not open a {self._protocol_id} stream in {self._open_timeout:.0f} s"
+        except trio.Cancelled:
+            raise
+        except Exception as exc:  # a dial or stream failure of any kind ends this link only
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        finally:
+            link.closed = True
+            if self._links.get(link.peer_id) is link:
+                del self._links[link.peer_id]
+            if stream is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    try:
+                        await stream.close()
+                    except Exception:
+                        pass
+        if reason != "closed":
+            self.stats.links_failed += 1
+            self.stats.failed_peers[link.peer_id] = reason
+            log.info("%s link to %s down: %s", self._protocol_id, _short(link.peer_id), reason)
+            if self._on_link_down is not None:
+                self._on_link_down(link.peer_id, reason)
+
+
+def make_frame_handler(
+    protocol_id: str,
+    max_frame_bytes: int,
+    on_frame: Callable[[bytes, bytes], None],
+) -> Callable[[INetStream], object]:
+    """Build a stream handler that reads frames until EOF and hands them to ``on_frame``.
+
+    Args:
+        protocol_id: for logs.
+        max_frame_bytes: frames above this reset the stream (FrameTooLargeError).
+        on_frame: ``on_frame(peer_id_bytes, frame)``, synchronous. It may raise
+            RemoteProtocolError to reset this stream; any other exception is logged and also only
+            resets this stream.
+
+    Returns:
+        an ``async def handler(stream)`` for ``host.set_stream_handler`` that never raises.
+    """
+
+    async def handler(stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        peer_bytes = peer.to_bytes()
+        try:
+            while True:
+                frame = await read_frame(stream, max_frame_bytes)
+                on_frame(peer_bytes, frame)
+        except StreamEOF:
+            with trio.move_on_after(1):
+                await _quietly(stream.close)
+        except trio.Cancelled:
+            raise
+        except RemoteProtocolError as exc:
+            log.warning("%s: resetting stream from %s: %s", protocol_id, peer, exc)
+            await _quietly(stream.reset)
+        except Exception as exc:
+            log.warning(
+                "%s: stream from %s failed: %s: %s", protocol_id, peer, type(exc).__name__, exc
+            )
+            await _quietly(stream.reset)
+
+    return handler
+
+
+async def _quietly(call: Callable[[], object]) -> None:
+    try:
+        await call()  # type: ignore[misc]
+    except Exception:
+        pass
+
+
+def _short(peer_id: bytes) -> str:
+    try:
+        return ID(peer_id).to_base58()[-8:]
+    except Exception:
+        return peer_id.hex()[:12]

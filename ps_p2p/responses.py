@@ -1,0 +1,80 @@
+"""Signed inference responses (PlanetServe sec. 3.2, "Response"), pure.
+
+A model node signs (request ID, SHA-256 of the decoded request Q, SHA-256 of the response
+content, signing time, its peer ID) with its identity key, over the domain-separated byte string
+of :func:`ps_p2p.records.response_signing_bytes`. The response content digest here is a canonical
+encoding of the fields a user relies on, never a re-serialized protobuf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from ps_p2p import records
+
+_CONTENT_PREFIX = b"planetserve/v1/response-content\x00"
+
+
+@dataclass(frozen=True)
+class ResponseContent:
+    """What a model node answers; the part covered by ``response_hash``.
+
+    Attributes:
+        status: an ``InferenceResponse`` status value (0 = ok).
+        text: generated text (UTF-8).
+        error: a human-readable error when status != 0.
+        model_id: the model that produced ``text``.
+        prompt_tokens, completion_tokens: token counts under the model's tokenizer.
+    """
+
+    status: int
+    text: str
+    error: str
+    model_id: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    def digest(self) -> bytes:
+        """SHA-256 over a length-prefixed canonical encoding (32 bytes)."""
+        h = hashlib.sha256(_CONTENT_PREFIX)
+        h.update(struct.pack(">III", self.status, self.prompt_tokens, self.completion_tokens))
+        for part in (self.text, self.error, self.model_id):
+            data = part.encode("utf-8")
+            h.update(struct.pack(">I", len(data)))
+            h.update(data)
+        return h.digest()
+
+
+def request_hash(request_bytes: bytes) -> bytes:
+    """SHA-256 of the request Q exactly as decoded from the cloves (32 bytes)."""
+    return hashlib.sha256(request_bytes).digest()
+
+
+def signing_bytes(
+    request_id: bytes, req_hash: bytes, content: ResponseContent, signed_at_ms: int, model_node: bytes
+) -> bytes:
+    """The byte string a model node signs for one response."""
+    return records.response_signing_bytes(
+        request_id, req_hash, content.digest(), signed_at_ms, model_node
+    )
+
+
+def verify_response(
+    *,
+    request_id: bytes,
+    req_hash: bytes,
+    content: ResponseContent,
+    signed_at_ms: int,
+    model_node: bytes,
+    signature: bytes,
+) -> None:
+    """Check a model node's response signature.
+
+    Raises:
+        InvalidSignatureError: the signature does not verify under ``model_node``'s key.
+        RemoteProtocolError: ``model_node`` is not an Ed25519 peer ID.
+    """
+    data = signing_bytes(request_id, req_hash, content, signed_at_ms, model_node)
+    records.verify_signature(model_node, data, signature)

@@ -1,0 +1,1 @@
+"""Roles assembled from the services: user client, model node server, verifier."""

@@ -1,0 +1,289 @@
+"""Model node: decode request cloves, serve with the engine, answer with signed response cloves.
+
+Flow (PlanetServe sec. 3.2): proxies deliver request cloves; a :class:`CloveAssembler` rebuilds Q
+from any k of them (trying other k-subsets when one was tampered with); Q names the n reply
+proxies; the answer is signed (:mod:`ps_p2p.responses`), S-IDA-encoded with ``message_id =
+request_id`` and one clove goes to each reply proxy, which sends it back along its path.
+
+Admission: ``capacity`` requests are served at once, ``max_queue`` more wait; beyond that the
+request gets a signed ``OVERLOADED`` answer at once instead of silence. A request ID seen again
+(a user's retry over fresh paths) is answered from a short-lived cache, or joins the in-flight
+request, without running inference twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from ps_p2p import responses
+from ps_p2p.crypto import sida
+from ps_p2p.engines.base import Engine, SamplingParams
+from ps_p2p.errors import EngineError, PromptTooLongError, PsError
+from ps_p2p.gossip.load import LoadTracker
+from ps_p2p.keys import Identity
+from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
+from ps_p2p.pb.planetserve.v1 import inference_pb2
+from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
+from ps_p2p.protocols.overlay import OverlayService
+
+log = logging.getLogger(__name__)
+
+#: Most tokens a request may ask for.
+MAX_TOKENS_LIMIT = 4096
+#: Longest prompt accepted (characters) before tokenization.
+MAX_PROMPT_CHARS = 512 * 1024
+#: Reply proxies a request may name.
+MAX_REPLY_PROXIES = sida.MAX_TOTAL
+
+Status = inference_pb2.ResponseStatus
+
+
+@dataclass
+class ModelNodeConfig:
+    """Model node settings.
+
+    Attributes:
+        capacity: requests served concurrently (C of the load factor).
+        max_queue: requests waiting beyond ``capacity`` before "overloaded" answers.
+        default_max_tokens: used when a request asks for 0 tokens.
+        cache_ttl: seconds an answer stays cached for retries of the same request ID.
+    """
+
+    capacity: int = 2
+    max_queue: int = 64
+    default_max_tokens: int = 128
+    cache_ttl: float = 300.0
+    reassembly_ttl: float = 60.0
+
+
+@dataclass
+class _Job:
+    request_id: bytes
+    request: inference_pb2.InferenceRequest
+    # every (Q bytes, parsed Q) waiting for this request ID's answer
+    waiters: list[tuple[bytes, inference_pb2.InferenceRequest, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Cached:
+    content: responses.ResponseContent
+    expires_at: float
+
+
+class ModelNodeService:
+    """Serves anonymous requests arriving as cloves through ``overlay``.
+
+    Args:
+        identity: signs responses; its peer ID is the one in this node's record.
+        engine: the inference engine (its ``model_id`` is what this node serves).
+        overlay: the host's overlay service; construct it with ``on_delivery=self.on_delivery``.
+        config: :class:`ModelNodeConfig`.
+        clock: trio time (seconds); wall_clock_ms: unix milliseconds for signatures.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        engine: Engine,
+        config: ModelNodeConfig | None = None,
+        *,
+        clock: Callable[[], float] = trio.current_time,
+        wall_clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+    ) -> None:
+        self.identity = identity
+        self.engine = engine
+        self.config = config or ModelNodeConfig()
+        self.overlay: OverlayService | None = None
+        self.load = LoadTracker(self.config.capacity, self.config.max_queue)
+        self._clock = clock
+        self._wall_ms = wall_clock_ms
+        self._assembler = CloveAssembler(ttl=self.config.reassembly_ttl)
+        self._thresholds: dict[bytes, int] = {}
+        self._jobs: dict[bytes, _Job] = {}
+        self._cache: OrderedDict[bytes, _Cached] = OrderedDict()
+        self._send, self._receive = trio.open_memory_channel[_Job](10_000)
+
+    def attach(self, overlay: OverlayService) -> None:
+        """Bind to the overlay whose ``on_delivery`` is :meth:`on_delivery`."""
+        self.overlay = overlay
+        overlay.on_delivery = self.on_delivery
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run ``capacity`` workers and the expiry timer until cancelled."""
+        async with trio.open_nursery() as nursery:
+            for i in range(self.config.capacity):
+                nursery.start_soon(self._worker, i)
+            task_status.started()
+            while True:
+                await trio.sleep(1.0)  # timer tick for expiry, not a wait for a condition
+                now = self._clock()
+                for message_id in self._assembler.expire(now):
+                    self._thresholds.pop(message_id, None)
+                    log.info("incomplete request %s expired", message_id.hex()[:8])
+                while self._cache and next(iter(self._cache.values())).expires_at <= now:
+                    self._cache.popitem(last=False)
+
+    # ------------------------------------------------------------------ cloves in
+
+    def on_delivery(self, proxy: bytes, clove_bytes: bytes) -> None:
+        """Handle one request clove from a proxy (synchronous; never blocks).
+
+        Raises:
+            RemoteProtocolError: malformed clove (the proxy's stream is reset).
+        """
+        clove = clove_from_bytes(clove_bytes)
+        self._thresholds.setdefault(clove.message_id, clove.threshold)
+        for event in self._assembler.receive_clove(clove, self._clock()):
+            threshold = self._thresholds.pop(event.message_id, clove.threshold)
+            if isinstance(event, ReassemblyFailed):
+                log.warning("request %s: %s", event.message_id.hex()[:8], event.reason)
+            elif isinstance(event, MessageReassembled):
+                self._on_request(event.payload, threshold)
+
+    def _on_request(self, q_bytes: bytes, threshold: int) -> None:
+        request = inference_pb2.InferenceRequest()
+        try:
+            request.ParseFromString(q_bytes)
+        except Exception:
+            log.warning("undecodable request dropped")
+            return
+        n_proxies = len(request.reply_proxies)
+        if n_proxies < threshold or n_proxies > MAX_REPLY_PROXIES:
+            log.warning(
+                "request %s names %d reply proxies for threshold %d; cannot answer",
+                request.request_id.hex()[:8], n_proxies, threshold,
+            )
+            return
+        rid = request.request_id
+        cached = self._cache.get(rid)
+        if cached is not None:
+            self._answer(q_bytes, request, threshold, cached.content)
+            return
+        job = self._jobs.get(rid)
+        if job is not None:
+            job.waiters.append((q_bytes, request, threshold))
+            return
+        problem = self._validate(request)
+        if problem is not None:
+            status, message = problem
+            self._answer(q_bytes, request, threshold, self._error_content(status, message))
+            return
+        if not self.load.try_admit():
+            log.warning("overloaded: request %s refused", rid.hex()[:8])
+            self._answer(
+                q_bytes, request, threshold,
+                self._error_content(Status.RESPONSE_STATUS_OVERLOADED, "model node overloaded; retry later"),
+            )
+            return
+        job = _Job(rid, request, [(q_bytes, request, threshold)])
+        self._jobs[rid] = job
+        self._send.send_nowait(job)
+
+    def _validate(self, request: inference_pb2.InferenceRequest) -> tuple[int, str] | None:
+        if len(request.request_id) != 16:
+            return Status.RESPONSE_STATUS_BAD_REQUEST, "request_id must be 16 bytes"
+        if request.model_id and request.model_id != self.engine.model_id:
+            return (
+                Status.RESPONSE_STATUS_WRONG_MODEL,
+                f"this node serves {self.engine.model_id!r}, not {request.model_id!r}",
+            )
+        if len(request.prompt) > MAX_PROMPT_CHARS:
+            return Status.RESPONSE_STATUS_PROMPT_TOO_LONG, f"prompt over {MAX_PROMPT_CHARS} characters"
+        if request.params.max_tokens > MAX_TOKENS_LIMIT:
+            return Status.RESPONSE_STATUS_BAD_REQUEST, f"max_tokens over {MAX_TOKENS_LIMIT}"
+        return None
+
+    # ------------------------------------------------------------------ serving
+
+    async def _worker(self, index: int) -> None:
+        async for job in self._receive:
+            self.load.start()
+            started = self._clock()
+            content = await self._serve(job.request)
+            self.load.finish(self._clock() - started)
+            self._jobs.pop(job.request_id, None)
+            if content.status == Status.RESPONSE_STATUS_OK:
+                self._cache[job.request_id] = _Cached(
+                    content, self._clock() + self.config.cache_ttl
+                )
+                while len(self._cache) > 10_000:
+                    self._cache.popitem(last=False)
+            for q_bytes, request, threshold in job.waiters:
+                self._answer(q_bytes, request, threshold, content)
+            log.info(
+                "served %s: %d+%d tokens in %.0f ms (load factor %.3f)",
+                job.request_id.hex()[:8], content.prompt_tokens, content.completion_tokens,
+                (self._clock() - started) * 1000, self.load.load_factor(),
+            )
+
+    async def _serve(self, request: inference_pb2.InferenceRequest) -> responses.ResponseContent:
+        p = request.params
+        try:
+            params = SamplingParams(
+                max_tokens=p.max_tokens or self.config.default_max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p or 1.0,
+                seed=p.seed or None,
+            )
+            completion = await self.engine.complete(request.prompt, params)
+        except PromptTooLongError as exc:
+            return self._error_content(Status.RESPONSE_STATUS_PROMPT_TOO_LONG, str(exc))
+        except (EngineError, PsError, ValueError) as exc:
+            log.warning("engine failed on %s: %s", request.request_id.hex()[:8], exc)
+            return self._error_content(Status.RESPONSE_STATUS_ENGINE_ERROR, str(exc))
+        return responses.ResponseContent(
+            status=Status.RESPONSE_STATUS_OK,
+            text=completion.text,
+            error="",
+            model_id=self.engine.model_id,
+            prompt_tokens=completion.prompt_tokens,
+            completion_tokens=completion.completion_tokens,
+        )
+
+    def _error_content(self, status: int, message: str) -> responses.ResponseContent:
+        return responses.ResponseContent(status, "", message[:1000], self.engine.model_id, 0, 0)
+
+    # ------------------------------------------------------------------ cloves out
+
+    def _answer(
+        self,
+        q_bytes: bytes,
+        request: inference_pb2.InferenceRequest,
+        threshold: int,
+        content: responses.ResponseContent,
+    ) -> None:
+        assert self.overlay is not None, "attach() the overlay first"
+        req_hash = responses.request_hash(q_bytes)
+        signed_at = self._wall_ms()
+        me = self.identity.peer_id
+        signature = self.identity.sign(
+            responses.signing_bytes(request.request_id, req_hash, content, signed_at, me)
+        )
+        response = inference_pb2.InferenceResponse(
+            request_id=request.request_id,
+            status=content.status,
+            text=content.text,
+            error=content.error,
+            model_id=content.model_id,
+            prompt_tokens=content.prompt_tokens,
+            completion_tokens=content.completion_tokens,
+            request_hash=req_hash,
+            signed_at_ms=signed_at,
+            model_node=me,
+            signature=signature,
+        )
+        proxies = list(request.reply_proxies)
+        cloves = sida.encode(
+            response.SerializeToString(),
+            total=len(proxies),
+            threshold=threshold,
+            message_id=request.request_id,
+        )
+        for proxy, clove in zip(proxies, cloves):
+            self.overlay.send_reply(proxy.peer_id, proxy.path_id, clove_to_bytes(clove))

@@ -1,0 +1,595 @@
+"""User node: keeps onion paths to N >= n proxies and sends prompts as S-IDA cloves.
+
+PlanetServe sec. 3.2 with the fixes of DESIGN.md:
+
+* paths: l relays each, chosen from the directory's user list, no relay on two paths when there are
+  at least n*l + 1 users (fewer: as little reuse as possible, with a warning); ``paths`` >= n of them
+  are kept (the extra ones are spares); each is probed every ``probe_interval`` seconds and a path
+  whose probe is unanswered for ``probe_timeout`` seconds, whose first hop disconnects or that is
+  destroyed is replaced at once; paths are rotated every ``rotate_period`` seconds (15 min).
+* requests: Q = {request ID, model ID, prompt, sampling parameters, n reply proxies} is S-IDA-encoded
+  into n cloves sent over n different paths to one model node; the answer comes back as cloves through
+  the reply proxies and decodes from any k; its signature is checked against the model node's key,
+  the hash of Q and the directory. When a path of an in-flight request dies, its clove is re-sent on
+  a spare path; when fewer than k of its reply paths are left, or nothing came back after
+  ``attempt_timeout``, the request is sent again (same request ID, fresh paths); every request has a
+  deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from ps_p2p import responses
+from ps_p2p.crypto import onion, sida
+from ps_p2p.errors import (
+    DirectoryError,
+    InvalidSignatureError,
+    PathError,
+    PsError,
+    RemoteProtocolError,
+    RequestError,
+    RequestTimeoutError,
+)
+from ps_p2p.overlay.paths import choose_relays, reuse_count
+from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
+from ps_p2p.pb.planetserve.v1 import clove_pb2, inference_pb2
+from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
+from ps_p2p.protocols.overlay import OverlayService, PathHandle
+from ps_p2p.records import Directory, NodeRecord, Role
+
+log = logging.getLogger(__name__)
+
+Status = inference_pb2.ResponseStatus
+
+
+@dataclass
+class UserConfig:
+    """User node settings; times in seconds.
+
+    Attributes:
+        total: n, cloves per message (and reply proxies per request).
+        threshold: k, cloves needed to decode.
+        paths: N >= n paths kept (spares included).
+        hops: relays per path (l).
+        rotate_period: paths older than this are replaced (default 15 min).
+        probe_interval, probe_timeout: liveness probes through each path.
+        request_timeout: deadline of one request, all attempts included.
+        attempt_timeout: a request with no answer this long is sent again on fresh paths.
+    """
+
+    total: int = sida.DEFAULT_TOTAL
+    threshold: int = sida.DEFAULT_THRESHOLD
+    paths: int = sida.DEFAULT_TOTAL + 1
+    hops: int = 3
+    rotate_period: float = 15 * 60.0
+    probe_interval: float = 2.0
+    probe_timeout: float = 4.0
+    request_timeout: float = 120.0
+    attempt_timeout: float = 45.0
+    failed_relay_cooldown: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.threshold <= self.total <= sida.MAX_TOTAL:
+            raise ValueError("need 1 <= threshold <= total <= %d" % sida.MAX_TOTAL)
+        if self.paths < self.total:
+            raise ValueError("paths (N) must be >= total (n)")
+        if not 1 <= self.hops <= onion.MAX_HOPS:
+            raise ValueError(f"hops must be in 1..{onion.MAX_HOPS}")
+
+
+@dataclass
+class Answer:
+    """The outcome of one anonymous request.
+
+    Attributes:
+        ok: True when a valid, signed, status-OK response decoded.
+        text: the generated text ('' on error).
+        served_by: peer ID (bytes) of the model node that signed the response.
+        signature_valid: the response signature checked out (False when none decoded).
+        cloves_received: response cloves that arrived before decoding finished.
+        latency_ms: from sending to decoding.
+        error: why it failed ('' when ok).
+        attempts: how many times the request was sent.
+    """
+
+    request_id: bytes
+    ok: bool
+    text: str = ""
+    served_by: bytes = b""
+    signature_valid: bool = False
+    cloves_received: int = 0
+    latency_ms: float = 0.0
+    error: str = ""
+    status: int = 0
+    attempts: int = 0
+    model_id: str = ""
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Path:
+    handle: PathHandle
+    relays: list[bytes]
+    created_at: float
+    retiring: bool = False
+    probe_nonce: int | None = None
+    probe_sent_at: float = 0.0
+    last_reply_at: float = 0.0
+
+
+@dataclass
+class _Attempt:
+    q_bytes: bytes
+    req_hash: bytes
+    cloves: list[sida.Clove]
+    paths: list[_Path]
+    sent_at: float
+
+
+@dataclass
+class _Pending:
+    request_id: bytes
+    destination: bytes
+    started_at: float
+    attempts: list[_Attempt] = field(default_factory=list)
+    assembler: CloveAssembler = field(default_factory=CloveAssembler)
+    cloves_received: int = 0
+    done: trio.Event = field(default_factory=trio.Event)
+    answer: Answer | None = None
+    retry: trio.Event = field(default_factory=trio.Event)
+
+
+class UserClient:
+    """Path pool and anonymous requests of one user node.
+
+    Args:
+        overlay: the host's overlay service (its ``on_backward`` and ``on_path_down`` are bound
+            to this client by :meth:`attach`).
+        directory: returns the current verified directory, or None before the first one.
+        config: :class:`UserConfig`.
+        rng: for relay and model node choice (a seeded ``random.Random`` in tests).
+    """
+
+    def __init__(
+        self,
+        overlay: OverlayService,
+        directory: Callable[[], Directory | None],
+        config: UserConfig | None = None,
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = trio.current_time,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.overlay = overlay
+        self.config = config or UserConfig()
+        self._directory = directory
+        self._rng = rng or random.SystemRandom()
+        self._clock = clock
+        self._random_bytes = random_bytes
+        self._paths: dict[tuple[bytes, bytes], _Path] = {}
+        self._setting_up: int = 0
+        self._pending: dict[bytes, _Pending] = {}
+        self._failed_relays: dict[bytes, float] = {}
+        self._wake = trio.Event()
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._warned_reuse = False
+        overlay.on_backward = self._on_backward
+        overlay.on_path_down = self._on_path_down
+        self.me = overlay.peer_id
+
+    # ------------------------------------------------------------------ path pool
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the path pool full, probe and rotate paths, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                self._maintain()
+                with trio.move_on_after(min(0.5, self.config.probe_interval / 2)):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    def ready_paths(self) -> list[_Path]:
+        """Alive paths not being rotated out."""
+        return [p for p in self._paths.values() if p.handle.alive and not p.retiring]
+
+    async def wait_ready(self, count: int | None = None, timeout: float = 30.0) -> None:
+        """Wait until at least ``count`` (default n) paths are ready.
+
+        Raises:
+            PathError: not enough paths after ``timeout`` seconds.
+        """
+        count = self.config.total if count is None else count
+        with trio.move_on_after(timeout):
+            while len(self.ready_paths()) < count:
+                await self._changed_event().wait()
+            return
+        raise PathError(
+            f"only {len(self.ready_paths())} of {count} paths ready after {timeout:.0f} s"
+        )
+
+    def _changed_event(self) -> trio.Event:
+        return self._changed
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+        self._wake.set()
+
+    def _maintain(self) -> None:
+        now = self._clock()
+        cfg = self.config
+        for path in list(self._paths.values()):
+            if not path.handle.alive:
+                continue
+            if path.probe_nonce is not None and now - path.probe_sent_at > cfg.probe_timeout:
+                log.warning(
+                    "path via %s unanswered for %.1f s: replacing it",
+                    _short(path.relays[0]), now - path.probe_sent_at,
+                )
+                self._drop_path(path, "probe timeout")
+                continue
+            if path.probe_nonce is None and now - max(path.probe_sent_at, path.last_reply_at) >= cfg.probe_interval:
+                nonce = int.from_bytes(self._random_bytes(8), "big")
+                probe = clove_pb2.ForwardPayload(probe=clove_pb2.Probe(nonce=nonce))
+                if self.overlay.send_on_path(path.handle, probe):
+                    path.probe_nonce = nonce
+                    path.probe_sent_at = now
+            if not path.retiring and now - path.created_at >= cfg.rotate_period:
+                path.retiring = True
+                log.info("rotating path via %s", _short(path.relays[0]))
+            if path.retiring and now - path.created_at >= cfg.rotate_period + cfg.request_timeout:
+                self._drop_path(path, "rotated")
+        usable = len(self.ready_paths())
+        missing = cfg.paths - usable - self._setting_up
+        if missing > 0:
+            self._build_paths(missing)
+
+    def _build_paths(self, count: int) -> None:
+        directory = self._directory()
+        if directory is None:
+            return
+        now = self._clock()
+        for peer, until in list(self._failed_relays.items()):
+            if until <= now:
+                del self._failed_relays[peer]
+        users = [r for r in directory.users() if r.peer_id != self.me and len(r.onion_key) == 32]
+        if len(users) < self.config.hops:
+            log.debug("only %d other users known; need %d relays", len(users), self.config.hops)
+            return
+        candidates = [r.peer_id for r in users if r.peer_id not in self._failed_relays]
+        if len(candidates) < self.config.hops + 1:
+            candidates = [r.peer_id for r in users]
+        in_use: dict[bytes, int] = {}
+        for path in self.ready_paths():
+            for relay in path.relays:
+                in_use[relay] = in_use.get(relay, 0) + 1
+        try:
+            choices = choose_relays(
+                candidates, count, self.config.hops, rng=self._rng, in_use=in_use
+            )
+        except DirectoryError as exc:
+            log.warning("cannot choose relays: %s", exc)
+            return
+        reused = reuse_count(choices) + sum(1 for c in choices for r in c if r in in_use)
+        if reused and not self._warned_reuse:
+            self._warned_reuse = True
+            log.warning(
+                "only %d candidate relays for %d paths of %d hops: some relays serve two paths "
+                "of this user (a network of >= %d users avoids this)",
+                len(candidates), self.config.paths, self.config.hops,
+                self.config.total * self.config.hops + 1,
+            )
+        by_id = {r.peer_id: r for r in users}
+        assert self._nursery is not None
+        for relays in choices:
+            hops = [onion.HopSpec(peer_id=p, onion_key=by_id[p].onion_key) for p in relays]
+            self._setting_up += 1
+            self._nursery.start_soon(self._setup_path, hops)
+
+    async def _setup_path(self, hops: list[onion.HopSpec]) -> None:
+        relays = [h.peer_id for h in hops]
+        try:
+            handle = self.overlay.open_path(hops)
+            await handle.ready.wait()
+        finally:
+            self._setting_up -= 1
+        if not handle.is_ready:
+            until = self._clock() + self.config.failed_relay_cooldown
+            for relay in relays:
+                self._failed_relays[relay] = until
+            log.info("path setup via %s failed: %s", _short(relays[0]), handle.error)
+            self._wake.set()
+            return
+        now = self._clock()
+        path = _Path(handle, relays, created_at=now, last_reply_at=now, probe_sent_at=now)
+        self._paths[handle.key] = path
+        log.info(
+            "path ready: %s (proxy %s)", " -> ".join(_short(r) for r in relays), _short(relays[-1])
+        )
+        self._notify()
+
+    def _drop_path(self, path: _Path, reason: str) -> None:
+        self._paths.pop(path.handle.key, None)
+        self.overlay.close_path(path.handle, reason)
+        self._after_path_loss(path)
+
+    def _on_path_down(self, handle: PathHandle) -> None:
+        path = self._paths.pop(handle.key, None)
+        if path is not None:
+            log.warning("path via %s down: %s", _short(path.relays[0]), handle.error)
+            self._after_path_loss(path)
+
+    def _after_path_loss(self, path: _Path) -> None:
+        for pending in self._pending.values():
+            if pending.done.is_set() or not pending.attempts:
+                continue
+            attempt = pending.attempts[-1]
+            if path not in attempt.paths:
+                continue
+            alive = [p for p in attempt.paths if p.handle.alive]
+            if len(alive) < self.config.threshold:
+                pending.retry.set()
+                continue
+            # re-send the lost path's clove on a spare path (duplicates are dropped downstream)
+            index = attempt.paths.index(path)
+            spares = [p for p in self.ready_paths() if p not in attempt.paths]
+            if spares:
+                spare = self._rng.choice(spares)
+                self._send_clove(spare, pending.destination, attempt.cloves[index])
+        self._notify()
+
+    # ------------------------------------------------------------------ requests
+
+    def model_nodes(self, model_id: str | None = None) -> list[NodeRecord]:
+        """Model node records of the current directory (optionally serving ``model_id``)."""
+        directory = self._directory()
+        if directory is None:
+            return []
+        return [
+            r for r in directory.model_nodes()
+            if model_id is None or r.model_id == model_id
+        ]
+
+    async def ask(
+        self,
+        prompt: str,
+        *,
+        model_id: str | None = None,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        model_node: bytes | None = None,
+        timeout: float | None = None,
+    ) -> Answer:
+        """Send one prompt anonymously and wait for the signed answer.
+
+        Never raises for network trouble: failures come back as ``Answer(ok=False, error=...)``
+        once the deadline (``timeout`` or ``config.request_timeout`` seconds) passes.
+        """
+        timeout = self.config.request_timeout if timeout is None else timeout
+        request_id = self._random_bytes(16)
+        started = self._clock()
+        try:
+            candidates = [
+                r for r in self.model_nodes(model_id)
+                if model_node is None or r.peer_id == model_node
+            ]
+            if not candidates:
+                raise DirectoryError(
+                    f"no model node serving {model_id!r} in the directory"
+                    if model_id else "no model node in the directory"
+                )
+            target = self._rng.choice(candidates)
+            pending = _Pending(request_id, target.peer_id, started)
+            self._pending[request_id] = pending
+            params = inference_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
+            )
+            with trio.fail_after(timeout):
+                await self.wait_ready(self.config.total, timeout=timeout)
+                while True:
+                    self._send_attempt(pending, target, prompt, params)
+                    pending.retry = trio.Event()
+                    with trio.move_on_after(self.config.attempt_timeout):
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(_set_when, pending.retry, pending.done)
+                            await pending.retry.wait()
+                            nursery.cancel_scope.cancel()
+                    if pending.done.is_set():
+                        break
+                    log.warning(
+                        "request %s: no answer on attempt %d; resending on fresh paths",
+                        request_id.hex()[:8], len(pending.attempts),
+                    )
+                    await self.wait_ready(self.config.total, timeout=timeout)
+            assert pending.answer is not None
+            return pending.answer
+        except trio.TooSlowError:
+            return self._failed(request_id, started, f"no answer within {timeout:.0f} s", RequestTimeoutError)
+        except PsError as exc:
+            return self._failed(request_id, started, str(exc), type(exc))
+        finally:
+            self._pending.pop(request_id, None)
+
+    def _failed(self, request_id: bytes, started: float, error: str, kind: type) -> Answer:
+        pending = self._pending.get(request_id)
+        return Answer(
+            request_id=request_id,
+            ok=False,
+            error=f"{kind.__name__}: {error}",
+            latency_ms=(self._clock() - started) * 1000,
+            cloves_received=pending.cloves_received if pending else 0,
+            attempts=len(pending.attempts) if pending else 0,
+        )
+
+    def _send_attempt(
+        self,
+        pending: _Pending,
+        target: NodeRecord,
+        prompt: str,
+        params: inference_pb2.SamplingParams,
+    ) -> None:
+        cfg = self.config
+        ready = self.ready_paths()
+        if len(ready) < cfg.total:
+            raise PathError(f"only {len(ready)} paths ready, need {cfg.total}")
+        chosen = self._rng.sample(ready, cfg.total)
+        request = inference_pb2.InferenceRequest(
+            request_id=pending.request_id,
+            model_id=target.model_id,
+            prompt=prompt,
+            params=params,
+            reply_proxies=[
+                inference_pb2.ReplyProxy(
+                    peer_id=p.handle.path.proxy, path_id=p.handle.path.exit_path_id
+                )
+                for p in chosen
+            ],
+        )
+        q_bytes = request.SerializeToString()
+        if len(q_bytes) > sida.MAX_MESSAGE_BYTES:
+            raise RequestError(
+                f"request of {len(q_bytes)} bytes is over the {sida.MAX_MESSAGE_BYTES}-byte limit"
+            )
+        cloves = sida.encode(
+            q_bytes, total=cfg.total, threshold=cfg.threshold, random_bytes=self._random_bytes
+        )
+        attempt = _Attempt(q_bytes, responses.request_hash(q_bytes), cloves, chosen, self._clock())
+        pending.attempts.append(attempt)
+        for path, clove in zip(chosen, cloves):
+            self._send_clove(path, target.peer_id, clove)
+
+    def _send_clove(self, path: _Path, destination: bytes, clove: sida.Clove) -> None:
+        payload = clove_pb2.ForwardPayload(
+            deliver=clove_pb2.DeliverClove(destination=destination, clove=clove_to_bytes(clove))
+        )
+        if not self.overlay.send_on_path(path.handle, payload):
+            log.warning("could not send a clove on the path via %s", _short(path.relays[0]))
+
+    # ------------------------------------------------------------------ backward traffic
+
+    def _on_backward(self, handle: PathHandle, message: clove_pb2.BackwardPayload) -> None:
+        path = self._paths.get(handle.key)
+        now = self._clock()
+        if path is not None:
+            path.last_reply_at = now
+        kind = message.WhichOneof("kind")
+        if kind == "probe_reply":
+            if path is not None and path.probe_nonce == message.probe_reply.nonce:
+                path.probe_nonce = None
+        elif kind == "delivery_failed":
+            log.warning("proxy could not deliver a clove: %s", message.delivery_failed)
+        elif kind == "clove":
+            try:
+                clove = clove_from_bytes(message.clove)
+            except RemoteProtocolError as exc:
+                log.warning("malformed response clove dropped: %s", exc)
+                return
+            self._on_response_clove(clove, now)
+
+    def _on_response_clove(self, clove: sida.Clove, now: float) -> None:
+        pending = self._pending.get(clove.message_id)
+        if pending is None or pending.done.is_set():
+            return
+        pending.cloves_received += 1
+        try:
+            events = pending.assembler.receive_clove(clove, now)
+        except RemoteProtocolError as exc:
+            log.warning("inconsistent response clove dropped: %s", exc)
+            return
+        for event in events:
+            if isinstance(event, ReassemblyFailed):
+                log.warning("response %s did not decode: %s", clove.message_id.hex()[:8], event.reason)
+                pending.assembler = CloveAssembler()
+            elif isinstance(event, MessageReassembled):
+                self._on_response(pending, event.payload, now)
+
+    def _on_response(self, pending: _Pending, payload: bytes, now: float) -> None:
+        response = inference_pb2.InferenceResponse()
+        try:
+            response.ParseFromString(payload)
+        except Exception:
+            log.warning("undecodable response dropped")
+            return
+        answer = Answer(
+            request_id=pending.request_id,
+            ok=False,
+            served_by=response.model_node,
+            cloves_received=pending.cloves_received,
+            latency_ms=(now - pending.started_at) * 1000,
+            status=response.status,
+            attempts=len(pending.attempts),
+            model_id=response.model_id,
+            completion_tokens=response.completion_tokens,
+        )
+        try:
+            self._check_response(pending, response)
+            answer.signature_valid = True
+        except (InvalidSignatureError, RemoteProtocolError) as exc:
+            log.warning("response to %s rejected: %s", pending.request_id.hex()[:8], exc)
+            answer.error = f"{type(exc).__name__}: {exc}"
+            return  # a forged answer is dropped; a genuine one may still arrive
+        if response.status == Status.RESPONSE_STATUS_OK:
+            answer.ok = True
+            answer.text = response.text
+        else:
+            name = Status.Name(response.status).removeprefix("RESPONSE_STATUS_")
+            answer.error = f"{name}: {response.error}"
+        pending.answer = answer
+        pending.done.set()
+
+    def _check_response(
+        self, pending: _Pending, response: inference_pb2.InferenceResponse
+    ) -> None:
+        if response.request_id != pending.request_id:
+            raise RemoteProtocolError("response for another request")
+        if not any(a.req_hash == response.request_hash for a in pending.attempts):
+            raise RemoteProtocolError("response signs a request we did not send")
+        directory = self._directory()
+        record = directory.record(response.model_node) if directory is not None else None
+        if record is None or Role.MODEL not in record.roles:
+            raise InvalidSignatureError("response signed by a node that is no model node of the directory")
+        content = responses.ResponseContent(
+            status=response.status,
+            text=response.text,
+            error=response.error,
+            model_id=response.model_id,
+            prompt_tokens=response.prompt_tokens,
+            completion_tokens=response.completion_tokens,
+        )
+        responses.verify_response(
+            request_id=response.request_id,
+            req_hash=response.request_hash,
+            content=content,
+            signed_at_ms=response.signed_at_ms,
+            model_node=response.model_node,
+            signature=response.signature,
+        )
+
+
+async def _set_when(target: trio.Event, source: trio.Event) -> None:
+    await source.wait()
+    target.set()
+
+
+def _short(peer_id: bytes) -> str:
+    from libp2p.peer.id import ID
+
+    try:
+        return ID(peer_id).to_base58()[-8:]
+    except Exception:
+        return peer_id.hex()[:12]
+
+
+__all__ = ["Answer", "UserClient", "UserConfig"]
