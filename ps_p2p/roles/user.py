@@ -220,6 +220,10 @@ class UserClient:
     def _changed_event(self) -> trio.Event:
         return self._changed
 
+    async def wait_changed(self) -> None:
+        """Wait until the path pool changes (a path became ready or was lost)."""
+        await self._changed.wait()
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()

@@ -1,0 +1,195 @@
+"""Service tests: a whole network of real py-libp2p hosts in one process (ps_p2p.testing.localnet)."""
+
+from __future__ import annotations
+
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from ps_p2p.pb.planetserve.v1 import clove_pb2
+from ps_p2p.protocols.framing import encode_frame
+from ps_p2p.protocols.overlay import CLOVE_MAX_FRAME, CLOVE_PROTOCOL_ID, ONION_PROTOCOL_ID
+from ps_p2p.roles.user import UserConfig
+from ps_p2p.testing.fakes import InstantEngine
+from ps_p2p.testing.localnet import open_localnet
+
+
+async def test_prompt_crosses_the_overlay_and_signed_answer_returns():
+    async with open_localnet(users=6) as net:
+        user = net.users[0]
+        answer = await user.user.ask("Once upon a time there was a fox", timeout=20)
+        assert answer.ok, answer.error
+        assert answer.text == "xof a saw ereht emit a nopu ecnO"
+        assert answer.signature_valid
+        assert answer.served_by == net.models[0].peer_id
+        assert answer.cloves_received >= 3
+        model = net.models[0]
+        # the model node received cloves only from proxies, never from the asking user itself
+        assert model.overlay.stats.deliveries >= 3
+
+
+async def test_every_path_has_three_distinct_relays_and_excludes_the_user():
+    async with open_localnet(users=6) as net:
+        for node in net.users:
+            for path in node.user.ready_paths():
+                assert len(path.relays) == 3
+                assert len(set(path.relays)) == 3
+                assert node.peer_id not in path.relays
+
+
+async def test_paths_are_disjoint_when_the_network_is_large_enough():
+    cfg = UserConfig(total=2, threshold=2, paths=2, probe_interval=0.5, probe_timeout=2.0)
+    async with open_localnet(users=8, user_config=cfg) as net:
+        for node in net.users:
+            relays = [r for p in node.user.ready_paths() for r in p.relays]
+            assert len(relays) == len(set(relays))
+
+
+async def test_tampering_relay_cannot_stop_or_alter_answers():
+    async with open_localnet(users=6, tamper=(5,)) as net:
+        tamperer = net.users[5]
+        for i, node in enumerate(net.users[:5]):
+            answer = await node.user.ask(f"prompt number {i} about a cat", timeout=30)
+            assert answer.ok, answer.error
+            assert answer.text == f"prompt number {i} about a cat"[::-1]
+            assert answer.signature_valid
+        assert tamperer.overlay.stats.tampered > 0
+
+
+async def test_request_survives_a_relay_killed_mid_request():
+    gate = trio.Event()
+    engine = InstantEngine(gate=gate)
+    async with open_localnet(users=7, engine_factory=lambda i: engine) as net:
+        asker = net.users[0]
+        victim_id = asker.user.ready_paths()[0].relays[1]
+        victim = net.node(victim_id)
+        result = {}
+
+        async def ask():
+            result["answer"] = await asker.user.ask("the relay dies while I wait", timeout=40)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            await engine.entered.wait()  # the request has reached the engine
+            net.kill(victim)
+            gate.set()
+        answer = result["answer"]
+        assert answer.ok, answer.error
+        assert answer.text == "the relay dies while I wait"[::-1]
+        # the pool repairs itself: the asker gets back to N ready paths, none through the victim
+        with trio.fail_after(20):
+            while not (
+                len(asker.user.ready_paths()) >= asker.config.user.paths
+                and all(victim_id not in p.relays for p in asker.user.ready_paths())
+            ):
+                await asker.user.wait_changed()
+
+
+async def test_model_node_down_gives_an_error_before_the_deadline():
+    async with open_localnet(users=6) as net:
+        net.kill(net.models[0])
+        with trio.fail_after(15):
+            answer = await net.users[0].user.ask("anyone there?", timeout=4)
+        assert not answer.ok
+        assert "RequestTimeoutError" in answer.error
+
+
+async def test_full_queue_answers_overloaded_instead_of_silence():
+    gate = trio.Event()
+    engine = InstantEngine(gate=gate)
+    async with open_localnet(
+        users=6,
+        engine_factory=lambda i: engine,
+        model_capacity=1,
+        model_max_queue=0,
+    ) as net:
+        results = []
+
+        async def ask(node, text):
+            results.append(await node.user.ask(text, timeout=30))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, net.users[0], "first")
+            await engine.entered.wait()
+            second = await net.users[1].user.ask("second", timeout=30)
+            gate.set()
+        assert not second.ok
+        assert second.error.startswith("OVERLOADED")
+        assert second.signature_valid
+        assert results[0].ok
+
+
+async def test_prompt_too_long_for_the_model_is_reported():
+    async with open_localnet(users=6, engine_factory=lambda i: InstantEngine(max_context=100)) as net:
+        answer = await net.users[0].user.ask("y" * 500, max_tokens=10, timeout=20)
+        assert not answer.ok
+        assert answer.error.startswith("PROMPT_TOO_LONG")
+        assert answer.signature_valid
+
+
+async def test_malformed_and_oversized_frames_reset_one_stream_and_the_node_serves_on():
+    async with open_localnet(users=6) as net:
+        target = net.users[1]
+        sender = net.users[0]
+        host = sender.host
+        for protocol, frame in [
+            (CLOVE_PROTOCOL_ID, encode_frame(b"\xff\xff\xff not protobuf")),
+            (ONION_PROTOCOL_ID, encode_frame(b"\x0a\x05garbage-setup")),
+            (CLOVE_PROTOCOL_ID, _varint(CLOVE_MAX_FRAME + 10) + b"x" * 100),
+        ]:
+            stream = await host.new_stream(ID(target.peer_id), [TProtocol(protocol)])
+            await stream.write(frame)
+            with trio.fail_after(5):
+                try:
+                    while await stream.read(1024):
+                        pass
+                except Exception:
+                    pass  # reset or EOF: the remote dropped this stream
+        answer = await sender.user.ask("still alive?", timeout=20)
+        assert answer.ok, answer.error
+
+
+async def test_cell_with_unknown_path_id_is_dropped_and_counted():
+    async with open_localnet(users=6) as net:
+        target = net.users[2]
+        before = target.overlay.stats.cells_dropped
+        frame = clove_pb2.CloveFrame(cell=clove_pb2.Cell(path_id=b"\x01" * 16, payload=b"\x00" * 1024))
+        stream = await net.users[0].host.new_stream(ID(target.peer_id), [TProtocol(CLOVE_PROTOCOL_ID)])
+        await stream.write(encode_frame(frame.SerializeToString()))
+        with trio.fail_after(5):
+            while target.overlay.stats.cells_dropped == before:
+                await _poll()
+        await stream.close()
+
+
+async def test_delivery_to_a_node_without_a_model_is_refused():
+    async with open_localnet(users=6) as net:
+        target = net.users[3]
+        frame = clove_pb2.CloveFrame(delivery=clove_pb2.Delivery(clove=b"\x0a\x01x"))
+        stream = await net.users[0].host.new_stream(ID(target.peer_id), [TProtocol(CLOVE_PROTOCOL_ID)])
+        await stream.write(encode_frame(frame.SerializeToString()))
+        with trio.fail_after(5):
+            try:
+                while await stream.read(1024):
+                    pass
+            except Exception:
+                pass
+        answer = await net.users[0].user.ask("after the bad delivery", timeout=20)
+        assert answer.ok, answer.error
+
+
+async def _poll() -> None:
+    """Let the network tasks run; for a counter that has no event to await."""
+    await trio.sleep(0.01)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
