@@ -1,0 +1,468 @@
+"""Onion path crypto of the anonymous overlay (PlanetServe sec. 3.2, with DESIGN.md's fixes), pure.
+
+Path setup is one fixed-size packet (Sphinx-like, not Tor's telescoping handshakes). The packet is
+``MAX_HOPS`` slots of ``SLOT_BYTES``; slot 0 is always for the hop that receives it::
+
+    slot = ephemeral X25519 public key (32) || AES-256-GCM(k_setup, routing info (64)) (80)
+
+A hop derives ``X25519(onion key, ephemeral key)`` -> HKDF-SHA256 -> (k_setup, k_stream, k_fwd,
+k_bwd), opens its routing info (the successor's peer ID or "you are the proxy", and the outgoing
+path ID), XORs the remaining slots with an AES-CTR keystream of k_stream, shifts them up by one
+and appends a random slot. The user pre-computes every slot so that each hop finds its own in
+slot 0. Every hop therefore sees a packet of the same size with fresh-looking bytes, and learns
+only its predecessor, its successor and the two link-local path IDs. Path IDs are 16 random
+bytes chosen by the user per link (the paper's hash(user, proxy) ID would let anyone guess-and-
+confirm the user; DESIGN.md).
+
+Cells are layered AEAD (AES-256-GCM) with per-hop, per-direction keys and counter nonces: the
+user seals a payload once per hop on the way out and each relay removes one layer; on the way
+back each relay adds a layer and the user removes them all. A cell's bytes thus differ on every
+link, and relays do no public-key work after setup. Payloads are padded to :data:`CELL_BUCKETS`.
+A receiver accepts counters up to :data:`RECEIVE_WINDOW` ahead of the next expected one, so a cell
+lost on a link costs that cell, not the path. Known limitation: every layer adds a 16-byte tag,
+so a relay can tell from a cell's size how many hops remain.
+
+Nothing here does I/O, reads a clock or draws global randomness: randomness comes in as a
+``random_bytes`` callable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from ps_p2p.errors import CryptoError, LocalProtocolError, RemoteProtocolError
+
+RandomBytes = Callable[[int], bytes]
+
+#: Bytes of a link-local path ID.
+PATH_ID_BYTES = 16
+#: Longest path a setup packet can describe (relays + proxy).
+MAX_HOPS = 5
+#: Routing info of one hop: flags (1), successor length (1), successor peer ID (<= 42), padding,
+#: outgoing path ID (16) at offset 44.
+ROUTING_INFO_BYTES = 64
+MAX_PEER_ID_BYTES = 42
+_TAG = 16
+_KEY = 32
+#: One slot of the setup packet.
+SLOT_BYTES = 32 + ROUTING_INFO_BYTES + _TAG
+#: The fixed size of every setup packet on every link.
+SETUP_PACKET_BYTES = MAX_HOPS * SLOT_BYTES
+#: Cell payload sizes (bytes, before the per-hop tags): a payload is padded to the smallest fitting.
+CELL_BUCKETS: tuple[int, ...] = (1024, 4096, 16 * 1024, 64 * 1024, 256 * 1024)
+#: Largest payload a cell carries (the 4-byte length prefix of the padding takes the rest).
+MAX_CELL_PAYLOAD = CELL_BUCKETS[-1] - 4
+#: Largest cell on a link: the biggest bucket plus one tag per hop.
+MAX_CELL_BYTES = CELL_BUCKETS[-1] + MAX_HOPS * _TAG
+#: Counters a receiver may skip (cells lost on a link) before a path is out of step.
+RECEIVE_WINDOW = 16
+
+_FLAG_PROXY = 0x01
+_SETUP_AAD = b"planetserve/v1/onion-setup"
+_HKDF_INFO = b"planetserve/v1/onion-hop"
+_ACK_PLAINTEXT = b"planetserve/v1/onion-ack\x00\x00\x00\x00\x00\x00\x00\x00"
+_ZERO_NONCE = bytes(12)
+
+
+# ---------------------------------------------------------------------------------- keys
+
+
+class OnionKeyPair:
+    """A node's X25519 onion key; the public half goes into its signed node record."""
+
+    __slots__ = ("_private", "public")
+
+    def __init__(self, private: X25519PrivateKey) -> None:
+        self._private = private
+        #: Raw 32-byte public key.
+        self.public: bytes = private.public_key().public_bytes_raw()
+
+    @classmethod
+    def generate(cls) -> "OnionKeyPair":
+        return cls(X25519PrivateKey.generate())
+
+    @classmethod
+    def from_private_bytes(cls, data: bytes) -> "OnionKeyPair":
+        """Raises ValueError unless ``data`` is 32 bytes."""
+        if len(data) != 32:
+            raise ValueError("an X25519 private key is 32 bytes")
+        return cls(X25519PrivateKey.from_private_bytes(data))
+
+    def private_bytes(self) -> bytes:
+        return self._private.private_bytes_raw()
+
+    def exchange(self, peer_public: bytes) -> bytes:
+        """X25519 shared secret with ``peer_public`` (32 bytes).
+
+        Raises:
+            CryptoError: not a valid X25519 public key (or a low-order point).
+        """
+        try:
+            return self._private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        except ValueError as exc:
+            raise CryptoError(f"bad X25519 public key: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class HopSpec:
+    """One hop the user chose: its peer ID and onion public key (from the directory)."""
+
+    peer_id: bytes
+    onion_key: bytes
+
+
+@dataclass(frozen=True)
+class _HopKeys:
+    setup: bytes
+    stream: bytes
+    forward: bytes
+    backward: bytes
+
+
+def _derive(shared: bytes, ephemeral_public: bytes, onion_public: bytes) -> _HopKeys:
+    okm = HKDF(
+        algorithm=hashes.SHA256(),
+        length=4 * _KEY,
+        salt=ephemeral_public + onion_public,
+        info=_HKDF_INFO,
+    ).derive(shared)
+    return _HopKeys(okm[0:32], okm[32:64], okm[64:96], okm[96:128])
+
+
+def _keystream(key: bytes, length: int) -> bytes:
+    encryptor = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+    return encryptor.update(bytes(length))
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return (int.from_bytes(a, "big") ^ int.from_bytes(b, "big")).to_bytes(len(a), "big")
+
+
+def _random_slot(random_bytes: RandomBytes) -> bytes:
+    slot = bytearray(random_bytes(SLOT_BYTES))
+    slot[31] &= 0x7F  # an X25519 public key's top bit is clear; look like one
+    return bytes(slot)
+
+
+# ---------------------------------------------------------------------------------- cells
+
+
+def _nonce(counter: int) -> bytes:
+    return counter.to_bytes(12, "big")
+
+
+def pad_payload(payload: bytes) -> bytes:
+    """Length-prefix ``payload`` and zero-pad it to the smallest fitting :data:`CELL_BUCKETS` size.
+
+    Raises:
+        LocalProtocolError: more than :data:`MAX_CELL_PAYLOAD` bytes.
+    """
+    need = len(payload) + 4
+    for bucket in CELL_BUCKETS:
+        if need <= bucket:
+            return len(payload).to_bytes(4, "big") + payload + bytes(bucket - need)
+    raise LocalProtocolError(f"cell payload of {len(payload)} bytes over {MAX_CELL_PAYLOAD}")
+
+
+def unpad_payload(data: bytes) -> bytes:
+    """Inverse of :func:`pad_payload`.
+
+    Raises:
+        RemoteProtocolError: not a bucket size, or a length prefix past the end.
+    """
+    if len(data) not in CELL_BUCKETS:
+        raise RemoteProtocolError(f"cell of {len(data)} bytes is no bucket size")
+    n = int.from_bytes(data[:4], "big")
+    if n > len(data) - 4:
+        raise RemoteProtocolError("cell length prefix past the end of the cell")
+    return data[4 : 4 + n]
+
+
+class _Sealer:
+    """One direction of one hop's layer: AES-256-GCM with counter nonces."""
+
+    __slots__ = ("_aead", "_counter")
+
+    def __init__(self, key: bytes) -> None:
+        self._aead = AESGCM(key)
+        self._counter = 0
+
+    def seal(self, data: bytes) -> bytes:
+        nonce = _nonce(self._counter)
+        self._counter += 1
+        return self._aead.encrypt(nonce, data, None)
+
+
+class _Opener:
+    __slots__ = ("_aead", "_next")
+
+    def __init__(self, key: bytes) -> None:
+        self._aead = AESGCM(key)
+        self._next = 0
+
+    def open(self, data: bytes) -> bytes:
+        if len(data) < _TAG:
+            raise CryptoError("cell shorter than an AEAD tag")
+        for counter in range(self._next, self._next + RECEIVE_WINDOW):
+            try:
+                plaintext = self._aead.decrypt(_nonce(counter), data, None)
+            except InvalidTag:
+                continue
+            self._next = counter + 1
+            return plaintext
+        raise CryptoError("cell layer failed authentication (tampered, replayed or out of step)")
+
+
+# ---------------------------------------------------------------------------------- relay side
+
+
+@dataclass
+class RelayHop:
+    """What one hop learned from a setup packet, and its layer of the path's cell crypto.
+
+    Attributes:
+        is_proxy: this hop is the path's last (the user's proxy).
+        next_peer_id: the successor's peer ID; None for the proxy.
+        out_path_id: the path ID on the link to the successor; for the proxy, the *exit path ID*
+            model nodes name when they send a response clove back.
+    """
+
+    is_proxy: bool
+    next_peer_id: bytes | None
+    out_path_id: bytes
+    _forward: _Opener = field(repr=False)
+    _backward: _Sealer = field(repr=False)
+
+    def relay_forward(self, cell: bytes) -> bytes:
+        """Remove this hop's layer from a cell going towards the proxy.
+
+        Raises:
+            CryptoError: the layer does not authenticate.
+        """
+        return self._forward.open(cell)
+
+    def open_forward(self, cell: bytes) -> bytes:
+        """Proxy: remove the last layer and the padding; returns the user's payload.
+
+        Raises:
+            CryptoError, RemoteProtocolError.
+        """
+        return unpad_payload(self._forward.open(cell))
+
+    def seal_backward(self, payload: bytes) -> bytes:
+        """Proxy: pad and seal a payload for the user (the first backward layer)."""
+        return self._backward.seal(pad_payload(payload))
+
+    def relay_backward(self, cell: bytes) -> bytes:
+        """Add this hop's layer to a cell going back to the user.
+
+        Raises:
+            RemoteProtocolError: the cell is larger than any cell can be.
+        """
+        if len(cell) > MAX_CELL_BYTES:
+            raise RemoteProtocolError(f"backward cell of {len(cell)} bytes")
+        return self._backward.seal(cell)
+
+    def make_ack(self) -> bytes:
+        """Proxy: the setup acknowledgement (the first backward cell of the path)."""
+        return self.seal_backward(_ACK_PLAINTEXT)
+
+
+def process_setup(
+    onion_key: OnionKeyPair, packet: bytes, *, random_bytes: RandomBytes = os.urandom
+) -> tuple[RelayHop, bytes | None]:
+    """Process a setup packet addressed to this hop.
+
+    Args:
+        onion_key: this node's onion key pair.
+        packet: exactly :data:`SETUP_PACKET_BYTES` bytes.
+
+    Returns:
+        (the hop state, the packet for the successor), or (hop, None) when this hop is the proxy.
+
+    Raises:
+        RemoteProtocolError: wrong packet size or malformed routing info.
+        CryptoError: the slot does not open with this node's onion key.
+    """
+    if len(packet) != SETUP_PACKET_BYTES:
+        raise RemoteProtocolError(
+            f"setup packet of {len(packet)} bytes, expected {SETUP_PACKET_BYTES}"
+        )
+    ephemeral = packet[:32]
+    shared = onion_key.exchange(ephemeral)
+    keys = _derive(shared, ephemeral, onion_key.public)
+    try:
+        info = AESGCM(keys.setup).decrypt(_ZERO_NONCE, packet[32:SLOT_BYTES], _SETUP_AAD)
+    except InvalidTag as exc:
+        raise CryptoError("setup slot does not open with this onion key") from exc
+    flags, peer_len = info[0], info[1]
+    if flags & ~_FLAG_PROXY:
+        raise RemoteProtocolError(f"unknown routing flags {flags:#x}")
+    out_path_id = info[44 : 44 + PATH_ID_BYTES]
+    is_proxy = bool(flags & _FLAG_PROXY)
+    hop_args = dict(_forward=_Opener(keys.forward), _backward=_Sealer(keys.backward))
+    if is_proxy:
+        if peer_len:
+            raise RemoteProtocolError("proxy routing info names a successor")
+        return RelayHop(True, None, out_path_id, **hop_args), None
+    if not 1 <= peer_len <= MAX_PEER_ID_BYTES:
+        raise RemoteProtocolError(f"successor peer ID of {peer_len} bytes")
+    next_peer = bytes(info[2 : 2 + peer_len])
+    rest = packet[SLOT_BYTES:]
+    next_packet = _xor(rest, _keystream(keys.stream, len(rest))) + _random_slot(random_bytes)
+    return RelayHop(False, next_peer, out_path_id, **hop_args), next_packet
+
+
+# ---------------------------------------------------------------------------------- user side
+
+
+class UserPath:
+    """The user's end of one path: the layered cell crypto of every hop.
+
+    Attributes:
+        hops: relay peer IDs in order; the last is the proxy.
+        first_hop, first_path_id: where the user sends cells.
+        proxy, exit_path_id: what the user names as a reply proxy in a request.
+    """
+
+    def __init__(self, hops: list[bytes], path_ids: list[bytes], exit_path_id: bytes,
+                 keys: list[_HopKeys]) -> None:
+        self.hops = hops
+        self.path_ids = path_ids
+        self.first_hop = hops[0]
+        self.first_path_id = path_ids[0]
+        self.proxy = hops[-1]
+        self.exit_path_id = exit_path_id
+        self._forward = [_Sealer(k.forward) for k in keys]
+        self._backward = [_Opener(k.backward) for k in keys]
+
+    def seal_forward(self, payload: bytes) -> bytes:
+        """Pad ``payload`` and add one layer per hop (the proxy's innermost).
+
+        Raises:
+            LocalProtocolError: payload over :data:`MAX_CELL_PAYLOAD` bytes.
+        """
+        cell = pad_payload(payload)
+        for sealer in reversed(self._forward):
+            cell = sealer.seal(cell)
+        return cell
+
+    def open_backward(self, cell: bytes) -> bytes:
+        """Remove every hop's layer from a backward cell and the padding.
+
+        Raises:
+            CryptoError: a layer does not authenticate.
+            RemoteProtocolError: bad padding.
+        """
+        for opener in self._backward:
+            cell = opener.open(cell)
+        return unpad_payload(cell)
+
+    def check_ack(self, ack: bytes) -> None:
+        """Check the setup acknowledgement that came back along the path.
+
+        Raises:
+            CryptoError: it does not authenticate, or is not the acknowledgement.
+        """
+        try:
+            plaintext = self.open_backward(ack)
+        except RemoteProtocolError as exc:
+            raise CryptoError(f"bad acknowledgement: {exc}") from exc
+        if plaintext != _ACK_PLAINTEXT:
+            raise CryptoError("acknowledgement has the wrong content")
+
+
+def _routing_info(next_peer: bytes | None, out_path_id: bytes) -> bytes:
+    info = bytearray(ROUTING_INFO_BYTES)
+    if next_peer is None:
+        info[0] = _FLAG_PROXY
+    else:
+        if not 1 <= len(next_peer) <= MAX_PEER_ID_BYTES:
+            raise LocalProtocolError(f"peer ID of {len(next_peer)} bytes")
+        info[1] = len(next_peer)
+        info[2 : 2 + len(next_peer)] = next_peer
+    info[44 : 44 + PATH_ID_BYTES] = out_path_id
+    return bytes(info)
+
+
+def create_path(
+    hops: list[HopSpec], *, random_bytes: RandomBytes = os.urandom
+) -> tuple[UserPath, bytes]:
+    """Build the setup packet for a path through ``hops`` (the last one is the proxy).
+
+    Args:
+        hops: 1..MAX_HOPS hops with their onion keys (32 bytes each).
+
+    Returns:
+        (the user's path state, the :data:`SETUP_PACKET_BYTES`-byte packet for ``hops[0]``, to send
+        with ``path.first_path_id``).
+
+    Raises:
+        LocalProtocolError: no hops, too many, or a malformed onion key or peer ID.
+    """
+    count = len(hops)
+    if not 1 <= count <= MAX_HOPS:
+        raise LocalProtocolError(f"a path has 1..{MAX_HOPS} hops, not {count}")
+    path_ids = [random_bytes(PATH_ID_BYTES) for _ in range(count)]
+    exit_path_id = random_bytes(PATH_ID_BYTES)
+    keys: list[_HopKeys] = []
+    targets: list[bytes] = []
+    for i, hop in enumerate(hops):
+        if len(hop.onion_key) != 32:
+            raise LocalProtocolError("an onion key is 32 bytes")
+        ephemeral = X25519PrivateKey.from_private_bytes(random_bytes(32))
+        ephemeral_public = ephemeral.public_key().public_bytes_raw()
+        try:
+            shared = ephemeral.exchange(X25519PublicKey.from_public_bytes(hop.onion_key))
+        except ValueError as exc:
+            raise LocalProtocolError(f"bad onion key of hop {i}: {exc}") from exc
+        k = _derive(shared, ephemeral_public, hop.onion_key)
+        keys.append(k)
+        if i + 1 < count:
+            info = _routing_info(hops[i + 1].peer_id, path_ids[i + 1])
+        else:
+            info = _routing_info(None, exit_path_id)
+        sealed = AESGCM(k.setup).encrypt(_ZERO_NONCE, info, _SETUP_AAD)
+        targets.append(ephemeral_public + sealed)
+    # Hop m XORs the slots after its own with keystream S_m and shifts them up by one, so slot 0
+    # of the packet hop i receives is P0[i] ^ S_0[i-1] ^ S_1[i-2] ^ ... ^ S_{i-1}[0] (slot units).
+    streams = [_keystream(k.stream, (MAX_HOPS - 1) * SLOT_BYTES) for k in keys]
+    slots: list[bytes] = []
+    for i in range(MAX_HOPS):
+        if i >= count:
+            slots.append(_random_slot(random_bytes))
+            continue
+        slot = targets[i]
+        for m in range(i):
+            offset = (i - 1 - m) * SLOT_BYTES
+            slot = _xor(slot, streams[m][offset : offset + SLOT_BYTES])
+        slots.append(slot)
+    path = UserPath([h.peer_id for h in hops], path_ids, exit_path_id, keys)
+    return path, b"".join(slots)
+
+
+__all__ = [
+    "CELL_BUCKETS",
+    "MAX_CELL_BYTES",
+    "MAX_CELL_PAYLOAD",
+    "MAX_HOPS",
+    "PATH_ID_BYTES",
+    "SETUP_PACKET_BYTES",
+    "HopSpec",
+    "OnionKeyPair",
+    "RelayHop",
+    "UserPath",
+    "create_path",
+    "pad_payload",
+    "process_setup",
+    "unpad_payload",
+]

@@ -1,0 +1,107 @@
+"""Frames: an unsigned-varint length prefix followed by one protobuf message.
+
+The prefix is the unsigned varint of the multiformats spec (https://github.com/multiformats/unsigned-varint),
+as used by libp2p's own length-prefixed protocols. Every protocol has its own frame size limit; a
+length above it is rejected *before* the body is read, so a peer cannot make us buffer more than
+the limit. A frame is always written in one ``write()`` (DESIGN.md, py-libp2p pitfalls).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ps_p2p.errors import FrameTooLargeError, RemoteProtocolError
+
+#: A varint longer than this many bytes encodes more than 63 bits: malformed.
+MAX_VARINT_BYTES = 9
+
+
+class _Reader(Protocol):
+    async def read(self, n: int | None = None) -> bytes: ...
+
+
+def encode_varint(n: int) -> bytes:
+    """Unsigned LEB128 varint of ``n`` (0 <= n < 2**63)."""
+    if n < 0:
+        raise ValueError("varint of a negative number")
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def encode_frame(message: bytes) -> bytes:
+    """``varint(len(message)) + message``, ready for one ``stream.write``."""
+    return encode_varint(len(message)) + message
+
+
+async def _read_exactly(stream: _Reader, n: int) -> bytes:
+    parts: list[bytes] = []
+    remaining = n
+    while remaining:
+        chunk = await stream.read(remaining)
+        if not chunk:  # some streams signal EOF with b"" instead of StreamEOF
+            raise RemoteProtocolError(f"stream ended {remaining} bytes short of a frame")
+        parts.append(chunk)
+        remaining -= len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def read_frame(stream: _Reader, max_bytes: int) -> bytes:
+    """Read one frame's body from ``stream``.
+
+    Args:
+        stream: anything with ``async read(n)`` (a libp2p ``INetStream``).
+        max_bytes: the protocol's frame limit; a longer length prefix is refused unread.
+
+    Returns:
+        the frame body (may be empty).
+
+    Raises:
+        libp2p StreamEOF (or the stream's own error): the stream ended before the first byte.
+        FrameTooLargeError: the length prefix exceeds ``max_bytes``.
+        RemoteProtocolError: a malformed varint, or the stream ended inside the frame.
+    """
+    length = 0
+    shift = 0
+    for i in range(MAX_VARINT_BYTES + 1):
+        if i == MAX_VARINT_BYTES:
+            raise RemoteProtocolError("frame length varint too long")
+        if i == 0:
+            byte = await stream.read(1)
+        else:
+            try:
+                byte = await stream.read(1)
+            except Exception as exc:
+                if type(exc).__name__ == "StreamEOF":
+                    raise RemoteProtocolError("stream ended inside a frame length") from exc
+                raise
+        if not byte:
+            raise RemoteProtocolError("stream ended inside a frame length")
+        b = byte[0]
+        length |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            if i > 0 and b == 0:
+                raise RemoteProtocolError("non-minimal frame length varint")
+            break
+    if length > max_bytes:
+        raise FrameTooLargeError(f"frame of {length} bytes exceeds the {max_bytes}-byte limit")
+    if length == 0:
+        return b""
+    try:
+        return await _read_exactly(stream, length)
+    except RemoteProtocolError:
+        raise
+    except Exception as exc:
+        if type(exc).__name__ == "StreamEOF":
+            raise RemoteProtocolError("stream ended inside a frame") from exc
+        raise
+
+
+__all__ = ["encode_frame", "encode_varint", "read_frame"]

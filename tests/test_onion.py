@@ -1,0 +1,177 @@
+"""Onion path crypto (ps_p2p.crypto.onion): setup packets, acknowledgements, layered cells."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_p2p.crypto import onion
+from ps_p2p.errors import CryptoError, LocalProtocolError, RemoteProtocolError
+
+
+def _keys(n):
+    return [onion.OnionKeyPair.generate() for _ in range(n)]
+
+
+def _peer(i: int) -> bytes:
+    return b"\x00\x24\x08\x01\x12\x20" + bytes([i]) * 32
+
+
+def _setup(keys):
+    hops = [onion.HopSpec(_peer(i), k.public) for i, k in enumerate(keys)]
+    path, packet = onion.create_path(hops)
+    relays, packets = [], [packet]
+    for key in keys:
+        hop, packet = onion.process_setup(key, packet)
+        relays.append(hop)
+        if packet is not None:
+            packets.append(packet)
+    return path, relays, packets
+
+
+@pytest.mark.parametrize("length", range(1, onion.MAX_HOPS + 1))
+def test_each_hop_learns_only_its_successor_and_link_path_ids(length):
+    keys = _keys(length)
+    path, relays, packets = _setup(keys)
+    assert [len(p) for p in packets] == [onion.SETUP_PACKET_BYTES] * length
+    for i, hop in enumerate(relays[:-1]):
+        assert not hop.is_proxy
+        assert hop.next_peer_id == _peer(i + 1)
+        assert hop.out_path_id == path.path_ids[i + 1]
+    assert relays[-1].is_proxy and relays[-1].next_peer_id is None
+    assert relays[-1].out_path_id == path.exit_path_id
+    ids = [path.exit_path_id, *path.path_ids]
+    assert len(set(ids)) == len(ids)
+
+
+def test_setup_packet_bytes_differ_on_every_link():
+    _, _, packets = _setup(_keys(3))
+    for a in range(len(packets)):
+        for b in range(a + 1, len(packets)):
+            # no 16-byte window of one link's packet reappears on another link
+            windows = {packets[a][i : i + 16] for i in range(0, len(packets[a]) - 16)}
+            assert not any(packets[b][i : i + 16] in windows for i in range(len(packets[b]) - 16))
+
+
+def test_setup_slot_opens_only_with_the_right_onion_key():
+    keys = _keys(3)
+    hops = [onion.HopSpec(_peer(i), k.public) for i, k in enumerate(keys)]
+    _, packet = onion.create_path(hops)
+    with pytest.raises(CryptoError):
+        onion.process_setup(keys[1], packet)
+    with pytest.raises(CryptoError):
+        onion.process_setup(onion.OnionKeyPair.generate(), packet)
+
+
+def test_wrong_size_setup_packet_is_a_remote_error():
+    with pytest.raises(RemoteProtocolError):
+        onion.process_setup(onion.OnionKeyPair.generate(), b"\x00" * 100)
+
+
+@given(flip=st.integers(0, onion.SLOT_BYTES - 1))
+@settings(max_examples=50, deadline=None)
+def test_tampered_setup_slot_is_refused(flip):
+    key = onion.OnionKeyPair.generate()
+    _, packet = onion.create_path([onion.HopSpec(_peer(1), key.public)])
+    bad = bytearray(packet)
+    bad[flip] ^= 0x01
+    with pytest.raises(CryptoError):
+        onion.process_setup(key, bytes(bad))
+
+
+def test_acknowledgement_checks_out_only_along_the_real_path():
+    path, relays, _ = _setup(_keys(3))
+    ack = relays[2].make_ack()
+    ack = relays[1].relay_backward(ack)
+    ack = relays[0].relay_backward(ack)
+    path.check_ack(ack)
+    other_path, other_relays, _ = _setup(_keys(3))
+    forged = other_relays[2].make_ack()
+    forged = other_relays[1].relay_backward(forged)
+    forged = other_relays[0].relay_backward(forged)
+    with pytest.raises(CryptoError):
+        path.check_ack(forged)
+
+
+@given(payloads=st.lists(st.binary(max_size=5000), min_size=1, max_size=5))
+@settings(max_examples=30, deadline=None)
+def test_layers_peel_in_both_directions_and_cell_bytes_differ_per_link(payloads):
+    path, relays, _ = _setup(_keys(3))
+    for payload in payloads:
+        cell = path.seal_forward(payload)
+        seen = [cell]
+        for hop in relays[:-1]:
+            cell = hop.relay_forward(cell)
+            seen.append(cell)
+        assert relays[-1].open_forward(cell) == payload
+        assert len({bytes(c[:32]) for c in seen}) == len(seen)
+        back = relays[-1].seal_backward(payload)
+        for hop in reversed(relays[:-1]):
+            back = hop.relay_backward(back)
+        assert path.open_backward(back) == payload
+
+
+def test_cell_layer_peels_only_with_its_own_hop_key():
+    path, relays, _ = _setup(_keys(3))
+    cell = path.seal_forward(b"secret clove")
+    with pytest.raises(CryptoError):
+        relays[1].relay_forward(cell)  # the second hop cannot remove the first hop's layer
+    with pytest.raises(CryptoError):
+        relays[2].open_forward(cell)
+
+
+def test_tampered_cell_fails_at_the_next_hop_and_later_cells_still_pass():
+    path, relays, _ = _setup(_keys(3))
+    cell = bytearray(path.seal_forward(b"first"))
+    cell[100] ^= 0xFF
+    with pytest.raises(CryptoError):
+        relays[0].relay_forward(bytes(cell))
+    cell = path.seal_forward(b"second")
+    for hop in relays[:-1]:
+        cell = hop.relay_forward(cell)
+    assert relays[-1].open_forward(cell) == b"second"
+
+
+def test_a_lost_cell_costs_that_cell_not_the_path():
+    path, relays, _ = _setup(_keys(3))
+    path.seal_forward(b"lost on the first link")
+    cell = path.seal_forward(b"arrives")
+    for hop in relays[:-1]:
+        cell = hop.relay_forward(cell)
+    assert relays[-1].open_forward(cell) == b"arrives"
+
+
+def test_replayed_cell_is_refused():
+    path, relays, _ = _setup(_keys(3))
+    cell = path.seal_forward(b"once")
+    relays[0].relay_forward(cell)
+    with pytest.raises(CryptoError):
+        relays[0].relay_forward(cell)
+
+
+@given(size=st.integers(0, onion.MAX_CELL_PAYLOAD))
+@settings(max_examples=30, deadline=None)
+def test_padding_hides_the_length_inside_a_bucket(size):
+    padded = onion.pad_payload(b"x" * size)
+    assert len(padded) in onion.CELL_BUCKETS
+    assert onion.unpad_payload(padded) == b"x" * size
+
+
+def test_oversized_payload_and_bad_padding_are_errors():
+    with pytest.raises(LocalProtocolError):
+        onion.pad_payload(b"x" * (onion.MAX_CELL_PAYLOAD + 1))
+    with pytest.raises(RemoteProtocolError):
+        onion.unpad_payload(b"\x00" * 100)
+    with pytest.raises(RemoteProtocolError):
+        onion.unpad_payload(b"\xff\xff\xff\xff" + b"\x00" * (onion.CELL_BUCKETS[0] - 4))
+
+
+def test_path_length_and_onion_keys_are_checked():
+    with pytest.raises(LocalProtocolError):
+        onion.create_path([])
+    key = onion.OnionKeyPair.generate()
+    with pytest.raises(LocalProtocolError):
+        onion.create_path([onion.HopSpec(_peer(i), key.public) for i in range(onion.MAX_HOPS + 1)])
+    with pytest.raises(LocalProtocolError):
+        onion.create_path([onion.HopSpec(_peer(1), b"short")])

@@ -1,0 +1,107 @@
+"""Relay table and relay choice (ps_p2p.overlay.relay_table, ps_p2p.overlay.paths)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_p2p.crypto import onion
+from ps_p2p.errors import DirectoryError, RemoteProtocolError
+from ps_p2p.overlay.paths import choose_relays, reuse_count
+from ps_p2p.overlay.relay_table import Direction, RelayTable
+
+A, B, C = b"peer-a", b"peer-b", b"peer-c"
+
+
+def _hop(next_peer=C, out=b"o" * 16, proxy=False):
+    key = onion.OnionKeyPair.generate()
+    if proxy:
+        path, packet = onion.create_path([onion.HopSpec(b"x" * 38, key.public)])
+    else:
+        other = onion.OnionKeyPair.generate()
+        path, packet = onion.create_path(
+            [onion.HopSpec(b"x" * 38, key.public), onion.HopSpec(next_peer, other.public)]
+        )
+    hop, _ = onion.process_setup(key, packet)
+    return hop
+
+
+def test_cells_are_found_forward_by_predecessor_and_backward_by_successor():
+    table = RelayTable()
+    hop = _hop()
+    entry = table.add(A, b"i" * 16, hop, now=0.0)
+    assert table.lookup(A, b"i" * 16) == (entry, Direction.FORWARD)
+    assert table.lookup(hop.next_peer_id, hop.out_path_id) == (entry, Direction.BACKWARD)
+    assert table.lookup(B, b"i" * 16) is None  # the same ID on another link is another path
+    assert table.lookup(A, b"j" * 16) is None
+
+
+def test_proxy_entries_are_found_by_exit_path_id():
+    table = RelayTable()
+    hop = _hop(proxy=True)
+    entry = table.add(A, b"i" * 16, hop, now=0.0)
+    assert table.lookup_exit(hop.out_path_id) is entry
+    table.remove(entry)
+    assert table.lookup_exit(hop.out_path_id) is None
+    assert len(table) == 0
+
+
+def test_duplicate_incoming_path_id_and_full_table_are_refused():
+    table = RelayTable(max_entries=2)
+    table.add(A, b"i" * 16, _hop(), now=0.0)
+    with pytest.raises(RemoteProtocolError, match="in use"):
+        table.add(A, b"i" * 16, _hop(), now=0.0)
+    table.add(A, b"j" * 16, _hop(), now=0.0)
+    with pytest.raises(RemoteProtocolError, match="full"):
+        table.add(B, b"k" * 16, _hop(), now=0.0)
+
+
+def test_remove_peer_drops_paths_on_both_sides_of_it():
+    table = RelayTable()
+    e1 = table.add(A, b"1" * 16, _hop(next_peer=C), now=0.0)
+    e2 = table.add(B, b"2" * 16, _hop(next_peer=A), now=0.0)
+    e3 = table.add(B, b"3" * 16, _hop(next_peer=C), now=0.0)
+    gone = table.remove_peer(A)
+    assert set(map(id, gone)) == {id(e1), id(e2)}
+    assert table.lookup(B, b"3" * 16) == (e3, Direction.FORWARD)
+
+
+def test_idle_entries_expire_and_touched_ones_stay():
+    table = RelayTable()
+    old = table.add(A, b"1" * 16, _hop(), now=0.0)
+    fresh = table.add(A, b"2" * 16, _hop(), now=0.0)
+    table.touch(fresh, 50.0)
+    assert table.expire(now=100.0, idle_timeout=60.0) == [old]
+    assert table.lookup(A, b"2" * 16) is not None
+
+
+@given(users=st.integers(3, 40), count=st.integers(1, 6), seed=st.integers(0, 2**32))
+@settings(max_examples=100, deadline=None)
+def test_relays_are_distinct_per_path_and_disjoint_when_enough_users(users, count, seed):
+    candidates = [bytes([i]) * 4 for i in range(users)]
+    paths = choose_relays(candidates, count, 3, rng=random.Random(seed))
+    assert len(paths) == count
+    for path in paths:
+        assert len(path) == 3 and len(set(path)) == 3
+    if users >= 3 * count:
+        assert reuse_count(paths) == 0
+    else:
+        # as little reuse as possible: every relay used at most ceil(3*count/users) times
+        flat = [r for p in paths for r in p]
+        most = max(flat.count(r) for r in set(flat))
+        assert most <= -(-3 * count // users)
+
+
+def test_relays_already_in_use_are_avoided_while_others_remain():
+    candidates = [bytes([i]) * 4 for i in range(7)]
+    busy = {c: 1 for c in candidates[:4]}
+    (path,) = choose_relays(candidates, 1, 3, rng=random.Random(1), in_use=busy)
+    assert set(path) == set(candidates[4:])
+
+
+def test_too_few_candidates_is_a_directory_error():
+    with pytest.raises(DirectoryError):
+        choose_relays([b"a", b"b"], 1, 3, rng=random.Random(0))
