@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 Status = inference_pb2.ResponseStatus
 
+#: ForwardPayload bytes around a clove: the destination peer ID and protobuf tags and lengths.
+_DELIVER_OVERHEAD = 64
+
 
 @dataclass
 class UserConfig:
@@ -240,6 +243,11 @@ class UserClient:
                     "path via %s unanswered for %.1f s: replacing it",
                     _short(path.relays[0]), now - path.probe_sent_at,
                 )
+                # one of its relays drops cells (dead, or tampering): keep all of them out of
+                # new paths for a while
+                until = now + cfg.failed_relay_cooldown
+                for relay in path.relays:
+                    self._failed_relays[relay] = until
                 self._drop_path(path, "probe timeout")
                 continue
             if path.probe_nonce is None and now - max(path.probe_sent_at, path.last_reply_at) >= cfg.probe_interval:
@@ -469,6 +477,12 @@ class UserClient:
         cloves = sida.encode(
             q_bytes, total=cfg.total, threshold=cfg.threshold, random_bytes=self._random_bytes
         )
+        clove_bytes = len(clove_to_bytes(cloves[0])) + _DELIVER_OVERHEAD
+        if clove_bytes > onion.MAX_CELL_PAYLOAD:
+            raise RequestError(
+                f"request of {len(q_bytes)} bytes gives cloves of {clove_bytes} bytes, over the "
+                f"{onion.MAX_CELL_PAYLOAD}-byte cell limit; shorten the prompt"
+            )
         attempt = _Attempt(q_bytes, responses.request_hash(q_bytes), cloves, chosen, self._clock())
         pending.attempts.append(attempt)
         for path, clove in zip(chosen, cloves):

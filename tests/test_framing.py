@@ -1,0 +1,66 @@
+"""Varint-length-prefixed frames (ps_p2p.protocols.framing)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from libp2p.network.stream.exceptions import StreamEOF
+
+from ps_p2p.errors import FrameTooLargeError, RemoteProtocolError
+from ps_p2p.protocols.framing import encode_frame, encode_varint, read_frame
+
+
+class FakeStream:
+    """Serves ``data`` in reads of at most ``chunk`` bytes, then raises StreamEOF like libp2p."""
+
+    def __init__(self, data: bytes, chunk: int = 7) -> None:
+        self.data = data
+        self.chunk = chunk
+        self.reads = 0
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self.data:
+            raise StreamEOF("eof")
+        self.reads += 1
+        n = min(n or len(self.data), self.chunk)
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+
+@given(bodies=st.lists(st.binary(max_size=3000), max_size=5))
+async def test_frames_round_trip_in_order_whatever_the_read_sizes(bodies):
+    stream = FakeStream(b"".join(encode_frame(b) for b in bodies))
+    got = [await read_frame(stream, 4096) for _ in bodies]
+    assert got == bodies
+    with pytest.raises(StreamEOF):
+        await read_frame(stream, 4096)
+
+
+async def test_a_length_over_the_limit_is_refused_before_the_body_is_read():
+    stream = FakeStream(encode_varint(10_000_000) + b"x" * 100, chunk=1)
+    with pytest.raises(FrameTooLargeError):
+        await read_frame(stream, 1024)
+    assert stream.reads == len(encode_varint(10_000_000))  # the body was never read
+
+
+async def test_stream_ending_inside_a_frame_is_a_remote_error():
+    with pytest.raises(RemoteProtocolError, match="frame"):
+        await read_frame(FakeStream(encode_varint(50) + b"short"), 1024)
+    with pytest.raises(RemoteProtocolError):
+        await read_frame(FakeStream(b"\x80"), 1024)
+
+
+async def test_overlong_or_non_minimal_varints_are_refused():
+    with pytest.raises(RemoteProtocolError):
+        await read_frame(FakeStream(b"\xff" * 12), 1 << 62)
+    with pytest.raises(RemoteProtocolError, match="non-minimal"):
+        await read_frame(FakeStream(b"\x81\x00" + b"x"), 1024)
+
+
+def test_varint_matches_the_multiformats_examples():
+    assert encode_varint(1) == b"\x01"
+    assert encode_varint(127) == b"\x7f"
+    assert encode_varint(128) == b"\x80\x01"
+    assert encode_varint(300) == b"\xac\x02"
+    assert encode_varint(16384) == b"\x80\x80\x01"

@@ -1,0 +1,449 @@
+"""Node records, directories and the registry (pure core)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_p2p import records
+from ps_p2p.crypto.onion import OnionKeyPair
+from ps_p2p.errors import (
+    ExpiredError,
+    InvalidSignatureError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
+from ps_p2p.keys import Identity
+from ps_p2p.records import (
+    Directory,
+    NodeRecord,
+    Registry,
+    Role,
+    VerifierSignature,
+    check_record,
+    sign_directory,
+    sign_record,
+    verify_directory,
+)
+
+NOW = 1_700_000_000_000  # unix ms
+MINUTE = 60_000
+HOUR = 60 * MINUTE
+
+ALICE = Identity.from_private_bytes(bytes(range(32)))
+BOB = Identity.from_private_bytes(bytes(range(1, 33)))
+CAROL = Identity.from_private_bytes(bytes(range(2, 34)))
+V1 = Identity.from_private_bytes(b"\x01" * 32)
+V2 = Identity.from_private_bytes(b"\x02" * 32)
+V3 = Identity.from_private_bytes(b"\x03" * 32)
+ONION = OnionKeyPair.from_private_bytes(b"\x07" * 32).public
+
+
+def make_record(identity: Identity = ALICE, *, issued: int = NOW - 10 * MINUTE,
+                lifetime: int = HOUR, **fields) -> NodeRecord:
+    base = dict(
+        peer_id=identity.peer_id,
+        addrs=("/ip4/127.0.0.1/tcp/4001", "/ip4/10.0.0.1/tcp/4001"),
+        roles=frozenset({Role.USER, Role.MODEL}),
+        onion_key=ONION,
+        model_id="stories260K",
+        organization="Example Lab",
+        capacity=4,
+        issued_at_ms=issued,
+        expires_at_ms=issued + lifetime,
+    )
+    base.update(fields)
+    return sign_record(identity, NodeRecord(**base))
+
+
+def make_directory(*recs: NodeRecord, signers=(V1,), height: int = 7,
+                   issued: int = NOW - MINUTE, lifetime: int = 2 * MINUTE) -> Directory:
+    directory = Directory(height, issued, issued + lifetime, tuple(recs))
+    for signer in signers:
+        directory = sign_directory(signer, directory)
+    return directory
+
+
+# ---------------------------------------------------------------------------------- records
+
+
+def test_signed_record_verifies():
+    check_record(make_record(), NOW)
+
+
+def test_sign_record_sets_the_signers_peer_id():
+    record = sign_record(BOB, dataclasses.replace(make_record(ALICE), signature=b""))
+    assert record.peer_id == BOB.peer_id
+    check_record(record, NOW)
+
+
+def test_record_signing_bytes_are_domain_separated_and_length_prefixed():
+    record = make_record()
+    data = records.record_signing_bytes(record)
+    assert data.startswith(b"planetserve/v1/node-record\x00")
+    split_a = dataclasses.replace(record, addrs=("/ip4/1.2.3.4/tcp/1", "0"))
+    split_b = dataclasses.replace(record, addrs=("/ip4/1.2.3.4/tcp/10",))
+    assert records.record_signing_bytes(split_a) != records.record_signing_bytes(split_b)
+
+
+def test_record_signing_bytes_do_not_depend_on_role_order():
+    a = make_record(roles=frozenset([Role.USER, Role.VERIFIER]))
+    b = dataclasses.replace(a, roles=frozenset([Role.VERIFIER, Role.USER]))
+    assert records.record_signing_bytes(a) == records.record_signing_bytes(b)
+
+
+def _flip_str(text: str, pos: int) -> str:
+    pos %= len(text)
+    return text[:pos] + chr(ord(text[pos]) ^ 1) + text[pos + 1:]
+
+
+def _flip_bytes(data: bytes, pos: int) -> bytes:
+    pos %= len(data)
+    return data[:pos] + bytes([data[pos] ^ 0x01]) + data[pos + 1:]
+
+
+@st.composite
+def tampered_records(draw):
+    record = make_record()
+    fld = draw(st.sampled_from([
+        "peer_id", "addrs", "roles", "onion_key", "model_id", "organization", "capacity",
+        "issued_at_ms", "expires_at_ms", "signature",
+    ]))
+    pos = draw(st.integers(0, 1000))
+    bit = draw(st.integers(0, 15))
+    if fld == "peer_id":  # the key part; the multihash prefix is a field-limit error
+        value = record.peer_id[:6] + _flip_bytes(record.peer_id[6:], pos)
+    elif fld == "addrs":
+        i = pos % len(record.addrs)
+        value = record.addrs[:i] + (_flip_str(record.addrs[i], pos // 2),) + record.addrs[i + 1:]
+    elif fld == "roles":
+        value = record.roles ^ {draw(st.sampled_from([Role.USER, Role.VERIFIER]))}
+    elif fld in ("onion_key", "signature"):
+        value = _flip_bytes(getattr(record, fld), pos)
+    elif fld in ("model_id", "organization"):
+        value = _flip_str(getattr(record, fld), pos)
+    else:
+        value = getattr(record, fld) ^ (1 << bit)
+    return dataclasses.replace(record, **{fld: value})
+
+
+@given(record=tampered_records())
+@settings(max_examples=200, deadline=None)
+def test_any_flipped_byte_in_a_signed_field_invalidates_the_record(record):
+    with pytest.raises(InvalidSignatureError):
+        check_record(record, NOW)
+
+
+def test_record_by_another_key_is_invalid():
+    forged = dataclasses.replace(make_record(BOB), peer_id=ALICE.peer_id)
+    with pytest.raises(InvalidSignatureError):
+        check_record(forged, NOW)
+
+
+def test_expired_record_is_refused():
+    record = make_record(issued=NOW - HOUR, lifetime=HOUR)
+    with pytest.raises(ExpiredError):
+        check_record(record, NOW)
+    check_record(record, NOW - 1)
+
+
+def test_record_issued_within_clock_skew_is_accepted():
+    check_record(make_record(issued=NOW + 5 * MINUTE), NOW)
+
+
+def _resign(record: NodeRecord, change: dict) -> NodeRecord:
+    if "peer_id" in change or "signature" in change:
+        return record
+    try:
+        return sign_record(ALICE, record)
+    except LocalProtocolError:  # a field with no wire encoding: keep the old signature
+        return record
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(peer_id=b"\x12\x20" + bytes(32)),  # a SHA-256 multihash (RSA-style) peer ID
+        dict(peer_id=ALICE.peer_id[:-1]),
+        dict(addrs=tuple(f"/ip4/10.0.0.{i}/tcp/1" for i in range(17))),
+        dict(addrs=("/dns4/" + "a" * 251 + "/tcp/1",)),
+        dict(roles=frozenset()),
+        dict(roles=frozenset({Role.USER, 9})),
+        dict(onion_key=bytes(31)),
+        dict(onion_key=bytes(33)),
+        dict(model_id=""),  # a model node without a model ID
+        dict(model_id="m" * 257),
+        dict(organization="o" * 257),
+        dict(capacity=2**32),
+        dict(capacity=-1),
+        dict(issued_at_ms=NOW, expires_at_ms=NOW),  # no lifetime
+        dict(issued_at_ms=NOW - 1, expires_at_ms=NOW + 24 * HOUR),  # over 24 h
+        dict(issued_at_ms=NOW + 6 * MINUTE, expires_at_ms=NOW + 7 * MINUTE),  # future
+        dict(signature=b"\x00" * 63),
+    ],
+)
+def test_field_beyond_its_limit_is_a_protocol_error(change):
+    record = _resign(dataclasses.replace(make_record(), **change), change)
+    with pytest.raises(RemoteProtocolError) as info:
+        check_record(record, NOW)
+    assert type(info.value) is RemoteProtocolError  # not a signature failure
+
+
+def test_field_limits_are_inclusive():
+    check_record(make_record(
+        addrs=tuple("/ip4/10.0.0.1/tcp/" + str(i).rjust(238, "1") for i in range(16)),
+        model_id="m" * 256,
+        organization="ø" * 256,
+        capacity=2**32 - 1,
+        issued=NOW - HOUR,
+        lifetime=24 * HOUR,
+    ), NOW)
+
+
+def test_verify_signature_rejects_non_ed25519_peer_id():
+    with pytest.raises(RemoteProtocolError):
+        records.verify_signature(b"\x12\x20" + bytes(32), b"x", bytes(64))
+
+
+def test_public_key_from_peer_id_returns_the_raw_key():
+    assert records.public_key_from_peer_id(ALICE.peer_id) == ALICE.public_key
+
+
+def test_response_signing_bytes_are_domain_separated():
+    data = records.response_signing_bytes(b"id", bytes(32), bytes(32), NOW, ALICE.peer_id)
+    assert data.startswith(b"planetserve/v1/response\x00")
+    other = records.response_signing_bytes(b"i", b"d" + bytes(32), bytes(32), NOW, ALICE.peer_id)
+    assert data != other
+
+
+# ---------------------------------------------------------------------------------- directory
+
+
+def test_directory_signed_by_a_trusted_verifier_verifies():
+    directory = make_directory(make_record(ALICE), make_record(BOB))
+    got = verify_directory(
+        directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW
+    )
+    assert got == directory
+
+
+def test_directory_accessors():
+    user = make_record(ALICE, roles=frozenset({Role.USER}), model_id="")
+    model = make_record(BOB, roles=frozenset({Role.MODEL}))
+    directory = make_directory(user, model)
+    assert directory.users() == [user]
+    assert directory.model_nodes() == [model]
+    assert directory.record(BOB.peer_id) == model
+    assert directory.record(CAROL.peer_id) is None
+
+
+def test_directory_with_too_few_trusted_signatures_is_refused():
+    directory = make_directory(make_record(), signers=(V1, V3))
+    trusted = frozenset({V1.peer_id, V2.peer_id})
+    with pytest.raises(InvalidSignatureError, match="1 valid signature"):
+        verify_directory(directory, trusted_verifiers=trusted, quorum=2, now_ms=NOW)
+    both = sign_directory(V2, directory)
+    verify_directory(both, trusted_verifiers=trusted, quorum=2, now_ms=NOW)
+
+
+def test_directory_signed_by_an_untrusted_verifier_is_refused():
+    directory = make_directory(make_record(), signers=(V3,))
+    with pytest.raises(InvalidSignatureError):
+        verify_directory(
+            directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW
+        )
+
+
+def test_repeated_signature_of_one_verifier_counts_once():
+    directory = make_directory(make_record())
+    doubled = dataclasses.replace(directory, signatures=directory.signatures * 2)
+    with pytest.raises(InvalidSignatureError):
+        verify_directory(
+            doubled, trusted_verifiers=frozenset({V1.peer_id, V2.peer_id}), quorum=2, now_ms=NOW
+        )
+
+
+def test_sign_directory_replaces_the_verifiers_earlier_signature():
+    directory = make_directory(make_record(), signers=(V1, V2, V1))
+    assert [s.verifier_id for s in directory.signatures] == [V2.peer_id, V1.peer_id]
+
+
+def test_verifier_signature_by_the_wrong_key_is_ignored():
+    directory = make_directory(make_record(), signers=(V1,))
+    stolen = VerifierSignature(V2.peer_id, directory.signatures[0].signature)
+    with pytest.raises(InvalidSignatureError):
+        verify_directory(
+            dataclasses.replace(directory, signatures=(stolen,)),
+            trusted_verifiers=frozenset({V2.peer_id}), quorum=1, now_ms=NOW,
+        )
+
+
+def test_directory_with_a_record_swapped_after_signing_is_refused():
+    directory = make_directory(make_record(ALICE), make_record(BOB))
+    swapped = dataclasses.replace(directory, records=(make_record(ALICE), make_record(CAROL)))
+    with pytest.raises(InvalidSignatureError):
+        verify_directory(swapped, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW)
+
+
+def test_directory_with_a_record_dropped_after_signing_is_refused():
+    directory = make_directory(make_record(ALICE), make_record(BOB))
+    dropped = dataclasses.replace(directory, records=directory.records[:1])
+    with pytest.raises(InvalidSignatureError):
+        verify_directory(dropped, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW)
+
+
+def test_directory_with_a_forged_record_is_refused_even_if_the_verifier_signed_it():
+    forged = dataclasses.replace(make_record(BOB), organization="evil")
+    directory = make_directory(make_record(ALICE), forged)
+    with pytest.raises(InvalidSignatureError, match="node record"):
+        verify_directory(directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW)
+
+
+def test_directory_listing_a_peer_twice_is_refused():
+    directory = make_directory(make_record(ALICE), make_record(ALICE, issued=NOW - MINUTE))
+    with pytest.raises(RemoteProtocolError, match="twice"):
+        verify_directory(directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW)
+
+
+def test_expired_directory_is_refused():
+    directory = make_directory(make_record(), issued=NOW - 3 * MINUTE, lifetime=2 * MINUTE)
+    with pytest.raises(ExpiredError):
+        verify_directory(directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW)
+
+
+def test_directory_issued_far_in_the_future_is_refused():
+    directory = make_directory(make_record(), issued=NOW + 6 * MINUTE)
+    with pytest.raises(ExpiredError):
+        verify_directory(directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW)
+
+
+def test_verify_directory_drops_expired_records():
+    live = make_record(ALICE)
+    dead = make_record(BOB, issued=NOW - HOUR, lifetime=HOUR - 1)
+    directory = make_directory(live, dead)
+    got = verify_directory(
+        directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW
+    )
+    assert got.records == (live,)
+    assert got.record(BOB.peer_id) is None
+
+
+def test_quorum_below_one_is_a_local_error():
+    with pytest.raises(LocalProtocolError):
+        verify_directory(make_directory(), trusted_verifiers=frozenset(), quorum=0, now_ms=NOW)
+
+
+# ---------------------------------------------------------------------------------- registry
+
+
+def test_registry_register_returns_expiry_and_bumps_height():
+    registry = Registry()
+    record = make_record()
+    assert registry.register(record, NOW) == record.expires_at_ms
+    assert registry.height == 1
+    assert registry.records(NOW) == (record,)
+
+
+def test_registry_same_record_twice_changes_nothing():
+    registry = Registry()
+    record = make_record()
+    registry.register(record, NOW)
+    registry.register(record, NOW)
+    assert registry.height == 1
+
+
+def test_registry_keeps_the_newest_record_and_refuses_older():
+    registry = Registry()
+    old = make_record(issued=NOW - 2 * MINUTE)
+    new = make_record(issued=NOW - MINUTE, capacity=9)
+    registry.register(new, NOW)
+    with pytest.raises(RemoteProtocolError, match="older"):
+        registry.register(old, NOW)
+    assert registry.height == 1
+    assert registry.records(NOW) == (new,)
+    newer = make_record(issued=NOW, capacity=10)
+    registry.register(newer, NOW)
+    assert registry.height == 2
+    assert registry.records(NOW) == (newer,)
+
+
+def test_registry_refuses_a_different_record_with_the_same_issue_time():
+    registry = Registry()
+    registry.register(make_record(capacity=1), NOW)
+    with pytest.raises(RemoteProtocolError, match="same issue time"):
+        registry.register(make_record(capacity=2), NOW)
+
+
+def test_registry_refuses_invalid_and_expired_records():
+    registry = Registry()
+    with pytest.raises(InvalidSignatureError):
+        registry.register(dataclasses.replace(make_record(), capacity=99), NOW)
+    with pytest.raises(ExpiredError):
+        registry.register(make_record(issued=NOW - HOUR, lifetime=HOUR), NOW)
+    assert registry.height == 0
+    assert len(registry) == 0
+
+
+def test_registry_records_are_sorted_by_peer_id():
+    registry = Registry()
+    for identity in (CAROL, ALICE, BOB):
+        registry.register(make_record(identity), NOW)
+    peers = [r.peer_id for r in registry.records(NOW)]
+    assert peers == sorted(peers)
+    assert len(peers) == 3
+
+
+def test_registry_expire_drops_records_and_bumps_height_only_on_change():
+    registry = Registry()
+    short = make_record(ALICE, issued=NOW, lifetime=MINUTE)
+    long = make_record(BOB, issued=NOW, lifetime=HOUR)
+    registry.register(short, NOW)
+    registry.register(long, NOW)
+    assert registry.height == 2
+    assert registry.expire(NOW + MINUTE - 1) == 0
+    assert registry.height == 2
+    assert registry.records(NOW + MINUTE) == (long,)
+    assert registry.height == 3
+
+
+def test_registry_bound_is_enforced():
+    registry = Registry(max_records=2)
+    registry.register(make_record(ALICE), NOW)
+    registry.register(make_record(BOB), NOW)
+    with pytest.raises(RemoteProtocolError, match="registry full"):
+        registry.register(make_record(CAROL), NOW)
+    registry.register(make_record(ALICE, issued=NOW), NOW)  # a known peer may refresh
+
+
+def test_full_registry_makes_room_by_expiring():
+    registry = Registry(max_records=2)
+    registry.register(make_record(ALICE, issued=NOW, lifetime=MINUTE), NOW)
+    registry.register(make_record(BOB), NOW)
+    registry.register(make_record(CAROL, issued=NOW), NOW + MINUTE)
+    assert {r.peer_id for r in registry.records(NOW + MINUTE)} == {BOB.peer_id, CAROL.peer_id}
+
+
+_PEERS = [Identity.from_private_bytes(bytes([i]) * 32) for i in range(10, 14)]
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20)), max_size=25))
+@settings(max_examples=60, deadline=None)
+def test_registry_holds_the_newest_record_of_every_peer(ops):
+    registry = Registry()
+    model: dict[bytes, NodeRecord] = {}
+    for peer, minute in ops:
+        record = make_record(_PEERS[peer], issued=NOW - minute * MINUTE)
+        height = registry.height
+        held = model.get(record.peer_id)
+        if held is not None and record.issued_at_ms < held.issued_at_ms:
+            with pytest.raises(RemoteProtocolError):
+                registry.register(record, NOW)
+            assert registry.height == height
+            continue
+        registry.register(record, NOW)
+        assert registry.height == height + (record != held)
+        model[record.peer_id] = record
+    assert registry.records(NOW) == tuple(model[p] for p in sorted(model))
