@@ -1,1 +1,101 @@
-"""engines."""
+"""Inference engines of model nodes: one interface, in-process transformers or a vLLM server.
+
+Public face::
+
+    from ps_p2p.engines import load_engine, Engine, SamplingParams, Completion, TokenScores
+
+    engine = load_engine("transformers", model="../shared/models/stories260K")
+    completion = await engine.complete("Once upon a time", SamplingParams(max_tokens=32))
+    scores = await engine.score("Once upon a time", completion.text)   # scores.perplexity
+
+See :mod:`ps_p2p.engines.base` for the interface, :mod:`ps_p2p.engines.transformers_engine` and
+:mod:`ps_p2p.engines.vllm_engine` for the two implementations.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from ps_p2p.engines.base import Completion, Engine, SamplingParams, StreamChunk, TokenScores
+from ps_p2p.errors import ConfigError, EngineError
+
+__all__ = [
+    "ENGINE_KINDS",
+    "Completion",
+    "Engine",
+    "SamplingParams",
+    "StreamChunk",
+    "TokenScores",
+    "default_model_id",
+    "load_engine",
+]
+
+ENGINE_KINDS = ("transformers", "vllm")
+
+
+def default_model_id(model: str) -> str:
+    """The model ID announced for ``model`` when none is configured.
+
+    The last path component: the folder name (``models/stories260K`` -> ``stories260K``), a
+    ``.gguf`` file's stem (``stories260K.gguf`` -> ``stories260K``), or the last part of a hub
+    name as vLLM serves it (``meta-llama/Llama-3.1-8B`` -> ``Llama-3.1-8B``).
+    """
+    path = pathlib.PurePath(model.rstrip("/\\"))
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    return path.name or model
+
+
+def load_engine(
+    kind: str,
+    *,
+    model: str,
+    device: str = "cpu",
+    base_url: str = "http://127.0.0.1:8000",
+    model_id: str | None = None,
+) -> Engine:
+    """A ready engine (blocking: loading a model takes seconds to minutes).
+
+    Args:
+        kind: ``"transformers"`` (``model`` is a local model folder or ``.gguf`` file, run on
+            ``device``) or ``"vllm"`` (``model`` is the name the vLLM server at ``base_url``
+            serves; the server is asked for its context window now).
+        model: see ``kind``.
+        device: torch device of the transformers engine (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+        base_url: the vLLM server.
+        model_id: announced model ID; defaults to :func:`default_model_id` of ``model``.
+
+    Raises:
+        ConfigError: unknown ``kind``; no ``model``; for transformers, no file or folder at
+            ``model``; for vLLM, the server does not serve ``model``.
+        EngineError: loading failed (bad checkpoint, device unavailable, transformers not
+            installed), or the vLLM server cannot be reached.
+    """
+    if kind not in ENGINE_KINDS:
+        raise ConfigError(f"unknown engine {kind!r}: expected one of {', '.join(ENGINE_KINDS)}")
+    if not model:
+        raise ConfigError(f"the {kind} engine needs a model")
+    model_id = model_id or default_model_id(model)
+    if kind == "transformers":
+        path = pathlib.Path(model).expanduser()
+        if not path.exists():
+            raise ConfigError(f"no model folder or .gguf file at {path}")
+        try:
+            from ps_p2p.engines.transformers_engine import TransformersEngine
+        except ImportError as exc:
+            raise EngineError(
+                f"the transformers engine needs torch and transformers "
+                f"(pip install 'ps_p2p[transformers]'): {exc}"
+            ) from exc
+        return TransformersEngine.load(path, device=device, model_id=model_id)
+
+    from ps_p2p.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(base_url, model, model_id=model_id)
+    served = engine.served_models_blocking()
+    if model not in served:
+        raise ConfigError(
+            f"the vLLM server at {engine.base_url} serves {sorted(served)}, not {model!r}"
+        )
+    engine.max_context = served[model]
+    return engine

@@ -25,7 +25,7 @@ from libp2p.abc import IHost
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network import swarm as _swarm
-from libp2p.network.config import ConnectionConfig
+from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -57,13 +57,17 @@ def build_host(identity: Identity) -> IHost:
     """A host for ``identity`` speaking TCP + Noise + Yamux only (not yet listening)."""
     key_pair = identity.libp2p_key_pair()
     noise = NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
-    return new_host(
+    host = new_host(
         key_pair=key_pair,
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         connection_config=ConnectionConfig(min_connections=0, low_watermark=0),
         enable_mDNS=False,
     )
+    # A dead relay must be noticed in well under a second: one quick retry, not three with
+    # exponential back-off (py-libp2p's default costs ~0.7 s per unreachable peer).
+    host.get_network().retry_config = RetryConfig(max_retries=1, initial_delay=0.05)  # type: ignore[attr-defined]
+    return host
 
 
 @asynccontextmanager

@@ -1,0 +1,675 @@
+"""In-process inference with Hugging Face transformers, on CPU or GPU, off the trio thread.
+
+:class:`TransformersEngine` loads a Hugging Face model folder (``config.json``, weights,
+tokenizer files; local files only, never the hub) or a single ``.gguf`` file, and serves it:
+
+* every forward pass runs in a worker thread (``trio.to_thread.run_sync``); one ``trio.Lock``
+  serialises use of the model, so concurrent requests take turns token by token (streams) or
+  request by request (:meth:`~TransformersEngine.complete`);
+* decoding is our own loop over the KV cache: greedy at temperature 0, otherwise temperature +
+  top-p (nucleus) sampling with a CPU ``torch.Generator`` seeded by ``SamplingParams.seed``, so a
+  seeded sample is the same on CPU and GPU, and streamed and non-streamed text are identical;
+* text is detokenized incrementally (a window of a few tokens, as vLLM does), so pieces keep
+  their leading spaces and never split a multi-byte character;
+* :meth:`~TransformersEngine.score` is one forward pass over prompt + continuation tokens.
+
+Cancellation: a cancelled stream stops before its next token; a cancelled ``complete`` sets a
+flag that the worker thread checks between tokens, and is waited for (at most one token).
+
+GGUF: with ``accelerate`` installed, transformers' own ``gguf_file=`` loader is tried first. Without
+it (transformers refuses GGUF then), or when that fails, the file's tensors are dequantized with
+transformers' GGUF reader into a model built from the file's config. The tokenizer comes from
+transformers' GGUF support too; files whose special-token IDs are out of range (llama.cpp writes
+``2**32 - 1`` for "none", which transformers 5.x rejects) are sanitized first.
+
+``HF_HUB_OFFLINE`` is set to 1 (unless set) before transformers is imported: model nodes never
+download anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import functools  # noqa: E402
+import importlib.util  # noqa: E402
+import inspect  # noqa: E402
+import logging  # noqa: E402
+import pathlib  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import AsyncIterator, Callable, Sequence  # noqa: E402
+from typing import Any, TypeVar  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+import trio  # noqa: E402
+
+from ps_p2p.engines.base import (  # noqa: E402
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    Engine,
+    SamplingParams,
+    StreamChunk,
+    TokenScores,
+)
+from ps_p2p.errors import EngineError, PromptTooLongError  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: prompt tokens kept as left context when detokenizing generated tokens (vLLM uses 5)
+DETOKENIZE_CONTEXT_TOKENS = 5
+#: positions per log_softmax slice in score_ids (bounds memory at about this many x vocab floats)
+SCORE_CHUNK_POSITIONS = 512
+#: the context window assumed when a model's config names none
+DEFAULT_CONTEXT = 2048
+
+_CONTEXT_KEYS = (
+    "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+)
+
+
+class TransformersEngine(Engine):
+    """A causal LM served in-process with transformers. Build with :meth:`load`.
+
+    Args:
+        model: a loaded ``PreTrainedModel`` (causal LM), already on ``device`` and in eval mode.
+        tokenizer: its tokenizer (a fast tokenizer).
+        model_id: announced model ID.
+        max_context: context window in tokens (prompt + generated).
+
+    Attributes:
+        model, tokenizer: the loaded model and tokenizer (tests compare against them).
+        device: the torch device the model runs on.
+        tokens_generated: tokens generated since loading (all requests).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, model_id: str, max_context: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.max_context = max_context
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.tokens_generated = 0
+        self._lock = trio.Lock()
+        self._closed = False
+        try:
+            params = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        self._logits_to_keep = "logits_to_keep" in params
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        device: str = "cpu",
+        model_id: str | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> TransformersEngine:
+        """Load a model folder or ``.gguf`` file onto ``device`` (blocking: seconds to minutes).
+
+        Args:
+            path: a Hugging Face model folder (with ``config.json``) or a ``.gguf`` file.
+            device: a torch device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``...
+            model_id: announced model ID; defaults to the folder name or the file's stem.
+            dtype: weights dtype (``"float16"``, ``"bfloat16"``, ``torch.float32``...); None keeps
+                transformers' default for the checkpoint.
+
+        Raises:
+            EngineError: no model at ``path``, unknown or unavailable device, or loading failed.
+        """
+        p = pathlib.Path(path)
+        torch_device = _torch_device(device)
+        if isinstance(dtype, str) and dtype != "auto":
+            resolved = getattr(torch, dtype, None)
+            if not isinstance(resolved, torch.dtype):
+                raise EngineError(f"unknown dtype {dtype!r}")
+            dtype = resolved
+        if p.is_file() and p.suffix.lower() == ".gguf":
+            model, tokenizer = _load_gguf(p, dtype)
+            default_id = p.stem
+        elif p.is_dir() and (p / "config.json").is_file():
+            model, tokenizer = _load_folder(p, dtype)
+            default_id = p.name
+        elif p.exists():
+            raise EngineError(f"{p} is neither a model folder with config.json nor a .gguf file")
+        else:
+            raise EngineError(f"no model at {p}")
+        try:
+            model.to(torch_device)
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, AssertionError...
+            raise EngineError(f"cannot move the model to {device}: {exc}") from exc
+        model.eval()
+        engine = cls(
+            model,
+            tokenizer,
+            model_id=model_id or default_id,
+            max_context=_context_window(model.config),
+        )
+        log.info(
+            "loaded %s from %s on %s (%d parameters, context %d)",
+            engine.model_id, p, torch_device, sum(t.numel() for t in model.parameters()),
+            engine.max_context,
+        )
+        return engine
+
+    @classmethod
+    async def load_async(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        device: str = "cpu",
+        model_id: str | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> TransformersEngine:
+        """:meth:`load` in a worker thread, so the trio loop keeps running meanwhile."""
+        load = functools.partial(cls.load, path, device=device, model_id=model_id, dtype=dtype)
+        return await trio.to_thread.run_sync(load)
+
+    # -- text-level API -------------------------------------------------------------------
+
+    async def generate(self, prompt: str, params: SamplingParams) -> AsyncIterator[str]:
+        async for chunk in self.stream(prompt, params):
+            if chunk.text:
+                yield chunk.text
+
+    async def stream(self, prompt: str, params: SamplingParams) -> AsyncIterator[StreamChunk]:
+        """Stream the continuation of ``prompt``; one forward pass per worker-thread call.
+
+        The lock is taken per token, so concurrent streams interleave; nothing runs between
+        two iterations, and a stream that is cancelled or dropped costs nothing further.
+        Chunks with no new text (an incomplete UTF-8 character) are not yielded; the last chunk
+        carries the finish reason and token counts.
+
+        Raises:
+            PromptTooLongError, EngineError: see :meth:`Engine.generate`.
+        """
+        self._check_open()
+        prompt_ids = self._prompt_ids(prompt)
+        self._check_fits(len(prompt_ids), params.max_tokens)
+        generation = _Generation(self, prompt_ids, params)
+        try:
+            while generation.finish_reason is None:
+                async with self._lock:
+                    self._check_open()
+                    piece = await self._in_thread(generation.step)
+                if generation.finish_reason is not None:
+                    yield StreamChunk(
+                        piece,
+                        finish_reason=generation.finish_reason,
+                        prompt_tokens=len(prompt_ids),
+                        completion_tokens=len(generation.token_ids),
+                    )
+                elif piece:
+                    yield StreamChunk(piece)
+        finally:
+            generation.release()
+
+    async def complete(self, prompt: str, params: SamplingParams) -> Completion:
+        """Generate the whole continuation in one worker-thread call (holding the lock).
+
+        Raises:
+            PromptTooLongError, EngineError: see :meth:`Engine.complete`.
+        """
+        self._check_open()
+        prompt_ids = self._prompt_ids(prompt)
+        self._check_fits(len(prompt_ids), params.max_tokens)
+        generation = _Generation(self, prompt_ids, params)
+        try:
+            async with self._lock:
+                self._check_open()
+                text = await self._in_thread_interruptible(generation.run)
+        finally:
+            generation.release()
+        assert generation.finish_reason is not None  # run() only returns early when cancelled
+        return Completion(
+            text=text,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(generation.token_ids),
+            finish_reason=generation.finish_reason,
+        )
+
+    async def score(self, prompt: str, continuation: str) -> TokenScores:
+        """See :meth:`Engine.score`; an empty continuation gives empty scores.
+
+        Raises:
+            PromptTooLongError: prompt + continuation tokens > ``max_context``.
+            EngineError: an empty prompt and a tokenizer without BOS (the first continuation
+                token would have no context), or the forward pass failed.
+        """
+        self._check_open()
+        prompt_ids = self._prompt_ids(prompt)
+        continuation_ids = self._encode(continuation, add_special_tokens=False)
+        if not continuation_ids:
+            return TokenScores([], [], ranks=[])
+        return await self.score_ids(prompt_ids + continuation_ids, len(prompt_ids))
+
+    async def tokenize(self, text: str) -> list[int]:
+        self._check_open()
+        return self._encode(text, add_special_tokens=True)
+
+    async def aclose(self) -> None:
+        """Free the model (waits for a forward pass in progress); later calls raise EngineError."""
+        if self._closed:
+            return
+        async with self._lock:
+            self._closed = True
+            on_cuda = self.device.type == "cuda"
+            self.model = None
+            if on_cuda:
+                torch.cuda.empty_cache()
+
+    # -- token-level API ------------------------------------------------------------------
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self._check_open()
+        return self._encode(text, add_special_tokens=add_special_tokens)
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        self._check_open()
+        ids = self._check_ids(token_ids)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def score_ids(
+        self, token_ids: Sequence[int], start: int, *, top_k: int = 0
+    ) -> TokenScores:
+        """See :meth:`Engine.score_ids`; one forward pass in the worker thread."""
+        self._check_open()
+        ids = self._check_ids(token_ids)
+        if not 1 <= start <= len(ids):
+            raise ValueError(f"start must be in [1, {len(ids)}], not {start}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, not {top_k}")
+        if len(ids) > self.max_context:
+            raise PromptTooLongError(
+                f"{len(ids)} tokens exceed the context of {self.max_context} tokens of "
+                f"{self.model_id}"
+            )
+        if start == len(ids):
+            return TokenScores([], [], ranks=[], top_logprobs=[] if top_k else None)
+        async with self._lock:
+            self._check_open()
+            return await self._in_thread(functools.partial(self._score_sync, ids, start, top_k))
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"engine of {self.model_id} is closed")
+
+    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.max_context:
+            raise PromptTooLongError(
+                f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the context "
+                f"of {self.max_context} tokens of {self.model_id}"
+            )
+
+    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(
+                f"token IDs {bad[:5]} out of the vocabulary of {self.vocab_size} of {self.model_id}"
+            )
+        return ids
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        """The prompt's tokens; an empty prompt is [BOS] (the model needs one token of context)."""
+        ids = self._encode(prompt, add_special_tokens=True)
+        if not ids:
+            bos = self.tokenizer.bos_token_id
+            if bos is None:
+                raise EngineError(f"{self.model_id}: empty prompt and no BOS token to start from")
+            ids = [bos]
+        return ids
+
+    def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        except Exception as exc:  # noqa: BLE001 - tokenizers raise a variety of types
+            raise EngineError(f"tokenizer of {self.model_id} failed: {exc}") from exc
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in a worker thread (not cancellable: it is one forward pass)."""
+        try:
+            return await trio.to_thread.run_sync(fn)
+        except (EngineError, ValueError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, OOM errors...
+            raise EngineError(f"{self.model_id}: {type(exc).__name__}: {exc}") from exc
+
+    async def _in_thread_interruptible(self, fn: Callable[[threading.Event], T]) -> T:
+        """Run ``fn(stop)`` in a worker thread; cancellation sets ``stop`` and waits for ``fn``.
+
+        ``fn`` must check ``stop`` often (between tokens) and return soon after it is set.
+        """
+        stop = threading.Event()
+
+        async def set_stop_when_cancelled() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                stop.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(set_stop_when_cancelled)
+            result = await self._in_thread(functools.partial(fn, stop))
+            nursery.cancel_scope.cancel()
+        return result
+
+    def _score_sync(self, ids: list[int], start: int, top_k: int) -> TokenScores:
+        model = self.model
+        assert model is not None
+        input_ids = torch.tensor([ids], device=self.device)
+        # Only positions start-1 .. n-2 predict scored tokens.
+        keep = len(ids) - start + 1
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        with torch.inference_mode():
+            logits = model(input_ids=input_ids, **kwargs).logits[0]
+            logits = logits[-keep:-1]
+            targets = torch.tensor(ids[start:], device=logits.device)
+            logprobs: list[float] = []
+            ranks: list[int] = []
+            top: list[dict[int, float]] | None = [] if top_k else None
+            for lo in range(0, logits.shape[0], SCORE_CHUNK_POSITIONS):
+                part = torch.log_softmax(logits[lo : lo + SCORE_CHUNK_POSITIONS].float(), dim=-1)
+                target = targets[lo : lo + SCORE_CHUNK_POSITIONS].unsqueeze(1)
+                chosen = part.gather(1, target)
+                logprobs.extend(chosen.squeeze(1).tolist())
+                ranks.extend(((part > chosen).sum(dim=1) + 1).tolist())
+                if top is not None:
+                    values, indices = part.topk(min(top_k, part.shape[1]), dim=-1)
+                    for vs, ix in zip(values.tolist(), indices.tolist()):
+                        top.append(dict(zip(ix, vs)))
+        return TokenScores(ids[start:], logprobs, ranks=ranks, top_logprobs=top)
+
+
+class _Generation:
+    """One request's decoding state: KV cache, sampler, detokenizer.
+
+    :meth:`step` and :meth:`run` run in a worker thread, under the engine's lock.
+    """
+
+    def __init__(self, engine: TransformersEngine, prompt_ids: list[int], params: SamplingParams):
+        self.engine = engine
+        self.params = params
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._pending: list[int] = prompt_ids  # tokens the next forward pass reads
+        self._past: Any = None
+        self._detokenizer = _Detokenizer(engine.tokenizer, prompt_ids[-DETOKENIZE_CONTEXT_TOKENS:])
+        self._generator: torch.Generator | None = None
+        if not params.greedy:
+            self._generator = torch.Generator(device="cpu")
+            if params.seed is not None:
+                self._generator.manual_seed(params.seed)
+            else:
+                self._generator.seed()
+
+    def step(self) -> str:
+        """One forward pass and one token; returns the new text (may be "")."""
+        model = self.engine.model
+        assert model is not None and self.finish_reason is None
+        input_ids = torch.tensor([self._pending], device=self.engine.device)
+        with torch.inference_mode():
+            out = model(input_ids=input_ids, past_key_values=self._past, use_cache=True)
+            self._past = out.past_key_values
+            token = self._pick(out.logits[0, -1])
+        if token in self.engine.eos_token_ids:
+            self.finish_reason = FINISH_STOP
+            return self._detokenizer.flush()
+        self.token_ids.append(token)
+        self.engine.tokens_generated += 1
+        piece = self._detokenizer.push(token)
+        if len(self.token_ids) >= self.params.max_tokens:
+            self.finish_reason = FINISH_LENGTH
+            return piece + self._detokenizer.flush()
+        self._pending = [token]
+        return piece
+
+    def run(self, stop: threading.Event) -> str:
+        """Steps until finished, or until ``stop`` is set; returns the text generated."""
+        pieces = []
+        while self.finish_reason is None and not stop.is_set():
+            pieces.append(self.step())
+        return "".join(pieces)
+
+    def release(self) -> None:
+        """Drop the KV cache."""
+        self._past = None
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        if self._generator is None:
+            return int(torch.argmax(logits).item())
+        scaled = logits.float().cpu() / self.params.temperature
+        probs = torch.softmax(scaled, dim=-1)
+        if self.params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            before = torch.cumsum(sorted_probs, dim=0) - sorted_probs
+            sorted_probs = torch.where(before < self.params.top_p, sorted_probs, 0.0)
+            choice = torch.multinomial(sorted_probs, 1, generator=self._generator)
+            return int(order[choice].item())
+        return int(torch.multinomial(probs, 1, generator=self._generator).item())
+
+
+class _Detokenizer:
+    """Incremental detokenization: text pieces of a growing token sequence.
+
+    Decodes a small window (a prefix already emitted + the new tokens) and emits the difference,
+    so a piece keeps the leading space a tokenizer would strip at the start of a sequence, and
+    an incomplete UTF-8 character (U+FFFD at the end) is held back until it completes.
+    """
+
+    def __init__(self, tokenizer: Any, context_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(context_ids)
+        self._prefix = 0  # start of the decoded window
+        self._read = len(self._ids)  # end of the text already emitted
+
+    def _delta(self, force: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) > len(prefix_text) and (force or not new_text.endswith("\ufffd")):
+            piece = new_text[len(prefix_text) :]
+            self._prefix, self._read = self._read, len(self._ids)
+            return piece
+        return ""
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._delta(force=False)
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character at the end of generation)."""
+        return self._delta(force=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+
+
+# -- loading --------------------------------------------------------------------------------
+
+
+def _torch_device(device: str) -> torch.device:
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise EngineError(f"unknown device {device!r}: {exc}") from exc
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"device {device!r} requested, but torch sees no CUDA GPU")
+    if torch_device.type == "mps" and not torch.backends.mps.is_available():
+        raise EngineError(f"device {device!r} requested, but MPS is not available")
+    return torch_device
+
+
+def _dtype_kwargs(dtype: torch.dtype | str | None) -> dict[str, Any]:
+    if dtype is None:
+        return {}
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def _load_folder(path: pathlib.Path, dtype: torch.dtype | str | None) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, **_dtype_kwargs(dtype)
+        )
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError...
+        raise EngineError(f"cannot load the model folder {path}: {exc}") from exc
+    return model, tokenizer
+
+
+def _load_gguf(path: pathlib.Path, dtype: torch.dtype | str | None) -> tuple[Any, Any]:
+    try:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        metadata = load_gguf_checkpoint(str(path))
+    except Exception as exc:  # noqa: BLE001 - ImportError (no gguf package), parse errors
+        raise EngineError(f"cannot read the GGUF file {path}: {exc}") from exc
+    tokenizer = _gguf_tokenizer(path, metadata)
+    model = None
+    if importlib.util.find_spec("accelerate") is not None:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, local_files_only=True, **_dtype_kwargs(dtype)
+            )
+        except Exception as exc:  # noqa: BLE001
+            log.warning(
+                "transformers' GGUF loader failed on %s (%s); dequantizing instead", path, exc
+            )
+    if model is None:
+        model = _gguf_model_dequantized(path, metadata, dtype)
+    return model, tokenizer
+
+
+def _gguf_model_dequantized(
+    path: pathlib.Path, metadata: dict[str, Any], dtype: torch.dtype | str | None
+) -> Any:
+    """A float model from a GGUF file without ``accelerate``: build from config, load tensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        config_dict = dict(metadata["config"])
+        vocab_size = int(config_dict.get("vocab_size") or 0)
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id"):
+            value = config_dict.get(key)
+            if isinstance(value, int) and not 0 <= value < vocab_size:
+                config_dict[key] = None  # llama.cpp's 2**32 - 1 means "none"
+        config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+        model = AutoModelForCausalLM.from_config(config)
+        loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+        tensors = loaded["tensors"]
+        result = model.load_state_dict(tensors, strict=False)
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
+        missing = [
+            k for k in result.missing_keys
+            if not (getattr(config, "tie_word_embeddings", False) and k.startswith("lm_head."))
+        ]
+        if missing:
+            raise EngineError(f"the file lacks tensors {missing[:5]}")
+        if isinstance(dtype, torch.dtype):
+            model.to(dtype)
+    except Exception as exc:  # noqa: BLE001
+        raise EngineError(f"cannot load the GGUF model {path}: {exc}") from exc
+    return model
+
+
+def _gguf_tokenizer(path: pathlib.Path, metadata: dict[str, Any]) -> Any:
+    from transformers import AutoTokenizer
+
+    spec = metadata.get("tokenizer", {})
+    n_tokens = len(spec.get("tokens") or ())
+    special_ids = [spec.get(f"{name}_token_id") for name in ("bos", "eos", "unk", "pad")]
+    first_error: Exception | str = "special-token IDs out of the vocabulary"
+    if all(i is None or (isinstance(i, int) and 0 <= i < n_tokens) for i in special_ids):
+        try:
+            return AutoTokenizer.from_pretrained(
+                path.parent, gguf_file=path.name, local_files_only=True
+            )
+        except Exception as exc:  # noqa: BLE001
+            first_error = exc
+    try:
+        return _gguf_tokenizer_sanitized(metadata)
+    except Exception as exc:  # noqa: BLE001
+        raise EngineError(
+            f"cannot build the tokenizer of the GGUF file {path}: {first_error}; "
+            f"with sanitized metadata: {exc}"
+        ) from exc
+
+
+def _gguf_tokenizer_sanitized(metadata: dict[str, Any]) -> Any:
+    """The GGUF tokenizer with out-of-range special-token IDs dropped."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:  # transformers 4.x
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+
+    spec = dict(metadata["tokenizer"])
+    tokens = spec["tokens"]
+    specials: dict[str, str] = {}
+    for name in ("bos", "eos", "unk", "pad"):
+        token_id = spec.get(f"{name}_token_id")
+        if isinstance(token_id, int) and 0 <= token_id < len(tokens):
+            specials[f"{name}_token"] = tokens[token_id]
+        else:
+            spec.pop(f"{name}_token_id", None)
+    backend, extra = convert_gguf_tokenizer(metadata["config"]["model_type"], spec)
+    # llama.cpp adds BOS to a sentencepiece ("llama") vocabulary unless the file says otherwise
+    default_bos = spec.get("tokenizer_type") == "llama"
+    add_bos = bool(metadata.get("tokenizer_config", {}).get("add_bos_token", default_bos))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, add_bos_token=add_bos, **specials, **(extra or {})
+    )
+    bos = specials.get("bos_token")
+    if add_bos and bos is not None:
+        bos_id = tokens.index(bos)
+        if tokenizer("a")["input_ids"][:1] != [bos_id]:
+            tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+            )
+    return tokenizer
+
+
+def _context_window(config: Any) -> int:
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    log.warning("the model config names no context window; assuming %d tokens", DEFAULT_CONTEXT)
+    return DEFAULT_CONTEXT
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ]
+    for value in sources:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v >= 0:
+                ids.add(v)
+    return frozenset(ids)

@@ -1,0 +1,457 @@
+"""Inference engines: transformers on the real stories260K model, vLLM against the fake server.
+
+The model is loaded once per module (a cached loader); the fake vLLM server is backed by that
+same engine, so every vLLM answer can be compared with the engine's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import pathlib
+import random
+import socket
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from ps_p2p.engines import default_model_id, load_engine
+from ps_p2p.engines.base import Engine, SamplingParams, TokenScores
+from ps_p2p.engines.vllm_engine import VLLMEngine
+from ps_p2p.errors import ConfigError, EngineError, PromptTooLongError
+from ps_p2p.testing.fake_vllm import open_fake_vllm
+from ps_p2p.testing.fakes import InstantEngine
+
+PROMPT = "Once upon a time"
+GREEDY = SamplingParams(max_tokens=24)
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=1234)
+
+_loaded: dict[pathlib.Path, Engine] = {}
+
+
+def _load(path: pathlib.Path) -> Engine:
+    """Load a model once per test session (a few seconds on 2 cores)."""
+    pytest.importorskip("transformers")
+    if path not in _loaded:
+        from ps_p2p.engines.transformers_engine import TransformersEngine
+
+        _loaded[path] = TransformersEngine.load(path)
+    return _loaded[path]
+
+
+@pytest.fixture
+def engine(shared: pathlib.Path) -> Engine:
+    """TransformersEngine on ../shared/models/stories260K (shared by all tests: do not close)."""
+    return _load(shared / "models" / "stories260K")
+
+
+@pytest.fixture
+async def vllm_url(engine: Engine):
+    async with open_fake_vllm(engine) as url:
+        yield url
+
+
+@pytest.fixture
+async def vllm(vllm_url: str, engine: Engine):
+    client = VLLMEngine(vllm_url, engine.model_id)
+    yield client
+    await client.aclose()
+
+
+def _reference_logprobs(engine, token_ids: list[int], start: int) -> list[float]:
+    """log p(token i | tokens < i) by one separate forward pass per position."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for i in range(start, len(token_ids)):
+            logits = engine.model(input_ids=torch.tensor([token_ids[:i]])).logits[0, -1]
+            out.append(torch.log_softmax(logits.double(), dim=-1)[token_ids[i]].item())
+    return out
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- base ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": True},
+        {"temperature": -0.1},
+        {"temperature": math.inf},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"seed": -1},
+        {"seed": 2**64},
+    ],
+)
+def test_sampling_params_reject_values_out_of_range(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_perplexity_is_exp_of_minus_mean_logprob():
+    scores = TokenScores([5, 6], [math.log(0.5), math.log(0.125)])
+    assert scores.perplexity == pytest.approx(4.0)
+    assert TokenScores([], []).perplexity == math.inf
+
+
+async def test_default_stream_of_instant_engine_ends_with_a_finish_reason():
+    chunks = [c async for c in InstantEngine().stream("hello", GREEDY)]
+    assert "".join(c.text for c in chunks) == "olleh"
+    assert chunks[-1].finish_reason == "stop"
+
+
+# -- load_engine -------------------------------------------------------------------------
+
+
+def test_load_engine_rejects_unknown_kind():
+    with pytest.raises(ConfigError):
+        load_engine("llama.cpp", model="x")
+
+
+def test_load_engine_rejects_missing_model_path(tmp_path):
+    with pytest.raises(ConfigError):
+        load_engine("transformers", model=str(tmp_path / "absent"))
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        ("../shared/models/stories260K", "stories260K"),
+        ("../shared/models/stories260K/", "stories260K"),
+        ("/m/stories260K.gguf", "stories260K"),
+        ("meta-llama/Llama-3.1-8B", "Llama-3.1-8B"),
+    ],
+)
+def test_default_model_id_is_the_last_path_component(model, expected):
+    assert default_model_id(model) == expected
+
+
+def test_load_engine_names_a_folder_model_after_the_folder(shared):
+    pytest.importorskip("transformers")
+    engine = load_engine("transformers", model=str(shared / "models" / "stories260K"))
+    assert engine.model_id == "stories260K"
+    assert engine.max_context == 2048
+
+
+async def test_load_engine_vllm_reads_max_model_len(engine, vllm_url):
+    load = functools.partial(load_engine, "vllm", model=engine.model_id, base_url=vllm_url + "/v1")
+    client = await trio.to_thread.run_sync(load)  # blocking start-up code
+    try:
+        assert client.max_context == engine.max_context
+        assert client.model_id == engine.model_id
+    finally:
+        await client.aclose()
+
+
+async def test_load_engine_vllm_rejects_a_model_the_server_does_not_serve(engine, vllm_url):
+    load = functools.partial(load_engine, "vllm", model="other-model", base_url=vllm_url)
+    with pytest.raises(ConfigError):
+        await trio.to_thread.run_sync(load)
+
+
+# -- transformers engine -----------------------------------------------------------------
+
+
+async def test_greedy_completion_is_deterministic_and_nonempty(engine):
+    first = await engine.complete(PROMPT, GREEDY)
+    second = await engine.complete(PROMPT, GREEDY)
+    assert first.text.strip()
+    assert first == second
+    assert first.prompt_tokens == len(await engine.tokenize(PROMPT))
+    assert first.completion_tokens == GREEDY.max_tokens
+    assert first.finish_reason == "length"
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+async def test_streamed_pieces_join_to_the_completion_text(engine, params):
+    completion = await engine.complete(PROMPT, params)
+    pieces = [piece async for piece in engine.generate(PROMPT, params)]
+    assert len(pieces) > 1
+    assert "".join(pieces) == completion.text
+
+
+async def test_seeded_sampling_repeats_and_other_seeds_differ(engine):
+    texts = set()
+    for seed in (1, 2, 3):
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=seed)
+        first = await engine.complete(PROMPT, params)
+        assert (await engine.complete(PROMPT, params)).text == first.text
+        texts.add(first.text)
+    assert len(texts) > 1
+
+
+async def test_stream_ends_with_finish_reason_and_token_counts(engine):
+    chunks = [chunk async for chunk in engine.stream(PROMPT, GREEDY)]
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert (last.finish_reason, last.completion_tokens) == ("length", GREEDY.max_tokens)
+    assert last.prompt_tokens == len(await engine.tokenize(PROMPT))
+
+
+async def test_concurrent_streams_give_the_same_text_as_one_at_a_time(engine):
+    prompts = [PROMPT, "The little dog", "Lily and Ben"]
+    expected = [(await engine.complete(p, GREEDY)).text for p in prompts]
+    results: dict[int, str] = {}
+
+    async def run(i: int) -> None:
+        results[i] = "".join([piece async for piece in engine.generate(prompts[i], GREEDY)])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(run, i)
+    assert [results[i] for i in range(len(prompts))] == expected
+
+
+async def test_cancelled_completion_stops_its_thread_and_leaves_the_engine_usable(engine):
+    expected = await engine.complete(PROMPT, GREEDY)
+    long = SamplingParams(max_tokens=2000)  # greedy stories260K runs to the limit (no EOS)
+    before = engine.tokens_generated
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.complete, PROMPT, long)
+            await trio.testing.wait_all_tasks_blocked()  # the worker thread is generating
+            scope.cancel()
+    assert scope.cancelled_caught
+    assert engine.tokens_generated - before < long.max_tokens  # stopped between tokens
+    with trio.move_on_after(30):  # would hang if the lock were still held
+        assert await engine.complete(PROMPT, GREEDY) == expected
+        return
+    pytest.fail("the engine stayed locked after a cancelled completion")
+
+
+async def test_abandoned_stream_leaves_the_engine_usable(engine):
+    expected = await engine.complete(PROMPT, GREEDY)
+    async for _ in engine.generate(PROMPT, SamplingParams(max_tokens=1500)):
+        break
+    assert await engine.complete(PROMPT, GREEDY) == expected
+
+
+async def test_score_gives_one_nonpositive_logprob_per_continuation_token(engine):
+    continuation = " there was a little girl named Lily."
+    scores = await engine.score(PROMPT, continuation)
+    assert scores.token_ids == await engine.encode(continuation, add_special_tokens=False)
+    assert len(scores.logprobs) == len(scores.token_ids) > 0
+    assert all(lp <= 0 for lp in scores.logprobs)
+    assert all(rank >= 1 for rank in scores.ranks)
+
+
+async def test_score_matches_a_token_by_token_reference(engine):
+    completion = await engine.complete(PROMPT, GREEDY)
+    prompt_ids = await engine.tokenize(PROMPT)
+    assert prompt_ids[0] == engine.tokenizer.bos_token_id
+    scores = await engine.score(PROMPT, completion.text)
+    ids = prompt_ids + scores.token_ids
+    reference = _reference_logprobs(engine, ids, len(prompt_ids))
+    assert scores.logprobs == pytest.approx(reference, abs=1e-4)
+
+
+async def test_score_ids_reports_ranks_and_top_alternatives(engine):
+    ids = await engine.tokenize(PROMPT + " there was a girl")
+    scores = await engine.score_ids(ids, 1, top_k=3)
+    assert scores.token_ids == ids[1:]
+    for logprob, rank, top in zip(scores.logprobs, scores.ranks, scores.top_logprobs):
+        assert len(top) == 3
+        assert rank > 3 or rank == 1 + sum(1 for v in top.values() if v > logprob)
+        assert max(top.values()) >= logprob
+
+
+async def test_likely_continuation_scores_higher_than_random_tokens(engine):
+    likely = (await engine.complete(PROMPT, GREEDY)).text
+    rng = random.Random(7)
+    noise_ids = [rng.randrange(3, engine.vocab_size) for _ in range(GREEDY.max_tokens)]
+    noise = await engine.decode(noise_ids)
+    likely_scores = await engine.score(PROMPT, likely)
+    noise_scores = await engine.score(PROMPT, noise)
+    assert likely_scores.mean_logprob > noise_scores.mean_logprob + 1.0
+    assert likely_scores.perplexity < noise_scores.perplexity
+
+
+async def test_prompt_and_max_tokens_over_the_context_raise_prompt_too_long(engine):
+    prompt_tokens = len(await engine.tokenize(PROMPT))
+    too_many = SamplingParams(max_tokens=engine.max_context - prompt_tokens + 1)
+    with pytest.raises(PromptTooLongError):
+        await engine.complete(PROMPT, too_many)
+    with pytest.raises(PromptTooLongError):
+        async for _ in engine.generate(PROMPT, too_many):
+            pass
+    with pytest.raises(PromptTooLongError):
+        await engine.score(PROMPT, " a" * engine.max_context)
+    exactly = SamplingParams(max_tokens=engine.max_context - prompt_tokens)
+    assert exactly.max_tokens > 0  # fits: no error up front (not run to the end here)
+
+
+@pytest.mark.parametrize("device", ["no-such-device", "cuda:99"])
+def test_unavailable_device_raises_engine_error(shared, device):
+    pytest.importorskip("transformers")
+    from ps_p2p.engines.transformers_engine import TransformersEngine
+
+    with pytest.raises(EngineError):
+        TransformersEngine.load(shared / "models" / "stories260K", device=device)
+
+
+async def test_closed_engine_raises_engine_error(shared):
+    pytest.importorskip("transformers")
+    from ps_p2p.engines.transformers_engine import TransformersEngine
+
+    own = TransformersEngine.load(shared / "models" / "stories260K", model_id="own")
+    await own.aclose()
+    with pytest.raises(EngineError):
+        await own.complete(PROMPT, GREEDY)
+
+
+async def test_gguf_gives_the_same_greedy_text_as_the_folder(engine, shared):
+    gguf = load_engine("transformers", model=str(shared / "models" / "stories260K.gguf"))
+    try:
+        assert gguf.model_id == "stories260K"
+        text = PROMPT + ", Lily's dog"
+        assert await gguf.tokenize(text) == await engine.tokenize(text)
+        assert (await gguf.complete(PROMPT, GREEDY)) == (await engine.complete(PROMPT, GREEDY))
+    finally:
+        await gguf.aclose()
+
+
+# -- vLLM engine against the fake server ---------------------------------------------------
+
+
+async def test_vllm_completion_matches_the_backing_engine(engine, vllm):
+    for params in (GREEDY, SAMPLED):
+        assert await vllm.complete(PROMPT, params) == await engine.complete(PROMPT, params)
+
+
+async def test_vllm_stream_matches_the_completion(engine, vllm):
+    expected = await engine.complete(PROMPT, GREEDY)
+    chunks = [chunk async for chunk in vllm.stream(PROMPT, GREEDY)]
+    assert "".join(c.text for c in chunks) == expected.text
+    last = chunks[-1]
+    assert (last.finish_reason, last.prompt_tokens, last.completion_tokens) == (
+        expected.finish_reason, expected.prompt_tokens, expected.completion_tokens,
+    )
+    assert "".join([p async for p in vllm.generate(PROMPT, GREEDY)]) == expected.text
+
+
+async def test_vllm_score_matches_the_backing_engine(engine, vllm):
+    continuation = (await engine.complete(PROMPT, GREEDY)).text
+    remote = await vllm.score(PROMPT, continuation)
+    local = await engine.score(PROMPT, continuation)
+    assert remote.token_ids == local.token_ids
+    assert remote.logprobs == pytest.approx(local.logprobs, abs=1e-9)
+    assert remote.ranks == local.ranks
+
+
+async def test_vllm_tokenize_and_decode_match_the_backing_engine(engine, vllm):
+    text = PROMPT + ", there was a dog."
+    assert await vllm.tokenize(text) == await engine.tokenize(text)
+    ids = await vllm.encode(text, add_special_tokens=False)
+    assert ids == await engine.encode(text, add_special_tokens=False)
+    assert await vllm.decode(ids) == await engine.decode(ids)
+
+
+async def test_vllm_refresh_reads_max_model_len(engine, vllm):
+    assert vllm.max_context == 0
+    await vllm.refresh()
+    assert vllm.max_context == engine.max_context
+
+
+async def test_vllm_context_overflow_raises_prompt_too_long(engine, vllm):
+    too_many = SamplingParams(max_tokens=engine.max_context)
+    with pytest.raises(PromptTooLongError):
+        await vllm.complete(PROMPT, too_many)
+    with pytest.raises(PromptTooLongError):
+        async for _ in vllm.generate(PROMPT, too_many):
+            pass
+    with pytest.raises(PromptTooLongError):
+        await vllm.score(PROMPT, " a" * engine.max_context)
+
+
+async def test_vllm_server_down_raises_engine_error():
+    client = VLLMEngine(f"http://127.0.0.1:{_closed_port()}", "m", connect_timeout=5)
+    try:
+        for call in (client.complete(PROMPT, GREEDY), client.tokenize(PROMPT), client.refresh()):
+            with pytest.raises(EngineError, match="cannot connect"):
+                await call
+        with pytest.raises(EngineError):
+            async for _ in client.generate(PROMPT, GREEDY):
+                pass
+    finally:
+        await client.aclose()
+
+
+async def test_vllm_unknown_model_raises_engine_error(vllm_url):
+    async with VLLMEngine(vllm_url, "no-such-model") as client:
+        with pytest.raises(EngineError, match="does not exist") as info:
+            await client.complete(PROMPT, GREEDY)
+        assert not isinstance(info.value, PromptTooLongError)
+        with pytest.raises(EngineError):
+            await client.score(PROMPT, " there")
+        with pytest.raises(EngineError, match="serves"):
+            await client.refresh()
+
+
+async def test_fake_vllm_answers_vllm_error_objects(engine, vllm_url):
+    async with httpx.AsyncClient(base_url=vllm_url) as http:
+        too_long = await http.post("/v1/completions", json={
+            "model": engine.model_id, "prompt": PROMPT, "max_tokens": engine.max_context,
+        })
+        assert too_long.status_code == 400
+        body = too_long.json()
+        assert (body["object"], body["type"], body["code"]) == ("error", "BadRequestError", 400)
+        assert "maximum context length is 2048 tokens" in body["message"]
+
+        unknown = await http.post("/v1/completions", json={"model": "x", "prompt": PROMPT})
+        assert unknown.status_code == 404
+        assert unknown.json()["message"] == "The model `x` does not exist."
+
+        for bad in ({"prompt": PROMPT, "temperature": -1}, {"prompt": PROMPT, "max_tokens": 0},
+                    {"prompt": PROMPT, "stream": True, "prompt_logprobs": 1}, {"max_tokens": 4}):
+            response = await http.post("/v1/completions", json=bad)
+            assert response.status_code == 400, bad
+        assert (await http.get("/v1/completions")).status_code == 405
+        assert (await http.get("/v1/chat")).status_code == 404
+
+
+async def test_fake_vllm_completion_and_stream_have_vllm_shapes(engine, vllm_url):
+    request = {"model": engine.model_id, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    async with httpx.AsyncClient(base_url=vllm_url) as http:
+        answer = (await http.post("/v1/completions", json=request)).json()
+        assert answer["id"].startswith("cmpl-") and answer["object"] == "text_completion"
+        assert answer["model"] == engine.model_id
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"] + 8
+
+        stream = {**request, "stream": True, "stream_options": {"include_usage": True}}
+        async with http.stream("POST", "/v1/completions", json=stream) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = [line async for line in response.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(e["object"] == "text_completion" and e["id"] == events[0]["id"] for e in events)
+    text_events, usage_event = events[:-1], events[-1]
+    assert "".join(e["choices"][0]["text"] for e in text_events) == answer["choices"][0]["text"]
+    assert text_events[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage_event["choices"] == [] and usage_event["usage"] == answer["usage"]
+
+
+async def test_fake_vllm_prompt_logprobs_align_with_prompt_tokens(engine, vllm_url):
+    ids = await engine.tokenize(PROMPT + " there was")
+    request = {"model": engine.model_id, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    async with httpx.AsyncClient(base_url=vllm_url) as http:
+        answer = (await http.post("/v1/completions", json=request)).json()
+    entries = answer["choices"][0]["prompt_logprobs"]
+    assert answer["usage"]["prompt_tokens"] == len(ids) == len(entries)
+    assert entries[0] is None
+    for token_id, entry in zip(ids[1:], entries[1:]):
+        own = entry[str(token_id)]
+        assert own["logprob"] <= 0 and own["rank"] >= 1 and isinstance(own["decoded_token"], str)
+        assert {v["rank"] for v in entry.values()} >= {1, 2}
