@@ -66,8 +66,16 @@ def build_host(identity: Identity) -> IHost:
     )
     # A dead relay must be noticed in well under a second: one quick retry, not three with
     # exponential back-off (py-libp2p's default costs ~0.7 s per unreachable peer).
-    host.get_network().retry_config = RetryConfig(max_retries=1, initial_delay=0.05)  # type: ignore[attr-defined]
+    network = host.get_network()
+    network.retry_config = RetryConfig(max_retries=1, initial_delay=0.05)  # type: ignore[attr-defined]
+    # The auto-connector dials every peer in the peerstore up to the midpoint of the watermarks
+    # (150 by default) whatever ConnectionConfig says; the overlay dials the peers it needs.
+    network.auto_connector.maybe_connect = _no_auto_connect  # type: ignore[attr-defined]
     return host
+
+
+async def _no_auto_connect(*args: object, **kwargs: object) -> None:
+    return None
 
 
 @asynccontextmanager

@@ -180,6 +180,10 @@ class UserClient:
         self._setting_up: int = 0
         self._pending: dict[bytes, _Pending] = {}
         self._failed_relays: dict[bytes, float] = {}
+        # relay -> paths through it that went silent since a path through it last answered a
+        # probe; a relay that drops or corrupts cells stays suspected, its honest neighbours
+        # are cleared by their other paths
+        self._suspicion: dict[bytes, int] = {}
         self._wake = trio.Event()
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -243,11 +247,10 @@ class UserClient:
                     "path via %s unanswered for %.1f s: replacing it",
                     _short(path.relays[0]), now - path.probe_sent_at,
                 )
-                # one of its relays drops cells (dead, or tampering): keep all of them out of
-                # new paths for a while
-                until = now + cfg.failed_relay_cooldown
+                # one of its relays drops cells (dead, or tampering): suspect every relay of it
+                # until a working path clears it (see _suspects)
                 for relay in path.relays:
-                    self._failed_relays[relay] = until
+                    self._suspicion[relay] = self._suspicion.get(relay, 0) + 1
                 self._drop_path(path, "probe timeout")
                 continue
             if path.probe_nonce is None and now - max(path.probe_sent_at, path.last_reply_at) >= cfg.probe_interval:
@@ -278,9 +281,15 @@ class UserClient:
         if len(users) < self.config.hops:
             log.debug("only %d other users known; need %d relays", len(users), self.config.hops)
             return
-        candidates = [r.peer_id for r in users if r.peer_id not in self._failed_relays]
-        if len(candidates) < self.config.hops + 1:
-            candidates = [r.peer_id for r in users]
+        candidates = [
+            r.peer_id for r in users
+            if r.peer_id not in self._failed_relays and r.peer_id not in self._suspicion
+        ]
+        if len(candidates) < self.config.hops:
+            # too few trusted relays: take the least suspected ones
+            ranked = sorted(users, key=lambda r: (r.peer_id in self._failed_relays,
+                                                  self._suspicion.get(r.peer_id, 0)))
+            candidates = [r.peer_id for r in ranked[: max(self.config.hops, len(candidates))]]
         in_use: dict[bytes, int] = {}
         for path in self.ready_paths():
             for relay in path.relays:
@@ -506,6 +515,8 @@ class UserClient:
         if kind == "probe_reply":
             if path is not None and path.probe_nonce == message.probe_reply.nonce:
                 path.probe_nonce = None
+                for relay in path.relays:  # a probe came back: every relay of the path forwards
+                    self._suspicion.pop(relay, None)
         elif kind == "delivery_failed":
             log.warning("proxy could not deliver a clove: %s", message.delivery_failed)
         elif kind == "clove":

@@ -156,7 +156,7 @@ async def _start(workdir: pathlib.Path, name: str, role: str, args: list[str], l
         "--role", role, "--listen", "/ip4/127.0.0.1/tcp/0",
         "--key-file", str(key_path), "--status-file", str(status_path), *args,
     ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     logfile = open(log_path, "ab")
     process = await trio.lowlevel.open_process(
         cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

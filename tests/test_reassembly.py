@@ -1,0 +1,264 @@
+"""Clove reassembly (ps_p2p.overlay.reassembly): order, duplicates, tampering, expiry, bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_p2p.crypto import sida
+from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.overlay import reassembly
+from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
+
+MESSAGE = b"prompt: tell me a story about a dragon who learned to share. " * 20
+
+
+def message_id(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def tamper(clove: sida.Clove, field: str = "fragment") -> sida.Clove:
+    data = getattr(clove, field)
+    return dataclasses.replace(clove, **{field: bytes((data[0] ^ 0xFF,)) + data[1:]})
+
+
+def feed(assembler: CloveAssembler, cloves, now: float = 0.0) -> list:
+    events = []
+    for clove in cloves:
+        events.extend(assembler.receive_clove(clove, now))
+    return events
+
+
+# ---------------------------------------------------------------------------------------- order
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 6), data=st.data(), size=st.integers(0, 5000))
+def test_message_reassembles_at_the_kth_distinct_clove_in_any_order(n, data, size):
+    k = data.draw(st.integers(1, n), label="k")
+    order = data.draw(st.permutations(range(n)), label="order")
+    payload = random.Random(size).randbytes(size)
+    cloves = sida.encode(payload, n, k, message_id=message_id(1))
+    assembler = CloveAssembler()
+
+    results = [assembler.receive_clove(cloves[i], now=float(t)) for t, i in enumerate(order)]
+
+    assert results[k - 1] == [MessageReassembled(message_id(1), payload)]
+    assert all(r == [] for t, r in enumerate(results) if t != k - 1)
+    assert assembler.pending == 0
+    assert assembler.ignored == n - k
+
+
+@settings(max_examples=50, deadline=None)
+@given(messages=st.integers(1, 5), seed=st.integers(0, 2**32))
+def test_interleaved_messages_each_give_exactly_one_event(messages, seed):
+    rng = random.Random(seed)
+    payloads = {message_id(i): rng.randbytes(rng.randrange(0, 300)) for i in range(messages)}
+    cloves = [c for mid, p in payloads.items() for c in sida.encode(p, 4, 3, message_id=mid)]
+    cloves += rng.sample(cloves, len(cloves) // 2)  # retransmitted duplicates
+    rng.shuffle(cloves)
+    assembler = CloveAssembler()
+
+    events = feed(assembler, cloves)
+
+    assert sorted(events, key=lambda e: e.message_id) == [
+        MessageReassembled(mid, payloads[mid]) for mid in sorted(payloads)
+    ]
+    assert len(assembler) == 0
+
+
+# -------------------------------------------------------------------------------------- duplicates
+
+
+def test_duplicate_index_is_dropped_and_counted_without_event():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+
+    assert feed(assembler, [cloves[0], cloves[0], cloves[1], cloves[1]]) == []
+    assert assembler.duplicates == 2
+    assert assembler.pending == 1
+    assert feed(assembler, [cloves[2]]) == [MessageReassembled(message_id(1), MESSAGE)]
+
+
+def test_a_different_clove_with_a_buffered_index_is_dropped():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+
+    assert feed(assembler, [cloves[0], tamper(cloves[0]), cloves[1]]) == []
+    assert assembler.duplicates == 1
+    assert feed(assembler, [cloves[2]]) == [MessageReassembled(message_id(1), MESSAGE)]
+
+
+def test_cloves_after_success_are_ignored_until_ttl():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler(ttl=10.0)
+    feed(assembler, cloves[:3], now=0.0)
+
+    assert assembler.receive_clove(cloves[3], now=9.0) == []
+    assert assembler.receive_clove(cloves[0], now=9.0) == []
+    assert assembler.pending == 0
+    assert assembler.is_completed(message_id(1))
+
+    assert assembler.expire(now=10.0) == []  # completed IDs are not reported as expired
+    assert not assembler.is_completed(message_id(1))
+    assert assembler.receive_clove(cloves[3], now=10.0) == []
+    assert assembler.pending == 1  # forgotten: a late clove starts a new set
+
+
+# ---------------------------------------------------------------------------------------- tampering
+
+
+@pytest.mark.parametrize("field", ["fragment", "key_share"])
+def test_tampered_clove_then_good_clove_reassembles(field):
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+
+    assert feed(assembler, [tamper(cloves[0], field), cloves[1], cloves[2]]) == []
+    assert assembler.pending == 1
+    assert feed(assembler, [cloves[3]]) == [MessageReassembled(message_id(1), MESSAGE)]
+
+
+def test_all_cloves_in_but_none_decodes_fails_once_and_forgets():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    cloves = [tamper(cloves[0]), cloves[1], tamper(cloves[2], "key_share"), cloves[3]]
+    assembler = CloveAssembler()
+
+    events = [assembler.receive_clove(c, now=0.0) for c in cloves]
+
+    assert events[:3] == [[], [], []]
+    assert len(events[3]) == 1
+    assert isinstance(events[3][0], ReassemblyFailed)
+    assert events[3][0].message_id == message_id(1)
+    assert events[3][0].reason
+    assert assembler.pending == 0
+    assert not assembler.is_completed(message_id(1))
+
+
+def test_fragment_length_mismatch_counts_as_a_failed_subset():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    long = dataclasses.replace(cloves[1], fragment=cloves[1].fragment + b"\x00")
+    assembler = CloveAssembler()
+
+    assert feed(assembler, [cloves[0], long, cloves[2]]) == []
+    assert feed(assembler, [cloves[3]]) == [MessageReassembled(message_id(1), MESSAGE)]
+
+
+def test_each_subset_is_tried_once_and_contains_the_newest_clove(monkeypatch):
+    tried = []
+    real = sida.decode_subset
+
+    def recording(subset):
+        tried.append(tuple(sorted(c.index for c in subset)))
+        return real(subset)
+
+    monkeypatch.setattr(reassembly.sida, "decode_subset", recording)
+    cloves = sida.encode(MESSAGE, 5, 3, message_id=message_id(1))
+    cloves[0], cloves[1] = tamper(cloves[0]), tamper(cloves[1])
+    assembler = CloveAssembler()
+
+    assert feed(assembler, cloves[:4]) == []
+    assert tried == [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)]
+    assert feed(assembler, [cloves[4]]) == [MessageReassembled(message_id(1), MESSAGE)]
+    assert len(tried) == len(set(tried))
+    assert all(4 in subset for subset in tried[4:])
+    assert tried[-1] == (2, 3, 4)
+
+
+def test_attempt_budget_spent_fails_the_message():
+    cloves = sida.encode(MESSAGE, 6, 2, message_id=message_id(1))
+    sequence = [tamper(cloves[0]), tamper(cloves[1]), tamper(cloves[2]), cloves[3], cloves[4]]
+    assembler = CloveAssembler(max_attempts=3)
+
+    assert feed(assembler, sequence[:2]) == []  # attempt 1: (0, 1)
+    events = assembler.receive_clove(sequence[2], now=0.0)  # attempts 2, 3: (0, 2), (1, 2)
+
+    assert [type(e) for e in events] == [ReassemblyFailed]
+    assert "3 attempts" in events[0].reason
+    assert assembler.pending == 0
+    assert feed(CloveAssembler(), sequence) == [MessageReassembled(message_id(1), MESSAGE)]
+
+
+# -------------------------------------------------------------------------------------- bad cloves
+
+
+@pytest.mark.parametrize("changes", [{"total": 5}, {"threshold": 2}])
+def test_total_or_threshold_disagreeing_with_earlier_cloves_raises(changes):
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+    feed(assembler, cloves[:2])
+
+    with pytest.raises(RemoteProtocolError):
+        assembler.receive_clove(dataclasses.replace(cloves[2], **changes), now=0.0)
+
+    assert assembler.pending == 1
+    assert feed(assembler, [cloves[2]]) == [MessageReassembled(message_id(1), MESSAGE)]
+
+
+def test_out_of_range_clove_raises_and_is_not_buffered():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+
+    with pytest.raises(RemoteProtocolError):
+        assembler.receive_clove(dataclasses.replace(cloves[0], index=4), now=0.0)
+    with pytest.raises(RemoteProtocolError):
+        assembler.receive_clove(dataclasses.replace(cloves[0], key_share=b"short"), now=0.0)
+    assert assembler.pending == 0
+
+
+# ------------------------------------------------------------------------------- expiry and bounds
+
+
+def test_incomplete_message_expires_ttl_after_its_first_clove():
+    first = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    second = sida.encode(MESSAGE, 4, 3, message_id=message_id(2))
+    assembler = CloveAssembler(ttl=30.0)
+    assembler.receive_clove(first[0], now=100.0)
+    assembler.receive_clove(second[0], now=110.0)
+    assembler.receive_clove(first[1], now=125.0)  # later cloves do not extend the deadline
+
+    assert assembler.expire(now=129.9) == []
+    assert assembler.expire(now=130.0) == [message_id(1)]
+    assert assembler.pending == 1
+    assert assembler.expire(now=140.0) == [message_id(2)]
+    assert assembler.pending == 0
+
+    assert assembler.receive_clove(first[2], now=141.0) == []  # a fresh set, with one clove
+    assert assembler.pending == 1
+
+
+def test_over_max_messages_the_oldest_is_evicted_with_an_event():
+    assembler = CloveAssembler(max_messages=3)
+    sets = {i: sida.encode(MESSAGE, 4, 3, message_id=message_id(i)) for i in range(5)}
+    for i in range(3):
+        assert assembler.receive_clove(sets[i][0], now=float(i)) == []
+
+    events = assembler.receive_clove(sets[3][0], now=3.0)
+
+    assert [type(e) for e in events] == [ReassemblyFailed]
+    assert events[0].message_id == message_id(0)
+    assert len(assembler) == 3
+    assert assembler.receive_clove(sets[1][1], now=4.0) == []  # a known message evicts nothing
+    assert len(assembler) == 3
+    assert feed(assembler, [sets[3][1], sets[3][2]]) == [MessageReassembled(message_id(3), MESSAGE)]
+    assert len(assembler) == 2
+    assert assembler.expire(now=1000.0) == [message_id(1), message_id(2)]
+
+
+def test_completed_ids_remembered_are_bounded_by_max_messages():
+    assembler = CloveAssembler(max_messages=2)
+    sets = [sida.encode(b"m", 1, 1, message_id=message_id(i)) for i in range(3)]
+    for cloves in sets:
+        assert len(feed(assembler, cloves)) == 1
+
+    assert not assembler.is_completed(message_id(0))
+    assert assembler.is_completed(message_id(1)) and assembler.is_completed(message_id(2))
+
+
+@pytest.mark.parametrize("kwargs", [{"ttl": 0}, {"max_messages": 0}, {"max_attempts": 0}])
+def test_bad_limits_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        CloveAssembler(**kwargs)
