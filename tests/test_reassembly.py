@@ -47,7 +47,7 @@ def test_message_reassembles_at_the_kth_distinct_clove_in_any_order(n, data, siz
 
     results = [assembler.receive_clove(cloves[i], now=float(t)) for t, i in enumerate(order)]
 
-    assert results[k - 1] == [MessageReassembled(message_id(1), payload)]
+    assert results[k - 1] == [MessageReassembled(message_id(1), payload, n, k)]
     assert all(r == [] for t, r in enumerate(results) if t != k - 1)
     assert assembler.pending == 0
     assert assembler.ignored == n - k
@@ -66,7 +66,7 @@ def test_interleaved_messages_each_give_exactly_one_event(messages, seed):
     events = feed(assembler, cloves)
 
     assert sorted(events, key=lambda e: e.message_id) == [
-        MessageReassembled(mid, payloads[mid]) for mid in sorted(payloads)
+        MessageReassembled(mid, payloads[mid], 4, 3) for mid in sorted(payloads)
     ]
     assert len(assembler) == 0
 
@@ -81,7 +81,7 @@ def test_duplicate_index_is_dropped_and_counted_without_event():
     assert feed(assembler, [cloves[0], cloves[0], cloves[1], cloves[1]]) == []
     assert assembler.duplicates == 2
     assert assembler.pending == 1
-    assert feed(assembler, [cloves[2]]) == [MessageReassembled(message_id(1), MESSAGE)]
+    assert feed(assembler, [cloves[2]]) == [MessageReassembled(message_id(1), MESSAGE, 4, 3)]
 
 
 def test_a_different_clove_with_a_buffered_index_is_dropped():
@@ -90,7 +90,7 @@ def test_a_different_clove_with_a_buffered_index_is_dropped():
 
     assert feed(assembler, [cloves[0], tamper(cloves[0]), cloves[1]]) == []
     assert assembler.duplicates == 1
-    assert feed(assembler, [cloves[2]]) == [MessageReassembled(message_id(1), MESSAGE)]
+    assert feed(assembler, [cloves[2]]) == [MessageReassembled(message_id(1), MESSAGE, 4, 3)]
 
 
 def test_cloves_after_success_are_ignored_until_ttl():
@@ -119,7 +119,7 @@ def test_tampered_clove_then_good_clove_reassembles(field):
 
     assert feed(assembler, [tamper(cloves[0], field), cloves[1], cloves[2]]) == []
     assert assembler.pending == 1
-    assert feed(assembler, [cloves[3]]) == [MessageReassembled(message_id(1), MESSAGE)]
+    assert feed(assembler, [cloves[3]]) == [MessageReassembled(message_id(1), MESSAGE, 4, 3)]
 
 
 def test_all_cloves_in_but_none_decodes_fails_once_and_forgets():
@@ -144,7 +144,7 @@ def test_fragment_length_mismatch_counts_as_a_failed_subset():
     assembler = CloveAssembler()
 
     assert feed(assembler, [cloves[0], long, cloves[2]]) == []
-    assert feed(assembler, [cloves[3]]) == [MessageReassembled(message_id(1), MESSAGE)]
+    assert feed(assembler, [cloves[3]]) == [MessageReassembled(message_id(1), MESSAGE, 4, 3)]
 
 
 def test_each_subset_is_tried_once_and_contains_the_newest_clove(monkeypatch):
@@ -162,7 +162,7 @@ def test_each_subset_is_tried_once_and_contains_the_newest_clove(monkeypatch):
 
     assert feed(assembler, cloves[:4]) == []
     assert tried == [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)]
-    assert feed(assembler, [cloves[4]]) == [MessageReassembled(message_id(1), MESSAGE)]
+    assert feed(assembler, [cloves[4]]) == [MessageReassembled(message_id(1), MESSAGE, 5, 3)]
     assert len(tried) == len(set(tried))
     assert all(4 in subset for subset in tried[4:])
     assert tried[-1] == (2, 3, 4)
@@ -179,23 +179,10 @@ def test_attempt_budget_spent_fails_the_message():
     assert [type(e) for e in events] == [ReassemblyFailed]
     assert "3 attempts" in events[0].reason
     assert assembler.pending == 0
-    assert feed(CloveAssembler(), sequence) == [MessageReassembled(message_id(1), MESSAGE)]
+    assert feed(CloveAssembler(), sequence) == [MessageReassembled(message_id(1), MESSAGE, 6, 2)]
 
 
 # -------------------------------------------------------------------------------------- bad cloves
-
-
-@pytest.mark.parametrize("changes", [{"total": 5}, {"threshold": 2}])
-def test_total_or_threshold_disagreeing_with_earlier_cloves_raises(changes):
-    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
-    assembler = CloveAssembler()
-    feed(assembler, cloves[:2])
-
-    with pytest.raises(RemoteProtocolError):
-        assembler.receive_clove(dataclasses.replace(cloves[2], **changes), now=0.0)
-
-    assert assembler.pending == 1
-    assert feed(assembler, [cloves[2]]) == [MessageReassembled(message_id(1), MESSAGE)]
 
 
 def test_out_of_range_clove_raises_and_is_not_buffered():
@@ -206,6 +193,166 @@ def test_out_of_range_clove_raises_and_is_not_buffered():
         assembler.receive_clove(dataclasses.replace(cloves[0], index=4), now=0.0)
     with pytest.raises(RemoteProtocolError):
         assembler.receive_clove(dataclasses.replace(cloves[0], key_share=b"short"), now=0.0)
+    assert assembler.pending == 0
+
+
+# ---------------------------------------------------------------------------- forged headers
+
+FORGED_HEADERS = [
+    {"total": 5},
+    {"threshold": 2},
+    {"total": 1, "threshold": 1},
+    {"total": 16, "threshold": 16},
+]
+
+
+def forge(clove: sida.Clove, **header: int) -> sida.Clove:
+    return dataclasses.replace(clove, **header)
+
+
+@pytest.mark.parametrize("header", FORGED_HEADERS)
+def test_forged_header_first_then_k_honest_cloves_still_decodes(header):
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+
+    early = assembler.receive_clove(forge(cloves[0], **header), now=0.0)
+    events = feed(assembler, cloves[1:])
+
+    assert all(isinstance(e, ReassemblyFailed) for e in early)  # 1-of-1 fails alone, at once
+    assert events == [MessageReassembled(message_id(1), MESSAGE, 4, 3)]
+    assert assembler.is_completed(message_id(1))
+
+
+@pytest.mark.parametrize("header", [h for h in FORGED_HEADERS if h != {"total": 1, "threshold": 1}])
+def test_forged_header_first_neither_raises_nor_fails_the_message(header):
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+
+    events = feed(assembler, [forge(cloves[0], **header), *cloves[:3]])
+
+    assert events == [MessageReassembled(message_id(1), MESSAGE, 4, 3)]
+
+
+def test_forged_header_after_honest_cloves_is_buffered_apart():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    forged = [forge(cloves[1], threshold=2), forge(cloves[2], threshold=2)]
+    assembler = CloveAssembler()
+
+    assert feed(assembler, [cloves[0], *forged]) == []
+    events = feed(assembler, [cloves[1], cloves[2]])
+
+    assert events == [MessageReassembled(message_id(1), MESSAGE, 4, 3)]
+    assert assembler.duplicates == 0
+
+
+def test_cloves_disagreeing_with_the_first_header_are_counted_as_conflicts():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+
+    feed(assembler, [forge(cloves[0], total=5), cloves[1], cloves[2], forge(cloves[0], total=5)])
+
+    assert assembler.conflicts == 2  # cloves[1], cloves[2]; the repeated forgery is a duplicate
+    assert assembler.duplicates == 1
+    assert assembler.overflows == 0
+
+
+def test_honest_header_first_counts_the_forged_clove_as_the_conflict():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+
+    feed(assembler, [cloves[0], forge(cloves[1], threshold=2), cloves[1], cloves[2]])
+
+    assert assembler.conflicts == 1
+
+
+@pytest.mark.parametrize("n, k", [(4, 3), (5, 2), (6, 6)])
+def test_reassembled_event_carries_the_honest_groups_total_and_threshold(n, k):
+    cloves = sida.encode(MESSAGE, n, k, message_id=message_id(1))
+    forged = [forge(cloves[0], total=16, threshold=1), forge(cloves[1], threshold=max(k - 1, 1))]
+    assembler = CloveAssembler()
+
+    events = feed(assembler, [*forged, *cloves[:k]])
+    decoded = [e for e in events if isinstance(e, MessageReassembled)]
+
+    assert len(decoded) == 1
+    assert (decoded[0].total, decoded[0].threshold) == (n, k)
+    assert decoded[0].payload == MESSAGE
+
+
+def test_one_event_per_message_id_then_every_group_is_ignored():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    assembler = CloveAssembler()
+    feed(assembler, [forge(cloves[0], threshold=2), *cloves[:3]])
+
+    late = [forge(cloves[1], threshold=2), forge(cloves[2], total=6), cloves[3]]
+
+    assert feed(assembler, late) == []
+    assert assembler.ignored == 3
+    assert assembler.pending == 0
+
+
+def test_groups_beyond_max_groups_are_dropped_and_counted():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    forged = [forge(cloves[0], total=t) for t in (5, 6, 7)]
+    assembler = CloveAssembler(max_groups=3)
+
+    assert feed(assembler, forged) == []
+    assert feed(assembler, cloves[:3]) == []  # a fourth header: no room, no exception
+
+    assert assembler.overflows == 3
+    assert assembler.conflicts == 5  # totals 6 and 7, and the three honest cloves
+    assert assembler.pending == 1
+    assert not assembler.is_completed(message_id(1))
+
+
+def test_honest_group_within_max_groups_decodes_beside_forged_ones():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    forged = [forge(cloves[0], total=t) for t in (5, 6, 7)]
+    assembler = CloveAssembler()  # DEFAULT_MAX_GROUPS = 4
+
+    events = feed(assembler, [*forged, *cloves[:3]])
+
+    assert events == [MessageReassembled(message_id(1), MESSAGE, 4, 3)]
+    assert assembler.overflows == 0
+    assert reassembly.DEFAULT_MAX_GROUPS == 4
+
+
+def test_message_fails_only_when_every_group_is_exhausted():
+    cloves = sida.encode(MESSAGE, 2, 2, message_id=message_id(1))
+    bad = [tamper(cloves[0]), cloves[1]]
+    forged = [forge(c, total=2, threshold=1) for c in cloves]  # 1-of-2: AEAD binds n, k
+    assembler = CloveAssembler()
+
+    assert feed(assembler, forged[:1]) == []  # the 1-of-2 group: index 0 tried, index 1 to come
+    assert feed(assembler, bad) == []  # the 2-of-2 group is exhausted; the message stays
+    assert assembler.pending == 1
+    events = feed(assembler, forged[1:])
+
+    assert [type(e) for e in events] == [ReassemblyFailed]
+    assert "2-of-2" in events[0].reason and "1-of-2" in events[0].reason
+    assert assembler.pending == 0
+
+
+def test_exhausted_group_drops_later_cloves_as_duplicates():
+    cloves = sida.encode(MESSAGE, 2, 2, message_id=message_id(1))
+    assembler = CloveAssembler()
+    feed(assembler, [forge(cloves[0], threshold=1), tamper(cloves[0]), cloves[1]])
+
+    assert assembler.pending == 1
+    assert feed(assembler, [cloves[0]]) == []
+    assert assembler.duplicates == 1
+
+
+def test_attempt_budget_is_shared_by_all_groups():
+    cloves = sida.encode(MESSAGE, 4, 3, message_id=message_id(1))
+    forged = [forge(c, threshold=1) for c in cloves[:2]]  # one attempt each
+    assembler = CloveAssembler(max_attempts=3)
+
+    assert feed(assembler, [*forged, cloves[0], cloves[1]]) == []
+    events = feed(assembler, [tamper(cloves[2])])  # attempt 3 spends the budget
+
+    assert [type(e) for e in events] == [ReassemblyFailed]
+    assert "3 attempts" in events[0].reason
     assert assembler.pending == 0
 
 
@@ -243,7 +390,9 @@ def test_over_max_messages_the_oldest_is_evicted_with_an_event():
     assert len(assembler) == 3
     assert assembler.receive_clove(sets[1][1], now=4.0) == []  # a known message evicts nothing
     assert len(assembler) == 3
-    assert feed(assembler, [sets[3][1], sets[3][2]]) == [MessageReassembled(message_id(3), MESSAGE)]
+    assert feed(assembler, [sets[3][1], sets[3][2]]) == [
+        MessageReassembled(message_id(3), MESSAGE, 4, 3)
+    ]
     assert len(assembler) == 2
     assert assembler.expire(now=1000.0) == [message_id(1), message_id(2)]
 
@@ -258,7 +407,9 @@ def test_completed_ids_remembered_are_bounded_by_max_messages():
     assert assembler.is_completed(message_id(1)) and assembler.is_completed(message_id(2))
 
 
-@pytest.mark.parametrize("kwargs", [{"ttl": 0}, {"max_messages": 0}, {"max_attempts": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"ttl": 0}, {"max_messages": 0}, {"max_attempts": 0}, {"max_groups": 0}]
+)
 def test_bad_limits_are_rejected(kwargs):
     with pytest.raises(ValueError):
         CloveAssembler(**kwargs)

@@ -6,6 +6,13 @@ response from any k response cloves); Krawczyk, "Secret sharing made short" (CRY
 The assembler owns no clock: every call takes ``now`` (seconds, any monotonic clock, e.g. trio's).
 Its caller calls :meth:`CloveAssembler.expire` from time to time (a timer tick) to drop sets that
 never completed.
+
+Cloves of one message ID are buffered per header group, i.e. per (total, threshold) pair, and each
+group is decoded on its own. The AEAD binds n and k (see :mod:`ps_p2p.crypto.sida`), so a clove
+whose header a relay forged can never decode with honest cloves; keeping it apart, instead of
+letting the first clove fix the header, means one bad relay whose clove arrives first cannot make
+the assembler reject every honest clove (S-IDA with n > k tolerates one bad relay; DESIGN.md
+"S-IDA").
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from ps_p2p.errors import DecodeError, RemoteProtocolError
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
+    "DEFAULT_MAX_GROUPS",
     "CloveAssembler",
     "Event",
     "MessageReassembled",
@@ -27,25 +35,40 @@ __all__ = [
 ]
 
 DEFAULT_MAX_ATTEMPTS = 64
-"""Decode attempts (k-subsets tried) per message before it is given up.
+"""Decode attempts (k-subsets tried) per message, over all its header groups, before it is given up.
 
 With n = 4, k = 3 at most C(4, 3) = 4 subsets exist; with one tampered clove and any n, k <= 16 at
 most 1 + k are needed. The bound stops a sender of garbage with n = 16, k = 8 from making a node try
 C(16, 8) = 12,870 subsets of a 4 MiB message.
 """
 
+DEFAULT_MAX_GROUPS = 4
+"""Header groups, i.e. distinct (total, threshold) pairs, buffered per message ID.
+
+One honest group plus room for a few forged headers; with at most 16 cloves a group, a message ID
+holds at most 64 cloves.
+"""
+
+_Header = tuple[int, int]  # (total, threshold), i.e. (n, k)
+
 
 @dataclass(frozen=True)
 class MessageReassembled:
-    """A message decoded from ``threshold`` cloves; emitted at most once per message ID."""
+    """A message decoded from ``threshold`` cloves; emitted at most once per message ID.
+
+    ``total`` and ``threshold`` are the header (n, k) of the group that decoded: the k the sender
+    used (the AEAD binds them, so they are authentic whenever the payload is).
+    """
 
     message_id: bytes
     payload: bytes
+    total: int
+    threshold: int
 
 
 @dataclass(frozen=True)
 class ReassemblyFailed:
-    """A message given up: no k-subset decodes, or it was evicted (too many pending messages)."""
+    """A message given up: no k-subset of any header group decodes, or it was evicted."""
 
     message_id: bytes
     reason: str
@@ -55,14 +78,21 @@ Event = MessageReassembled | ReassemblyFailed
 
 
 @dataclass
+class _Group:
+    """Cloves buffered for one (total, threshold) header of one message ID."""
+
+    cloves: dict[int, Clove] = field(default_factory=dict)  # index -> first clove of that index
+    exhausted: bool = False  # all ``total`` indices arrived, no k-subset decoded; cloves dropped
+
+
+@dataclass
 class _Pending:
-    """Cloves buffered for one message ID."""
+    """Cloves buffered for one message ID, by header group."""
 
     first_seen: float
-    total: int
-    threshold: int
-    cloves: dict[int, Clove] = field(default_factory=dict)  # index -> first clove of that index
-    attempts: int = 0
+    first_header: _Header
+    groups: dict[_Header, _Group] = field(default_factory=dict)  # in order of first clove
+    attempts: int = 0  # k-subsets tried, over all groups
 
 
 class CloveAssembler:
@@ -70,31 +100,40 @@ class CloveAssembler:
 
     Contract (like CometBFT's ``VoteSet.AddVote``):
 
-    * a clove that fails :meth:`~ps_p2p.crypto.sida.Clove.check`, or whose total/threshold disagree
-      with the first clove buffered for its message ID, raises :class:`RemoteProtocolError` and
-      changes nothing;
-    * a second clove with an index already buffered is dropped (counted in :attr:`duplicates`),
-      even if its bytes differ;
-    * each new index, once ``threshold`` indices are buffered, triggers decoding of the k-subsets
-      that contain it (older subsets were tried already); a subset whose fragment lengths disagree
-      counts as not decoding;
-    * a message is reported once: :class:`MessageReassembled` on success (its ID is then remembered
-      for ``ttl`` seconds and later cloves of it are ignored), or :class:`ReassemblyFailed` when all
-      ``total`` indices arrived, or ``max_attempts`` subsets were tried, without success (then the
-      message is forgotten).
+    * a clove that fails :meth:`~ps_p2p.crypto.sida.Clove.check` raises
+      :class:`RemoteProtocolError` and changes nothing;
+    * cloves are buffered per header group (message ID, total, threshold); a clove whose
+      total/threshold disagree with the first clove of its message ID is counted in
+      :attr:`conflicts` and buffered in its own group; a clove that would open more than
+      ``max_groups`` groups for its message ID is dropped (counted in :attr:`overflows`);
+    * a second clove with an index already buffered in its group is dropped (counted in
+      :attr:`duplicates`), even if its bytes differ;
+    * each new index, once ``threshold`` indices are buffered in its group, triggers decoding of
+      the group's k-subsets that contain it (older subsets were tried already); a subset whose
+      fragment lengths disagree counts as not decoding; a group with all ``total`` indices and no
+      decodable subset is exhausted;
+    * a message is reported once: :class:`MessageReassembled` on success in any group (its ID is
+      then remembered for ``ttl`` seconds and later cloves of it, of any group, are ignored), or
+      :class:`ReassemblyFailed` when every group of it is exhausted, or ``max_attempts`` subsets
+      were tried over all its groups, without success (then the message is forgotten).
 
     Source: PlanetServe sec. 3.2; Krawczyk, "Secret sharing made short" (CRYPTO '93).
 
     Args:
-        ttl: seconds an incomplete message waits for cloves (from its first clove), and a completed
-            message ID is remembered.
+        ttl: seconds an incomplete message waits for cloves (from its first clove, of any group),
+            and a completed message ID is remembered.
         max_messages: incomplete messages held at most; the oldest is evicted beyond that (with a
             :class:`ReassemblyFailed` event). The completed IDs remembered are bounded alike.
-        max_attempts: k-subsets tried per message before giving up (see DEFAULT_MAX_ATTEMPTS).
+        max_attempts: k-subsets tried per message, over all its groups, before giving up (see
+            DEFAULT_MAX_ATTEMPTS).
+        max_groups: header groups buffered per message ID (see DEFAULT_MAX_GROUPS).
 
     Attributes:
-        duplicates: cloves dropped because their index was already buffered.
+        duplicates: cloves dropped because their index was already buffered in their group.
         ignored: cloves dropped because their message was already reassembled.
+        conflicts: cloves whose total/threshold disagree with the first clove of their message ID
+            (buffered in a group of their own, or counted in ``overflows`` too).
+        overflows: cloves dropped because their message ID already had ``max_groups`` groups.
     """
 
     def __init__(
@@ -103,6 +142,7 @@ class CloveAssembler:
         max_messages: int = 10_000,
         *,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        max_groups: int = DEFAULT_MAX_GROUPS,
     ) -> None:
         if ttl <= 0:
             raise ValueError(f"ttl must be positive, got {ttl}")
@@ -110,11 +150,16 @@ class CloveAssembler:
             raise ValueError(f"max_messages must be >= 1, got {max_messages}")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         self.ttl = ttl
         self.max_messages = max_messages
         self.max_attempts = max_attempts
+        self.max_groups = max_groups
         self.duplicates = 0
         self.ignored = 0
+        self.conflicts = 0
+        self.overflows = 0
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()  # in order of first clove
         self._completed: OrderedDict[bytes, float] = OrderedDict()  # message ID -> time decoded
 
@@ -131,21 +176,22 @@ class CloveAssembler:
         return message_id in self._completed
 
     def receive_clove(self, clove: Clove, now: float) -> list[Event]:
-        """Buffer one clove; emit the message once ``threshold`` valid cloves arrived.
+        """Buffer one clove in its header group; emit the message once a group decodes.
 
         Args:
             clove: ``index`` in [0, total); fragment at most sida.MAX_FRAGMENT_BYTES.
             now: seconds (monotonic); an incomplete set expires ``ttl`` s after its first clove.
 
         Returns:
-            ``[]``, ``[MessageReassembled(message_id, payload)]`` (at most once per message ID),
-            or ``[ReassemblyFailed(message_id, reason)]`` for this message (all indices in, or the
-            attempt budget spent) or for the oldest pending message when this clove's new message
-            evicted it.
+            ``[]``, ``[MessageReassembled(message_id, payload, total, threshold)]`` (at most once
+            per message ID), or ``[ReassemblyFailed(message_id, reason)]`` for this message (every
+            group exhausted, or the attempt budget spent) or for the oldest pending message when
+            this clove's new message evicted it.
 
         Raises:
-            RemoteProtocolError: the clove fails ``Clove.check`` (index out of range, bad sizes), or
-                its total/threshold disagree with earlier cloves of the same message ID.
+            RemoteProtocolError: the clove fails ``Clove.check`` (index out of range, bad sizes).
+                A total/threshold that disagree with earlier cloves do not raise (see
+                :attr:`conflicts`).
         """
         clove.check()
         message_id = clove.message_id
@@ -153,6 +199,7 @@ class CloveAssembler:
             self.ignored += 1
             return []
         events: list[Event] = []
+        header = (clove.total, clove.threshold)
         entry = self._pending.get(message_id)
         if entry is None:
             if len(self._pending) >= self.max_messages:
@@ -160,21 +207,24 @@ class CloveAssembler:
                 events.append(
                     ReassemblyFailed(evicted, f"evicted: over {self.max_messages} pending messages")
                 )
-            entry = self._pending[message_id] = _Pending(now, clove.total, clove.threshold)
-        elif clove.total != entry.total or clove.threshold != entry.threshold:
-            raise RemoteProtocolError(
-                f"clove of {message_id.hex()[:8]} says {clove.threshold}-of-{clove.total}, "
-                f"earlier cloves said {entry.threshold}-of-{entry.total}"
-            )
-        if clove.index in entry.cloves:
-            self.duplicates += 1
+            entry = self._pending[message_id] = _Pending(now, header)
+        elif header != entry.first_header:
+            self.conflicts += 1
+        group = entry.groups.get(header)
+        if group is None:
+            if len(entry.groups) >= self.max_groups:
+                self.overflows += 1
+                return events
+            group = entry.groups[header] = _Group()
+        if group.exhausted or clove.index in group.cloves:
+            self.duplicates += 1  # an exhausted group holds every index of [0, total)
             return events
-        entry.cloves[clove.index] = clove
-        k = entry.threshold
-        if len(entry.cloves) < k:
+        group.cloves[clove.index] = clove
+        total, k = header
+        if len(group.cloves) < k:
             return events
 
-        others = [entry.cloves[i] for i in sorted(entry.cloves) if i != clove.index]
+        others = [group.cloves[i] for i in sorted(group.cloves) if i != clove.index]
         for rest in itertools.combinations(others, k - 1):
             if entry.attempts >= self.max_attempts:
                 break
@@ -185,13 +235,20 @@ class CloveAssembler:
                 continue  # tampered clove, or fragment lengths disagree: try the next subset
             del self._pending[message_id]
             self._remember_completed(message_id, now)
-            events.append(MessageReassembled(message_id, payload))
+            events.append(MessageReassembled(message_id, payload, total, k))
             return events
 
         if entry.attempts >= self.max_attempts:
-            reason = f"no {k}-subset decoded within {self.max_attempts} attempts"
-        elif len(entry.cloves) == entry.total:
-            reason = f"all {entry.total} cloves arrived but no {k}-subset decodes"
+            reason = f"no subset of any header group decoded within {self.max_attempts} attempts"
+        elif len(group.cloves) == total:
+            group.exhausted = True
+            group.cloves.clear()
+            if not all(g.exhausted for g in entry.groups.values()):
+                return events
+            reason = "; ".join(
+                f"all {n} cloves of {t}-of-{n} arrived but no {t}-subset decodes"
+                for n, t in entry.groups
+            )
         else:
             return events
         del self._pending[message_id]
@@ -208,7 +265,7 @@ class CloveAssembler:
             now: seconds, the same clock as :meth:`receive_clove`'s ``now``.
 
         Returns:
-            The message IDs of the dropped incomplete messages, oldest first.
+            The message IDs of the dropped incomplete messages (all their groups), oldest first.
         """
         expired = []
         while self._pending:

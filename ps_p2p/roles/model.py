@@ -104,7 +104,6 @@ class ModelNodeService:
         self._clock = clock
         self._wall_ms = wall_clock_ms
         self._assembler = CloveAssembler(ttl=self.config.reassembly_ttl)
-        self._thresholds: dict[bytes, int] = {}
         self._jobs: dict[bytes, _Job] = {}
         self._cache: OrderedDict[bytes, _Cached] = OrderedDict()
         self._send, self._receive = trio.open_memory_channel[_Job](10_000)
@@ -124,7 +123,6 @@ class ModelNodeService:
                 await trio.sleep(1.0)  # timer tick for expiry, not a wait for a condition
                 now = self._clock()
                 for message_id in self._assembler.expire(now):
-                    self._thresholds.pop(message_id, None)
                     log.info("incomplete request %s expired", message_id.hex()[:8])
                 while self._cache and next(iter(self._cache.values())).expires_at <= now:
                     self._cache.popitem(last=False)
@@ -138,13 +136,11 @@ class ModelNodeService:
             RemoteProtocolError: malformed clove (the proxy's stream is reset).
         """
         clove = clove_from_bytes(clove_bytes)
-        self._thresholds.setdefault(clove.message_id, clove.threshold)
         for event in self._assembler.receive_clove(clove, self._clock()):
-            threshold = self._thresholds.pop(event.message_id, clove.threshold)
             if isinstance(event, ReassemblyFailed):
                 log.warning("request %s: %s", event.message_id.hex()[:8], event.reason)
             elif isinstance(event, MessageReassembled):
-                self._on_request(event.payload, threshold)
+                self._on_request(event.payload, event.threshold)  # k of the group that decoded
 
     def _on_request(self, q_bytes: bytes, threshold: int) -> None:
         request = inference_pb2.InferenceRequest()
