@@ -89,10 +89,11 @@ def test_relays_are_distinct_per_path_and_disjoint_when_enough_users(users, coun
     if users >= 3 * count:
         assert reuse_count(paths) == 0
     else:
-        # as little reuse as possible: every relay used at most ceil(3*count/users) times
+        # little reuse: every relay used at most once more than an even spread would
+        # (distinct proxies come first)
         flat = [r for p in paths for r in p]
         most = max(flat.count(r) for r in set(flat))
-        assert most <= -(-3 * count // users)
+        assert most <= -(-3 * count // users) + 1
 
 
 def test_relays_already_in_use_are_avoided_while_others_remain():
@@ -105,3 +106,13 @@ def test_relays_already_in_use_are_avoided_while_others_remain():
 def test_too_few_candidates_is_a_directory_error():
     with pytest.raises(DirectoryError):
         choose_relays([b"a", b"b"], 1, 3, rng=random.Random(0))
+
+
+@given(users=st.integers(4, 30), count=st.integers(1, 6), seed=st.integers(0, 2**32))
+@settings(max_examples=100, deadline=None)
+def test_proxies_are_distinct_across_paths_while_relays_allow(users, count, seed):
+    candidates = [bytes([i]) * 4 for i in range(users)]
+    paths = choose_relays(candidates, count, 3, rng=random.Random(seed))
+    proxies = [p[-1] for p in paths]
+    if users >= count:
+        assert len(set(proxies)) == len(proxies)

@@ -22,12 +22,14 @@ def choose_relays(
     *,
     rng: random.Random,
     in_use: dict[bytes, int] | None = None,
+    proxy_uses: dict[bytes, int] | None = None,
 ) -> list[list[bytes]]:
     """Choose ``count`` paths of ``hops`` distinct relays each.
 
-    Relays are drawn least-used first (``in_use`` plus the paths chosen so far), ties broken at
-    random, so relays repeat across paths only when there are fewer than
-    ``hops * (count + live paths)`` candidates.
+    Each path's proxy is the candidate least used as a proxy (then least used at all); the other
+    relays are drawn least-used first (``in_use`` plus the paths chosen so far); ties are broken
+    at random. Relays thus repeat across paths only when there are fewer than
+    ``hops * (count + live paths)`` candidates, and proxies only when fewer than the paths.
 
     Args:
         candidates: relay peer IDs (the user itself excluded by the caller).
@@ -35,6 +37,8 @@ def choose_relays(
         hops: relays per path (the last is the proxy).
         rng: randomness (a seeded ``random.Random`` in tests).
         in_use: relay -> number of this user's live paths through it.
+        proxy_uses: relay -> live paths of this user it is the proxy of; each path's proxy is
+            its relay least used as a proxy, so a request's cloves reach distinct proxies.
 
     Returns:
         ``count`` lists of ``hops`` distinct peer IDs.
@@ -46,13 +50,20 @@ def choose_relays(
     if len(unique) < hops:
         raise DirectoryError(f"{len(unique)} candidate relays; a path needs {hops}")
     uses = {c: (in_use or {}).get(c, 0) for c in unique}
+    as_proxy = {c: (proxy_uses or {}).get(c, 0) for c in unique}
     paths: list[list[bytes]] = []
     for _ in range(count):
         order = list(unique)
         rng.shuffle(order)
-        order.sort(key=lambda c: uses[c])  # stable: random among equally used relays
-        path = order[:hops]
+        # the proxy first: least used as a proxy, then least used at all (sorts are stable, so
+        # ties stay in random order)
+        proxy = min(order, key=lambda c: (as_proxy[c], uses[c]))
+        order.remove(proxy)
+        order.sort(key=lambda c: uses[c])
+        path = order[: hops - 1]
         rng.shuffle(path)
+        path.append(proxy)
+        as_proxy[proxy] += 1
         for relay in path:
             uses[relay] += 1
         paths.append(path)

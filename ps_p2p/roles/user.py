@@ -179,11 +179,11 @@ class UserClient:
         self._paths: dict[tuple[bytes, bytes], _Path] = {}
         self._setting_up: int = 0
         self._pending: dict[bytes, _Pending] = {}
-        self._failed_relays: dict[bytes, float] = {}
-        # relay -> paths through it that went silent since a path through it last answered a
-        # probe; a relay that drops or corrupts cells stays suspected, its honest neighbours
-        # are cleared by their other paths
-        self._suspicion: dict[bytes, int] = {}
+        # relay -> (failures, time of the last one): paths through it that failed to set up or
+        # went silent since a path through it last worked. A dead or cell-dropping relay keeps
+        # its score; its honest neighbours are cleared by their other, working paths. Scores
+        # are forgotten ``failed_relay_cooldown`` seconds after the last failure.
+        self._penalty: dict[bytes, tuple[int, float]] = {}
         self._wake = trio.Event()
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -248,9 +248,7 @@ class UserClient:
                     _short(path.relays[0]), now - path.probe_sent_at,
                 )
                 # one of its relays drops cells (dead, or tampering): suspect every relay of it
-                # until a working path clears it (see _suspects)
-                for relay in path.relays:
-                    self._suspicion[relay] = self._suspicion.get(relay, 0) + 1
+                self._penalize(path.relays, now)
                 self._drop_path(path, "probe timeout")
                 continue
             if path.probe_nonce is None and now - max(path.probe_sent_at, path.last_reply_at) >= cfg.probe_interval:
@@ -274,29 +272,29 @@ class UserClient:
         if directory is None:
             return
         now = self._clock()
-        for peer, until in list(self._failed_relays.items()):
-            if until <= now:
-                del self._failed_relays[peer]
+        for peer, (_, last) in list(self._penalty.items()):
+            if now - last >= self.config.failed_relay_cooldown:
+                del self._penalty[peer]
         users = [r for r in directory.users() if r.peer_id != self.me and len(r.onion_key) == 32]
         if len(users) < self.config.hops:
             log.debug("only %d other users known; need %d relays", len(users), self.config.hops)
             return
-        candidates = [
-            r.peer_id for r in users
-            if r.peer_id not in self._failed_relays and r.peer_id not in self._suspicion
-        ]
-        if len(candidates) < self.config.hops:
-            # too few trusted relays: take the least suspected ones
-            ranked = sorted(users, key=lambda r: (r.peer_id in self._failed_relays,
-                                                  self._suspicion.get(r.peer_id, 0)))
-            candidates = [r.peer_id for r in ranked[: max(self.config.hops, len(candidates))]]
+        clean = [r.peer_id for r in users if r.peer_id not in self._penalty]
+        if len(clean) >= self.config.hops:
+            candidates = clean
+        else:  # too few relays above suspicion: the least suspected ones fill up
+            ranked = sorted(users, key=lambda r: self._penalty.get(r.peer_id, (0, 0.0))[0])
+            candidates = [r.peer_id for r in ranked[: self.config.hops]]
         in_use: dict[bytes, int] = {}
+        proxy_uses: dict[bytes, int] = {}
         for path in self.ready_paths():
             for relay in path.relays:
                 in_use[relay] = in_use.get(relay, 0) + 1
+            proxy_uses[path.relays[-1]] = proxy_uses.get(path.relays[-1], 0) + 1
         try:
             choices = choose_relays(
-                candidates, count, self.config.hops, rng=self._rng, in_use=in_use
+                candidates, count, self.config.hops, rng=self._rng, in_use=in_use,
+                proxy_uses=proxy_uses,
             )
         except DirectoryError as exc:
             log.warning("cannot choose relays: %s", exc)
@@ -324,20 +322,26 @@ class UserClient:
             await handle.ready.wait()
         finally:
             self._setting_up -= 1
-        if not handle.is_ready:
-            until = self._clock() + self.config.failed_relay_cooldown
-            for relay in relays:
-                self._failed_relays[relay] = until
-            log.info("path setup via %s failed: %s", _short(relays[0]), handle.error)
-            self._wake.set()
-            return
         now = self._clock()
+        if not handle.is_ready:
+            error = handle.error or ""
+            # "first hop down" names the culprit; otherwise any hop of the path may be at fault
+            self._penalize(relays[:1] if error.startswith("first hop") else relays, now)
+            log.info("path setup via %s failed: %s", _short(relays[0]), error)
+            return  # the pool loop rebuilds on its next tick (<= 0.5 s): no tight retry loop
+        for relay in relays:  # the acknowledgement crossed every hop both ways
+            self._penalty.pop(relay, None)
         path = _Path(handle, relays, created_at=now, last_reply_at=now, probe_sent_at=now)
         self._paths[handle.key] = path
         log.info(
             "path ready: %s (proxy %s)", " -> ".join(_short(r) for r in relays), _short(relays[-1])
         )
         self._notify()
+
+    def _penalize(self, relays: list[bytes], now: float) -> None:
+        for relay in relays:
+            count, _ = self._penalty.get(relay, (0, now))
+            self._penalty[relay] = (count + 1, now)
 
     def _drop_path(self, path: _Path, reason: str) -> None:
         self._paths.pop(path.handle.key, None)
@@ -465,7 +469,7 @@ class UserClient:
         ready = self.ready_paths()
         if len(ready) < cfg.total:
             raise PathError(f"only {len(ready)} paths ready, need {cfg.total}")
-        chosen = self._rng.sample(ready, cfg.total)
+        chosen = self._distinct_proxies(ready, cfg.total)
         request = inference_pb2.InferenceRequest(
             request_id=pending.request_id,
             model_id=target.model_id,
@@ -497,6 +501,28 @@ class UserClient:
         for path, clove in zip(chosen, cloves):
             self._send_clove(path, target.peer_id, clove)
 
+    def _distinct_proxies(self, ready: list[_Path], count: int) -> list[_Path]:
+        """``count`` paths, each with a different proxy where possible.
+
+        A proxy holding k cloves of one request could decode it, and a bad proxy on two paths
+        spoils two cloves; so one clove per proxy (DESIGN.md: fewer than k compromised paths must
+        never reveal content).
+        """
+        order = list(ready)
+        self._rng.shuffle(order)
+        chosen: list[_Path] = []
+        proxies: set[bytes] = set()
+        for path in order:
+            if path.relays[-1] not in proxies:
+                chosen.append(path)
+                proxies.add(path.relays[-1])
+            if len(chosen) == count:
+                return chosen
+        rest = [p for p in order if p not in chosen]
+        log.warning("only %d distinct proxies among %d ready paths; one proxy carries two cloves",
+                    len(proxies), len(ready))
+        return chosen + rest[: count - len(chosen)]
+
     def _send_clove(self, path: _Path, destination: bytes, clove: sida.Clove) -> None:
         payload = clove_pb2.ForwardPayload(
             deliver=clove_pb2.DeliverClove(destination=destination, clove=clove_to_bytes(clove))
@@ -516,7 +542,7 @@ class UserClient:
             if path is not None and path.probe_nonce == message.probe_reply.nonce:
                 path.probe_nonce = None
                 for relay in path.relays:  # a probe came back: every relay of the path forwards
-                    self._suspicion.pop(relay, None)
+                    self._penalty.pop(relay, None)
         elif kind == "delivery_failed":
             log.warning("proxy could not deliver a clove: %s", message.delivery_failed)
         elif kind == "clove":

@@ -1,0 +1,24 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def shared_dir() -> pathlib.Path:
+    """``../shared`` next to the repository (``PS_SHARED_DIR`` overrides)."""
+    return pathlib.Path(os.environ.get("PS_SHARED_DIR", REPO.parent / "shared"))
+
+
+@pytest.fixture
+def shared() -> pathlib.Path:
+    """The shared model/data folder; skips the test with a reason when it is absent."""
+    path = shared_dir()
+    if not (path / "models" / "stories260K").is_dir():
+        pytest.skip(f"{path} has no models/stories260K (the shared model and data are absent)")
+    return path

@@ -1,0 +1,65 @@
+"""Node configuration: TOML file, overrides, validation."""
+
+import pytest
+
+from ps_p2p.config import load_config
+from ps_p2p.errors import ConfigError
+
+BOOT = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
+
+
+def test_toml_file_and_flags_combine_with_flags_winning(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(
+        'roles = ["user"]\n'
+        f'bootstrap = ["{BOOT}"]\n'
+        'listen = "/ip4/127.0.0.1/tcp/5000"\n'
+        "[user]\ntotal = 5\nthreshold = 3\npaths = 6\n"
+    )
+    config = load_config(path, {"listen": "/ip4/127.0.0.1/tcp/6000", "organization": None})
+    assert config.listen == "/ip4/127.0.0.1/tcp/6000"
+    assert config.user.total == 5 and config.user.paths == 6
+    assert config.organization == ""
+
+
+def test_unknown_key_is_an_error_not_a_silent_default(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(f'roles = ["user"]\nbootstrap = ["{BOOT}"]\nlistn = "x"\n')
+    with pytest.raises(ConfigError, match="listn"):
+        load_config(path)
+
+
+def test_unknown_key_in_a_table_is_an_error(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(f'bootstrap = ["{BOOT}"]\n[user]\nthreshhold = 2\n')
+    with pytest.raises(ConfigError, match="threshhold"):
+        load_config(path)
+
+
+def test_bad_toml_is_reported_with_the_file_name(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("roles = [\n")
+    with pytest.raises(ConfigError, match="broken.toml"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"roles": ["wizard"], "bootstrap": [BOOT]}, "unknown role"),
+        ({"roles": ["model"], "bootstrap": [BOOT]}, "--model"),
+        ({"roles": ["user"]}, "verifier"),
+        ({"roles": ["user"], "bootstrap": ["/ip4/127.0.0.1/tcp/1"]}, "/p2p/"),
+        ({"roles": ["user"], "bootstrap": [BOOT], "engine": "onnx"}, "engine"),
+    ],
+)
+def test_impossible_settings_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_threshold_above_total_is_refused(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(f'bootstrap = ["{BOOT}"]\n[user]\ntotal = 2\nthreshold = 3\npaths = 2\n')
+    with pytest.raises(ConfigError):
+        load_config(path)
