@@ -116,6 +116,7 @@ class Node:
         self.directory: Directory | None = None
         self.listen_addrs: list[str] = []
         self._directory_ready = trio.Event()
+        self._directory_changed_at = -1e9
         self._bootstrap: dict[bytes, str] = {}
         for addr in config.bootstrap:
             peer = ID.from_base58(addr.rsplit("/p2p/", 1)[1]).to_bytes()
@@ -237,10 +238,13 @@ class Node:
             await trio.sleep(self._refresh_delay())
 
     def _refresh_delay(self) -> float:
-        # Refresh fast until the first directory with peers arrived, then at the configured pace.
+        # Refresh fast until a directory with peers arrived and while it keeps changing (a
+        # network starting up), then at the configured pace.
         d = self.directory
         if d is None or len(d.records) <= 1:
             return min(0.5, self.config.directory_refresh)
+        if trio.current_time() - self._directory_changed_at < 10.0:
+            return min(1.0, self.config.directory_refresh)
         return self.config.directory_refresh
 
     async def _ensure_connected(self, peer: bytes) -> bool:
@@ -314,6 +318,8 @@ class Node:
                     continue
             if addrs:
                 store.add_addrs(ID(record.peer_id), addrs, 0)
+        if old is None or old.height != directory.height or len(old.records) != len(directory.records):
+            self._directory_changed_at = trio.current_time()
         if old is None or len(old.records) != len(directory.records):
             log.info(
                 "directory height %d: %d users, %d model nodes",

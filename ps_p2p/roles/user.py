@@ -64,7 +64,9 @@ class UserConfig:
         rotate_period: paths older than this are replaced (default 15 min).
         probe_interval, probe_timeout: liveness probes through each path.
         request_timeout: deadline of one request, all attempts included.
-        attempt_timeout: a request with no answer this long is sent again on fresh paths.
+        attempt_timeout: a request with no answer this long is sent again on fresh paths; the
+            wait doubles with every attempt. Resending is cheap for the model node, which joins a
+            repeated request ID to the one in service instead of running inference again.
     """
 
     total: int = sida.DEFAULT_TOTAL
@@ -75,7 +77,7 @@ class UserConfig:
     probe_interval: float = 2.0
     probe_timeout: float = 4.0
     request_timeout: float = 120.0
-    attempt_timeout: float = 45.0
+    attempt_timeout: float = 8.0
     failed_relay_cooldown: float = 30.0
 
     def __post_init__(self) -> None:
@@ -426,7 +428,8 @@ class UserClient:
                 while True:
                     self._send_attempt(pending, target, prompt, params)
                     pending.retry = trio.Event()
-                    with trio.move_on_after(self.config.attempt_timeout):
+                    wait = self.config.attempt_timeout * 2 ** (len(pending.attempts) - 1)
+                    with trio.move_on_after(wait):
                         async with trio.open_nursery() as nursery:
                             nursery.start_soon(_set_when, pending.retry, pending.done)
                             await pending.retry.wait()

@@ -71,7 +71,7 @@ async def open_localnet(
         seed: seeds every node's relay and model choice.
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
-    ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=10.0)
+    ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
     rng = random.Random(seed)
     async with trio.open_nursery() as nursery:
         net_scopes: dict[bytes, trio.CancelScope] = {}
