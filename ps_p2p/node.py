@@ -195,6 +195,11 @@ class Node:
                     return d
                 await self._directory_ready.wait()
 
+    async def wait_directory_update(self) -> None:
+        """Wait until the next verified directory is installed (refreshes happen every
+        ``directory_refresh`` seconds, faster while the network changes)."""
+        await self._directory_ready.wait()
+
     # ------------------------------------------------------------------ directory client
 
     def own_record(self, now_ms: int) -> NodeRecord:

@@ -193,3 +193,31 @@ def _varint(n: int) -> bytes:
         else:
             out.append(b)
             return bytes(out)
+
+
+async def test_paths_are_rotated_after_the_rotation_period_and_the_pool_refills():
+    cfg = UserConfig(probe_interval=0.5, probe_timeout=2.0, rotate_period=3.0, request_timeout=1.0)
+    async with open_localnet(users=6, user_config=cfg) as net:
+        client = net.users[0].user
+        first = {p.handle.key for p in client.ready_paths()}
+        with trio.fail_after(20):
+            while not (
+                len(client.ready_paths()) >= cfg.paths
+                and not first & {p.handle.key for p in client.ready_paths()}
+            ):
+                await client.wait_changed()
+        answer = await client.ask("after rotation", timeout=20)
+        assert answer.ok, answer.error
+
+
+async def test_a_dead_node_leaves_the_directory_when_its_record_expires():
+    async with open_localnet(users=6, record_lifetime=3.0) as net:
+        victim = net.users[5]
+        observer = net.users[0]
+        assert observer.directory.record(victim.peer_id) is not None
+        net.kill(victim)
+        with trio.fail_after(15):
+            while observer.directory.record(victim.peer_id) is not None:
+                await observer.wait_directory_update()
+        # the live nodes keep re-registering: their records outlive many lifetimes
+        assert len(observer.directory.users()) == 5

@@ -61,6 +61,7 @@ async def open_localnet(
     model_max_queue: int = 64,
     seed: int = 1,
     ready_timeout: float = 30.0,
+    record_lifetime: float = 120.0,
 ) -> AsyncIterator[LocalNet]:
     """Run a verifier, ``models`` model nodes and ``users`` user nodes in this trio run.
 
@@ -69,6 +70,8 @@ async def open_localnet(
         user_config: settings of every user (default: n=4, k=3, N=5 paths, fast probes).
         tamper: indices of users that corrupt what they relay.
         seed: seeds every node's relay and model choice.
+        record_lifetime: seconds a node record stays valid (nodes re-register every
+            ``min(2, record_lifetime / 3)`` seconds).
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
     ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
@@ -82,7 +85,11 @@ async def open_localnet(
             net_scopes[node.peer_id] = scope
             return await nursery.start(_run_node, node, scope)
 
-        fast = dict(directory_refresh=0.5, register_interval=2.0)
+        fast = dict(
+            directory_refresh=0.5,
+            register_interval=min(2.0, record_lifetime / 3),
+            record_lifetime=record_lifetime,
+        )
         verifier = await start(NodeConfig(roles=["verifier"], **fast))
         boot = [verifier.listen_addrs[0]]
         model_nodes = []
