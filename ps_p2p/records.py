@@ -600,17 +600,22 @@ class Registry:
 _B58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 
-def _short(peer_id: bytes) -> str:
-    """The last 8 base58 characters of a peer ID, for messages (as the node's logs show them)."""
+def short_peer_id(peer_id: bytes) -> str:
+    """The last 8 base58 characters of a peer ID (what logs show of a peer)."""
     n = int.from_bytes(peer_id, "big")
     out = []
     for _ in range(8):
         n, digit = divmod(n, 58)
         out.append(_B58_ALPHABET[digit])
-    return "peer …" + "".join(reversed(out))
+    return "".join(reversed(out))
+
+
+def _short(peer_id: bytes) -> str:
+    return "peer …" + short_peer_id(peer_id)
 
 
 __all__ = [
+    "short_peer_id",
     "DIRECTORY_DOMAIN",
     "MAX_ADDRS",
     "MAX_CLOCK_SKEW_MS",

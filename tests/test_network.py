@@ -7,7 +7,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from ps_p2p.pb.planetserve.v1 import clove_pb2
-from ps_p2p.protocols.framing import encode_frame
+from ps_p2p.protocols.framing import encode_frame, encode_varint
 from ps_p2p.protocols.overlay import CLOVE_MAX_FRAME, CLOVE_PROTOCOL_ID, ONION_PROTOCOL_ID
 from ps_p2p.roles.user import UserConfig
 from ps_p2p.testing.fakes import InstantEngine
@@ -135,7 +135,7 @@ async def test_malformed_and_oversized_frames_reset_one_stream_and_the_node_serv
         for protocol, frame in [
             (CLOVE_PROTOCOL_ID, encode_frame(b"\xff\xff\xff not protobuf")),
             (ONION_PROTOCOL_ID, encode_frame(b"\x0a\x05garbage-setup")),
-            (CLOVE_PROTOCOL_ID, _varint(CLOVE_MAX_FRAME + 10) + b"x" * 100),
+            (CLOVE_PROTOCOL_ID, encode_varint(CLOVE_MAX_FRAME + 10) + b"x" * 100),
         ]:
             stream = await host.new_stream(ID(target.peer_id), [TProtocol(protocol)])
             await stream.write(frame)
@@ -182,17 +182,6 @@ async def _poll() -> None:
     """Let the network tasks run; for a counter that has no event to await."""
     await trio.sleep(0.01)
 
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
 
 
 async def test_paths_are_rotated_after_the_rotation_period_and_the_pool_refills():

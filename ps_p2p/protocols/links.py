@@ -32,6 +32,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
+from ps_p2p.records import short_peer_id as _short
 from ps_p2p.errors import RemoteProtocolError
 from ps_p2p.protocols.framing import encode_frame, read_frame
 
@@ -229,9 +230,3 @@ async def _quietly(call: Callable[[], object]) -> None:
     except Exception:
         pass
 
-
-def _short(peer_id: bytes) -> str:
-    try:
-        return ID(peer_id).to_base58()[-8:]
-    except Exception:
-        return peer_id.hex()[:12]

@@ -34,6 +34,7 @@ from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 
 from ps_p2p.crypto import onion
+from ps_p2p.records import short_peer_id as _short
 from ps_p2p.errors import CryptoError, PsError, RemoteProtocolError
 from ps_p2p.overlay.relay_table import Direction, RelayEntry, RelayTable
 from ps_p2p.pb.planetserve.v1 import clove_pb2, onion_pb2
@@ -549,14 +550,6 @@ def _tamper_clove(clove_bytes: bytes) -> bytes:
     clove.fragment = _flip_byte(clove.fragment)
     return clove.SerializeToString()
 
-
-def _short(peer_id: bytes) -> str:
-    from libp2p.peer.id import ID
-
-    try:
-        return ID(peer_id).to_base58()[-8:]
-    except Exception:
-        return peer_id.hex()[:12]
 
 
 __all__ = [

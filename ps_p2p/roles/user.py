@@ -28,6 +28,7 @@ import trio
 
 from ps_p2p import responses
 from ps_p2p.crypto import onion, sida
+from ps_p2p.records import short_peer_id as _short
 from ps_p2p.errors import (
     DirectoryError,
     InvalidSignatureError,
@@ -640,14 +641,6 @@ async def _set_when(target: trio.Event, source: trio.Event) -> None:
     await source.wait()
     target.set()
 
-
-def _short(peer_id: bytes) -> str:
-    from libp2p.peer.id import ID
-
-    try:
-        return ID(peer_id).to_base58()[-8:]
-    except Exception:
-        return peer_id.hex()[:12]
 
 
 __all__ = ["Answer", "UserClient", "UserConfig"]
