@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from libp2p.network.stream.exceptions import StreamEOF
 
 from ps_p2p.errors import FrameTooLargeError, RemoteProtocolError
-from ps_p2p.protocols.framing import encode_frame, encode_varint, read_frame
+from ps_p2p.protocols.framing import FrameReader, encode_frame, encode_varint, read_frame
 
 
 class FakeStream:
@@ -64,3 +64,37 @@ def test_varint_matches_the_multiformats_examples():
     assert encode_varint(128) == b"\x80\x01"
     assert encode_varint(300) == b"\xac\x02"
     assert encode_varint(16384) == b"\x80\x80\x01"
+
+
+@given(
+    bodies=st.lists(st.binary(max_size=3000), max_size=6),
+    chunk=st.integers(1, 5000),
+)
+async def test_buffered_reader_returns_the_same_frames_whatever_the_chunking(bodies, chunk):
+    stream = FakeStream(b"".join(encode_frame(b) for b in bodies), chunk=chunk)
+    reader = FrameReader(stream, 4096)
+    assert [await reader.read_frame() for _ in bodies] == bodies
+    with pytest.raises(StreamEOF):
+        await reader.read_frame()
+
+
+async def test_buffered_reader_refuses_an_oversized_length_before_its_body_arrives():
+    reader = FrameReader(FakeStream(encode_varint(1 << 30) + b"x" * 10, chunk=4), 1024)
+    with pytest.raises(FrameTooLargeError):
+        await reader.read_frame()
+
+
+async def test_buffered_reader_reports_a_stream_ending_inside_a_frame():
+    reader = FrameReader(FakeStream(encode_frame(b"whole") + encode_varint(40) + b"part"), 1024)
+    assert await reader.read_frame() == b"whole"
+    with pytest.raises(RemoteProtocolError, match="inside a frame"):
+        await reader.read_frame()
+
+
+async def test_buffered_reader_reads_many_small_frames_in_few_reads():
+    data = b"".join(encode_frame(b"x" * 10) for _ in range(100))
+    stream = FakeStream(data, chunk=1 << 20)
+    reader = FrameReader(stream, 1024)
+    for _ in range(100):
+        await reader.read_frame()
+    assert stream.reads == 1

@@ -34,7 +34,7 @@ from libp2p.peer.id import ID
 
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.errors import RemoteProtocolError
-from ps_p2p.protocols.framing import encode_frame, read_frame
+from ps_p2p.protocols.framing import FrameReader, encode_frame
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +203,10 @@ def make_frame_handler(
     async def handler(stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id
         peer_bytes = peer.to_bytes()
+        reader = FrameReader(stream, max_frame_bytes)
         try:
             while True:
-                frame = await read_frame(stream, max_frame_bytes)
+                frame = await reader.read_frame()
                 on_frame(peer_bytes, frame)
         except StreamEOF:
             with trio.move_on_after(1):
