@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from ps_p2p.errors import ConfigError, PsError
+from ps_p2p.errors import ConfigError, PsError, is_keyboard_interrupt
 
 log = logging.getLogger("ps_p2p.cli")
 
@@ -218,7 +218,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = _run_config(args)
     try:
         trio.run(_run_node, config, args.api, args.status_file)
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not is_keyboard_interrupt(exc):
+            raise
         log.info("interrupted; node stopped")
     return 0
 

@@ -89,3 +89,17 @@ class EngineError(PsError):
 
 class PromptTooLongError(EngineError):
     """The prompt (plus max_tokens) does not fit in the model's context window."""
+
+
+def is_keyboard_interrupt(exc: BaseException) -> bool:
+    """True when ``exc`` is a KeyboardInterrupt, or an exception group holding nothing else.
+
+    trio delivers Ctrl-C (SIGINT) to the task that happens to run; inside a nursery it reaches the
+    caller of ``trio.run`` wrapped in a ``BaseExceptionGroup``, which ``except KeyboardInterrupt``
+    does not match.
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_keyboard_interrupt(e) for e in exc.exceptions)
+    return False

@@ -29,6 +29,8 @@ from ps_p2p.roles.user import Answer
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Longest deadline a request may ask for (seconds).
+MAX_TIMEOUT_S = 3600.0
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -117,6 +119,9 @@ class UserAPI:
             raise _BadRequest(f"bad parameter: {exc}") from exc
         if not 1 <= kwargs["max_tokens"] <= 4096:
             raise _BadRequest("'max_tokens' must be in 1..4096")
+        timeout = kwargs["timeout"]
+        if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # also refuses NaN
+            raise _BadRequest(f"'timeout' must be in (0, {MAX_TIMEOUT_S:.0f}] seconds")
         answer = await self.node.user.ask(prompt, **kwargs)
         return _answer_to_http(answer)
 

@@ -425,11 +425,15 @@ async def _send_prompts(  # type: ignore[no-untyped-def]
 
 def run_devnet(opts: DevnetOptions) -> int:
     """Run the devnet to completion; returns 0 when every prompt was answered, else 1."""
+    from ps_p2p.errors import is_keyboard_interrupt
+
     try:
         return trio.run(_devnet, opts)
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not is_keyboard_interrupt(exc):
+            if isinstance(exc, RuntimeError):
+                print(f"devnet failed: {exc}", file=sys.stderr)
+                return 1
+            raise
         print("interrupted; every devnet process was stopped", file=sys.stderr)
         return 130
-    except RuntimeError as exc:
-        print(f"devnet failed: {exc}", file=sys.stderr)
-        return 1

@@ -1,0 +1,310 @@
+"""Tests of the ``ps-node`` command (ps_p2p.cli): keygen, configuration errors, the flags the
+README documents, and (marked ``slow``) a network of ``ps-node run`` processes that ``ps-node ask``
+gets an answer from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+from ps_p2p.cli import build_parser, main
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+BOOT = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWEyoppNCUx8Yx66oV9fJnriXwCcXwDDUA2kj6vnc6iDEp"
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """main() configures logging for a process; undo that for the rest of the test session."""
+    names = ["", "libp2p", "hypercorn.error", "httpx"]
+    saved = [(logging.getLogger(n), logging.getLogger(n).level, logging.getLogger(n).propagate,
+              list(logging.getLogger(n).handlers)) for n in names]
+    yield
+    for logger, level, propagate, handlers in saved:
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.handlers[:] = handlers
+
+
+# ---------------------------------------------------------------------- keygen
+
+
+def test_keygen_prints_the_peer_id_and_creates_a_0600_key_file(tmp_path, capsys):
+    path = tmp_path / "keys" / "node.key"
+
+    status = main(["keygen", "--key-file", str(path)])
+
+    assert status == 0
+    out = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"12D3KooW[1-9A-HJ-NP-Za-km-z]{44}", out), out
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_keygen_refuses_to_overwrite_an_existing_key_file(tmp_path, capsys):
+    path = tmp_path / "node.key"
+    assert main(["keygen", "--key-file", str(path)]) == 0
+    before = path.read_bytes()
+    capsys.readouterr()
+
+    status = main(["keygen", "--key-file", str(path)])
+
+    assert status == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "refusing to overwrite" in captured.err
+    assert path.read_bytes() == before
+
+
+# ---------------------------------------------------------------------- configuration errors
+
+
+@pytest.mark.parametrize(
+    "args, config, message",
+    [
+        (["--role", "model", "--multiaddr", BOOT], None, "needs --model"),
+        (["--role", "user"], None, "needs --multiaddr"),
+        (["--role", "user", "--multiaddr", "/ip4/127.0.0.1/tcp/4001"], None, "lacks /p2p/"),
+        (["--role", "model", "--model", "m", "--multiaddr", BOOT, "--capacity", "0"], None,
+         "--capacity"),
+        (["--multiaddr", BOOT], 'colour = "blue"\n', "unknown config key 'colour'"),
+        (["--multiaddr", BOOT], "[user]\ntotl = 4\n", "unknown key(s) in [user]: totl"),
+        (["--multiaddr", BOOT], "roles = [\n", "bad TOML"),
+        (["--multiaddr", BOOT], 'engine = "llamacpp"\n', "unknown engine 'llamacpp'"),
+    ],
+    ids=["model-without-model", "user-without-multiaddr", "multiaddr-without-p2p",
+         "capacity-0", "toml-unknown-key", "toml-unknown-user-key", "toml-syntax", "toml-engine"],
+)
+def test_run_with_a_bad_configuration_exits_2_with_a_message(
+    tmp_path, capsys, args, config, message
+):
+    argv = ["run", "--key-file", str(tmp_path / "node.key"), *args]
+    if config is not None:
+        (tmp_path / "node.toml").write_text(config)
+        argv += ["--config", str(tmp_path / "node.toml")]
+
+    status = main(argv)
+
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ps-node: ")
+    assert message in err
+    assert not (tmp_path / "node.key").exists()
+
+
+def test_run_with_a_missing_config_file_exits_2_with_a_message(tmp_path, capsys):
+    missing = tmp_path / "absent.toml"
+
+    status = main(["run", "--multiaddr", BOOT, "--config", str(missing)])
+
+    assert status == 2
+    assert f"cannot read config file {missing}" in capsys.readouterr().err
+
+
+def test_unknown_role_is_a_usage_error_with_status_2(capsys):
+    with pytest.raises(SystemExit) as exc_info:
+        main(["run", "--role", "wizard"])
+
+    assert exc_info.value.code == 2
+    assert "invalid choice: 'wizard'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- README reference vs parser
+
+
+def _readme_flags() -> dict[str | None, set[str]]:
+    """Flags in README.md's ``ps-node`` reference, by subcommand (None = global).
+
+    Taken from each subcommand's synopsis (the backticked ``ps-node <command> ...`` line) and the
+    first column of its table (the meaning column may quote other programs' flags).
+    """
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    reference = text.split("## `ps-node` reference", 1)[1]
+    flags: dict[str | None, set[str]] = {None: set()}
+    section: str | None = None
+    for line in reference.splitlines():
+        synopsis = re.match(r"`ps-node (\w+)([^`]*)`", line)
+        if synopsis:
+            section = synopsis.group(1)
+            flags.setdefault(section, set()).update(FLAG.findall(synopsis.group(2)))
+        elif line.startswith("Global:"):
+            flags[None].update(FLAG.findall(line))
+        elif line.startswith("|") and section is not None:
+            flags[section].update(FLAG.findall(line.split("|")[1]))
+    return flags
+
+
+def _help_flags(command: str | None, capsys) -> set[str]:
+    argv = [command, "--help"] if command else ["--help"]
+    with pytest.raises(SystemExit) as exc_info:
+        build_parser().parse_args(argv)
+    assert exc_info.value.code == 0
+    return set(FLAG.findall(capsys.readouterr().out)) - {"--help"}
+
+
+def test_readme_reference_documents_every_subcommand():
+    assert set(_readme_flags()) == {None, "keygen", "run", "devnet", "ask"}
+
+
+@pytest.mark.parametrize("command", [None, "keygen", "run", "devnet", "ask"])
+def test_help_lists_every_flag_the_readme_documents(command, capsys):
+    documented = _readme_flags()[command]
+    assert documented, f"README documents no flag of {command or 'ps-node'}"
+
+    missing = documented - _help_flags(command, capsys)
+
+    assert not missing, f"README documents {sorted(missing)} but `{command} --help` lacks them"
+
+
+@pytest.mark.parametrize("command", [None, "keygen", "run", "devnet", "ask"])
+def test_readme_documents_every_flag_of_the_parser(command, capsys):
+    undocumented = _help_flags(command, capsys) - _readme_flags()[command]
+
+    assert not undocumented, f"`{command} --help` has {sorted(undocumented)}; README lacks them"
+
+
+# ---------------------------------------------------------------------- system: OS processes
+
+
+class _Node:
+    """One ``ps-node run`` process with its key, status and log files under ``workdir``."""
+
+    def __init__(self, workdir: pathlib.Path, name: str, role: str, *args: str) -> None:
+        self.name = name
+        self.status_path = workdir / f"{name}.status.json"
+        self.log_path = workdir / f"{name}.log"
+        cmd = [
+            sys.executable, "-m", "ps_p2p.cli", "run", "--role", role,
+            "--listen", "/ip4/127.0.0.1/tcp/0", "--key-file", str(workdir / f"{name}.key"),
+            "--status-file", str(self.status_path), *args,
+        ]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=_env(), cwd=REPO, start_new_session=True,
+            )
+
+    def status(self) -> dict | None:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def log_tail(self) -> str:
+        try:
+            return f"--- {self.name} ---\n" + self.log_path.read_text(errors="replace")[-3000:]
+        except OSError:
+            return f"--- {self.name}: no log ---"
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _wait_for(
+    nodes: list[_Node], ready: Callable[[dict], bool], what: str, timeout: float = 90.0
+) -> None:
+    """Poll the status files (other processes rewrite them every 0.5 s) until ``ready`` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for node in nodes:
+            assert node.process.poll() is None, (
+                f"{node.name} exited with {node.process.returncode}\n{node.log_tail()}"
+            )
+        if all((s := node.status()) is not None and ready(s) for node in nodes):
+            return
+        if time.monotonic() > deadline:
+            logs = "\n".join(node.log_tail() for node in nodes)
+            raise AssertionError(f"no {what} within {timeout:.0f} s\n{logs}")
+        time.sleep(0.2)  # waiting on files written by other processes
+
+
+def _stop(nodes: list[_Node], grace: float = 10.0) -> dict[str, int]:
+    """SIGINT every live process, SIGKILL those still running after ``grace`` seconds.
+
+    Returns the exit status of each process that stopped on SIGINT.
+    """
+    for node in nodes:
+        if node.process.poll() is None:
+            node.process.send_signal(signal.SIGINT)
+    stopped: dict[str, int] = {}
+    deadline = time.monotonic() + grace
+    for node in nodes:
+        try:
+            stopped[node.name] = node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.process.kill()
+            node.process.wait()
+    return stopped
+
+
+@pytest.mark.slow
+def test_ask_gets_a_signed_answer_from_a_network_of_processes(shared, tmp_path):
+    nodes: list[_Node] = []
+    try:
+        verifier = _Node(tmp_path, "verifier", "verifier")
+        nodes.append(verifier)
+        _wait_for([verifier], lambda s: bool(s.get("listen")), "verifier listen address")
+        boot = verifier.status()["listen"][0]
+        model = _Node(tmp_path, "model", "model",
+                      "--model", str(shared / "models" / "stories260K"), "--multiaddr", boot)
+        nodes.append(model)
+        users = [_Node(tmp_path, f"user{i}", "user", "--multiaddr", boot) for i in range(4)]
+        nodes += users
+        _wait_for(
+            users,
+            lambda s: (s.get("directory") or {}).get("users", 0) >= 4
+            and s["directory"]["model_nodes"] >= 1
+            and s.get("ready_paths", 0) >= 4,
+            "4 ready paths on every user",
+        )
+        model_peer_id = model.status()["peer_id"]
+
+        done = subprocess.run(
+            [sys.executable, "-m", "ps_p2p.cli", "--log-level", "WARNING", "ask",
+             "--multiaddr", boot, "--max-tokens", "16", "--timeout", "60", "--json",
+             "Once upon a time"],
+            capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120,
+        )
+
+        logs = done.stderr[-3000:] + "\n" + "\n".join(n.log_tail() for n in nodes)
+        assert done.returncode == 0, logs
+        answer = json.loads(done.stdout)
+        assert answer["ok"] is True, answer
+        assert answer["response"].strip(), answer
+        assert answer["signature_valid"] is True
+        assert answer["served_by"] == model_peer_id
+        assert answer["cloves_received"] >= 3
+        assert answer["error"] is None
+    finally:
+        _stop(nodes)
+
+
+@pytest.mark.slow
+def test_nodes_stopped_by_sigint_exit_with_status_0(shared, tmp_path):
+    nodes: list[_Node] = []
+    try:
+        verifier = _Node(tmp_path, "verifier", "verifier")
+        nodes.append(verifier)
+        _wait_for([verifier], lambda s: bool(s.get("listen")), "verifier listen address")
+        boot = verifier.status()["listen"][0]
+        nodes.append(_Node(tmp_path, "model", "model",
+                           "--model", str(shared / "models" / "stories260K"), "--multiaddr", boot))
+        nodes.append(_Node(tmp_path, "user", "user", "--multiaddr", boot))
+        _wait_for(nodes[1:], lambda s: (s.get("directory") or {}).get("model_nodes", 0) >= 1,
+                  "a directory with the model node")
+    finally:
+        stopped = _stop(nodes)
+
+    logs = "\n".join(n.log_tail() for n in nodes)
+    assert stopped == {"verifier": 0, "model": 0, "user": 0}, logs
