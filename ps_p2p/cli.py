@@ -39,6 +39,10 @@ def _setup_logging(level: str, *, libp2p_level: str = "WARNING") -> None:
 
     logging.getLogger("libp2p").setLevel(getattr(logging, libp2p_level.upper(), logging.WARNING))
     logging.getLogger("libp2p").propagate = True
+    if level.upper() != "DEBUG":
+        # a dial to a peer that went away logs an ERROR there; our link manager already logs
+        # "link down" with the reason, and a dead relay is routine in an overlay
+        logging.getLogger("libp2p.transport.tcp").setLevel(logging.CRITICAL)
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
