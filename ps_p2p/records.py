@@ -37,6 +37,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
 from ps_p2p.errors import (
     ExpiredError,
     InvalidSignatureError,
@@ -369,6 +371,8 @@ def check_record_fields(record: NodeRecord) -> None:
             raise RemoteProtocolError(f"record has an unknown role {role!r}")
     if len(record.onion_key) != ONION_KEY_BYTES:
         raise RemoteProtocolError(f"onion key of {len(record.onion_key)} bytes (expected 32)")
+    if not _usable_x25519_key(record.onion_key):
+        raise RemoteProtocolError("onion key is a low-order X25519 point (no shared secret)")
     _check_string("model ID", record.model_id)
     _check_string("organization", record.organization)
     if Role.MODEL in record.roles and not record.model_id:
@@ -598,6 +602,19 @@ class Registry:
 
 
 _B58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+_PROBE_KEY = X25519PrivateKey.from_private_bytes(hashlib.sha256(b"planetserve/v1/probe").digest())
+
+
+def _usable_x25519_key(public: bytes) -> bool:
+    """False for the low-order points whose X25519 shared secret is all zeros (RFC 7748 sec. 6.1):
+    a path through such a "relay" would have no secret keys at all."""
+    try:
+        _PROBE_KEY.exchange(X25519PublicKey.from_public_bytes(public))
+    except ValueError:
+        return False
+    return True
 
 
 def short_peer_id(peer_id: bytes) -> str:

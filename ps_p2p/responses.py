@@ -47,6 +47,17 @@ class ResponseContent:
         return h.digest()
 
 
+_RESPONSE_ID_PREFIX = b"planetserve/v1/response-id\x00"
+
+
+def response_message_id(request_id: bytes) -> bytes:
+    """The S-IDA message ID of the response to ``request_id`` (16 bytes).
+
+    A hash of the request ID, so that reply proxies, who see response cloves, never learn it.
+    """
+    return hashlib.sha256(_RESPONSE_ID_PREFIX + request_id).digest()[:16]
+
+
 def request_hash(request_bytes: bytes) -> bytes:
     """SHA-256 of the request Q exactly as decoded from the cloves (32 bytes)."""
     return hashlib.sha256(request_bytes).digest()

@@ -174,6 +174,10 @@ def _resign(record: NodeRecord, change: dict) -> NodeRecord:
         dict(roles=frozenset({Role.USER, 9})),
         dict(onion_key=bytes(31)),
         dict(onion_key=bytes(33)),
+        dict(onion_key=bytes(32)),  # low-order X25519 points: no shared secret (RFC 7748)
+        dict(onion_key=b"\x01" + bytes(31)),
+        dict(onion_key=bytes.fromhex(
+            "e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")),
         dict(model_id=""),  # a model node without a model ID
         dict(model_id="m" * 257),
         dict(organization="o" * 257),

@@ -13,6 +13,7 @@ request, without running inference twice.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -24,13 +25,14 @@ import trio
 from ps_p2p import responses
 from ps_p2p.crypto import sida
 from ps_p2p.engines.base import Engine, SamplingParams
-from ps_p2p.errors import EngineError, PromptTooLongError, PsError
+from ps_p2p.errors import EngineError, PromptTooLongError, PsError, RemoteProtocolError
 from ps_p2p.gossip.load import LoadTracker
 from ps_p2p.keys import Identity
 from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
 from ps_p2p.pb.planetserve.v1 import inference_pb2
 from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
 from ps_p2p.protocols.overlay import OverlayService
+from ps_p2p.records import short_peer_id as _short
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,19 @@ MAX_TOKENS_LIMIT = 4096
 MAX_PROMPT_CHARS = 512 * 1024
 #: Reply proxies a request may name.
 MAX_REPLY_PROXIES = sida.MAX_TOTAL
+#: Message IDs whose delivering proxies are remembered (one clove per proxy and message).
+MAX_TRACKED_MESSAGES = 20_000
+#: Copies of one request (retries over fresh paths) answered from one inference.
+MAX_WAITERS = 8
+_RETRY_KEY_DOMAIN = b"planetserve/v1/retry-key\x00"
+
+
+def _retry_key(request: inference_pb2.InferenceRequest) -> bytes:
+    """What identifies a retry of the same request: everything in Q but the reply proxies."""
+    q = inference_pb2.InferenceRequest()
+    q.CopyFrom(request)
+    del q.reply_proxies[:]
+    return hashlib.sha256(_RETRY_KEY_DOMAIN + q.SerializeToString(deterministic=True)).digest()
 
 Status = inference_pb2.ResponseStatus
 
@@ -64,9 +79,9 @@ class ModelNodeConfig:
 
 @dataclass
 class _Job:
-    request_id: bytes
+    key: bytes  # _retry_key(request)
     request: inference_pb2.InferenceRequest
-    # every (Q bytes, parsed Q) waiting for this request ID's answer
+    # every (Q bytes, parsed Q, threshold) waiting for this request's answer
     waiters: list[tuple[bytes, inference_pb2.InferenceRequest, int]] = field(default_factory=list)
 
 
@@ -106,7 +121,12 @@ class ModelNodeService:
         self._assembler = CloveAssembler(ttl=self.config.reassembly_ttl)
         self._jobs: dict[bytes, _Job] = {}
         self._cache: OrderedDict[bytes, _Cached] = OrderedDict()
-        self._send, self._receive = trio.open_memory_channel[_Job](10_000)
+        self._senders: OrderedDict[bytes, set[bytes]] = OrderedDict()
+        #: request cloves dropped (malformed, or a second one from the same proxy)
+        self.dropped_cloves = 0
+        self._send, self._receive = trio.open_memory_channel[_Job](
+            self.config.capacity + self.config.max_queue + 1
+        )
 
     def attach(self, overlay: OverlayService) -> None:
         """Bind to the overlay whose ``on_delivery`` is :meth:`on_delivery`."""
@@ -124,18 +144,36 @@ class ModelNodeService:
                 now = self._clock()
                 for message_id in self._assembler.expire(now):
                     log.info("incomplete request %s expired", message_id.hex()[:8])
+                    self._senders.pop(message_id, None)
                 while self._cache and next(iter(self._cache.values())).expires_at <= now:
                     self._cache.popitem(last=False)
 
     # ------------------------------------------------------------------ cloves in
 
     def on_delivery(self, proxy: bytes, clove_bytes: bytes) -> None:
-        """Handle one request clove from a proxy (synchronous; never blocks).
+        """Handle one request clove from a proxy (synchronous; never blocks, never raises).
 
-        Raises:
-            RemoteProtocolError: malformed clove (the proxy's stream is reset).
+        A malformed clove is dropped and logged: the proxy forwards user bytes unchanged, so
+        resetting its stream would punish the other users whose cloves share it. A proxy counts
+        once per message ID: honest cloves of one request come from n distinct proxies, so a
+        proxy that sends k cloves of its own making under a message ID it saw cannot hijack it.
         """
-        clove = clove_from_bytes(clove_bytes)
+        try:
+            clove = clove_from_bytes(clove_bytes)
+        except RemoteProtocolError as exc:
+            self.dropped_cloves += 1
+            log.warning("malformed clove from proxy %s dropped: %s", _short(proxy), exc)
+            return
+        senders = self._senders.get(clove.message_id)
+        if senders is None:
+            senders = self._senders[clove.message_id] = set()
+            while len(self._senders) > MAX_TRACKED_MESSAGES:
+                self._senders.popitem(last=False)
+        if proxy in senders:
+            self.dropped_cloves += 1
+            log.warning("second clove of one request from proxy %s dropped", _short(proxy))
+            return
+        senders.add(proxy)
         for event in self._assembler.receive_clove(clove, self._clock()):
             if isinstance(event, ReassemblyFailed):
                 log.warning("request %s: %s", event.message_id.hex()[:8], event.reason)
@@ -157,13 +195,18 @@ class ModelNodeService:
             )
             return
         rid = request.request_id
-        cached = self._cache.get(rid)
+        # A retry is recognised by everything the user asked, never by the request ID alone:
+        # reply proxies see response cloves, and a proxy that could replay a request ID with its
+        # own reply proxies would receive the user's answer.
+        key = _retry_key(request)
+        cached = self._cache.get(key)
         if cached is not None:
             self._answer(q_bytes, request, threshold, cached.content)
             return
-        job = self._jobs.get(rid)
+        job = self._jobs.get(key)
         if job is not None:
-            job.waiters.append((q_bytes, request, threshold))
+            if len(job.waiters) < MAX_WAITERS:
+                job.waiters.append((q_bytes, request, threshold))
             return
         problem = self._validate(request)
         if problem is not None:
@@ -177,8 +220,8 @@ class ModelNodeService:
                 self._error_content(Status.RESPONSE_STATUS_OVERLOADED, "model node overloaded; retry later"),
             )
             return
-        job = _Job(rid, request, [(q_bytes, request, threshold)])
-        self._jobs[rid] = job
+        job = _Job(key, request, [(q_bytes, request, threshold)])
+        self._jobs[key] = job
         self._send.send_nowait(job)
 
     def _validate(self, request: inference_pb2.InferenceRequest) -> tuple[int, str] | None:
@@ -201,11 +244,18 @@ class ModelNodeService:
         async for job in self._receive:
             self.load.start()
             started = self._clock()
-            content = await self._serve(job.request)
-            self.load.finish(self._clock() - started)
-            self._jobs.pop(job.request_id, None)
+            try:
+                content = await self._serve(job.request)
+            except Exception as exc:  # an engine bug must not kill the worker or strand waiters
+                log.exception("serving %s failed", job.request.request_id.hex()[:8])
+                content = self._error_content(
+                    Status.RESPONSE_STATUS_ENGINE_ERROR, f"{type(exc).__name__}: {exc}"
+                )
+            finally:
+                self.load.finish(self._clock() - started)
+                self._jobs.pop(job.key, None)
             if content.status == Status.RESPONSE_STATUS_OK:
-                self._cache[job.request_id] = _Cached(
+                self._cache[job.key] = _Cached(
                     content, self._clock() + self.config.cache_ttl
                 )
                 while len(self._cache) > 10_000:
@@ -214,7 +264,7 @@ class ModelNodeService:
                 self._answer(q_bytes, request, threshold, content)
             log.info(
                 "served %s: %d+%d tokens in %.0f ms (load factor %.3f)",
-                job.request_id.hex()[:8], content.prompt_tokens, content.completion_tokens,
+                job.request.request_id.hex()[:8], content.prompt_tokens, content.completion_tokens,
                 (self._clock() - started) * 1000, self.load.load_factor(),
             )
 
@@ -279,7 +329,7 @@ class ModelNodeService:
             response.SerializeToString(),
             total=len(proxies),
             threshold=threshold,
-            message_id=request.request_id,
+            message_id=responses.response_message_id(request.request_id),
         )
         for proxy, clove in zip(proxies, cloves):
             self.overlay.send_reply(proxy.peer_id, proxy.path_id, clove_to_bytes(clove))

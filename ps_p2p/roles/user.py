@@ -143,6 +143,7 @@ class _Attempt:
 class _Pending:
     request_id: bytes
     destination: bytes
+    model_id: str
     started_at: float
     attempts: list[_Attempt] = field(default_factory=list)
     assembler: CloveAssembler = field(default_factory=CloveAssembler)
@@ -182,6 +183,9 @@ class UserClient:
         self._paths: dict[tuple[bytes, bytes], _Path] = {}
         self._setting_up: int = 0
         self._pending: dict[bytes, _Pending] = {}
+        self._by_response_id: dict[bytes, _Pending] = {}
+        #: response cloves dropped because they came on a path other than their index's
+        self.misrouted_cloves = 0
         # relay -> (failures, time of the last one): paths through it that failed to set up or
         # went silent since a path through it last worked. A dead or cell-dropping relay keeps
         # its score; its honest neighbours are cleared by their other, working paths. Scores
@@ -243,7 +247,9 @@ class UserClient:
         now = self._clock()
         cfg = self.config
         for path in list(self._paths.values()):
-            if not path.handle.alive:
+            if not path.handle.alive:  # died without a path-down callback reaching us
+                self._paths.pop(path.handle.key, None)
+                self._after_path_loss(path)
                 continue
             if path.probe_nonce is not None and now - path.probe_sent_at > cfg.probe_timeout:
                 log.warning(
@@ -321,12 +327,17 @@ class UserClient:
     async def _setup_path(self, hops: list[onion.HopSpec]) -> None:
         relays = [h.peer_id for h in hops]
         try:
-            handle = self.overlay.open_path(hops)
+            try:
+                handle = self.overlay.open_path(hops)
+            except PsError as exc:  # e.g. an onion key no secret can be derived with
+                log.warning("cannot build a path via %s: %s", _short(relays[0]), exc)
+                self._penalize(relays, self._clock())
+                return
             await handle.ready.wait()
         finally:
             self._setting_up -= 1
         now = self._clock()
-        if not handle.is_ready:
+        if not handle.alive:
             error = handle.error or ""
             # "first hop down" names the culprit; otherwise any hop of the path may be at fault
             self._penalize(relays[:1] if error.startswith("first hop") else relays, now)
@@ -419,8 +430,9 @@ class UserClient:
                     if model_id else "no model node in the directory"
                 )
             target = self._rng.choice(candidates)
-            pending = _Pending(request_id, target.peer_id, started)
+            pending = _Pending(request_id, target.peer_id, target.model_id, started)
             self._pending[request_id] = pending
+            self._by_response_id[responses.response_message_id(request_id)] = pending
             params = inference_pb2.SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
             )
@@ -450,6 +462,7 @@ class UserClient:
             return self._failed(request_id, started, str(exc), type(exc))
         finally:
             self._pending.pop(request_id, None)
+            self._by_response_id.pop(responses.response_message_id(request_id), None)
 
     def _failed(self, request_id: bytes, started: float, error: str, kind: type) -> Answer:
         pending = self._pending.get(request_id)
@@ -537,6 +550,12 @@ class UserClient:
     # ------------------------------------------------------------------ backward traffic
 
     def _on_backward(self, handle: PathHandle, message: clove_pb2.BackwardPayload) -> None:
+        try:
+            self._handle_backward(handle, message)
+        except Exception:  # never let one bad payload reset the first hop's shared stream
+            log.exception("backward payload on the path via %s dropped", _short(handle.path.first_hop))
+
+    def _handle_backward(self, handle: PathHandle, message: clove_pb2.BackwardPayload) -> None:
         path = self._paths.get(handle.key)
         now = self._clock()
         if path is not None:
@@ -555,11 +574,20 @@ class UserClient:
             except RemoteProtocolError as exc:
                 log.warning("malformed response clove dropped: %s", exc)
                 return
-            self._on_response_clove(clove, now)
+            self._on_response_clove(clove, handle, now)
 
-    def _on_response_clove(self, clove: sida.Clove, now: float) -> None:
-        pending = self._pending.get(clove.message_id)
+    def _on_response_clove(self, clove: sida.Clove, handle: PathHandle, now: float) -> None:
+        pending = self._by_response_id.get(clove.message_id)
         if pending is None or pending.done.is_set():
+            return
+        # The model node sends clove i to reply proxy i: a clove on any other path is forged (a
+        # proxy may try to complete the message with cloves of its own making) and is dropped.
+        if not any(
+            clove.index < len(a.paths) and a.paths[clove.index].handle is handle
+            for a in pending.attempts
+        ):
+            self.misrouted_cloves += 1
+            log.warning("response clove %d came on the wrong path; dropped", clove.index)
             return
         pending.cloves_received += 1
         try:
@@ -598,12 +626,16 @@ class UserClient:
         except (InvalidSignatureError, RemoteProtocolError) as exc:
             log.warning("response to %s rejected: %s", pending.request_id.hex()[:8], exc)
             answer.error = f"{type(exc).__name__}: {exc}"
-            return  # a forged answer is dropped; a genuine one may still arrive
+            pending.assembler = CloveAssembler()  # a forged answer is dropped; a genuine one
+            return  # may still arrive (its cloves start a fresh set)
         if response.status == Status.RESPONSE_STATUS_OK:
             answer.ok = True
             answer.text = response.text
         else:
-            name = Status.Name(response.status).removeprefix("RESPONSE_STATUS_")
+            try:
+                name = Status.Name(response.status).removeprefix("RESPONSE_STATUS_")
+            except ValueError:
+                name = f"STATUS_{response.status}"
             answer.error = f"{name}: {response.error}"
         pending.answer = answer
         pending.done.set()
@@ -619,6 +651,12 @@ class UserClient:
         record = directory.record(response.model_node) if directory is not None else None
         if record is None or Role.MODEL not in record.roles:
             raise InvalidSignatureError("response signed by a node that is no model node of the directory")
+        if response.model_node != pending.destination:
+            raise RemoteProtocolError("response signed by another model node than the one asked")
+        if response.status == Status.RESPONSE_STATUS_OK and response.model_id != pending.model_id:
+            raise RemoteProtocolError(
+                f"response from model {response.model_id!r}, asked {pending.model_id!r}"
+            )
         content = responses.ResponseContent(
             status=response.status,
             text=response.text,
