@@ -6,7 +6,8 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from ps_p2p.pb.planetserve.v1 import clove_pb2
+from ps_p2p.crypto import onion
+from ps_p2p.pb.planetserve.v1 import clove_pb2, onion_pb2
 from ps_p2p.protocols.framing import encode_frame, encode_varint
 from ps_p2p.protocols.overlay import CLOVE_MAX_FRAME, CLOVE_PROTOCOL_ID, ONION_PROTOCOL_ID
 from ps_p2p.roles.user import UserConfig
@@ -210,3 +211,19 @@ async def test_a_dead_node_leaves_the_directory_when_its_record_expires():
                 await observer.wait_directory_update()
         # the live nodes keep re-registering: their records outlive many lifetimes
         assert len(observer.directory.users()) == 5
+
+
+async def test_a_replayed_setup_packet_is_refused():
+    async with open_localnet(users=6) as net:
+        sender, target = net.users[0], net.users[1]
+        record = sender.directory.record(target.peer_id)
+        _, packet = onion.create_path([onion.HopSpec(target.peer_id, record.onion_key)])
+        stream = await sender.host.new_stream(ID(target.peer_id), [TProtocol(ONION_PROTOCOL_ID)])
+        for path_id in (b"\x01" * 16, b"\x02" * 16):
+            frame = onion_pb2.OnionFrame(setup=onion_pb2.OnionSetup(path_id=path_id, packet=packet))
+            await stream.write(encode_frame(frame.SerializeToString()))
+        with trio.fail_after(5):
+            while target.overlay.stats.setups_replayed < 1:
+                await _poll()
+        assert target.overlay.stats.setups_replayed == 1
+        await stream.close()

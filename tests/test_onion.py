@@ -112,25 +112,42 @@ def test_layers_peel_in_both_directions_and_cell_bytes_differ_per_link(payloads)
         assert path.open_backward(back) == payload
 
 
-def test_cell_layer_peels_only_with_its_own_hop_key():
+def test_the_payload_opens_only_after_every_relay_layer_in_order():
     path, relays, _ = _setup(_keys(3))
     cell = path.seal_forward(b"secret clove")
     with pytest.raises(CryptoError):
-        relays[1].relay_forward(cell)  # the second hop cannot remove the first hop's layer
+        relays[2].open_forward(cell)  # the proxy cannot skip the relays' layers
+    skipped = relays[1].relay_forward(cell)  # the second relay before the first: garbage
     with pytest.raises(CryptoError):
-        relays[2].open_forward(cell)
+        relays[2].open_forward(relays[0].relay_forward(skipped))
 
 
-def test_tampered_cell_fails_at_the_next_hop_and_later_cells_still_pass():
+@given(link=st.integers(0, 1), position=st.integers(0, 16 + 1024 + 15))
+@settings(max_examples=60, deadline=None)
+def test_a_cell_altered_by_a_relay_fails_at_the_proxy_and_later_cells_pass(link, position):
     path, relays, _ = _setup(_keys(3))
-    cell = bytearray(path.seal_forward(b"first"))
-    cell[100] ^= 0xFF
+    cell = path.seal_forward(b"first")
+    for i, hop in enumerate(relays[:-1]):
+        cell = hop.relay_forward(cell)
+        if i == link:
+            altered = bytearray(cell)
+            altered[position] ^= 0x01
+            cell = bytes(altered)
     with pytest.raises(CryptoError):
-        relays[0].relay_forward(bytes(cell))
+        relays[-1].open_forward(cell)
     cell = path.seal_forward(b"second")
     for hop in relays[:-1]:
         cell = hop.relay_forward(cell)
     assert relays[-1].open_forward(cell) == b"second"
+
+
+def test_a_backward_cell_altered_by_a_relay_fails_at_the_user():
+    path, relays, _ = _setup(_keys(3))
+    back = relays[1].relay_backward(relays[2].seal_backward(b"answer clove"))
+    altered = bytearray(back)
+    altered[40] ^= 0x80
+    with pytest.raises(CryptoError):
+        path.open_backward(relays[0].relay_backward(bytes(altered)))
 
 
 def test_a_lost_cell_costs_that_cell_not_the_path():
@@ -142,12 +159,26 @@ def test_a_lost_cell_costs_that_cell_not_the_path():
     assert relays[-1].open_forward(cell) == b"arrives"
 
 
-def test_replayed_cell_is_refused():
+def test_cells_have_one_size_on_every_link_so_no_relay_learns_its_position():
     path, relays, _ = _setup(_keys(3))
-    cell = path.seal_forward(b"once")
-    relays[0].relay_forward(cell)
-    with pytest.raises(CryptoError):
-        relays[0].relay_forward(cell)
+    forward = [path.seal_forward(b"x" * 900)]
+    for hop in relays[:-1]:
+        forward.append(hop.relay_forward(forward[-1]))
+    backward = [relays[2].seal_backward(b"y" * 900)]
+    for hop in reversed(relays[:-1]):
+        backward.append(hop.relay_backward(backward[-1]))
+    ack = relays[2].make_ack()
+    acks = [ack, relays[1].relay_backward(ack)]
+    sizes = {len(c) for c in forward + backward + acks}
+    assert sizes == {onion.CELL_IV_BYTES + onion.CELL_BUCKETS[0] + 16}
+
+
+def test_cells_of_wrong_size_are_refused_by_relays():
+    _, relays, _ = _setup(_keys(3))
+    with pytest.raises(RemoteProtocolError):
+        relays[0].relay_forward(b"\x00" * 1000)
+    with pytest.raises(RemoteProtocolError):
+        relays[0].relay_backward(b"\x00" * (onion.MAX_CELL_BYTES + 1))
 
 
 @given(size=st.integers(0, onion.MAX_CELL_PAYLOAD))

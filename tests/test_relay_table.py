@@ -116,3 +116,14 @@ def test_proxies_are_distinct_across_paths_while_relays_allow(users, count, seed
     proxies = [p[-1] for p in paths]
     if users >= count:
         assert len(set(proxies)) == len(proxies)
+
+
+def test_one_predecessor_cannot_take_the_whole_table():
+    table = RelayTable(max_entries=10, max_per_peer=2)
+    first = table.add(A, b"1" * 16, _hop(), now=0.0)
+    table.add(A, b"2" * 16, _hop(), now=0.0)
+    with pytest.raises(RemoteProtocolError, match="one peer"):
+        table.add(A, b"3" * 16, _hop(), now=0.0)
+    table.add(B, b"3" * 16, _hop(), now=0.0)  # other peers still get in
+    table.remove(first)
+    table.add(A, b"4" * 16, _hop(), now=0.0)  # and a freed slot is usable again

@@ -14,13 +14,18 @@ only its predecessor, its successor and the two link-local path IDs. Path IDs ar
 bytes chosen by the user per link (the paper's hash(user, proxy) ID would let anyone guess-and-
 confirm the user; DESIGN.md).
 
-Cells are layered AEAD (AES-256-GCM) with per-hop, per-direction keys and counter nonces: the
-user seals a payload once per hop on the way out and each relay removes one layer; on the way
-back each relay adds a layer and the user removes them all. A cell's bytes thus differ on every
-link, and relays do no public-key work after setup. Payloads are padded to :data:`CELL_BUCKETS`.
-A receiver accepts counters up to :data:`RECEIVE_WINDOW` ahead of the next expected one, so a cell
-lost on a link costs that cell, not the path. Known limitation: every layer adds a 16-byte tag,
-so a relay can tell from a cell's size how many hops remain.
+Cells have one size on every link of a path: a 16-byte IV, then the body (a bucket-sized padded
+payload plus one 16-byte AEAD tag). Each relay applies its own layer, keyed per hop and direction:
+it XORs the body with an AES-256-CTR keystream under the IV it received and passes the IV through a
+per-hop block cipher (AES-256 as a pseudo-random permutation), so neither the IV nor the body
+repeats from one link to the next. The user and the proxy add an end-to-end AES-256-GCM layer
+(nonce from the proxy-side IV) that authenticates the payload: a cell altered by any relay fails
+at the proxy (forward) or at the user (backward) and is dropped. Relay layers are length-preserving
+on purpose: a per-hop authentication tag would grow the cell by 16 bytes per hop and tell every
+relay how far it is from the user (the first relay would know its predecessor is the user). This is
+Tor's relay-crypto trade-off; a relay that corrupts cells is found by the path probes instead. A
+cell carries no counter, so a cell lost on a link costs that cell, never the path. Relays do no
+public-key work after setup. Payloads are padded to :data:`CELL_BUCKETS`.
 
 Nothing here does I/O, reads a clock or draws global randomness: randomness comes in as a
 ``random_bytes`` callable.
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -61,10 +66,11 @@ SETUP_PACKET_BYTES = MAX_HOPS * SLOT_BYTES
 CELL_BUCKETS: tuple[int, ...] = (1024, 4096, 16 * 1024, 64 * 1024, 256 * 1024)
 #: Largest payload a cell carries (the 4-byte length prefix of the padding takes the rest).
 MAX_CELL_PAYLOAD = CELL_BUCKETS[-1] - 4
-#: Largest cell on a link: the biggest bucket plus one tag per hop.
-MAX_CELL_BYTES = CELL_BUCKETS[-1] + MAX_HOPS * _TAG
-#: Counters a receiver may skip (cells lost on a link) before a path is out of step.
-RECEIVE_WINDOW = 16
+#: Bytes of the per-cell IV that leads every cell.
+CELL_IV_BYTES = 16
+#: Largest cell on a link: IV, the biggest bucket and the end-to-end tag.
+MAX_CELL_BYTES = CELL_IV_BYTES + CELL_BUCKETS[-1] + 16
+_CELL_SIZES = frozenset(CELL_IV_BYTES + b + 16 for b in CELL_BUCKETS)
 
 _FLAG_PROXY = 0x01
 _SETUP_AAD = b"planetserve/v1/onion-setup"
@@ -124,18 +130,22 @@ class HopSpec:
 class _HopKeys:
     setup: bytes
     stream: bytes
-    forward: bytes
-    backward: bytes
+    forward_body: bytes
+    forward_iv: bytes
+    backward_body: bytes
+    backward_iv: bytes
+    end_forward: bytes  # user -> proxy AEAD (used when this hop is the proxy)
+    end_backward: bytes  # proxy -> user AEAD
 
 
 def _derive(shared: bytes, ephemeral_public: bytes, onion_public: bytes) -> _HopKeys:
     okm = HKDF(
         algorithm=hashes.SHA256(),
-        length=4 * _KEY,
+        length=8 * _KEY,
         salt=ephemeral_public + onion_public,
         info=_HKDF_INFO,
     ).derive(shared)
-    return _HopKeys(okm[0:32], okm[32:64], okm[64:96], okm[96:128])
+    return _HopKeys(*(okm[i : i + _KEY] for i in range(0, 8 * _KEY, _KEY)))
 
 
 def _keystream(key: bytes, length: int) -> bytes:
@@ -154,10 +164,6 @@ def _random_slot(random_bytes: RandomBytes) -> bytes:
 
 
 # ---------------------------------------------------------------------------------- cells
-
-
-def _nonce(counter: int) -> bytes:
-    return counter.to_bytes(12, "big")
 
 
 def pad_payload(payload: bytes) -> bytes:
@@ -187,45 +193,55 @@ def unpad_payload(data: bytes) -> bytes:
     return data[4 : 4 + n]
 
 
-class _Sealer:
-    """One direction of one hop's layer: AES-256-GCM with counter nonces."""
+def _split_cell(cell: bytes) -> tuple[bytes, bytes]:
+    if len(cell) not in _CELL_SIZES:
+        raise RemoteProtocolError(f"cell of {len(cell)} bytes is no cell size")
+    return cell[:CELL_IV_BYTES], cell[CELL_IV_BYTES:]
 
-    __slots__ = ("_aead", "_counter")
+
+class _Layer:
+    """One relay layer in one direction: AES-CTR over the body, an AES block permutation of the IV."""
+
+    __slots__ = ("_body_key", "_iv_encrypt", "_iv_decrypt")
+
+    def __init__(self, body_key: bytes, iv_key: bytes) -> None:
+        self._body_key = body_key
+        cipher = Cipher(algorithms.AES(iv_key), modes.ECB())
+        self._iv_encrypt = cipher.encryptor()  # ECB contexts are stateless: reused per cell
+        self._iv_decrypt = cipher.decryptor()
+
+    def xor_body(self, iv: bytes, body: bytes) -> bytes:
+        return Cipher(algorithms.AES(self._body_key), modes.CTR(iv)).encryptor().update(body)
+
+    def next_iv(self, iv: bytes) -> bytes:
+        return self._iv_encrypt.update(iv)
+
+    def previous_iv(self, iv: bytes) -> bytes:
+        return self._iv_decrypt.update(iv)
+
+
+class _EndToEnd:
+    """The user <-> proxy AEAD of one direction: nonce the first 12 bytes of the proxy-side IV,
+    the whole IV authenticated as associated data."""
+
+    __slots__ = ("_aead",)
 
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
-        self._counter = 0
 
-    def seal(self, data: bytes) -> bytes:
-        nonce = _nonce(self._counter)
-        self._counter += 1
-        return self._aead.encrypt(nonce, data, None)
+    def seal(self, iv: bytes, payload: bytes) -> bytes:
+        return self._aead.encrypt(iv[:12], pad_payload(payload), iv)
 
-
-class _Opener:
-    __slots__ = ("_aead", "_next")
-
-    def __init__(self, key: bytes) -> None:
-        self._aead = AESGCM(key)
-        self._next = 0
-
-    def open(self, data: bytes) -> bytes:
-        if len(data) < _TAG:
-            raise CryptoError("cell shorter than an AEAD tag")
-        for counter in range(self._next, self._next + RECEIVE_WINDOW):
-            try:
-                plaintext = self._aead.decrypt(_nonce(counter), data, None)
-            except InvalidTag:
-                continue
-            self._next = counter + 1
-            return plaintext
-        raise CryptoError("cell layer failed authentication (tampered, replayed or out of step)")
+    def open(self, iv: bytes, body: bytes) -> bytes:
+        try:
+            return unpad_payload(self._aead.decrypt(iv[:12], body, iv))
+        except InvalidTag as exc:
+            raise CryptoError("cell failed end-to-end authentication (altered on the path)") from exc
 
 
 # ---------------------------------------------------------------------------------- relay side
 
 
-@dataclass
 class RelayHop:
     """What one hop learned from a setup packet, and its layer of the path's cell crypto.
 
@@ -236,44 +252,60 @@ class RelayHop:
             model nodes name when they send a response clove back.
     """
 
-    is_proxy: bool
-    next_peer_id: bytes | None
-    out_path_id: bytes
-    _forward: _Opener = field(repr=False)
-    _backward: _Sealer = field(repr=False)
+    def __init__(self, is_proxy: bool, next_peer_id: bytes | None, out_path_id: bytes,
+                 keys: _HopKeys, random_bytes: RandomBytes) -> None:
+        self.is_proxy = is_proxy
+        self.next_peer_id = next_peer_id
+        self.out_path_id = out_path_id
+        self._forward = _Layer(keys.forward_body, keys.forward_iv)
+        self._backward = _Layer(keys.backward_body, keys.backward_iv)
+        self._end_forward = _EndToEnd(keys.end_forward)
+        self._end_backward = _EndToEnd(keys.end_backward)
+        self._random_bytes = random_bytes
+
+    def __repr__(self) -> str:
+        return f"RelayHop(is_proxy={self.is_proxy}, out_path_id={self.out_path_id.hex()})"
 
     def relay_forward(self, cell: bytes) -> bytes:
-        """Remove this hop's layer from a cell going towards the proxy.
+        """Apply this hop's layer to a cell going towards the proxy.
 
         Raises:
-            CryptoError: the layer does not authenticate.
+            RemoteProtocolError: not a cell size.
         """
-        return self._forward.open(cell)
+        iv, body = _split_cell(cell)
+        return self._forward.next_iv(iv) + self._forward.xor_body(iv, body)
 
     def open_forward(self, cell: bytes) -> bytes:
-        """Proxy: remove the last layer and the padding; returns the user's payload.
+        """Proxy: check and open the user's end-to-end layer; returns the user's payload.
 
         Raises:
-            CryptoError, RemoteProtocolError.
+            CryptoError: the cell was altered on the path (or is not for this path).
+            RemoteProtocolError: not a cell size, or bad padding.
         """
-        return unpad_payload(self._forward.open(cell))
+        iv, body = _split_cell(cell)
+        return self._end_forward.open(iv, body)
 
     def seal_backward(self, payload: bytes) -> bytes:
-        """Proxy: pad and seal a payload for the user (the first backward layer)."""
-        return self._backward.seal(pad_payload(payload))
-
-    def relay_backward(self, cell: bytes) -> bytes:
-        """Add this hop's layer to a cell going back to the user.
+        """Proxy: seal a payload for the user (the end-to-end layer, under a fresh IV).
 
         Raises:
-            RemoteProtocolError: the cell is larger than any cell can be.
+            LocalProtocolError: payload over :data:`MAX_CELL_PAYLOAD` bytes.
         """
-        if len(cell) > MAX_CELL_BYTES:
-            raise RemoteProtocolError(f"backward cell of {len(cell)} bytes")
-        return self._backward.seal(cell)
+        iv = self._random_bytes(CELL_IV_BYTES)
+        return iv + self._end_backward.seal(iv, payload)
+
+    def relay_backward(self, cell: bytes) -> bytes:
+        """Apply this hop's layer to a cell going back to the user.
+
+        Raises:
+            RemoteProtocolError: not a cell size.
+        """
+        iv, body = _split_cell(cell)
+        out_iv = self._backward.next_iv(iv)
+        return out_iv + self._backward.xor_body(out_iv, body)
 
     def make_ack(self) -> bytes:
-        """Proxy: the setup acknowledgement (the first backward cell of the path)."""
+        """Proxy: the setup acknowledgement (a backward cell the user can check)."""
         return self.seal_backward(_ACK_PLAINTEXT)
 
 
@@ -309,24 +341,23 @@ def process_setup(
         raise RemoteProtocolError(f"unknown routing flags {flags:#x}")
     out_path_id = info[44 : 44 + PATH_ID_BYTES]
     is_proxy = bool(flags & _FLAG_PROXY)
-    hop_args = dict(_forward=_Opener(keys.forward), _backward=_Sealer(keys.backward))
     if is_proxy:
         if peer_len:
             raise RemoteProtocolError("proxy routing info names a successor")
-        return RelayHop(True, None, out_path_id, **hop_args), None
+        return RelayHop(True, None, out_path_id, keys, random_bytes), None
     if not 1 <= peer_len <= MAX_PEER_ID_BYTES:
         raise RemoteProtocolError(f"successor peer ID of {peer_len} bytes")
     next_peer = bytes(info[2 : 2 + peer_len])
     rest = packet[SLOT_BYTES:]
     next_packet = _xor(rest, _keystream(keys.stream, len(rest))) + _random_slot(random_bytes)
-    return RelayHop(False, next_peer, out_path_id, **hop_args), next_packet
+    return RelayHop(False, next_peer, out_path_id, keys, random_bytes), next_packet
 
 
 # ---------------------------------------------------------------------------------- user side
 
 
 class UserPath:
-    """The user's end of one path: the layered cell crypto of every hop.
+    """The user's end of one path: every hop's layer and the end-to-end keys of the proxy.
 
     Attributes:
         hops: relay peer IDs in order; the last is the proxy.
@@ -335,37 +366,46 @@ class UserPath:
     """
 
     def __init__(self, hops: list[bytes], path_ids: list[bytes], exit_path_id: bytes,
-                 keys: list[_HopKeys]) -> None:
+                 keys: list[_HopKeys], random_bytes: RandomBytes = os.urandom) -> None:
         self.hops = hops
         self.path_ids = path_ids
         self.first_hop = hops[0]
         self.first_path_id = path_ids[0]
         self.proxy = hops[-1]
         self.exit_path_id = exit_path_id
-        self._forward = [_Sealer(k.forward) for k in keys]
-        self._backward = [_Opener(k.backward) for k in keys]
+        # relay layers of every hop but the proxy (the proxy only opens the end-to-end layer)
+        self._forward = [_Layer(k.forward_body, k.forward_iv) for k in keys[:-1]]
+        self._backward = [_Layer(k.backward_body, k.backward_iv) for k in keys[:-1]]
+        self._end_forward = _EndToEnd(keys[-1].end_forward)
+        self._end_backward = _EndToEnd(keys[-1].end_backward)
+        self._random_bytes = random_bytes
 
     def seal_forward(self, payload: bytes) -> bytes:
-        """Pad ``payload`` and add one layer per hop (the proxy's innermost).
+        """Pad and seal ``payload`` for the proxy and pre-apply every relay's layer.
 
         Raises:
             LocalProtocolError: payload over :data:`MAX_CELL_PAYLOAD` bytes.
         """
-        cell = pad_payload(payload)
-        for sealer in reversed(self._forward):
-            cell = sealer.seal(cell)
-        return cell
+        ivs = [self._random_bytes(CELL_IV_BYTES)]
+        for layer in self._forward:
+            ivs.append(layer.next_iv(ivs[-1]))
+        body = self._end_forward.seal(ivs[-1], payload)
+        for layer, iv in zip(self._forward, ivs):  # CTR layers commute: any order
+            body = layer.xor_body(iv, body)
+        return ivs[0] + body
 
     def open_backward(self, cell: bytes) -> bytes:
-        """Remove every hop's layer from a backward cell and the padding.
+        """Remove every relay's layer from a backward cell and open the end-to-end layer.
 
         Raises:
-            CryptoError: a layer does not authenticate.
-            RemoteProtocolError: bad padding.
+            CryptoError: the cell was altered on the path.
+            RemoteProtocolError: not a cell size, or bad padding.
         """
-        for opener in self._backward:
-            cell = opener.open(cell)
-        return unpad_payload(cell)
+        iv, body = _split_cell(cell)
+        for layer in self._backward:
+            body = layer.xor_body(iv, body)
+            iv = layer.previous_iv(iv)
+        return self._end_backward.open(iv, body)
 
     def check_ack(self, ack: bytes) -> None:
         """Check the setup acknowledgement that came back along the path.
@@ -446,12 +486,13 @@ def create_path(
             offset = (i - 1 - m) * SLOT_BYTES
             slot = _xor(slot, streams[m][offset : offset + SLOT_BYTES])
         slots.append(slot)
-    path = UserPath([h.peer_id for h in hops], path_ids, exit_path_id, keys)
+    path = UserPath([h.peer_id for h in hops], path_ids, exit_path_id, keys, random_bytes)
     return path, b"".join(slots)
 
 
 __all__ = [
     "CELL_BUCKETS",
+    "CELL_IV_BYTES",
     "MAX_CELL_BYTES",
     "MAX_CELL_PAYLOAD",
     "MAX_HOPS",

@@ -48,10 +48,14 @@ class RelayTable:
 
     Args:
         max_entries: paths relayed at most; a setup beyond it is refused.
+        max_per_peer: paths relayed at most for one predecessor, so one peer cannot take the
+            whole table.
     """
 
-    def __init__(self, max_entries: int = 100_000) -> None:
+    def __init__(self, max_entries: int = 100_000, max_per_peer: int = 20_000) -> None:
         self.max_entries = max_entries
+        self.max_per_peer = max_per_peer
+        self._per_peer: dict[bytes, int] = {}
         self._forward: dict[tuple[bytes, bytes], RelayEntry] = {}
         self._backward: dict[tuple[bytes, bytes], RelayEntry] = {}
         self._exit: dict[bytes, RelayEntry] = {}
@@ -68,6 +72,8 @@ class RelayTable:
         """
         if len(self._forward) >= self.max_entries:
             raise RemoteProtocolError(f"relay table full ({self.max_entries} paths)")
+        if self._per_peer.get(in_peer, 0) >= self.max_per_peer:
+            raise RemoteProtocolError(f"too many paths from one peer ({self.max_per_peer})")
         key = (in_peer, in_path_id)
         if key in self._forward:
             raise RemoteProtocolError("incoming path ID already in use on this link")
@@ -80,6 +86,7 @@ class RelayTable:
                 raise RemoteProtocolError("outgoing path ID already in use on the next link")
         entry = RelayEntry(in_peer, in_path_id, hop, now, now)
         self._forward[key] = entry
+        self._per_peer[in_peer] = self._per_peer.get(in_peer, 0) + 1
         if hop.is_proxy:
             self._exit[hop.out_path_id] = entry
         else:
@@ -108,6 +115,11 @@ class RelayTable:
         """Forget ``entry`` (no error when it is already gone)."""
         if self._forward.get((entry.in_peer, entry.in_path_id)) is entry:
             del self._forward[(entry.in_peer, entry.in_path_id)]
+            left = self._per_peer[entry.in_peer] - 1
+            if left:
+                self._per_peer[entry.in_peer] = left
+            else:
+                del self._per_peer[entry.in_peer]
         hop = entry.hop
         if hop.is_proxy:
             if self._exit.get(hop.out_path_id) is entry:

@@ -23,6 +23,7 @@ every handler is wrapped.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 
 #: Bytes coalesced into one stream write at most.
 MAX_COALESCED_BYTES = 1 << 20
+#: Bytes queued for one peer at most (a slow reader cannot make us buffer more).
+MAX_QUEUED_BYTES = 16 << 20
+#: Failed peers remembered in LinkStats.failed_peers.
+MAX_FAILED_PEERS = 256
 
 
 @dataclass
@@ -49,6 +54,7 @@ class _Link:
     receive: trio.MemoryReceiveChannel[bytes]
     dropped: int = 0
     sent: int = 0
+    queued_bytes: int = 0
     closed: bool = False
 
 
@@ -60,7 +66,8 @@ class LinkStats:
     frames_dropped: int = 0
     links_opened: int = 0
     links_failed: int = 0
-    failed_peers: dict[bytes, str] = field(default_factory=dict)
+    #: the last MAX_FAILED_PEERS peers whose link failed, with the reason (oldest first)
+    failed_peers: OrderedDict[bytes, str] = field(default_factory=OrderedDict)
 
 
 class LinkManager:
@@ -105,8 +112,12 @@ class LinkManager:
         link = self._links.get(peer_id)
         if link is None or link.closed:
             link = self._open(peer_id)
+        frame = encode_frame(message)
         try:
-            link.send.send_nowait(encode_frame(message))
+            if link.queued_bytes + len(frame) > MAX_QUEUED_BYTES:
+                raise trio.WouldBlock
+            link.send.send_nowait(frame)
+            link.queued_bytes += len(frame)
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             link.dropped += 1
             self.stats.frames_dropped += 1
@@ -155,6 +166,7 @@ class LinkManager:
                             break
                         parts.append(more)
                         size += len(more)
+                    link.queued_bytes -= size
                     await stream.write(parts[0] if len(parts) == 1 else b"".join(parts))
                     link.sent += len(parts)
                     self.stats.frames_sent += len(parts)
@@ -176,7 +188,10 @@ class LinkManager:
                         pass
         if reason != "closed":
             self.stats.links_failed += 1
+            self.stats.failed_peers.pop(link.peer_id, None)
             self.stats.failed_peers[link.peer_id] = reason
+            while len(self.stats.failed_peers) > MAX_FAILED_PEERS:
+                self.stats.failed_peers.popitem(last=False)
             log.info("%s link to %s down: %s", self._protocol_id, _short(link.peer_id), reason)
             if self._on_link_down is not None:
                 self._on_link_down(link.peer_id, reason)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 ONION_PROTOCOL_ID = "/planetserve/onion/1.0.0"
 CLOVE_PROTOCOL_ID = "/planetserve/clove/1.0.0"
 
+#: Setup packets remembered to refuse replays (32 bytes each; oldest forgotten first).
+MAX_REMEMBERED_SETUPS = 200_000
 #: Largest onion frame: a setup packet plus a reply (fixed sizes) and protobuf overhead.
 ONION_MAX_FRAME = 4 * 1024
 #: Largest clove frame: the biggest cell bucket plus protobuf overhead.
@@ -110,6 +113,7 @@ class OverlayStats:
 
     setups_relayed: int = 0
     setups_failed: int = 0
+    setups_replayed: int = 0
     cells_relayed: int = 0
     cells_dropped: int = 0
     deliveries: int = 0
@@ -157,6 +161,7 @@ class OverlayService:
         self.table = RelayTable(max_entries=self.config.max_relay_entries)
         self.stats = OverlayStats()
         self._paths: dict[tuple[bytes, bytes], PathHandle] = {}
+        self._seen_ephemeral: OrderedDict[bytes, None] = OrderedDict()
         self._pending: dict[tuple[bytes, bytes], _PendingSetup] = {}
         self._onion_links: LinkManager | None = None
         self._clove_links: LinkManager | None = None
@@ -276,6 +281,16 @@ class OverlayService:
         if not self.config.relay:
             self._reply_setup(peer, setup.path_id, ok=False, error="not relaying")
             return
+        # A replayed packet would rebuild the same hop keys: refuse every ephemeral key twice.
+        ephemeral = bytes(setup.packet[:32])
+        if ephemeral in self._seen_ephemeral:
+            self.stats.setups_replayed += 1
+            log.warning("replayed onion setup from %s refused", _short(peer))
+            self._reply_setup(peer, setup.path_id, ok=False, error="replayed setup packet")
+            return
+        self._seen_ephemeral[ephemeral] = None
+        while len(self._seen_ephemeral) > MAX_REMEMBERED_SETUPS:
+            self._seen_ephemeral.popitem(last=False)
         try:
             hop, next_packet = onion.process_setup(
                 self.onion_key, setup.packet, random_bytes=self._random_bytes

@@ -42,6 +42,9 @@ MAX_TOKENS_LIMIT = 4096
 MAX_PROMPT_CHARS = 512 * 1024
 #: Reply proxies a request may name.
 MAX_REPLY_PROXIES = sida.MAX_TOTAL
+#: Requests being reassembled at most (oldest evicted): bounds what peers' cloves can pin,
+#: at most this many times the largest clove (~256 KiB).
+MAX_PENDING_REQUESTS = 2048
 #: Message IDs whose delivering proxies are remembered (one clove per proxy and message).
 MAX_TRACKED_MESSAGES = 20_000
 #: Copies of one request (retries over fresh paths) answered from one inference.
@@ -118,7 +121,9 @@ class ModelNodeService:
         self.load = LoadTracker(self.config.capacity, self.config.max_queue)
         self._clock = clock
         self._wall_ms = wall_clock_ms
-        self._assembler = CloveAssembler(ttl=self.config.reassembly_ttl)
+        self._assembler = CloveAssembler(
+            ttl=self.config.reassembly_ttl, max_messages=MAX_PENDING_REQUESTS
+        )
         self._jobs: dict[bytes, _Job] = {}
         self._cache: OrderedDict[bytes, _Cached] = OrderedDict()
         self._senders: OrderedDict[bytes, set[bytes]] = OrderedDict()
