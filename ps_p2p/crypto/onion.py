@@ -16,7 +16,7 @@ confirm the user; DESIGN.md).
 
 Cells have one size on every link of a path: a 16-byte IV, then the body (a bucket-sized padded
 payload plus one 16-byte AEAD tag). Each relay applies its own layer, keyed per hop and direction:
-it XORs the body with an AES-256-CTR keystream under the IV it received and passes the IV through a
+it XORs the body with an AES-256-CTR keystream (nonce from the IV it received) and passes the IV through a
 per-hop block cipher (AES-256 as a pseudo-random permutation), so neither the IV nor the body
 repeats from one link to the next. The user and the proxy add an end-to-end AES-256-GCM layer
 (nonce from the proxy-side IV) that authenticates the payload: a cell altered by any relay fails
@@ -202,16 +202,20 @@ def _split_cell(cell: bytes) -> tuple[bytes, bytes]:
 class _Layer:
     """One relay layer in one direction: AES-CTR over the body, an AES block permutation of the IV."""
 
-    __slots__ = ("_body_key", "_iv_encrypt", "_iv_decrypt")
+    __slots__ = ("_ctr", "_iv_encrypt", "_iv_decrypt")
 
     def __init__(self, body_key: bytes, iv_key: bytes) -> None:
-        self._body_key = body_key
+        # AES-GCM's ciphertext is the AES-CTR encryption of the plaintext (counter blocks
+        # nonce || 2, 3, ...; NIST SP 800-38D); dropping its tag leaves a CTR layer. A reused
+        # AESGCM object costs ~0.7 us per KiB against ~3.3 us for a new CTR Cipher per cell.
+        self._ctr = AESGCM(body_key)
         cipher = Cipher(algorithms.AES(iv_key), modes.ECB())
         self._iv_encrypt = cipher.encryptor()  # ECB contexts are stateless: reused per cell
         self._iv_decrypt = cipher.decryptor()
 
     def xor_body(self, iv: bytes, body: bytes) -> bytes:
-        return Cipher(algorithms.AES(self._body_key), modes.CTR(iv)).encryptor().update(body)
+        """XOR ``body`` with this layer's keystream under ``iv`` (its own inverse)."""
+        return self._ctr.encrypt(iv[:12], body, None)[:-16]
 
     def next_iv(self, iv: bytes) -> bytes:
         return self._iv_encrypt.update(iv)
