@@ -50,12 +50,14 @@ class ResponseContent:
 _RESPONSE_ID_PREFIX = b"planetserve/v1/response-id\x00"
 
 
-def response_message_id(request_id: bytes) -> bytes:
-    """The S-IDA message ID of the response to ``request_id`` (16 bytes).
+def response_message_id(request_id: bytes, req_hash: bytes) -> bytes:
+    """The S-IDA message ID of the response to one sending of a request (16 bytes).
 
-    A hash of the request ID, so that reply proxies, who see response cloves, never learn it.
+    A hash of the request ID and of the request's hash (each resend names other reply proxies,
+    so each gets its own response ID): reply proxies, who see response cloves, never learn the
+    request ID, and cloves of two answers to two sendings never mix.
     """
-    return hashlib.sha256(_RESPONSE_ID_PREFIX + request_id).digest()[:16]
+    return hashlib.sha256(_RESPONSE_ID_PREFIX + request_id + req_hash).digest()[:16]
 
 
 def request_hash(request_bytes: bytes) -> bytes:

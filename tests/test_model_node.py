@@ -80,11 +80,13 @@ async def test_answer_is_signed_and_its_clove_ids_hide_the_request_id():
     async with trio.open_nursery() as nursery:
         service, overlay, _ = await _running_service(nursery)
         rid = os.urandom(16)
-        _deliver(service, _request("a secret question", rid, b"A"))
+        q = _request("a secret question", rid, b"A")
+        _deliver(service, q)
         await overlay.wait_replies(4)
         assert {proxy for proxy, _, _ in overlay.replies} == set(PROXIES)
+        expected = responses.response_message_id(rid, responses.request_hash(q))
         for _, _, clove in overlay.replies:
-            assert clove_from_bytes(clove).message_id == responses.response_message_id(rid)
+            assert clove_from_bytes(clove).message_id == expected
             assert rid not in clove
         response = _decode(overlay.replies, b"A")
         assert response.text == "a secret question"[::-1]

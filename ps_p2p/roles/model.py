@@ -334,7 +334,7 @@ class ModelNodeService:
             response.SerializeToString(),
             total=len(proxies),
             threshold=threshold,
-            message_id=responses.response_message_id(request.request_id),
+            message_id=responses.response_message_id(request.request_id, req_hash),
         )
         for proxy, clove in zip(proxies, cloves):
             self.overlay.send_reply(proxy.peer_id, proxy.path_id, clove_to_bytes(clove))

@@ -18,9 +18,11 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +32,7 @@ from ps_p2p import responses
 from ps_p2p.crypto import onion, sida
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.errors import (
+    DecodeError,
     DirectoryError,
     InvalidSignatureError,
     PathError,
@@ -135,8 +138,9 @@ class _Attempt:
     q_bytes: bytes
     req_hash: bytes
     cloves: list[sida.Clove]
-    paths: list[_Path]
+    paths: list[_Path]  # clove i (and response clove i) goes over paths[i]
     sent_at: float
+    response_id: bytes  # S-IDA message ID of the answer to this sending
 
 
 @dataclass
@@ -148,9 +152,24 @@ class _Pending:
     attempts: list[_Attempt] = field(default_factory=list)
     assembler: CloveAssembler = field(default_factory=CloveAssembler)
     cloves_received: int = 0
+    received: list[tuple[sida.Clove, PathHandle]] = field(default_factory=list)
     done: trio.Event = field(default_factory=trio.Event)
     answer: Answer | None = None
     retry: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass
+class _Audit:
+    """A decoded response, kept a while to check the cloves that arrive after it."""
+
+    good: list[sida.Clove]
+    payload: bytes
+
+
+#: Seconds a proxy caught altering a response clove is kept off this user's paths.
+BAD_PROXY_COOLDOWN = 600.0
+#: Decoded responses kept to check late cloves against.
+MAX_AUDITS = 256
 
 
 class UserClient:
@@ -183,7 +202,11 @@ class UserClient:
         self._paths: dict[tuple[bytes, bytes], _Path] = {}
         self._setting_up: int = 0
         self._pending: dict[bytes, _Pending] = {}
-        self._by_response_id: dict[bytes, _Pending] = {}
+        # response message ID (one per sending of a request) -> the request and that sending
+        self._by_response_id: dict[bytes, tuple[_Pending, _Attempt]] = {}
+        self._audits: OrderedDict[bytes, _Audit] = OrderedDict()
+        # proxy -> until when: caught altering the content of a response clove
+        self._bad_proxies: dict[bytes, float] = {}
         #: response cloves dropped because they came on a path other than their index's
         self.misrouted_cloves = 0
         # relay -> (failures, time of the last one): paths through it that failed to set up or
@@ -288,11 +311,18 @@ class UserClient:
         if len(users) < self.config.hops:
             log.debug("only %d other users known; need %d relays", len(users), self.config.hops)
             return
-        clean = [r.peer_id for r in users if r.peer_id not in self._penalty]
+        for peer, until in list(self._bad_proxies.items()):
+            if until <= now:
+                del self._bad_proxies[peer]
+        clean = [
+            r.peer_id for r in users
+            if r.peer_id not in self._penalty and r.peer_id not in self._bad_proxies
+        ]
         if len(clean) >= self.config.hops:
             candidates = clean
         else:  # too few relays above suspicion: the least suspected ones fill up
-            ranked = sorted(users, key=lambda r: self._penalty.get(r.peer_id, (0, 0.0))[0])
+            ranked = sorted(users, key=lambda r: (r.peer_id in self._bad_proxies,
+                                                  self._penalty.get(r.peer_id, (0, 0.0))[0]))
             candidates = [r.peer_id for r in ranked[: self.config.hops]]
         in_use: dict[bytes, int] = {}
         proxy_uses: dict[bytes, int] = {}
@@ -432,7 +462,6 @@ class UserClient:
             target = self._rng.choice(candidates)
             pending = _Pending(request_id, target.peer_id, target.model_id, started)
             self._pending[request_id] = pending
-            self._by_response_id[responses.response_message_id(request_id)] = pending
             params = inference_pb2.SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
             )
@@ -461,8 +490,9 @@ class UserClient:
         except PsError as exc:
             return self._failed(request_id, started, str(exc), type(exc))
         finally:
-            self._pending.pop(request_id, None)
-            self._by_response_id.pop(responses.response_message_id(request_id), None)
+            done = self._pending.pop(request_id, None)
+            for attempt in done.attempts if done is not None else ():
+                self._by_response_id.pop(attempt.response_id, None)
 
     def _failed(self, request_id: bytes, started: float, error: str, kind: type) -> Answer:
         pending = self._pending.get(request_id)
@@ -513,8 +543,13 @@ class UserClient:
                 f"request of {len(q_bytes)} bytes gives cloves of {clove_bytes} bytes, over the "
                 f"{onion.MAX_CELL_PAYLOAD}-byte cell limit; shorten the prompt"
             )
-        attempt = _Attempt(q_bytes, responses.request_hash(q_bytes), cloves, chosen, self._clock())
+        req_hash = responses.request_hash(q_bytes)
+        attempt = _Attempt(
+            q_bytes, req_hash, cloves, chosen, self._clock(),
+            responses.response_message_id(pending.request_id, req_hash),
+        )
         pending.attempts.append(attempt)
+        self._by_response_id[attempt.response_id] = (pending, attempt)
         for path, clove in zip(chosen, cloves):
             self._send_clove(path, target.peer_id, clove)
 
@@ -577,19 +612,21 @@ class UserClient:
             self._on_response_clove(clove, handle, now)
 
     def _on_response_clove(self, clove: sida.Clove, handle: PathHandle, now: float) -> None:
-        pending = self._by_response_id.get(clove.message_id)
-        if pending is None or pending.done.is_set():
+        found = self._by_response_id.get(clove.message_id)
+        if found is None or found[0].done.is_set():
+            audit = self._audits.get(clove.message_id)
+            if audit is not None and not _consistent(audit, clove):
+                self._flag_proxy(handle, now)
             return
+        pending, attempt = found
         # The model node sends clove i to reply proxy i: a clove on any other path is forged (a
         # proxy may try to complete the message with cloves of its own making) and is dropped.
-        if not any(
-            clove.index < len(a.paths) and a.paths[clove.index].handle is handle
-            for a in pending.attempts
-        ):
+        if not (clove.index < len(attempt.paths) and attempt.paths[clove.index].handle is handle):
             self.misrouted_cloves += 1
             log.warning("response clove %d came on the wrong path; dropped", clove.index)
             return
         pending.cloves_received += 1
+        pending.received.append((clove, handle))
         try:
             events = pending.assembler.receive_clove(clove, now)
         except RemoteProtocolError as exc:
@@ -600,9 +637,11 @@ class UserClient:
                 log.warning("response %s did not decode: %s", clove.message_id.hex()[:8], event.reason)
                 pending.assembler = CloveAssembler()
             elif isinstance(event, MessageReassembled):
-                self._on_response(pending, event.payload, now)
+                self._on_response(pending, event.payload, now, event.message_id)
 
-    def _on_response(self, pending: _Pending, payload: bytes, now: float) -> None:
+    def _on_response(
+        self, pending: _Pending, payload: bytes, now: float, message_id: bytes
+    ) -> None:
         response = inference_pb2.InferenceResponse()
         try:
             response.ParseFromString(payload)
@@ -628,6 +667,7 @@ class UserClient:
             answer.error = f"{type(exc).__name__}: {exc}"
             pending.assembler = CloveAssembler()  # a forged answer is dropped; a genuine one
             return  # may still arrive (its cloves start a fresh set)
+        self._audit(pending, message_id, payload, now)
         if response.status == Status.RESPONSE_STATUS_OK:
             answer.ok = True
             answer.text = response.text
@@ -639,6 +679,48 @@ class UserClient:
             answer.error = f"{name}: {response.error}"
         pending.answer = answer
         pending.done.set()
+
+    def _audit(self, pending: _Pending, message_id: bytes, payload: bytes, now: float) -> None:
+        """Find the proxies whose response cloves did not belong to the genuine answer.
+
+        Only a proxy can alter a clove's content undetected by the path's end-to-end layer, so
+        a clove inconsistent with the verified answer convicts the proxy of its path.
+        """
+        received = [(c, h) for c, h in pending.received if c.message_id == message_id]
+        distinct: dict[int, sida.Clove] = {}
+        for clove, _ in received:
+            distinct.setdefault(clove.index, clove)
+        good: list[sida.Clove] | None = None
+        cloves = list(distinct.values())
+        k = cloves[0].threshold if cloves else 0
+        for subset in itertools.combinations(cloves, k):
+            try:
+                if sida.decode_subset(list(subset)) == payload:
+                    good = list(subset)
+                    break
+            except (DecodeError, RemoteProtocolError):
+                continue
+        if good is None:
+            return
+        audit = _Audit(good, payload)
+        for clove, handle in received:
+            if not _consistent(audit, clove):
+                self._flag_proxy(handle, now)
+        self._audits[message_id] = audit
+        while len(self._audits) > MAX_AUDITS:
+            self._audits.popitem(last=False)
+
+    def _flag_proxy(self, handle: PathHandle, now: float) -> None:
+        proxy = handle.path.proxy
+        if proxy not in self._bad_proxies:
+            log.warning(
+                "proxy %s altered a response clove: avoiding it for %.0f s",
+                _short(proxy), BAD_PROXY_COOLDOWN,
+            )
+        self._bad_proxies[proxy] = now + BAD_PROXY_COOLDOWN
+        for path in list(self._paths.values()):
+            if path.relays[-1] == proxy:
+                self._drop_path(path, "proxy altered a clove")
 
     def _check_response(
         self, pending: _Pending, response: inference_pb2.InferenceResponse
@@ -673,6 +755,17 @@ class UserClient:
             model_node=response.model_node,
             signature=response.signature,
         )
+
+
+def _consistent(audit: _Audit, clove: sida.Clove) -> bool:
+    """Whether ``clove`` belongs to the same S-IDA encoding as the audit's verified answer."""
+    for good in audit.good:
+        if good.index == clove.index:
+            return good == clove
+    try:
+        return sida.decode_subset([*audit.good[1:], clove]) == audit.payload
+    except (DecodeError, RemoteProtocolError):
+        return False
 
 
 async def _set_when(target: trio.Event, source: trio.Event) -> None:
