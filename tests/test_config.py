@@ -63,3 +63,10 @@ def test_threshold_above_total_is_refused(tmp_path):
     path.write_text(f'bootstrap = ["{BOOT}"]\n[user]\ntotal = 2\nthreshold = 3\npaths = 2\n')
     with pytest.raises(ConfigError):
         load_config(path)
+
+
+def test_a_threshold_of_one_is_refused_since_every_proxy_could_read_the_prompt(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(f'roles = ["user"]\nbootstrap = ["{BOOT}"]\n[user]\ntotal = 4\nthreshold = 1\n')
+    with pytest.raises(ConfigError, match="threshold"):
+        load_config(path)

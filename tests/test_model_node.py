@@ -141,3 +141,13 @@ async def test_a_malformed_clove_is_dropped_without_raising():
         service.on_delivery(PROXIES[0], b"\xff\x00 not a clove")
         assert service.dropped_cloves == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_clove_claiming_threshold_one_is_dropped():
+    async with trio.open_nursery() as nursery:
+        service, overlay, engine = await _running_service(nursery)
+        (single,) = sida.encode(_request("k=1 hijack", os.urandom(16), b"A"), total=1, threshold=1)
+        service.on_delivery(PROXIES[0], clove_to_bytes(single))
+        assert service.dropped_cloves == 1
+        assert engine.calls == 0
+        nursery.cancel_scope.cancel()

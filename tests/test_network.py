@@ -227,3 +227,21 @@ async def test_a_replayed_setup_packet_is_refused():
                 await _poll()
         assert target.overlay.stats.setups_replayed == 1
         await stream.close()
+
+
+async def test_a_reply_from_a_peer_the_path_never_delivered_to_is_dropped():
+    async with open_localnet(users=6) as net:
+        owner = net.users[0]
+        path = owner.user.ready_paths()[0]
+        proxy = net.node(path.relays[-1])
+        intruder = next(n for n in net.users if n.peer_id not in (owner.peer_id, proxy.peer_id))
+        before = proxy.overlay.stats.cells_dropped
+        frame = clove_pb2.CloveFrame(
+            reply=clove_pb2.Reply(path_id=path.handle.path.exit_path_id, clove=b"\x0a\x01x")
+        )
+        stream = await intruder.host.new_stream(ID(proxy.peer_id), [TProtocol(CLOVE_PROTOCOL_ID)])
+        await stream.write(encode_frame(frame.SerializeToString()))
+        with trio.fail_after(5):
+            while proxy.overlay.stats.cells_dropped == before:
+                await _poll()
+        await stream.close()

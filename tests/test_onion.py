@@ -206,3 +206,14 @@ def test_path_length_and_onion_keys_are_checked():
         onion.create_path([onion.HopSpec(_peer(i), key.public) for i in range(onion.MAX_HOPS + 1)])
     with pytest.raises(LocalProtocolError):
         onion.create_path([onion.HopSpec(_peer(1), b"short")])
+
+
+def test_filler_slots_look_like_keystream_bytes_not_like_keys():
+    # A real slot 1+ is XORed with keystreams (uniform bits); filler must be uniform too, or a
+    # relay could count the filler slots and learn how many hops follow it.
+    key = onion.OnionKeyPair.generate()
+    top_bits = set()
+    for _ in range(64):
+        _, packet = onion.create_path([onion.HopSpec(_peer(1), key.public)])
+        top_bits.add(packet[onion.SLOT_BYTES * 4 + 31] >> 7)
+    assert top_bits == {0, 1}

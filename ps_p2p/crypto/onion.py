@@ -158,9 +158,10 @@ def _xor(a: bytes, b: bytes) -> bytes:
 
 
 def _random_slot(random_bytes: RandomBytes) -> bytes:
-    slot = bytearray(random_bytes(SLOT_BYTES))
-    slot[31] &= 0x7F  # an X25519 public key's top bit is clear; look like one
-    return bytes(slot)
+    # Unmasked: only slot 0 must look like a key; slots 1+ of a real packet are XORed with
+    # keystreams, so their bytes are uniform, and filler must be too (a cleared top bit would
+    # tell a relay which slots are filler, hence how many hops follow it).
+    return random_bytes(SLOT_BYTES)
 
 
 # ---------------------------------------------------------------------------------- cells

@@ -15,7 +15,7 @@ are bounded (``max_entries``); idle entries expire. Source: PlanetServe sec. 3.2
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ps_p2p.crypto.onion import RelayHop
 from ps_p2p.errors import RemoteProtocolError
@@ -41,6 +41,8 @@ class RelayEntry:
     hop: RelayHop
     created_at: float
     last_used: float
+    #: proxies: model nodes this path delivered cloves to (only they may send replies on it)
+    destinations: set[bytes] = field(default_factory=set)
 
 
 class RelayTable:

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 ONION_PROTOCOL_ID = "/planetserve/onion/1.0.0"
 CLOVE_PROTOCOL_ID = "/planetserve/clove/1.0.0"
 
+#: Model nodes one path may deliver to (and so receive replies from).
+MAX_DESTINATIONS_PER_PATH = 64
 #: Setup packets remembered to refuse replays (32 bytes each; oldest forgotten first).
 MAX_REMEMBERED_SETUPS = 200_000
 #: Largest onion frame: a setup packet plus a reply (fixed sizes) and protobuf overhead.
@@ -427,6 +429,8 @@ class OverlayService:
         elif kind == "deliver":
             destination = payload.deliver.destination
             clove = payload.deliver.clove
+            if len(entry.destinations) < MAX_DESTINATIONS_PER_PATH:
+                entry.destinations.add(destination)
             if self.config.tamper:
                 clove = _tamper_clove(clove)
                 self.stats.tampered += 1
@@ -467,6 +471,11 @@ class OverlayService:
         entry = self.table.lookup_exit(exit_path_id)
         if entry is None:
             log.info("reply from %s for unknown exit path ID dropped", _short(peer))
+            return
+        if peer not in entry.destinations:
+            # only a model node this path sent a request clove to may answer on it
+            self.stats.cells_dropped += 1
+            log.info("reply from %s, which this path never delivered to, dropped", _short(peer))
             return
         self.table.touch(entry, self._clock())
         if self.config.tamper:

@@ -42,6 +42,8 @@ MAX_TOKENS_LIMIT = 4096
 MAX_PROMPT_CHARS = 512 * 1024
 #: Reply proxies a request may name.
 MAX_REPLY_PROXIES = sida.MAX_TOTAL
+#: Smallest S-IDA threshold accepted (ps_p2p.roles.user.UserConfig requires the same).
+MIN_THRESHOLD = 2
 #: Requests being reassembled at most (oldest evicted): bounds what peers' cloves can pin,
 #: at most this many times the largest clove (~256 KiB).
 MAX_PENDING_REQUESTS = 2048
@@ -178,6 +180,12 @@ class ModelNodeService:
             self.dropped_cloves += 1
             log.warning("second clove of one request from proxy %s dropped", _short(proxy))
             return
+        if clove.threshold < MIN_THRESHOLD:
+            # with k = 1 one proxy's clove decodes alone: it could close the message ID to the
+            # honest cloves (and no honest user sends k < 2)
+            self.dropped_cloves += 1
+            log.warning("clove with threshold %d from proxy %s dropped", clove.threshold, _short(proxy))
+            return
         senders.add(proxy)
         for event in self._assembler.receive_clove(clove, self._clock()):
             if isinstance(event, ReassemblyFailed):
@@ -302,7 +310,14 @@ class ModelNodeService:
 
     # ------------------------------------------------------------------ cloves out
 
-    def _answer(
+    def _answer(self, *args: object) -> None:
+        """Sign, encode and send one answer; a failure is logged and costs only this answer."""
+        try:
+            self._send_answer(*args)  # type: ignore[arg-type]
+        except Exception:
+            log.exception("could not send an answer")
+
+    def _send_answer(
         self,
         q_bytes: bytes,
         request: inference_pb2.InferenceRequest,

@@ -85,8 +85,9 @@ class UserConfig:
     failed_relay_cooldown: float = 30.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.threshold <= self.total <= sida.MAX_TOTAL:
-            raise ValueError("need 1 <= threshold <= total <= %d" % sida.MAX_TOTAL)
+        if not 2 <= self.threshold <= self.total <= sida.MAX_TOTAL:
+            # k = 1 would let every proxy read the prompt
+            raise ValueError("need 2 <= threshold <= total <= %d" % sida.MAX_TOTAL)
         if self.paths < self.total:
             raise ValueError("paths (N) must be >= total (n)")
         if not 1 <= self.hops <= onion.MAX_HOPS:
@@ -168,6 +169,8 @@ class _Audit:
 
 #: Seconds a proxy caught altering a response clove is kept off this user's paths.
 BAD_PROXY_COOLDOWN = 600.0
+#: Response cloves of one request kept for the audit.
+MAX_RECEIVED_CLOVES = 64
 #: Decoded responses kept to check late cloves against.
 MAX_AUDITS = 256
 
@@ -314,18 +317,16 @@ class UserClient:
         for peer, until in list(self._bad_proxies.items()):
             if until <= now:
                 del self._bad_proxies[peer]
-        clean = [
-            r.peer_id for r in users
-            if r.peer_id not in self._penalty and r.peer_id not in self._bad_proxies
-        ]
+        clean = [r.peer_id for r in users if r.peer_id not in self._penalty]
         if len(clean) >= self.config.hops:
             candidates = clean
         else:  # too few relays above suspicion: the least suspected ones fill up
-            ranked = sorted(users, key=lambda r: (r.peer_id in self._bad_proxies,
-                                                  self._penalty.get(r.peer_id, (0, 0.0))[0]))
+            ranked = sorted(users, key=lambda r: self._penalty.get(r.peer_id, (0, 0.0))[0])
             candidates = [r.peer_id for r in ranked[: self.config.hops]]
         in_use: dict[bytes, int] = {}
-        proxy_uses: dict[bytes, int] = {}
+        # a proxy caught altering a clove may still relay (cells are checked end to end) but is
+        # never a proxy again while flagged: it counts as a proxy many times over
+        proxy_uses: dict[bytes, int] = {p: 1_000 for p in self._bad_proxies}
         for path in self.ready_paths():
             for relay in path.relays:
                 in_use[relay] = in_use.get(relay, 0) + 1
@@ -517,19 +518,26 @@ class UserClient:
         if len(ready) < cfg.total:
             raise PathError(f"only {len(ready)} paths ready, need {cfg.total}")
         chosen = self._distinct_proxies(ready, cfg.total)
-        request = inference_pb2.InferenceRequest(
-            request_id=pending.request_id,
-            model_id=target.model_id,
-            prompt=prompt,
-            params=params,
-            reply_proxies=[
-                inference_pb2.ReplyProxy(
-                    peer_id=p.handle.path.proxy, path_id=p.handle.path.exit_path_id
-                )
-                for p in chosen
-            ],
-        )
-        q_bytes = request.SerializeToString()
+        sent = {a.q_bytes for a in pending.attempts}
+        for _ in range(len(chosen)):
+            request = inference_pb2.InferenceRequest(
+                request_id=pending.request_id,
+                model_id=target.model_id,
+                prompt=prompt,
+                params=params,
+                reply_proxies=[
+                    inference_pb2.ReplyProxy(
+                        peer_id=p.handle.path.proxy, path_id=p.handle.path.exit_path_id
+                    )
+                    for p in chosen
+                ],
+            )
+            q_bytes = request.SerializeToString()
+            # A resend must differ from earlier sendings (its own response ID): the same paths
+            # drawn in the same order are rotated.
+            if q_bytes not in sent:
+                break
+            chosen = chosen[1:] + chosen[:1]
         if len(q_bytes) > sida.MAX_MESSAGE_BYTES:
             raise RequestError(
                 f"request of {len(q_bytes)} bytes is over the {sida.MAX_MESSAGE_BYTES}-byte limit"
@@ -621,12 +629,17 @@ class UserClient:
         pending, attempt = found
         # The model node sends clove i to reply proxy i: a clove on any other path is forged (a
         # proxy may try to complete the message with cloves of its own making) and is dropped.
+        if (clove.total, clove.threshold) != (len(attempt.paths), self.config.threshold):
+            self.misrouted_cloves += 1
+            log.warning("response clove with header %d-of-%d dropped", clove.threshold, clove.total)
+            return
         if not (clove.index < len(attempt.paths) and attempt.paths[clove.index].handle is handle):
             self.misrouted_cloves += 1
             log.warning("response clove %d came on the wrong path; dropped", clove.index)
             return
         pending.cloves_received += 1
-        pending.received.append((clove, handle))
+        if len(pending.received) < MAX_RECEIVED_CLOVES:
+            pending.received.append((clove, handle))
         try:
             events = pending.assembler.receive_clove(clove, now)
         except RemoteProtocolError as exc:
@@ -665,9 +678,7 @@ class UserClient:
         except (InvalidSignatureError, RemoteProtocolError) as exc:
             log.warning("response to %s rejected: %s", pending.request_id.hex()[:8], exc)
             answer.error = f"{type(exc).__name__}: {exc}"
-            pending.assembler = CloveAssembler()  # a forged answer is dropped; a genuine one
-            return  # may still arrive (its cloves start a fresh set)
-        self._audit(pending, message_id, payload, now)
+            return
         if response.status == Status.RESPONSE_STATUS_OK:
             answer.ok = True
             answer.text = response.text
@@ -679,6 +690,10 @@ class UserClient:
             answer.error = f"{name}: {response.error}"
         pending.answer = answer
         pending.done.set()
+        try:
+            self._audit(pending, message_id, payload, now)
+        except Exception:  # the answer stands whatever the audit hits
+            log.exception("audit of the response to %s failed", pending.request_id.hex()[:8])
 
     def _audit(self, pending: _Pending, message_id: bytes, payload: bytes, now: float) -> None:
         """Find the proxies whose response cloves did not belong to the genuine answer.
@@ -692,7 +707,7 @@ class UserClient:
             distinct.setdefault(clove.index, clove)
         good: list[sida.Clove] | None = None
         cloves = list(distinct.values())
-        k = cloves[0].threshold if cloves else 0
+        k = self.config.threshold
         for subset in itertools.combinations(cloves, k):
             try:
                 if sida.decode_subset(list(subset)) == payload:
