@@ -243,6 +243,17 @@ def directory_signing_bytes(directory: Directory) -> bytes:
     return head + _records_digest(directory.records)
 
 
+CLOVE_DOMAIN = b"planetserve/v1/response-clove\x00"
+
+
+def clove_signing_bytes(message_id: bytes, clove: bytes) -> bytes:
+    """What a model node signs for each response clove it sends: the response's message ID and
+    the SHA-256 of the serialized clove. A user then tells a clove its proxy altered (bad
+    signature) from one the model node itself sent wrong.
+    """
+    return CLOVE_DOMAIN + message_id + hashlib.sha256(clove).digest()
+
+
 def response_signing_bytes(
     request_id: bytes,
     req_hash: bytes,

@@ -6,7 +6,7 @@ import os
 
 import trio
 
-from ps_p2p import responses
+from ps_p2p import records, responses
 from ps_p2p.crypto import sida
 from ps_p2p.keys import Identity
 from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled
@@ -26,7 +26,11 @@ class RecordingOverlay:
         self.replies: list[tuple[bytes, bytes, bytes]] = []
         self.changed = trio.Event()
 
-    def send_reply(self, proxy: bytes, exit_path_id: bytes, clove: bytes) -> bool:
+    def send_reply(self, proxy: bytes, exit_path_id: bytes, clove: bytes, signature: bytes) -> bool:
+        records.verify_signature(
+            self.identity.peer_id, records.clove_signing_bytes(clove_from_bytes(clove).message_id, clove),
+            signature,
+        )
         self.replies.append((proxy, exit_path_id, clove))
         self.changed.set()
         self.changed = trio.Event()
@@ -71,6 +75,7 @@ async def _running_service(nursery):
     engine = InstantEngine()
     service = ModelNodeService(Identity.generate(), engine, ModelNodeConfig(capacity=1))
     overlay = RecordingOverlay()
+    overlay.identity = service.identity
     service.attach(overlay)
     await nursery.start(service.run)
     return service, overlay, engine

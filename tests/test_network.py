@@ -6,7 +6,8 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from ps_p2p.crypto import onion
+from ps_p2p.crypto import onion, sida
+from ps_p2p.protocols.clove_codec import clove_to_bytes
 from ps_p2p.pb.planetserve.v1 import clove_pb2, onion_pb2
 from ps_p2p.protocols.framing import encode_frame, encode_varint
 from ps_p2p.protocols.overlay import CLOVE_MAX_FRAME, CLOVE_PROTOCOL_ID, ONION_PROTOCOL_ID
@@ -245,3 +246,25 @@ async def test_a_reply_from_a_peer_the_path_never_delivered_to_is_dropped():
             while proxy.overlay.stats.cells_dropped == before:
                 await _poll()
         await stream.close()
+
+
+async def test_a_badly_signed_reply_is_dropped_by_the_proxy_not_passed_on():
+    async with open_localnet(users=6) as net:
+        owner, model = net.users[0], net.models[0]
+        answer = await owner.user.ask("deliver through my proxies", timeout=20)
+        assert answer.ok, answer.error
+        for path in owner.user.ready_paths():
+            proxy = net.node(path.relays[-1])
+            entry = proxy.overlay.table.lookup_exit(path.handle.path.exit_path_id)
+            if entry is not None and model.peer_id in entry.destinations:
+                break
+        else:
+            raise AssertionError("no path delivered to the model node")
+        before = proxy.overlay.stats.cells_dropped
+        (clove,) = sida.encode(b"junk", total=1, threshold=1)
+        model.overlay.send_reply(
+            proxy.peer_id, path.handle.path.exit_path_id, clove_to_bytes(clove), b"\x00" * 64
+        )
+        with trio.fail_after(5):
+            while proxy.overlay.stats.cells_dropped == before:
+                await _poll()

@@ -35,6 +35,7 @@ from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 
 from ps_p2p.crypto import onion
+from ps_p2p import records
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.errors import CryptoError, PsError, RemoteProtocolError
 from ps_p2p.overlay.relay_table import Direction, RelayEntry, RelayTable
@@ -258,9 +259,13 @@ class OverlayService:
 
     # ------------------------------------------------------------------ model node API
 
-    def send_reply(self, proxy: bytes, exit_path_id: bytes, clove: bytes) -> bool:
-        """Model nodes: send one response clove to a reply proxy (its exit path ID)."""
-        frame = clove_pb2.CloveFrame(reply=clove_pb2.Reply(path_id=exit_path_id, clove=clove))
+    def send_reply(
+        self, proxy: bytes, exit_path_id: bytes, clove: bytes, signature: bytes = b""
+    ) -> bool:
+        """Model nodes: send one signed response clove to a reply proxy (its exit path ID)."""
+        frame = clove_pb2.CloveFrame(
+            reply=clove_pb2.Reply(path_id=exit_path_id, clove=clove, signature=signature)
+        )
         self.stats.replies += 1
         assert self._clove_links is not None
         return self._clove_links.send(proxy, frame.SerializeToString())
@@ -383,7 +388,7 @@ class OverlayService:
         elif kind == "delivery":
             self._on_delivery(peer, frame.delivery.clove)
         elif kind == "reply":
-            self._on_reply(peer, frame.reply.path_id, frame.reply.clove)
+            self._on_reply(peer, frame.reply.path_id, frame.reply.clove, frame.reply.signature)
         else:
             raise RemoteProtocolError("empty clove frame")
 
@@ -467,7 +472,7 @@ class OverlayService:
             raise RemoteProtocolError("this node serves no model; delivery refused")
         self.on_delivery(peer, clove)
 
-    def _on_reply(self, peer: bytes, exit_path_id: bytes, clove: bytes) -> None:
+    def _on_reply(self, peer: bytes, exit_path_id: bytes, clove: bytes, signature: bytes) -> None:
         entry = self.table.lookup_exit(exit_path_id)
         if entry is None:
             log.info("reply from %s for unknown exit path ID dropped", _short(peer))
@@ -477,11 +482,19 @@ class OverlayService:
             self.stats.cells_dropped += 1
             log.info("reply from %s, which this path never delivered to, dropped", _short(peer))
             return
+        try:  # a badly signed clove is the model node's fault: never pass it on to be pinned on us
+            message_id = _parse(clove_pb2.Clove, clove).message_id
+            records.verify_signature(peer, records.clove_signing_bytes(message_id, clove), signature)
+        except PsError as exc:
+            self.stats.cells_dropped += 1
+            log.warning("reply from %s with a bad clove signature dropped: %s", _short(peer), exc)
+            return
         self.table.touch(entry, self._clock())
         if self.config.tamper:
             clove = _tamper_clove(clove)
             self.stats.tampered += 1
-        self._send_backward(entry, clove_pb2.BackwardPayload(clove=clove))
+        signed = clove_pb2.SignedClove(clove=clove, signature=signature)
+        self._send_backward(entry, clove_pb2.BackwardPayload(signed_clove=signed))
 
     def _on_destroy(self, peer: bytes, path_id: bytes, reason: str) -> None:
         handle = self._paths.get((peer, path_id))

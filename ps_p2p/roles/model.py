@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ps_p2p import responses
+from ps_p2p import records, responses
 from ps_p2p.crypto import sida
 from ps_p2p.engines.base import Engine, SamplingParams
 from ps_p2p.errors import EngineError, PromptTooLongError, PsError, RemoteProtocolError
@@ -352,4 +352,6 @@ class ModelNodeService:
             message_id=responses.response_message_id(request.request_id, req_hash),
         )
         for proxy, clove in zip(proxies, cloves):
-            self.overlay.send_reply(proxy.peer_id, proxy.path_id, clove_to_bytes(clove))
+            data = clove_to_bytes(clove)
+            signature = self.identity.sign(records.clove_signing_bytes(clove.message_id, data))
+            self.overlay.send_reply(proxy.peer_id, proxy.path_id, data, signature)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ps_p2p import responses
+from ps_p2p import records, responses
 from ps_p2p.crypto import onion, sida
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.errors import (
@@ -165,6 +165,7 @@ class _Audit:
 
     good: list[sida.Clove]
     payload: bytes
+    destination: bytes = b""  # the model node that signed the answer
 
 
 #: Seconds a proxy caught altering a response clove is kept off this user's paths.
@@ -611,20 +612,28 @@ class UserClient:
                     self._penalty.pop(relay, None)
         elif kind == "delivery_failed":
             log.warning("proxy could not deliver a clove: %s", message.delivery_failed)
-        elif kind == "clove":
+        elif kind == "signed_clove":
+            raw = message.signed_clove.clove
             try:
-                clove = clove_from_bytes(message.clove)
+                clove = clove_from_bytes(raw)
             except RemoteProtocolError as exc:
                 log.warning("malformed response clove dropped: %s", exc)
                 return
-            self._on_response_clove(clove, handle, now)
+            self._on_response_clove(clove, raw, message.signed_clove.signature, handle, now)
+        elif kind == "clove":
+            self.misrouted_cloves += 1
+            log.warning("unsigned response clove dropped")
 
-    def _on_response_clove(self, clove: sida.Clove, handle: PathHandle, now: float) -> None:
+    def _on_response_clove(
+        self, clove: sida.Clove, raw: bytes, signature: bytes, handle: PathHandle, now: float
+    ) -> None:
         found = self._by_response_id.get(clove.message_id)
         if found is None or found[0].done.is_set():
             audit = self._audits.get(clove.message_id)
-            if audit is not None and not _consistent(audit, clove):
-                self._flag_proxy(handle, now)
+            if audit is not None and self._signed_by(audit.destination, clove, raw, signature, handle, now):
+                if not _consistent(audit, clove):
+                    log.warning("model node %s signed a clove that is not part of its answer",
+                                _short(audit.destination))
             return
         pending, attempt = found
         # The model node sends clove i to reply proxy i: a clove on any other path is forged (a
@@ -636,6 +645,8 @@ class UserClient:
         if not (clove.index < len(attempt.paths) and attempt.paths[clove.index].handle is handle):
             self.misrouted_cloves += 1
             log.warning("response clove %d came on the wrong path; dropped", clove.index)
+            return
+        if not self._signed_by(pending.destination, clove, raw, signature, handle, now):
             return
         pending.cloves_received += 1
         if len(pending.received) < MAX_RECEIVED_CLOVES:
@@ -696,11 +707,9 @@ class UserClient:
             log.exception("audit of the response to %s failed", pending.request_id.hex()[:8])
 
     def _audit(self, pending: _Pending, message_id: bytes, payload: bytes, now: float) -> None:
-        """Find the proxies whose response cloves did not belong to the genuine answer.
-
-        Only a proxy can alter a clove's content undetected by the path's end-to-end layer, so
-        a clove inconsistent with the verified answer convicts the proxy of its path.
-        """
+        """Check the response cloves against the verified answer, and keep the answer a while to
+        check late cloves (their signatures convict an altering proxy; signed cloves that do not
+        fit the answer are the model node's own doing and are logged)."""
         received = [(c, h) for c, h in pending.received if c.message_id == message_id]
         distinct: dict[int, sida.Clove] = {}
         for clove, _ in received:
@@ -717,13 +726,30 @@ class UserClient:
                 continue
         if good is None:
             return
-        audit = _Audit(good, payload)
-        for clove, handle in received:
-            if not _consistent(audit, clove):
-                self._flag_proxy(handle, now)
+        audit = _Audit(good, payload, pending.destination)
+        if any(not _consistent(audit, clove) for clove, _ in received):
+            # every clove here carries the model node's valid signature: its own doing
+            log.warning("model node %s signed cloves that are not part of its answer",
+                        _short(pending.destination))
         self._audits[message_id] = audit
         while len(self._audits) > MAX_AUDITS:
             self._audits.popitem(last=False)
+
+    def _signed_by(
+        self, model_node: bytes, clove: sida.Clove, raw: bytes, signature: bytes,
+        handle: PathHandle, now: float,
+    ) -> bool:
+        """Check the model node's signature on a response clove; a bad one convicts the proxy
+        (only the proxy sees a clove in the clear: relays are held off by the end-to-end layer,
+        and the proxy takes replies only from the model node it delivered to)."""
+        try:
+            records.verify_signature(
+                model_node, records.clove_signing_bytes(clove.message_id, raw), signature
+            )
+        except (InvalidSignatureError, RemoteProtocolError):
+            self._flag_proxy(handle, now)
+            return False
+        return True
 
     def _flag_proxy(self, handle: PathHandle, now: float) -> None:
         proxy = handle.path.proxy
