@@ -116,6 +116,13 @@ async def test_forged_record_is_refused_with_a_clear_error_and_service_keeps_ser
     assert (await net.fetch()).records == (record,)
 
 
+async def test_a_node_cannot_register_another_nodes_record(net):
+    someone_else = make_record(Identity.generate())  # validly signed, but not by this client
+    with pytest.raises(RemoteProtocolError, match="only its own record"):
+        await dp.register(net.client_host, net.verifier.peer_id, someone_else)
+    assert len(net.service.registry) == 0
+
+
 async def test_expired_record_is_refused_with_a_clear_error(net):
     record = make_record(net.client, issued=NOW - 20 * MINUTE)
     with pytest.raises(RemoteProtocolError, match="expired"):

@@ -241,8 +241,14 @@ class DirectoryService:
             self._response = encode_frame(body)
         return self._response
 
-    def handle_request(self, request: directory_pb2.DirectoryRequest, now_ms: int) -> bytes:
+    def handle_request(
+        self, request: directory_pb2.DirectoryRequest, now_ms: int, sender: bytes | None = None
+    ) -> bytes:
         """Answer one decoded request; returns the encoded response frame.
+
+        Args:
+            sender: the peer ID of the connection it came on; a node may register only its own
+                record (None: not checked, for in-process callers).
 
         A refused registration becomes an ``ErrorReply`` (codes ``ERROR_*``), never an exception.
         """
@@ -252,6 +258,8 @@ class DirectoryService:
         if kind == "register":
             try:
                 record = record_from_pb(request.register)
+                if sender is not None and record.peer_id != sender:
+                    raise RemoteProtocolError("a node may register only its own record")
                 expires = self.registry.register(record, now_ms)
             except InvalidSignatureError as exc:
                 response = _error(ERROR_INVALID_SIGNATURE, f"registration refused: {exc}")
@@ -269,6 +277,7 @@ class DirectoryService:
     async def _handle_stream(self, stream: INetStream) -> None:
         # Guarded: an exception escaping a handler kills the py-libp2p host (DESIGN.md pitfalls).
         peer = _peer_label(stream)
+        sender = stream.muxed_conn.peer_id.to_bytes()
         try:
             while True:
                 try:
@@ -279,7 +288,7 @@ class DirectoryService:
                     request = directory_pb2.DirectoryRequest.FromString(frame)
                 except ProtobufDecodeError as exc:
                     raise RemoteProtocolError(f"malformed DirectoryRequest: {exc}") from exc
-                await stream.write(self.handle_request(request, self._clock_ms()))
+                await stream.write(self.handle_request(request, self._clock_ms(), sender))
         except RemoteProtocolError as exc:
             log.warning("directory stream from %s reset: %s", peer, exc)
             await _reset_quietly(stream)
