@@ -1,0 +1,179 @@
+"""Overlay benchmarks on loopback, all hosts in one process (one trio loop, one core).
+
+Measures (median and p99, milliseconds unless said):
+
+1. onion path setup through 3 hops with connections already up (open_path -> acknowledgement);
+2. anonymous round trip (30 KB prompt, 2 KB answer, a model node that answers instantly) against a
+   direct request to the same node over one reused stream, and the overhead between the two;
+3. relay throughput: cells per second one relay forwards (its frame handling + layer crypto,
+   transport excluded), and cells per second through a whole 3-hop path over real streams.
+
+Run: ``python benchmarks/bench_overlay.py [--quick]``. Every host shares one core, so the
+numbers are an upper bound of what separate machines would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from ps_p2p.crypto import onion
+from ps_p2p.engines.base import SamplingParams
+from ps_p2p.pb.planetserve.v1 import clove_pb2
+from ps_p2p.protocols.framing import encode_frame, read_frame
+from ps_p2p.roles.user import UserConfig
+from ps_p2p.testing.fakes import InstantEngine
+from ps_p2p.testing.localnet import open_localnet
+
+DIRECT_PROTOCOL = TProtocol("/planetserve/bench-direct/1.0.0")
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{platform.platform()}; {cpu}; {os.cpu_count()} cores; "
+            f"Python {platform.python_version()}")
+
+
+def summary(name: str, samples: list[float], unit: str = "ms") -> str:
+    s = sorted(samples)
+    p99 = s[min(len(s) - 1, int(0.99 * len(s)))]
+    return (f"{name:<48} median {statistics.median(s):8.2f} {unit}   p99 {p99:8.2f} {unit}   "
+            f"(n={len(s)})")
+
+
+async def bench(quick: bool) -> None:
+    rounds = 30 if quick else 200
+    print(machine())
+    cfg = UserConfig(probe_interval=5.0, probe_timeout=10.0, request_timeout=30.0)
+    engine = InstantEngine(reply_bytes=2048)
+    async with open_localnet(users=7, engine_factory=lambda i: engine, user_config=cfg) as net:
+        user = net.users[0]
+        overlay = user.overlay
+        directory = user.directory
+        others = [r for r in directory.users() if r.peer_id != user.peer_id]
+
+        # 1. path setup, connections up (the relays already carry this user's paths)
+        setup = []
+        for i in range(rounds):
+            relays = [others[(i + j) % len(others)] for j in range(3)]
+            hops = [onion.HopSpec(r.peer_id, r.onion_key) for r in relays]
+            t0 = time.perf_counter()
+            handle = overlay.open_path(hops)
+            await handle.ready.wait()
+            setup.append((time.perf_counter() - t0) * 1000)
+            assert handle.is_ready, handle.error
+            overlay.close_path(handle)
+        print(summary("onion path setup, 3 hops", setup))
+
+        # 2. anonymous round trip vs direct request
+        model = net.models[0]
+
+        async def direct_handler(stream):  # the same engine, no overlay
+            try:
+                while True:
+                    frame = await read_frame(stream, 1 << 20)
+                    done = await engine.complete(frame.decode(), SamplingParams(max_tokens=16))
+                    await stream.write(encode_frame(done.text.encode()))
+            except Exception:
+                await stream.reset()
+
+        model.host.set_stream_handler(DIRECT_PROTOCOL, direct_handler)
+        prompt = "p" * 30_000
+        stream = await user.host.new_stream(ID(model.peer_id), [DIRECT_PROTOCOL])
+        direct = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            await stream.write(encode_frame(prompt.encode()))
+            reply = await read_frame(stream, 1 << 20)
+            direct.append((time.perf_counter() - t0) * 1000)
+            assert len(reply) == 2048
+        anonymous = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            answer = await user.user.ask(prompt, max_tokens=16, timeout=30)
+            anonymous.append((time.perf_counter() - t0) * 1000)
+            assert answer.ok and len(answer.text) == 2048, answer.error
+        print(summary("direct request 30 KB -> 2 KB", direct))
+        print(summary("anonymous round trip 30 KB -> 2 KB", anonymous))
+        print(f"{'overhead (median anonymous - median direct)':<48} "
+              f"{statistics.median(anonymous) - statistics.median(direct):8.2f} ms")
+
+        # 3a. relay CPU: frames through one middle relay's handler, links stubbed out
+        relay = net.users[1].overlay
+        path = user.user.ready_paths()[0]
+        hops = [onion.HopSpec(r.peer_id, r.onion_key) for r in
+                (directory.record(p) for p in path.relays)]
+        user_path, packet = onion.create_path(hops)
+        state, _ = onion.process_setup(net.node(hops[0].peer_id).keys.onion, packet)
+        sent = []
+        real_send = relay._send_cell
+        relay._send_cell = lambda peer, pid, payload: sent.append(len(payload)) or True
+        entry = relay.table.add(b"bench-peer", b"\x07" * 16, state, trio.current_time())
+        cells = [
+            clove_pb2.CloveFrame(cell=clove_pb2.Cell(
+                path_id=b"\x07" * 16, payload=user_path.seal_forward(b"z" * 900))
+            ).SerializeToString()
+            for _ in range(2000 if quick else 20000)
+        ]
+        t0 = time.perf_counter()
+        for frame in cells:
+            relay._on_clove_frame(b"bench-peer", frame)
+        elapsed = time.perf_counter() - t0
+        relay._send_cell = real_send
+        relay.table.remove(entry)
+        assert len(sent) == len(cells)
+        print(f"{'relay CPU, 1 KiB cells (handler + layer)':<48} {len(cells) / elapsed:10.0f} cells/s")
+
+        # 3b. whole path over real streams: probes through 3 hops and back
+        n = 300 if quick else 2000
+        got = trio.Event()
+        count = 0
+        original = user.overlay.on_backward
+
+        def on_backward(handle, message):
+            nonlocal count
+            if message.WhichOneof("kind") == "probe_reply" and message.probe_reply.nonce >= 1 << 40:
+                count += 1
+                if count == n:
+                    got.set()
+                return
+            original(handle, message)
+
+        user.overlay.on_backward = on_backward
+        t0 = time.perf_counter()
+        for i in range(n):
+            user.overlay.send_on_path(
+                path.handle, clove_pb2.ForwardPayload(probe=clove_pb2.Probe(nonce=(1 << 40) + i))
+            )
+        with trio.fail_after(60):
+            await got.wait()
+        elapsed = time.perf_counter() - t0
+        user.overlay.on_backward = original
+        print(f"{'3-hop path round trips, 1 KiB cells, pipelined':<48} {n / elapsed:10.0f} cells/s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    args = parser.parse_args()
+    trio.run(bench, args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
