@@ -26,12 +26,12 @@ class RecordingOverlay:
         self.replies: list[tuple[bytes, bytes, bytes]] = []
         self.changed = trio.Event()
 
-    def send_reply(self, proxy: bytes, exit_path_id: bytes, clove: bytes, signature: bytes) -> bool:
+    def send_reply(self, proxy: bytes, reply_tag: bytes, clove: bytes, signature: bytes) -> bool:
         records.verify_signature(
             self.identity.peer_id, records.clove_signing_bytes(clove_from_bytes(clove).message_id, clove),
             signature,
         )
-        self.replies.append((proxy, exit_path_id, clove))
+        self.replies.append((proxy, reply_tag, clove))
         self.changed.set()
         self.changed = trio.Event()
         return True
@@ -61,8 +61,8 @@ def _deliver(service: ModelNodeService, q: bytes, senders=PROXIES) -> None:
 
 def _decode(replies, path_tag: bytes) -> inference_pb2.InferenceResponse:
     assembler = CloveAssembler()
-    for _, exit_path_id, clove in replies:
-        if exit_path_id.startswith(path_tag):
+    for _, reply_tag, clove in replies:
+        if reply_tag.startswith(path_tag):
             for event in assembler.receive_clove(clove_from_bytes(clove), 0.0):
                 if isinstance(event, MessageReassembled):
                     response = inference_pb2.InferenceResponse()

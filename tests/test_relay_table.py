@@ -39,14 +39,35 @@ def test_cells_are_found_forward_by_predecessor_and_backward_by_successor():
     assert table.lookup(A, b"j" * 16) is None
 
 
-def test_proxy_entries_are_found_by_exit_path_id():
+def test_a_reply_tag_leads_back_to_its_path_only_from_its_model_node():
     table = RelayTable()
-    hop = _hop(proxy=True)
-    entry = table.add(A, b"i" * 16, hop, now=0.0)
-    assert table.lookup_exit(hop.out_path_id) is entry
+    entry = table.add(A, b"i" * 16, _hop(proxy=True), now=0.0)
+    assert table.add_reply_tag(b"t" * 16, entry, B, 0.0, ttl=10.0, replies=2)
+    assert table.take_reply(b"t" * 16, C, 1.0) is None  # another peer: refused
+    assert table.take_reply(b"u" * 16, B, 1.0) is None  # unknown tag
+    assert table.take_reply(b"t" * 16, B, 1.0) is entry
+    assert table.take_reply(b"t" * 16, B, 2.0) is entry
+    assert table.take_reply(b"t" * 16, B, 3.0) is None  # budget spent
+
+
+def test_reply_tags_expire_and_go_with_their_path():
+    table = RelayTable()
+    entry = table.add(A, b"i" * 16, _hop(proxy=True), now=0.0)
+    table.add_reply_tag(b"t" * 16, entry, B, 0.0, ttl=10.0, replies=2)
+    assert table.take_reply(b"t" * 16, B, 10.0) is None  # expired
+    table.add_reply_tag(b"v" * 16, entry, B, 0.0, ttl=10.0, replies=2)
     table.remove(entry)
-    assert table.lookup_exit(hop.out_path_id) is None
-    assert len(table) == 0
+    assert table.take_reply(b"v" * 16, B, 1.0) is None
+    assert not entry.tags
+
+
+def test_reply_tags_are_bounded_per_path_and_never_reused():
+    table = RelayTable()
+    entry = table.add(A, b"i" * 16, _hop(proxy=True), now=0.0)
+    assert table.add_reply_tag(b"1" * 16, entry, B, 0.0, ttl=10.0, replies=1, max_per_path=2)
+    assert not table.add_reply_tag(b"1" * 16, entry, B, 0.0, ttl=10.0, replies=1, max_per_path=2)
+    assert table.add_reply_tag(b"2" * 16, entry, B, 0.0, ttl=10.0, replies=1, max_per_path=2)
+    assert not table.add_reply_tag(b"3" * 16, entry, B, 0.0, ttl=10.0, replies=1, max_per_path=2)
 
 
 def test_duplicate_incoming_path_id_and_full_table_are_refused():

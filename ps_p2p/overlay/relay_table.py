@@ -4,8 +4,11 @@ Every relay (and proxy) keeps one :class:`RelayEntry` per path through it, index
 
 * forward: ``(predecessor peer ID, incoming path ID)`` -> entry (cells towards the proxy);
 * backward: ``(successor peer ID, outgoing path ID)`` -> entry (cells back to the user);
-* exit: ``exit path ID`` -> entry, for proxies: a model node's response clove names the path by
-  the exit path ID the user put in its request.
+* reply tag -> entry, for proxies: each request clove a user sends through its proxy registers a
+  fresh 16-byte reply tag, and the request names the proxy by that tag. The model node's response
+  clove comes back under it, only from the model node the clove went to, at most
+  ``replies`` times and within ``ttl`` seconds. A tag names one request, never the path, so
+  model nodes cannot link one user's requests through a lasting path ID.
 
 Path IDs are link-local (DESIGN.md): the same path has a different ID on every link, so nothing
 in the table lets a relay link two links of one path except its own entry. Sizes a peer controls
@@ -41,8 +44,18 @@ class RelayEntry:
     hop: RelayHop
     created_at: float
     last_used: float
-    #: proxies: model nodes this path delivered cloves to (only they may send replies on it)
-    destinations: set[bytes] = field(default_factory=set)
+    #: proxies: reply tags registered on this path
+    tags: set[bytes] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class ReplyTag:
+    """A reply tag registered at a proxy (see the module docstring)."""
+
+    entry: RelayEntry
+    destination: bytes
+    expires_at: float
+    replies_left: int
 
 
 class RelayTable:
@@ -60,7 +73,7 @@ class RelayTable:
         self._per_peer: dict[bytes, int] = {}
         self._forward: dict[tuple[bytes, bytes], RelayEntry] = {}
         self._backward: dict[tuple[bytes, bytes], RelayEntry] = {}
-        self._exit: dict[bytes, RelayEntry] = {}
+        self._tags: dict[bytes, ReplyTag] = {}
 
     def __len__(self) -> int:
         return len(self._forward)
@@ -79,19 +92,14 @@ class RelayTable:
         key = (in_peer, in_path_id)
         if key in self._forward:
             raise RemoteProtocolError("incoming path ID already in use on this link")
-        if hop.is_proxy:
-            if hop.out_path_id in self._exit:
-                raise RemoteProtocolError("exit path ID already in use")
-        else:
+        if not hop.is_proxy:
             assert hop.next_peer_id is not None
             if (hop.next_peer_id, hop.out_path_id) in self._backward:
                 raise RemoteProtocolError("outgoing path ID already in use on the next link")
         entry = RelayEntry(in_peer, in_path_id, hop, now, now)
         self._forward[key] = entry
         self._per_peer[in_peer] = self._per_peer.get(in_peer, 0) + 1
-        if hop.is_proxy:
-            self._exit[hop.out_path_id] = entry
-        else:
+        if not hop.is_proxy:
             assert hop.next_peer_id is not None
             self._backward[(hop.next_peer_id, hop.out_path_id)] = entry
         return entry
@@ -106,9 +114,38 @@ class RelayTable:
             return entry, Direction.BACKWARD
         return None
 
-    def lookup_exit(self, exit_path_id: bytes) -> RelayEntry | None:
-        """Proxies: the path whose exit path ID a model node named."""
-        return self._exit.get(exit_path_id)
+    def add_reply_tag(
+        self, tag: bytes, entry: RelayEntry, destination: bytes, now: float, *,
+        ttl: float, replies: int, max_per_path: int = 64,
+    ) -> bool:
+        """Register ``tag`` for replies to ``entry``'s path from ``destination``.
+
+        Returns:
+            False (nothing registered) when the tag is in use or the path has ``max_per_path``
+            live tags.
+        """
+        if tag in self._tags or len(entry.tags) >= max_per_path:
+            return False
+        self._tags[tag] = ReplyTag(entry, destination, now + ttl, replies)
+        entry.tags.add(tag)
+        return True
+
+    def take_reply(self, tag: bytes, sender: bytes, now: float) -> RelayEntry | None:
+        """The path a reply under ``tag`` from ``sender`` goes back on, spending one reply; None
+        when the tag is unknown, expired, spent, or registered for another model node."""
+        registered = self._tags.get(tag)
+        if registered is None or registered.destination != sender:
+            return None
+        if now >= registered.expires_at or registered.replies_left <= 0:
+            self._drop_tag(tag)
+            return None
+        registered.replies_left -= 1
+        return registered.entry
+
+    def _drop_tag(self, tag: bytes) -> None:
+        registered = self._tags.pop(tag, None)
+        if registered is not None:
+            registered.entry.tags.discard(tag)
 
     def touch(self, entry: RelayEntry, now: float) -> None:
         entry.last_used = now
@@ -122,11 +159,10 @@ class RelayTable:
                 self._per_peer[entry.in_peer] = left
             else:
                 del self._per_peer[entry.in_peer]
+        for tag in list(entry.tags):
+            self._drop_tag(tag)
         hop = entry.hop
-        if hop.is_proxy:
-            if self._exit.get(hop.out_path_id) is entry:
-                del self._exit[hop.out_path_id]
-        elif hop.next_peer_id is not None:
+        if not hop.is_proxy and hop.next_peer_id is not None:
             key = (hop.next_peer_id, hop.out_path_id)
             if self._backward.get(key) is entry:
                 del self._backward[key]
@@ -142,11 +178,13 @@ class RelayTable:
         return gone
 
     def expire(self, now: float, idle_timeout: float) -> list[RelayEntry]:
-        """Remove and return entries unused for ``idle_timeout`` seconds."""
+        """Remove and return entries unused for ``idle_timeout`` seconds; forget expired tags."""
+        for tag in [t for t, r in self._tags.items() if now >= r.expires_at]:
+            self._drop_tag(tag)
         gone = [e for e in self._forward.values() if now - e.last_used >= idle_timeout]
         for entry in gone:
             self.remove(entry)
         return gone
 
 
-__all__ = ["Direction", "RelayEntry", "RelayTable"]
+__all__ = ["Direction", "RelayEntry", "RelayTable", "ReplyTag"]

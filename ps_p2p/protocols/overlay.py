@@ -47,8 +47,10 @@ log = logging.getLogger(__name__)
 ONION_PROTOCOL_ID = "/planetserve/onion/1.0.0"
 CLOVE_PROTOCOL_ID = "/planetserve/clove/1.0.0"
 
-#: Model nodes one path may deliver to (and so receive replies from).
-MAX_DESTINATIONS_PER_PATH = 64
+#: Bytes of a reply tag (ps_p2p.overlay.relay_table).
+REPLY_TAG_BYTES = 16
+#: Response cloves a model node may send under one reply tag (one, and one spare).
+REPLIES_PER_TAG = 2
 #: Setup packets remembered to refuse replays (32 bytes each; oldest forgotten first).
 MAX_REMEMBERED_SETUPS = 200_000
 #: Largest onion frame: a setup packet plus a reply (fixed sizes) and protobuf overhead.
@@ -67,6 +69,7 @@ class OverlayConfig:
         relay_idle_timeout: relay entries with no traffic for this long are dropped (users probe
             their paths every few seconds, so live paths never idle this long).
         max_relay_entries: paths relayed at most (a peer-controlled count).
+        reply_tag_ttl: seconds a proxy forwards replies under a request's reply tag.
         tamper: TEST ONLY (``--perturb tamper-clove``): corrupt the cells and cloves this node relays.
     """
 
@@ -74,6 +77,7 @@ class OverlayConfig:
     setup_timeout: float = 5.0
     relay_idle_timeout: float = 120.0
     max_relay_entries: int = 100_000
+    reply_tag_ttl: float = 600.0
     tamper: bool = False
 
 
@@ -260,11 +264,12 @@ class OverlayService:
     # ------------------------------------------------------------------ model node API
 
     def send_reply(
-        self, proxy: bytes, exit_path_id: bytes, clove: bytes, signature: bytes = b""
+        self, proxy: bytes, reply_tag: bytes, clove: bytes, signature: bytes = b""
     ) -> bool:
-        """Model nodes: send one signed response clove to a reply proxy (its exit path ID)."""
+        """Model nodes: send one signed response clove to a reply proxy, under the request's
+        reply tag for that proxy."""
         frame = clove_pb2.CloveFrame(
-            reply=clove_pb2.Reply(path_id=exit_path_id, clove=clove, signature=signature)
+            reply=clove_pb2.Reply(path_id=reply_tag, clove=clove, signature=signature)
         )
         self.stats.replies += 1
         assert self._clove_links is not None
@@ -434,8 +439,12 @@ class OverlayService:
         elif kind == "deliver":
             destination = payload.deliver.destination
             clove = payload.deliver.clove
-            if len(entry.destinations) < MAX_DESTINATIONS_PER_PATH:
-                entry.destinations.add(destination)
+            tag = payload.deliver.reply_tag
+            if len(tag) == REPLY_TAG_BYTES:
+                self.table.add_reply_tag(
+                    tag, entry, destination, self._clock(),
+                    ttl=self.config.reply_tag_ttl, replies=REPLIES_PER_TAG,
+                )
             if self.config.tamper:
                 clove = _tamper_clove(clove)
                 self.stats.tampered += 1
@@ -472,15 +481,12 @@ class OverlayService:
             raise RemoteProtocolError("this node serves no model; delivery refused")
         self.on_delivery(peer, clove)
 
-    def _on_reply(self, peer: bytes, exit_path_id: bytes, clove: bytes, signature: bytes) -> None:
-        entry = self.table.lookup_exit(exit_path_id)
+    def _on_reply(self, peer: bytes, reply_tag: bytes, clove: bytes, signature: bytes) -> None:
+        entry = self.table.take_reply(reply_tag, peer, self._clock())
         if entry is None:
-            log.info("reply from %s for unknown exit path ID dropped", _short(peer))
-            return
-        if peer not in entry.destinations:
-            # only a model node this path sent a request clove to may answer on it
+            # unknown, expired or spent tag, or a model node this path never delivered it to
             self.stats.cells_dropped += 1
-            log.info("reply from %s, which this path never delivered to, dropped", _short(peer))
+            log.info("reply from %s under an unknown or spent reply tag dropped", _short(peer))
             return
         try:  # a badly signed clove is the model node's fault: never pass it on to be pinned on us
             message_id = _parse(clove_pb2.Clove, clove).message_id

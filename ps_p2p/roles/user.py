@@ -129,6 +129,7 @@ class _Path:
     relays: list[bytes]
     created_at: float
     retiring: bool = False
+    retired_at: float = 0.0
     probe_nonce: int | None = None
     probe_sent_at: float = 0.0
     last_reply_at: float = 0.0
@@ -142,6 +143,7 @@ class _Attempt:
     paths: list[_Path]  # clove i (and response clove i) goes over paths[i]
     sent_at: float
     response_id: bytes  # S-IDA message ID of the answer to this sending
+    reply_tags: list[bytes]  # reply tag i registered with the proxy of paths[i]
 
 
 @dataclass
@@ -295,13 +297,46 @@ class UserClient:
                     path.probe_sent_at = now
             if not path.retiring and now - path.created_at >= cfg.rotate_period:
                 path.retiring = True
+                path.retired_at = now
                 log.info("rotating path via %s", _short(path.relays[0]))
-            if path.retiring and now - path.created_at >= cfg.rotate_period + cfg.request_timeout:
+            # a retired path still carries the answers of requests sent before it retired
+            if path.retiring and now - path.retired_at >= cfg.request_timeout:
                 self._drop_path(path, "rotated")
         usable = len(self.ready_paths())
         missing = cfg.paths - usable - self._setting_up
         if missing > 0:
             self._build_paths(missing)
+        elif not self._setting_up:
+            self._rebalance(now)
+
+    def _rebalance(self, now: float) -> None:
+        """Retire one path that shares a relay with another while unused relays are available.
+
+        Paths built while the network was starting (or while relays were under suspicion) may
+        share relays; once enough relays are known and clean, they are replaced one at a time so
+        the pool converges to disjoint paths (DESIGN.md: no relay on two paths of one user).
+        """
+        ready = self.ready_paths()
+        uses: dict[bytes, int] = {}
+        for path in ready:
+            for relay in path.relays:
+                uses[relay] = uses.get(relay, 0) + 1
+        shared = [p for p in ready if any(uses[r] > 1 for r in p.relays)]
+        directory = self._directory()
+        if not shared or directory is None:
+            return
+        free = [
+            r.peer_id for r in directory.users()
+            if r.peer_id != self.me and r.peer_id not in uses and r.peer_id not in self._penalty
+            and len(r.onion_key) == 32
+        ]
+        if len(free) < self.config.hops:
+            return
+        victim = max(shared, key=lambda p: sum(uses[r] for r in p.relays))
+        victim.retiring = True
+        victim.retired_at = now
+        log.info("replacing path via %s: it shares relays with another path", _short(victim.relays[0]))
+        self._build_paths(1)
 
     def _build_paths(self, count: int) -> None:
         directory = self._directory()
@@ -519,26 +554,21 @@ class UserClient:
         if len(ready) < cfg.total:
             raise PathError(f"only {len(ready)} paths ready, need {cfg.total}")
         chosen = self._distinct_proxies(ready, cfg.total)
-        sent = {a.q_bytes for a in pending.attempts}
-        for _ in range(len(chosen)):
-            request = inference_pb2.InferenceRequest(
-                request_id=pending.request_id,
-                model_id=target.model_id,
-                prompt=prompt,
-                params=params,
-                reply_proxies=[
-                    inference_pb2.ReplyProxy(
-                        peer_id=p.handle.path.proxy, path_id=p.handle.path.exit_path_id
-                    )
-                    for p in chosen
-                ],
-            )
-            q_bytes = request.SerializeToString()
-            # A resend must differ from earlier sendings (its own response ID): the same paths
-            # drawn in the same order are rotated.
-            if q_bytes not in sent:
-                break
-            chosen = chosen[1:] + chosen[:1]
+        # A fresh reply tag per request and path: the model node answers proxy i under tag i,
+        # so no lasting path ID links this user's requests; fresh tags also make every sending's
+        # Q (and so its response ID) differ from the earlier ones.
+        tags = [self._random_bytes(16) for _ in chosen]
+        request = inference_pb2.InferenceRequest(
+            request_id=pending.request_id,
+            model_id=target.model_id,
+            prompt=prompt,
+            params=params,
+            reply_proxies=[
+                inference_pb2.ReplyProxy(peer_id=p.handle.path.proxy, path_id=tag)
+                for p, tag in zip(chosen, tags)
+            ],
+        )
+        q_bytes = request.SerializeToString()
         if len(q_bytes) > sida.MAX_MESSAGE_BYTES:
             raise RequestError(
                 f"request of {len(q_bytes)} bytes is over the {sida.MAX_MESSAGE_BYTES}-byte limit"
@@ -555,12 +585,12 @@ class UserClient:
         req_hash = responses.request_hash(q_bytes)
         attempt = _Attempt(
             q_bytes, req_hash, cloves, chosen, self._clock(),
-            responses.response_message_id(pending.request_id, req_hash),
+            responses.response_message_id(pending.request_id, req_hash), tags,
         )
         pending.attempts.append(attempt)
         self._by_response_id[attempt.response_id] = (pending, attempt)
-        for path, clove in zip(chosen, cloves):
-            self._send_clove(path, target.peer_id, clove)
+        for path, clove, tag in zip(chosen, cloves, tags):
+            self._send_clove(path, target.peer_id, clove, tag)
 
     def _distinct_proxies(self, ready: list[_Path], count: int) -> list[_Path]:
         """``count`` paths, each with a different proxy where possible.
@@ -584,9 +614,13 @@ class UserClient:
                     len(proxies), len(ready))
         return chosen + rest[: count - len(chosen)]
 
-    def _send_clove(self, path: _Path, destination: bytes, clove: sida.Clove) -> None:
+    def _send_clove(
+        self, path: _Path, destination: bytes, clove: sida.Clove, reply_tag: bytes = b""
+    ) -> None:
         payload = clove_pb2.ForwardPayload(
-            deliver=clove_pb2.DeliverClove(destination=destination, clove=clove_to_bytes(clove))
+            deliver=clove_pb2.DeliverClove(
+                destination=destination, clove=clove_to_bytes(clove), reply_tag=reply_tag
+            )
         )
         if not self.overlay.send_on_path(path.handle, payload):
             log.warning("could not send a clove on the path via %s", _short(path.relays[0]))
