@@ -207,6 +207,7 @@ class UserClient:
         self._random_bytes = random_bytes
         self._paths: dict[tuple[bytes, bytes], _Path] = {}
         self._setting_up: int = 0
+        self._proxies_setting_up: dict[bytes, int] = {}
         self._pending: dict[bytes, _Pending] = {}
         # response message ID (one per sending of a request) -> the request and that sending
         self._by_response_id: dict[bytes, tuple[_Pending, _Attempt]] = {}
@@ -259,6 +260,13 @@ class UserClient:
         raise PathError(
             f"only {len(self.ready_paths())} of {count} paths ready after {timeout:.0f} s"
         )
+
+    async def _wait_distinct_proxies(self, count: int, grace: float) -> None:
+        """Wait up to ``grace`` seconds for ``count`` ready paths with distinct proxies (the pool
+        may be rebuilding after a loss); never raises: after the grace, go with what is there."""
+        with trio.move_on_after(grace):
+            while len({p.relays[-1] for p in self.ready_paths()}) < count:
+                await self._changed_event().wait()
 
     def _changed_event(self) -> trio.Event:
         return self._changed
@@ -317,13 +325,35 @@ class UserClient:
         the pool converges to disjoint paths (DESIGN.md: no relay on two paths of one user).
         """
         ready = self.ready_paths()
+        directory = self._directory()
+        if directory is None:
+            return
+        clean = [
+            r.peer_id for r in directory.users()
+            if r.peer_id != self.me and r.peer_id not in self._penalty
+            and r.peer_id not in self._bad_proxies and len(r.onion_key) == 32
+        ]
+        # first: a request needs n distinct proxies; replace a path whose proxy repeats while a
+        # clean relay is nobody's proxy
+        proxies: dict[bytes, list[_Path]] = {}
+        for path in ready:
+            proxies.setdefault(path.relays[-1], []).append(path)
+        if len(proxies) < self.config.total and any(r not in proxies for r in clean):
+            repeated = [ps for ps in proxies.values() if len(ps) > 1]
+            if repeated:
+                victim = repeated[0][-1]
+                victim.retiring = True
+                victim.retired_at = now
+                log.info("replacing path via %s: its proxy serves another path too",
+                         _short(victim.relays[0]))
+                self._build_paths(1)
+                return
         uses: dict[bytes, int] = {}
         for path in ready:
             for relay in path.relays:
                 uses[relay] = uses.get(relay, 0) + 1
         shared = [p for p in ready if any(uses[r] > 1 for r in p.relays)]
-        directory = self._directory()
-        if not shared or directory is None:
+        if not shared:
             return
         free = [
             r.peer_id for r in directory.users()
@@ -363,6 +393,8 @@ class UserClient:
         # a proxy caught altering a clove may still relay (cells are checked end to end) but is
         # never a proxy again while flagged: it counts as a proxy many times over
         proxy_uses: dict[bytes, int] = {p: 1_000 for p in self._bad_proxies}
+        for proxy, count in self._proxies_setting_up.items():  # paths still being set up
+            proxy_uses[proxy] = proxy_uses.get(proxy, 0) + count
         for path in self.ready_paths():
             for relay in path.relays:
                 in_use[relay] = in_use.get(relay, 0) + 1
@@ -389,6 +421,8 @@ class UserClient:
         for relays in choices:
             hops = [onion.HopSpec(peer_id=p, onion_key=by_id[p].onion_key) for p in relays]
             self._setting_up += 1
+            proxy = relays[-1]
+            self._proxies_setting_up[proxy] = self._proxies_setting_up.get(proxy, 0) + 1
             self._nursery.start_soon(self._setup_path, hops)
 
     async def _setup_path(self, hops: list[onion.HopSpec]) -> None:
@@ -403,6 +437,11 @@ class UserClient:
             await handle.ready.wait()
         finally:
             self._setting_up -= 1
+            left = self._proxies_setting_up.get(relays[-1], 1) - 1
+            if left:
+                self._proxies_setting_up[relays[-1]] = left
+            else:
+                self._proxies_setting_up.pop(relays[-1], None)
         now = self._clock()
         if not handle.alive:
             error = handle.error or ""
@@ -504,6 +543,7 @@ class UserClient:
             )
             with trio.fail_after(timeout):
                 await self.wait_ready(self.config.total, timeout=timeout)
+                await self._wait_distinct_proxies(self.config.total, grace=1.0)
                 while True:
                     self._send_attempt(pending, target, prompt, params)
                     pending.retry = trio.Event()
@@ -520,6 +560,7 @@ class UserClient:
                         request_id.hex()[:8], len(pending.attempts),
                     )
                     await self.wait_ready(self.config.total, timeout=timeout)
+                    await self._wait_distinct_proxies(self.config.total, grace=1.0)
             assert pending.answer is not None
             return pending.answer
         except trio.TooSlowError:
