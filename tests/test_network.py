@@ -267,3 +267,13 @@ def _tags_of(proxy_node, path):
         tag for tag, reg in table._tags.items()
         if reg.entry.hop.out_path_id == path.handle.path.exit_path_id
     ]
+
+
+async def test_a_long_run_of_requests_over_the_same_paths_is_all_answered():
+    # each request registers a reply tag at each of its proxies; tags must not pile up on a
+    # path until answers are refused (the benchmark's 200 requests once hit such a limit)
+    async with open_localnet(users=6) as net:
+        client = net.users[0].user
+        for i in range(90):
+            answer = await client.ask(f"request {i}", timeout=20)
+            assert answer.ok, (i, answer.error)

@@ -61,13 +61,16 @@ def test_reply_tags_expire_and_go_with_their_path():
     assert not entry.tags
 
 
-def test_reply_tags_are_bounded_per_path_and_never_reused():
+def test_reply_tags_are_bounded_per_path_oldest_first_and_never_reused():
     table = RelayTable()
     entry = table.add(A, b"i" * 16, _hop(proxy=True), now=0.0)
     assert table.add_reply_tag(b"1" * 16, entry, B, 0.0, ttl=10.0, replies=1, max_per_path=2)
     assert not table.add_reply_tag(b"1" * 16, entry, B, 0.0, ttl=10.0, replies=1, max_per_path=2)
     assert table.add_reply_tag(b"2" * 16, entry, B, 0.0, ttl=10.0, replies=1, max_per_path=2)
-    assert not table.add_reply_tag(b"3" * 16, entry, B, 0.0, ttl=10.0, replies=1, max_per_path=2)
+    assert table.add_reply_tag(b"3" * 16, entry, B, 0.0, ttl=10.0, replies=1, max_per_path=2)
+    assert table.take_reply(b"1" * 16, B, 1.0) is None  # the oldest made room
+    assert table.take_reply(b"3" * 16, B, 1.0) is entry
+    assert list(entry.tags) == [b"2" * 16]  # a spent tag is forgotten at once
 
 
 def test_duplicate_incoming_path_id_and_full_table_are_refused():

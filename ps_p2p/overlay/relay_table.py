@@ -44,8 +44,8 @@ class RelayEntry:
     hop: RelayHop
     created_at: float
     last_used: float
-    #: proxies: reply tags registered on this path
-    tags: set[bytes] = field(default_factory=set)
+    #: proxies: reply tags registered on this path, oldest first
+    tags: dict[bytes, None] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -121,13 +121,15 @@ class RelayTable:
         """Register ``tag`` for replies to ``entry``'s path from ``destination``.
 
         Returns:
-            False (nothing registered) when the tag is in use or the path has ``max_per_path``
-            live tags.
+            False (nothing registered) when the tag is in use. A path holding ``max_per_path``
+            live tags forgets its oldest one.
         """
-        if tag in self._tags or len(entry.tags) >= max_per_path:
+        if tag in self._tags:
             return False
+        while len(entry.tags) >= max_per_path:
+            self._drop_tag(next(iter(entry.tags)))
         self._tags[tag] = ReplyTag(entry, destination, now + ttl, replies)
-        entry.tags.add(tag)
+        entry.tags[tag] = None
         return True
 
     def take_reply(self, tag: bytes, sender: bytes, now: float) -> RelayEntry | None:
@@ -136,16 +138,18 @@ class RelayTable:
         registered = self._tags.get(tag)
         if registered is None or registered.destination != sender:
             return None
-        if now >= registered.expires_at or registered.replies_left <= 0:
+        if now >= registered.expires_at:
             self._drop_tag(tag)
             return None
         registered.replies_left -= 1
+        if registered.replies_left <= 0:
+            self._drop_tag(tag)
         return registered.entry
 
     def _drop_tag(self, tag: bytes) -> None:
         registered = self._tags.pop(tag, None)
         if registered is not None:
-            registered.entry.tags.discard(tag)
+            registered.entry.tags.pop(tag, None)
 
     def touch(self, entry: RelayEntry, now: float) -> None:
         entry.last_used = now

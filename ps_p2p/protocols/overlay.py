@@ -49,8 +49,9 @@ CLOVE_PROTOCOL_ID = "/planetserve/clove/1.0.0"
 
 #: Bytes of a reply tag (ps_p2p.overlay.relay_table).
 REPLY_TAG_BYTES = 16
-#: Response cloves a model node may send under one reply tag (one, and one spare).
-REPLIES_PER_TAG = 2
+#: Response cloves a model node may send under one reply tag: one (a user never sends the same
+#: request twice with the same tags).
+REPLIES_PER_TAG = 1
 #: Setup packets remembered to refuse replays (32 bytes each; oldest forgotten first).
 MAX_REMEMBERED_SETUPS = 200_000
 #: Largest onion frame: a setup packet plus a reply (fixed sizes) and protobuf overhead.
