@@ -240,33 +240,24 @@ async def test_a_replayed_setup_packet_is_refused():
 async def test_replies_pass_only_under_a_live_reply_tag_from_its_model_node():
     async with open_localnet(users=6) as net:
         owner, model = net.users[0], net.models[0]
-        answer = await owner.user.ask("deliver through my proxies", timeout=20)
-        assert answer.ok, answer.error
-        # the proxies hold the request's reply tags, each for the model node only
-        tagged = [
-            (net.node(p.relays[-1]), tag)
-            for p in owner.user.ready_paths()
-            for tag in _tags_of(net.node(p.relays[-1]), p)
+        path = owner.user.ready_paths()[0]
+        proxy = net.node(path.relays[-1])
+        (entry,) = [
+            e for e in proxy.overlay.table._forward.values()
+            if e.hop.is_proxy and e.hop.out_path_id == path.handle.path.exit_path_id
         ]
-        assert tagged, "no proxy holds a reply tag of the request"
-        proxy, tag = tagged[0]
+        tag = b"\x42" * 16  # as a request clove would register it for the model node
+        proxy.overlay.table.add_reply_tag(tag, entry, model.peer_id, trio.current_time(),
+                                          ttl=60.0, replies=1)
         intruder = next(n for n in net.users if n.peer_id not in (owner.peer_id, proxy.peer_id))
         (clove,) = sida.encode(b"junk", total=1, threshold=1)
+        # an intruder under the live tag, then the model node itself with a bad signature
         for sender, signature in [(intruder, b""), (model, b"\x00" * 64)]:
             before = proxy.overlay.stats.cells_dropped
-            # an intruder under a live tag, then the model node itself with a bad signature
             sender.overlay.send_reply(proxy.peer_id, tag, clove_to_bytes(clove), signature)
             with trio.fail_after(5):
                 while proxy.overlay.stats.cells_dropped == before:
                     await _poll()
-
-
-def _tags_of(proxy_node, path):
-    table = proxy_node.overlay.table
-    return [
-        tag for tag, reg in table._tags.items()
-        if reg.entry.hop.out_path_id == path.handle.path.exit_path_id
-    ]
 
 
 async def test_a_long_run_of_requests_over_the_same_paths_is_all_answered():
