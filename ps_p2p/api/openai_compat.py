@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 from libp2p.peer.id import ID
 
 from ps_p2p.roles.user import Answer
+from ps_p2p.api.asgi import Receive, Scope, Send, serve_lifespan
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,6 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 #: Longest deadline a request may ask for (seconds).
 MAX_TIMEOUT_S = 3600.0
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def _b58(peer: bytes) -> str:
@@ -49,13 +46,8 @@ class UserAPI:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await serve_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]

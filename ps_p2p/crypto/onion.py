@@ -253,8 +253,9 @@ class RelayHop:
     Attributes:
         is_proxy: this hop is the path's last (the user's proxy).
         next_peer_id: the successor's peer ID; None for the proxy.
-        out_path_id: the path ID on the link to the successor; for the proxy, the *exit path ID*
-            model nodes name when they send a response clove back.
+        out_path_id: the path ID on the link to the successor; for the proxy, the path's *exit
+            path ID*, which only the path's owner and the proxy know (requests name proxies by
+            per-request reply tags, never by it).
     """
 
     def __init__(self, is_proxy: bool, next_peer_id: bytes | None, out_path_id: bytes,
@@ -367,7 +368,8 @@ class UserPath:
     Attributes:
         hops: relay peer IDs in order; the last is the proxy.
         first_hop, first_path_id: where the user sends cells.
-        proxy, exit_path_id: what the user names as a reply proxy in a request.
+        proxy: the proxy's peer ID (a request names it, with a fresh reply tag).
+        exit_path_id: the proxy's own label of the path (kept for diagnostics and tests).
     """
 
     def __init__(self, hops: list[bytes], path_ids: list[bytes], exit_path_id: bytes,

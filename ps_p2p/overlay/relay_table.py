@@ -35,7 +35,7 @@ class RelayEntry:
 
     Attributes:
         in_peer, in_path_id: the predecessor and the path ID on that link.
-        hop: this node's layer of the path (successor, outgoing/exit path ID, cell keys).
+        hop: this node's layer of the path (successor, outgoing path ID, cell keys).
         created_at, last_used: seconds (the caller's clock).
     """
 
@@ -83,7 +83,7 @@ class RelayTable:
 
         Raises:
             RemoteProtocolError: the incoming or outgoing path ID is already in use on that link,
-                the exit path ID is taken, or the table is full.
+                or the table (or this predecessor's share of it) is full.
         """
         if len(self._forward) >= self.max_entries:
             raise RemoteProtocolError(f"relay table full ({self.max_entries} paths)")

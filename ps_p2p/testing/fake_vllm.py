@@ -38,12 +38,10 @@ import trio
 
 from ps_p2p.engines.base import Engine, SamplingParams
 from ps_p2p.errors import EngineError, PromptTooLongError
+from ps_p2p.api.asgi import Receive, Scope, Send, serve_lifespan
 
 log = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -107,13 +105,8 @@ class FakeVLLM:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await serve_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
