@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import pathlib
+import signal
 import sys
 from typing import Any
 
@@ -196,6 +197,16 @@ async def _run_node(config, api: str | None, status_file: str | None) -> None:  
             print(f"listening on {addr}", file=sys.stderr)
         if status_file:
             nursery.start_soon(_status_writer, node, pathlib.Path(status_file), api_url)
+        nursery.start_soon(_stop_on_sigterm, nursery.cancel_scope)
+
+
+async def _stop_on_sigterm(scope: trio.CancelScope) -> None:
+    """SIGTERM (systemd, docker, the devnet) stops the node as cleanly as Ctrl-C does."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            log.info("SIGTERM: stopping the node")
+            scope.cancel()
+            return
 
 
 async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:  # type: ignore[no-untyped-def]
@@ -220,6 +231,9 @@ async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     config = _run_config(args)
+    # A process started in the background of a non-interactive shell inherits SIGINT ignored;
+    # an operator's Ctrl-C (or kill -INT) must still stop the node.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         trio.run(_run_node, config, args.api, args.status_file)
     except BaseException as exc:

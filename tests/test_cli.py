@@ -229,14 +229,16 @@ def _wait_for(
         time.sleep(0.2)  # waiting on files written by other processes
 
 
-def _stop(nodes: list[_Node], grace: float = 10.0) -> dict[str, int]:
-    """SIGINT every live process, SIGKILL those still running after ``grace`` seconds.
+def _stop(
+    nodes: list[_Node], grace: float = 10.0, signum: int = signal.SIGINT
+) -> dict[str, int]:
+    """Send ``signum`` to every live process, SIGKILL those still running after ``grace`` s.
 
-    Returns the exit status of each process that stopped on SIGINT.
+    Returns the exit status of each process that stopped on the signal.
     """
     for node in nodes:
         if node.process.poll() is None:
-            node.process.send_signal(signal.SIGINT)
+            node.process.send_signal(signum)
     stopped: dict[str, int] = {}
     deadline = time.monotonic() + grace
     for node in nodes:
@@ -291,7 +293,8 @@ def test_ask_gets_a_signed_answer_from_a_network_of_processes(shared, tmp_path):
 
 
 @pytest.mark.slow
-def test_nodes_stopped_by_sigint_exit_with_status_0(shared, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_nodes_stopped_by_sigint_or_sigterm_exit_with_status_0(shared, tmp_path, signum):
     nodes: list[_Node] = []
     try:
         verifier = _Node(tmp_path, "verifier", "verifier")
@@ -304,7 +307,7 @@ def test_nodes_stopped_by_sigint_exit_with_status_0(shared, tmp_path):
         _wait_for(nodes[1:], lambda s: (s.get("directory") or {}).get("model_nodes", 0) >= 1,
                   "a directory with the model node")
     finally:
-        stopped = _stop(nodes)
+        stopped = _stop(nodes, signum=signum)
 
     logs = "\n".join(n.log_tail() for n in nodes)
     assert stopped == {"verifier": 0, "model": 0, "user": 0}, logs

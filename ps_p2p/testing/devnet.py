@@ -204,7 +204,7 @@ async def _stop_all(procs: list[_Proc]) -> None:
         for proc in procs:
             if proc.process.returncode is None:
                 try:
-                    proc.process.send_signal(signal.SIGINT)
+                    proc.process.send_signal(signal.SIGTERM)  # handled like Ctrl-C
                 except ProcessLookupError:
                     pass
         with trio.move_on_after(8):
