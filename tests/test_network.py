@@ -268,3 +268,23 @@ async def test_a_long_run_of_requests_over_the_same_paths_is_all_answered():
         for i in range(90):
             answer = await client.ask(f"request {i}", timeout=20)
             assert answer.ok, (i, answer.error)
+
+
+async def test_a_proxy_that_alters_response_cloves_is_caught_and_avoided():
+    async with open_localnet(users=6, tamper=(5,)) as net:
+        tamperer = net.users[5]
+        askers = [
+            n for n in net.users[:5]
+            if any(p.relays[-1] == tamperer.peer_id for p in n.user.ready_paths())
+        ]
+        assert askers, "no user has the tampering node as a proxy"
+        client = askers[0].user
+        for i in range(12):
+            answer = await client.ask(f"question {i}", timeout=30)
+            assert answer.ok, answer.error
+            if tamperer.peer_id in client.avoided_proxies:
+                break
+        assert tamperer.peer_id in client.avoided_proxies
+        assert all(p.relays[-1] != tamperer.peer_id for p in client.ready_paths())
+        honest = {n.peer_id for n in net.users[:5]}
+        assert not client.avoided_proxies & honest

@@ -242,6 +242,11 @@ class UserClient:
                     await self._wake.wait()
                 self._wake = trio.Event()
 
+    @property
+    def avoided_proxies(self) -> frozenset[bytes]:
+        """Peers caught altering a response clove, kept out of the proxy position for now."""
+        return frozenset(self._bad_proxies)
+
     def ready_paths(self) -> list[_Path]:
         """Alive paths not being rotated out."""
         return [p for p in self._paths.values() if p.handle.alive and not p.retiring]
