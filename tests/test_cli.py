@@ -250,14 +250,19 @@ def _stop(
     return stopped
 
 
+def _start_verifier(tmp_path, nodes: list[_Node]) -> str:
+    """Start a verifier process (appended to ``nodes``); returns its listen multiaddr."""
+    verifier = _Node(tmp_path, "verifier", "verifier")
+    nodes.append(verifier)
+    _wait_for([verifier], lambda s: bool(s.get("listen")), "verifier listen address")
+    return verifier.status()["listen"][0]
+
+
 @pytest.mark.slow
 def test_ask_gets_a_signed_answer_from_a_network_of_processes(shared, tmp_path):
     nodes: list[_Node] = []
     try:
-        verifier = _Node(tmp_path, "verifier", "verifier")
-        nodes.append(verifier)
-        _wait_for([verifier], lambda s: bool(s.get("listen")), "verifier listen address")
-        boot = verifier.status()["listen"][0]
+        boot = _start_verifier(tmp_path, nodes)
         model = _Node(tmp_path, "model", "model",
                       "--model", str(shared / "models" / "stories260K"), "--multiaddr", boot)
         nodes.append(model)
@@ -297,10 +302,7 @@ def test_ask_gets_a_signed_answer_from_a_network_of_processes(shared, tmp_path):
 def test_nodes_stopped_by_sigint_or_sigterm_exit_with_status_0(shared, tmp_path, signum):
     nodes: list[_Node] = []
     try:
-        verifier = _Node(tmp_path, "verifier", "verifier")
-        nodes.append(verifier)
-        _wait_for([verifier], lambda s: bool(s.get("listen")), "verifier listen address")
-        boot = verifier.status()["listen"][0]
+        boot = _start_verifier(tmp_path, nodes)
         nodes.append(_Node(tmp_path, "model", "model",
                            "--model", str(shared / "models" / "stories260K"), "--multiaddr", boot))
         nodes.append(_Node(tmp_path, "user", "user", "--multiaddr", boot))

@@ -193,10 +193,7 @@ class TransformersEngine(Engine):
         Raises:
             PromptTooLongError, EngineError: see :meth:`Engine.generate`.
         """
-        self._check_open()
-        prompt_ids = self._prompt_ids(prompt)
-        self._check_fits(len(prompt_ids), params.max_tokens)
-        generation = _Generation(self, prompt_ids, params)
+        prompt_ids, generation = self._start(prompt, params)
         try:
             while generation.finish_reason is None:
                 async with self._lock:
@@ -214,16 +211,24 @@ class TransformersEngine(Engine):
         finally:
             generation.release()
 
+    def _start(self, prompt: str, params: SamplingParams) -> tuple[list[int], "_Generation"]:
+        """Tokenize ``prompt``, check it fits, and set up a generation (release it when done).
+
+        Raises:
+            PromptTooLongError, EngineError.
+        """
+        self._check_open()
+        prompt_ids = self._prompt_ids(prompt)
+        self._check_fits(len(prompt_ids), params.max_tokens)
+        return prompt_ids, _Generation(self, prompt_ids, params)
+
     async def complete(self, prompt: str, params: SamplingParams) -> Completion:
         """Generate the whole continuation in one worker-thread call (holding the lock).
 
         Raises:
             PromptTooLongError, EngineError: see :meth:`Engine.complete`.
         """
-        self._check_open()
-        prompt_ids = self._prompt_ids(prompt)
-        self._check_fits(len(prompt_ids), params.max_tokens)
-        generation = _Generation(self, prompt_ids, params)
+        prompt_ids, generation = self._start(prompt, params)
         try:
             async with self._lock:
                 self._check_open()
