@@ -155,6 +155,7 @@ class Node:
                             relay=Role.USER in self.roles and self.config.relay,
                             tamper=self.config.tamper,
                         ),
+                        directory=lambda: self.directory,
                     )
                     host.get_network().register_notifee(
                         _DisconnectNotifee(self.overlay.peer_disconnected)

@@ -48,7 +48,7 @@ def _request(prompt: str, request_id: bytes, path_tag: bytes) -> bytes:
         prompt=prompt,
         params=inference_pb2.SamplingParams(max_tokens=64),
         reply_proxies=[
-            inference_pb2.ReplyProxy(peer_id=p, path_id=path_tag + bytes([i]) * 15)
+            inference_pb2.ReplyProxy(peer_id=p, reply_tag=path_tag + bytes([i]) * 15)
             for i, p in enumerate(PROXIES)
         ],
     ).SerializeToString()

@@ -12,12 +12,13 @@ Every relay (and proxy) keeps one :class:`RelayEntry` per path through it, index
 
 Path IDs are link-local (DESIGN.md): the same path has a different ID on every link, so nothing
 in the table lets a relay link two links of one path except its own entry. Sizes a peer controls
-are bounded (``max_entries``); idle entries expire. Source: PlanetServe sec. 3.2 (path tables).
+are bounded per peer and in total; idle entries and spent tags expire in O(expired). Source: PlanetServe sec. 3.2 (path tables).
 """
 
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ps_p2p.crypto.onion import RelayHop
@@ -58,25 +59,58 @@ class ReplyTag:
     replies_left: int
 
 
+#: Paths relayed at most, over all predecessors. A relay entry holds a hop's keys and cipher
+#: objects (~13 KiB measured with 100k entries), so this bounds a relay's table at ~130 MiB; a relay
+#: in a network of a few thousand users carries ~15 paths on average.
+DEFAULT_MAX_ENTRIES = 10_000
+#: Paths relayed at most for one predecessor (a busy middle relay forwards many users' paths).
+DEFAULT_MAX_PER_PEER = 1_000
+#: Live reply tags at most, over all paths (~200 bytes each); the oldest is forgotten beyond it.
+DEFAULT_MAX_TAGS = 100_000
+#: Live reply tags at most on one path; the path's oldest is forgotten beyond it.
+DEFAULT_MAX_TAGS_PER_PATH = 64
+
+
 class RelayTable:
     """Entries of every path relayed by this node.
+
+    Every count a peer controls is bounded per peer and in total (identities are free), and
+    expiry is indexed: entries are kept in order of last use and tags in order of registration,
+    so :meth:`expire` costs O(expired), never a scan of the table (DESIGN.md "Security
+    invariants").
 
     Args:
         max_entries: paths relayed at most; a setup beyond it is refused.
         max_per_peer: paths relayed at most for one predecessor, so one peer cannot take the
             whole table.
+        max_tags: live reply tags at most; beyond it the oldest tag is forgotten.
     """
 
-    def __init__(self, max_entries: int = 100_000, max_per_peer: int = 20_000) -> None:
+    def __init__(
+        self,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_per_peer: int = DEFAULT_MAX_PER_PEER,
+        *,
+        max_tags: int = DEFAULT_MAX_TAGS,
+    ) -> None:
         self.max_entries = max_entries
         self.max_per_peer = max_per_peer
+        self.max_tags = max_tags
         self._per_peer: dict[bytes, int] = {}
-        self._forward: dict[tuple[bytes, bytes], RelayEntry] = {}
+        # (predecessor, incoming path ID) -> entry, least recently used first
+        self._forward: OrderedDict[tuple[bytes, bytes], RelayEntry] = OrderedDict()
         self._backward: dict[tuple[bytes, bytes], RelayEntry] = {}
-        self._tags: dict[bytes, ReplyTag] = {}
+        # peer -> entries with that peer as predecessor or successor (for link loss)
+        self._by_peer: dict[bytes, set[RelayEntry]] = {}
+        self._tags: OrderedDict[bytes, ReplyTag] = OrderedDict()  # oldest registration first
 
     def __len__(self) -> int:
         return len(self._forward)
+
+    @property
+    def tag_count(self) -> int:
+        """Live (unexpired as of the last :meth:`expire`) reply tags."""
+        return len(self._tags)
 
     def add(self, in_peer: bytes, in_path_id: bytes, hop: RelayHop, now: float) -> RelayEntry:
         """Record a path set up through this node.
@@ -99,9 +133,11 @@ class RelayTable:
         entry = RelayEntry(in_peer, in_path_id, hop, now, now)
         self._forward[key] = entry
         self._per_peer[in_peer] = self._per_peer.get(in_peer, 0) + 1
+        self._by_peer.setdefault(in_peer, set()).add(entry)
         if not hop.is_proxy:
             assert hop.next_peer_id is not None
             self._backward[(hop.next_peer_id, hop.out_path_id)] = entry
+            self._by_peer.setdefault(hop.next_peer_id, set()).add(entry)
         return entry
 
     def lookup(self, peer: bytes, path_id: bytes) -> tuple[RelayEntry, Direction] | None:
@@ -116,35 +152,52 @@ class RelayTable:
 
     def add_reply_tag(
         self, tag: bytes, entry: RelayEntry, destination: bytes, now: float, *,
-        ttl: float, replies: int, max_per_path: int = 64,
+        ttl: float, replies: int, max_per_path: int = DEFAULT_MAX_TAGS_PER_PATH,
     ) -> bool:
         """Register ``tag`` for replies to ``entry``'s path from ``destination``.
 
+        ``ttl`` should be the same for every tag of a table: tags expire in registration order.
+
         Returns:
-            False (nothing registered) when the tag is in use. A path holding ``max_per_path``
-            live tags forgets its oldest one.
+            False (nothing registered) when the tag is in use or the entry is no longer in the
+            table. A path holding ``max_per_path`` live tags forgets its oldest one; a table
+            holding ``max_tags`` forgets its oldest one.
         """
-        if tag in self._tags:
+        if tag in self._tags or self._forward.get((entry.in_peer, entry.in_path_id)) is not entry:
             return False
         while len(entry.tags) >= max_per_path:
             self._drop_tag(next(iter(entry.tags)))
+        while len(self._tags) >= self.max_tags:
+            self._drop_tag(next(iter(self._tags)))
         self._tags[tag] = ReplyTag(entry, destination, now + ttl, replies)
         entry.tags[tag] = None
         return True
 
-    def take_reply(self, tag: bytes, sender: bytes, now: float) -> RelayEntry | None:
-        """The path a reply under ``tag`` from ``sender`` goes back on, spending one reply; None
-        when the tag is unknown, expired, spent, or registered for another model node."""
+    def find_reply(self, tag: bytes, sender: bytes, now: float) -> RelayEntry | None:
+        """The path a reply under ``tag`` from ``sender`` would go back on, spending nothing;
+        None when the tag is unknown, expired, spent, or registered for another model node."""
         registered = self._tags.get(tag)
         if registered is None or registered.destination != sender:
             return None
         if now >= registered.expires_at:
             self._drop_tag(tag)
             return None
-        registered.replies_left -= 1
-        if registered.replies_left <= 0:
-            self._drop_tag(tag)
         return registered.entry
+
+    def spend_reply(self, tag: bytes) -> None:
+        """Spend one reply of ``tag`` (found with :meth:`find_reply`); the last one forgets it."""
+        registered = self._tags.get(tag)
+        if registered is not None:
+            registered.replies_left -= 1
+            if registered.replies_left <= 0:
+                self._drop_tag(tag)
+
+    def take_reply(self, tag: bytes, sender: bytes, now: float) -> RelayEntry | None:
+        """:meth:`find_reply` and, when found, :meth:`spend_reply`."""
+        entry = self.find_reply(tag, sender, now)
+        if entry is not None:
+            self.spend_reply(tag)
+        return entry
 
     def _drop_tag(self, tag: bytes) -> None:
         registered = self._tags.pop(tag, None)
@@ -152,7 +205,11 @@ class RelayTable:
             registered.entry.tags.pop(tag, None)
 
     def touch(self, entry: RelayEntry, now: float) -> None:
+        """Mark ``entry`` used at ``now`` (moves it to the back of the expiry order)."""
         entry.last_used = now
+        key = (entry.in_peer, entry.in_path_id)
+        if self._forward.get(key) is entry:
+            self._forward.move_to_end(key)
 
     def remove(self, entry: RelayEntry) -> None:
         """Forget ``entry`` (no error when it is already gone)."""
@@ -166,28 +223,45 @@ class RelayTable:
         for tag in list(entry.tags):
             self._drop_tag(tag)
         hop = entry.hop
+        self._unindex(entry.in_peer, entry)
         if not hop.is_proxy and hop.next_peer_id is not None:
             key = (hop.next_peer_id, hop.out_path_id)
             if self._backward.get(key) is entry:
                 del self._backward[key]
+            self._unindex(hop.next_peer_id, entry)
+
+    def _unindex(self, peer: bytes, entry: RelayEntry) -> None:
+        entries = self._by_peer.get(peer)
+        if entries is not None:
+            entries.discard(entry)
+            if not entries:
+                del self._by_peer[peer]
 
     def remove_peer(self, peer: bytes) -> list[RelayEntry]:
-        """Remove and return every entry whose predecessor or successor is ``peer``."""
-        gone = [
-            e for e in self._forward.values()
-            if e.in_peer == peer or e.hop.next_peer_id == peer
-        ]
+        """Remove and return every entry whose predecessor or successor is ``peer``
+        (O(entries of that peer))."""
+        gone = list(self._by_peer.get(peer, ()))
         for entry in gone:
             self.remove(entry)
         return gone
 
     def expire(self, now: float, idle_timeout: float) -> list[RelayEntry]:
-        """Remove and return entries unused for ``idle_timeout`` seconds; forget expired tags."""
-        for tag in [t for t, r in self._tags.items() if now >= r.expires_at]:
+        """Remove and return entries unused for ``idle_timeout`` seconds; forget expired tags.
+
+        Costs O(expired entries and tags): both are kept in expiry order.
+        """
+        while self._tags:
+            tag, registered = next(iter(self._tags.items()))
+            if now < registered.expires_at:
+                break
             self._drop_tag(tag)
-        gone = [e for e in self._forward.values() if now - e.last_used >= idle_timeout]
-        for entry in gone:
+        gone = []
+        while self._forward:
+            entry = next(iter(self._forward.values()))
+            if now - entry.last_used < idle_timeout:
+                break
             self.remove(entry)
+            gone.append(entry)
         return gone
 
 

@@ -6,8 +6,18 @@ Protocols:
   fixed-size setup packet travels hop by hop (:func:`ps_p2p.crypto.onion.process_setup`); the
   acknowledgement returns along the path, each hop adding its backward layer.
 * ``/planetserve/clove/1.0.0`` — :class:`~ps_p2p.pb.planetserve.v1.clove_pb2.CloveFrame`: cells
-  (link-local path ID + layered payload), Destroy, Delivery (proxy -> model node) and Reply
-  (model node -> proxy).
+  (link-local path ID + layered payload) and Destroy, on links that many paths share.
+* ``/planetserve/deliver/1.0.0`` — :class:`~ps_p2p.pb.planetserve.v1.clove_pb2.DeliveryFrame`:
+  Delivery (proxy -> model node) and Reply (model node -> proxy), on links of their own, so that
+  a bad delivery (e.g. to a node that is no model node) can never reset a relay link.
+
+Failure containment (DESIGN.md "Security invariants"): an error about one path, cell or delivery
+costs that cell or delivery only (logged and counted), never a stream other paths share. Only a
+frame that is itself malformed (the direct neighbour broke the protocol) resets its stream, and a
+broken stream tears paths down only when the connection to that peer is gone: a stream that fails
+while the connection lives is reopened by the next send. A proxy delivers only to model nodes of
+the directory (and registers reply tags only for them); a model node accepts deliveries only
+from users of the directory (proxies are users).
 
 One :class:`OverlayService` per host plays every overlay part the node has: relay and proxy (every
 user node relays), path owner (user nodes), and clove sink/source for model nodes (through the
@@ -15,10 +25,11 @@ user node relays), path owner (user nodes), and clove sink/source for model node
 
 Concurrency: frames are handled synchronously right after they are decoded; a handler never awaits
 between reading the relay table and updating it, so under trio's cooperative scheduling every
-frame is applied atomically, in arrival order per stream (cells of one path come over one stream,
-which keeps the per-hop counters of :mod:`ps_p2p.crypto.onion` in step). Outgoing frames go to
-:class:`~ps_p2p.protocols.links.LinkManager` queues, which never block. Timers (setup deadlines,
-idle expiry) run in one task that calls :meth:`OverlayService.tick`.
+frame is applied atomically, in arrival order per stream. Cells carry their own per-hop IVs
+(:mod:`ps_p2p.crypto.onion`), so no counter has to stay in step across hops. Outgoing frames go
+to :class:`~ps_p2p.protocols.links.LinkManager` queues, which never block. Timers (setup
+deadlines, idle expiry) run in one task that calls :meth:`OverlayService.tick`; expiry is
+indexed (O(expired) per tick).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import trio
 from google.protobuf.message import DecodeError as PbDecodeError
 from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
 
 from ps_p2p.crypto import onion
 from ps_p2p import records
@@ -46,6 +58,7 @@ log = logging.getLogger(__name__)
 
 ONION_PROTOCOL_ID = "/planetserve/onion/1.0.0"
 CLOVE_PROTOCOL_ID = "/planetserve/clove/1.0.0"
+DELIVER_PROTOCOL_ID = "/planetserve/deliver/1.0.0"
 
 #: Bytes of a reply tag (ps_p2p.overlay.relay_table).
 REPLY_TAG_BYTES = 16
@@ -58,6 +71,8 @@ MAX_REMEMBERED_SETUPS = 200_000
 ONION_MAX_FRAME = 4 * 1024
 #: Largest clove frame: the biggest cell bucket plus protobuf overhead.
 CLOVE_MAX_FRAME = onion.CELL_BUCKETS[-1] + 1024
+#: Largest deliver frame: a clove (at most a cell's payload) plus a signature and overhead.
+DELIVER_MAX_FRAME = onion.CELL_BUCKETS[-1] + 1024
 
 
 @dataclass
@@ -77,7 +92,7 @@ class OverlayConfig:
     relay: bool = True
     setup_timeout: float = 5.0
     relay_idle_timeout: float = 120.0
-    max_relay_entries: int = 100_000
+    max_relay_entries: int = 10_000
     reply_tag_ttl: float = 600.0
     tamper: bool = False
 
@@ -125,6 +140,9 @@ class OverlayStats:
     cells_relayed: int = 0
     cells_dropped: int = 0
     deliveries: int = 0
+    deliveries_refused: int = 0
+    #: relay entries and own paths torn down because the connection to a peer was lost
+    paths_lost_to_link_down: int = 0
     replies: int = 0
     tampered: int = 0
 
@@ -141,6 +159,9 @@ class OverlayService:
         on_backward: users: ``on_backward(handle, payload)`` with each BackwardPayload (parsed)
             arriving on one of this node's paths.
         on_path_down: users: ``on_path_down(handle)`` when a ready path dies.
+        directory: returns the current verified directory (or None): a proxy delivers only to
+            its model nodes, a model node accepts deliveries only from its users. None (tests
+            only) trusts every peer.
         clock: returns trio's current time (seconds); injectable for tests.
         random_bytes: randomness for path IDs and padding.
     """
@@ -154,6 +175,7 @@ class OverlayService:
         on_delivery: Callable[[bytes, bytes], None] | None = None,
         on_backward: Callable[[PathHandle, clove_pb2.BackwardPayload], None] | None = None,
         on_path_down: Callable[[PathHandle], None] | None = None,
+        directory: Callable[[], records.Directory | None] | None = None,
         clock: Callable[[], float] = trio.current_time,
         random_bytes: Callable[[int], bytes] = os.urandom,
     ) -> None:
@@ -164,15 +186,18 @@ class OverlayService:
         self.on_delivery = on_delivery
         self.on_backward = on_backward
         self.on_path_down = on_path_down
+        self._directory = directory
         self._clock = clock
         self._random_bytes = random_bytes
         self.table = RelayTable(max_entries=self.config.max_relay_entries)
         self.stats = OverlayStats()
         self._paths: dict[tuple[bytes, bytes], PathHandle] = {}
         self._seen_ephemeral: OrderedDict[bytes, None] = OrderedDict()
-        self._pending: dict[tuple[bytes, bytes], _PendingSetup] = {}
+        # setups waiting for the next hop's reply, oldest first (one timeout for all: indexed)
+        self._pending: OrderedDict[tuple[bytes, bytes], _PendingSetup] = OrderedDict()
         self._onion_links: LinkManager | None = None
         self._clove_links: LinkManager | None = None
+        self._deliver_links: LinkManager | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -185,6 +210,8 @@ class OverlayService:
             self._clove_links = LinkManager(
                 self.host, nursery, CLOVE_PROTOCOL_ID, on_link_down=self._link_down
             )
+            # a delivery link that fails costs the deliveries queued on it, never a path
+            self._deliver_links = LinkManager(self.host, nursery, DELIVER_PROTOCOL_ID)
             self.host.set_stream_handler(
                 TProtocol(ONION_PROTOCOL_ID),
                 make_frame_handler(ONION_PROTOCOL_ID, ONION_MAX_FRAME, self._on_onion_frame),
@@ -192,6 +219,10 @@ class OverlayService:
             self.host.set_stream_handler(
                 TProtocol(CLOVE_PROTOCOL_ID),
                 make_frame_handler(CLOVE_PROTOCOL_ID, CLOVE_MAX_FRAME, self._on_clove_frame),
+            )
+            self.host.set_stream_handler(
+                TProtocol(DELIVER_PROTOCOL_ID),
+                make_frame_handler(DELIVER_PROTOCOL_ID, DELIVER_MAX_FRAME, self._on_deliver_frame),
             )
             task_status.started()
             try:
@@ -201,13 +232,16 @@ class OverlayService:
             finally:
                 self._onion_links.close_all()
                 self._clove_links.close_all()
+                self._deliver_links.close_all()
 
     def tick(self, now: float) -> None:
-        """Expire setups past their deadline and idle relay entries."""
-        for key, pending in list(self._pending.items()):
-            if now >= pending.deadline:
-                del self._pending[key]
-                self._fail_relay_setup(pending.entry, "timeout waiting for the next hop")
+        """Expire setups past their deadline and idle relay entries (O(expired))."""
+        while self._pending:
+            key, pending = next(iter(self._pending.items()))
+            if now < pending.deadline:
+                break
+            del self._pending[key]
+            self._fail_relay_setup(pending.entry, "timeout waiting for the next hop")
         for handle in list(self._paths.values()):
             if not handle.is_ready and not handle.done.is_set() and now >= handle.deadline:
                 self._path_failed(handle, "setup timed out")
@@ -269,12 +303,12 @@ class OverlayService:
     ) -> bool:
         """Model nodes: send one signed response clove to a reply proxy, under the request's
         reply tag for that proxy."""
-        frame = clove_pb2.CloveFrame(
-            reply=clove_pb2.Reply(path_id=reply_tag, clove=clove, signature=signature)
+        frame = clove_pb2.DeliveryFrame(
+            reply=clove_pb2.Reply(reply_tag=reply_tag, clove=clove, signature=signature)
         )
         self.stats.replies += 1
-        assert self._clove_links is not None
-        return self._clove_links.send(proxy, frame.SerializeToString())
+        assert self._deliver_links is not None
+        return self._deliver_links.send(proxy, frame.SerializeToString())
 
     # ------------------------------------------------------------------ onion frames
 
@@ -295,15 +329,14 @@ class OverlayService:
             self._reply_setup(peer, setup.path_id, ok=False, error="not relaying")
             return
         # A replayed packet would rebuild the same hop keys: refuse every ephemeral key twice.
+        # Only packets that passed the layer's AEAD check are remembered, so junk cannot flush
+        # the cache.
         ephemeral = bytes(setup.packet[:32])
         if ephemeral in self._seen_ephemeral:
             self.stats.setups_replayed += 1
             log.warning("replayed onion setup from %s refused", _short(peer))
             self._reply_setup(peer, setup.path_id, ok=False, error="replayed setup packet")
             return
-        self._seen_ephemeral[ephemeral] = None
-        while len(self._seen_ephemeral) > MAX_REMEMBERED_SETUPS:
-            self._seen_ephemeral.popitem(last=False)
         try:
             hop, next_packet = onion.process_setup(
                 self.onion_key, setup.packet, random_bytes=self._random_bytes
@@ -313,6 +346,9 @@ class OverlayService:
             log.info("onion setup from %s refused: %s", _short(peer), exc)
             self._reply_setup(peer, setup.path_id, ok=False, error="bad setup packet")
             return
+        self._seen_ephemeral[ephemeral] = None
+        while len(self._seen_ephemeral) > MAX_REMEMBERED_SETUPS:
+            self._seen_ephemeral.popitem(last=False)
         now = self._clock()
         try:
             entry = self.table.add(peer, setup.path_id, hop, now)
@@ -329,6 +365,7 @@ class OverlayService:
             self.table.remove(entry)
             self._reply_setup(peer, setup.path_id, ok=False, error="loop in path")
             return
+        self._pending.pop((hop.next_peer_id, hop.out_path_id), None)
         self._pending[(hop.next_peer_id, hop.out_path_id)] = _PendingSetup(
             entry, now + self.config.setup_timeout
         )
@@ -391,12 +428,18 @@ class OverlayService:
             self._on_cell(peer, frame.cell.path_id, frame.cell.payload)
         elif kind == "destroy":
             self._on_destroy(peer, frame.destroy.path_id, frame.destroy.reason)
-        elif kind == "delivery":
-            self._on_delivery(peer, frame.delivery.clove)
-        elif kind == "reply":
-            self._on_reply(peer, frame.reply.path_id, frame.reply.clove, frame.reply.signature)
         else:
             raise RemoteProtocolError("empty clove frame")
+
+    def _on_deliver_frame(self, peer: bytes, data: bytes) -> None:
+        frame = _parse(clove_pb2.DeliveryFrame, data)
+        kind = frame.WhichOneof("kind")
+        if kind == "delivery":
+            self._on_delivery(peer, frame.delivery.clove)
+        elif kind == "reply":
+            self._on_reply(peer, frame.reply.reply_tag, frame.reply.clove, frame.reply.signature)
+        else:
+            raise RemoteProtocolError("empty deliver frame")
 
     def _on_cell(self, peer: bytes, path_id: bytes, payload: bytes) -> None:
         now = self._clock()
@@ -418,6 +461,7 @@ class OverlayService:
                 self._send_cell(entry.in_peer, entry.in_path_id, out)
             elif hop.is_proxy:
                 plaintext = hop.open_forward(payload)
+                # what the path owner asks of its proxy concerns that path alone
                 self._on_proxy_payload(entry, plaintext)
             else:
                 out = hop.relay_forward(payload)
@@ -441,6 +485,13 @@ class OverlayService:
             destination = payload.deliver.destination
             clove = payload.deliver.clove
             tag = payload.deliver.reply_tag
+            if not self._is_model_node(destination):
+                self.stats.deliveries_refused += 1
+                log.info("clove for %s refused: no model node of the directory", _short(destination))
+                self._send_backward(
+                    entry, clove_pb2.BackwardPayload(delivery_failed="destination is no model node")
+                )
+                return
             if len(tag) == REPLY_TAG_BYTES:
                 self.table.add_reply_tag(
                     tag, entry, destination, self._clock(),
@@ -452,9 +503,9 @@ class OverlayService:
             if destination == self.peer_id:
                 self._on_delivery(self.peer_id, clove)
                 return
-            frame = clove_pb2.CloveFrame(delivery=clove_pb2.Delivery(clove=clove))
-            assert self._clove_links is not None
-            if not self._clove_links.send(destination, frame.SerializeToString()):
+            frame = clove_pb2.DeliveryFrame(delivery=clove_pb2.Delivery(clove=clove))
+            assert self._deliver_links is not None
+            if not self._deliver_links.send(destination, frame.SerializeToString()):
                 self._send_backward(
                     entry, clove_pb2.BackwardPayload(delivery_failed="proxy queue full")
                 )
@@ -477,13 +528,34 @@ class OverlayService:
             self.on_backward(handle, message)
 
     def _on_delivery(self, peer: bytes, clove: bytes) -> None:
-        self.stats.deliveries += 1
+        # A refused delivery is dropped, never answered by a reset: the proxy's deliver stream
+        # carries other users' cloves.
         if self.on_delivery is None:
-            raise RemoteProtocolError("this node serves no model; delivery refused")
+            self.stats.deliveries_refused += 1
+            log.info("delivery from %s refused: this node serves no model", _short(peer))
+            return
+        if peer != self.peer_id and not self._is_user(peer):
+            self.stats.deliveries_refused += 1
+            log.info("delivery from %s refused: no user of the directory", _short(peer))
+            return
+        self.stats.deliveries += 1
         self.on_delivery(peer, clove)
 
+    def _is_model_node(self, peer: bytes) -> bool:
+        return self._has_role(peer, records.Role.MODEL)
+
+    def _is_user(self, peer: bytes) -> bool:
+        return self._has_role(peer, records.Role.USER)
+
+    def _has_role(self, peer: bytes, role: records.Role) -> bool:
+        if self._directory is None:
+            return True
+        directory = self._directory()
+        record = directory.record(peer) if directory is not None else None
+        return record is not None and role in record.roles
+
     def _on_reply(self, peer: bytes, reply_tag: bytes, clove: bytes, signature: bytes) -> None:
-        entry = self.table.take_reply(reply_tag, peer, self._clock())
+        entry = self.table.find_reply(reply_tag, peer, self._clock())
         if entry is None:
             # unknown, expired or spent tag, or a model node this path never delivered it to
             self.stats.cells_dropped += 1
@@ -496,11 +568,12 @@ class OverlayService:
             self.stats.cells_dropped += 1
             log.warning("reply from %s with a bad clove signature dropped: %s", _short(peer), exc)
             return
+        self.table.spend_reply(reply_tag)  # only a validly signed reply spends the tag
         self.table.touch(entry, self._clock())
         if self.config.tamper:
             clove = _tamper_clove(clove)
             self.stats.tampered += 1
-        signed = clove_pb2.SignedClove(clove=clove, signature=signature)
+        signed = clove_pb2.SignedClove(clove=clove, signature=signature, reply_tag=reply_tag)
         self._send_backward(entry, clove_pb2.BackwardPayload(signed_clove=signed))
 
     def _on_destroy(self, peer: bytes, path_id: bytes, reason: str) -> None:
@@ -522,11 +595,26 @@ class OverlayService:
     # ------------------------------------------------------------------ failures
 
     def _link_down(self, peer: bytes, reason: str) -> None:
+        if self._connected(peer):
+            # the stream failed (e.g. the peer reset it) but the connection lives: the next send
+            # opens a new stream; the paths over it are not lost
+            log.info("stream to %s failed (%s); connection alive, paths kept", _short(peer), reason)
+            return
+        self._peer_gone(peer, reason)
+
+    def _connected(self, peer: bytes) -> bool:
+        try:
+            return bool(self.host.get_network().get_connections(ID(peer)))
+        except Exception:  # a malformed peer ID, or a network without the call
+            return False
+
+    def _peer_gone(self, peer: bytes, reason: str) -> None:
         for key, pending in list(self._pending.items()):
             if key[0] == peer:
                 del self._pending[key]
                 self._fail_relay_setup(pending.entry, f"next hop unreachable: {reason}")
         for entry in self.table.remove_peer(peer):
+            self.stats.paths_lost_to_link_down += 1
             if entry.in_peer == peer:
                 if entry.hop.next_peer_id is not None:
                     self._send_destroy(entry.hop.next_peer_id, entry.hop.out_path_id, "hop down")
@@ -534,11 +622,13 @@ class OverlayService:
                 self._send_destroy(entry.in_peer, entry.in_path_id, "next hop down")
         for handle in list(self._paths.values()):
             if handle.path.first_hop == peer:
+                self.stats.paths_lost_to_link_down += 1
                 self._path_failed(handle, f"first hop down: {reason}")
 
     def peer_disconnected(self, peer: bytes) -> None:
         """Call when the connection to ``peer`` closed: its paths are torn down at once."""
-        self._link_down(peer, "disconnected")
+        if not self._connected(peer):  # another connection to it may still be open
+            self._peer_gone(peer, "disconnected")
 
     def _path_failed(self, handle: PathHandle, reason: str) -> None:
         was_ready = handle.is_ready
@@ -599,6 +689,8 @@ def _tamper_clove(clove_bytes: bytes) -> bytes:
 __all__ = [
     "CLOVE_MAX_FRAME",
     "CLOVE_PROTOCOL_ID",
+    "DELIVER_MAX_FRAME",
+    "DELIVER_PROTOCOL_ID",
     "ONION_MAX_FRAME",
     "ONION_PROTOCOL_ID",
     "OverlayConfig",

@@ -354,4 +354,4 @@ class ModelNodeService:
         for proxy, clove in zip(proxies, cloves):
             data = clove_to_bytes(clove)
             signature = self.identity.sign(records.clove_signing_bytes(clove.message_id, data))
-            self.overlay.send_reply(proxy.peer_id, proxy.path_id, data, signature)
+            self.overlay.send_reply(proxy.peer_id, proxy.reply_tag, data, signature)

@@ -161,6 +161,18 @@ class _Pending:
     retry: trio.Event = field(default_factory=trio.Event)
 
 
+@dataclass(frozen=True)
+class _ReplyTag:
+    """What this user registered a reply tag for: the model node asked, the path whose proxy
+    holds the tag, and which response clove may come back under it."""
+
+    destination: bytes
+    handle: PathHandle
+    response_id: bytes
+    index: int
+    total: int
+
+
 @dataclass
 class _Audit:
     """A decoded response, kept a while to check the cloves that arrive after it."""
@@ -176,6 +188,8 @@ BAD_PROXY_COOLDOWN = 600.0
 MAX_RECEIVED_CLOVES = 64
 #: Decoded responses kept to check late cloves against.
 MAX_AUDITS = 256
+#: Reply tags remembered (for late cloves too): a few thousand requests' worth.
+MAX_REPLY_TAGS = MAX_AUDITS * sida.MAX_TOTAL
 
 
 class UserClient:
@@ -212,6 +226,8 @@ class UserClient:
         # response message ID (one per sending of a request) -> the request and that sending
         self._by_response_id: dict[bytes, tuple[_Pending, _Attempt]] = {}
         self._audits: OrderedDict[bytes, _Audit] = OrderedDict()
+        # reply tag -> what it was registered for (oldest first, bounded)
+        self._reply_tags: OrderedDict[bytes, _ReplyTag] = OrderedDict()
         # proxy -> until when: caught altering the content of a response clove
         self._bad_proxies: dict[bytes, float] = {}
         #: response cloves dropped because they came on a path other than their index's
@@ -610,7 +626,7 @@ class UserClient:
             prompt=prompt,
             params=params,
             reply_proxies=[
-                inference_pb2.ReplyProxy(peer_id=p.handle.path.proxy, path_id=tag)
+                inference_pb2.ReplyProxy(peer_id=p.handle.path.proxy, reply_tag=tag)
                 for p, tag in zip(chosen, tags)
             ],
         )
@@ -635,7 +651,12 @@ class UserClient:
         )
         pending.attempts.append(attempt)
         self._by_response_id[attempt.response_id] = (pending, attempt)
-        for path, clove, tag in zip(chosen, cloves, tags):
+        for index, (path, clove, tag) in enumerate(zip(chosen, cloves, tags)):
+            self._reply_tags[tag] = _ReplyTag(
+                target.peer_id, path.handle, attempt.response_id, index, len(chosen)
+            )
+            while len(self._reply_tags) > MAX_REPLY_TAGS:
+                self._reply_tags.popitem(last=False)
             self._send_clove(path, target.peer_id, clove, tag)
 
     def _distinct_proxies(self, ready: list[_Path], count: int) -> list[_Path]:
@@ -699,35 +720,51 @@ class UserClient:
             except RemoteProtocolError as exc:
                 log.warning("malformed response clove dropped: %s", exc)
                 return
-            self._on_response_clove(clove, raw, message.signed_clove.signature, handle, now)
+            self._on_response_clove(
+                clove, raw, message.signed_clove.signature, message.signed_clove.reply_tag,
+                handle, now,
+            )
         elif kind == "clove":
             self.misrouted_cloves += 1
             log.warning("unsigned response clove dropped")
 
     def _on_response_clove(
-        self, clove: sida.Clove, raw: bytes, signature: bytes, handle: PathHandle, now: float
+        self, clove: sida.Clove, raw: bytes, signature: bytes, reply_tag: bytes,
+        handle: PathHandle, now: float,
     ) -> None:
+        """Check one response clove and feed it to its request.
+
+        Conviction uses only evidence the proxy alone could have produced: the clove came under
+        a reply tag this user registered with this path's proxy for model node M, and the proxy
+        forwards a reply under that tag only when M's signature on it verifies; so a signature
+        that fails under M convicts the proxy. A clove under an unknown tag or on another path
+        (nothing the proxy vouched for) is dropped without blame, and a validly signed clove that
+        does not fit its tag (wrong message, index or header) is the model node's own doing.
+        """
+        registered = self._reply_tags.get(reply_tag)
+        if registered is None or registered.handle is not handle:
+            self.misrouted_cloves += 1
+            log.warning("response clove under a reply tag not registered on its path; dropped")
+            return
+        if not self._signed_by(registered.destination, clove, raw, signature, handle, now):
+            return
+        if (
+            clove.message_id != registered.response_id
+            or clove.index != registered.index
+            or (clove.total, clove.threshold) != (registered.total, self.config.threshold)
+        ):
+            self.misrouted_cloves += 1
+            log.warning("model node %s signed a clove that does not fit its reply tag; dropped",
+                        _short(registered.destination))
+            return
         found = self._by_response_id.get(clove.message_id)
         if found is None or found[0].done.is_set():
             audit = self._audits.get(clove.message_id)
-            if audit is not None and self._signed_by(audit.destination, clove, raw, signature, handle, now):
-                if not _consistent(audit, clove):
-                    log.warning("model node %s signed a clove that is not part of its answer",
-                                _short(audit.destination))
+            if audit is not None and not _consistent(audit, clove):
+                log.warning("model node %s signed a clove that is not part of its answer",
+                            _short(audit.destination))
             return
         pending, attempt = found
-        # The model node sends clove i to reply proxy i: a clove on any other path is forged (a
-        # proxy may try to complete the message with cloves of its own making) and is dropped.
-        if (clove.total, clove.threshold) != (len(attempt.paths), self.config.threshold):
-            self.misrouted_cloves += 1
-            log.warning("response clove with header %d-of-%d dropped", clove.threshold, clove.total)
-            return
-        if not (clove.index < len(attempt.paths) and attempt.paths[clove.index].handle is handle):
-            self.misrouted_cloves += 1
-            log.warning("response clove %d came on the wrong path; dropped", clove.index)
-            return
-        if not self._signed_by(pending.destination, clove, raw, signature, handle, now):
-            return
         pending.cloves_received += 1
         if len(pending.received) < MAX_RECEIVED_CLOVES:
             pending.received.append((clove, handle))
@@ -819,9 +856,12 @@ class UserClient:
         self, model_node: bytes, clove: sida.Clove, raw: bytes, signature: bytes,
         handle: PathHandle, now: float,
     ) -> bool:
-        """Check the model node's signature on a response clove; a bad one convicts the proxy
-        (only the proxy sees a clove in the clear: relays are held off by the end-to-end layer,
-        and the proxy takes replies only from the model node it delivered to)."""
+        """Check the model node's signature on a response clove; a bad one convicts the proxy.
+
+        Call only for a clove that came under a reply tag registered for ``model_node`` on this
+        path: only the proxy sees a clove in the clear (relays are held off by the end-to-end
+        layer), and it forwards a reply under that tag only when ``model_node``'s signature on it
+        verifies."""
         try:
             records.verify_signature(
                 model_node, records.clove_signing_bytes(clove.message_id, raw), signature

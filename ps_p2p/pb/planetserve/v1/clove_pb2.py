@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aplanetserve/v1/clove.proto\x12\x0eplanetserve.v1\"(\n\x04\x43\x65ll\x12\x0f\n\x07path_id\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"*\n\x07\x44\x65stroy\x12\x0f\n\x07path_id\x18\x01 \x01(\x0c\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x19\n\x08\x44\x65livery\x12\r\n\x05\x63love\x18\x01 \x01(\x0c\":\n\x05Reply\x12\x0f\n\x07path_id\x18\x01 \x01(\x0c\x12\r\n\x05\x63love\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"\xbc\x01\n\nCloveFrame\x12$\n\x04\x63\x65ll\x18\x01 \x01(\x0b\x32\x14.planetserve.v1.CellH\x00\x12*\n\x07\x64\x65stroy\x18\x02 \x01(\x0b\x32\x17.planetserve.v1.DestroyH\x00\x12,\n\x08\x64\x65livery\x18\x03 \x01(\x0b\x32\x18.planetserve.v1.DeliveryH\x00\x12&\n\x05reply\x18\x04 \x01(\x0b\x32\x15.planetserve.v1.ReplyH\x00\x42\x06\n\x04kind\"q\n\x05\x43love\x12\x12\n\nmessage_id\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\x12\x11\n\tthreshold\x18\x04 \x01(\r\x12\x10\n\x08\x66ragment\x18\x05 \x01(\x0c\x12\x11\n\tkey_share\x18\x06 \x01(\x0c\"q\n\x0e\x46orwardPayload\x12/\n\x07\x64\x65liver\x18\x01 \x01(\x0b\x32\x1c.planetserve.v1.DeliverCloveH\x00\x12&\n\x05probe\x18\x02 \x01(\x0b\x32\x15.planetserve.v1.ProbeH\x00\x42\x06\n\x04kind\"E\n\x0c\x44\x65liverClove\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\x0c\x12\r\n\x05\x63love\x18\x02 \x01(\x0c\x12\x11\n\treply_tag\x18\x03 \x01(\x0c\"\x16\n\x05Probe\x12\r\n\x05nonce\x18\x01 \x01(\x04\"/\n\x0bSignedClove\x12\r\n\x05\x63love\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"\xa8\x01\n\x0f\x42\x61\x63kwardPayload\x12\x0f\n\x05\x63love\x18\x01 \x01(\x0cH\x00\x12,\n\x0bprobe_reply\x18\x02 \x01(\x0b\x32\x15.planetserve.v1.ProbeH\x00\x12\x19\n\x0f\x64\x65livery_failed\x18\x03 \x01(\tH\x00\x12\x33\n\x0csigned_clove\x18\x04 \x01(\x0b\x32\x1b.planetserve.v1.SignedCloveH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aplanetserve/v1/clove.proto\x12\x0eplanetserve.v1\"(\n\x04\x43\x65ll\x12\x0f\n\x07path_id\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"*\n\x07\x44\x65stroy\x12\x0f\n\x07path_id\x18\x01 \x01(\x0c\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x19\n\x08\x44\x65livery\x12\r\n\x05\x63love\x18\x01 \x01(\x0c\"<\n\x05Reply\x12\x11\n\treply_tag\x18\x01 \x01(\x0c\x12\r\n\x05\x63love\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"r\n\nCloveFrame\x12$\n\x04\x63\x65ll\x18\x01 \x01(\x0b\x32\x14.planetserve.v1.CellH\x00\x12*\n\x07\x64\x65stroy\x18\x02 \x01(\x0b\x32\x17.planetserve.v1.DestroyH\x00\x42\x06\n\x04kindJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"m\n\rDeliveryFrame\x12,\n\x08\x64\x65livery\x18\x01 \x01(\x0b\x32\x18.planetserve.v1.DeliveryH\x00\x12&\n\x05reply\x18\x02 \x01(\x0b\x32\x15.planetserve.v1.ReplyH\x00\x42\x06\n\x04kind\"q\n\x05\x43love\x12\x12\n\nmessage_id\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\x12\x11\n\tthreshold\x18\x04 \x01(\r\x12\x10\n\x08\x66ragment\x18\x05 \x01(\x0c\x12\x11\n\tkey_share\x18\x06 \x01(\x0c\"q\n\x0e\x46orwardPayload\x12/\n\x07\x64\x65liver\x18\x01 \x01(\x0b\x32\x1c.planetserve.v1.DeliverCloveH\x00\x12&\n\x05probe\x18\x02 \x01(\x0b\x32\x15.planetserve.v1.ProbeH\x00\x42\x06\n\x04kind\"E\n\x0c\x44\x65liverClove\x12\x13\n\x0b\x64\x65stination\x18\x01 \x01(\x0c\x12\r\n\x05\x63love\x18\x02 \x01(\x0c\x12\x11\n\treply_tag\x18\x03 \x01(\x0c\"\x16\n\x05Probe\x12\r\n\x05nonce\x18\x01 \x01(\x04\"B\n\x0bSignedClove\x12\r\n\x05\x63love\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\x11\n\treply_tag\x18\x03 \x01(\x0c\"\xa8\x01\n\x0f\x42\x61\x63kwardPayload\x12\x0f\n\x05\x63love\x18\x01 \x01(\x0cH\x00\x12,\n\x0bprobe_reply\x18\x02 \x01(\x0b\x32\x15.planetserve.v1.ProbeH\x00\x12\x19\n\x0f\x64\x65livery_failed\x18\x03 \x01(\tH\x00\x12\x33\n\x0csigned_clove\x18\x04 \x01(\x0b\x32\x1b.planetserve.v1.SignedCloveH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,19 +39,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELIVERY']._serialized_start=132
   _globals['_DELIVERY']._serialized_end=157
   _globals['_REPLY']._serialized_start=159
-  _globals['_REPLY']._serialized_end=217
-  _globals['_CLOVEFRAME']._serialized_start=220
-  _globals['_CLOVEFRAME']._serialized_end=408
-  _globals['_CLOVE']._serialized_start=410
-  _globals['_CLOVE']._serialized_end=523
-  _globals['_FORWARDPAYLOAD']._serialized_start=525
-  _globals['_FORWARDPAYLOAD']._serialized_end=638
-  _globals['_DELIVERCLOVE']._serialized_start=640
-  _globals['_DELIVERCLOVE']._serialized_end=709
-  _globals['_PROBE']._serialized_start=711
-  _globals['_PROBE']._serialized_end=733
-  _globals['_SIGNEDCLOVE']._serialized_start=735
-  _globals['_SIGNEDCLOVE']._serialized_end=782
-  _globals['_BACKWARDPAYLOAD']._serialized_start=785
-  _globals['_BACKWARDPAYLOAD']._serialized_end=953
+  _globals['_REPLY']._serialized_end=219
+  _globals['_CLOVEFRAME']._serialized_start=221
+  _globals['_CLOVEFRAME']._serialized_end=335
+  _globals['_DELIVERYFRAME']._serialized_start=337
+  _globals['_DELIVERYFRAME']._serialized_end=446
+  _globals['_CLOVE']._serialized_start=448
+  _globals['_CLOVE']._serialized_end=561
+  _globals['_FORWARDPAYLOAD']._serialized_start=563
+  _globals['_FORWARDPAYLOAD']._serialized_end=676
+  _globals['_DELIVERCLOVE']._serialized_start=678
+  _globals['_DELIVERCLOVE']._serialized_end=747
+  _globals['_PROBE']._serialized_start=749
+  _globals['_PROBE']._serialized_end=771
+  _globals['_SIGNEDCLOVE']._serialized_start=773
+  _globals['_SIGNEDCLOVE']._serialized_end=839
+  _globals['_BACKWARDPAYLOAD']._serialized_start=842
+  _globals['_BACKWARDPAYLOAD']._serialized_end=1010
 # @@protoc_insertion_point(module_scope)
