@@ -131,6 +131,10 @@ class _Path:
     retiring: bool = False
     retired_at: float = 0.0
     probe_nonce: int | None = None
+    #: a probe came back through the path: its forward cells reach the proxy intact. The setup
+    #: acknowledgement crosses every hop only backwards, so a relay that corrupts forward cells
+    #: passes setup; such a path never carries a request clove.
+    confirmed: bool = False
     probe_sent_at: float = 0.0
     last_reply_at: float = 0.0
 
@@ -264,7 +268,13 @@ class UserClient:
         return frozenset(self._bad_proxies)
 
     def ready_paths(self) -> list[_Path]:
-        """Alive paths not being rotated out."""
+        """Alive paths, confirmed by a probe, not being rotated out: what requests use."""
+        return [
+            p for p in self._paths.values() if p.handle.alive and not p.retiring and p.confirmed
+        ]
+
+    def _live_paths(self) -> list[_Path]:
+        """Alive paths not being rotated out, confirmed or still waiting for their first probe."""
         return [p for p in self._paths.values() if p.handle.alive and not p.retiring]
 
     async def wait_ready(self, count: int | None = None, timeout: float = 30.0) -> None:
@@ -319,11 +329,7 @@ class UserClient:
                 self._drop_path(path, "probe timeout")
                 continue
             if path.probe_nonce is None and now - max(path.probe_sent_at, path.last_reply_at) >= cfg.probe_interval:
-                nonce = int.from_bytes(self._random_bytes(8), "big")
-                probe = clove_pb2.ForwardPayload(probe=clove_pb2.Probe(nonce=nonce))
-                if self.overlay.send_on_path(path.handle, probe):
-                    path.probe_nonce = nonce
-                    path.probe_sent_at = now
+                self._send_probe(path, now)
             if not path.retiring and now - path.created_at >= cfg.rotate_period:
                 path.retiring = True
                 path.retired_at = now
@@ -331,11 +337,11 @@ class UserClient:
             # a retired path still carries the answers of requests sent before it retired
             if path.retiring and now - path.retired_at >= cfg.request_timeout:
                 self._drop_path(path, "rotated")
-        usable = len(self.ready_paths())
-        missing = cfg.paths - usable - self._setting_up
+        live = self._live_paths()
+        missing = cfg.paths - len(live) - self._setting_up
         if missing > 0:
             self._build_paths(missing)
-        elif not self._setting_up:
+        elif not self._setting_up and all(p.confirmed for p in live):
             self._rebalance(now)
 
     def _rebalance(self, now: float) -> None:
@@ -416,7 +422,7 @@ class UserClient:
         proxy_uses: dict[bytes, int] = {p: 1_000 for p in self._bad_proxies}
         for proxy, count in self._proxies_setting_up.items():  # paths still being set up
             proxy_uses[proxy] = proxy_uses.get(proxy, 0) + count
-        for path in self.ready_paths():
+        for path in self._live_paths():
             for relay in path.relays:
                 in_use[relay] = in_use.get(relay, 0) + 1
             proxy_uses[path.relays[-1]] = proxy_uses.get(path.relays[-1], 0) + 1
@@ -470,14 +476,22 @@ class UserClient:
             self._penalize(relays[:1] if error.startswith("first hop") else relays, now)
             log.info("path setup via %s failed: %s", _short(relays[0]), error)
             return  # the pool loop rebuilds on its next tick (<= 0.5 s): no tight retry loop
-        for relay in relays:  # the acknowledgement crossed every hop both ways
-            self._penalty.pop(relay, None)
+        # penalties are cleared by the first probe reply, not by the acknowledgement: the
+        # acknowledgement only travels backwards, past a relay that corrupts forward cells
         path = _Path(handle, relays, created_at=now, last_reply_at=now, probe_sent_at=now)
         self._paths[handle.key] = path
+        self._send_probe(path, now)  # confirms the forward direction before any request uses it
         log.info(
             "path ready: %s (proxy %s)", " -> ".join(_short(r) for r in relays), _short(relays[-1])
         )
         self._notify()
+
+    def _send_probe(self, path: _Path, now: float) -> None:
+        nonce = int.from_bytes(self._random_bytes(8), "big")
+        probe = clove_pb2.ForwardPayload(probe=clove_pb2.Probe(nonce=nonce))
+        if self.overlay.send_on_path(path.handle, probe):
+            path.probe_nonce = nonce
+            path.probe_sent_at = now
 
     def _penalize(self, relays: list[bytes], now: float) -> None:
         for relay in relays:
@@ -563,9 +577,11 @@ class UserClient:
                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
             )
             with trio.fail_after(timeout):
-                await self.wait_ready(self.config.total, timeout=timeout)
-                await self._wait_distinct_proxies(self.config.total, grace=1.0)
                 while True:
+                    await self.wait_ready(self.config.total, timeout=timeout)
+                    await self._wait_distinct_proxies(self.config.total, grace=1.0)
+                    if len(self.ready_paths()) < self.config.total:
+                        continue  # a path died during the grace: wait for the pool again
                     self._send_attempt(pending, target, prompt, params)
                     pending.retry = trio.Event()
                     wait = self.config.attempt_timeout * 2 ** (len(pending.attempts) - 1)
@@ -580,8 +596,6 @@ class UserClient:
                         "request %s: no answer on attempt %d; resending on fresh paths",
                         request_id.hex()[:8], len(pending.attempts),
                     )
-                    await self.wait_ready(self.config.total, timeout=timeout)
-                    await self._wait_distinct_proxies(self.config.total, grace=1.0)
             assert pending.answer is not None
             return pending.answer
         except trio.TooSlowError:
@@ -709,6 +723,9 @@ class UserClient:
         if kind == "probe_reply":
             if path is not None and path.probe_nonce == message.probe_reply.nonce:
                 path.probe_nonce = None
+                if not path.confirmed:
+                    path.confirmed = True
+                    self._notify()
                 for relay in path.relays:  # a probe came back: every relay of the path forwards
                     self._penalty.pop(relay, None)
         elif kind == "delivery_failed":
