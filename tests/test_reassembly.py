@@ -413,3 +413,30 @@ def test_completed_ids_remembered_are_bounded_by_max_messages():
 def test_bad_limits_are_rejected(kwargs):
     with pytest.raises(ValueError):
         CloveAssembler(**kwargs)
+
+
+def test_buffered_bytes_are_bounded_by_evicting_the_oldest_incomplete_messages():
+    assembler = CloveAssembler(max_bytes=10_000)
+    ids = [bytes([i]) * 16 for i in range(8)]
+    events = []
+    for message_id in ids:
+        cloves = sida.encode(b"x" * 9000, total=4, threshold=3, message_id=message_id)
+        events += assembler.receive_clove(cloves[0], now=0.0)  # one clove: never completes
+        assert assembler.buffered_bytes <= 10_000
+    evicted = [e.message_id for e in events if isinstance(e, ReassemblyFailed)]
+    assert evicted == ids[: len(evicted)] and evicted  # oldest first
+    assert ids[0] not in {m for m in assembler._pending}
+    assert ids[-1] in assembler._pending
+
+
+def test_buffered_bytes_return_to_zero_when_messages_complete_or_expire():
+    assembler = CloveAssembler(ttl=5.0, max_bytes=1 << 20)
+    done = sida.encode(b"payload", total=4, threshold=3, message_id=b"d" * 16)
+    for clove in done[:3]:
+        assembler.receive_clove(clove, now=0.0)
+    assert assembler.buffered_bytes == 0
+    stale = sida.encode(b"payload", total=4, threshold=3, message_id=b"s" * 16)
+    assembler.receive_clove(stale[0], now=0.0)
+    assert assembler.buffered_bytes > 0
+    assembler.expire(now=5.0)
+    assert assembler.buffered_bytes == 0

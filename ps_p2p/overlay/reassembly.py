@@ -93,6 +93,7 @@ class _Pending:
     first_header: _Header
     groups: dict[_Header, _Group] = field(default_factory=dict)  # in order of first clove
     attempts: int = 0  # k-subsets tried, over all groups
+    size: int = 0  # fragment and key share bytes buffered, over all groups
 
 
 class CloveAssembler:
@@ -127,6 +128,9 @@ class CloveAssembler:
         max_attempts: k-subsets tried per message, over all its groups, before giving up (see
             DEFAULT_MAX_ATTEMPTS).
         max_groups: header groups buffered per message ID (see DEFAULT_MAX_GROUPS).
+        max_bytes: fragment and key share bytes buffered at most, over all incomplete messages;
+            beyond it the oldest incomplete messages are evicted (with :class:`ReassemblyFailed`)
+            until the new clove fits. None: no byte bound beyond ``max_messages``.
 
     Attributes:
         duplicates: cloves dropped because their index was already buffered in their group.
@@ -143,6 +147,7 @@ class CloveAssembler:
         *,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         max_groups: int = DEFAULT_MAX_GROUPS,
+        max_bytes: int | None = None,
     ) -> None:
         if ttl <= 0:
             raise ValueError(f"ttl must be positive, got {ttl}")
@@ -156,6 +161,8 @@ class CloveAssembler:
         self.max_messages = max_messages
         self.max_attempts = max_attempts
         self.max_groups = max_groups
+        self.max_bytes = max_bytes
+        self._bytes = 0
         self.duplicates = 0
         self.ignored = 0
         self.conflicts = 0
@@ -170,6 +177,16 @@ class CloveAssembler:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Fragment and key share bytes buffered for incomplete messages."""
+        return self._bytes
+
+    def _forget(self, message_id: bytes) -> None:
+        entry = self._pending.pop(message_id, None)
+        if entry is not None:
+            self._bytes -= entry.size
 
     def is_completed(self, message_id: bytes) -> bool:
         """Whether ``message_id`` was reassembled and not yet forgotten by :meth:`expire`."""
@@ -203,7 +220,8 @@ class CloveAssembler:
         entry = self._pending.get(message_id)
         if entry is None:
             if len(self._pending) >= self.max_messages:
-                evicted, _ = self._pending.popitem(last=False)
+                evicted = next(iter(self._pending))
+                self._forget(evicted)
                 events.append(
                     ReassemblyFailed(evicted, f"evicted: over {self.max_messages} pending messages")
                 )
@@ -219,7 +237,19 @@ class CloveAssembler:
         if group.exhausted or clove.index in group.cloves:
             self.duplicates += 1  # an exhausted group holds every index of [0, total)
             return events
+        size = len(clove.fragment) + len(clove.key_share)
+        if self.max_bytes is not None:
+            while self._bytes + size > self.max_bytes:
+                oldest = next((m for m in self._pending if m != message_id), None)
+                if oldest is None:
+                    break
+                self._forget(oldest)
+                events.append(
+                    ReassemblyFailed(oldest, f"evicted: over {self.max_bytes} bytes buffered")
+                )
         group.cloves[clove.index] = clove
+        entry.size += size
+        self._bytes += size
         total, k = header
         if len(group.cloves) < k:
             return events
@@ -233,7 +263,7 @@ class CloveAssembler:
                 payload = sida.decode_subset((*rest, clove))
             except (DecodeError, RemoteProtocolError):
                 continue  # tampered clove, or fragment lengths disagree: try the next subset
-            del self._pending[message_id]
+            self._forget(message_id)
             self._remember_completed(message_id, now)
             events.append(MessageReassembled(message_id, payload, total, k))
             return events
@@ -242,6 +272,9 @@ class CloveAssembler:
             reason = f"no subset of any header group decoded within {self.max_attempts} attempts"
         elif len(group.cloves) == total:
             group.exhausted = True
+            freed = sum(len(c.fragment) + len(c.key_share) for c in group.cloves.values())
+            entry.size -= freed
+            self._bytes -= freed
             group.cloves.clear()
             if not all(g.exhausted for g in entry.groups.values()):
                 return events
@@ -251,7 +284,7 @@ class CloveAssembler:
             )
         else:
             return events
-        del self._pending[message_id]
+        self._forget(message_id)
         events.append(ReassemblyFailed(message_id, reason))
         return events
 
@@ -272,7 +305,7 @@ class CloveAssembler:
             message_id, entry = next(iter(self._pending.items()))
             if now - entry.first_seen < self.ttl:
                 break
-            del self._pending[message_id]
+            self._forget(message_id)
             expired.append(message_id)
         while self._completed:
             message_id, done_at = next(iter(self._completed.items()))

@@ -47,6 +47,13 @@ MIN_THRESHOLD = 2
 #: Requests being reassembled at most (oldest evicted): bounds what peers' cloves can pin,
 #: at most this many times the largest clove (~256 KiB).
 MAX_PENDING_REQUESTS = 2048
+#: Bytes of request cloves buffered for reassembly at most, over all proxies (the oldest
+#: incomplete requests are evicted beyond it).
+MAX_REASSEMBLY_BYTES = 64 * 1024 * 1024
+#: Request cloves of incomplete requests one proxy may have buffered here: an honest proxy
+#: carries one clove of each request in flight through it, and a request completes within
+#: milliseconds of its k-th clove; sybil proxies each get this share of MAX_REASSEMBLY_BYTES.
+MAX_PENDING_CLOVES_PER_PROXY = 256
 #: Message IDs whose delivering proxies are remembered (one clove per proxy and message).
 MAX_TRACKED_MESSAGES = 20_000
 #: Copies of one request (retries over fresh paths) answered from one inference.
@@ -124,8 +131,12 @@ class ModelNodeService:
         self._clock = clock
         self._wall_ms = wall_clock_ms
         self._assembler = CloveAssembler(
-            ttl=self.config.reassembly_ttl, max_messages=MAX_PENDING_REQUESTS
+            ttl=self.config.reassembly_ttl, max_messages=MAX_PENDING_REQUESTS,
+            max_bytes=MAX_REASSEMBLY_BYTES,
         )
+        # incomplete request -> proxies with a clove of it buffered; proxy -> such cloves
+        self._buffered_by: dict[bytes, list[bytes]] = {}
+        self._per_proxy: dict[bytes, int] = {}
         self._jobs: dict[bytes, _Job] = {}
         self._cache: OrderedDict[bytes, _Cached] = OrderedDict()
         self._senders: OrderedDict[bytes, set[bytes]] = OrderedDict()
@@ -152,6 +163,7 @@ class ModelNodeService:
                 for message_id in self._assembler.expire(now):
                     log.info("incomplete request %s expired", message_id.hex()[:8])
                     self._senders.pop(message_id, None)
+                    self._release(message_id)
                 while self._cache and next(iter(self._cache.values())).expires_at <= now:
                     self._cache.popitem(last=False)
 
@@ -186,12 +198,31 @@ class ModelNodeService:
             self.dropped_cloves += 1
             log.warning("clove with threshold %d from proxy %s dropped", clove.threshold, _short(proxy))
             return
+        if self._assembler.is_completed(clove.message_id):
+            return  # a late clove of a request already decoded
+        if self._per_proxy.get(proxy, 0) >= MAX_PENDING_CLOVES_PER_PROXY:
+            self.dropped_cloves += 1
+            log.warning("proxy %s has %d cloves of incomplete requests buffered; clove dropped",
+                        _short(proxy), MAX_PENDING_CLOVES_PER_PROXY)
+            return
         senders.add(proxy)
+        self._buffered_by.setdefault(clove.message_id, []).append(proxy)
+        self._per_proxy[proxy] = self._per_proxy.get(proxy, 0) + 1
         for event in self._assembler.receive_clove(clove, self._clock()):
+            self._release(event.message_id)
             if isinstance(event, ReassemblyFailed):
                 log.warning("request %s: %s", event.message_id.hex()[:8], event.reason)
             elif isinstance(event, MessageReassembled):
                 self._on_request(event.payload, event.threshold)  # k of the group that decoded
+
+    def _release(self, message_id: bytes) -> None:
+        """The request left the assembler: its proxies' buffered cloves no longer count."""
+        for proxy in self._buffered_by.pop(message_id, ()):
+            left = self._per_proxy.get(proxy, 1) - 1
+            if left > 0:
+                self._per_proxy[proxy] = left
+            else:
+                self._per_proxy.pop(proxy, None)
 
     def _on_request(self, q_bytes: bytes, threshold: int) -> None:
         request = inference_pb2.InferenceRequest()
