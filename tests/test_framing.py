@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 from libp2p.network.stream.exceptions import StreamEOF
@@ -98,3 +99,36 @@ async def test_buffered_reader_reads_many_small_frames_in_few_reads():
     for _ in range(100):
         await reader.read_frame()
     assert stream.reads == 1
+
+
+class _HalfFrameStream:
+    """Sends the first half of a 100-byte frame, then stays silent for ever."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self.sent:
+            self.sent = True
+            return encode_frame(b"x" * 100)[:50]
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_a_half_sent_frame_times_out(autojump_clock):
+    reader = FrameReader(_HalfFrameStream(), 1024, frame_timeout=30.0)
+    started = trio.current_time()
+    with pytest.raises(RemoteProtocolError, match="incomplete"):
+        await reader.read_frame()
+    assert trio.current_time() - started == pytest.approx(30.0)
+
+
+async def test_silence_between_frames_has_no_deadline(autojump_clock):
+    class Idle:
+        async def read(self, n=None):
+            await trio.sleep_forever()
+
+    reader = FrameReader(Idle(), 1024, frame_timeout=1.0)
+    with trio.move_on_after(3600) as scope:
+        await reader.read_frame()
+    assert scope.cancelled_caught  # still waiting after an hour: no frame had started

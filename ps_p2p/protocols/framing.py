@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import trio
+
 from ps_p2p.errors import FrameTooLargeError, RemoteProtocolError
 
 #: A varint longer than this many bytes encodes more than 63 bits: malformed.
@@ -77,10 +79,8 @@ async def read_frame(stream: _Reader, max_bytes: int) -> bytes:
         else:
             try:
                 byte = await stream.read(1)
-            except Exception as exc:
-                if type(exc).__name__ == "StreamEOF":
-                    raise RemoteProtocolError("stream ended inside a frame length") from exc
-                raise
+            except EOFError as exc:  # libp2p's StreamEOF and MuxedStreamEOF are EOFErrors
+                raise RemoteProtocolError("stream ended inside a frame length") from exc
         if not byte:
             raise RemoteProtocolError("stream ended inside a frame length")
         b = byte[0]
@@ -96,20 +96,17 @@ async def read_frame(stream: _Reader, max_bytes: int) -> bytes:
         return b""
     try:
         return await _read_exactly(stream, length)
-    except RemoteProtocolError:
-        raise
-    except Exception as exc:
-        if type(exc).__name__ == "StreamEOF":
-            raise RemoteProtocolError("stream ended inside a frame") from exc
-        raise
+    except EOFError as exc:
+        raise RemoteProtocolError("stream ended inside a frame") from exc
 
 
 #: Bytes asked of the stream per read by :class:`FrameReader`.
 READ_CHUNK = 256 * 1024
 
 
-def _is_eof(exc: BaseException) -> bool:
-    return type(exc).__name__ in ("StreamEOF", "MuxedStreamEOF")
+#: Seconds a frame may take from its first byte to its last (:class:`FrameReader`): a peer that
+#: sends half a frame and stops must not hold the buffer and the stream for ever.
+FRAME_TIMEOUT = 30.0
 
 
 class FrameReader:
@@ -120,11 +117,16 @@ class FrameReader:
     Args:
         stream: anything with ``async read(n)`` returning up to ``n`` available bytes.
         max_bytes: the protocol's frame limit.
+        frame_timeout: seconds from a frame's first byte to its last (default
+            :data:`FRAME_TIMEOUT`); None waits for ever. Time between frames is not limited.
     """
 
-    def __init__(self, stream: _Reader, max_bytes: int) -> None:
+    def __init__(
+        self, stream: _Reader, max_bytes: int, *, frame_timeout: float | None = FRAME_TIMEOUT
+    ) -> None:
         self._stream = stream
         self._max = max_bytes
+        self._frame_timeout = frame_timeout
         self._buf = bytearray()
         self._pos = 0
 
@@ -155,8 +157,8 @@ class FrameReader:
             self._pos = 0
         try:
             chunk = await self._stream.read(READ_CHUNK)
-        except Exception as exc:
-            if _is_eof(exc) and self._buf:
+        except EOFError as exc:  # libp2p's StreamEOF and MuxedStreamEOF are EOFErrors
+            if self._buf:
                 raise RemoteProtocolError("stream ended inside a frame") from exc
             raise
         if not chunk:
@@ -171,8 +173,10 @@ class FrameReader:
         Raises:
             the stream's EOF error (StreamEOF) at a clean end between frames;
             FrameTooLargeError: a length prefix above the limit (before the body is read);
-            RemoteProtocolError: a malformed prefix, or the stream ended inside a frame.
+            RemoteProtocolError: a malformed prefix, the stream ended inside a frame, or the
+                frame was not complete ``frame_timeout`` seconds after its first byte.
         """
+        deadline = None
         while True:
             parsed = self._parse_length()
             if parsed is not None:
@@ -181,7 +185,17 @@ class FrameReader:
                 if len(self._buf) - start >= length:
                     self._pos = start + length
                     return bytes(self._buf[start : start + length])
-            await self._fill()
+            if self._pos >= len(self._buf) or self._frame_timeout is None:
+                await self._fill()  # between frames: no deadline
+                continue
+            if deadline is None:
+                deadline = trio.current_time() + self._frame_timeout
+            with trio.move_on_at(deadline):
+                await self._fill()
+                continue
+            raise RemoteProtocolError(
+                f"frame incomplete {self._frame_timeout:.0f} s after its first byte"
+            )
 
 
 __all__ = ["FrameReader", "encode_frame", "encode_varint", "read_frame"]
