@@ -51,6 +51,25 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def directory_refresh_delay(
+    *, configured: float, quiet_refreshes: int, has_peers: bool, head_ttl: float | None
+) -> float:
+    """Seconds until the next directory refresh.
+
+    0.5 s until a directory with peers arrived; 1 s after a refresh that brought a change (a
+    network that is changing, or starting up); then doubling with each refresh that brought
+    nothing (1, 2, 4... s) up to ``configured``; never more than half the held head's
+    remaining validity ``head_ttl`` (seconds), nor less than 0.1 s.
+    """
+    if not has_peers:
+        delay = min(0.5, configured)
+    else:
+        delay = min(configured, 1.0 * 2 ** max(0, quiet_refreshes - 1))
+    if head_ttl is not None:
+        delay = min(delay, head_ttl / 2)
+    return max(0.1, delay)
+
+
 class _DisconnectNotifee(INotifee):
     """Tells the overlay when the last connection to a peer closed."""
 
@@ -204,11 +223,25 @@ class Node:
     # ------------------------------------------------------------------ directory client
 
     def own_record(self, now_ms: int) -> NodeRecord:
-        """This node's signed record, valid ``record_lifetime`` seconds from ``now_ms``."""
+        """This node's signed record, valid ``record_lifetime`` seconds from ``now_ms``.
+
+        Lists the first :data:`~ps_p2p.records.MAX_ADDRS` listen addresses that fit a record
+        (binary form of at most :data:`~ps_p2p.records.MAX_ADDR_BYTES` bytes).
+        """
         cfg = self.config
+        addrs: list[bytes] = []
+        for text in self.listen_addrs:
+            try:
+                addr = records.multiaddr_bytes(text.rsplit("/p2p/", 1)[0])
+            except PsError:
+                continue
+            if len(addr) <= records.MAX_ADDR_BYTES and len(addrs) < records.MAX_ADDRS:
+                addrs.append(addr)
+        if len(addrs) < len(self.listen_addrs):
+            log.debug("own record lists %d of %d listen addresses", len(addrs), len(self.listen_addrs))
         record = NodeRecord(
             peer_id=self.peer_id,
-            addrs=tuple(a.rsplit("/p2p/", 1)[0] for a in self.listen_addrs),
+            addrs=tuple(addrs),
             roles=self.roles,
             onion_key=self.keys.onion.public,
             model_id=self.engine.model_id if (self.engine is not None and Role.MODEL in self.roles) else "",
@@ -226,6 +259,10 @@ class Node:
 
     async def _directory_loop(self) -> None:
         assert self.host is not None
+        self._replica = records.DirectoryReplica(
+            trusted_verifiers=self.trusted_verifiers, quorum=self.config.quorum
+        )
+        self._quiet_refreshes = 0
         next_register = 0.0
         while True:
             now = trio.current_time()
@@ -244,14 +281,14 @@ class Node:
             await trio.sleep(self._refresh_delay())
 
     def _refresh_delay(self) -> float:
-        # Refresh fast until a directory with peers arrived and while it keeps changing (a
-        # network starting up), then at the configured pace.
         d = self.directory
-        if d is None or len(d.records) <= 1:
-            return min(0.5, self.config.directory_refresh)
-        if trio.current_time() - self._directory_changed_at < 10.0:
-            return min(1.0, self.config.directory_refresh)
-        return self.config.directory_refresh
+        head_ttl = None if d is None else (d.expires_at_ms - _now_ms()) / 1000
+        return directory_refresh_delay(
+            configured=self.config.directory_refresh,
+            quiet_refreshes=self._quiet_refreshes,
+            has_peers=d is not None and len(d.records) > 1,
+            head_ttl=head_ttl,
+        )
 
     async def _ensure_connected(self, peer: bytes) -> bool:
         assert self.host is not None
@@ -288,6 +325,9 @@ class Node:
         if self.directory_service is not None and not targets:
             self._install(self.directory_service.signed_directory(_now_ms()))
             return
+        source = self._replica.source
+        if source in targets:  # the verifier whose heights we hold: a delta, not everything
+            targets = [source] + [v for v in targets if v != source]
         for verifier in targets:
             if not await self._ensure_connected(verifier):
                 continue
@@ -299,21 +339,26 @@ class Node:
                     quorum=self.config.quorum,
                     now_ms=_now_ms(),
                     timeout=5.0,
+                    replica=self._replica,
                 )
             except (PsError, Exception) as exc:
                 log.info("directory from %s refused: %s", ID(verifier).to_base58()[-8:], exc)
                 continue
-            self._install(directory)
+            self._install(directory, self._replica.last_changed)
             return
 
-    def _install(self, directory: Directory) -> None:
+    def _install(self, directory: Directory, changed: tuple[NodeRecord, ...] | None = None) -> None:
+        """Adopt a verified directory; add the addresses of ``changed`` records (None: of every
+        record, unless the record list is the one already held) to the peerstore."""
         assert self.host is not None
         old = self.directory
         if old is not None and directory.height < old.height and directory.issued_at_ms <= old.issued_at_ms:
             return
         self.directory = directory
+        if changed is None:
+            changed = () if old is not None and directory.records is old.records else directory.records
         store = self.host.get_peerstore()
-        for record in directory.records:
+        for record in changed:
             if record.peer_id == self.peer_id:
                 continue
             addrs = []
@@ -326,6 +371,9 @@ class Node:
                 store.add_addrs(ID(record.peer_id), addrs, 0)
         if old is None or old.height != directory.height or len(old.records) != len(directory.records):
             self._directory_changed_at = trio.current_time()
+            self._quiet_refreshes = 0
+        else:
+            self._quiet_refreshes += 1
         if old is None or len(old.records) != len(directory.records):
             log.info(
                 "directory height %d: %d users, %d model nodes",

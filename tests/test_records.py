@@ -84,8 +84,8 @@ def test_record_signing_bytes_are_domain_separated_and_length_prefixed():
     record = make_record()
     data = records.record_signing_bytes(record)
     assert data.startswith(b"planetserve/v1/node-record\x00")
-    split_a = dataclasses.replace(record, addrs=("/ip4/1.2.3.4/tcp/1", "0"))
-    split_b = dataclasses.replace(record, addrs=("/ip4/1.2.3.4/tcp/10",))
+    split_a = dataclasses.replace(record, addrs=(b"\x04\x01\x02\x03\x04", b"\x06\x00\x01"))
+    split_b = dataclasses.replace(record, addrs=(b"\x04\x01\x02\x03\x04\x06\x00\x01",))
     assert records.record_signing_bytes(split_a) != records.record_signing_bytes(split_b)
 
 
@@ -116,9 +116,9 @@ def tampered_records(draw):
     bit = draw(st.integers(0, 15))
     if fld == "peer_id":  # the key part; the multihash prefix is a field-limit error
         value = record.peer_id[:6] + _flip_bytes(record.peer_id[6:], pos)
-    elif fld == "addrs":
+    elif fld == "addrs":  # the port's low byte: still a valid multiaddr
         i = pos % len(record.addrs)
-        value = record.addrs[:i] + (_flip_str(record.addrs[i], pos // 2),) + record.addrs[i + 1:]
+        value = record.addrs[:i] + (_flip_bytes(record.addrs[i], -1),) + record.addrs[i + 1:]
     elif fld == "roles":
         value = record.roles ^ {draw(st.sampled_from([Role.USER, Role.VERIFIER]))}
     elif fld in ("onion_key", "signature"):
@@ -163,13 +163,21 @@ def _resign(record: NodeRecord, change: dict) -> NodeRecord:
         return record
 
 
+_DNS_100 = "/dns4/" + "a" * 63 + "." + "b" * 31 + "/tcp/1"  # 100 bytes in binary form
+
+
 @pytest.mark.parametrize(
     "change",
     [
         dict(peer_id=b"\x12\x20" + bytes(32)),  # a SHA-256 multihash (RSA-style) peer ID
         dict(peer_id=ALICE.peer_id[:-1]),
-        dict(addrs=tuple(f"/ip4/10.0.0.{i}/tcp/1" for i in range(17))),
-        dict(addrs=("/dns4/" + "a" * 251 + "/tcp/1",)),
+        dict(addrs=tuple(f"/ip4/10.0.0.{i}/tcp/1" for i in range(5))),
+        dict(addrs=(_DNS_100.replace("/tcp/1", "b/tcp/1"),)),  # 101 bytes
+        dict(addrs=(b"\xff\xff\x00",)),  # no such protocol
+        dict(addrs=(records.multiaddr_bytes("/ip4/1.2.3.4/tcp/1") + b"\x00",)),  # trailing byte
+        dict(addrs=(b"\x04\x7f\x00",)),  # cut short (the parser reads "/ip4/0.0.127.0")
+        dict(addrs=(b"",)),
+        dict(addrs=(bytearray(b"\x04\x01\x02\x03\x04"),)),  # not bytes
         dict(roles=frozenset()),
         dict(roles=frozenset({Role.USER, 9})),
         dict(onion_key=bytes(31)),
@@ -179,8 +187,10 @@ def _resign(record: NodeRecord, change: dict) -> NodeRecord:
         dict(onion_key=bytes.fromhex(
             "e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")),
         dict(model_id=""),  # a model node without a model ID
-        dict(model_id="m" * 257),
-        dict(organization="o" * 257),
+        dict(model_id="m" * 65),
+        dict(model_id="ø" * 33),  # 33 characters, 66 bytes
+        dict(organization="o" * 65),
+        dict(organization="😀" * 17),  # 17 characters, 68 bytes
         dict(capacity=2**32),
         dict(capacity=-1),
         dict(issued_at_ms=NOW, expires_at_ms=NOW),  # no lifetime
@@ -196,11 +206,39 @@ def test_field_beyond_its_limit_is_a_protocol_error(change):
     assert type(info.value) is RemoteProtocolError  # not a signature failure
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(addrs=(b"\xff\xff\x00",)), "record address is not a multiaddr"),
+        (dict(addrs=(bytes(101),)), "record address of 101 bytes"),
+        (dict(model_id="ø" * 33), "model ID of 66 UTF-8 bytes"),
+        (dict(organization="o" * 65), "organization of 65 UTF-8 bytes"),
+        (dict(addrs=tuple(f"/ip4/10.0.0.{i}/tcp/1" for i in range(5))), "5 addresses"),
+    ],
+)
+def test_oversized_or_non_multiaddr_field_is_refused_with_a_clear_error(change, message):
+    record = _resign(dataclasses.replace(make_record(), **change), change)
+    with pytest.raises(RemoteProtocolError, match=message):
+        check_record(record, NOW)
+
+
+def test_text_address_that_is_not_a_multiaddr_is_a_local_error():
+    with pytest.raises(LocalProtocolError, match="not a multiaddr"):
+        make_record(addrs=("hello",))
+
+
+def test_text_addresses_are_stored_in_binary_form():
+    record = make_record(addrs=("/ip4/127.0.0.1/tcp/4001",))
+    assert record.addrs == (bytes.fromhex("047f000001060fa1"),)
+    assert record.multiaddrs() == ["/ip4/127.0.0.1/tcp/4001"]
+
+
 def test_field_limits_are_inclusive():
+    assert len(records.multiaddr_bytes(_DNS_100)) == records.MAX_ADDR_BYTES
     check_record(make_record(
-        addrs=tuple("/ip4/10.0.0.1/tcp/" + str(i).rjust(238, "1") for i in range(16)),
-        model_id="m" * 256,
-        organization="ø" * 256,
+        addrs=(_DNS_100,) * records.MAX_ADDRS,
+        model_id="m" * 64,
+        organization="ø" * 32,
         capacity=2**32 - 1,
         issued=NOW - HOUR,
         lifetime=24 * HOUR,
@@ -324,15 +362,24 @@ def test_directory_issued_far_in_the_future_is_refused():
         verify_directory(directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW)
 
 
-def test_verify_directory_drops_expired_records():
+def test_verify_directory_keeps_listed_records_past_their_own_expiry():
+    # liveness is the verifiers' business: the node renewed, the directory still lists it
     live = make_record(ALICE)
-    dead = make_record(BOB, issued=NOW - HOUR, lifetime=HOUR - 1)
-    directory = make_directory(live, dead)
+    renewed_elsewhere = make_record(BOB, issued=NOW - HOUR, lifetime=HOUR - 1)
+    directory = make_directory(live, renewed_elsewhere)
     got = verify_directory(
         directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW
     )
-    assert got.records == (live,)
-    assert got.record(BOB.peer_id) is None
+    assert got.records == (live, renewed_elsewhere)
+
+
+def test_verify_directory_checks_each_signed_record_once_with_a_cache():
+    cache = records.VerifiedCache()
+    directory = make_directory(make_record(ALICE), make_record(BOB))
+    trusted = frozenset({V1.peer_id})
+    verify_directory(directory, trusted_verifiers=trusted, quorum=1, now_ms=NOW, cache=cache)
+    verify_directory(directory, trusted_verifiers=trusted, quorum=1, now_ms=NOW, cache=cache)
+    assert (cache.checks, cache.hits) == (2, 2)
 
 
 def test_quorum_below_one_is_a_local_error():
@@ -433,21 +480,301 @@ def test_full_registry_makes_room_by_expiring():
 _PEERS = [Identity.from_private_bytes(bytes([i]) * 32) for i in range(10, 14)]
 
 
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20)), max_size=25))
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(0, 2)), max_size=25))
 @settings(max_examples=60, deadline=None)
-def test_registry_holds_the_newest_record_of_every_peer(ops):
+def test_registry_publishes_content_changes_and_keeps_renewals_silent(ops):
     registry = Registry()
-    model: dict[bytes, NodeRecord] = {}
-    for peer, minute in ops:
-        record = make_record(_PEERS[peer], issued=NOW - minute * MINUTE)
+    published: dict[bytes, NodeRecord] = {}
+    newest: dict[bytes, NodeRecord] = {}
+    for peer, minute, capacity in ops:
+        record = make_record(_PEERS[peer], issued=NOW - minute * MINUTE, capacity=capacity)
         height = registry.height
-        held = model.get(record.peer_id)
-        if held is not None and record.issued_at_ms < held.issued_at_ms:
+        held = published.get(record.peer_id)
+        if record in (held, newest.get(record.peer_id)):  # taken already: nothing happens
+            registry.register(record, NOW)
+            assert registry.height == height
+            continue
+        if held is not None and record.issued_at_ms <= newest[record.peer_id].issued_at_ms:
             with pytest.raises(RemoteProtocolError):
                 registry.register(record, NOW)
             assert registry.height == height
             continue
         registry.register(record, NOW)
-        assert registry.height == height + (record != held)
-        model[record.peer_id] = record
-    assert registry.records(NOW) == tuple(model[p] for p in sorted(model))
+        newest[record.peer_id] = record
+        changed = held is None or held.capacity != record.capacity
+        assert registry.height == height + changed
+        if changed:
+            published[record.peer_id] = record
+    assert registry.records(NOW) == tuple(published[p] for p in sorted(published))
+
+
+def test_renewal_without_change_does_not_bump_the_height():
+    registry = Registry()
+    first = make_record(issued=NOW, lifetime=MINUTE)
+    registry.register(first, NOW)
+    root = registry.root()
+    renewal = make_record(issued=NOW + 30_000, lifetime=MINUTE)
+    assert registry.register(renewal, NOW + 30_000) == NOW + 30_000 + MINUTE
+    assert registry.height == 1 and registry.root() == root
+    # the peer stays listed past the published record's own expiry, until the renewal's
+    assert registry.records(NOW + MINUTE + 1) == (first,)
+    assert registry.live_until(ALICE.peer_id) == NOW + 30_000 + MINUTE
+    assert registry.records(NOW + 30_000 + MINUTE) == ()
+    assert registry.height == 2
+
+
+def test_renewal_republishes_once_the_published_record_is_old():
+    registry = Registry()
+    registry.register(make_record(issued=NOW), NOW)
+    later = NOW + records.REPUBLISH_AFTER_MS
+    renewal = make_record(issued=later)
+    registry.register(renewal, later)
+    assert registry.height == 2
+    assert registry.get(ALICE.peer_id) == renewal
+
+
+def test_registry_refuses_a_replayed_renewal_older_than_the_newest():
+    registry = Registry()
+    registry.register(make_record(issued=NOW - 2 * MINUTE), NOW)
+    registry.register(make_record(issued=NOW), NOW)
+    with pytest.raises(RemoteProtocolError, match="older"):
+        registry.register(make_record(issued=NOW - MINUTE), NOW)
+
+
+def test_registry_content_change_bumps_the_height_and_the_root():
+    registry = Registry()
+    registry.register(make_record(issued=NOW - MINUTE), NOW)
+    root = registry.root()
+    registry.register(make_record(issued=NOW, organization="Other Lab"), NOW)
+    assert registry.height == 2 and registry.root() != root
+
+
+def test_changes_since_returns_only_changed_records_and_removals():
+    registry = Registry()
+    a = make_record(ALICE, issued=NOW, lifetime=MINUTE)
+    registry.register(a, NOW)
+    registry.register(make_record(BOB, issued=NOW), NOW)
+    registry.register(make_record(CAROL, issued=NOW), NOW)
+    held = registry.height
+    bob2 = make_record(BOB, issued=NOW + 1, capacity=7)
+    registry.register(bob2, NOW + 1)
+    registry.register(make_record(CAROL, issued=NOW + 1), NOW + 1)  # renewal: not a change
+    registry.expire(NOW + MINUTE)  # ALICE leaves
+    reset, changes = registry.changes_since(held)
+    assert not reset
+    assert [(p, r) for _, p, r in changes] == [(BOB.peer_id, bob2), (ALICE.peer_id, None)]
+    assert list(registry.changes_since(registry.height)[1]) == []
+
+
+@pytest.mark.parametrize("since", [0, 99])
+def test_changes_since_zero_or_an_unknown_height_is_a_reset_without_removals(since):
+    registry = Registry()
+    registry.register(make_record(ALICE, issued=NOW, lifetime=MINUTE), NOW)
+    registry.register(make_record(BOB, issued=NOW), NOW)
+    registry.expire(NOW + MINUTE)
+    reset, changes = registry.changes_since(since)
+    assert reset
+    assert [p for _, p, _ in changes] == [BOB.peer_id]
+
+
+def test_forgotten_removals_make_old_heights_a_reset():
+    registry = Registry(max_tombstones=1)
+    for identity in (ALICE, BOB):
+        registry.register(make_record(identity, issued=NOW, lifetime=MINUTE), NOW)
+    registry.register(make_record(CAROL, issued=NOW), NOW)
+    registry.expire(NOW + MINUTE)  # two removals, one remembered
+    assert registry.floor == 4
+    assert registry.changes_since(3)[0]
+    reset, changes = registry.changes_since(4)
+    assert not reset and [r for _, _, r in changes] == [None]
+
+
+def test_renewals_keep_the_expiry_index_bounded():
+    registry = Registry()
+    for i in range(500):
+        registry.register(make_record(issued=NOW + i), NOW + i)
+    assert registry.height == 1
+    assert len(registry._expiry) <= 2 * len(registry) + 64
+
+
+# ---------------------------------------------------------------------------------- record set
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), max_size=30))
+@settings(max_examples=60, deadline=None)
+def test_incremental_root_equals_the_root_of_the_final_set(ops):
+    rset = records.RecordSet()
+    model: dict[bytes, NodeRecord] = {}
+    for peer, capacity in ops:
+        identity = _PEERS[peer]
+        if capacity == 0:
+            rset.remove(identity.peer_id)
+            model.pop(identity.peer_id, None)
+        else:
+            record = make_record(identity, capacity=capacity)
+            rset.put(record)
+            model[identity.peer_id] = record
+        rset.root()
+    assert rset.root() == records.record_set_root(model.values())
+    assert rset.records() == tuple(model[p] for p in sorted(model))
+
+
+def test_root_depends_on_every_record():
+    base = [make_record(ALICE), make_record(BOB)]
+    roots = {
+        records.record_set_root(base),
+        records.record_set_root(base[:1]),
+        records.record_set_root([base[0], make_record(BOB, capacity=5)]),
+        records.record_set_root(base + [make_record(CAROL)]),
+    }
+    assert len(roots) == 4
+
+
+def test_verified_cache_is_bounded_and_forgets_the_least_recently_used():
+    cache = records.VerifiedCache(max_entries=2)
+    a, b, c = make_record(ALICE), make_record(BOB), make_record(CAROL)
+    for record in (a, b, a, c, a):
+        cache.check(record)
+    assert len(cache) == 2
+    assert (cache.checks, cache.hits) == (3, 2)  # b was forgotten, a never
+    cache.check(b)
+    assert cache.checks == 4
+
+
+def test_verified_cache_does_not_remember_a_bad_record():
+    cache = records.VerifiedCache()
+    forged = dataclasses.replace(make_record(), capacity=99)
+    for _ in range(2):
+        with pytest.raises(InvalidSignatureError):
+            cache.check(forged)
+    assert len(cache) == 0
+
+
+# ---------------------------------------------------------------------------------- replica
+
+
+def _serve(registry: Registry, since: int, *, now: int = NOW, page_size: int = 1000,
+           signer: Identity = V1) -> records.DirectoryPage:
+    """What a verifier answers, without the wire (the service pages by bytes)."""
+    head = records.sign_head(signer, records.DirectoryHead(
+        registry.height, now - MINUTE, now + MINUTE, len(registry), registry.root()))
+    reset, changes = registry.changes_since(since)
+    entries = []
+    more = False
+    for entry in changes:
+        if len(entries) == page_size:
+            more = True
+            break
+        entries.append(entry)
+    return records.DirectoryPage(
+        head=head, since_height=0 if reset else since, reset=reset,
+        records=tuple(r for _, _, r in entries if r is not None),
+        removed=tuple(p for _, p, r in entries if r is None),
+        next_height=entries[-1][0] if more else head.height, more=more,
+    )
+
+
+def _sync(replica: records.DirectoryReplica, registry: Registry, *, full: bool = False,
+          page_size: int = 1000) -> Directory:
+    update = replica.begin(V1.peer_id, full=full)
+    while not update.done:
+        update.receive(_serve(registry, update.since, page_size=page_size))
+    return update.commit(NOW)
+
+
+def _replica() -> records.DirectoryReplica:
+    return records.DirectoryReplica(trusted_verifiers=frozenset({V1.peer_id}), quorum=1)
+
+
+def test_replica_assembles_the_directory_from_pages():
+    registry = Registry()
+    for identity in _PEERS + [ALICE, BOB, CAROL]:
+        registry.register(make_record(identity), NOW)
+    replica = _replica()
+    directory = _sync(replica, registry, page_size=2)
+    assert directory.records == registry.records(NOW)
+    assert directory.height == registry.height
+    verify_directory(directory, trusted_verifiers=frozenset({V1.peer_id}), quorum=1, now_ms=NOW)
+
+
+def test_replica_delta_applies_only_the_changes_and_checks_only_new_records():
+    registry = Registry()
+    for identity in _PEERS:
+        registry.register(make_record(identity), NOW)
+    replica = _replica()
+    _sync(replica, registry)
+    checks = replica.cache.checks
+    changed = make_record(_PEERS[0], issued=NOW + 1, capacity=9)
+    registry.register(changed, NOW + 1)
+    registry.register(make_record(ALICE), NOW)
+    assert [r.peer_id for r in _serve(registry, replica.head.height).records] == [
+        _PEERS[0].peer_id, ALICE.peer_id]
+    directory = _sync(replica, registry)
+    assert directory.records == registry.records(NOW)
+    assert replica.cache.checks == checks + 2
+    assert {r.peer_id for r in replica.last_changed} == {_PEERS[0].peer_id, ALICE.peer_id}
+
+
+def test_replica_without_changes_keeps_its_record_list():
+    registry = Registry()
+    registry.register(make_record(ALICE), NOW)
+    replica = _replica()
+    first = _sync(replica, registry)
+    assert first.record(ALICE.peer_id) is not None
+    second = _sync(replica, registry)
+    assert second.records is first.records and replica.last_changed == ()
+
+
+def test_replica_refuses_a_page_with_a_record_swapped_and_keeps_its_copy():
+    registry = Registry()
+    registry.register(make_record(ALICE), NOW)
+    replica = _replica()
+    held = _sync(replica, registry)
+    registry.register(make_record(BOB), NOW)
+    page = _serve(registry, replica.head.height)
+    swapped = dataclasses.replace(page, records=(make_record(CAROL),))
+    update = replica.begin(V1.peer_id)
+    update.receive(swapped)
+    with pytest.raises(InvalidSignatureError, match="do not match"):
+        update.commit(NOW)
+    assert replica.directory is held and replica._set.root() == records.record_set_root([
+        held.records[0]])
+
+
+def test_replica_refuses_pages_that_do_not_follow_each_other():
+    registry = Registry()
+    for identity in _PEERS:
+        registry.register(make_record(identity), NOW)
+    update = _replica().begin(V1.peer_id)
+    first = _serve(registry, 0, page_size=1)
+    update.receive(first)
+    with pytest.raises(RemoteProtocolError, match="asked for"):
+        update.receive(dataclasses.replace(_serve(registry, first.next_height + 1, page_size=1),
+                                           reset=False))
+    stuck = dataclasses.replace(first, reset=False, since_height=update.since,
+                                next_height=update.since)
+    with pytest.raises(RemoteProtocolError, match="no progress"):
+        update.receive(stuck)
+
+
+def test_replica_refuses_an_older_head_from_the_same_verifier():
+    registry = Registry()
+    registry.register(make_record(ALICE), NOW)
+    registry.register(make_record(BOB), NOW)
+    replica = _replica()
+    _sync(replica, registry)
+    old = Registry()
+    old.register(make_record(ALICE), NOW)
+    update = replica.begin(V1.peer_id, full=True)
+    update.receive(_serve(old, 0, now=NOW - 1))
+    with pytest.raises(RemoteProtocolError, match="older"):
+        update.commit(NOW)
+
+
+def test_replica_head_needs_the_quorum():
+    registry = Registry()
+    registry.register(make_record(ALICE), NOW)
+    replica = records.DirectoryReplica(trusted_verifiers=frozenset({V2.peer_id}), quorum=1)
+    with pytest.raises(InvalidSignatureError, match="0 valid signature"):
+        _sync(replica, registry)
+    assert replica.directory is None

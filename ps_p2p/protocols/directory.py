@@ -1,19 +1,28 @@
-"""``/planetserve/directory/1.0.0``: node registration and directory download (sec. 3.4).
+"""``/planetserve/directory/1.0.0``: node registration and directory download in pages (sec. 3.4).
 
 Request/response over one stream: the client writes one ``DirectoryRequest`` frame and reads one
 ``DirectoryResponse`` frame; the server answers requests on a stream until the client closes it.
 
 * ``register``: a signed :class:`~ps_p2p.records.NodeRecord`; answered by ``RegisterAck``
-  (the record's expiry) or ``ErrorReply`` (bad signature, expired, older than the held record...).
-* ``get``: answered by the verifier's signed :class:`~ps_p2p.records.Directory` (its current one,
-  whatever ``min_height`` asks; the client compares heights).
+  (until when the record is listed) or ``ErrorReply`` (bad signature, expired, older than the
+  held record, a field beyond its byte limit...).
+* ``get`` (``since_height`` H): answered by one ``DirectoryPage``: the verifier's current signed
+  :class:`~ps_p2p.records.DirectoryHead` and the records changed (and peer IDs removed) after
+  height H, oldest change first, as many as fit in :data:`MAX_RESPONSE_BYTES`. The client asks
+  again from ``next_height`` while ``more`` is set, then checks that the set it assembled has the
+  signed count and root (:class:`~ps_p2p.records.DirectoryReplica`). H = 0, or a height the
+  verifier no longer has deltas for, gets every record (``reset``). A page stays under its frame
+  limit whatever the directory's size, so a large directory costs more pages, never a failed
+  fetch; a client that holds height H pays for what changed since H only.
 
-Frame limits: requests 64 KiB, responses 16 MiB. A frame that is too large or not a protobuf
-resets its stream (logged as a warning); the service goes on. The registry and the directory
-cache are only touched on the trio thread between awaits, so no lock is needed.
+Frame limits: requests 4 KiB (a signed record is under 1 KiB), responses 256 KiB. A frame that
+is too large or not a protobuf resets its stream (logged as a warning); the service goes on. The
+registry and the head cache are only touched on the trio thread between awaits, so no lock is
+needed.
 
-Until consensus lands each verifier signs its own registry's directory; a user asks one verifier
-and checks the signatures against its trusted verifiers and quorum (:func:`fetch_directory`).
+Until consensus lands each verifier signs its own registry's head; a user asks one verifier and
+checks the signatures against its trusted verifiers and quorum (:func:`fetch_directory`). Heights
+of different verifiers are unrelated, so a replica restarts from 0 when it changes verifier.
 """
 
 from __future__ import annotations
@@ -37,29 +46,46 @@ from ps_p2p.errors import (
     RemoteProtocolError,
 )
 from ps_p2p.pb.planetserve.v1 import directory_pb2, records_pb2
-from ps_p2p.protocols.framing import encode_frame, read_frame
-from ps_p2p.records import Directory, NodeRecord, Registry, Role, VerifierSignature
+from ps_p2p.protocols.framing import encode_frame, encode_varint, read_frame
+from ps_p2p.records import (
+    Directory,
+    DirectoryHead,
+    DirectoryPage,
+    DirectoryReplica,
+    NodeRecord,
+    Registry,
+    Role,
+    VerifierSignature,
+)
 
 log = logging.getLogger(__name__)
 
 DIRECTORY_PROTOCOL_ID = TProtocol("/planetserve/directory/1.0.0")
 
-#: Largest ``DirectoryRequest`` frame (a node record is well under 10 KiB).
-MAX_REQUEST_BYTES = 64 * 1024
-#: Largest ``DirectoryResponse`` frame (~88,000 records of ~190 bytes each).
-MAX_RESPONSE_BYTES = 16 * 1024 * 1024
-#: Most verifier signatures a directory may carry on the wire.
-MAX_DIRECTORY_SIGNATURES = 1024
-#: Directories with more records are decoded and verified in a worker thread (~80 us a record),
-#: so a large download does not stall the node's other tasks.
-THREAD_VERIFY_RECORDS = 256
+#: Largest ``DirectoryRequest`` frame (a signed record is under 1 KiB).
+MAX_REQUEST_BYTES = 4 * 1024
+#: Largest ``DirectoryResponse`` frame: one page (~350 records of the largest size).
+MAX_RESPONSE_BYTES = 256 * 1024
+#: Most verifier signatures a head may carry on the wire (a committee of 3f+1 <= 128).
+MAX_DIRECTORY_SIGNATURES = 128
+#: Most records plus removed peer IDs in one page.
+MAX_PAGE_ENTRIES = 4096
+#: Longest removed peer ID in a page (an Ed25519 peer ID is 38 bytes).
+MAX_PEER_ID_BYTES = 64
+#: Pages with more records are checked in a worker thread (~80 us a new record, a cache hit
+#: ~2 us), so a large download does not stall the node's other tasks.
+THREAD_VERIFY_RECORDS = 64
 
 # ErrorReply codes.
 ERROR_BAD_REQUEST = 1
 ERROR_INVALID_SIGNATURE = 2
 ERROR_EXPIRED = 3
 ERROR_REFUSED = 4  # well-formed but not accepted: older record, registry full, ...
-ERROR_UNAVAILABLE = 5  # the directory does not fit in a response frame
+ERROR_UNAVAILABLE = 5  # the verifier cannot answer now
+
+# Room left in a response frame besides the head and the page entries: the response's and the
+# page's tags and lengths (<= 2 x 6 bytes) and since/reset/next/more (<= 4 x 11 bytes).
+_PAGE_OVERHEAD = 64
 
 
 # ---------------------------------------------------------------------------------- conversion
@@ -81,17 +107,25 @@ def record_to_pb(record: NodeRecord) -> records_pb2.NodeRecord:
     )
 
 
-def record_from_pb(pb: records_pb2.NodeRecord) -> NodeRecord:
-    """A :class:`NodeRecord` from its protobuf message, with every field limit checked.
+def record_from_pb(pb: records_pb2.NodeRecord, *, check: bool = True) -> NodeRecord:
+    """A :class:`NodeRecord` from its protobuf message.
+
+    Args:
+        check: check every field limit (:func:`ps_p2p.records.check_record_fields`); without
+            it only the counts are bounded, for callers that check (or find in a
+            :class:`~ps_p2p.records.VerifiedCache`) the record themselves.
 
     Raises:
-        RemoteProtocolError: an unknown or unspecified role, or a field beyond its limit
-            (:func:`ps_p2p.records.check_record_fields`). The signature is not checked here.
+        RemoteProtocolError: an unknown or unspecified role, more than ``MAX_ADDRS``
+            addresses or more roles than exist, or (with ``check``) a field beyond its limit.
+            The signature is not checked here.
     """
     if len(pb.addrs) > records.MAX_ADDRS:
         raise RemoteProtocolError(
             f"record lists {len(pb.addrs)} addresses (max {records.MAX_ADDRS})"
         )
+    if len(pb.roles) > len(Role):
+        raise RemoteProtocolError(f"record lists {len(pb.roles)} roles")
     roles = set()
     for value in pb.roles:
         try:
@@ -100,7 +134,7 @@ def record_from_pb(pb: records_pb2.NodeRecord) -> NodeRecord:
             raise RemoteProtocolError(f"record has an unknown role {value}") from None
     record = NodeRecord(
         peer_id=bytes(pb.peer_id),
-        addrs=tuple(pb.addrs),
+        addrs=tuple(bytes(a) for a in pb.addrs),
         roles=frozenset(roles),
         onion_key=bytes(pb.onion_key),
         model_id=pb.model_id,
@@ -110,45 +144,81 @@ def record_from_pb(pb: records_pb2.NodeRecord) -> NodeRecord:
         expires_at_ms=pb.expires_at_ms,
         signature=bytes(pb.signature),
     )
-    records.check_record_fields(record)
+    if check:
+        records.check_record_fields(record)
     return record
 
 
-def directory_to_pb(directory: Directory) -> records_pb2.Directory:
-    """A :class:`Directory` as its protobuf message."""
-    return records_pb2.Directory(
-        height=directory.height,
-        issued_at_ms=directory.issued_at_ms,
-        expires_at_ms=directory.expires_at_ms,
-        records=[record_to_pb(r) for r in directory.records],
+def head_to_pb(head: DirectoryHead) -> records_pb2.DirectoryHead:
+    """A :class:`DirectoryHead` as its protobuf message."""
+    return records_pb2.DirectoryHead(
+        height=head.height,
+        issued_at_ms=head.issued_at_ms,
+        expires_at_ms=head.expires_at_ms,
+        record_count=head.record_count,
+        root=head.root,
         signatures=[
             records_pb2.VerifierSignature(verifier_id=s.verifier_id, signature=s.signature)
-            for s in directory.signatures
+            for s in head.signatures
         ],
     )
 
 
-def directory_from_pb(pb: records_pb2.Directory) -> Directory:
-    """A :class:`Directory` from its protobuf message (signatures not yet checked).
+def head_from_pb(pb: records_pb2.DirectoryHead) -> DirectoryHead:
+    """A :class:`DirectoryHead` from its protobuf message (signatures not yet checked).
 
     Raises:
-        RemoteProtocolError: more than :data:`~ps_p2p.records.MAX_RECORDS` records or
-            :data:`MAX_DIRECTORY_SIGNATURES` signatures, or a record rejected by
-            :func:`record_from_pb`.
+        RemoteProtocolError: more than :data:`MAX_DIRECTORY_SIGNATURES` signatures, or a root
+            that is not 32 bytes.
     """
-    if len(pb.records) > records.MAX_RECORDS:
-        raise RemoteProtocolError(f"directory of {len(pb.records)} records")
     if len(pb.signatures) > MAX_DIRECTORY_SIGNATURES:
-        raise RemoteProtocolError(f"directory with {len(pb.signatures)} signatures")
-    return Directory(
+        raise RemoteProtocolError(f"directory head with {len(pb.signatures)} signatures")
+    if len(pb.root) != 32:
+        raise RemoteProtocolError(f"directory root of {len(pb.root)} bytes")
+    return DirectoryHead(
         height=pb.height,
         issued_at_ms=pb.issued_at_ms,
         expires_at_ms=pb.expires_at_ms,
-        records=tuple(record_from_pb(r) for r in pb.records),
+        record_count=pb.record_count,
+        root=bytes(pb.root),
         signatures=tuple(
             VerifierSignature(bytes(s.verifier_id), bytes(s.signature)) for s in pb.signatures
         ),
     )
+
+
+def page_from_pb(pb: directory_pb2.DirectoryPage) -> DirectoryPage:
+    """A :class:`DirectoryPage` from its protobuf message; records' fields and signatures are
+    left to :meth:`ps_p2p.records.ReplicaUpdate.receive`.
+
+    Raises:
+        RemoteProtocolError: no head, more than :data:`MAX_PAGE_ENTRIES` entries, a removed
+            peer ID over :data:`MAX_PEER_ID_BYTES`, or a head or record rejected by
+            :func:`head_from_pb` / :func:`record_from_pb`.
+    """
+    if not pb.HasField("head"):
+        raise RemoteProtocolError("directory page without a head")
+    if len(pb.records) + len(pb.removed) > MAX_PAGE_ENTRIES:
+        raise RemoteProtocolError(
+            f"directory page of {len(pb.records) + len(pb.removed)} entries"
+        )
+    for peer in pb.removed:
+        if len(peer) > MAX_PEER_ID_BYTES:
+            raise RemoteProtocolError(f"removed peer ID of {len(peer)} bytes")
+    return DirectoryPage(
+        head=head_from_pb(pb.head),
+        since_height=pb.since_height,
+        reset=pb.reset,
+        records=tuple(record_from_pb(r, check=False) for r in pb.records),
+        removed=tuple(bytes(p) for p in pb.removed),
+        next_height=pb.next_height,
+        more=pb.more,
+    )
+
+
+def _field(number: int, data: bytes) -> bytes:
+    """One length-delimited protobuf field (wire type 2): tag, length, bytes."""
+    return encode_varint((number << 3) | 2) + encode_varint(len(data)) + data
 
 
 def _error(code: int, message: str) -> directory_pb2.DirectoryResponse:
@@ -171,13 +241,16 @@ class DirectoryService:
     """A verifier's registry and the handler of ``/planetserve/directory/1.0.0``.
 
     Args:
-        identity: the verifier's identity key; it signs the directory.
-        directory_lifetime_ms: validity of each signed directory (default 2 minutes); it is
+        identity: the verifier's identity key; it signs the directory head.
+        directory_lifetime_ms: validity of each signed head (default 2 minutes); it is
             re-signed after half of it, or as soon as the registry height changed.
         clock_ms: unix time in milliseconds (inject a fake in tests).
+        max_response_bytes: frame limit of a page (default :data:`MAX_RESPONSE_BYTES`; tests
+            lower it to see many pages).
 
     Attributes:
         registry: the records this verifier holds.
+        heads_signed: heads signed so far (one per height change or half lifetime).
     """
 
     def __init__(
@@ -186,60 +259,114 @@ class DirectoryService:
         *,
         directory_lifetime_ms: int = 120_000,
         clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         if directory_lifetime_ms <= 0:
             raise LocalProtocolError("directory_lifetime_ms must be positive")
+        if max_response_bytes < 4 * records.MAX_RECORD_WIRE_BYTES + 16 * 1024:
+            raise LocalProtocolError("max_response_bytes too small for a page")
         self.identity = identity
         self.directory_lifetime_ms = directory_lifetime_ms
+        self.max_response_bytes = max_response_bytes
         self.registry = Registry()
+        self.heads_signed = 0
         self._clock_ms = clock_ms
-        self._directory: Directory | None = None
-        self._response: bytes | None = None  # the encoded frame of ``_directory``
+        self._head: DirectoryHead | None = None
+        self._head_field: bytes = b""  # field 1 of a DirectoryPage: the encoded head
+        self._encoded: dict[bytes, tuple[NodeRecord, bytes]] = {}  # peer -> (record, field 4)
 
     def register_handlers(self, host: IHost) -> None:
         """Serve :data:`DIRECTORY_PROTOCOL_ID` on ``host``."""
         host.set_stream_handler(DIRECTORY_PROTOCOL_ID, self._handle_stream)
 
-    def signed_directory(self, now_ms: int) -> Directory:
-        """The registry's live records, signed by this verifier.
+    def signed_head(self, now_ms: int) -> DirectoryHead:
+        """The registry's current head, signed by this verifier.
 
-        Cached: a new directory is signed when the registry height changed (records added,
-        replaced or expired), half the lifetime has passed, or the clock went backwards.
+        Expired records are dropped first (O(expired)). Cached: a new head is signed when the
+        height changed, half the lifetime has passed, or the clock went backwards; signing
+        costs the changed buckets of the root and one Ed25519 signature, never a rebuild.
         """
-        records_now = self.registry.records(now_ms)  # drops expired records (height may change)
-        cached = self._directory
+        registry = self.registry
+        registry.expire(now_ms)
+        cached = self._head
         if (
             cached is None
-            or cached.height != self.registry.height
+            or cached.height != registry.height
             or now_ms < cached.issued_at_ms
             or now_ms >= cached.issued_at_ms + self.directory_lifetime_ms // 2
         ):
-            unsigned = Directory(
-                height=self.registry.height,
+            head = DirectoryHead(
+                height=registry.height,
                 issued_at_ms=now_ms,
                 expires_at_ms=now_ms + self.directory_lifetime_ms,
-                records=records_now,
+                record_count=len(registry),
+                root=registry.root(),
             )
-            self._directory = records.sign_directory(self.identity, unsigned)
-            self._response = None
-        assert self._directory is not None
-        return self._directory
+            self._head = records.sign_head(self.identity, head)
+            self._head_field = _field(1, head_to_pb(self._head).SerializeToString())
+            self.heads_signed += 1
+        assert self._head is not None
+        return self._head
 
-    def _directory_frame(self, now_ms: int) -> bytes:
-        directory = self.signed_directory(now_ms)
-        if self._response is None:
-            response = directory_pb2.DirectoryResponse(directory=directory_to_pb(directory))
-            body = response.SerializeToString()
-            if len(body) > MAX_RESPONSE_BYTES:
-                log.error(
-                    "directory of %d records is %d bytes, over the %d-byte response limit",
-                    len(directory.records), len(body), MAX_RESPONSE_BYTES,
-                )
-                body = _error(
-                    ERROR_UNAVAILABLE, "directory too large for one frame"
-                ).SerializeToString()
-            self._response = encode_frame(body)
-        return self._response
+    def signed_directory(self, now_ms: int) -> Directory:
+        """The whole signed directory (for in-process callers; O(records) after a change).
+
+        Its signatures are the head's and verify over it (:func:`records.verify_directory`).
+        """
+        head = self.signed_head(now_ms)
+        return Directory(
+            head.height, head.issued_at_ms, head.expires_at_ms,
+            self.registry.records(now_ms), head.signatures,
+        )
+
+    def page(self, since_height: int, now_ms: int) -> bytes:
+        """The encoded ``DirectoryResponse`` frame answering "changed since ``since_height``".
+
+        O(entries in the page): the changes come from the registry's log, each record is
+        encoded once per version and kept. The frame is at most ``max_response_bytes``.
+        """
+        head = self.signed_head(now_ms)
+        reset, changes = self.registry.changes_since(since_height)
+        budget = self.max_response_bytes - len(self._head_field) - _PAGE_OVERHEAD
+        parts: list[bytes] = []
+        used = 0
+        last = 0 if reset else since_height
+        more = False
+        for version, peer, record in changes:
+            if record is None:
+                item = _field(5, peer)
+                self._encoded.pop(peer, None)
+            else:
+                item = self._record_field(record)
+            if used + len(item) > budget or len(parts) >= MAX_PAGE_ENTRIES:
+                more = True
+                break
+            parts.append(item)
+            used += len(item)
+            last = version
+        if more and not parts:  # cannot happen with the enforced minimum frame size
+            body = _error(ERROR_UNAVAILABLE, "directory page does not fit").SerializeToString()
+            return encode_frame(body)
+        tail = directory_pb2.DirectoryPage(
+            since_height=0 if reset else since_height,
+            reset=reset,
+            next_height=last if more else head.height,
+            more=more,
+        ).SerializeToString()
+        body = _field(4, self._head_field + b"".join(parts) + tail)
+        if len(self._encoded) > 2 * len(self.registry) + 1024:
+            self._encoded = {
+                p: e for p, e in self._encoded.items() if self.registry.get(p) is e[0]
+            }
+        return encode_frame(body)
+
+    def _record_field(self, record: NodeRecord) -> bytes:
+        held = self._encoded.get(record.peer_id)
+        if held is not None and held[0] is record:
+            return held[1]
+        item = _field(4, record_to_pb(record).SerializeToString())
+        self._encoded[record.peer_id] = (record, item)
+        return item
 
     def handle_request(
         self, request: directory_pb2.DirectoryRequest, now_ms: int, sender: bytes | None = None
@@ -250,11 +377,12 @@ class DirectoryService:
             sender: the peer ID of the connection it came on; a node may register only its own
                 record (None: not checked, for in-process callers).
 
-        A refused registration becomes an ``ErrorReply`` (codes ``ERROR_*``), never an exception.
+        A refused registration becomes an ``ErrorReply`` (codes ``ERROR_*``), never an exception;
+        it costs the checks that refused it and nothing else (no height change, no new head).
         """
         kind = request.WhichOneof("kind")
         if kind == "get":
-            return self._directory_frame(now_ms)
+            return self.page(request.get.since_height, now_ms)
         if kind == "register":
             try:
                 record = record_from_pb(request.register)
@@ -273,6 +401,7 @@ class DirectoryService:
                 )
             return encode_frame(response.SerializeToString())
         return encode_frame(_error(ERROR_BAD_REQUEST, "empty DirectoryRequest").SerializeToString())
+
 
     async def _handle_stream(self, stream: INetStream) -> None:
         # Guarded: an exception escaping a handler kills the py-libp2p host (DESIGN.md pitfalls).
@@ -317,31 +446,53 @@ async def _reset_quietly(stream: INetStream) -> None:
 # ---------------------------------------------------------------------------------- client
 
 
-async def _exchange(
-    host: IHost, verifier: bytes, request: directory_pb2.DirectoryRequest, timeout: float
+async def _request(
+    stream: INetStream, request: directory_pb2.DirectoryRequest, timeout: float
 ) -> directory_pb2.DirectoryResponse:
     with trio.fail_after(timeout):
-        stream = await host.new_stream(ID(verifier), [DIRECTORY_PROTOCOL_ID])
+        await stream.write(encode_frame(request.SerializeToString()))
         try:
-            await stream.write(encode_frame(request.SerializeToString()))
-            try:
-                body = await read_frame(stream, MAX_RESPONSE_BYTES)
-            except StreamError as exc:
-                raise RemoteProtocolError(
-                    f"verifier closed the directory stream without answering ({exc!r})"
-                ) from exc
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await _reset_quietly(stream)
-            raise
-        try:
-            await stream.close()
-        except Exception as exc:
-            log.debug("closing directory stream: %r", exc)
+            body = await read_frame(stream, MAX_RESPONSE_BYTES)
+        except StreamError as exc:
+            raise RemoteProtocolError(
+                f"verifier closed the directory stream without answering ({exc!r})"
+            ) from exc
     try:
         return directory_pb2.DirectoryResponse.FromString(body)
     except ProtobufDecodeError as exc:
         raise RemoteProtocolError(f"malformed DirectoryResponse: {exc}") from exc
+
+
+class _Session:
+    """One directory stream to a verifier, closed (or reset on error) on exit."""
+
+    def __init__(self, host: IHost, verifier: bytes, timeout: float) -> None:
+        self._host = host
+        self._verifier = verifier
+        self._timeout = timeout
+        self.stream: INetStream | None = None
+
+    async def __aenter__(self) -> _Session:
+        with trio.fail_after(self._timeout):
+            self.stream = await self._host.new_stream(ID(self._verifier), [DIRECTORY_PROTOCOL_ID])
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        assert self.stream is not None
+        if exc_type is not None:
+            with trio.CancelScope(shield=True):
+                await _reset_quietly(self.stream)
+            return
+        try:
+            await self.stream.close()
+        except Exception as close_exc:
+            log.debug("closing directory stream: %r", close_exc)
+
+    async def request(
+        self, request: directory_pb2.DirectoryRequest
+    ) -> directory_pb2.DirectoryResponse:
+        assert self.stream is not None
+        return await _request(self.stream, request, self._timeout)
 
 
 def _raise_error_reply(verifier: bytes, response: directory_pb2.DirectoryResponse) -> None:
@@ -362,7 +513,7 @@ async def register(
         timeout: seconds for the whole exchange, dial included.
 
     Returns:
-        the record's ``expires_at_ms`` as acknowledged by the verifier.
+        until when the verifier lists the record (unix ms, its ``expires_at_ms``).
 
     Raises:
         RemoteProtocolError: the verifier refused the record (its message is included), or
@@ -371,13 +522,38 @@ async def register(
         Exception: py-libp2p's dial and negotiation errors (SwarmException and friends).
     """
     request = directory_pb2.DirectoryRequest(register=record_to_pb(record))
-    response = await _exchange(host, verifier, request, timeout)
+    with trio.fail_after(timeout):
+        async with _Session(host, verifier, timeout) as session:
+            response = await session.request(request)
     kind = response.WhichOneof("kind")
     if kind == "ack":
         return response.ack.expires_at_ms
     if kind == "error":
         _raise_error_reply(verifier, response)
     raise RemoteProtocolError(f"verifier answered a registration with {kind!r}")
+
+
+async def _run_update(
+    session: _Session, verifier: bytes, update: records.ReplicaUpdate, now_ms: int
+) -> Directory:
+    while not update.done:
+        request = directory_pb2.DirectoryRequest(
+            get=directory_pb2.GetDirectory(since_height=update.since)
+        )
+        response = await session.request(request)
+        kind = response.WhichOneof("kind")
+        if kind == "error":
+            _raise_error_reply(verifier, response)
+        if kind != "page":
+            raise RemoteProtocolError(f"verifier answered a directory request with {kind!r}")
+        page = page_from_pb(response.page)
+        if len(page.records) > THREAD_VERIFY_RECORDS:
+            await trio.to_thread.run_sync(update.receive, page)
+        else:
+            update.receive(page)
+    if update.staged > THREAD_VERIFY_RECORDS:
+        return await trio.to_thread.run_sync(update.commit, now_ms)
+    return update.commit(now_ms)
 
 
 async def fetch_directory(
@@ -388,41 +564,48 @@ async def fetch_directory(
     quorum: int,
     now_ms: int,
     timeout: float = 5.0,
+    replica: DirectoryReplica | None = None,
 ) -> Directory:
-    """Download a verifier's directory and verify it.
+    """Bring a verified copy of a verifier's directory up to date and return it.
+
+    With a ``replica`` that holds this verifier's directory at height H, only the changes
+    since H are fetched (a few hundred bytes when little changed); otherwise every record,
+    in as many pages as needed. Each page is one request on one stream. If the assembled set
+    does not match the signed head after a delta, everything is fetched once more.
 
     Args:
         verifier: peer ID to ask (it need not be one of the signers).
-        trusted_verifiers, quorum, now_ms: as for :func:`ps_p2p.records.verify_directory`.
-        timeout: seconds for the whole exchange, dial included.
+        trusted_verifiers, quorum, now_ms: as for :func:`ps_p2p.records.verify_head` (a given
+            ``replica`` uses its own).
+        timeout: seconds for the dial and for each page.
+        replica: the caller's copy, updated in place (None: a fresh one).
 
     Returns:
-        the verified directory without expired records.
+        the verified directory (records sorted by peer ID).
 
     Raises:
-        InvalidSignatureError: too few valid signatures by trusted verifiers, or a forged record.
-        ExpiredError: the directory is expired (or issued too far in the future).
-        RemoteProtocolError: an ErrorReply, or a malformed or unexpected answer.
+        InvalidSignatureError: too few valid signatures by trusted verifiers, a forged record,
+            or records that do not match the signed head.
+        ExpiredError: the head is expired (or issued too far in the future).
+        RemoteProtocolError: an ErrorReply, a malformed or unexpected answer, or pages that do
+            not follow each other.
         trio.TooSlowError: no answer within ``timeout``.
         Exception: py-libp2p's dial and negotiation errors.
     """
-    request = directory_pb2.DirectoryRequest(get=directory_pb2.GetDirectory())
-    response = await _exchange(host, verifier, request, timeout)
-    kind = response.WhichOneof("kind")
-    if kind == "error":
-        _raise_error_reply(verifier, response)
-    if kind != "directory":
-        raise RemoteProtocolError(f"verifier answered a directory request with {kind!r}")
-
-    def check() -> Directory:
-        directory = directory_from_pb(response.directory)
-        return records.verify_directory(
-            directory, trusted_verifiers=trusted_verifiers, quorum=quorum, now_ms=now_ms
-        )
-
-    if len(response.directory.records) > THREAD_VERIFY_RECORDS:
-        return await trio.to_thread.run_sync(check)
-    return check()
+    if replica is None:
+        replica = DirectoryReplica(trusted_verifiers=trusted_verifiers, quorum=quorum)
+    async with _Session(host, verifier, timeout) as session:
+        delta = replica.since(verifier) > 0
+        try:
+            return await _run_update(session, verifier, replica.begin(verifier), now_ms)
+        except InvalidSignatureError as exc:
+            if not delta:
+                raise
+            log.info(
+                "delta from %s did not match its head (%s); fetching everything",
+                ID(verifier).to_base58()[-8:], exc,
+            )
+        return await _run_update(session, verifier, replica.begin(verifier, full=True), now_ms)
 
 
 __all__ = [
@@ -430,9 +613,10 @@ __all__ = [
     "MAX_REQUEST_BYTES",
     "MAX_RESPONSE_BYTES",
     "DirectoryService",
-    "directory_from_pb",
-    "directory_to_pb",
     "fetch_directory",
+    "head_from_pb",
+    "head_to_pb",
+    "page_from_pb",
     "record_from_pb",
     "record_to_pb",
     "register",
