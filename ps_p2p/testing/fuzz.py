@@ -420,6 +420,8 @@ class FuzzReport:
     tables_before: dict[str, int] = field(default_factory=dict)
     tables_after: dict[str, int] = field(default_factory=dict)
     node_log: Counter[str] = field(default_factory=Counter)
+    #: the first full message logged under each ``node_log`` template
+    node_log_samples: dict[str, str] = field(default_factory=dict)
     logged_tracebacks: list[str] = field(default_factory=list)
     last_inputs: list[str] = field(default_factory=list)
 
@@ -506,8 +508,9 @@ class FuzzReport:
         for k, (before, after) in sorted(grown.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[:15]:
             lines.append(f"  {k}: {before} -> {after}")
         lines.append("node log records (WARNING+), top:")
-        for msg, n in self.node_log.most_common(15):
+        for msg, n in self.node_log.most_common(20):
             lines.append(f"  {n:7d}  {msg}")
+            lines.append(f"           e.g. {self.node_log_samples.get(msg, '')[:200]!r}")
         lines.append(f"exceptions logged with a traceback: {len(self.logged_tracebacks)}")
         for tb in self.logged_tracebacks[:5]:
             lines.append("  " + tb.replace("\n", "\n  "))
@@ -563,7 +566,13 @@ class _LogTap(logging.Handler):
             types = [a for a in record.args if isinstance(a, str) and a.endswith(("Error", "Exception"))]
             if types:
                 msg += " [" + ",".join(types) + "]"
-        self.report.node_log[f"{record.name}: {msg}"[:160]] += 1
+        key = f"{record.name}: {msg}"[:160]
+        self.report.node_log[key] += 1
+        if key not in self.report.node_log_samples:
+            try:
+                self.report.node_log_samples[key] = record.getMessage()[:300]
+            except Exception:  # a record whose args do not fit its format
+                self.report.node_log_samples[key] = msg[:300]
         if record.exc_info and record.exc_info[1] is not None:
             tb = "".join(traceback.format_exception(*record.exc_info))
             key = tb.strip().splitlines()[-1]
@@ -650,13 +659,18 @@ class _Fuzzer:
             with trio.fail_after(self.config.liveness_timeout):
                 stream = await host.new_stream(ID(target.node_peer), [TProtocol(target.protocol)])
         except trio.TooSlowError:
-            self.report.stream_open_failures[f"{target.protocol} timeout"] += 1
+            self._open_failed(host, target, "TooSlowError")
             return None
         except Exception as exc:
-            self.report.stream_open_failures[f"{target.protocol} {type(exc).__name__}"] += 1
+            self._open_failed(host, target, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}")
             return None
         self.report.streams_opened += 1
         return stream
+
+    def _open_failed(self, host: IHost, target: _Target, what: str) -> None:
+        who = "outsider" if host is self.attackers[0] else "insider"
+        peer = ID(target.node_peer).to_base58()[-6:]
+        self.report.stream_open_failures[f"{who} -> {target.role} {peer} {target.protocol}: {what}"] += 1
 
     async def _drain(self, stream: INetStream, finished: trio.Event) -> None:
         try:
@@ -708,7 +722,7 @@ class _Fuzzer:
 
     async def _frames_scenario(self, rng: random.Random, factory: MessageFactory) -> None:
         target = self._pick_target(rng)
-        n = self._take(rng.choice((1, 2, 3, 5, 8, 16, 32, 64, 128, 256)))
+        n = self._take(rng.choices((1, 2, 4, 8, 16, 64, 256), (20, 15, 15, 15, 15, 12, 8))[0])
         if not n:
             return
         frames, kinds = [], Counter[str]()
@@ -864,10 +878,39 @@ async def _check_liveness(net: LocalNet, probe: IHost, timeout: float, started: 
         except Exception as exc:
             failures.append(f"verifier: directory fetch failed: {type(exc).__name__}: {exc}")
 
+    async def fresh_stream(source_label: str, source: IHost, role: str, target: Any) -> None:
+        protocols = discover_protocols(target.host)
+        if not protocols:
+            return
+        t = trio.current_time()
+        try:
+            with trio.fail_after(timeout):
+                stream = await source.new_stream(ID(target.peer_id), [TProtocol(protocols[0])])
+                await stream.reset()
+        except trio.TooSlowError:
+            hangs.append(f"{role} {ID(target.peer_id).to_base58()[-6:]}: no new {protocols[0]} stream "
+                         f"from {source_label} within {timeout:.0f} s")
+            return
+        except Exception as exc:
+            failures.append(f"{role} {ID(target.peer_id).to_base58()[-6:]}: new stream from {source_label} "
+                            f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+            return
+        slow = trio.current_time() - t
+        if slow > 5:
+            failures.append(f"{role} {ID(target.peer_id).to_base58()[-6:]}: new stream from "
+                            f"{source_label} took {slow:.1f} s")
+
     async with trio.open_nursery() as nursery:
         for i in range(len(net.users)):
             nursery.start_soon(ask, i)
         nursery.start_soon(directory)
+        # every node still accepts new streams from an honest node (not only on warm links)
+        honest = net.users[0]
+        assert honest.host is not None
+        for role, nodes in (("verifier", [net.verifier]), ("model", net.models), ("user", net.users[1:])):
+            for node in nodes:
+                nursery.start_soon(fresh_stream, "user 0", honest.host, role, node)
+        nursery.start_soon(fresh_stream, "the verifier", net.verifier.host, "user", honest)
     tables = table_sizes(net)
     rss = rss_kib()
     report.rss_peak_kib = max(report.rss_peak_kib, rss)
