@@ -238,7 +238,9 @@ class Node:
             if len(addr) <= records.MAX_ADDR_BYTES and len(addrs) < records.MAX_ADDRS:
                 addrs.append(addr)
         if len(addrs) < len(self.listen_addrs):
-            log.debug("own record lists %d of %d listen addresses", len(addrs), len(self.listen_addrs))
+            log.debug(
+                "own record lists %d of %d listen addresses", len(addrs), len(self.listen_addrs)
+            )
         record = NodeRecord(
             peer_id=self.peer_id,
             addrs=tuple(addrs),
@@ -356,7 +358,8 @@ class Node:
             return
         self.directory = directory
         if changed is None:
-            changed = () if old is not None and directory.records is old.records else directory.records
+            unchanged = old is not None and directory.records is old.records
+            changed = () if unchanged else directory.records
         store = self.host.get_peerstore()
         for record in changed:
             if record.peer_id == self.peer_id:

@@ -331,6 +331,12 @@ def multiaddr_bytes(text: str) -> bytes:
     return bytes(data)
 
 
+#: Binary multiaddrs that passed :func:`check_multiaddr` (a pure memo, least recently used out):
+#: a DNS multiaddr costs ~0.4 ms to check (IDNA), and nodes renew with the same addresses.
+_CHECKED_ADDRS: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+_CHECKED_ADDRS_MAX = 16_384
+
+
 def check_multiaddr(addr: bytes) -> str:
     """Parse a binary multiaddr strictly; returns its text form.
 
@@ -347,6 +353,10 @@ def check_multiaddr(addr: bytes) -> str:
         raise RemoteProtocolError(
             f"record address of {len(addr)} bytes (1 to {MAX_ADDR_BYTES} allowed)"
         )
+    known = _CHECKED_ADDRS.get(addr)
+    if known is not None:
+        _CHECKED_ADDRS.move_to_end(addr)
+        return known
     try:
         text = _ma.bytes_to_string(addr)
         canonical = _ma.string_to_bytes(text)
@@ -354,6 +364,9 @@ def check_multiaddr(addr: bytes) -> str:
         raise RemoteProtocolError(f"record address is not a multiaddr: {exc}") from None
     if canonical != addr:
         raise RemoteProtocolError("record address is not a canonical multiaddr")
+    _CHECKED_ADDRS[addr] = text
+    if len(_CHECKED_ADDRS) > _CHECKED_ADDRS_MAX:
+        _CHECKED_ADDRS.popitem(last=False)
     return text
 
 
@@ -479,8 +492,9 @@ class RecordSet:
                     self._digests[b] = hashlib.sha256(
                         b"".join(records[p][1] for p in self._buckets[b])
                     ).digest()
+            digests: list[bytes] = self._digests  # type: ignore[assignment]  # none left None
             self._root = hashlib.sha256(
-                RECORD_SET_DOMAIN + _u32(len(self._records)) + b"".join(self._digests)  # type: ignore[arg-type]
+                RECORD_SET_DOMAIN + _u32(len(self._records)) + b"".join(digests)
             ).digest()
         return self._root
 
@@ -662,11 +676,23 @@ def check_record_fields(record: NodeRecord) -> None:
             record without a model ID; an integer outside its wire range; a lifetime that is
             not in (0, 24 h]; or a signature that is not 64 bytes.
     """
+    _check_cheap_fields(record)
+    _check_addrs(record)
+
+
+def _check_addrs(record: NodeRecord) -> None:
+    for addr in record.addrs:
+        check_multiaddr(addr)
+
+
+def _check_cheap_fields(record: NodeRecord) -> None:
+    """Every field limit but the multiaddr parsing (the costly part, done last)."""
     public_key_from_peer_id(record.peer_id)
     if len(record.addrs) > MAX_ADDRS:
         raise RemoteProtocolError(f"record lists {len(record.addrs)} addresses (max {MAX_ADDRS})")
     for addr in record.addrs:
-        check_multiaddr(addr)
+        if not isinstance(addr, bytes) or not 0 < len(addr) <= MAX_ADDR_BYTES:
+            check_multiaddr(addr)  # raises the error that says which limit
     if not record.roles:
         raise RemoteProtocolError("record has no roles")
     for role in record.roles:
@@ -717,7 +743,10 @@ def _check_record_time(record: NodeRecord, now_ms: int) -> None:
 
 
 def check_record(record: NodeRecord, now_ms: int) -> None:
-    """Check a record's fields, its signature and its validity at ``now_ms``, in that order.
+    """Check a record's fields, its signature and its validity at ``now_ms``.
+
+    Cheapest first: sizes and counts, then the signature (~55 us), then the multiaddr parsing
+    (up to ~0.4 ms an address, memoized), then the times.
 
     Raises:
         RemoteProtocolError: a field out of its limits (:func:`check_record_fields`), or issued
@@ -725,8 +754,9 @@ def check_record(record: NodeRecord, now_ms: int) -> None:
         InvalidSignatureError: the signature does not verify under ``peer_id``'s key.
         ExpiredError: ``now_ms >= expires_at_ms``.
     """
-    check_record_fields(record)
+    _check_cheap_fields(record)
     _verify_record_signature(record)
+    _check_addrs(record)  # after the signature: a forged record costs no parsing
     _check_record_time(record, now_ms)
 
 
@@ -772,8 +802,9 @@ class VerifiedCache:
             self._leaves.move_to_end(leaf)
             self.hits += 1
             return leaf
-        check_record_fields(record)
+        _check_cheap_fields(record)
         _verify_record_signature(record)
+        _check_addrs(record)
         self.checks += 1
         if self.max_entries:
             self._leaves[leaf] = None
@@ -799,7 +830,8 @@ def sign_head(identity: Signer, head: DirectoryHead) -> DirectoryHead:
     Raises:
         LocalProtocolError: a field out of its wire range.
     """
-    return replace(head, signatures=_add_signature(head.signatures, identity, head_signing_bytes(head)))
+    data = head_signing_bytes(head)
+    return replace(head, signatures=_add_signature(head.signatures, identity, data))
 
 
 def sign_directory(identity: Signer, directory: Directory) -> Directory:
@@ -953,7 +985,9 @@ class Registry:
         max_tombstones: removals remembered for deltas (oldest forgotten first).
     """
 
-    def __init__(self, *, max_records: int = MAX_RECORDS, max_tombstones: int | None = None) -> None:
+    def __init__(
+        self, *, max_records: int = MAX_RECORDS, max_tombstones: int | None = None
+    ) -> None:
         self.max_records = max_records
         self.max_tombstones = max_records if max_tombstones is None else max_tombstones
         self.height = 0

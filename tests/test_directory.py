@@ -300,7 +300,7 @@ def test_head_from_pb_refuses_too_many_signatures():
         dp.head_from_pb(pb)
 
 
-# ---------------------------------------------------------------------------------- size, pages, deltas
+# ------------------------------------------------------------------------ size, pages, deltas
 
 _DNS_100 = "/dns4/" + "a" * 63 + "." + "b" * 31 + "/tcp/1"  # 100 bytes in binary form
 
