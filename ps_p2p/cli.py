@@ -295,7 +295,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
 
 def _cmd_devnet(args: argparse.Namespace) -> int:
-    from ps_p2p.testing.devnet import DevnetOptions, run_devnet
+    from ps_p2p.devnet import DevnetOptions, run_devnet
 
     options = DevnetOptions(
         model=args.model,

@@ -1,4 +1,4 @@
-"""Prompt files for ``ps-node devnet --prompts`` (ps_p2p.testing.devnet.load_prompts)."""
+"""Prompt files for ``ps-node devnet --prompts`` (ps_p2p.devnet.load_prompts)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ps_p2p.errors import ConfigError
-from ps_p2p.testing.devnet import load_prompts
+from ps_p2p.devnet import load_prompts
 
 
 @pytest.mark.parametrize(
