@@ -1,11 +1,21 @@
-"""Hosts as every role runs them (ps_p2p.protocols.host): Yamux, ping and identify.
+"""Hosts as every role runs them (ps_p2p.protocols.host): Yamux, ping and identify, connection
+limits that are released when connections close, and listen addresses that are never shared.
 
 (That a plaintext dialer is refused is in tests/test_directory.py.)
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import math
+import re
+import socket
+from contextlib import AsyncExitStack
+
+import pytest
 import trio
+from libp2p.abc import INotifee
 from libp2p.custom_types import TProtocol
 from libp2p.host.ping import ID as PING_PROTOCOL_ID
 from libp2p.host.ping import perform_ping_roundtrip
@@ -13,7 +23,7 @@ from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL_ID
 from libp2p.peer.id import ID
 
 from ps_p2p.keys import Identity
-from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
+from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host, parse_multiaddr
 
 
 async def test_hosts_connect_over_noise_and_yamux_and_answer_ping():
@@ -50,3 +60,151 @@ async def test_identify_tells_the_peer_our_protocols():
 
 async def _close(stream) -> None:
     await stream.close()
+
+
+# --- connection limits and listen addresses (DESIGN.md "py-libp2p 0.8.1: measured pitfalls") ---
+
+
+class _ConnectedPeers(INotifee):
+    """Reports each connection a host registers: its peer ID goes down ``peers`` (tests only)."""
+
+    def __init__(self) -> None:
+        self._send, self.peers = trio.open_memory_channel[ID](math.inf)
+
+    async def connected(self, network, conn) -> None:
+        self._send.send_nowait(conn.muxed_conn.peer_id)
+
+    async def disconnected(self, network, conn) -> None:
+        pass
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass
+
+
+async def test_a_host_stays_reachable_after_more_connect_and_close_dials_than_its_cap():
+    # py-libp2p 0.8.1 kept an inbound slot per accepted connection until the swarm stopped:
+    # with max_connections=300 (its default) the 301st inbound connection ever was refused.
+    dials, dialers = 400, 20
+    target_id = Identity.generate()
+    async with AsyncExitStack() as stack:
+        target = await stack.enter_async_context(
+            open_host(target_id, ["/ip4/127.0.0.1/tcp/0"], max_connections=300)
+        )
+        (addr,) = listen_multiaddrs(target)
+        registered = _ConnectedPeers()
+        target.get_network().register_notifee(registered)
+        hosts = [
+            await stack.enter_async_context(
+                open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"])
+            )
+            for _ in range(dialers)
+        ]
+        waiting: dict[ID, trio.Event] = {}
+
+        async def route_registrations() -> None:
+            async for peer in registered.peers:
+                waiting.pop(peer).set()
+
+        async def connect_and_close(host, times: int) -> None:
+            for _ in range(times):
+                waiting[host.get_id()] = event = trio.Event()
+                await connect(host, addr)
+                await event.wait()  # the target registered it: without the fix, a slot is gone
+                await host.disconnect(ID(target_id.peer_id))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(route_registrations)
+                async with trio.open_nursery() as dialing:
+                    for host in hosts:
+                        dialing.start_soon(connect_and_close, host, dials // dialers)
+                nursery.cancel_scope.cancel()
+
+        fresh = await stack.enter_async_context(
+            open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"])
+        )
+        with trio.fail_after(10):
+            await connect(fresh, addr)
+            stream = await fresh.new_stream(ID(target_id.peer_id), [PING_PROTOCOL_ID])
+            assert await perform_ping_roundtrip(stream) >= 0
+            await stream.close()
+
+
+async def test_newest_inbound_connections_over_the_per_peer_limit_are_closed_until_others_close(
+    caplog,
+):
+    caplog.set_level(logging.INFO, logger="ps_p2p.protocols.host")
+    target_id, dialer_id = Identity.generate(), Identity.generate()
+    async with open_host(
+        target_id, ["/ip4/127.0.0.1/tcp/0"], max_connections_per_peer=2
+    ) as target, open_host(dialer_id, ["/ip4/127.0.0.1/tcp/0"]) as dialer:
+        maddr = parse_multiaddr(listen_multiaddrs(target)[0])
+        peer = ID(target_id.peer_id)
+        network = dialer.get_network()
+        with trio.fail_after(20):
+            first = [await network.dial_addr(maddr, peer) for _ in range(2)]
+            for _ in range(2):
+                extra = await network.dial_addr(maddr, peer)
+                await extra.event_closed.wait()  # the target closed the newest one
+            assert not any(conn.is_closed for conn in first)
+
+            # Closing the two accepted connections gives their places back.
+            on_target = target.get_network().get_connections(ID(dialer_id.peer_id))
+            for conn in first:
+                await conn.close()
+            for conn in on_target:
+                await conn.event_closed.wait()
+            second = [await network.dial_addr(maddr, peer) for _ in range(2)]
+            extra = await network.dial_addr(maddr, peer)
+            await extra.event_closed.wait()  # two are counted again: the two new ones
+            assert not any(conn.is_closed for conn in second)
+            stream = await dialer.new_stream(peer, [PING_PROTOCOL_ID])
+            assert await perform_ping_roundtrip(stream) >= 0
+
+    reports = [r for r in caplog.records if "connections per peer" in r.getMessage()]
+    assert len(reports) == 1  # three connections closed, one INFO line per peer per minute
+    assert reports[0].levelno == logging.INFO
+    assert dialer_id.peer_id_str in reports[0].getMessage()
+
+
+async def test_open_host_refuses_a_listen_address_another_host_holds():
+    async with open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as first:
+        (addr,) = (str(a) for a in first.get_transport_addrs())
+        with pytest.raises(OSError, match=re.escape(addr)) as raised:
+            async with open_host(Identity.generate(), [addr]):
+                pass  # pragma: no cover
+        assert raised.value.errno == errno.EADDRINUSE
+
+
+async def test_open_host_refuses_a_port_a_reuseport_listener_holds():
+    # What an unpatched py-libp2p process (or any SO_REUSEPORT server) leaves on a port.
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        addr = f"/ip4/127.0.0.1/tcp/{holder.getsockname()[1]}"
+        with pytest.raises(OSError, match=re.escape(addr)) as raised:
+            async with open_host(Identity.generate(), [addr]):
+                pass  # pragma: no cover
+        assert raised.value.errno == errno.EADDRINUSE
+
+
+async def test_a_reuseport_socket_cannot_join_a_hosts_listen_port():
+    async with open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as host:
+        port = int(host.get_transport_addrs()[0].value_for_protocol("tcp"))
+        with socket.socket() as thief:
+            thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            with pytest.raises(OSError) as raised:
+                thief.bind(("127.0.0.1", port))
+            assert raised.value.errno == errno.EADDRINUSE

@@ -7,30 +7,71 @@
 * only the Yamux stream muxer (Mplex is ~5x slower for bulk data);
 * the default ping (``/ipfs/ping/1.0.0``) and identify handlers of ``BasicHost``;
 * the 250 ms happy-eyeballs dial delay of py-libp2p 0.8.1 removed (a dial then takes ~7 ms on
-  loopback), and the auto-connector limited so it does not dial every known peer.
+  loopback), and the auto-connector limited so it does not dial every known peer;
+* connection limits that are released when a connection closes: at most
+  ``max_connections_per_peer`` (default 8) connections per peer ID, over which the newest inbound
+  connection is closed, and ``max_connections`` (default 1024) in all, over which py-libp2p refuses
+  the newest connection, inbound or outbound (identities are free, so both bounds are needed);
+* TCP listeners opened without ``SO_REUSEPORT``, and :func:`open_host` raising ``OSError`` when a
+  listen address is already in use instead of sharing the port with whoever holds it.
 
 Source: DESIGN.md "py-libp2p 0.8.1: measured pitfalls".
+
+Upstream bug (py-libp2p 0.8.1; this module works around it, see :class:`_InboundConnectionGuard`)
+--------------------------------------------------------------------------------------------------
+
+*What.* A node accepts only ``max_connections - min_connections`` inbound connections (300 with
+the defaults) in its whole lifetime; every later inbound connection is closed at once, before its
+handshake, so the node is unreachable until it restarts, whoever dials it and however few
+connections are open.
+
+*Where.* ``libp2p/network/swarm.py``: ``Swarm._handle_inbound_connection`` takes a token of
+``self._inbound_limiter`` (a ``trio.CapacityLimiter`` sized in ``_init_connection_management``)
+with ``acquire_nowait()`` and returns it in a ``finally`` after ``_do_handle_inbound_connection``
+returns. That method, once ``upgrade_inbound_raw_conn`` succeeded, waits on
+``await self.manager.wait_finished()`` ("Intentional barrier: keep handler alive"), i.e. until the
+swarm stops, not until the connection closes. So a token is held for the swarm's lifetime for
+every inbound connection that ever completed its handshake (and its handler task, with its raw
+connection, stays in memory as long).
+
+*Reproduction.* Start a host with the default ``ConnectionConfig(min_connections=0)``; from a
+second host, 300 times: connect, open a ping stream, disconnect. The 301st connect fails
+(``SwarmDialAllFailedError``: "failed to negotiate the secure protocol", the listener closed the
+socket) although the listener has 0 open connections;
+``swarm._inbound_limiter.statistics().borrowed_tokens`` is 300.
+
+*Proposed fix.* In ``_do_handle_inbound_connection``, wait for the connection's end instead of
+the swarm's: ``await muxed_conn.event_closed.wait()`` (``upgrade_inbound_raw_conn`` returns the
+muxed connection; the swarm's shutdown closes all connections, so the handler still ends then),
+and the same for pre-multiplexed (QUIC) connections. A regression test: more than
+``max_connections`` sequential connect-and-close dials, then one more connect must succeed.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
-from collections.abc import AsyncIterator, Sequence
+import socket
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost
+from libp2p.abc import IHost, IMuxedConn
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network import swarm as _swarm
 from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.swarm import Swarm
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.transport.tcp import tcp as _tcp
 
 from ps_p2p.errors import ConfigError
 from ps_p2p.keys import Identity
@@ -39,6 +80,42 @@ log = logging.getLogger(__name__)
 
 # py-libp2p waits 250 ms before every dial even when the first address works.
 _swarm._HAPPY_EYEBALLS_DELAY = 0.0
+
+DEFAULT_MAX_CONNECTIONS = 1024
+"""Connections (inbound + outbound) a host keeps at most; a newer one over it is refused."""
+
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 8
+"""Connections to one peer ID a host keeps at most; a newer inbound one over it is closed."""
+
+_OVER_LIMIT_LOG_INTERVAL = 60.0
+"""Seconds between two INFO lines about the same peer going over its connection limit."""
+
+_OVER_LIMIT_LOG_PEERS = 4096
+"""Peers whose last over-limit report is remembered (oldest forgotten first: sybils are free)."""
+
+
+async def _open_exclusive_tcp_listeners(
+    host: str | None, port: int
+) -> list[trio.SocketListener]:
+    """Replacement for py-libp2p's ``_open_reuseport_listeners``: no ``SO_REUSEPORT``.
+
+    py-libp2p 0.8.1 sets ``SO_REUSEPORT`` on its listening sockets (for TCP hole punching, which
+    we do not use), so a second process binds the same port without an error and the kernel
+    splits the incoming connections between the two. ``trio.open_tcp_listeners`` sets only
+    ``SO_REUSEADDR`` (a restart may reuse a port in TIME_WAIT) and raises ``OSError``
+    (``EADDRINUSE``) when another socket listens on the port, whether or not that socket has
+    ``SO_REUSEPORT``; and because ours lacks it, nobody can join our port later either.
+
+    Installed for every py-libp2p host of the process (the module global that py-libp2p's
+    ``TCPListener.listen`` calls); hole punching from the listen port (DCUtR) then falls back to
+    an ephemeral source port, as py-libp2p does where ``SO_REUSEPORT`` is missing.
+    """
+    return await trio.open_tcp_listeners(port, host=host)
+
+
+if not hasattr(_tcp, "_open_reuseport_listeners"):  # pragma: no cover - guards a version bump
+    raise ImportError("libp2p.transport.tcp.tcp._open_reuseport_listeners is gone: see host.py")
+_tcp._open_reuseport_listeners = _open_exclusive_tcp_listeners
 
 
 def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
@@ -53,15 +130,44 @@ def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
         raise ConfigError(f"bad multiaddr {text!r}: {exc}") from exc
 
 
-def build_host(identity: Identity) -> IHost:
-    """A host for ``identity`` speaking TCP + Noise + Yamux only (not yet listening)."""
+def build_host(
+    identity: Identity,
+    *,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
+) -> IHost:
+    """A host for ``identity`` speaking TCP + Noise + Yamux only (not yet listening).
+
+    Args:
+        max_connections: connections (both directions) kept at most; py-libp2p closes the newest
+            one over it (an outbound dial then fails with ``SwarmException``).
+        max_connections_per_peer: connections to one peer ID kept at most; the newest inbound
+            one over it is closed, with an INFO line at most once a minute per peer.
+
+    Raises:
+        ConfigError: a limit below 1, or ``max_connections_per_peer > max_connections``.
+    """
+    if not 1 <= max_connections_per_peer <= max_connections:
+        raise ConfigError(
+            f"need 1 <= max_connections_per_peer ({max_connections_per_peer}) <= "
+            f"max_connections ({max_connections})"
+        )
     key_pair = identity.libp2p_key_pair()
     noise = NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
     host = new_host(
         key_pair=key_pair,
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
-        connection_config=ConnectionConfig(min_connections=0, low_watermark=0),
+        connection_config=ConnectionConfig(
+            min_connections=0,
+            low_watermark=0,
+            high_watermark=max_connections,  # the pruner never runs below the hard cap
+            max_connections=max_connections,
+            # py-libp2p's own per-peer trim spares connections younger than its 20 s grace
+            # period, so it cannot stop a burst; _InboundConnectionGuard enforces the per-peer
+            # limit at once, and this only caps what one dial_peer call returns.
+            max_connections_per_peer=max_connections,
+        ),
         enable_mDNS=False,
     )
     # A dead relay must be noticed in well under a second: one quick retry, not three with
@@ -71,6 +177,7 @@ def build_host(identity: Identity) -> IHost:
     # The auto-connector dials every peer in the peerstore up to the midpoint of the watermarks
     # (150 by default) whatever ConnectionConfig says; the overlay dials the peers it needs.
     network.auto_connector.maybe_connect = _no_auto_connect  # type: ignore[attr-defined]
+    _InboundConnectionGuard(network, max_connections_per_peer).install()  # type: ignore[arg-type]
     return host
 
 
@@ -79,21 +186,162 @@ async def _no_auto_connect(*args: object, **kwargs: object) -> None:
 
 
 @asynccontextmanager
-async def open_host(identity: Identity, listen: Sequence[str]) -> AsyncIterator[IHost]:
+async def open_host(
+    identity: Identity,
+    listen: Sequence[str],
+    *,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
+) -> AsyncIterator[IHost]:
     """Run a host listening on ``listen`` (multiaddr strings; ``tcp/0`` picks a free port).
+
+    Args:
+        identity: the host's key pair and peer ID.
+        listen: multiaddrs to listen on; every one must be bound, or nothing runs.
+        max_connections: see :func:`build_host` (default 1024).
+        max_connections_per_peer: see :func:`build_host` (default 8).
 
     Yields:
         the running host; it stops (connections closed) when the block exits.
 
     Raises:
-        ConfigError: a bad listen multiaddr.
-        OSError: the address cannot be bound.
+        ConfigError: a bad listen multiaddr, or bad limits.
+        OSError: a listen address cannot be bound; ``errno`` is ``EADDRINUSE`` when another
+            socket (of any process, ``SO_REUSEPORT`` or not) already listens on it. The message
+            names the multiaddr.
     """
     addrs = [parse_multiaddr(a) for a in listen]
-    host = build_host(identity)
+    host = build_host(
+        identity, max_connections=max_connections, max_connections_per_peer=max_connections_per_peer
+    )
+    unbound: list[multiaddr.Multiaddr] = []
     async with host.run(listen_addrs=addrs):
-        log.debug("host %s listening on %s", identity.peer_id_str, listen_multiaddrs(host))
-        yield host
+        # Swarm.listen logs a failed bind at DEBUG and carries on; check every address.
+        listeners = host.get_network().listeners  # type: ignore[attr-defined]
+        unbound = [addr for addr in addrs if str(addr) not in listeners]
+        if not unbound:
+            log.debug("host %s listening on %s", identity.peer_id_str, listen_multiaddrs(host))
+            yield host
+    if unbound:
+        raise _listen_error(unbound[0])
+
+
+def _listen_error(addr: multiaddr.Multiaddr) -> OSError:
+    """Why ``addr`` could not be bound (py-libp2p drops the reason): try a plain bind of it."""
+    try:
+        names = {protocol.name for protocol in addr.protocols()}
+        ip = addr.value_for_protocol("ip6" if "ip6" in names else "ip4")
+        port = int(addr.value_for_protocol("tcp"))
+    except Exception:
+        return OSError(f"cannot listen on {addr}: py-libp2p has no listener for it")
+    family = socket.AF_INET6 if ":" in str(ip) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((ip, port))
+        except OSError as exc:
+            code = exc.errno or errno.EADDRINUSE
+            what = "address already in use" if code == errno.EADDRINUSE else exc.strerror
+            return OSError(code, f"cannot listen on {addr}: {what}")
+    return OSError(f"cannot listen on {addr}: py-libp2p's TCP listener failed (see its log)")
+
+
+class _InboundConnectionClosed(Exception):
+    """Ends a swarm's inbound-connection handler once its connection has closed."""
+
+
+class _InboundConnectionGuard:
+    """Per-swarm work-around of the lifetime inbound slot (module docstring) + per-peer limit.
+
+    Wraps two methods of one ``Swarm`` instance (py-libp2p itself is not modified):
+
+    * ``_handle_inbound_connection`` (the listener's per-socket handler, which holds one
+      ``_inbound_limiter`` token while it runs) records its task;
+    * ``upgrade_inbound_raw_conn``, when that task calls it, checks the per-peer limit on the
+      upgraded connection, then waits until the connection closes and raises
+      :class:`_InboundConnectionClosed`. ``_do_handle_inbound_connection`` logs that at DEBUG and
+      returns, so the handler never reaches its wait-for-swarm-stop barrier: the token (and the
+      task) is released when the connection closes. A swarm that stops cancels the wait.
+
+    Other callers of ``upgrade_inbound_raw_conn`` (DCUtR's ``dial_addr_as_inbound``, run from
+    other tasks) are passed through unchanged.
+    """
+
+    def __init__(self, swarm: Swarm, max_connections_per_peer: int) -> None:
+        self._swarm = swarm
+        self._max_per_peer = max_connections_per_peer
+        self._handler_tasks: set[trio.lowlevel.Task] = set()
+        # peer ID -> (last INFO line at, inbound connections closed since); oldest first.
+        self._over_limit: OrderedDict[ID, tuple[float, int]] = OrderedDict()
+
+    def install(self) -> None:
+        swarm = self._swarm
+        handle: Callable[..., Awaitable[None]] = swarm._handle_inbound_connection
+        upgrade: Callable[..., Awaitable[IMuxedConn]] = swarm.upgrade_inbound_raw_conn
+
+        async def handle_inbound_connection(*args: object, **kwargs: object) -> None:
+            task = trio.lowlevel.current_task()
+            self._handler_tasks.add(task)
+            try:
+                await handle(*args, **kwargs)
+            finally:
+                self._handler_tasks.discard(task)
+
+        async def upgrade_inbound_raw_conn(*args: object, **kwargs: object) -> IMuxedConn:
+            muxed_conn = await upgrade(*args, **kwargs)
+            closed = getattr(muxed_conn, "event_closed", None)
+            if trio.lowlevel.current_task() not in self._handler_tasks or closed is None:
+                return muxed_conn
+            if self._over_peer_limit(muxed_conn):
+                self._log_over_limit(muxed_conn.peer_id)
+                await _close_connection(swarm, muxed_conn)
+            await closed.wait()
+            raise _InboundConnectionClosed(f"connection from {muxed_conn.peer_id} closed")
+
+        swarm._handle_inbound_connection = handle_inbound_connection  # type: ignore[method-assign]
+        swarm.upgrade_inbound_raw_conn = upgrade_inbound_raw_conn  # type: ignore[method-assign]
+
+    def _over_peer_limit(self, muxed_conn: IMuxedConn) -> bool:
+        """Whether ``max_connections_per_peer`` open connections of the peer are older.
+
+        Counting only the older ones (the swarm's list is in registration order) makes the
+        newest connections the ones closed, whichever order the handlers run their checks in.
+        """
+        older_open = 0
+        for conn in self._swarm.get_connections(muxed_conn.peer_id):
+            if conn.muxed_conn is muxed_conn:
+                return older_open >= self._max_per_peer
+            if not (conn.is_closed or conn.muxed_conn.is_closed):
+                older_open += 1
+        return False  # no longer registered: already closed
+
+    def _log_over_limit(self, peer_id: ID) -> None:
+        """INFO at most once per ``_OVER_LIMIT_LOG_INTERVAL`` per peer; the rest are counted."""
+        now = trio.current_time()
+        entry = self._over_limit.get(peer_id)
+        if entry is not None and now - entry[0] < _OVER_LIMIT_LOG_INTERVAL:
+            self._over_limit[peer_id] = (entry[0], entry[1] + 1)  # keeps its place: by log time
+            return
+        self._over_limit.pop(peer_id, None)
+        log.info(
+            "closing an inbound connection from %s: over %d connections per peer"
+            " (%d more closed since the last report)",
+            peer_id,
+            self._max_per_peer,
+            entry[1] if entry is not None else 0,
+        )
+        self._over_limit[peer_id] = (now, 0)
+        while len(self._over_limit) > _OVER_LIMIT_LOG_PEERS:
+            self._over_limit.popitem(last=False)  # the peer reported longest ago
+
+
+async def _close_connection(swarm: Swarm, muxed_conn: IMuxedConn) -> None:
+    """Close the swarm's connection over ``muxed_conn`` (removed, peers notified)."""
+    for conn in swarm.get_connections(muxed_conn.peer_id):
+        if conn.muxed_conn is muxed_conn:
+            await conn.close()
+            return
+    await muxed_conn.close()
 
 
 def listen_multiaddrs(host: IHost) -> list[str]:
