@@ -20,6 +20,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.host.ping import ID as PING_PROTOCOL_ID
 from libp2p.host.ping import perform_ping_roundtrip
 from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL_ID
+from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 
 from ps_p2p.keys import Identity
@@ -65,17 +66,19 @@ async def _close(stream) -> None:
 # --- connection limits and listen addresses (DESIGN.md "py-libp2p 0.8.1: measured pitfalls") ---
 
 
-class _ConnectedPeers(INotifee):
-    """Reports each connection a host registers: its peer ID goes down ``peers`` (tests only)."""
+class _ConnectionEvents(INotifee):
+    """The peer ID of each connection a host registers goes down ``connected``, and of each it
+    has removed (closed, no longer counted) down ``disconnected``."""
 
     def __init__(self) -> None:
-        self._send, self.peers = trio.open_memory_channel[ID](math.inf)
+        self._connected, self.connected_peers = trio.open_memory_channel[ID](math.inf)
+        self._disconnected, self.disconnected_peers = trio.open_memory_channel[ID](math.inf)
 
     async def connected(self, network, conn) -> None:
-        self._send.send_nowait(conn.muxed_conn.peer_id)
+        self._connected.send_nowait(conn.muxed_conn.peer_id)
 
     async def disconnected(self, network, conn) -> None:
-        pass
+        self._disconnected.send_nowait(conn.muxed_conn.peer_id)
 
     async def opened_stream(self, network, stream) -> None:
         pass
@@ -100,8 +103,8 @@ async def test_a_host_stays_reachable_after_more_connect_and_close_dials_than_it
             open_host(target_id, ["/ip4/127.0.0.1/tcp/0"], max_connections=300)
         )
         (addr,) = listen_multiaddrs(target)
-        registered = _ConnectedPeers()
-        target.get_network().register_notifee(registered)
+        events = _ConnectionEvents()
+        target.get_network().register_notifee(events)
         hosts = [
             await stack.enter_async_context(
                 open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"])
@@ -111,7 +114,7 @@ async def test_a_host_stays_reachable_after_more_connect_and_close_dials_than_it
         waiting: dict[ID, trio.Event] = {}
 
         async def route_registrations() -> None:
-            async for peer in registered.peers:
+            async for peer in events.connected_peers:
                 waiting.pop(peer).set()
 
         async def connect_and_close(host, times: int) -> None:
@@ -174,6 +177,42 @@ async def test_newest_inbound_connections_over_the_per_peer_limit_are_closed_unt
     assert len(reports) == 1  # three connections closed, one INFO line per peer per minute
     assert reports[0].levelno == logging.INFO
     assert dialer_id.peer_id_str in reports[0].getMessage()
+
+
+async def test_the_total_connection_cap_refuses_a_new_peer_until_a_connection_closes():
+    target_id = Identity.generate()
+    async with AsyncExitStack() as stack:
+        target = await stack.enter_async_context(
+            open_host(
+                target_id,
+                ["/ip4/127.0.0.1/tcp/0"],
+                max_connections=2,
+                max_connections_per_peer=1,
+            )
+        )
+        (addr,) = listen_multiaddrs(target)
+        events = _ConnectionEvents()
+        target.get_network().register_notifee(events)
+        first, second, third, fourth = [
+            await stack.enter_async_context(
+                open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"])
+            )
+            for _ in range(4)
+        ]
+        with trio.fail_after(15):
+            await connect(first, addr)
+            await connect(second, addr)
+            for _ in range(2):
+                await events.connected_peers.receive()
+            with pytest.raises(SwarmException):
+                await connect(third, addr)
+
+            # (third would not redial for 60 s: py-libp2p's negative cache of failed peers.)
+            await first.disconnect(ID(target_id.peer_id))
+            assert await events.disconnected_peers.receive() == first.get_id()
+            await connect(fourth, addr)
+            stream = await fourth.new_stream(ID(target_id.peer_id), [PING_PROTOCOL_ID])
+            assert await perform_ping_roundtrip(stream) >= 0
 
 
 async def test_open_host_refuses_a_listen_address_another_host_holds():
