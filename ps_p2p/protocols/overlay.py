@@ -34,6 +34,8 @@ indexed (O(expired) per tick).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 from collections import OrderedDict
@@ -51,6 +53,7 @@ from ps_p2p import records
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.errors import CryptoError, PsError, RemoteProtocolError
 from ps_p2p.overlay.relay_table import Direction, RelayEntry, RelayTable
+from ps_p2p.overlay.rtt import RttTable
 from ps_p2p.pb.planetserve.v1 import clove_pb2, onion_pb2
 from ps_p2p.protocols.links import LinkManager, make_frame_handler
 
@@ -128,6 +131,7 @@ class PathHandle:
 class _PendingSetup:
     entry: RelayEntry
     deadline: float
+    sent_at: float
 
 
 @dataclass
@@ -193,8 +197,14 @@ class OverlayService:
         self.stats = OverlayStats()
         self._paths: dict[tuple[bytes, bytes], PathHandle] = {}
         self._seen_ephemeral: OrderedDict[bytes, None] = OrderedDict()
-        # setups waiting for the next hop's reply, oldest first (one timeout for all: indexed)
-        self._pending: OrderedDict[tuple[bytes, bytes], _PendingSetup] = OrderedDict()
+        # setups waiting for the next hop's reply, and their deadlines as a heap (indexed expiry)
+        self._pending: dict[tuple[bytes, bytes], _PendingSetup] = {}
+        self._deadlines: list[tuple[float, int, tuple[bytes, bytes]]] = []
+        self._seq = itertools.count()
+        # setup round trips to each next hop (RFC 6298): a loaded hop gets more time
+        self._setup_rtt = RttTable(
+            initial_rto=self.config.setup_timeout, min_rto=self.config.setup_timeout
+        )
         self._onion_links: LinkManager | None = None
         self._clove_links: LinkManager | None = None
         self._deliver_links: LinkManager | None = None
@@ -236,11 +246,13 @@ class OverlayService:
 
     def tick(self, now: float) -> None:
         """Expire setups past their deadline and idle relay entries (O(expired))."""
-        while self._pending:
-            key, pending = next(iter(self._pending.items()))
-            if now < pending.deadline:
-                break
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, key = heapq.heappop(self._deadlines)
+            pending = self._pending.get(key)
+            if pending is None or pending.deadline != deadline:
+                continue  # answered, or replaced by a newer setup
             del self._pending[key]
+            self._setup_rtt.get(key[0]).timed_out()
             self._fail_relay_setup(pending.entry, "timeout waiting for the next hop")
         for handle in list(self._paths.values()):
             if not handle.is_ready and not handle.done.is_set() and now >= handle.deadline:
@@ -365,10 +377,15 @@ class OverlayService:
             self.table.remove(entry)
             self._reply_setup(peer, setup.path_id, ok=False, error="loop in path")
             return
-        self._pending.pop((hop.next_peer_id, hop.out_path_id), None)
-        self._pending[(hop.next_peer_id, hop.out_path_id)] = _PendingSetup(
-            entry, now + self.config.setup_timeout
-        )
+        key = (hop.next_peer_id, hop.out_path_id)
+        deadline = now + self._setup_rtt.rto(hop.next_peer_id)
+        self._pending[key] = _PendingSetup(entry, deadline, now)
+        heapq.heappush(self._deadlines, (deadline, next(self._seq), key))
+        if len(self._deadlines) > 4 * len(self._pending) + 1024:  # answered setups pile up
+            self._deadlines = [
+                (p.deadline, next(self._seq), k) for k, p in self._pending.items()
+            ]
+            heapq.heapify(self._deadlines)
         frame = onion_pb2.OnionFrame(
             setup=onion_pb2.OnionSetup(path_id=hop.out_path_id, packet=next_packet)
         )
@@ -395,6 +412,7 @@ class OverlayService:
             log.debug("setup reply for unknown path from %s", _short(peer))
             return
         entry = pending.entry
+        self._setup_rtt.get(peer).sample(self._clock() - pending.sent_at)
         if not reply.ok:
             self._fail_relay_setup(entry, reply.error or "refused downstream")
             return

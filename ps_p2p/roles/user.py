@@ -43,6 +43,7 @@ from ps_p2p.errors import (
 )
 from ps_p2p.overlay.paths import choose_relays, reuse_count
 from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
+from ps_p2p.overlay.rtt import RttEstimator
 from ps_p2p.pb.planetserve.v1 import clove_pb2, inference_pb2
 from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
 from ps_p2p.protocols.overlay import OverlayService, PathHandle
@@ -68,9 +69,16 @@ class UserConfig:
         rotate_period: paths older than this are replaced (default 15 min).
         probe_interval, probe_timeout: liveness probes through each path.
         request_timeout: deadline of one request, all attempts included.
-        attempt_timeout: a request with no answer this long is sent again on fresh paths; the
-            wait doubles with every attempt. Resending is cheap for the model node, which joins a
-            repeated request ID to the one in service instead of running inference again.
+        attempt_timeout: a request with no answer this long, plus ``max_tokens`` times the
+            time per token (below), is sent again on fresh paths; the wait doubles with every
+            attempt. Resending is cheap for the model node, which joins a repeated request to
+            the one in service instead of running inference again.
+        token_time: seconds allowed per requested token before the first answer is measured;
+            afterwards twice the measured time per token (EWMA, 1/8) when that is longer, so a
+            36 s answer is not resent while it is being generated.
+        probe_timeout: the floor of the probe deadline; the deadline itself is the RFC 6298
+            retransmission timeout of the measured probe round trips (it grows when the
+            machine or the network is loaded instead of tearing working paths down).
     """
 
     total: int = sida.DEFAULT_TOTAL
@@ -82,6 +90,7 @@ class UserConfig:
     probe_timeout: float = 4.0
     request_timeout: float = 120.0
     attempt_timeout: float = 8.0
+    token_time: float = 0.05
     failed_relay_cooldown: float = 30.0
 
     def __post_init__(self) -> None:
@@ -241,6 +250,11 @@ class UserClient:
         # its score; its honest neighbours are cleared by their other, working paths. Scores
         # are forgotten ``failed_relay_cooldown`` seconds after the last failure.
         self._penalty: dict[bytes, tuple[int, float]] = {}
+        # probe round trips of all paths (a loaded machine slows every path alike)
+        self._probe_rtt = RttEstimator(
+            initial_rto=self.config.probe_timeout, min_rto=self.config.probe_timeout, max_rto=60.0
+        )
+        self._token_time = self.config.token_time  # EWMA of measured seconds per token
         self._wake = trio.Event()
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -319,7 +333,7 @@ class UserClient:
                 self._paths.pop(path.handle.key, None)
                 self._after_path_loss(path)
                 continue
-            if path.probe_nonce is not None and now - path.probe_sent_at > cfg.probe_timeout:
+            if path.probe_nonce is not None and now - path.probe_sent_at > self._probe_rtt.rto:
                 log.warning(
                     "path via %s unanswered for %.1f s: replacing it",
                     _short(path.relays[0]), now - path.probe_sent_at,
@@ -584,7 +598,7 @@ class UserClient:
                         continue  # a path died during the grace: wait for the pool again
                     self._send_attempt(pending, target, prompt, params)
                     pending.retry = trio.Event()
-                    wait = self.config.attempt_timeout * 2 ** (len(pending.attempts) - 1)
+                    wait = self._attempt_wait(max_tokens) * 2 ** (len(pending.attempts) - 1)
                     with trio.move_on_after(wait):
                         async with trio.open_nursery() as nursery:
                             nursery.start_soon(_set_when, pending.retry, pending.done)
@@ -606,6 +620,11 @@ class UserClient:
             done = self._pending.pop(request_id, None)
             for attempt in done.attempts if done is not None else ():
                 self._by_response_id.pop(attempt.response_id, None)
+
+    def _attempt_wait(self, max_tokens: int) -> float:
+        """Seconds to wait for an answer before the first resend (see UserConfig)."""
+        per_token = max(self.config.token_time, 2 * self._token_time)
+        return self.config.attempt_timeout + max_tokens * per_token
 
     def _failed(self, request_id: bytes, started: float, error: str, kind: type) -> Answer:
         pending = self._pending.get(request_id)
@@ -723,10 +742,15 @@ class UserClient:
         if kind == "probe_reply":
             if path is not None and path.probe_nonce == message.probe_reply.nonce:
                 path.probe_nonce = None
+                self._probe_rtt.sample(now - path.probe_sent_at)
                 if not path.confirmed:
                     path.confirmed = True
                     self._notify()
-                for relay in path.relays:  # a probe came back: every relay of the path forwards
+                # a probe came back: every relay before the proxy forwards cells intact. The
+                # proxy is not cleared: it opens the probe itself, and answering probes says
+                # nothing of what it does with cloves (a relay that tampers as a middle hop and
+                # proxies probes faithfully once had its penalty cleared by every such path)
+                for relay in path.relays[:-1]:
                     self._penalty.pop(relay, None)
         elif kind == "delivery_failed":
             log.warning("proxy could not deliver a clove: %s", message.delivery_failed)
@@ -827,6 +851,9 @@ class UserClient:
         if response.status == Status.RESPONSE_STATUS_OK:
             answer.ok = True
             answer.text = response.text
+            if response.completion_tokens and len(pending.attempts) == 1:  # Karn: one sending
+                measured = (now - pending.started_at) / response.completion_tokens
+                self._token_time += (measured - self._token_time) / 8
         else:
             try:
                 name = Status.Name(response.status).removeprefix("RESPONSE_STATUS_")
