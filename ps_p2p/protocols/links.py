@@ -9,10 +9,13 @@ opened. A :class:`LinkManager` owns the outbound side for one protocol ID:
   slow peer can never stall the task that owns the overlay core;
 * a writer task per peer opens the stream lazily (dialing the peer from the peerstore's
   addresses if needed), coalesces queued frames into one ``write()`` and, when the stream fails,
-  reports the peer through ``on_link_down`` and forgets the link (the next send opens a new one).
+  reports the peer through ``on_link_down`` and forgets the link (the next send opens a new one);
+* a peer whose stream could not be opened is not dialled again at once: sends to it are refused
+  for an exponentially growing, jittered back-off (0.5 s doubling up to 30 s, times 0.5-1.5),
+  cleared by the next link that opens.
 
-The inbound side is :func:`serve_frames`: a guarded stream handler that reads size-limited frames and
-hands each one to a synchronous callback; a callback that raises
+The inbound side is :func:`make_frame_handler`: a guarded stream handler that reads size-limited
+frames and hands each one to a synchronous callback; a callback that raises
 :class:`~ps_p2p.errors.RemoteProtocolError` resets that one stream.
 
 py-libp2p pitfalls handled here (DESIGN.md): a reader that stops reading for 5 s makes the Yamux writer
@@ -23,6 +26,7 @@ every handler is wrapped.
 from __future__ import annotations
 
 import logging
+import random as _random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +49,11 @@ MAX_COALESCED_BYTES = 1 << 20
 MAX_QUEUED_BYTES = 16 << 20
 #: Failed peers remembered in LinkStats.failed_peers.
 MAX_FAILED_PEERS = 256
+#: Dial back-off after a failed open: first wait and cap (seconds).
+BACKOFF_INITIAL = 0.5
+BACKOFF_MAX = 30.0
+#: Peers whose back-off is remembered.
+MAX_BACKOFF_PEERS = 4096
 
 
 @dataclass
@@ -64,6 +73,8 @@ class LinkStats:
 
     frames_sent: int = 0
     frames_dropped: int = 0
+    #: frames refused because their peer was in dial back-off
+    frames_backed_off: int = 0
     links_opened: int = 0
     links_failed: int = 0
     #: the last MAX_FAILED_PEERS peers whose link failed, with the reason (oldest first)
@@ -81,6 +92,7 @@ class LinkManager:
             when a stream to that peer could not be opened or failed while writing.
         queue_frames: frames queued per peer before :meth:`send` starts refusing (default 4096).
         open_timeout: seconds allowed to dial and negotiate a stream (default 5 s).
+        clock: seconds (trio's clock); random: uniform [0, 1) draws for the back-off jitter.
     """
 
     def __init__(
@@ -92,6 +104,8 @@ class LinkManager:
         on_link_down: Callable[[bytes, str], None] | None = None,
         queue_frames: int = 4096,
         open_timeout: float = 5.0,
+        clock: Callable[[], float] = trio.current_time,
+        random: Callable[[], float] = _random.random,
     ) -> None:
         self._host = host
         self._nursery = nursery
@@ -100,6 +114,10 @@ class LinkManager:
         self._queue_frames = queue_frames
         self._open_timeout = open_timeout
         self._links: dict[bytes, _Link] = {}
+        self._clock = clock
+        self._random = random
+        # peer -> (failed opens in a row, no dial before this time)
+        self._backoff: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         self.stats = LinkStats()
 
     def send(self, peer_id: bytes, message: bytes) -> bool:
@@ -111,6 +129,10 @@ class LinkManager:
         """
         link = self._links.get(peer_id)
         if link is None or link.closed:
+            backoff = self._backoff.get(peer_id)
+            if backoff is not None and self._clock() < backoff[1]:
+                self.stats.frames_backed_off += 1
+                return False
             link = self._open(peer_id)
         frame = encode_frame(message)
         try:
@@ -155,6 +177,7 @@ class LinkManager:
             with trio.fail_after(self._open_timeout):
                 stream = await self._host.new_stream(ID(link.peer_id), [self._protocol_id])
             self.stats.links_opened += 1
+            self._backoff.pop(link.peer_id, None)
             async with link.receive:
                 async for frame in link.receive:
                     parts = [frame]
@@ -172,10 +195,13 @@ class LinkManager:
                     self.stats.frames_sent += len(parts)
         except trio.TooSlowError:
             reason = f"could not open a {self._protocol_id} stream in {self._open_timeout:.0f} s"
+            self._back_off(link.peer_id)
         except trio.Cancelled:
             raise
         except Exception as exc:  # a dial or stream failure of any kind ends this link only
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if stream is None:  # the dial or the protocol negotiation failed
+                self._back_off(link.peer_id)
         finally:
             link.closed = True
             if self._links.get(link.peer_id) is link:
@@ -195,6 +221,15 @@ class LinkManager:
             log.info("%s link to %s down: %s", self._protocol_id, _short(link.peer_id), reason)
             if self._on_link_down is not None:
                 self._on_link_down(link.peer_id, reason)
+
+
+    def _back_off(self, peer_id: bytes) -> None:
+        failures = self._backoff.pop(peer_id, (0, 0.0))[0] + 1
+        wait = min(BACKOFF_MAX, BACKOFF_INITIAL * 2 ** (failures - 1))
+        wait *= 0.5 + self._random()
+        self._backoff[peer_id] = (failures, self._clock() + wait)
+        while len(self._backoff) > MAX_BACKOFF_PEERS:
+            self._backoff.popitem(last=False)
 
 
 def make_frame_handler(

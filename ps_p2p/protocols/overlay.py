@@ -390,7 +390,10 @@ class OverlayService:
             setup=onion_pb2.OnionSetup(path_id=hop.out_path_id, packet=next_packet)
         )
         assert self._onion_links is not None
-        self._onion_links.send(hop.next_peer_id, frame.SerializeToString())
+        if not self._onion_links.send(hop.next_peer_id, frame.SerializeToString()):
+            # queue full, or the next hop could not be dialled a moment ago (back-off)
+            self._pending.pop(key, None)
+            self._fail_relay_setup(entry, "next hop unreachable")
 
     def _on_setup_reply(self, peer: bytes, reply: onion_pb2.OnionSetupReply) -> None:
         key = (peer, reply.path_id)

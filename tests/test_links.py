@@ -1,0 +1,42 @@
+"""Outbound message links (ps_p2p.protocols.links)."""
+
+from __future__ import annotations
+
+import trio
+
+from ps_p2p.keys import NodeKeys
+from ps_p2p.protocols.host import open_host
+from ps_p2p.protocols.links import BACKOFF_INITIAL, BACKOFF_MAX, LinkManager
+
+
+async def test_a_peer_that_cannot_be_dialled_is_backed_off_with_growing_jittered_waits(autojump_clock):
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host:
+        down = []
+        changed = [trio.Event()]
+
+        def link_down(peer: bytes, reason: str) -> None:
+            down.append(peer)
+            changed[0].set()
+            changed[0] = trio.Event()
+
+        async with trio.open_nursery() as nursery:
+            links = LinkManager(
+                host, nursery, "/test/1.0.0", open_timeout=1.0,
+                on_link_down=link_down, random=lambda: 0.5,
+            )
+            unknown = NodeKeys.generate().identity.peer_id  # no address known: the dial fails
+            waits = []
+            for attempt in range(8):
+                assert links.send(unknown, b"frame")
+                while len(down) <= attempt:
+                    await changed[0].wait()
+                refused_at = trio.current_time()
+                assert not links.send(unknown, b"frame")  # backed off: no new dial
+                until = links._backoff[unknown][1]
+                waits.append(until - refused_at)
+                await trio.sleep(until - trio.current_time())
+            nursery.cancel_scope.cancel()
+    assert links.stats.frames_backed_off == 8
+    assert waits[0] <= BACKOFF_INITIAL + 1e-6
+    assert all(b >= a for a, b in zip(waits, waits[1:]))
+    assert max(waits) <= BACKOFF_MAX
