@@ -4,7 +4,7 @@ Subcommands::
 
     ps-node keygen  --key-file PATH                 create a key file, print the peer ID
     ps-node run     --role user|model|verifier ...  run one node until interrupted
-    ps-node devnet  --model PATH --prompts FILE     a local network of OS processes, prompts through it
+    ps-node devnet  --prompts FILE [--model PATH]   a local network of OS processes, prompts through it
     ps-node ask     --multiaddr MADDR "prompt"      join as a user, ask once, print the answer
 
 ``main(argv) -> int`` returns the exit status: 0 ok, 1 a failure at run time, 2 bad usage or
@@ -89,12 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="TESTING ONLY: corrupt relayed cells and cloves (a malicious relay)")
 
     devnet = sub.add_parser("devnet", help="run a local network of OS processes and send prompts through it")
-    devnet.add_argument("--model", required=True, help="model for the model nodes (HF folder or .gguf)")
+    devnet.add_argument("--model", help="model for the model nodes (HF folder or .gguf); "
+                                        "needed by --engine transformers")
+    devnet.add_argument("--engine", choices=["transformers", "instant"], default="transformers",
+                        help="model nodes' engine: transformers (loads --model) or instant "
+                             "(a fake that answers at once, to measure the overlay; no --model)")
     devnet.add_argument("--prompts", required=True,
                         help="prompts: a text file (one per line) or ../shared/data JSON/JSONL")
     devnet.add_argument("--users", type=int, default=8, help="user nodes (default 8)")
     devnet.add_argument("--models", type=int, default=2, help="model nodes (default 2)")
     devnet.add_argument("--verifiers", type=int, default=4, help="verifier nodes (default 4)")
+    devnet.add_argument("--nodes-per-process", type=int, default=1, metavar="N",
+                        help="nodes run by one OS process (default 1; imports are most of a "
+                             "node's memory, so more nodes per process save memory)")
+    devnet.add_argument("--start-timeout", type=float, metavar="S",
+                        help="seconds until every user has its paths (default 60 + 1 per node)")
     devnet.add_argument("--json", dest="json_out", metavar="OUT",
                         help="write one JSON object per prompt to OUT (JSON lines)")
     devnet.add_argument("--perturb", choices=["none", "kill-relay", "tamper-clove"], default="none",
@@ -104,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     devnet.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
     devnet.add_argument("--concurrency", type=int, default=4, help="prompts in flight (default 4)")
     devnet.add_argument("--timeout", type=float, default=120.0, help="deadline per prompt, s (default 120)")
-    devnet.add_argument("--workdir", help="keep keys, status files and logs here (default: a temp dir)")
+    devnet.add_argument("--workdir", help="keep keys, status files and logs here "
+                                          "(default: a temp dir, removed at exit)")
     devnet.add_argument("--show", type=int, default=300,
                         help="print at most this many characters of each answer (default 300)")
 
@@ -312,6 +322,9 @@ def _cmd_devnet(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         show=args.show,
         log_level=args.log_level,
+        engine=args.engine,
+        nodes_per_process=args.nodes_per_process,
+        start_timeout=args.start_timeout,
     )
     return run_devnet(options)
 

@@ -1,51 +1,124 @@
-"""``ps-node devnet``: a local PlanetServe network of separate OS processes on 127.0.0.1.
+"""``ps-node devnet``: a local PlanetServe network of OS processes on 127.0.0.1.
 
-Every node is its own ``python -m ps_p2p.cli run`` process (a real libp2p host) with its own key
-file, log file and JSON status file in the work directory. The devnet starts the verifiers, then the
-model nodes and users (bootstrapped from the verifiers), waits until every user has its proxies,
-sends each prompt through a user node's local API (so it crosses the anonymous overlay: S-IDA
-cloves over 3-hop onion paths), prints each answer with its latency and serving model node, and
-stops every process (also on Ctrl-C).
+The devnet starts the verifiers, then the model nodes and users (bootstrapped from the verifiers),
+waits until every user has its proxies, sends each prompt through a user node's local API (so it
+crosses the anonymous overlay: S-IDA cloves over 3-hop onion paths), prints each answer with its
+latency and serving model node, and stops every process (also on Ctrl-C and SIGTERM).
+
+Processes. Each OS process is a *worker* (``python -m ps_p2p.devnet``) that runs
+``nodes_per_process`` nodes, each its own :class:`~ps_p2p.node.Node` (its own libp2p host, keys and
+port) in one ``trio.run``: about 97 MB of a node's ~100 MB RSS is imports, which the nodes of one
+worker share. Verifiers, model nodes and users are packed into separate workers (in that order, at
+most ``nodes_per_process`` each). The controller talks to a worker over pipes, one JSON object a
+line, so it awaits readiness instead of polling files:
+
+* controller -> worker (stdin): first ``{"nodes": [spec, ...], "log_level": ..., ...}``, then
+  ``{"kill": name}`` (stop that node at once, the others run on) or ``{"stop": true}``; EOF on stdin
+  (the controller went away, however it died) stops every node of the worker.
+* worker -> controller (its original stdout; fd 1 is pointed at the log): a status line per node
+  whenever its directory or ready paths change: ``{"node", "state": "up"|"stopped"|"failed",
+  "peer_id", "listen", "api", "directory": {"height", "users", "model_nodes"}, "ready_paths",
+  "error"}``.
+
+Work directory: ``keys/<node>.key``, ``logs/<node>.log`` (that node's log records),
+``logs/worker<i>.log`` (everything else the worker process printed: tracebacks, libraries),
+``status/<node>.json`` (the node's latest status line). Without ``workdir`` it is a new
+``ps-devnet-*`` temporary directory, removed when the devnet stops, also after Ctrl-C.
+
+Start deadline: one deadline for the whole start (verifiers listening, every node holding the full
+directory, every user holding n ready paths); by default 60 s + 1 s per node. When it passes, the
+error names every node that was not ready and what it lacked.
 
 Perturbations (each prompt must still be answered, since n > k):
 
 * ``kill-relay``: after the first third of the prompts, one relay on one path of every user is
-  killed (SIGKILL) while requests are in flight (a small hitting set of relays, so every user loses
-  at least one path; prompts then go only through surviving users);
-* ``tamper-clove``: one user node runs with ``--tamper`` and corrupts every cell and clove it
-  relays; the proxies' end-to-end check and S-IDA's AEAD reject them and decoding uses other cloves.
+  killed while requests are in flight (a small hitting set of relays, so every user loses at least
+  one path; prompts then go only through surviving users). A worker whose every running node is a
+  victim is SIGKILLed; a victim sharing its worker with survivors is killed inside the worker: its
+  host closes its listener and connections first (what peers see of a killed process: EOF on every
+  link; merely cancelling its task would leave its sockets open, which peers take for a frozen
+  node), then its tasks are cancelled; the other nodes of the worker run on.
+* ``tamper-clove``: one user node runs with ``tamper`` and corrupts every cell and clove it relays;
+  the proxies' end-to-end check and S-IDA's AEAD reject them and decoding uses other cloves.
+
+Engines: ``transformers`` loads ``model`` in every model node; ``instant`` answers at once with
+:class:`~ps_p2p.testing.fakes.InstantEngine` (no model load), to measure the overlay itself.
+
+Use it from another trio program (``benchmarks/bench_devnet.py`` does)::
+
+    async with open_devnet(DevnetOptions(engine="instant", users=32)) as net:
+        print(net.ready_s, net.rss_bytes())
+        results = await net.send_prompts(prompts, concurrency=16)
 """
 
 from __future__ import annotations
 
 import ast
+import contextvars
 import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+from ps_p2p.errors import ConfigError, PsError
+
 log = logging.getLogger(__name__)
 
 #: Prompt files are capped: a devnet is for a look at the system, not a load test.
 MAX_PROMPTS = 10_000
+ENGINES = ("transformers", "instant")
+PERTURBATIONS = ("none", "kill-relay", "tamper-clove")
+#: ready paths a user needs before the network counts as ready (n, the cloves per request)
+READY_PATHS = 4
+#: seconds the workers get to stop after being told to, before SIGKILL
+STOP_GRACE = 8.0
+#: progress lines while waiting, every this many seconds
+REPORT_EVERY = 5.0
+#: seconds a node killed inside its worker gets to close its connections
+KILL_CLOSE_TIMEOUT = 3.0
+_MAX_LINE = 1 << 20
+
+
+class DevnetError(PsError):
+    """The devnet could not start (a deadline passed, a node failed) or lost a node it needed."""
+
+
+def default_start_timeout(nodes: int) -> float:
+    """Seconds the whole network may take to become ready: 60 s + 1 s per node."""
+    return 60.0 + 1.0 * nodes
 
 
 @dataclass
 class DevnetOptions:
-    """Options of :func:`run_devnet` (the ``ps-node devnet`` flags)."""
+    """Options of :func:`run_devnet` and :func:`open_devnet` (the ``ps-node devnet`` flags).
 
-    model: str
-    prompts: str
+    Attributes:
+        model: model folder or ``.gguf`` of the model nodes (engine ``transformers`` only).
+        prompts: prompt file (see :func:`load_prompts`); :func:`run_devnet` only.
+        engine: ``transformers`` or ``instant`` (fake engine, answers at once).
+        nodes_per_process: nodes per worker process (>= 1).
+        start_timeout: seconds until the network must be ready; None:
+            :func:`default_start_timeout`.
+        timeout: seconds per prompt.
+        workdir: keep keys, logs and status files here; None = a temporary directory, removed
+            at the end.
+    """
+
+    model: str | None = None
+    prompts: str | None = None
     users: int = 8
     models: int = 2
     verifiers: int = 4
@@ -58,24 +131,48 @@ class DevnetOptions:
     workdir: str | None = None
     show: int = 300
     log_level: str = "INFO"
-    start_timeout: float = 180.0
+    start_timeout: float | None = None
+    engine: str = "transformers"
+    nodes_per_process: int = 1
+
+    @property
+    def nodes(self) -> int:
+        return self.verifiers + self.models + self.users
+
+    @property
+    def start_deadline(self) -> float:
+        """Seconds allowed for the start (``start_timeout`` or its default)."""
+        if self.start_timeout is not None:
+            return self.start_timeout
+        return default_start_timeout(self.nodes)
+
+    def validate(self) -> None:
+        """Raise ConfigError on an impossible combination."""
+        if self.users < 4 or self.models < 1 or self.verifiers < 1:
+            raise ConfigError("a devnet needs --users >= 4, --models >= 1, --verifiers >= 1")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"unknown engine {self.engine!r}; choose from {', '.join(ENGINES)}")
+        if self.perturb not in PERTURBATIONS:
+            raise ConfigError(f"unknown perturbation {self.perturb!r}")
+        if self.nodes_per_process < 1:
+            raise ConfigError("--nodes-per-process must be >= 1")
+        if self.start_timeout is not None and self.start_timeout <= 0:
+            raise ConfigError("--start-timeout must be > 0")
+        if self.concurrency < 1:
+            raise ConfigError("--concurrency must be >= 1")
+        if self.engine == "transformers":
+            if not self.model:
+                raise ConfigError(
+                    "--engine transformers needs --model PATH (or use --engine instant)"
+                )
+            if not pathlib.Path(self.model).expanduser().exists():
+                raise ConfigError(f"model {self.model} not found")
 
 
 @dataclass
 class Prompt:
     prompt_id: str
     text: str
-
-
-@dataclass
-class _Proc:
-    name: str
-    role: str
-    process: trio.Process
-    status_path: pathlib.Path
-    log_path: pathlib.Path
-    status: dict[str, Any] = field(default_factory=dict)
-    killed: bool = False
 
 
 # ---------------------------------------------------------------------- prompts
@@ -91,8 +188,6 @@ def load_prompts(path: str | os.PathLike[str], limit: int | None = None) -> list
     Raises:
         ConfigError: missing file, unknown shape, or no prompt in it.
     """
-    from ps_p2p.errors import ConfigError
-
     p = pathlib.Path(path).expanduser()
     try:
         raw = p.read_text(encoding="utf-8")
@@ -144,82 +239,442 @@ def _extract_prompt(item: Any, i: int) -> Prompt | None:
     return None
 
 
-# ---------------------------------------------------------------------- processes
+# ---------------------------------------------------------------------- controller side
 
 
-async def _start(workdir: pathlib.Path, name: str, role: str, args: list[str], log_level: str) -> _Proc:
-    status_path = workdir / "status" / f"{name}.json"
-    log_path = workdir / "logs" / f"{name}.log"
-    key_path = workdir / "keys" / f"{name}.key"
-    cmd = [
-        sys.executable, "-m", "ps_p2p.cli", "--log-level", log_level, "run",
-        "--role", role, "--listen", "/ip4/127.0.0.1/tcp/0",
-        "--key-file", str(key_path), "--status-file", str(status_path), *args,
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    logfile = open(log_path, "ab")
-    process = await trio.lowlevel.open_process(
-        cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-        start_new_session=True,
-    )
-    logfile.close()
-    return _Proc(name, role, process, status_path, log_path)
+@dataclass
+class DevnetNode:
+    """One node of the devnet as the controller sees it (from its worker's status lines)."""
+
+    name: str
+    role: str
+    worker: _Worker
+    status: dict[str, Any] = field(default_factory=dict)
+    killed: bool = False
+
+    @property
+    def state(self) -> str:
+        """``starting``, ``up``, ``stopped`` or ``failed``."""
+        return self.status.get("state", "starting")
+
+    @property
+    def running(self) -> bool:
+        return self.state in ("starting", "up") and not self.worker.exited
+
+    @property
+    def api(self) -> str | None:
+        return self.status.get("api")
+
+    @property
+    def peer_id(self) -> str | None:
+        return self.status.get("peer_id")
 
 
-def _read_status(proc: _Proc) -> dict[str, Any] | None:
-    try:
-        proc.status = json.loads(proc.status_path.read_text())
-    except (OSError, ValueError):
-        return None
-    return proc.status
+@dataclass
+class _Worker:
+    index: int
+    process: trio.Process
+    log_path: pathlib.Path
+    nodes: list[DevnetNode] = field(default_factory=list)
+    exited: bool = False
+    killed: bool = False
 
-
-async def _wait_all(procs: list[_Proc], ready, what: str, timeout: float) -> None:  # type: ignore[no-untyped-def]
-    """Poll status files until ``ready(status)`` holds for every process."""
-    deadline = trio.current_time() + timeout
-    last_report = 0.0
-    while True:
-        pending = []
-        for proc in procs:
-            if proc.process.returncode is not None:
-                raise RuntimeError(
-                    f"{proc.name} exited with status {proc.process.returncode}; see {proc.log_path}"
-                )
-            status = _read_status(proc)
-            if status is None or not ready(status):
-                pending.append(proc.name)
-        if not pending:
+    async def send(self, message: dict[str, Any]) -> None:
+        """Write one control line; a worker that is gone is ignored."""
+        stdin = self.process.stdin
+        if stdin is None or self.exited:
             return
-        now = trio.current_time()
-        if now > deadline:
-            raise RuntimeError(f"timed out waiting for {what}: {', '.join(pending)}")
-        if now - last_report > 5:
-            print(f"  waiting for {what}: {len(procs) - len(pending)}/{len(procs)} ready", flush=True)
-            last_report = now
-        await trio.sleep(0.2)  # polling files written by other processes
+        try:
+            await stdin.send_all(json.dumps(message).encode() + b"\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
+                OSError):
+            pass
 
 
-async def _stop_all(procs: list[_Proc]) -> None:
-    with trio.CancelScope(shield=True):
-        for proc in procs:
-            if proc.process.returncode is None:
+class Devnet:
+    """A running devnet (see the module docstring); made by :func:`open_devnet`.
+
+    Attributes:
+        verifiers, models, users: the nodes by role, in start order.
+        ready_s: seconds from the first process start until every user had its paths.
+        workdir: keys, logs and status files (a temporary directory removed at the end unless
+            ``options.workdir`` was given).
+    """
+
+    def __init__(self, opts: DevnetOptions, workdir: pathlib.Path, nursery: trio.Nursery) -> None:
+        self.opts = opts
+        self.workdir = workdir
+        self._nursery = nursery
+        self.workers: list[_Worker] = []
+        self.verifiers: list[DevnetNode] = []
+        self.models: list[DevnetNode] = []
+        self.users: list[DevnetNode] = []
+        self.ready_s: float | None = None
+        self._changed = trio.Event()
+
+    @property
+    def nodes(self) -> list[DevnetNode]:
+        return [*self.verifiers, *self.models, *self.users]
+
+    # ------------------------------------------------------------------ start
+
+    async def _start(self) -> None:
+        opts = self.opts
+        started = trio.current_time()
+        deadline = started + opts.start_deadline
+        what = f"(--start-timeout {opts.start_deadline:.0f} s)"
+        self.verifiers = await self._spawn_group("verifier", opts.verifiers, [])
+        await self._wait(
+            self.verifiers, lambda n: None if n.status.get("listen") else "not listening",
+            "verifiers listening", deadline, what,
+        )
+        boot = [n.status["listen"][0] for n in self.verifiers]
+        self.models = await self._spawn_group("model", opts.models, boot)
+        self.users = await self._spawn_group("user", opts.users, boot)
+        print(f"  {len(self.workers)} processes started; waiting for the directory and the "
+              "onion paths...", flush=True)
+
+        def directory_lacks(node: DevnetNode) -> str | None:
+            d = node.status.get("directory")
+            if d is None:
+                return "no directory"
+            if d["users"] < opts.users or d["model_nodes"] < opts.models:
+                return (f"directory of {d['users']}/{opts.users} users, "
+                        f"{d['model_nodes']}/{opts.models} model nodes")
+            return None
+
+        await self._wait([*self.models, *self.users], directory_lacks, "the full directory",
+                         deadline, what)
+
+        def paths_lack(node: DevnetNode) -> str | None:
+            count = node.status.get("ready_paths", 0)
+            return None if count >= READY_PATHS else f"{count}/{READY_PATHS} ready paths"
+
+        await self._wait(self.users, paths_lack, "user paths", deadline, what)
+        self.ready_s = trio.current_time() - started
+
+    async def _spawn_group(self, role: str, count: int, boot: list[str]) -> list[DevnetNode]:
+        opts = self.opts
+        nodes: list[DevnetNode] = []
+        specs: list[dict[str, Any]] = []
+        for i in range(count):
+            name = f"{role}{i}"
+            specs.append({
+                "name": name,
+                "role": role,
+                "key_file": str(self.workdir / "keys" / f"{name}.key"),
+                "log_file": str(self.workdir / "logs" / f"{name}.log"),
+                "bootstrap": boot,
+                "api": role == "user",
+                "tamper": role == "user" and opts.perturb == "tamper-clove" and i == count - 1,
+            })
+        per = opts.nodes_per_process
+        for first in range(0, count, per):
+            nodes += await self._spawn_worker(specs[first:first + per])
+        return nodes
+
+    async def _spawn_worker(self, specs: list[dict[str, Any]]) -> list[DevnetNode]:
+        index = len(self.workers)
+        log_path = self.workdir / "logs" / f"worker{index}.log"
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        with open(log_path, "ab") as logfile:
+            process = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "ps_p2p.devnet"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logfile, env=env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the controller only
+            )
+        worker = _Worker(index, process, log_path)
+        worker.nodes = [DevnetNode(s["name"], s["role"], worker) for s in specs]
+        self.workers.append(worker)
+        await worker.send({
+            "nodes": specs,
+            "log_level": self.opts.log_level,
+            "engine": self.opts.engine,
+            "model": self.opts.model,
+        })
+        self._nursery.start_soon(self._read_worker, worker)
+        return worker.nodes
+
+    async def _read_worker(self, worker: _Worker) -> None:
+        """Apply the worker's status lines until it exits."""
+        by_name = {n.name: n for n in worker.nodes}
+        assert worker.process.stdout is not None
+        try:
+            async for line in _lines(worker.process.stdout):
                 try:
-                    proc.process.send_signal(signal.SIGTERM)  # handled like Ctrl-C
-                except ProcessLookupError:
-                    pass
-        with trio.move_on_after(8):
-            for proc in procs:
-                await proc.process.wait()
-        for proc in procs:
-            if proc.process.returncode is None:
-                proc.process.kill()
-                await proc.process.wait()
+                    status = json.loads(line)
+                    node = by_name[status["node"]]
+                except (ValueError, KeyError, TypeError):
+                    log.warning("worker%d: bad status line %r", worker.index, line[:200])
+                    continue
+                node.status = status
+                self._write_status(node)
+                self._notify()
+        finally:
+            with trio.CancelScope(shield=True):
+                await worker.process.wait()
+            worker.exited = True
+            self._notify()
+
+    def _write_status(self, node: DevnetNode) -> None:
+        path = self.workdir / "status" / f"{node.name}.json"
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(node.status))
+            tmp.replace(path)
+        except OSError:
+            pass  # the work directory is being removed at the end
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _wait(
+        self,
+        nodes: Sequence[DevnetNode],
+        lacks: Callable[[DevnetNode], str | None],
+        what: str,
+        deadline: float,
+        hint: str,
+    ) -> None:
+        """Wait until ``lacks(node)`` is None for every node (status lines wake it up).
+
+        Raises:
+            DevnetError: a node failed or its worker exited, or ``deadline`` (trio time) passed;
+                the message names every node not ready and what it lacked.
+        """
+        next_report = trio.current_time() + REPORT_EVERY
+        while True:
+            for node in nodes:
+                if node.state == "failed" or node.worker.exited:
+                    raise DevnetError(self._failure(node))
+            pending = [(n, lacks(n)) for n in nodes]
+            pending = [(n, why) for n, why in pending if why is not None]
+            if not pending:
+                return
+            now = trio.current_time()
+            if now >= deadline:
+                listed = "; ".join(f"{n.name}: {why}" for n, why in pending[:20])
+                more = f"; and {len(pending) - 20} more" if len(pending) > 20 else ""
+                raise DevnetError(
+                    f"network not ready {hint}: waiting for {what}, {len(pending)} of "
+                    f"{len(nodes)} nodes not ready: {listed}{more}"
+                    + ("" if self.opts.workdir else "; run with --workdir DIR to keep the logs")
+                )
+            if now >= next_report:
+                print(f"  waiting for {what}: {len(nodes) - len(pending)}/{len(nodes)} ready",
+                      flush=True)
+                next_report = now + REPORT_EVERY
+            with trio.move_on_at(min(deadline, next_report)):
+                await self._changed.wait()
+
+    def _failure(self, node: DevnetNode) -> str:
+        if node.state == "failed":
+            why = f"{node.name} failed: {node.status.get('error')}"
+        else:
+            why = f"{node.name}'s process exited with status {node.worker.process.returncode}"
+        tail = _tail(node.worker.log_path, 8)
+        if tail:
+            why += "\n  last lines of its log:\n    " + "\n    ".join(tail)
+        return why
+
+    # ------------------------------------------------------------------ perturbation
+
+    async def kill(self, victims: Sequence[DevnetNode]) -> list[str]:
+        """Kill nodes; returns how each was killed (for a message).
+
+        A worker whose every running node is a victim is SIGKILLed; other victims are stopped
+        inside their worker (connections and listener closed, then tasks cancelled).
+        """
+        how: list[str] = []
+        doomed = {id(v) for v in victims}
+        for worker in self.workers:
+            mine = [n for n in worker.nodes if id(n) in doomed and n.running and not n.killed]
+            if not mine:
+                continue
+            survivors = [n for n in worker.nodes
+                         if n.running and not n.killed and id(n) not in doomed]
+            for node in mine:
+                node.killed = True
+            if not survivors:
+                worker.killed = True
+                if worker.process.returncode is None:
+                    worker.process.kill()
+                how += [f"{n.name} (SIGKILL of its process)" for n in mine]
+            else:
+                for node in mine:
+                    await worker.send({"kill": node.name})
+                how += [f"{n.name} (stopped inside its process; {len(survivors)} other node(s) "
+                        "run on)" for n in mine]
+        return how
+
+    # ------------------------------------------------------------------ measurements
+
+    def rss_bytes(self) -> int:
+        """Sum of VmRSS (from ``/proc/<pid>/status``) of every running worker process."""
+        total = 0
+        for worker in self.workers:
+            if worker.process.returncode is not None:
+                continue
+            try:
+                text = pathlib.Path(f"/proc/{worker.process.pid}/status").read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        return total
+
+    async def send_prompts(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        concurrency: int,
+        askers: Sequence[DevnetNode] | None = None,
+        max_tokens: int = 48,
+        timeout: float = 120.0,
+        offset: int = 0,
+        on_result: Callable[[dict[str, Any]], None] | None = None,
+        on_first_dispatch: Callable[[], Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Send prompts through users' local APIs, ``concurrency`` at a time, round robin.
+
+        Returns:
+            one record per prompt (in completion order): ``prompt_id``, ``ok``, ``response``,
+            ``served_by``, ``signature_valid``, ``cloves_received``, ``latency_ms`` (the user's
+            measure, else the HTTP round trip), ``error``, ``user``, ``_index``.
+        """
+        import httpx
+
+        askers = list(askers or self.users)
+        limiter = trio.CapacityLimiter(max(1, concurrency))
+        dispatched = trio.Event()
+        results: list[dict[str, Any]] = []
+
+        async def one(http: Any, index: int, prompt: Prompt) -> None:
+            async with limiter:
+                user = askers[index % len(askers)]
+                t0 = time.monotonic()
+                record: dict[str, Any] = {
+                    "prompt_id": prompt.prompt_id, "ok": False, "response": None,
+                    "served_by": None, "signature_valid": False, "cloves_received": 0,
+                    "latency_ms": None, "error": None, "user": user.name, "_index": index,
+                }
+                try:
+                    request = http.post(f"{user.api}/v1/completions", json={
+                        "prompt": prompt.text, "max_tokens": max_tokens, "timeout": timeout,
+                    })
+                    dispatched.set()
+                    r = await request
+                    body = r.json()
+                    meta = body.get("planetserve", {})
+                    record.update(
+                        served_by=meta.get("served_by") or None,
+                        signature_valid=bool(meta.get("signature_valid")),
+                        cloves_received=int(meta.get("cloves_received", 0)),
+                        latency_ms=meta.get("latency_ms"),
+                        attempts=meta.get("attempts"),
+                    )
+                    if r.status_code == 200:
+                        record.update(ok=True, response=body["choices"][0]["text"])
+                    else:
+                        error = body.get("error", {})
+                        record["error"] = error.get("message", f"HTTP {r.status_code}")
+                except Exception as exc:
+                    record["error"] = f"{type(exc).__name__}: {exc}"
+                record["http_ms"] = round((time.monotonic() - t0) * 1000, 1)
+                if record["latency_ms"] is None:
+                    record["latency_ms"] = record["http_ms"]
+                results.append(record)
+                if on_result is not None:
+                    on_result(record)
+
+        async def perturb() -> None:
+            await dispatched.wait()
+            # The request is on its way into the overlay; let it get there before the kill.
+            await trio.sleep(0.2)
+            assert on_first_dispatch is not None
+            await on_first_dispatch()
+
+        limits = httpx.Limits(max_connections=max(100, 2 * concurrency))
+        async with httpx.AsyncClient(timeout=timeout + 30, limits=limits) as http:
+            async with trio.open_nursery() as nursery:
+                if on_first_dispatch is not None and prompts:
+                    nursery.start_soon(perturb)
+                for i, prompt in enumerate(prompts):
+                    nursery.start_soon(one, http, offset + i, prompt)
+        return results
+
+    async def user_paths(self) -> dict[str, list[list[str]]]:
+        """Relays (peer IDs) of every running user's ready paths, from its ``GET /status``."""
+        import httpx
+
+        paths_of: dict[str, list[list[str]]] = {}
+        async with httpx.AsyncClient(timeout=30) as http:
+            for user in self.users:
+                if not user.running or user.api is None:
+                    continue
+                try:
+                    r = await http.get(user.api + "/status")
+                    paths_of[user.name] = [p["relays"] for p in r.json()["ready_paths"]]
+                except Exception as exc:
+                    print(f"  could not read {user.name}'s paths: {exc}", flush=True)
+        return paths_of
+
+    # ------------------------------------------------------------------ stop
+
+    async def stop(self) -> None:
+        """Stop every worker: ask, wait up to STOP_GRACE s, then SIGKILL. Shielded."""
+        with trio.CancelScope(shield=True):
+            for worker in self.workers:
+                if worker.process.stdin is not None:
+                    await worker.send({"stop": True})
+                    with trio.move_on_after(1):
+                        await worker.process.stdin.aclose()
+            with trio.move_on_after(STOP_GRACE):
+                for worker in self.workers:
+                    await worker.process.wait()
+            for worker in self.workers:
+                if worker.process.returncode is None:
+                    worker.process.kill()
+                    await worker.process.wait()
 
 
-# ---------------------------------------------------------------------- prompts through the overlay
+@asynccontextmanager
+async def open_devnet(opts: DevnetOptions) -> AsyncIterator[Devnet]:
+    """Start a devnet and wait until it is ready; stop it (and remove a temporary work directory)
+    when the block exits, however it exits.
+
+    Raises:
+        ConfigError: bad options.
+        DevnetError: not ready within ``opts.start_deadline`` seconds, or a node failed while
+            starting (the message names the nodes and what they lacked).
+    """
+    opts.validate()
+    temporary = opts.workdir is None
+    workdir = pathlib.Path(opts.workdir or tempfile.mkdtemp(prefix="ps-devnet-"))
+    try:
+        for sub in ("status", "logs", "keys"):
+            (workdir / sub).mkdir(parents=True, exist_ok=True)
+        for stale in (workdir / "status").glob("*.json"):
+            stale.unlink()
+        async with trio.open_nursery() as nursery:
+            net = Devnet(opts, workdir, nursery)
+            try:
+                await net._start()
+                yield net
+            finally:
+                await net.stop()
+                nursery.cancel_scope.cancel()
+    finally:
+        if temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _choose_victims(users: list[_Proc], paths_of: dict[str, list[list[str]]]) -> list[str]:
+# ---------------------------------------------------------------------- the command
+
+
+def _choose_victims(users: list[DevnetNode], paths_of: dict[str, list[list[str]]]) -> list[str]:
     """Relays (peer IDs) to kill so that every user loses a relay on at least one path.
 
     Greedy hitting set: repeatedly take the relay on the paths of the most users not yet hit.
@@ -242,80 +697,78 @@ def _choose_victims(users: list[_Proc], paths_of: dict[str, list[list[str]]]) ->
     return victims
 
 
+def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float]:
+    """``median``, ``p95``, ``p99`` and ``max`` of latencies in ms (nearest rank)."""
+    lat = sorted(latencies_ms)
+    if not lat:
+        return {}
+
+    def rank(q: float) -> float:
+        return lat[min(len(lat) - 1, max(0, int(q * len(lat) + 0.999999) - 1))]
+
+    return {"median": statistics.median(lat), "p95": rank(0.95), "p99": rank(0.99), "max": lat[-1]}
+
+
 async def _devnet(opts: DevnetOptions) -> int:
-    import httpx
-
-    from ps_p2p.errors import ConfigError
-
+    assert opts.prompts is not None
     prompts = load_prompts(opts.prompts, opts.limit)
-    if opts.users < 4 or opts.models < 1 or opts.verifiers < 1:
-        raise ConfigError("a devnet needs --users >= 4, --models >= 1, --verifiers >= 1")
-    if not pathlib.Path(opts.model).expanduser().exists():
-        raise ConfigError(f"model {opts.model} not found")
-    workdir = pathlib.Path(opts.workdir or tempfile.mkdtemp(prefix="ps-devnet-"))
-    for sub in ("status", "logs", "keys"):
-        (workdir / sub).mkdir(parents=True, exist_ok=True)
-    for stale in (workdir / "status").glob("*.json"):
-        stale.unlink()
-    print(f"devnet: {opts.verifiers} verifiers, {opts.models} model nodes, {opts.users} users; "
-          f"{len(prompts)} prompts; work dir {workdir}", flush=True)
-    procs: list[_Proc] = []
+    opts.validate()
+    print(f"devnet: {opts.verifiers} verifiers, {opts.models} model nodes ({opts.engine} engine), "
+          f"{opts.users} users, {opts.nodes_per_process} node(s) per process; "
+          f"{len(prompts)} prompts; "
+          f"work dir {opts.workdir or 'temporary (removed at exit)'}", flush=True)
     results: list[dict[str, Any]] = []
     started = time.monotonic()
-    try:
-        for i in range(opts.verifiers):
-            procs.append(await _start(workdir, f"verifier{i}", "verifier", [], opts.log_level))
-        verifiers = list(procs)
-        await _wait_all(verifiers, lambda s: bool(s.get("listen")), "verifiers", opts.start_timeout)
-        boot: list[str] = []
-        for v in verifiers:
-            boot += ["--multiaddr", v.status["listen"][0]]
-        for i in range(opts.models):
-            procs.append(await _start(
-                workdir, f"model{i}", "model", ["--model", opts.model, *boot], opts.log_level
-            ))
-        users: list[_Proc] = []
-        for i in range(opts.users):
-            extra = ["--api", "127.0.0.1:0", *boot]
-            if opts.perturb == "tamper-clove" and i == opts.users - 1:
-                extra.append("--tamper")
-            user = await _start(workdir, f"user{i}", "user", extra, opts.log_level)
-            users.append(user)
-            procs.append(user)
-        print("  processes started; waiting for the directory and the onion paths...", flush=True)
-        await _wait_all(
-            procs[opts.verifiers:],
-            lambda s: s.get("directory") is not None
-            and s["directory"]["users"] >= opts.users
-            and s["directory"]["model_nodes"] >= opts.models,
-            "the full directory", opts.start_timeout,
-        )
-        await _wait_all(users, lambda s: s.get("ready_paths", 0) >= 4, "user paths", opts.start_timeout)
-        print(f"network ready in {time.monotonic() - started:.1f} s", flush=True)
+
+    def show(record: dict[str, Any]) -> None:
+        text = (record["response"] or "").replace("\n", " ")
+        if len(text) > opts.show:
+            text = text[: opts.show] + "..."
+        state = "ok " if record["ok"] else "ERR"
+        by = (record["served_by"] or "-")[-8:]
+        print(f"[{len(results) + 1}/{len(prompts)}] {state} prompt {record['prompt_id']} via "
+              f"{record['user']} served by ...{by} in {record['latency_ms']:.0f} ms "
+              f"({record['cloves_received']} cloves, signature "
+              f"{'valid' if record['signature_valid'] else 'INVALID'})", flush=True)
+        if record["ok"]:
+            print(f"      Q: {prompts[record['_index']].text[:100]!r}\n      A: {text}", flush=True)
+        else:
+            print(f"      error: {record['error']}", flush=True)
+        results.append(record)
+
+    async with open_devnet(opts) as net:
+        print(f"network ready in {net.ready_s:.1f} s; {len(net.workers)} processes, "
+              f"RSS {net.rss_bytes() / 2**20:.0f} MiB in all; logs in {net.workdir / 'logs'}",
+              flush=True)
+        users = net.users
         if opts.perturb == "tamper-clove":
-            print(f"  perturbation: {users[-1].name} ({users[-1].status['peer_id']}) tampers with "
+            print(f"  perturbation: {users[-1].name} ({users[-1].peer_id}) tampers with "
                   "every cell and clove it relays", flush=True)
         askers = [u for u in users if not (opts.perturb == "tamper-clove" and u is users[-1])]
-        phase_split = len(prompts) if opts.perturb != "kill-relay" else max(1, len(prompts) // 3)
-        async with httpx.AsyncClient(timeout=opts.timeout + 30) as client:
-            await _send_prompts(client, prompts[:phase_split], askers, opts, results, len(prompts))
-            if opts.perturb == "kill-relay":
-                victims, askers = await _plan_kill(client, users, askers)
-                await _send_prompts(client, prompts[phase_split:], askers, opts, results,
-                                    len(prompts), offset=phase_split,
-                                    on_first_dispatch=lambda: _kill(victims))
-    finally:
-        await _stop_all(procs)
+        split = len(prompts) if opts.perturb != "kill-relay" else max(1, len(prompts) // 3)
+        common = dict(concurrency=opts.concurrency, max_tokens=opts.max_tokens,
+                      timeout=opts.timeout, on_result=show)
+        await net.send_prompts(prompts[:split], askers=askers, **common)  # type: ignore[arg-type]
+        if opts.perturb == "kill-relay":
+            victims, askers = await _plan_kill(net, askers)
+
+            async def kill() -> None:
+                how = await net.kill(victims)
+                print(f"  perturbation: killed {', '.join(how)}", flush=True)
+
+            await net.send_prompts(prompts[split:], askers=askers, offset=split,
+                                   on_first_dispatch=kill, **common)  # type: ignore[arg-type]
     if opts.json_out:
         with open(opts.json_out, "w", encoding="utf-8") as fh:
             for r in sorted(results, key=lambda r: r["_index"]):
-                fh.write(json.dumps({k: v for k, v in r.items() if not k.startswith("_")}) + "\n")
+                fh.write(json.dumps({k: v for k, v in r.items()
+                                     if not k.startswith("_") and k != "http_ms"}) + "\n")
     ok = [r for r in results if r["ok"]]
-    lat = sorted(r["latency_ms"] for r in ok)
     summary = f"answered {len(ok)}/{len(prompts)} prompts"
-    if lat:
-        p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))]
-        summary += f"; latency median {statistics.median(lat):.0f} ms, p95 {p95:.0f} ms"
+    stats = latency_summary([r["latency_ms"] for r in ok])
+    if stats:
+        summary += (f"; latency median {stats['median']:.0f} ms, p95 {stats['p95']:.0f} ms, "
+                    f"p99 {stats['p99']:.0f} ms")
     valid = sum(1 for r in ok if r["signature_valid"])
     summary += f"; {valid} valid signatures; total {time.monotonic() - started:.1f} s"
     print(summary, flush=True)
@@ -324,116 +777,308 @@ async def _devnet(opts: DevnetOptions) -> int:
     return 0 if len(ok) == len(prompts) else 1
 
 
-async def _plan_kill(client, users: list[_Proc], askers: list[_Proc]):  # type: ignore[no-untyped-def]
-    """Pick the relays to kill; returns (victim processes, users that keep asking)."""
-    paths_of: dict[str, list[list[str]]] = {}
-    for user in users:
-        try:
-            r = await client.get(user.status["api"] + "/status")
-            paths_of[user.name] = [p["relays"] for p in r.json()["ready_paths"]]
-        except Exception as exc:
-            print(f"  could not read {user.name}'s paths: {exc}", flush=True)
-    victims = _choose_victims(users, paths_of)
-    by_peer = {u.status["peer_id"]: u for u in users}
-    procs = [by_peer[p] for p in victims if p in by_peer]
+async def _plan_kill(
+    net: Devnet, askers: list[DevnetNode]
+) -> tuple[list[DevnetNode], list[DevnetNode]]:
+    """Pick the relays to kill; returns (victims, users that keep asking)."""
+    paths_of = await net.user_paths()
+    victims = _choose_victims(net.users, paths_of)
+    by_peer = {u.peer_id: u for u in net.users}
+    nodes = [by_peer[p] for p in victims if p in by_peer]
     hit = sum(
-        1 for u in users
+        1 for u in net.users
         if any(v in {r for p in paths_of.get(u.name, []) for r in p} for v in victims)
     )
-    print(f"  perturbation: will kill relay(s) {', '.join(p.name for p in procs)} (on a path of "
-          f"{hit} of {len(users)} users) once the next prompts are in flight", flush=True)
-    survivors = [u for u in askers if u not in procs]
+    print(f"  perturbation: will kill relay(s) {', '.join(n.name for n in nodes)} (on a path of "
+          f"{hit} of {len(net.users)} users) once the next prompts are in flight", flush=True)
+    survivors = [u for u in askers if u not in nodes]
     if not survivors:
-        raise RuntimeError("every user would be killed; use more --users")
-    return procs, survivors
+        raise DevnetError("every user would be killed; use more --users")
+    return nodes, survivors
 
 
-def _kill(victims: list[_Proc]) -> None:
-    for proc in victims:
-        if proc.process.returncode is None:
-            proc.process.kill()
-            proc.killed = True
-    print(f"  perturbation: killed {', '.join(p.name for p in victims)} (SIGKILL)", flush=True)
-
-
-async def _send_prompts(  # type: ignore[no-untyped-def]
-    client, prompts: list[Prompt], askers: list[_Proc], opts: DevnetOptions,
-    results: list[dict[str, Any]], total: int, offset: int = 0, on_first_dispatch=None,
-) -> None:
-    limiter = trio.CapacityLimiter(max(1, opts.concurrency))
-    dispatched = trio.Event()
-
-    async def one(index: int, prompt: Prompt) -> None:
-        async with limiter:
-            user = askers[index % len(askers)]
-            t0 = time.monotonic()
-            record: dict[str, Any] = {
-                "prompt_id": prompt.prompt_id, "ok": False, "response": None, "served_by": None,
-                "signature_valid": False, "cloves_received": 0, "latency_ms": None, "error": None,
-                "user": user.name, "_index": index,
-            }
-            try:
-                request = client.post(user.status["api"] + "/v1/completions", json={
-                    "prompt": prompt.text, "max_tokens": opts.max_tokens, "timeout": opts.timeout,
-                })
-                dispatched.set()
-                r = await request
-                body = r.json()
-                meta = body.get("planetserve", {})
-                record.update(
-                    served_by=meta.get("served_by") or None,
-                    signature_valid=bool(meta.get("signature_valid")),
-                    cloves_received=int(meta.get("cloves_received", 0)),
-                    latency_ms=meta.get("latency_ms"),
-                    attempts=meta.get("attempts"),
-                )
-                if r.status_code == 200:
-                    record.update(ok=True, response=body["choices"][0]["text"])
-                else:
-                    record["error"] = body.get("error", {}).get("message", f"HTTP {r.status_code}")
-            except Exception as exc:
-                record["error"] = f"{type(exc).__name__}: {exc}"
-            if record["latency_ms"] is None:
-                record["latency_ms"] = round((time.monotonic() - t0) * 1000, 1)
-            results.append(record)
-            text = (record["response"] or "").replace("\n", " ")
-            if len(text) > opts.show:
-                text = text[: opts.show] + "..."
-            state = "ok " if record["ok"] else "ERR"
-            by = (record["served_by"] or "-")[-8:]
-            print(f"[{len(results)}/{total}] {state} prompt {prompt.prompt_id} via {user.name} "
-                  f"served by ...{by} in {record['latency_ms']:.0f} ms "
-                  f"({record['cloves_received']} cloves, signature "
-                  f"{'valid' if record['signature_valid'] else 'INVALID'})", flush=True)
-            if record["ok"]:
-                print(f"      Q: {prompt.text[:100]!r}\n      A: {text}", flush=True)
-            else:
-                print(f"      error: {record['error']}", flush=True)
-
-    async def perturb() -> None:
-        await dispatched.wait()
-        # The request is on its way into the overlay; let it get there before the kill.
-        await trio.sleep(0.2)
-        on_first_dispatch()
-
+async def _devnet_until_signal(opts: DevnetOptions) -> int:
+    """:func:`_devnet`, stopped by SIGTERM as by Ctrl-C (returns 143)."""
+    status = 143
     async with trio.open_nursery() as nursery:
-        if on_first_dispatch is not None and prompts:
-            nursery.start_soon(perturb)
-        for i, prompt in enumerate(prompts):
-            nursery.start_soon(one, offset + i, prompt)
+
+        async def main() -> None:
+            nonlocal status
+            status = await _devnet(opts)
+            nursery.cancel_scope.cancel()
+
+        async def on_sigterm() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    print("SIGTERM: stopping the devnet", file=sys.stderr, flush=True)
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(on_sigterm)
+        nursery.start_soon(main)
+    return status
 
 
 def run_devnet(opts: DevnetOptions) -> int:
-    """Run the devnet to completion; returns 0 when every prompt was answered, else 1."""
+    """Run the devnet to completion; returns 0 when every prompt was answered, 1 when not or
+    when the network did not start, 130 after Ctrl-C, 143 after SIGTERM.
+
+    Raises:
+        ConfigError: bad options or prompt file.
+    """
     from ps_p2p.errors import is_keyboard_interrupt
 
+    # Started in the background of a non-interactive shell, a process inherits SIGINT ignored;
+    # Ctrl-C (or kill -INT) must still stop the devnet and remove its temporary directory.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return trio.run(_devnet, opts)
+        return trio.run(_devnet_until_signal, opts)
     except BaseException as exc:
+        errors = _leaves(exc)
+        if errors and all(isinstance(e, ConfigError) for e in errors):
+            raise errors[0] from None
+        if errors and all(isinstance(e, DevnetError) for e in errors):
+            for e in errors:
+                print(f"devnet failed: {e}", file=sys.stderr)
+            return 1
         if not is_keyboard_interrupt(exc):
-            if isinstance(exc, RuntimeError):
-                print(f"devnet failed: {exc}", file=sys.stderr)
-                return 1
             raise
         print("interrupted; every devnet process was stopped", file=sys.stderr)
         return 130
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
+    return [exc]
+
+
+def _tail(path: pathlib.Path, lines: int) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 8192))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
+async def _lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[bytes]:
+    """Lines of ``stream`` (without the newline) until EOF; a line over 1 MiB ends it."""
+    buffer = bytearray()
+    while True:
+        try:
+            chunk = await stream.receive_some(65536)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if not chunk:
+            return
+        buffer += chunk
+        while (end := buffer.find(b"\n")) >= 0:
+            line = bytes(buffer[:end])
+            del buffer[: end + 1]
+            if line.strip():
+                yield line
+        if len(buffer) > _MAX_LINE:
+            log.warning("status line over %d bytes; ignoring that worker's status", _MAX_LINE)
+            return
+
+
+# ---------------------------------------------------------------------- worker side
+
+#: name of the node whose task is running (set in each node's task; trio tasks inherit it)
+_NODE_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "ps_devnet_node", default=None
+)
+
+
+class _NodeFilter(logging.Filter):
+    """Passes the records logged inside one node's tasks (``node=None``: outside every node)."""
+
+    def __init__(self, node: str | None) -> None:
+        super().__init__()
+        self.node = node
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _NODE_NAME.get() == self.node
+
+
+class _WorkerProcess:
+    """The worker process: runs its nodes until told to stop (see the module docstring)."""
+
+    def __init__(self, control: trio.abc.ReceiveStream, out: trio.abc.SendStream) -> None:
+        self._control = control
+        self._out = out
+        self._scopes: dict[str, trio.CancelScope] = {}
+        self._nodes: dict[str, Any] = {}
+        self._send_status, self._statuses = trio.open_memory_channel[dict[str, Any]](10_000)
+
+    async def run(self) -> None:
+        lines = _lines(self._control).__aiter__()
+        try:
+            setup = json.loads(await lines.__anext__())
+        except StopAsyncIteration:
+            return
+        self._setup_logging(setup)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write_statuses)
+            nursery.start_soon(self._stop_on_sigterm, nursery.cancel_scope)
+            for spec in setup["nodes"]:
+                self._scopes[spec["name"]] = trio.CancelScope()
+                nursery.start_soon(self._run_node, spec, setup)
+            async for line in lines:
+                try:
+                    command = json.loads(line)
+                except ValueError:
+                    log.warning("bad control line %r", line[:200])
+                    continue
+                if command.get("stop"):
+                    break
+                if command.get("kill") in self._scopes:
+                    nursery.start_soon(self._kill, command["kill"])
+            nursery.cancel_scope.cancel()  # stop, or EOF: the controller is gone
+
+    async def _kill(self, name: str) -> None:
+        """Stop one node as its peers would see a killed process: its connections and listener
+        close now (a cancelled host leaves its sockets open, which peers take for a frozen
+        node), then its tasks are cancelled."""
+        log.info("devnet: killing %s", name)
+        node = self._nodes.get(name)
+        if node is not None and node.host is not None:
+            with trio.move_on_after(KILL_CLOSE_TIMEOUT):
+                try:
+                    await node.host.get_network().close()
+                except Exception:
+                    log.exception("closing %s's connections", name)
+        self._scopes[name].cancel()
+
+    @staticmethod
+    def _setup_logging(setup: dict[str, Any]) -> None:
+        from ps_p2p.cli import _setup_logging
+
+        _setup_logging(setup.get("log_level", "INFO"))
+        root = logging.getLogger()
+        for handler in root.handlers:
+            handler.addFilter(_NodeFilter(None))
+        fmt = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
+        for spec in setup["nodes"]:
+            handler = logging.FileHandler(spec["log_file"])
+            handler.setFormatter(fmt)
+            handler.addFilter(_NodeFilter(spec["name"]))
+            root.addHandler(handler)
+
+    async def _stop_on_sigterm(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                scope.cancel()
+                return
+
+    async def _write_statuses(self) -> None:
+        async for status in self._statuses:
+            try:
+                await self._out.send_all(json.dumps(status).encode() + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+
+    def _emit(self, status: dict[str, Any]) -> None:
+        try:
+            self._send_status.send_nowait(status)
+        except trio.WouldBlock:
+            log.warning("status channel full; dropping a status of %s", status.get("node"))
+
+    async def _run_node(self, spec: dict[str, Any], setup: dict[str, Any]) -> None:
+        from ps_p2p.config import NodeConfig
+        from ps_p2p.keys import load_or_create_keys
+        from ps_p2p.node import Node
+
+        name = spec["name"]
+        _NODE_NAME.set(name)
+        scope = self._scopes[name]
+        base = {"node": name, "pid": os.getpid()}
+        try:
+            with scope:
+                keys = load_or_create_keys(pathlib.Path(spec["key_file"]))
+                engine = None
+                model = None
+                if spec["role"] == "model":
+                    engine = await self._engine(setup)
+                    model = setup.get("model") or "instant"
+                config = NodeConfig(
+                    roles=[spec["role"]], bootstrap=spec["bootstrap"], key_file=spec["key_file"],
+                    model=model, tamper=bool(spec.get("tamper")),
+                )
+                async with trio.open_nursery() as nursery:
+                    node = await nursery.start(Node(config, keys, engine).run)
+                    self._nodes[name] = node
+                    api_url = None
+                    if spec.get("api"):
+                        from ps_p2p.api.openai_compat import serve_api
+
+                        api_url = await nursery.start(serve_api, node, "127.0.0.1:0")
+                    nursery.start_soon(self._report, node, {**base, "api": api_url})
+        except Exception as exc:
+            log.exception("%s failed", name)
+            self._emit({**base, "state": "failed", "error": f"{type(exc).__name__}: {exc}"})
+            return
+        self._emit({**base, "state": "stopped"})
+
+    @staticmethod
+    async def _engine(setup: dict[str, Any]) -> Any:
+        if setup.get("engine") == "instant":
+            from ps_p2p.testing.fakes import InstantEngine
+
+            return InstantEngine("instant")
+        from ps_p2p.engines import load_engine
+
+        return await trio.to_thread.run_sync(
+            lambda: load_engine("transformers", model=setup["model"])
+        )
+
+    async def _report(self, node: Any, base: dict[str, Any]) -> None:
+        """Emit the node's status now and whenever its directory or path pool changes."""
+        last = None
+        while True:
+            d = node.directory
+            status = {
+                **base,
+                "state": "up",
+                "peer_id": node.keys.identity.peer_id_str,
+                "listen": node.listen_addrs,
+                "directory": None if d is None else {
+                    "height": d.height, "users": len(d.users()),
+                    "model_nodes": len(d.model_nodes()),
+                },
+                "ready_paths": len(node.user.ready_paths()) if node.user else 0,
+            }
+            if status != last:
+                self._emit(status)
+                last = status
+            waits = [node.wait_directory_update]
+            if node.user is not None:
+                waits.append(node.user.wait_changed)
+            async with trio.open_nursery() as race:
+                for wait in waits:
+                    race.start_soon(_then_cancel, wait, race.cancel_scope)
+
+
+async def _then_cancel(fn: Callable[[], Any], scope: trio.CancelScope) -> None:
+    await fn()
+    scope.cancel()
+
+
+def worker_main() -> int:
+    """Entry point of a worker process (``python -m ps_p2p.devnet``): stdin carries the control
+    lines, the original stdout the status lines; fd 1 then points at stderr (the worker log), so
+    nothing a library prints can garble the status lines."""
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+    control = trio.lowlevel.FdStream(os.dup(0))
+    out = trio.lowlevel.FdStream(out_fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller stops workers, not a terminal
+    trio.run(_WorkerProcess(control, out).run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
