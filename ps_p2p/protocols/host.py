@@ -289,12 +289,14 @@ class _InboundConnectionGuard:
 
         async def upgrade_inbound_raw_conn(*args: object, **kwargs: object) -> IMuxedConn:
             muxed_conn = await upgrade(*args, **kwargs)
-            closed = getattr(muxed_conn, "event_closed", None)
-            if trio.lowlevel.current_task() not in self._handler_tasks or closed is None:
+            if trio.lowlevel.current_task() not in self._handler_tasks:
                 return muxed_conn
             if self._over_peer_limit(muxed_conn):
                 self._log_over_limit(muxed_conn.peer_id)
                 await _close_connection(swarm, muxed_conn)
+            closed = getattr(muxed_conn, "event_closed", None)  # a trio.Event on Yamux
+            if closed is None:  # pragma: no cover - only Yamux is configured
+                return muxed_conn
             await closed.wait()
             raise _InboundConnectionClosed(f"connection from {muxed_conn.peer_id} closed")
 
