@@ -263,8 +263,8 @@ class _InboundConnectionGuard:
       returns, so the handler never reaches its wait-for-swarm-stop barrier: the token (and the
       task) is released when the connection closes. A swarm that stops cancels the wait.
 
-    Other callers of ``upgrade_inbound_raw_conn`` (DCUtR's ``dial_addr_as_inbound``, run from
-    other tasks) are passed through unchanged.
+    Other callers of ``upgrade_inbound_raw_conn`` (hole punching's ``dial_addr_as_responder``,
+    run from other tasks) are passed through unchanged.
     """
 
     def __init__(self, swarm: Swarm, max_connections_per_peer: int) -> None:
