@@ -322,7 +322,7 @@ class Devnet:
         opts = self.opts
         started = trio.current_time()
         deadline = started + opts.start_deadline
-        what = f"(--start-timeout {opts.start_deadline:.0f} s)"
+        what = f"(--start-timeout {opts.start_deadline:g} s)"
         self.verifiers = await self._spawn_group("verifier", opts.verifiers, [])
         await self._wait(
             self.verifiers, lambda n: None if n.status.get("listen") else "not listening",

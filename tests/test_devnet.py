@@ -1,28 +1,118 @@
-"""System test: ``ps-node devnet`` as separate OS processes on the real TinyStories model."""
+"""``ps-node devnet`` (ps_p2p.devnet): networks of OS processes on 127.0.0.1.
+
+The cheap tests run the overlay with the instant fake engine, several nodes per process; the
+system tests (marked ``slow``) run the real TinyStories model, one node per process.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from ps_p2p.devnet import DevnetOptions, default_start_timeout, latency_summary
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+def _devnet(tmp_path: pathlib.Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    """Run ``ps-node devnet`` with its temporary directories under ``tmp_path/tmp``."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmp))
+    cmd = [sys.executable, "-m", "ps_p2p.cli", "--log-level", "WARNING", "devnet", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _prompt_file(tmp_path: pathlib.Path, count: int) -> pathlib.Path:
+    path = tmp_path / "prompts.txt"
+    path.write_text("".join(f"Once upon a time, story number {i}\n" for i in range(count)))
+    return path
+
+
+def test_default_start_timeout_grows_with_the_node_count():
+    assert default_start_timeout(14) == 74.0
+    assert DevnetOptions(users=100, models=2, verifiers=4).start_deadline == 166.0
+    assert DevnetOptions(start_timeout=30.0).start_deadline == 30.0
+
+
+def test_latency_summary_uses_nearest_rank_percentiles():
+    stats = latency_summary([float(i) for i in range(1, 101)])
+
+    assert stats == {"median": 50.5, "p95": 95.0, "p99": 99.0, "max": 100.0}
+
+
+def test_instant_engine_with_several_nodes_per_process_answers_every_prompt(tmp_path):
+    out = tmp_path / "results.jsonl"
+
+    done = _devnet(
+        tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 4)),
+        "--users", "5", "--models", "1", "--verifiers", "1", "--nodes-per-process", "3",
+        "--concurrency", "2", "--timeout", "60", "--start-timeout", "240", "--json", str(out),
+    )
+
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_id"] for r in rows] == ["1", "2", "3", "4"]
+    assert all(r["ok"] and r["signature_valid"] and r["response"] for r in rows), rows
+    assert "answered 4/4 prompts" in done.stdout
+    assert "; 4 processes," in done.stdout  # 1 verifier, 1 model node, 5 users in 2 processes
+    assert list((tmp_path / "tmp").iterdir()) == []  # the ps-devnet-* work dir is gone
+
+
+def test_start_deadline_error_names_the_nodes_not_ready_and_removes_the_work_dir(tmp_path):
+    done = _devnet(
+        tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 1)),
+        "--users", "4", "--models", "1", "--verifiers", "1", "--nodes-per-process", "6",
+        "--start-timeout", "0.5",
+    )
+
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "network not ready (--start-timeout 0.5 s)" in done.stderr, done.stderr
+    assert "verifier0: not listening" in done.stderr or "user0:" in done.stderr, done.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_transformers_engine_without_a_model_is_a_usage_error(tmp_path):
+    done = _devnet(tmp_path, "--prompts", str(_prompt_file(tmp_path, 1)), timeout=60)
+
+    assert done.returncode == 2
+    assert "--engine transformers needs --model" in done.stderr
+
+
+@pytest.mark.slow
+def test_kill_relay_inside_a_shared_process_still_answers_every_prompt(tmp_path):
+    out = tmp_path / "results.jsonl"
+
+    done = _devnet(
+        tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 6)),
+        "--users", "6", "--models", "2", "--verifiers", "2", "--nodes-per-process", "3",
+        "--concurrency", "3", "--timeout", "90", "--perturb", "kill-relay", "--json", str(out),
+    )
+
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "answered 6/6 prompts" in done.stdout
+    assert "killed" in done.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["ok"] and r["signature_valid"] for r in rows), rows
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("perturb", ["none", "kill-relay", "tamper-clove"])
 def test_devnet_answers_every_prompt_with_valid_signatures(shared, tmp_path, perturb):
     out = tmp_path / "results.jsonl"
-    cmd = [
-        sys.executable, "-m", "ps_p2p.cli", "--log-level", "WARNING", "devnet",
+    done = _devnet(
+        tmp_path,
         "--model", str(shared / "models" / "stories260K"),
         "--prompts", str(shared / "data" / "mtbench" / "question.jsonl"),
         "--users", "6", "--models", "2", "--verifiers", "2",
         "--limit", "6", "--max-tokens", "24", "--concurrency", "3", "--timeout", "90",
         "--perturb", perturb, "--json", str(out), "--workdir", str(tmp_path / "net"),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt_id"] for r in rows] == ["81", "82", "83", "84", "85", "86"]
@@ -38,3 +128,6 @@ def test_devnet_answers_every_prompt_with_valid_signatures(shared, tmp_path, per
     assert "answered 6/6 prompts" in done.stdout
     if perturb == "kill-relay":
         assert "killed" in done.stdout
+    # --workdir keeps keys and logs
+    assert len(list((tmp_path / "net" / "keys").glob("*.key"))) == 10
+    assert (tmp_path / "net" / "logs" / "user0.log").stat().st_size > 0
