@@ -15,10 +15,21 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │   └── ExpiredError            a record or directory past its expiry time
     ├── PathError                   onion path setup failed or a path died
     ├── RequestError                an anonymous request could not be answered
-    │   ├── RequestTimeoutError     the request's deadline passed
-    │   └── OverloadedError         the model node's queue is full
+    │   ├── RequestTimeoutError     the request's deadline passed (attempts were sent)
+    │   ├── RequestTooLargeError    the request Q does not fit a message or one cell per clove
+    │   ├── NoPathError             (also a PathError) fewer than n paths ready until the deadline
+    │   ├── NoModelNodeError        (also a DirectoryError) no model node for the request
+    │   └── ModelNodeError          the model node answered with a signed error status
+    │       ├── OverloadedError     status OVERLOADED: its queue is full
+    │       └── RequestRefusedError status BAD_REQUEST or WRONG_MODEL: the request is at fault
+    │           └── ContextLengthError  status PROMPT_TOO_LONG (also a PromptTooLongError)
     └── EngineError                 the inference engine failed
         └── PromptTooLongError      prompt + max_tokens exceed the model's context
+
+A request's outcome (``ps_p2p.overlay.requests``) is a verified answer or one of the
+``RequestError`` classes above; layers above map the class, never its message (e.g. the local
+API: timeout 504, ``NoPathError``/``NoModelNodeError``/``OverloadedError`` 503,
+``RequestRefusedError``/``RequestTooLargeError`` 400, anything else 502).
 
 Naming follows h11/wsproto: ``LocalProtocolError`` means we broke the protocol,
 ``RemoteProtocolError`` means the peer did.
@@ -71,6 +82,14 @@ class PathError(PsError):
     """An onion path could not be set up, or died."""
 
 
+class EngineError(PsError):
+    """The inference engine failed."""
+
+
+class PromptTooLongError(EngineError):
+    """The prompt (plus max_tokens) does not fit in the model's context window."""
+
+
 class RequestError(PsError):
     """An anonymous request could not be answered."""
 
@@ -79,16 +98,44 @@ class RequestTimeoutError(RequestError):
     """A request's deadline passed before k response cloves decoded."""
 
 
-class OverloadedError(RequestError):
+class RequestTooLargeError(RequestError):
+    """The encoded request is over the S-IDA message limit, or its cloves over one cell."""
+
+
+class NoPathError(PathError, RequestError):
+    """Fewer than n paths (one per clove) were ready before the request's deadline."""
+
+
+class NoModelNodeError(DirectoryError, RequestError):
+    """The directory lists no model node that could serve the request."""
+
+
+class ModelNodeError(RequestError):
+    """The model node answered with a signed error status.
+
+    Attributes:
+        status: the ``ResponseStatus`` value it signed (``ps_p2p.inference.ResponseStatus``);
+            -1 when not known.
+    """
+
+    status: int = -1
+
+    def __init__(self, message: str = "", *, status: int | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class OverloadedError(ModelNodeError):
     """The model node's queue is full; it answered 'overloaded'."""
 
 
-class EngineError(PsError):
-    """The inference engine failed."""
+class RequestRefusedError(ModelNodeError):
+    """The model node refused the request itself (bad parameters, a model it does not serve)."""
 
 
-class PromptTooLongError(EngineError):
-    """The prompt (plus max_tokens) does not fit in the model's context window."""
+class ContextLengthError(RequestRefusedError, PromptTooLongError):
+    """The model node answered that the prompt does not fit its model's context."""
 
 
 def is_keyboard_interrupt(exc: BaseException) -> bool:

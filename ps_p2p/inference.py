@@ -1,0 +1,126 @@
+"""The request Q and the signed response as plain domain objects (pure; no protobuf).
+
+PlanetServe sec. 3.2, "Request" and "Response". The wire forms are ``InferenceRequest`` and
+``InferenceResponse`` of ``protos/planetserve/v1/inference.proto``; the service layer converts
+(``ps_p2p.roles.user``), the cores (``ps_p2p.overlay.requests``) see only these classes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ps_p2p import responses
+from ps_p2p.errors import ContextLengthError, ModelNodeError, OverloadedError, RequestRefusedError
+
+
+class ResponseStatus(enum.IntEnum):
+    """``planetserve.v1.ResponseStatus`` (same values)."""
+
+    OK = 0
+    OVERLOADED = 1
+    PROMPT_TOO_LONG = 2
+    ENGINE_ERROR = 3
+    BAD_REQUEST = 4
+    WRONG_MODEL = 5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters; ``temperature`` 0 is greedy."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ReplyProxy:
+    """A proxy the answer goes back through, and the fresh reply tag registered with it."""
+
+    peer_id: bytes
+    reply_tag: bytes
+
+
+@dataclass(frozen=True)
+class InferenceQuery:
+    """Q: what a model node is asked. Nothing in it identifies the user.
+
+    Attributes:
+        request_id: 16 random bytes, the same for every sending of one request.
+        reply_proxies: one per clove, in clove order.
+    """
+
+    request_id: bytes
+    model_id: str
+    prompt: str
+    params: SamplingParams
+    reply_proxies: tuple[ReplyProxy, ...]
+    preferred_model_node: bytes = b""
+
+
+@dataclass(frozen=True)
+class InferenceReply:
+    """A model node's signed response (see :mod:`ps_p2p.responses` for what the signature covers).
+
+    Attributes:
+        status: a :class:`ResponseStatus` value (other values may come from newer nodes).
+        request_hash: SHA-256 of Q's bytes as the model node decoded them.
+        signed_at_ms: signing time (Unix ms).
+        model_node: peer ID of the signer.
+    """
+
+    request_id: bytes
+    status: int
+    text: str
+    error: str
+    model_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    request_hash: bytes
+    signed_at_ms: int
+    model_node: bytes
+    signature: bytes
+
+    def content(self) -> responses.ResponseContent:
+        """The part of the reply the signature's response hash covers."""
+        return responses.ResponseContent(
+            status=self.status,
+            text=self.text,
+            error=self.error,
+            model_id=self.model_id,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+        )
+
+
+_STATUS_ERRORS: dict[int, type[ModelNodeError]] = {
+    ResponseStatus.OVERLOADED: OverloadedError,
+    ResponseStatus.PROMPT_TOO_LONG: ContextLengthError,
+    ResponseStatus.BAD_REQUEST: RequestRefusedError,
+    ResponseStatus.WRONG_MODEL: RequestRefusedError,
+}
+
+
+def status_error(status: int, message: str) -> ModelNodeError:
+    """The error for a reply with a non-OK ``status``; its text is ``"<STATUS NAME>: message"``.
+
+    ENGINE_ERROR and unknown statuses give a plain :class:`ModelNodeError`.
+    """
+    try:
+        name = ResponseStatus(status).name
+    except ValueError:
+        name = f"STATUS_{status}"
+    cls = _STATUS_ERRORS.get(status, ModelNodeError)
+    return cls(f"{name}: {message}", status=status)
+
+
+__all__ = [
+    "InferenceQuery",
+    "InferenceReply",
+    "ReplyProxy",
+    "ResponseStatus",
+    "SamplingParams",
+    "status_error",
+]

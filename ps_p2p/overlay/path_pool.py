@@ -1,0 +1,532 @@
+"""The path pool of one user node (pure core, sans-I/O).
+
+PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Security invariants"):
+
+* relays: ``hops`` per path from the directory's user list (:func:`~ps_p2p.overlay.paths.choose_relays`),
+  no relay on two paths when the list is large enough, each path's proxy the relay least used
+  as a proxy (a request needs n distinct proxies);
+* ``paths`` (N >= n) paths are kept, spares included; a missing one is rebuilt on the next
+  maintenance (every ``maintenance_interval`` s, or at once after the pool changed);
+* every path is probed ``probe_interval`` s after its last probe or reply; a probe unanswered
+  for the RFC 6298 timeout of the measured probe round trips (:mod:`~ps_p2p.overlay.rtt`, floor
+  ``probe_timeout``) replaces the path and makes each of its relays suspect;
+* a path is *confirmed*, and used for requests, only after its first probe reply: the setup
+  acknowledgement only travels backwards, past a relay that corrupts forward cells;
+* penalties: a relay on a path that failed setup (only the first hop when the first hop itself
+  went down) or went silent is suspect, and skipped while clean relays are enough; a probe reply
+  clears the relays *before the proxy* only (the proxy answers probes itself, which says nothing
+  of what it does with cloves); a penalty is forgotten ``failed_relay_cooldown`` s after its
+  last failure;
+* a proxy convicted of altering a response clove (:meth:`PathPool.convict_proxy`) loses its
+  paths and is no proxy for ``bad_proxy_cooldown`` s;
+* rotation: a path older than ``rotate_period`` retires (no new requests) and is closed
+  ``retire_grace`` s later, when the answers it carries are in;
+* rebalancing: once the pool is full and confirmed, a path whose proxy repeats (while a clean
+  relay is nobody's proxy), else a path sharing relays (while enough unused clean relays exist),
+  retires and is replaced, one at a time.
+
+Inputs are method calls that take ``now`` (seconds, the driver's clock) and return a list of
+commands; :meth:`PathPool.next_deadline` says when :meth:`PathPool.tick` is next due. Paths are
+named by a local ``path_id`` (an int never reused), assigned when :class:`OpenPath` is emitted.
+Randomness (relay choice, probe nonces) comes from the injected ``rng``; draws happen in
+:meth:`PathPool.tick` only (relay choice, then nonces) and in :func:`choose_distinct_proxies`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from ps_p2p.errors import DirectoryError
+from ps_p2p.overlay.paths import choose_relays, reuse_count
+from ps_p2p.overlay.rtt import RttEstimator
+from ps_p2p.records import short_peer_id as _short
+
+log = logging.getLogger(__name__)
+
+#: Seconds a proxy caught altering a response clove is kept off this user's paths.
+BAD_PROXY_COOLDOWN = 600.0
+#: Weight of a convicted proxy in the proxy count of relay choice: never a proxy while flagged.
+_BAD_PROXY_WEIGHT = 1_000
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Path pool settings; times in seconds.
+
+    Attributes:
+        total: n, the distinct proxies one request needs (rebalancing aims at them).
+        paths: N >= n paths kept (spares included).
+        hops: relays per path (l); the last is the proxy.
+        rotate_period: paths older than this retire (default 15 min).
+        retire_grace: a retired path is closed this long after it retired (the request
+            deadline: it still carries the answers of requests sent before).
+        probe_interval: a probe goes out this long after the last probe or reply on a path.
+        probe_timeout: floor (and initial value) of the probe deadline (RFC 6298 RTO).
+        failed_relay_cooldown: a relay's penalty is forgotten this long after its last failure.
+        bad_proxy_cooldown: a convicted proxy is no proxy for this long.
+        maintenance_interval: refill and rebalance at least this often (the directory may
+            change without telling); None: min(0.5, probe_interval / 2).
+    """
+
+    total: int = 4
+    paths: int = 5
+    hops: int = 3
+    rotate_period: float = 15 * 60.0
+    retire_grace: float = 120.0
+    probe_interval: float = 2.0
+    probe_timeout: float = 4.0
+    failed_relay_cooldown: float = 30.0
+    bad_proxy_cooldown: float = BAD_PROXY_COOLDOWN
+    maintenance_interval: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.paths < self.total or self.hops < 1:
+            raise ValueError("need paths >= total and hops >= 1")
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class OpenPath:
+    """Set up a path through ``relays`` (the last is the proxy); answer with
+    :meth:`PathPool.path_ready` or :meth:`PathPool.path_failed`."""
+
+    path_id: int
+    relays: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class ClosePath:
+    """Tear the path down (it is already forgotten by the pool)."""
+
+    path_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class SendProbe:
+    """Send a probe with ``nonce`` through the path; if it cannot be sent, call
+    :meth:`PathPool.probe_not_sent`."""
+
+    path_id: int
+    nonce: int
+
+
+@dataclass(frozen=True)
+class PathLost:
+    """A path that was ready is gone (closed, down or dropped): requests using it must react."""
+
+    path_id: int
+
+
+@dataclass(frozen=True)
+class PoolChanged:
+    """A path became ready or confirmed, or was lost: wake whoever waits on the pool."""
+
+
+Command = OpenPath | ClosePath | SendProbe | PathLost | PoolChanged
+
+
+@dataclass
+class PoolPath:
+    """One ready path of the pool.
+
+    Attributes:
+        confirmed: a probe came back through the path: its forward cells reach the proxy
+            intact. Only confirmed paths carry request cloves.
+        retiring: rotated out (or replaced by rebalancing): carries no new request.
+        probe_nonce: the outstanding probe's nonce, None when none is outstanding.
+    """
+
+    path_id: int
+    relays: tuple[bytes, ...]
+    created_at: float
+    retiring: bool = False
+    retired_at: float = 0.0
+    probe_nonce: int | None = None
+    confirmed: bool = False
+    probe_sent_at: float = 0.0
+    last_reply_at: float = 0.0
+
+    @property
+    def proxy(self) -> bytes:
+        return self.relays[-1]
+
+
+class _HasProxy(Protocol):
+    @property
+    def proxy(self) -> bytes: ...
+
+
+P = TypeVar("P", bound=_HasProxy)
+
+
+def choose_distinct_proxies(ready: Sequence[P], count: int, rng: random.Random) -> list[P]:
+    """``count`` of ``ready``, each with a different proxy where possible (random order).
+
+    A proxy holding k cloves of one request could decode it, and a bad proxy on two paths spoils
+    two cloves; so one clove per proxy (DESIGN.md: fewer than k compromised paths must never
+    reveal content). With fewer distinct proxies than ``count``, paths repeating a proxy fill up
+    (logged). Draws one ``rng.shuffle`` of ``ready``.
+    """
+    order = list(ready)
+    rng.shuffle(order)
+    chosen: list[P] = []
+    proxies: set[bytes] = set()
+    for path in order:
+        if path.proxy not in proxies:
+            chosen.append(path)
+            proxies.add(path.proxy)
+        if len(chosen) == count:
+            return chosen
+    rest = [p for p in order if not any(p is c for c in chosen)]
+    log.warning("only %d distinct proxies among %d ready paths; one proxy carries two cloves",
+                len(proxies), len(ready))
+    return chosen + rest[: count - len(chosen)]
+
+
+class PathPool:
+    """The paths of one user: choice, probes, penalties, rotation, repair (sans-I/O).
+
+    See the module docstring for the rules. Contract: every :class:`OpenPath` is answered once by
+    :meth:`path_ready` or :meth:`path_failed`; a ready path that dies outside the pool's own
+    :class:`ClosePath` is reported by :meth:`path_down`.
+
+    Args:
+        config: :class:`PoolConfig`.
+        rng: relay choice and probe nonces (a seeded ``random.Random`` in tests).
+    """
+
+    def __init__(self, config: PoolConfig, *, rng: random.Random) -> None:
+        self.config = config
+        self._rng = rng
+        self._ids = itertools.count(1)
+        self._paths: dict[int, PoolPath] = {}
+        self._opening: dict[int, tuple[bytes, ...]] = {}
+        # relay -> (failures, time of the last one): paths through it that failed to set up or
+        # went silent since a path through it last worked. A dead or cell-dropping relay keeps
+        # its score; its honest neighbours are cleared by their other, working paths.
+        self._penalty: dict[bytes, tuple[int, float]] = {}
+        self._bad_proxies: dict[bytes, float] = {}  # proxy -> until when
+        # probe round trips of all paths (a loaded machine slows every path alike)
+        self.probe_rtt = RttEstimator(
+            initial_rto=config.probe_timeout, min_rto=config.probe_timeout, max_rto=60.0
+        )
+        interval = config.maintenance_interval
+        self._interval = min(0.5, config.probe_interval / 2) if interval is None else interval
+        self._next_maintenance: float | None = None  # None: at the next tick
+        self._probe_retry: dict[int, float] = {}  # path -> earliest probe after a failed send
+        self._warned_reuse = False
+
+    # ------------------------------------------------------------------ queries
+
+    def paths(self) -> list[PoolPath]:
+        """Every ready path (retiring and unconfirmed ones included)."""
+        return list(self._paths.values())
+
+    def path(self, path_id: int) -> PoolPath | None:
+        return self._paths.get(path_id)
+
+    def ready_paths(self) -> list[PoolPath]:
+        """Confirmed paths not retiring: what requests use."""
+        return [p for p in self._paths.values() if p.confirmed and not p.retiring]
+
+    def live_paths(self) -> list[PoolPath]:
+        """Paths not retiring, confirmed or still waiting for their first probe reply."""
+        return [p for p in self._paths.values() if not p.retiring]
+
+    @property
+    def setting_up(self) -> int:
+        """Paths opened and not answered yet."""
+        return len(self._opening)
+
+    @property
+    def bad_proxies(self) -> frozenset[bytes]:
+        """Proxies convicted of altering a response clove, not yet forgiven."""
+        return frozenset(self._bad_proxies)
+
+    def penalty(self, relay: bytes) -> int:
+        """Failures counted against ``relay`` (0: above suspicion)."""
+        return self._penalty.get(relay, (0, 0.0))[0]
+
+    # ------------------------------------------------------------------ inputs
+
+    def path_ready(self, path_id: int, now: float) -> list[Command]:
+        """The path's setup was acknowledged; a first probe goes out at once.
+
+        Penalties are cleared by the first probe reply, not by the acknowledgement.
+        """
+        relays = self._opening.pop(path_id, None)
+        if relays is None:
+            return [ClosePath(path_id, "not opened by the pool")]
+        path = PoolPath(path_id, relays, created_at=now, last_reply_at=now, probe_sent_at=now)
+        self._paths[path_id] = path
+        log.info("path ready: %s (proxy %s)", " -> ".join(_short(r) for r in relays),
+                 _short(relays[-1]))
+        self._next_maintenance = None
+        return [*self._probe(path, now), PoolChanged()]
+
+    def path_failed(self, path_id: int, now: float, *, first_hop_down: bool = False) -> list[Command]:
+        """The path's setup failed: its relays are suspect (only the first one when it is the
+        first hop that went down). The pool rebuilds at its next maintenance, not at once (no
+        tight retry loop)."""
+        relays = self._opening.pop(path_id, None)
+        if relays is not None:
+            self._penalize(relays[:1] if first_hop_down else relays, now)
+        return []
+
+    def path_down(self, path_id: int, now: float) -> list[Command]:
+        """A ready path died (its first hop disconnected, a Destroy came back...)."""
+        path = self._paths.pop(path_id, None)
+        if path is None:
+            return []
+        log.warning("path via %s down", _short(path.relays[0]))
+        self._next_maintenance = None
+        return [PathLost(path_id), PoolChanged()]
+
+    def heard_from(self, path_id: int, now: float) -> list[Command]:
+        """Any backward payload came on the path: the next probe waits ``probe_interval``."""
+        path = self._paths.get(path_id)
+        if path is not None:
+            path.last_reply_at = now
+        return []
+
+    def probe_reply(self, path_id: int, nonce: int, now: float) -> list[Command]:
+        """A probe reply came back; only the outstanding nonce counts.
+
+        Confirms the path, samples the probe RTT, and clears the penalties of the relays before
+        the proxy (every one of them forwarded cells intact); never the proxy's.
+        """
+        path = self._paths.get(path_id)
+        if path is None:
+            return []
+        path.last_reply_at = now
+        if path.probe_nonce != nonce:
+            return []
+        path.probe_nonce = None
+        self.probe_rtt.sample(now - path.probe_sent_at)
+        for relay in path.relays[:-1]:
+            self._penalty.pop(relay, None)
+        if path.confirmed:
+            return []
+        path.confirmed = True
+        self._next_maintenance = None
+        return [PoolChanged()]
+
+    def probe_not_sent(self, path_id: int, nonce: int, now: float) -> list[Command]:
+        """:class:`SendProbe` could not be sent (queue full, path dying): no probe is
+        outstanding; the next try comes after ``maintenance_interval``."""
+        path = self._paths.get(path_id)
+        if path is not None and path.probe_nonce == nonce:
+            path.probe_nonce = None
+            self._probe_retry[path_id] = now + self._interval
+        return []
+
+    def convict_proxy(self, proxy: bytes, now: float) -> list[Command]:
+        """``proxy`` altered a response clove: close its paths, keep it out of the proxy
+        position for ``bad_proxy_cooldown`` s (it may still relay: cells are checked end to end)."""
+        if proxy not in self._bad_proxies:
+            log.warning("proxy %s altered a response clove: avoiding it for %.0f s",
+                        _short(proxy), self.config.bad_proxy_cooldown)
+        self._bad_proxies[proxy] = now + self.config.bad_proxy_cooldown
+        commands: list[Command] = []
+        for path in list(self._paths.values()):
+            if path.proxy == proxy:
+                commands += self._drop(path, "proxy altered a clove")
+        return commands
+
+    def tick(self, now: float, relays: Sequence[bytes] | None) -> list[Command]:
+        """Probe deadlines, probes, rotation; refill and rebalance when due.
+
+        Args:
+            now: seconds.
+            relays: peer IDs of the directory's users that may relay (this user and records
+                without a valid onion key excluded); None before the first directory.
+        """
+        cfg = self.config
+        commands: list[Command] = []
+        for path in list(self._paths.values()):
+            if path.probe_nonce is not None and now - path.probe_sent_at >= self.probe_rtt.rto:
+                log.warning("path via %s unanswered for %.1f s: replacing it",
+                            _short(path.relays[0]), now - path.probe_sent_at)
+                # one of its relays drops cells (dead, or tampering): suspect every relay of it
+                self._penalize(path.relays, now)
+                commands += self._drop(path, "probe timeout")
+                continue
+            if path.probe_nonce is None and now >= self._probe_due(path):
+                commands += self._probe(path, now)
+            if not path.retiring and now - path.created_at >= cfg.rotate_period:
+                path.retiring = True
+                path.retired_at = now
+                self._next_maintenance = None
+                log.info("rotating path via %s", _short(path.relays[0]))
+            # a retired path still carries the answers of requests sent before it retired
+            if path.retiring and now - path.retired_at >= cfg.retire_grace:
+                commands += self._drop(path, "rotated")
+        if self._next_maintenance is None or now >= self._next_maintenance:
+            self._next_maintenance = now + self._interval
+            live = self.live_paths()
+            missing = cfg.paths - len(live) - len(self._opening)
+            if missing > 0:
+                commands += self._build(missing, now, relays)
+            elif not self._opening and all(p.confirmed for p in live):
+                commands += self._rebalance(now, relays)
+        return commands
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` is next due (seconds; may be in the past); None: at once."""
+        if self._next_maintenance is None:
+            return None
+        deadline = self._next_maintenance
+        for path in self._paths.values():
+            if path.probe_nonce is not None:
+                due = path.probe_sent_at + self.probe_rtt.rto
+            else:
+                due = self._probe_due(path)
+            if path.retiring:
+                due = min(due, path.retired_at + self.config.retire_grace)
+            else:
+                due = min(due, path.created_at + self.config.rotate_period)
+            deadline = min(deadline, due)
+        return deadline
+
+    # ------------------------------------------------------------------ internals
+
+    def _probe_due(self, path: PoolPath) -> float:
+        retry = self._probe_retry.get(path.path_id)
+        if retry is not None:
+            return retry
+        return max(path.probe_sent_at, path.last_reply_at) + self.config.probe_interval
+
+    def _probe(self, path: PoolPath, now: float) -> list[Command]:
+        nonce = self._rng.getrandbits(64)
+        path.probe_nonce = nonce
+        path.probe_sent_at = now
+        self._probe_retry.pop(path.path_id, None)
+        return [SendProbe(path.path_id, nonce)]
+
+    def _penalize(self, relays: Sequence[bytes], now: float) -> None:
+        for relay in relays:
+            count, _ = self._penalty.get(relay, (0, now))
+            self._penalty[relay] = (count + 1, now)
+
+    def _drop(self, path: PoolPath, reason: str) -> list[Command]:
+        self._paths.pop(path.path_id, None)
+        self._probe_retry.pop(path.path_id, None)
+        self._next_maintenance = None
+        return [ClosePath(path.path_id, reason), PathLost(path.path_id), PoolChanged()]
+
+    def _usable(self, relays: Sequence[bytes] | None) -> list[bytes]:
+        return list(dict.fromkeys(relays or ()))
+
+    def _build(self, count: int, now: float, relays: Sequence[bytes] | None) -> list[Command]:
+        cfg = self.config
+        if relays is None:
+            return []
+        for peer, (_, last) in list(self._penalty.items()):
+            if now - last >= cfg.failed_relay_cooldown:
+                del self._penalty[peer]
+        users = self._usable(relays)
+        if len(users) < cfg.hops:
+            log.debug("only %d other users known; need %d relays", len(users), cfg.hops)
+            return []
+        for peer, until in list(self._bad_proxies.items()):
+            if until <= now:
+                del self._bad_proxies[peer]
+        clean = [r for r in users if r not in self._penalty]
+        if len(clean) >= cfg.hops:
+            candidates = clean
+        else:  # too few relays above suspicion: the least suspected ones fill up
+            candidates = sorted(users, key=self.penalty)[: cfg.hops]
+        in_use: dict[bytes, int] = {}
+        # a convicted proxy may still relay but is never a proxy again while flagged
+        proxy_uses: dict[bytes, int] = {p: _BAD_PROXY_WEIGHT for p in self._bad_proxies}
+        for opening in self._opening.values():  # paths still being set up
+            proxy_uses[opening[-1]] = proxy_uses.get(opening[-1], 0) + 1
+        for path in self.live_paths():
+            for relay in path.relays:
+                in_use[relay] = in_use.get(relay, 0) + 1
+            proxy_uses[path.proxy] = proxy_uses.get(path.proxy, 0) + 1
+        try:
+            choices = choose_relays(
+                candidates, count, cfg.hops, rng=self._rng, in_use=in_use, proxy_uses=proxy_uses
+            )
+        except DirectoryError as exc:
+            log.warning("cannot choose relays: %s", exc)
+            return []
+        reused = reuse_count(choices) + sum(1 for c in choices for r in c if r in in_use)
+        if reused and not self._warned_reuse:
+            self._warned_reuse = True
+            log.warning(
+                "only %d candidate relays for %d paths of %d hops: some relays serve two paths "
+                "of this user (a network of >= %d users avoids this)",
+                len(candidates), cfg.paths, cfg.hops, cfg.total * cfg.hops + 1,
+            )
+        commands: list[Command] = []
+        for chosen in choices:
+            path_id = next(self._ids)
+            self._opening[path_id] = tuple(chosen)
+            commands.append(OpenPath(path_id, tuple(chosen)))
+        return commands
+
+    def _retire(self, victim: PoolPath, now: float) -> None:
+        victim.retiring = True
+        victim.retired_at = now
+
+    def _rebalance(self, now: float, relays: Sequence[bytes] | None) -> list[Command]:
+        """Retire one path that repeats a proxy or shares a relay while unused clean relays
+        are available, and build its replacement (DESIGN.md: no relay on two paths of one user;
+        a request needs n distinct proxies)."""
+        if relays is None:
+            return []
+        ready = self.ready_paths()
+        users = self._usable(relays)
+        clean = [r for r in users if r not in self._penalty and r not in self._bad_proxies]
+        # first: replace a path whose proxy repeats while a clean relay is nobody's proxy
+        proxies: dict[bytes, list[PoolPath]] = {}
+        for path in ready:
+            proxies.setdefault(path.proxy, []).append(path)
+        if len(proxies) < self.config.total and any(r not in proxies for r in clean):
+            repeated = [ps for ps in proxies.values() if len(ps) > 1]
+            if repeated:
+                victim = repeated[0][-1]
+                self._retire(victim, now)
+                log.info("replacing path via %s: its proxy serves another path too",
+                         _short(victim.relays[0]))
+                return self._build(1, now, relays)
+        uses: dict[bytes, int] = {}
+        for path in ready:
+            for relay in path.relays:
+                uses[relay] = uses.get(relay, 0) + 1
+        shared = [p for p in ready if any(uses[r] > 1 for r in p.relays)]
+        if not shared:
+            return []
+        free = [r for r in users if r not in uses and r not in self._penalty]
+        if len(free) < self.config.hops:
+            return []
+        victim = max(shared, key=lambda p: sum(uses[r] for r in p.relays))
+        self._retire(victim, now)
+        log.info("replacing path via %s: it shares relays with another path",
+                 _short(victim.relays[0]))
+        return self._build(1, now, relays)
+
+
+__all__ = [
+    "BAD_PROXY_COOLDOWN",
+    "ClosePath",
+    "Command",
+    "OpenPath",
+    "PathLost",
+    "PathPool",
+    "PoolChanged",
+    "PoolConfig",
+    "PoolPath",
+    "SendProbe",
+    "choose_distinct_proxies",
+]

@@ -1,0 +1,249 @@
+"""The path pool core (ps_p2p.overlay.path_pool): events in, commands out, on injected time."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from ps_p2p.overlay.path_pool import (
+    ClosePath,
+    OpenPath,
+    PathLost,
+    PathPool,
+    PoolChanged,
+    PoolConfig,
+    SendProbe,
+    choose_distinct_proxies,
+)
+
+RELAYS = [bytes([i]) * 8 for i in range(1, 21)]
+
+
+def _pool(**overrides) -> PathPool:
+    fields = dict(total=4, paths=5, hops=3, probe_interval=2.0, probe_timeout=4.0,
+                  rotate_period=900.0, retire_grace=120.0, failed_relay_cooldown=30.0)
+    fields.update(overrides)
+    return PathPool(PoolConfig(**fields), rng=random.Random(7))
+
+
+def _of(commands, kind):
+    return [c for c in commands if isinstance(c, kind)]
+
+
+def _open_all(pool: PathPool, now: float, relays=RELAYS, *, confirm: bool = True) -> list[OpenPath]:
+    """Tick once; every path opened gets ready (and its first probe answered)."""
+    opened = _of(pool.tick(now, relays), OpenPath)
+    for command in opened:
+        probes = _of(pool.path_ready(command.path_id, now), SendProbe)
+        if confirm:
+            for probe in probes:
+                pool.probe_reply(probe.path_id, probe.nonce, now + 0.01)
+    pool.tick(now + 0.01, relays)  # the maintenance the changes asked for
+    return opened
+
+
+# ------------------------------------------------------------------ choice
+
+
+def test_a_fresh_pool_opens_n_paths_of_distinct_relays_and_distinct_proxies():
+    pool = _pool()
+    opened = _of(pool.tick(0.0, RELAYS), OpenPath)
+    assert len(opened) == 5 and pool.setting_up == 5
+    relays = [r for c in opened for r in c.relays]
+    assert all(len(c.relays) == 3 for c in opened)
+    assert len(relays) == len(set(relays))  # 20 relays >= n*l + 1: no reuse
+    assert len({c.relays[-1] for c in opened}) == 5
+
+
+def test_without_a_directory_nothing_opens_and_the_pool_retries_at_the_maintenance_interval():
+    pool = _pool()
+    assert pool.tick(0.0, None) == []
+    assert pool.next_deadline() == pytest.approx(0.5)
+    assert pool.tick(0.2, RELAYS) == []  # not due yet
+    assert len(_of(pool.tick(0.5, RELAYS), OpenPath)) == 5
+
+
+def test_paths_still_opening_count_against_the_missing_ones():
+    pool = _pool()
+    pool.tick(0.0, RELAYS)
+    assert _of(pool.tick(1.0, RELAYS), OpenPath) == []
+
+
+def test_a_convicted_proxy_is_never_chosen_as_a_proxy_while_flagged():
+    pool = _pool(paths=4)
+    bad = RELAYS[0]
+    pool.convict_proxy(bad, 0.0)
+    for command in _of(pool.tick(0.0, RELAYS), OpenPath):
+        assert command.relays[-1] != bad
+    assert bad in pool.bad_proxies
+
+
+@dataclass
+class _Ref:
+    name: str
+    proxy: bytes
+
+
+@pytest.mark.parametrize(
+    "proxies, count, distinct",
+    [
+        ([b"a", b"b", b"c", b"d", b"e"], 4, 4),
+        ([b"a", b"a", b"b", b"c", b"d"], 4, 4),  # a repeated proxy is left out while others exist
+        ([b"a", b"a", b"b", b"b"], 4, 2),  # too few proxies: repeats fill up
+    ],
+)
+def test_choose_distinct_proxies_takes_one_path_per_proxy_where_possible(proxies, count, distinct):
+    refs = [_Ref(str(i), p) for i, p in enumerate(proxies)]
+    chosen = choose_distinct_proxies(refs, count, random.Random(1))
+    assert len(chosen) == count
+    assert len({c.proxy for c in chosen}) == distinct
+    assert len({c.name for c in chosen}) == count
+
+
+# ------------------------------------------------------------------ confirmation and probes
+
+
+def test_a_path_is_not_used_for_requests_before_its_first_probe_reply():
+    pool = _pool(paths=1, total=1)
+    (opened,) = _of(pool.tick(0.0, RELAYS), OpenPath)
+    commands = pool.path_ready(opened.path_id, 1.0)
+    (probe,) = _of(commands, SendProbe)
+    assert _of(commands, PoolChanged)
+    assert pool.ready_paths() == [] and len(pool.live_paths()) == 1
+    assert pool.probe_reply(opened.path_id, probe.nonce, 1.2) == [PoolChanged()]
+    assert [p.path_id for p in pool.ready_paths()] == [opened.path_id]
+
+
+def test_a_probe_reply_with_another_nonce_confirms_nothing():
+    pool = _pool(paths=1, total=1)
+    (opened,) = _of(pool.tick(0.0, RELAYS), OpenPath)
+    (probe,) = _of(pool.path_ready(opened.path_id, 0.0), SendProbe)
+    assert pool.probe_reply(opened.path_id, probe.nonce ^ 1, 0.1) == []
+    assert pool.ready_paths() == []
+
+
+def test_the_next_probe_goes_out_a_probe_interval_after_the_last_reply():
+    pool = _pool(paths=1, total=1, maintenance_interval=100.0)
+    (opened,) = _open_all(pool, 0.0)
+    assert pool.next_deadline() == pytest.approx(0.01 + 2.0)
+    assert _of(pool.tick(1.5, RELAYS), SendProbe) == []
+    pool.heard_from(opened.path_id, 1.5)  # a response clove counts as a sign of life
+    assert _of(pool.tick(2.2, RELAYS), SendProbe) == []
+    assert [c.path_id for c in _of(pool.tick(3.5, RELAYS), SendProbe)] == [opened.path_id]
+
+
+def test_a_probe_unanswered_past_the_rto_replaces_the_path_and_penalizes_its_relays():
+    pool = _pool(paths=1, total=1, maintenance_interval=100.0)
+    (opened,) = _open_all(pool, 0.0)
+    (probe,) = _of(pool.tick(2.01, RELAYS), SendProbe)
+    assert pool.next_deadline() == pytest.approx(2.01 + pool.probe_rtt.rto)
+    assert _of(pool.tick(2.01 + pool.probe_rtt.rto - 0.1, RELAYS), ClosePath) == []
+    commands = pool.tick(2.01 + pool.probe_rtt.rto, RELAYS)
+    assert ClosePath(opened.path_id, "probe timeout") in commands
+    assert PathLost(opened.path_id) in commands
+    assert all(pool.penalty(r) == 1 for r in opened.relays)
+    (rebuilt,) = _of(commands, OpenPath)  # at once, around the suspects
+    assert not set(rebuilt.relays) & set(opened.relays)
+
+
+def test_the_probe_deadline_grows_with_measured_round_trips():
+    pool = _pool(paths=1, total=1, maintenance_interval=100.0)
+    (opened,) = _of(pool.tick(0.0, RELAYS), OpenPath)
+    (probe,) = _of(pool.path_ready(opened.path_id, 0.0), SendProbe)
+    pool.probe_reply(opened.path_id, probe.nonce, 3.0)  # a loaded machine: 3 s round trips
+    assert pool.probe_rtt.rto > 4.0
+    (probe,) = _of(pool.tick(5.0, RELAYS), SendProbe)
+    assert _of(pool.tick(9.5, RELAYS), ClosePath) == []  # past the 4 s floor, within the RTO
+    assert pool.next_deadline() == pytest.approx(5.0 + pool.probe_rtt.rto)
+
+
+def test_a_probe_that_could_not_be_sent_is_retried_after_the_maintenance_interval():
+    pool = _pool(paths=1, total=1)
+    (opened,) = _open_all(pool, 0.0)
+    (probe,) = _of(pool.tick(2.01, RELAYS), SendProbe)
+    pool.probe_not_sent(opened.path_id, probe.nonce, 2.01)
+    assert _of(pool.tick(2.2, RELAYS), SendProbe) == []
+    assert _of(pool.tick(2.6, RELAYS), SendProbe)
+    assert _of(pool.tick(2.6 + 3.9, RELAYS), ClosePath) == []
+
+
+# ------------------------------------------------------------------ penalties
+
+
+def test_a_probe_reply_clears_the_relays_before_the_proxy_only():
+    relays = RELAYS[:3]
+    pool = _pool(paths=1, total=1)
+    (first,) = _of(pool.tick(0.0, relays), OpenPath)
+    pool.path_failed(first.path_id, 0.1)
+    assert all(pool.penalty(r) == 1 for r in relays)
+    (second,) = _of(pool.tick(0.6, relays), OpenPath)  # the least suspected fill up
+    (probe,) = _of(pool.path_ready(second.path_id, 0.7), SendProbe)
+    pool.probe_reply(second.path_id, probe.nonce, 0.8)
+    assert [pool.penalty(r) for r in second.relays] == [0, 0, 1]
+
+
+@pytest.mark.parametrize("first_hop_down, suspects", [(True, 1), (False, 3)])
+def test_a_failed_setup_makes_its_relays_suspect(first_hop_down, suspects):
+    pool = _pool(paths=1, total=1)
+    (opened,) = _of(pool.tick(0.0, RELAYS), OpenPath)
+    assert pool.path_failed(opened.path_id, 0.1, first_hop_down=first_hop_down) == []
+    assert [pool.penalty(r) for r in opened.relays] == [1] * suspects + [0] * (3 - suspects)
+    (rebuilt,) = _of(pool.tick(0.6, RELAYS), OpenPath)
+    assert not set(rebuilt.relays) & set(opened.relays[:suspects])
+
+
+def test_penalties_are_forgotten_after_the_cooldown():
+    pool = _pool(paths=1, total=1)
+    (opened,) = _of(pool.tick(0.0, RELAYS), OpenPath)
+    pool.path_failed(opened.path_id, 0.1)
+    pool.tick(30.2, RELAYS)
+    assert all(pool.penalty(r) == 0 for r in opened.relays)
+
+
+# ------------------------------------------------------------------ loss, conviction, rotation
+
+
+def test_a_ready_path_that_goes_down_is_reported_lost_and_rebuilt():
+    pool = _pool()
+    opened = _open_all(pool, 0.0)
+    victim = opened[0].path_id
+    assert pool.path_down(victim, 1.0) == [PathLost(victim), PoolChanged()]
+    assert pool.path_down(victim, 1.0) == []
+    assert len(_of(pool.tick(1.0, RELAYS), OpenPath)) == 1
+
+
+def test_a_convicted_proxy_loses_every_path_it_serves():
+    pool = _pool()
+    opened = _open_all(pool, 0.0)
+    proxy = opened[0].relays[-1]
+    commands = pool.convict_proxy(proxy, 1.0)
+    assert commands[:2] == [ClosePath(opened[0].path_id, "proxy altered a clove"),
+                            PathLost(opened[0].path_id)]
+    (rebuilt,) = _of(pool.tick(1.0, RELAYS), OpenPath)
+    assert rebuilt.relays[-1] != proxy
+
+
+def test_paths_rotate_after_the_rotation_period_and_close_after_the_grace():
+    pool = _pool(paths=1, total=1, rotate_period=10.0, retire_grace=5.0, probe_interval=100.0)
+    (opened,) = _open_all(pool, 0.0)
+    assert pool.next_deadline() == pytest.approx(0.51)
+    commands = pool.tick(10.0, RELAYS)
+    assert pool.ready_paths() == []  # retired: no new request
+    assert len(_of(commands, OpenPath)) == 1  # its replacement
+    assert pool.path(opened.path_id) is not None  # still carries answers
+    assert ClosePath(opened.path_id, "rotated") in pool.tick(15.0, RELAYS)
+
+
+def test_rebalancing_replaces_a_path_that_shares_relays_once_free_relays_appear():
+    pool = _pool(paths=2, total=2)
+    few = RELAYS[:4]
+    opened = _open_all(pool, 0.0, few)
+    assert len({r for c in opened for r in c.relays}) < 6  # 4 relays for 2 x 3 hops
+    assert _of(pool.tick(0.6, few), OpenPath) == []  # no free relay: nothing to do
+    commands = pool.tick(1.2, RELAYS)
+    (replacement,) = _of(commands, OpenPath)
+    assert len(pool.ready_paths()) == 1  # one path retired
+    kept = pool.ready_paths()[0]
+    assert not set(replacement.relays) & set(kept.relays)
