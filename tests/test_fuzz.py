@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ps_p2p.pb.planetserve.v1 import clove_pb2, directory_pb2, onion_pb2
 from ps_p2p.testing.fuzz import FuzzConfig, iter_report_lines, message_classes, root_messages, run_fuzz
 
@@ -14,6 +16,7 @@ def test_root_messages_come_from_the_proto_header_that_names_the_protocol():
     assert root_messages("/planetserve/unheard-of/1.0.0", classes)  # falls back to every message
 
 
+@pytest.mark.slow  # 20-30 s on 2 cores: the localnet and its attacker nodes start up and ask twice
 async def test_two_thousand_fuzzed_frames_crash_nothing_and_every_user_is_still_answered():
     report = await run_fuzz(
         FuzzConfig(seed=7, inputs=2000, duration=120, check_interval=0, liveness_timeout=60)
