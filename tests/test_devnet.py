@@ -19,7 +19,9 @@ from ps_p2p.devnet import DevnetOptions, default_start_timeout, latency_summary
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _devnet(tmp_path: pathlib.Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+def _devnet(
+    tmp_path: pathlib.Path, *args: str, timeout: float = 400
+) -> subprocess.CompletedProcess:
     """Run ``ps-node devnet`` with its temporary directories under ``tmp_path/tmp``."""
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
