@@ -245,6 +245,16 @@ class RelayTable:
             self.remove(entry)
         return gone
 
+    def next_expiry(self, idle_timeout: float) -> float | None:
+        """When :meth:`expire` next has work (the oldest tag's expiry or the least recently
+        used entry's idle deadline), or None for an empty table; O(1)."""
+        times = []
+        if self._tags:
+            times.append(next(iter(self._tags.values())).expires_at)
+        if self._forward:
+            times.append(next(iter(self._forward.values())).last_used + idle_timeout)
+        return min(times) if times else None
+
     def expire(self, now: float, idle_timeout: float) -> list[RelayEntry]:
         """Remove and return entries unused for ``idle_timeout`` seconds; forget expired tags.
 

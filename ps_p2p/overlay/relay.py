@@ -1,0 +1,713 @@
+"""The onion overlay's state machine: relay, proxy and path owner of one node (pure core).
+
+Source: PlanetServe sec. 3.2 (paths, relaying, proxies), with the fixes of DESIGN.md ("The
+anonymous overlay", "Security invariants"). The crypto is :mod:`ps_p2p.crypto.onion`; the tables
+are :mod:`ps_p2p.overlay.relay_table`; the wire is in :mod:`ps_p2p.protocols` (this module never
+sees a protobuf message: an injected :class:`PayloadCodec` turns the end-to-end payloads between
+a user and its proxy into bytes and back).
+
+Inputs are the methods ``receive_*``, ``link_failed``, ``send_failed``, ``tick`` and the path owner's
+``open_path`` / ``send_on_path`` / ``close_path``; every one takes ``now`` (seconds, any monotonic
+clock) and returns a list of commands (the dataclasses below) for the driver to execute, in order.
+Nothing here does I/O, reads a clock or draws global randomness (``random_bytes`` is injected);
+it only logs.
+
+Transitions, all in this class:
+
+============================  ===================================================================
+input                         effect
+============================  ===================================================================
+setup (from a peer)           refused unless relaying, the packet opens (its AEAD check) and its
+                              ephemeral key is new (only then remembered: junk cannot flush the
+                              replay cache); a relay entry is added (bounded per peer and in
+                              total); the proxy acknowledges at once, a relay forwards the inner
+                              packet and waits for its next hop until an RFC 6298 deadline
+setup reply                   own path: the acknowledgement is checked (ready or failed); a
+                              relay: passed back with its backward layer (or the failure)
+cell                          own path: opened and decoded (``BackwardReceived``); a relay: one
+                              layer on and passed on; a proxy: opened and decoded, then a probe
+                              is answered or a clove delivered (only to directory model nodes,
+                              registering its reply tag). An error about one cell costs that
+                              cell (counted in ``cells_dropped``), never a stream
+delivery (at a model node)    passed up (``DeliverToModel``) only from directory users
+reply (at a proxy)            passed back under a live reply tag from its model node, after the
+                              model node's clove signature verified (only then is the tag spent)
+destroy                       own path failed, or the entry removed and the destroy passed on
+link failed                   nothing while the connection lives (the next send opens a new
+                              stream); otherwise every setup, entry and own path over the peer
+                              goes, with destroys to the other side
+send failed                   a setup whose next hop is unreachable fails at once; a delivery
+                              the proxy could not queue answers ``DeliveryFailed``
+tick                          expires setups past their deadline (heap-indexed), own paths past
+                              their setup deadline, idle entries and spent tags (O(expired))
+============================  ===================================================================
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ps_p2p.crypto import onion
+from ps_p2p.errors import CryptoError, RemoteProtocolError
+from ps_p2p.overlay.relay_table import Direction, RelayEntry, RelayTable
+from ps_p2p.overlay.rtt import RttTable
+from ps_p2p.records import short_peer_id as _short
+
+log = logging.getLogger(__name__)
+
+#: Bytes of a reply tag.
+REPLY_TAG_BYTES = 16
+#: Response cloves a model node may send under one reply tag: one (a user never sends the same
+#: request twice with the same tags).
+REPLIES_PER_TAG = 1
+#: Setup packets remembered to refuse replays (32 bytes each; oldest forgotten first).
+MAX_REMEMBERED_SETUPS = 200_000
+#: Longest reason string put in a setup reply or destroy.
+MAX_REASON_CHARS = 200
+
+
+# ----------------------------------------------------------------------------- domain payloads
+
+
+@dataclass(frozen=True)
+class Probe:
+    """User <-> proxy: a liveness probe (forward) or its answer (backward)."""
+
+    nonce: int
+
+
+@dataclass(frozen=True)
+class DeliverClove:
+    """User -> proxy: deliver ``clove`` to model node ``destination``; its answer comes back
+    under ``reply_tag`` (16 fresh bytes per request and path; empty: no reply expected)."""
+
+    destination: bytes
+    clove: bytes
+    reply_tag: bytes = b""
+
+
+@dataclass(frozen=True)
+class SignedClove:
+    """Proxy -> user: a response clove with its model node's signature, and the reply tag it
+    came under (the user checks the signature against that tag's model node)."""
+
+    clove: bytes
+    signature: bytes
+    reply_tag: bytes
+
+
+@dataclass(frozen=True)
+class DeliveryFailed:
+    """Proxy -> user: a clove could not be delivered."""
+
+    reason: str
+
+
+ForwardMessage = Probe | DeliverClove
+BackwardMessage = Probe | SignedClove | DeliveryFailed
+
+
+class PayloadCodec(Protocol):
+    """Wire form of the end-to-end payloads (implemented in :mod:`ps_p2p.protocols`)."""
+
+    def encode_forward(self, message: ForwardMessage) -> bytes: ...
+
+    def decode_forward(self, data: bytes) -> ForwardMessage:
+        """Raises RemoteProtocolError: malformed or empty."""
+        ...
+
+    def encode_backward(self, message: BackwardMessage) -> bytes: ...
+
+    def decode_backward(self, data: bytes) -> BackwardMessage | None:
+        """None for a kind this node does not use; raises RemoteProtocolError: malformed."""
+        ...
+
+    def tamper_clove(self, clove: bytes) -> bytes:
+        """TEST ONLY: corrupt a clove's fragment, keeping it parseable."""
+        ...
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class SendSetup:
+    peer: bytes
+    path_id: bytes
+    packet: bytes
+
+
+@dataclass(frozen=True)
+class SendSetupReply:
+    peer: bytes
+    path_id: bytes
+    ok: bool
+    ack: bytes = b""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class SendCell:
+    peer: bytes
+    path_id: bytes
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class SendDestroy:
+    peer: bytes
+    path_id: bytes
+    reason: str
+
+
+@dataclass(frozen=True)
+class SendDelivery:
+    """Proxy -> model node ``peer``: one request clove. ``path_id`` and ``in_peer`` name the
+    path it came on, for :meth:`RelayCore.send_failed`."""
+
+    peer: bytes
+    clove: bytes
+    in_peer: bytes
+    in_path_id: bytes
+
+
+@dataclass(frozen=True)
+class SendReply:
+    """Model node -> proxy ``peer``: one signed response clove under ``reply_tag``."""
+
+    peer: bytes
+    reply_tag: bytes
+    clove: bytes
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class DeliverToModel:
+    """A request clove for this node's own model service, from proxy ``proxy``."""
+
+    proxy: bytes
+    clove: bytes
+
+
+@dataclass(frozen=True)
+class PathReady:
+    token: Hashable
+
+
+@dataclass(frozen=True)
+class PathFailed:
+    """An own path failed (``was_ready``: it had been ready, i.e. it died)."""
+
+    token: Hashable
+    reason: str
+    was_ready: bool
+
+
+@dataclass(frozen=True)
+class BackwardReceived:
+    token: Hashable
+    message: BackwardMessage
+
+
+Command = (
+    SendSetup | SendSetupReply | SendCell | SendDestroy | SendDelivery | SendReply
+    | DeliverToModel | PathReady | PathFailed | BackwardReceived
+)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@dataclass
+class RelayConfig:
+    """Overlay settings; times in seconds.
+
+    Attributes:
+        relay: relay other users' paths (every user node does; model nodes may too).
+        serves_model: this node accepts deliveries (model nodes).
+        setup_timeout: floor of a hop's wait for its successor's reply (the wait itself is the
+            RFC 6298 timeout of the setup round trips to that successor).
+        relay_idle_timeout: relay entries with no traffic for this long are dropped (users probe
+            their paths every few seconds, so live paths never idle this long).
+        max_relay_entries, max_relay_entries_per_peer: paths relayed at most, in total and for
+            one predecessor.
+        max_reply_tags: live reply tags at most (the oldest is forgotten beyond it).
+        reply_tag_ttl: seconds a proxy forwards replies under a request's reply tag.
+        tamper: TEST ONLY (``--perturb tamper-clove``): corrupt the cells and cloves relayed.
+    """
+
+    relay: bool = True
+    serves_model: bool = False
+    setup_timeout: float = 5.0
+    relay_idle_timeout: float = 120.0
+    max_relay_entries: int = 10_000
+    max_relay_entries_per_peer: int = 1_000
+    max_reply_tags: int = 100_000
+    reply_tag_ttl: float = 600.0
+    tamper: bool = False
+
+
+@dataclass
+class RelayStats:
+    """Counters (for logs and metrics)."""
+
+    setups_relayed: int = 0
+    setups_failed: int = 0
+    setups_replayed: int = 0
+    cells_relayed: int = 0
+    cells_dropped: int = 0
+    deliveries: int = 0
+    deliveries_refused: int = 0
+    replies: int = 0
+    tampered: int = 0
+    #: relay entries and own paths torn down because the connection to a peer was lost
+    paths_lost_to_link_down: int = 0
+
+
+@dataclass
+class OwnPath:
+    """A path this node owns as a user (``token`` is the caller's handle on it)."""
+
+    path: onion.UserPath
+    token: Hashable
+    created_at: float
+    deadline: float
+    ready: bool = False
+
+    @property
+    def key(self) -> tuple[bytes, bytes]:
+        return (self.path.first_hop, self.path.first_path_id)
+
+
+@dataclass
+class _PendingSetup:
+    entry: RelayEntry
+    deadline: float
+    sent_at: float
+
+
+class RelayCore:
+    """Relay, proxy and path owner of one node (see the module docstring).
+
+    Args:
+        peer_id: this node's peer ID (bytes).
+        onion_key: this node's X25519 onion key pair.
+        codec: the end-to-end payloads' wire form.
+        config: :class:`RelayConfig`.
+        is_model_node, is_user: whether a peer is listed in that role by the current directory
+            (a proxy delivers only to model nodes; a model node accepts only from users).
+        verify_reply: ``verify_reply(model_node, clove, signature) -> bool``: the model node's
+            signature on a response clove (a proxy never passes on a reply it could be blamed
+            for).
+        random_bytes: randomness for path IDs and padding.
+
+    Attributes:
+        stats: :class:`RelayStats`; table: the :class:`RelayTable`.
+    """
+
+    def __init__(
+        self,
+        peer_id: bytes,
+        onion_key: onion.OnionKeyPair,
+        codec: PayloadCodec,
+        config: RelayConfig | None = None,
+        *,
+        is_model_node: Callable[[bytes], bool] = lambda peer: True,
+        is_user: Callable[[bytes], bool] = lambda peer: True,
+        verify_reply: Callable[[bytes, bytes, bytes], bool] = lambda peer, clove, sig: True,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.peer_id = peer_id
+        self.onion_key = onion_key
+        self.codec = codec
+        self.config = config or RelayConfig()
+        self._is_model_node = is_model_node
+        self._is_user = is_user
+        self._verify_reply = verify_reply
+        self._random_bytes = random_bytes
+        self.table = RelayTable(
+            self.config.max_relay_entries, self.config.max_relay_entries_per_peer,
+            max_tags=self.config.max_reply_tags,
+        )
+        self.stats = RelayStats()
+        self._paths: dict[tuple[bytes, bytes], OwnPath] = {}
+        self._path_deadlines: list[tuple[float, int, tuple[bytes, bytes]]] = []
+        self._seen_ephemeral: OrderedDict[bytes, None] = OrderedDict()
+        self._pending: dict[tuple[bytes, bytes], _PendingSetup] = {}
+        self._deadlines: list[tuple[float, int, tuple[bytes, bytes]]] = []
+        self._seq = itertools.count()
+        self._setup_rtt = RttTable(
+            initial_rto=self.config.setup_timeout, min_rto=self.config.setup_timeout
+        )
+
+    # ------------------------------------------------------------------ introspection
+
+    def own_paths(self) -> list[OwnPath]:
+        """This node's own paths (setting up or ready)."""
+        return list(self._paths.values())
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` next has work (setup deadlines, idle entries, tag expiry), or None;
+        O(1) (stale heap tops only make a tick come early)."""
+        times = [d[0] for d in (self._deadlines[:1] + self._path_deadlines[:1])]
+        expiry = self.table.next_expiry(self.config.relay_idle_timeout)
+        if expiry is not None:
+            times.append(expiry)
+        return min(times) if times else None
+
+    # ------------------------------------------------------------------ path owner
+
+    def open_path(
+        self, hops: list[onion.HopSpec], token: Hashable, now: float
+    ) -> tuple[OwnPath, list[Command]]:
+        """Start setting up a path through ``hops`` (the last is the proxy).
+
+        Returns:
+            the path and its commands; :class:`PathReady` or :class:`PathFailed` (with
+            ``token``) follows from a later input.
+
+        Raises:
+            CryptoError: an onion key no shared secret can be derived with (low order).
+        """
+        path, packet = onion.create_path(hops, random_bytes=self._random_bytes)
+        deadline = now + self.config.setup_timeout * (len(hops) + 1)
+        own = OwnPath(path, token, now, deadline)
+        self._paths[own.key] = own
+        heapq.heappush(self._path_deadlines, (deadline, next(self._seq), own.key))
+        return own, [SendSetup(path.first_hop, path.first_path_id, packet)]
+
+    def send_on_path(self, own: OwnPath, message: ForwardMessage, now: float) -> list[Command]:
+        """Seal ``message`` for the proxy as one cell on ``own`` ([] when it is not ready)."""
+        if not own.ready or self._paths.get(own.key) is not own:
+            return []
+        cell = own.path.seal_forward(self.codec.encode_forward(message))
+        return [SendCell(own.path.first_hop, own.path.first_path_id, cell)]
+
+    def close_path(self, own: OwnPath, reason: str, now: float) -> list[Command]:
+        """Tear ``own`` down (a Destroy to its first hop) and forget it."""
+        if self._paths.get(own.key) is not own:
+            return []
+        del self._paths[own.key]
+        return [SendDestroy(own.path.first_hop, own.path.first_path_id, reason[:MAX_REASON_CHARS])]
+
+    def _path_failed(self, own: OwnPath, reason: str) -> list[Command]:
+        if self._paths.get(own.key) is not own:
+            return []
+        del self._paths[own.key]
+        log.info("path via %s failed: %s", _short(own.path.first_hop), reason)
+        return [PathFailed(own.token, reason, own.ready)]
+
+    # ------------------------------------------------------------------ setup
+
+    def receive_setup(self, peer: bytes, path_id: bytes, packet: bytes, now: float) -> list[Command]:
+        """A setup packet from ``peer`` for the path ``path_id`` on that link.
+
+        Raises:
+            RemoteProtocolError: a path ID that is not 16 bytes (the frame itself is bad).
+        """
+        if len(path_id) != onion.PATH_ID_BYTES:
+            raise RemoteProtocolError(f"path ID of {len(path_id)} bytes")
+        if not self.config.relay:
+            return [SendSetupReply(peer, path_id, False, error="not relaying")]
+        ephemeral = bytes(packet[:32])
+        if ephemeral in self._seen_ephemeral:
+            self.stats.setups_replayed += 1
+            log.warning("replayed onion setup from %s refused", _short(peer))
+            return [SendSetupReply(peer, path_id, False, error="replayed setup packet")]
+        try:
+            hop, next_packet = onion.process_setup(
+                self.onion_key, packet, random_bytes=self._random_bytes
+            )
+        except (CryptoError, RemoteProtocolError) as exc:
+            self.stats.setups_failed += 1
+            log.info("onion setup from %s refused: %s", _short(peer), exc)
+            return [SendSetupReply(peer, path_id, False, error="bad setup packet")]
+        # only a packet that opened is remembered: junk cannot flush the cache
+        self._seen_ephemeral[ephemeral] = None
+        while len(self._seen_ephemeral) > MAX_REMEMBERED_SETUPS:
+            self._seen_ephemeral.popitem(last=False)
+        try:
+            entry = self.table.add(peer, path_id, hop, now)
+        except RemoteProtocolError as exc:
+            self.stats.setups_failed += 1
+            return [SendSetupReply(peer, path_id, False, error=str(exc)[:MAX_REASON_CHARS])]
+        self.stats.setups_relayed += 1
+        if hop.is_proxy:
+            return [SendSetupReply(peer, path_id, True, ack=hop.make_ack())]
+        assert hop.next_peer_id is not None and next_packet is not None
+        if hop.next_peer_id in (peer, self.peer_id):
+            self.table.remove(entry)
+            return [SendSetupReply(peer, path_id, False, error="loop in path")]
+        key = (hop.next_peer_id, hop.out_path_id)
+        deadline = now + self._setup_rtt.rto(hop.next_peer_id)
+        self._pending[key] = _PendingSetup(entry, deadline, now)
+        heapq.heappush(self._deadlines, (deadline, next(self._seq), key))
+        if len(self._deadlines) > 4 * len(self._pending) + 1024:  # answered setups pile up
+            self._deadlines = [(p.deadline, next(self._seq), k) for k, p in self._pending.items()]
+            heapq.heapify(self._deadlines)
+        return [SendSetup(hop.next_peer_id, hop.out_path_id, next_packet)]
+
+    def receive_setup_reply(
+        self, peer: bytes, path_id: bytes, ok: bool, ack: bytes, error: str, now: float
+    ) -> list[Command]:
+        """The reply to a setup this node sent to ``peer`` (as path owner or as relay)."""
+        key = (peer, path_id)
+        own = self._paths.get(key)
+        if own is not None and not own.ready:
+            if not ok:
+                return self._path_failed(own, f"setup refused: {error or 'no reason'}")
+            try:
+                own.path.check_ack(ack)
+            except (CryptoError, RemoteProtocolError) as exc:
+                return self._path_failed(own, f"bad acknowledgement: {exc}")
+            own.ready = True
+            return [PathReady(own.token)]
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            return []
+        self._setup_rtt.get(peer).sample(now - pending.sent_at)
+        entry = pending.entry
+        if not ok:
+            return self._fail_relay_setup(entry, error or "refused downstream")
+        try:
+            back = entry.hop.relay_backward(ack)
+        except (CryptoError, RemoteProtocolError) as exc:
+            return self._fail_relay_setup(entry, f"bad acknowledgement size: {exc}")
+        return [SendSetupReply(entry.in_peer, entry.in_path_id, True, ack=back)]
+
+    def _fail_relay_setup(self, entry: RelayEntry, error: str) -> list[Command]:
+        self.stats.setups_failed += 1
+        self.table.remove(entry)
+        return [SendSetupReply(entry.in_peer, entry.in_path_id, False, error=error[:MAX_REASON_CHARS])]
+
+    # ------------------------------------------------------------------ cells
+
+    def receive_cell(self, peer: bytes, path_id: bytes, payload: bytes, now: float) -> list[Command]:
+        """A cell from ``peer`` on the path ``path_id`` of that link. Never raises: whatever is
+        wrong with a cell concerns that cell's path alone."""
+        own = self._paths.get((peer, path_id))
+        if own is not None:
+            return self._own_backward(own, payload)
+        found = self.table.lookup(peer, path_id)
+        if found is None:
+            self.stats.cells_dropped += 1
+            return []
+        entry, direction = found
+        self.table.touch(entry, now)
+        hop = entry.hop
+        try:
+            if direction is Direction.BACKWARD:
+                out: list[Command] = [
+                    SendCell(entry.in_peer, entry.in_path_id, hop.relay_backward(payload))
+                ]
+            elif hop.is_proxy:
+                message = self.codec.decode_forward(hop.open_forward(payload))
+                out = self._proxy(entry, message, now)
+            else:
+                cell = hop.relay_forward(payload)
+                if self.config.tamper:
+                    cell = _flip_byte(cell)
+                    self.stats.tampered += 1
+                assert hop.next_peer_id is not None
+                out = [SendCell(hop.next_peer_id, hop.out_path_id, cell)]
+        except (CryptoError, RemoteProtocolError) as exc:
+            self.stats.cells_dropped += 1
+            log.warning("cell on a path from %s dropped: %s", _short(entry.in_peer), exc)
+            return []
+        self.stats.cells_relayed += 1
+        return out
+
+    def _proxy(self, entry: RelayEntry, message: ForwardMessage, now: float) -> list[Command]:
+        if isinstance(message, Probe):
+            return [self._backward(entry, message)]
+        destination, clove, tag = message.destination, message.clove, message.reply_tag
+        if not self._is_model_node(destination):
+            self.stats.deliveries_refused += 1
+            log.info("clove for %s refused: no model node of the directory", _short(destination))
+            return [self._backward(entry, DeliveryFailed("destination is no model node"))]
+        if len(tag) == REPLY_TAG_BYTES:
+            self.table.add_reply_tag(
+                tag, entry, destination, now, ttl=self.config.reply_tag_ttl, replies=REPLIES_PER_TAG
+            )
+        if self.config.tamper:
+            clove = self.codec.tamper_clove(clove)
+            self.stats.tampered += 1
+        if destination == self.peer_id:
+            return self.receive_delivery(self.peer_id, clove, now)
+        return [SendDelivery(destination, clove, entry.in_peer, entry.in_path_id)]
+
+    def _backward(self, entry: RelayEntry, message: BackwardMessage) -> SendCell:
+        cell = entry.hop.seal_backward(self.codec.encode_backward(message))
+        return SendCell(entry.in_peer, entry.in_path_id, cell)
+
+    def _own_backward(self, own: OwnPath, payload: bytes) -> list[Command]:
+        try:
+            message = self.codec.decode_backward(own.path.open_backward(payload))
+        except (CryptoError, RemoteProtocolError) as exc:
+            self.stats.cells_dropped += 1
+            log.warning("backward cell on own path dropped: %s", exc)
+            return []
+        return [] if message is None else [BackwardReceived(own.token, message)]
+
+    # ------------------------------------------------------------------ deliveries and replies
+
+    def receive_delivery(self, peer: bytes, clove: bytes, now: float) -> list[Command]:
+        """A request clove from proxy ``peer``; refused deliveries are dropped, never answered
+        by a reset (the proxy's stream carries other users' cloves)."""
+        if not self.config.serves_model:
+            self.stats.deliveries_refused += 1
+            log.info("delivery from %s refused: this node serves no model", _short(peer))
+            return []
+        if peer != self.peer_id and not self._is_user(peer):
+            self.stats.deliveries_refused += 1
+            log.info("delivery from %s refused: no user of the directory", _short(peer))
+            return []
+        self.stats.deliveries += 1
+        return [DeliverToModel(peer, clove)]
+
+    def send_reply(self, proxy: bytes, reply_tag: bytes, clove: bytes, signature: bytes) -> list[Command]:
+        """Model nodes: one signed response clove to a reply proxy under the request's tag."""
+        self.stats.replies += 1
+        return [SendReply(proxy, reply_tag, clove, signature)]
+
+    def receive_reply(
+        self, peer: bytes, reply_tag: bytes, clove: bytes, signature: bytes, now: float
+    ) -> list[Command]:
+        """A response clove from model node ``peer`` under ``reply_tag``."""
+        entry = self.table.find_reply(reply_tag, peer, now)
+        if entry is None:  # unknown, expired or spent tag, or not the tag's model node
+            self.stats.cells_dropped += 1
+            log.info("reply from %s under an unknown or spent reply tag dropped", _short(peer))
+            return []
+        if not self._verify_reply(peer, clove, signature):
+            # the model node's fault: never pass on a clove that would be pinned on this proxy
+            self.stats.cells_dropped += 1
+            log.warning("reply from %s with a bad clove signature dropped", _short(peer))
+            return []
+        self.table.spend_reply(reply_tag)
+        self.table.touch(entry, now)
+        if self.config.tamper:
+            clove = self.codec.tamper_clove(clove)
+            self.stats.tampered += 1
+        return [self._backward(entry, SignedClove(clove, signature, reply_tag))]
+
+    # ------------------------------------------------------------------ teardown
+
+    def receive_destroy(self, peer: bytes, path_id: bytes, reason: str, now: float) -> list[Command]:
+        """A Destroy from ``peer`` for the path ``path_id`` of that link."""
+        own = self._paths.get((peer, path_id))
+        if own is not None:
+            return self._path_failed(own, f"destroyed by the path: {reason or 'no reason'}")
+        found = self.table.lookup(peer, path_id)
+        if found is None:
+            return []
+        entry, direction = found
+        self.table.remove(entry)
+        reason = reason[:MAX_REASON_CHARS]
+        if direction is Direction.FORWARD:
+            if entry.hop.next_peer_id is not None:
+                return [SendDestroy(entry.hop.next_peer_id, entry.hop.out_path_id, reason)]
+            return []
+        return [SendDestroy(entry.in_peer, entry.in_path_id, reason)]
+
+    def link_failed(self, peer: bytes, reason: str, connected: bool, now: float) -> list[Command]:
+        """A stream to ``peer`` failed, or its connection closed (``connected``: a connection
+        to it is still open, so the paths over it live on and the next send reopens a stream)."""
+        if connected:
+            log.info("stream to %s failed (%s); connection alive, paths kept", _short(peer), reason)
+            return []
+        out: list[Command] = []
+        for key, pending in list(self._pending.items()):
+            if key[0] == peer:
+                del self._pending[key]
+                out += self._fail_relay_setup(pending.entry, f"next hop unreachable: {reason}")
+        for entry in self.table.remove_peer(peer):
+            self.stats.paths_lost_to_link_down += 1
+            if entry.in_peer == peer:
+                if entry.hop.next_peer_id is not None:
+                    out.append(SendDestroy(entry.hop.next_peer_id, entry.hop.out_path_id, "hop down"))
+            else:
+                out.append(SendDestroy(entry.in_peer, entry.in_path_id, "next hop down"))
+        for own in list(self._paths.values()):
+            if own.path.first_hop == peer:
+                self.stats.paths_lost_to_link_down += 1
+                out += self._path_failed(own, f"first hop down: {reason}")
+        return out
+
+    def send_failed(self, command: Command, now: float) -> list[Command]:
+        """The driver could not queue ``command`` (queue full, or its peer is in dial back-off)."""
+        if isinstance(command, SendSetup):
+            pending = self._pending.pop((command.peer, command.path_id), None)
+            if pending is not None:
+                return self._fail_relay_setup(pending.entry, "next hop unreachable")
+            own = self._paths.get((command.peer, command.path_id))
+            if own is not None:
+                return self._path_failed(own, "first hop unreachable")
+        elif isinstance(command, SendDelivery):
+            found = self.table.lookup(command.in_peer, command.in_path_id)
+            if found is not None:
+                return [self._backward(found[0], DeliveryFailed("proxy could not reach the model node"))]
+        return []
+
+    # ------------------------------------------------------------------ timers
+
+    def tick(self, now: float) -> list[Command]:
+        """Expire setups past their deadline, idle entries and spent tags (O(expired))."""
+        out: list[Command] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, key = heapq.heappop(self._deadlines)
+            pending = self._pending.get(key)
+            if pending is None or pending.deadline != deadline:
+                continue  # answered, or replaced by a newer setup
+            del self._pending[key]
+            self._setup_rtt.get(key[0]).timed_out()
+            out += self._fail_relay_setup(pending.entry, "timeout waiting for the next hop")
+        while self._path_deadlines and self._path_deadlines[0][0] <= now:
+            _, _, key = heapq.heappop(self._path_deadlines)
+            own = self._paths.get(key)
+            if own is not None and not own.ready and now >= own.deadline:
+                out += self._path_failed(own, "setup timed out")
+        for entry in self.table.expire(now, self.config.relay_idle_timeout):
+            log.debug("relay entry from %s idle, dropped", _short(entry.in_peer))
+        return out
+
+
+def _flip_byte(data: bytes) -> bytes:
+    if not data:
+        return data
+    i = len(data) // 2
+    return data[:i] + bytes([data[i] ^ 0x5A]) + data[i + 1 :]
+
+
+__all__ = [
+    "BackwardMessage",
+    "BackwardReceived",
+    "Command",
+    "DeliverClove",
+    "DeliverToModel",
+    "DeliveryFailed",
+    "ForwardMessage",
+    "OwnPath",
+    "PathFailed",
+    "PathReady",
+    "PayloadCodec",
+    "Probe",
+    "REPLY_TAG_BYTES",
+    "RelayConfig",
+    "RelayCore",
+    "RelayStats",
+    "SendCell",
+    "SendDelivery",
+    "SendDestroy",
+    "SendReply",
+    "SendSetup",
+    "SendSetupReply",
+    "SignedClove",
+]

@@ -1,0 +1,177 @@
+"""The one generic driver of a pure core: an inbox, a timer and command execution (DESIGN.md
+"Layers").
+
+Every protocol core (the overlay's :class:`~ps_p2p.overlay.relay.RelayCore`, the model node's
+dispatch, and later consensus and gossip) has the same shape: inputs are method calls that take
+``now`` and return a list of commands, ``tick(now)`` does the timer work and ``next_deadline()``
+says when it is next due. :class:`CoreDriver` runs such a core in one task:
+
+* stream handlers decode a frame and :meth:`CoreDriver.submit` a bound input (e.g.
+  ``functools.partial(core.receive_cell, peer, path_id, payload)``); ``submit`` never blocks: a
+  full inbox drops the input (counted), as a congested router drops a packet;
+* the task takes inputs in arrival order, calls each with the current time, and hands every
+  command to ``execute`` (which must not block either: link queues, events); it takes every
+  input already queued (up to :data:`MAX_BATCH`) before it yields, so link writers coalesce the
+  frames of a burst into few writes;
+* when ``next_deadline()`` passes (or every ``tick_interval`` seconds, if given) it calls
+  ``tick(now)``;
+* an input or command that raises is logged and costs only itself; the driver never dies of it.
+
+Code that runs on the same trio thread (the node's own calls, e.g. opening a path) may call the
+core directly and execute the commands itself, then :meth:`CoreDriver.wake` the driver so it
+re-reads ``next_deadline()``: trio never switches tasks inside a synchronous call, so every input
+still applies atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+import trio
+
+from ps_p2p.errors import PsError
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C")
+
+#: Inputs queued at most before :meth:`CoreDriver.submit` drops them.
+DEFAULT_INBOX = 8192
+#: Inputs taken in one go before the driver yields to other tasks.
+MAX_BATCH = 512
+
+Input = Callable[[float], Iterable[C]]
+
+
+class CoreDriver(Generic[C]):
+    """Runs one core (see the module docstring).
+
+    Args:
+        name: for logs.
+        execute: carries out one command; must not block.
+        tick: ``tick(now) -> commands``, the core's timer work.
+        next_deadline: ``() -> float | None``, when ``tick`` is next due (trio clock seconds).
+        tick_interval: also tick at least this often (seconds); None: only at deadlines.
+        inbox: inputs queued at most.
+        clock: trio's clock (``trio.current_time``), injectable for tests.
+
+    Attributes:
+        dropped: inputs refused because the inbox was full.
+        failed: inputs or commands that raised (logged).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        execute: Callable[[C], None],
+        tick: Callable[[float], Iterable[C]],
+        next_deadline: Callable[[], float | None],
+        tick_interval: float | None = None,
+        inbox: int = DEFAULT_INBOX,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.name = name
+        self._execute = execute
+        self._tick = tick
+        self._next_deadline = next_deadline
+        self._tick_interval = tick_interval
+        self._clock = clock
+        self._send, self._receive = trio.open_memory_channel[Input[C] | None](inbox)
+        self._next_tick = -math.inf
+        self.dropped = 0
+        self.failed = 0
+
+    def submit(self, event: Input[C]) -> bool:
+        """Queue one input for the driver task; never blocks.
+
+        Returns:
+            False when the inbox is full (the input is dropped and counted) or closed.
+        """
+        try:
+            self._send.send_nowait(event)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.dropped += 1
+            if self.dropped in (1, 100, 10_000, 1_000_000):
+                log.warning("%s: inbox full, %d input(s) dropped", self.name, self.dropped)
+            return False
+        return True
+
+    def wake(self) -> None:
+        """Make the driver re-read ``next_deadline()`` (after a direct call to the core)."""
+        try:
+            self._send.send_nowait(None)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # a full inbox wakes it anyway
+
+    def run_commands(self, commands: Iterable[C]) -> None:
+        """Execute ``commands`` now, each guarded (for direct calls to the core)."""
+        for command in commands:
+            try:
+                self._execute(command)
+            except Exception:  # one command's failure must not stop the others
+                self.failed += 1
+                log.exception("%s: command %s failed", self.name, type(command).__name__)
+
+    def _deadline(self) -> float:
+        deadline = self._next_deadline()
+        at = math.inf if deadline is None else deadline
+        if self._tick_interval is not None:
+            at = min(at, self._next_tick)
+        return at
+
+    def _do_tick(self, now: float) -> None:
+        if self._tick_interval is not None:
+            self._next_tick = now + self._tick_interval
+        try:
+            commands = list(self._tick(now))
+        except Exception:
+            self.failed += 1
+            log.exception("%s: tick failed", self.name)
+            return
+        self.run_commands(commands)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve inputs and timers until cancelled."""
+        self._next_tick = self._clock() + (self._tick_interval or 0.0)
+        task_status.started()
+        async with self._receive:
+            while True:
+                event: Input[C] | None = None
+                got = False
+                with trio.move_on_at(self._deadline()):
+                    event = await self._receive.receive()
+                    got = True
+                now = self._clock()
+                if got:
+                    # Take what else is queued before yielding: the link writers then find
+                    # many frames per peer and coalesce them into one write (one Noise and
+                    # Yamux message instead of one per cell).
+                    for _ in range(MAX_BATCH):
+                        if event is not None:
+                            self._apply(event, now)
+                        try:
+                            event = self._receive.receive_nowait()
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                if now >= self._deadline():
+                    self._do_tick(now)
+
+    def _apply(self, event: Input[C], now: float) -> None:
+        try:
+            commands = list(event(now))
+        except PsError as exc:
+            self.failed += 1
+            log.warning("%s: input refused: %s", self.name, exc)
+            return
+        except Exception:
+            self.failed += 1
+            log.exception("%s: input failed", self.name)
+            return
+        self.run_commands(commands)
+
+
+__all__ = ["CoreDriver", "DEFAULT_INBOX"]
