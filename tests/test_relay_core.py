@@ -1,0 +1,227 @@
+"""The overlay's pure core (ps_p2p.overlay.relay.RelayCore) on injected time, no hosts."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from ps_p2p.crypto import onion
+from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.overlay import relay as r
+
+ME, PREV, NEXT, MODEL, USER, STRANGER = (bytes([i]) * 38 for i in range(1, 7))
+
+
+class FakeCodec:
+    """Payloads as pickles (the core must not care about the wire form)."""
+
+    def encode_forward(self, message):
+        return pickle.dumps(message)
+
+    def decode_forward(self, data):
+        try:
+            return pickle.loads(data)
+        except Exception as exc:
+            raise RemoteProtocolError(f"bad payload: {exc}") from exc
+
+    encode_backward = encode_forward
+    decode_backward = decode_forward
+
+    def tamper_clove(self, clove):
+        return clove[::-1]
+
+
+def _core(**config) -> tuple[r.RelayCore, onion.OnionKeyPair]:
+    key = onion.OnionKeyPair.generate()
+    core = r.RelayCore(
+        ME, key, FakeCodec(), r.RelayConfig(**config),
+        is_model_node=lambda peer: peer == MODEL,
+        is_user=lambda peer: peer in (USER, PREV),
+        verify_reply=lambda peer, clove, sig: sig == b"good",
+    )
+    return core, key
+
+
+def _proxy_path(core_key, now=0.0, core=None):
+    """A one-hop path whose proxy is the core; returns the user's path and the core's ack."""
+    path, packet = onion.create_path([onion.HopSpec(ME, core_key.public)])
+    out = core.receive_setup(PREV, path.first_path_id, packet, now)
+    assert out == [r.SendSetupReply(PREV, path.first_path_id, True, ack=out[0].ack)]
+    path.check_ack(out[0].ack)
+    return path
+
+
+def test_a_proxy_acknowledges_a_setup_at_once():
+    core, key = _core()
+    _proxy_path(key, core=core)
+    assert core.stats.setups_relayed == 1 and len(core.table) == 1
+
+
+def test_a_relay_forwards_the_setup_and_passes_the_reply_back():
+    core, key = _core()
+    nxt = onion.OnionKeyPair.generate()
+    path, packet = onion.create_path(
+        [onion.HopSpec(ME, key.public), onion.HopSpec(NEXT, nxt.public)]
+    )
+    (send,) = core.receive_setup(PREV, path.first_path_id, packet, now=0.0)
+    assert isinstance(send, r.SendSetup) and send.peer == NEXT
+    hop, _ = onion.process_setup(nxt, send.packet)
+    (reply,) = core.receive_setup_reply(NEXT, send.path_id, True, hop.make_ack(), "", now=0.1)
+    assert reply.peer == PREV and reply.ok
+    path.check_ack(reply.ack)
+
+
+@pytest.mark.parametrize("answered_at, expect_failure", [(None, True), (1.0, False)])
+def test_a_setup_the_next_hop_never_answers_fails_at_its_deadline(answered_at, expect_failure):
+    core, key = _core(setup_timeout=5.0)
+    nxt = onion.OnionKeyPair.generate()
+    path, packet = onion.create_path(
+        [onion.HopSpec(ME, key.public), onion.HopSpec(NEXT, nxt.public)]
+    )
+    (send,) = core.receive_setup(PREV, path.first_path_id, packet, now=0.0)
+    assert core.next_deadline() == 5.0
+    if answered_at is not None:
+        hop, _ = onion.process_setup(nxt, send.packet)
+        core.receive_setup_reply(NEXT, send.path_id, True, hop.make_ack(), "", now=answered_at)
+    out = core.tick(now=5.0)
+    failures = [c for c in out if isinstance(c, r.SendSetupReply) and not c.ok]
+    assert bool(failures) is expect_failure
+    assert len(core.table) == (0 if expect_failure else 1)
+
+
+def test_a_replayed_setup_is_refused_but_junk_is_never_remembered():
+    core, key = _core()
+    path, packet = onion.create_path([onion.HopSpec(ME, key.public)])
+    junk = packet[:32] + bytes(len(packet) - 32)  # the same ephemeral key, a broken layer
+    (refused,) = core.receive_setup(PREV, b"j" * 16, junk, now=0.0)
+    assert not refused.ok and refused.error == "bad setup packet"
+    (ok,) = core.receive_setup(PREV, path.first_path_id, packet, now=0.0)
+    assert ok.ok  # junk with its ephemeral key did not block the real packet
+    (replayed,) = core.receive_setup(PREV, b"k" * 16, packet, now=0.0)
+    assert not replayed.ok and core.stats.setups_replayed == 1
+
+
+def test_a_bad_path_id_is_a_protocol_error_of_the_frame():
+    core, _ = _core()
+    with pytest.raises(RemoteProtocolError):
+        core.receive_setup(PREV, b"short", bytes(onion.SETUP_PACKET_BYTES), now=0.0)
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        (r.Probe(7), r.Probe(7)),
+        (r.DeliverClove(STRANGER, b"clove", b"t" * 16), r.DeliveryFailed("destination is no model node")),
+        (r.DeliverClove(USER, b"clove", b"t" * 16), r.DeliveryFailed("destination is no model node")),
+    ],
+)
+def test_a_proxy_answers_probes_and_refuses_deliveries_to_non_model_nodes(message, expected):
+    core, key = _core()
+    path = _proxy_path(key, core=core)
+    (back,) = core.receive_cell(PREV, path.first_path_id, path.seal_forward(pickle.dumps(message)), 1.0)
+    assert isinstance(back, r.SendCell) and back.peer == PREV
+    assert pickle.loads(path.open_backward(back.payload)) == expected
+    assert core.table.tag_count == 0  # no tag registered for a node that is no model node
+
+
+def test_a_delivery_to_a_model_node_registers_its_reply_tag():
+    core, key = _core()
+    path = _proxy_path(key, core=core)
+    deliver = r.DeliverClove(MODEL, b"clove", b"t" * 16)
+    (out,) = core.receive_cell(PREV, path.first_path_id, path.seal_forward(pickle.dumps(deliver)), 1.0)
+    assert out == r.SendDelivery(MODEL, b"clove", PREV, path.first_path_id)
+    assert core.table.tag_count == 1
+    # the model node could not be reached: the user hears of it
+    (failed,) = core.send_failed(out, 1.0)
+    assert pickle.loads(path.open_backward(failed.payload)) == r.DeliveryFailed(
+        "proxy could not reach the model node"
+    )
+
+
+def test_a_malformed_payload_costs_that_cell_only():
+    core, key = _core()
+    path = _proxy_path(key, core=core)
+    assert core.receive_cell(PREV, path.first_path_id, path.seal_forward(b"not a pickle"), 1.0) == []
+    assert core.receive_cell(PREV, path.first_path_id, b"\x00" * 100, 1.0) == []  # fails the AEAD
+    assert core.stats.cells_dropped == 2 and len(core.table) == 1
+
+
+@pytest.mark.parametrize(
+    "sender, tag, signature, passes",
+    [
+        (MODEL, b"t" * 16, b"good", True),
+        (MODEL, b"t" * 16, b"bad", False),  # the model node's own bad signature
+        (STRANGER, b"t" * 16, b"good", False),  # another peer under the live tag
+        (MODEL, b"u" * 16, b"good", False),  # an unknown tag
+    ],
+)
+def test_replies_pass_only_under_a_live_tag_from_its_model_node_with_its_signature(
+    sender, tag, signature, passes
+):
+    core, key = _core()
+    path = _proxy_path(key, core=core)
+    deliver = r.DeliverClove(MODEL, b"clove", b"t" * 16)
+    core.receive_cell(PREV, path.first_path_id, path.seal_forward(pickle.dumps(deliver)), 1.0)
+    out = core.receive_reply(sender, tag, b"answer", signature, now=2.0)
+    assert bool(out) is passes
+    if passes:
+        assert pickle.loads(path.open_backward(out[0].payload)) == r.SignedClove(
+            b"answer", b"good", b"t" * 16
+        )
+        assert core.receive_reply(MODEL, tag, b"answer", b"good", now=3.0) == []  # spent
+    else:
+        assert core.table.tag_count == 1  # a refused reply spends nothing
+
+
+@pytest.mark.parametrize(
+    "serves_model, sender, delivered",
+    [(True, USER, True), (True, STRANGER, False), (False, USER, False)],
+)
+def test_model_nodes_accept_deliveries_only_from_directory_users(serves_model, sender, delivered):
+    core, _ = _core(serves_model=serves_model)
+    out = core.receive_delivery(sender, b"clove", now=0.0)
+    assert out == ([r.DeliverToModel(sender, b"clove")] if delivered else [])
+
+
+@pytest.mark.parametrize("connected, lost", [(True, 0), (False, 1)])
+def test_a_failed_stream_drops_paths_only_when_the_connection_is_gone(connected, lost):
+    core, key = _core()
+    _proxy_path(key, core=core)
+    core.link_failed(PREV, "reset", connected, now=1.0)
+    assert len(core.table) == 1 - lost
+    assert core.stats.paths_lost_to_link_down == lost
+
+
+def test_own_path_ready_then_cells_both_ways():
+    core, _ = _core()
+    proxy_key = onion.OnionKeyPair.generate()
+    own, (setup,) = core.open_path([onion.HopSpec(NEXT, proxy_key.public)], "token", now=0.0)
+    hop, _ = onion.process_setup(proxy_key, setup.packet)
+    assert core.receive_setup_reply(NEXT, setup.path_id, True, hop.make_ack(), "", 0.1) == [
+        r.PathReady("token")
+    ]
+    (cell,) = core.send_on_path(own, r.Probe(1), now=0.2)
+    assert pickle.loads(hop.open_forward(cell.payload)) == r.Probe(1)
+    back = hop.seal_backward(pickle.dumps(r.Probe(1)))
+    assert core.receive_cell(NEXT, setup.path_id, back, 0.3) == [r.BackwardReceived("token", r.Probe(1))]
+
+
+def test_own_path_setup_times_out():
+    core, _ = _core(setup_timeout=2.0)
+    proxy_key = onion.OnionKeyPair.generate()
+    core.open_path([onion.HopSpec(NEXT, proxy_key.public)], "token", now=0.0)
+    assert core.tick(now=3.9) == []
+    assert core.tick(now=4.0) == [r.PathFailed("token", "setup timed out", False)]
+
+
+def test_idle_entries_and_tags_expire_at_the_deadline_the_core_announces():
+    core, key = _core(relay_idle_timeout=10.0, reply_tag_ttl=4.0)
+    path = _proxy_path(key, core=core)
+    deliver = r.DeliverClove(MODEL, b"clove", b"t" * 16)
+    core.receive_cell(PREV, path.first_path_id, path.seal_forward(pickle.dumps(deliver)), 1.0)
+    assert core.next_deadline() == 5.0  # the tag
+    core.tick(5.0)
+    assert core.table.tag_count == 0 and core.next_deadline() == 11.0  # the idle entry
+    core.tick(11.0)
+    assert len(core.table) == 0 and core.next_deadline() is None
