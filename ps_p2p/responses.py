@@ -91,3 +91,27 @@ def verify_response(
     """
     data = signing_bytes(request_id, req_hash, content, signed_at_ms, model_node)
     records.verify_signature(model_node, data, signature)
+
+
+def sign_response(
+    signer: records.Signer, request_id: bytes, req_hash: bytes, content: ResponseContent,
+    signed_at_ms: int,
+) -> bytes:
+    """A model node's signature over one response (:func:`signing_bytes`, its own peer ID)."""
+    return signer.sign(signing_bytes(request_id, req_hash, content, signed_at_ms, signer.peer_id))
+
+
+def sign_clove(signer: records.Signer, message_id: bytes, clove: bytes) -> bytes:
+    """A model node's signature over one serialized response clove
+    (:func:`ps_p2p.records.clove_signing_bytes`): proxies and users check it per clove."""
+    return signer.sign(records.clove_signing_bytes(message_id, clove))
+
+
+def verify_clove(model_node: bytes, message_id: bytes, clove: bytes, signature: bytes) -> None:
+    """Check :func:`sign_clove`'s signature.
+
+    Raises:
+        InvalidSignatureError: it does not verify under ``model_node``'s key.
+        RemoteProtocolError: ``model_node`` is not an Ed25519 peer ID.
+    """
+    records.verify_signature(model_node, records.clove_signing_bytes(message_id, clove), signature)

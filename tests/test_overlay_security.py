@@ -133,10 +133,11 @@ async def test_a_model_node_cannot_get_honest_proxies_convicted(monkeypatch):
         assert first.ok, first.error
         (response_id,) = list(client._audits)  # the answer M2 is told about
 
-        def forged_answer(self, q_bytes, request, threshold, content):
-            cloves = sida.encode(b"forged", total=len(request.reply_proxies), threshold=threshold,
+        def forged_answer(self, waiter, content):
+            proxies = waiter.query.reply_proxies
+            cloves = sida.encode(b"forged", total=len(proxies), threshold=waiter.threshold,
                                  message_id=response_id)
-            for proxy, clove in zip(request.reply_proxies, cloves):
+            for proxy, clove in zip(proxies, cloves):
                 raw = clove_to_bytes(clove)
                 sig = self.identity.sign(records.clove_signing_bytes(clove.message_id, raw))
                 self.overlay.send_reply(proxy.peer_id, proxy.reply_tag, raw, sig)

@@ -288,6 +288,16 @@ class CloveAssembler:
         events.append(ReassemblyFailed(message_id, reason))
         return events
 
+    def next_expiry(self) -> float | None:
+        """When :meth:`expire` next has work (the oldest incomplete message or completed ID
+        reaches ``ttl``), or None; O(1)."""
+        times = []
+        if self._pending:
+            times.append(next(iter(self._pending.values())).first_seen + self.ttl)
+        if self._completed:
+            times.append(next(iter(self._completed.values())) + self.ttl)
+        return min(times) if times else None
+
     def expire(self, now: float) -> list[bytes]:
         """Drop incomplete messages whose first clove is ``ttl`` or more seconds old.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ps_p2p import records
+from ps_p2p import responses
 from ps_p2p.crypto import onion
 from ps_p2p.errors import PsError, RemoteProtocolError
 from ps_p2p.pb.planetserve.v1 import clove_pb2
@@ -62,10 +62,10 @@ def encode_reply(reply_tag: bytes, clove: bytes, signature: bytes) -> bytes:
 
 def verify_reply(model_node: bytes, clove: bytes, signature: bytes) -> bool:
     """Whether ``signature`` is ``model_node``'s signature over the response clove ``clove``
-    (:func:`ps_p2p.records.clove_signing_bytes`)."""
+    (:func:`ps_p2p.responses.sign_clove`)."""
     try:
         message_id = parse(clove_pb2.Clove, clove).message_id
-        records.verify_signature(model_node, records.clove_signing_bytes(message_id, clove), signature)
+        responses.verify_clove(model_node, message_id, clove, signature)
     except PsError:
         return False
     return True

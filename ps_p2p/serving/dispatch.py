@@ -1,0 +1,345 @@
+"""The model node's dispatch: request cloves in, jobs and answers out (pure core).
+
+Source: PlanetServe sec. 3.2 (a model node rebuilds Q from any k cloves and answers through the
+n reply proxies Q names) and sec. 3.3 (admission by load; the forwarding decision of a later
+issue goes here, between a decoded request and its job). No I/O, clock or protobuf: ``now`` comes
+in, Q arrives already decoded by the injected ``decode_query``, and the commands go to the
+driver (:mod:`ps_p2p.roles.model`), which runs the engine, signs and sends.
+
+=============================  ==================================================================
+input                          effect
+=============================  ==================================================================
+clove from proxy P             dropped unless its threshold is >= 2, it is P's first clove of
+                               that message, and P has fewer than ``max_cloves_per_proxy``
+                               cloves of incomplete requests buffered; else reassembled (bytes
+                               bounded in total, the oldest incomplete request evicted)
+request decoded                a resent request (same Q but its reply proxies) is answered from
+                               the answer cache, or joins the job in service (at most
+                               ``max_waiters``); a bad request (bad ID, wrong model, sizes,
+                               sampling parameters out of range) is answered with its error at
+                               once; past ``capacity + max_queue`` the answer is OVERLOADED;
+                               otherwise ``StartJob``
+job started / finished         load tracking (F_LB); the answer goes to every waiter, an OK one
+                               is cached ``cache_ttl`` seconds
+tick                           expiry of incomplete requests and cached answers (both in order)
+=============================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ps_p2p.crypto import sida
+from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.gossip.load import LoadTracker
+from ps_p2p.inference import InferenceQuery, ResponseStatus
+from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
+from ps_p2p.records import short_peer_id as _short
+from ps_p2p.responses import ResponseContent
+
+log = logging.getLogger(__name__)
+
+#: Most tokens a request may ask for.
+MAX_TOKENS_LIMIT = 4096
+#: Longest prompt accepted (characters) before tokenization.
+MAX_PROMPT_CHARS = 512 * 1024
+#: Reply proxies a request may name.
+MAX_REPLY_PROXIES = sida.MAX_TOTAL
+#: Smallest S-IDA threshold accepted (k = 1 would let one proxy's clove decode alone and close
+#: the message ID to the honest cloves; no honest user sends it).
+MIN_THRESHOLD = 2
+#: Largest sampling temperature accepted.
+MAX_TEMPERATURE = 100.0
+_RETRY_KEY_DOMAIN = b"planetserve/v1/retry-key\x00"
+
+
+@dataclass
+class DispatchConfig:
+    """Limits of a model node's dispatch; times in seconds.
+
+    Attributes:
+        capacity: requests served concurrently (C of the load factor).
+        max_queue: requests waiting beyond ``capacity`` before OVERLOADED answers.
+        cache_ttl: an OK answer stays cached this long for resent requests.
+        max_cached: answers cached at most.
+        reassembly_ttl: an incomplete request waits this long for its cloves.
+        max_pending_requests: incomplete requests held at most (oldest evicted).
+        max_reassembly_bytes: clove bytes buffered at most, over all proxies (oldest evicted).
+        max_cloves_per_proxy: cloves of incomplete requests one proxy may have buffered: an
+            honest proxy carries one clove of each request in flight through it, and a request
+            completes within milliseconds of its k-th clove.
+        max_tracked_messages: message IDs whose delivering proxies are remembered.
+        max_waiters: copies of one request (resent over fresh paths) answered from one job.
+    """
+
+    capacity: int = 2
+    max_queue: int = 64
+    cache_ttl: float = 300.0
+    max_cached: int = 10_000
+    reassembly_ttl: float = 60.0
+    max_pending_requests: int = 2048
+    max_reassembly_bytes: int = 64 * 1024 * 1024
+    max_cloves_per_proxy: int = 256
+    max_tracked_messages: int = 20_000
+    max_waiters: int = 8
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """One sending of a request, to be answered: its Q bytes (the answer signs their hash), Q
+    and the threshold k its cloves used (the answer uses the same)."""
+
+    q_bytes: bytes
+    query: InferenceQuery
+    threshold: int
+
+
+@dataclass(frozen=True)
+class StartJob:
+    """Run ``query`` on the engine; report with :meth:`Dispatcher.job_started` and
+    :meth:`Dispatcher.job_finished` under ``key``."""
+
+    key: bytes
+    query: InferenceQuery
+
+
+@dataclass(frozen=True)
+class SendAnswer:
+    """Sign ``content`` for ``waiter`` and send it through its reply proxies."""
+
+    waiter: Waiter
+    content: ResponseContent
+
+
+Command = StartJob | SendAnswer
+
+
+@dataclass
+class _Job:
+    query: InferenceQuery
+    waiters: list[Waiter] = field(default_factory=list)
+    started_at: float | None = None
+
+
+@dataclass
+class _Cached:
+    content: ResponseContent
+    expires_at: float
+
+
+def retry_key(query: InferenceQuery) -> bytes:
+    """What identifies a resent request: everything in Q but the reply proxies.
+
+    Never the request ID alone: a reply proxy sees response cloves, and one that could replay a
+    request ID with its own reply proxies would receive the user's answer.
+    """
+    p = query.params
+
+    def lp(data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + data
+
+    return hashlib.sha256(
+        _RETRY_KEY_DOMAIN
+        + lp(query.request_id)
+        + lp(query.model_id.encode())
+        + lp(query.prompt.encode("utf-8", "surrogatepass"))
+        + struct.pack(">IddQ", p.max_tokens, p.temperature, p.top_p, p.seed)
+        + lp(query.preferred_model_node)
+    ).digest()
+
+
+class Dispatcher:
+    """Model node dispatch (see the module docstring).
+
+    Args:
+        model_id: the model this node serves.
+        decode_query: Q's bytes -> :class:`InferenceQuery`; raises RemoteProtocolError.
+        config: :class:`DispatchConfig`.
+
+    Attributes:
+        load: the :class:`~ps_p2p.gossip.load.LoadTracker` (F_LB).
+        dropped_cloves: request cloves refused (second from one proxy, threshold < 2, over the
+            proxy's share).
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        decode_query: Callable[[bytes], InferenceQuery],
+        config: DispatchConfig | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.config = config or DispatchConfig()
+        self._decode_query = decode_query
+        self.load = LoadTracker(self.config.capacity, self.config.max_queue)
+        self.assembler = CloveAssembler(
+            ttl=self.config.reassembly_ttl,
+            max_messages=self.config.max_pending_requests,
+            max_bytes=self.config.max_reassembly_bytes,
+        )
+        self._jobs: dict[bytes, _Job] = {}
+        self._cache: OrderedDict[bytes, _Cached] = OrderedDict()
+        self._senders: OrderedDict[bytes, set[bytes]] = OrderedDict()
+        # incomplete request -> proxies with a clove of it buffered; proxy -> such cloves
+        self._buffered_by: dict[bytes, list[bytes]] = {}
+        self.per_proxy: dict[bytes, int] = {}
+        self.dropped_cloves = 0
+
+    # ------------------------------------------------------------------ cloves
+
+    def receive_clove(self, proxy: bytes, clove: sida.Clove, now: float) -> list[Command]:
+        """One request clove delivered by ``proxy`` (already checked by ``Clove.check``)."""
+        if clove.threshold < MIN_THRESHOLD:
+            self.dropped_cloves += 1
+            log.warning("clove with threshold %d from proxy %s dropped", clove.threshold, _short(proxy))
+            return []
+        senders = self._senders.get(clove.message_id)
+        if senders is None:
+            senders = self._senders[clove.message_id] = set()
+            while len(self._senders) > self.config.max_tracked_messages:
+                self._senders.popitem(last=False)
+        if proxy in senders:
+            # honest cloves of one request come from n distinct proxies: a proxy that sends k
+            # cloves of its own making under a message ID it saw cannot hijack it
+            self.dropped_cloves += 1
+            log.warning("second clove of one request from proxy %s dropped", _short(proxy))
+            return []
+        if self.assembler.is_completed(clove.message_id):
+            return []  # a late clove of a request already decoded
+        if self.per_proxy.get(proxy, 0) >= self.config.max_cloves_per_proxy:
+            self.dropped_cloves += 1
+            log.warning("proxy %s has %d cloves of incomplete requests buffered; clove dropped",
+                        _short(proxy), self.config.max_cloves_per_proxy)
+            return []
+        senders.add(proxy)
+        self._buffered_by.setdefault(clove.message_id, []).append(proxy)
+        self.per_proxy[proxy] = self.per_proxy.get(proxy, 0) + 1
+        out: list[Command] = []
+        for event in self.assembler.receive_clove(clove, now):
+            self._release(event.message_id)
+            if isinstance(event, ReassemblyFailed):
+                log.warning("request %s: %s", event.message_id.hex()[:8], event.reason)
+            elif isinstance(event, MessageReassembled):
+                out += self._on_request(event.payload, event.threshold, now)
+        return out
+
+    def _release(self, message_id: bytes) -> None:
+        for proxy in self._buffered_by.pop(message_id, ()):
+            left = self.per_proxy.get(proxy, 1) - 1
+            if left > 0:
+                self.per_proxy[proxy] = left
+            else:
+                self.per_proxy.pop(proxy, None)
+
+    # ------------------------------------------------------------------ requests
+
+    def _on_request(self, q_bytes: bytes, threshold: int, now: float) -> list[Command]:
+        try:
+            query = self._decode_query(q_bytes)
+        except RemoteProtocolError as exc:
+            log.warning("undecodable request dropped: %s", exc)
+            return []
+        n_proxies = len(query.reply_proxies)
+        if n_proxies < threshold or n_proxies > MAX_REPLY_PROXIES:
+            log.warning("request %s names %d reply proxies for threshold %d; cannot answer",
+                        query.request_id.hex()[:8], n_proxies, threshold)
+            return []
+        waiter = Waiter(q_bytes, query, threshold)
+        key = retry_key(query)
+        cached = self._cache.get(key)
+        if cached is not None and cached.expires_at > now:
+            return [SendAnswer(waiter, cached.content)]
+        job = self._jobs.get(key)
+        if job is not None:
+            if len(job.waiters) < self.config.max_waiters:
+                job.waiters.append(waiter)
+            return []
+        problem = self.validate(query)
+        if problem is not None:
+            return [SendAnswer(waiter, self.error_content(*problem))]
+        if not self.load.try_admit():
+            log.warning("overloaded: request %s refused", query.request_id.hex()[:8])
+            return [SendAnswer(waiter, self.error_content(
+                ResponseStatus.OVERLOADED, "model node overloaded; retry later"
+            ))]
+        self._jobs[key] = _Job(query, [waiter])
+        return [StartJob(key, query)]
+
+    def validate(self, query: InferenceQuery) -> tuple[int, str] | None:
+        """(status, message) when ``query`` cannot be served, else None."""
+        p = query.params
+        if len(query.request_id) != 16:
+            return ResponseStatus.BAD_REQUEST, "request_id must be 16 bytes"
+        if query.model_id and query.model_id != self.model_id:
+            return (ResponseStatus.WRONG_MODEL,
+                    f"this node serves {self.model_id!r}, not {query.model_id!r}")
+        if len(query.prompt) > MAX_PROMPT_CHARS:
+            return ResponseStatus.PROMPT_TOO_LONG, f"prompt over {MAX_PROMPT_CHARS} characters"
+        if p.max_tokens > MAX_TOKENS_LIMIT:
+            return ResponseStatus.BAD_REQUEST, f"max_tokens over {MAX_TOKENS_LIMIT}"
+        if not (math.isfinite(p.temperature) and 0.0 <= p.temperature <= MAX_TEMPERATURE):
+            return ResponseStatus.BAD_REQUEST, f"temperature must be in [0, {MAX_TEMPERATURE:g}]"
+        if not (math.isfinite(p.top_p) and 0.0 <= p.top_p <= 1.0):  # 0 means "not set": 1.0
+            return ResponseStatus.BAD_REQUEST, "top_p must be in (0, 1]"
+        return None
+
+    def error_content(self, status: int, message: str) -> ResponseContent:
+        """An error answer of this node."""
+        return ResponseContent(int(status), "", message[:1000], self.model_id, 0, 0)
+
+    # ------------------------------------------------------------------ jobs
+
+    def job_started(self, key: bytes, now: float) -> list[Command]:
+        """A worker took the job ``key``."""
+        job = self._jobs.get(key)
+        if job is not None and job.started_at is None:
+            job.started_at = now
+            self.load.start()
+        return []
+
+    def job_finished(self, key: bytes, content: ResponseContent, now: float) -> list[Command]:
+        """The job ``key`` ended with ``content``: every waiter gets it; OK answers are cached."""
+        job = self._jobs.pop(key, None)
+        if job is None:
+            return []
+        if job.started_at is not None:
+            self.load.finish(now - job.started_at)
+        if content.status == ResponseStatus.OK:
+            self._cache.pop(key, None)
+            self._cache[key] = _Cached(content, now + self.config.cache_ttl)
+            while len(self._cache) > self.config.max_cached:
+                self._cache.popitem(last=False)
+        return [SendAnswer(w, content) for w in job.waiters]
+
+    # ------------------------------------------------------------------ timers
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` next has work, or None."""
+        times = []
+        expiry = self.assembler.next_expiry()
+        if expiry is not None:
+            times.append(expiry)
+        if self._cache:
+            times.append(next(iter(self._cache.values())).expires_at)
+        return min(times) if times else None
+
+    def tick(self, now: float) -> list[Command]:
+        """Expire incomplete requests and cached answers (O(expired))."""
+        for message_id in self.assembler.expire(now):
+            log.info("incomplete request %s expired", message_id.hex()[:8])
+            self._senders.pop(message_id, None)
+            self._release(message_id)
+        while self._cache and next(iter(self._cache.values())).expires_at <= now:
+            self._cache.popitem(last=False)
+        return []
+
+
+__all__ = [
+    "Command", "DispatchConfig", "Dispatcher", "SendAnswer", "StartJob", "Waiter", "retry_key",
+]

@@ -1,0 +1,157 @@
+"""The model node's dispatch core (ps_p2p.serving.dispatch.Dispatcher) on injected time."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import pytest
+
+from ps_p2p.crypto import sida
+from ps_p2p.inference import InferenceQuery, ReplyProxy, ResponseStatus, SamplingParams
+from ps_p2p.protocols.inference_codec import decode_query, encode_query
+from ps_p2p.responses import ResponseContent
+from ps_p2p.serving.dispatch import DispatchConfig, Dispatcher, SendAnswer, StartJob
+
+PROXIES = [bytes([i]) * 38 for i in range(1, 5)]
+OK = ResponseContent(ResponseStatus.OK, "answer", "", "m", 3, 5)
+
+
+def _query(prompt="hello", request_id=None, tag=b"a", **params) -> InferenceQuery:
+    return InferenceQuery(
+        request_id=request_id or os.urandom(16),
+        model_id="m",
+        prompt=prompt,
+        params=SamplingParams(max_tokens=16, **params),
+        reply_proxies=tuple(ReplyProxy(p, tag * 16) for p in PROXIES),
+    )
+
+
+def _deliver(d: Dispatcher, query: InferenceQuery, now=0.0, senders=PROXIES):
+    out = []
+    for sender, clove in zip(senders, sida.encode(encode_query(query), total=4, threshold=3)):
+        out += d.receive_clove(sender, clove, now)
+    return out
+
+
+def _dispatcher(**config) -> Dispatcher:
+    return Dispatcher("m", decode_query, DispatchConfig(**config))
+
+
+def test_a_request_becomes_one_job_and_every_sending_gets_its_answer():
+    d = _dispatcher()
+    q = _query()
+    (start,) = _deliver(d, q)
+    assert isinstance(start, StartJob) and start.query == q
+    resend = dataclasses.replace(q, reply_proxies=tuple(ReplyProxy(p, b"b" * 16) for p in PROXIES))
+    assert _deliver(d, resend, now=1.0) == []  # joins the job in service
+    d.job_started(start.key, now=1.0)
+    answers = d.job_finished(start.key, OK, now=2.0)
+    assert [a.waiter.query for a in answers] == [q, resend]
+    assert all(isinstance(a, SendAnswer) and a.content == OK for a in answers)
+    third = dataclasses.replace(q, reply_proxies=tuple(ReplyProxy(p, b"c" * 16) for p in PROXIES))
+    (cached,) = _deliver(d, third, now=3.0)  # from the answer cache: no second job
+    assert isinstance(cached, SendAnswer) and cached.content == OK
+    assert d.load.served == 1 and d.load.latency_ewma == pytest.approx(1.0)
+
+
+def test_the_same_request_id_with_another_prompt_is_another_request():
+    d = _dispatcher()
+    q = _query("one")
+    (start,) = _deliver(d, q)
+    (other,) = _deliver(d, dataclasses.replace(_query("two"), request_id=q.request_id))
+    assert isinstance(other, StartJob) and other.key != start.key
+
+
+@pytest.mark.parametrize(
+    "changes, status",
+    [
+        (dict(temperature=math.inf), ResponseStatus.BAD_REQUEST),
+        (dict(temperature=math.nan), ResponseStatus.BAD_REQUEST),
+        (dict(temperature=-1.0), ResponseStatus.BAD_REQUEST),
+        (dict(top_p=1.5), ResponseStatus.BAD_REQUEST),
+        (dict(max_tokens=100_000), ResponseStatus.BAD_REQUEST),
+    ],
+)
+def test_bad_sampling_parameters_are_answered_at_once_without_a_job(changes, status):
+    d = _dispatcher()
+    q = _query()
+    q = dataclasses.replace(q, params=dataclasses.replace(q.params, **changes))
+    (answer,) = _deliver(d, q)
+    assert isinstance(answer, SendAnswer) and answer.content.status == status
+    assert d.load.queued == 0
+
+
+def test_a_request_for_another_model_is_answered_wrong_model():
+    d = _dispatcher()
+    (answer,) = _deliver(d, dataclasses.replace(_query(), model_id="other"))
+    assert answer.content.status == ResponseStatus.WRONG_MODEL
+
+
+def test_past_capacity_and_queue_the_answer_is_overloaded():
+    d = _dispatcher(capacity=1, max_queue=0)
+    (first,) = _deliver(d, _query("one"))
+    assert isinstance(first, StartJob)
+    (second,) = _deliver(d, _query("two"))
+    assert isinstance(second, SendAnswer) and second.content.status == ResponseStatus.OVERLOADED
+
+
+@pytest.mark.parametrize(
+    "senders, threshold, decoded",
+    [
+        (PROXIES[:3], 3, True),
+        ([PROXIES[0]] * 3, 3, False),  # one proxy, three cloves: only its first counts
+    ],
+)
+def test_a_proxy_counts_once_per_request(senders, threshold, decoded):
+    d = _dispatcher()
+    cloves = sida.encode(encode_query(_query()), total=4, threshold=threshold)
+    out = []
+    for sender, clove in zip(senders, cloves):
+        out += d.receive_clove(sender, clove, 0.0)
+    assert bool(out) is decoded
+
+
+def test_cloves_with_threshold_one_are_dropped():
+    d = _dispatcher()
+    (clove,) = sida.encode(encode_query(_query()), total=1, threshold=1)
+    assert d.receive_clove(PROXIES[0], clove, 0.0) == [] and d.dropped_cloves == 1
+
+
+def test_one_proxy_cannot_pin_more_than_its_share_of_incomplete_requests():
+    # Before: 54 sybil identities pinned 110,592 cloves with no byte cap.
+    d = _dispatcher(max_cloves_per_proxy=16)
+    sybil = b"\x77" * 38
+    for i in range(16 + 5):
+        (clove, *_) = sida.encode(b"never completes", total=4, threshold=3,
+                                  message_id=i.to_bytes(16, "big"))
+        d.receive_clove(sybil, clove, 0.0)
+    assert d.per_proxy[sybil] == 16 and d.dropped_cloves == 5
+    assert d.assembler.pending == 16
+    # honest proxies are unaffected
+    assert isinstance(_deliver(d, _query())[0], StartJob)
+
+
+def test_incomplete_requests_expire_at_the_announced_deadline_and_free_their_proxies():
+    d = _dispatcher(reassembly_ttl=10.0)
+    cloves = sida.encode(encode_query(_query()), total=4, threshold=3)
+    d.receive_clove(PROXIES[0], cloves[0], now=1.0)
+    assert d.per_proxy == {PROXIES[0]: 1}
+    assert d.next_deadline() == 11.0
+    d.tick(10.9)
+    assert d.assembler.pending == 1
+    d.tick(11.0)
+    assert d.assembler.pending == 0 and d.per_proxy == {} and d.next_deadline() is None
+
+
+def test_cached_answers_expire_after_their_ttl():
+    d = _dispatcher(cache_ttl=5.0)
+    q = _query()
+    (start,) = _deliver(d, q)
+    d.job_started(start.key, 0.0)
+    d.job_finished(start.key, OK, now=1.0)
+    assert d.next_deadline() == 6.0
+    d.tick(6.0)
+    again = dataclasses.replace(q, reply_proxies=tuple(ReplyProxy(p, b"z" * 16) for p in PROXIES))
+    assert isinstance(_deliver(d, again, now=7.0)[0], StartJob)
