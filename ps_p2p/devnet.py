@@ -658,14 +658,20 @@ async def open_devnet(opts: DevnetOptions) -> AsyncIterator[Devnet]:
             (workdir / sub).mkdir(parents=True, exist_ok=True)
         for stale in (workdir / "status").glob("*.json"):
             stale.unlink()
-        async with trio.open_nursery() as nursery:
-            net = Devnet(opts, workdir, nursery)
-            try:
-                await net._start()
-                yield net
-            finally:
-                await net.stop()
-                nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                net = Devnet(opts, workdir, nursery)
+                try:
+                    await net._start()
+                    yield net
+                finally:
+                    await net.stop()
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            leaves = _leaves(group)
+            if len(leaves) == 1:  # the caller sees the DevnetError itself, not a group of one
+                raise leaves[0] from None
+            raise
     finally:
         if temporary:
             shutil.rmtree(workdir, ignore_errors=True)
