@@ -5,6 +5,7 @@ Measures (median and p99, milliseconds unless said):
 1. onion path setup through 3 hops with connections already up (open_path -> acknowledgement);
 2. anonymous round trip (30 KB prompt, 2 KB answer, a model node that answers instantly) against a
    direct request to the same node over one reused stream, and the overhead between the two;
+   with the process CPU time and the libp2p (Noise) messages per anonymous round trip;
 3. relay throughput: cells per second one relay forwards (its frame handling + layer crypto,
    transport excluded), and cells per second through a whole 3-hop path over real streams.
 
@@ -35,6 +36,24 @@ from ps_p2p.testing.fakes import InstantEngine
 from ps_p2p.testing.localnet import open_localnet
 
 DIRECT_PROTOCOL = TProtocol("/planetserve/bench-direct/1.0.0")
+#: n = 4 cloves, each over 4 links (user, 2 relays, proxy -> model node) and back.
+CELL_TRANSFER_MINIMUM = 4 * 4 * 2
+#: Noise transport messages written by every host of this process (each one is a Yamux frame
+#: or a coalesced batch of them, encrypted).
+NOISE_MESSAGES = [0]
+
+
+def count_noise_messages() -> None:
+    """Count every Noise message py-libp2p writes (wraps its packet writer)."""
+    from libp2p.security.noise import io as noise_io
+
+    original = noise_io.NoisePacketReadWriter.write_msg
+
+    async def counting(self, msg: bytes) -> None:  # type: ignore[no-untyped-def]
+        NOISE_MESSAGES[0] += 1
+        await original(self, msg)
+
+    noise_io.NoisePacketReadWriter.write_msg = counting  # type: ignore[method-assign]
 
 
 def machine() -> str:
@@ -60,6 +79,7 @@ def summary(name: str, samples: list[float], unit: str = "ms") -> str:
 async def bench(quick: bool) -> None:
     rounds = 30 if quick else 200
     print(machine())
+    count_noise_messages()
     cfg = UserConfig(probe_interval=5.0, probe_timeout=10.0, request_timeout=30.0)
     engine = InstantEngine(reply_bytes=2048)
     async with open_localnet(users=7, engine_factory=lambda i: engine, user_config=cfg) as net:
@@ -104,15 +124,24 @@ async def bench(quick: bool) -> None:
             direct.append((time.perf_counter() - t0) * 1000)
             assert len(reply) == 2048
         anonymous = []
+        messages_before = NOISE_MESSAGES[0]
+        cpu_before = time.process_time()
         for _ in range(rounds):
             t0 = time.perf_counter()
             answer = await user.user.ask(prompt, max_tokens=16, timeout=30)
             anonymous.append((time.perf_counter() - t0) * 1000)
             assert answer.ok and len(answer.text) == 2048, answer.error
+        cpu = (time.process_time() - cpu_before) / rounds * 1000
+        messages = (NOISE_MESSAGES[0] - messages_before) / rounds
         print(summary("direct request 30 KB -> 2 KB", direct))
         print(summary("anonymous round trip 30 KB -> 2 KB", anonymous))
         print(f"{'overhead (median anonymous - median direct)':<48} "
               f"{statistics.median(anonymous) - statistics.median(direct):8.2f} ms")
+        # Every host runs in this process: its CPU time is the whole network's (user, 3 relays
+        # per path, proxies, model node), path probes in the background included.
+        print(f"{'process CPU per anonymous round trip':<48} {cpu:8.2f} ms")
+        print(f"{'libp2p (Noise) messages per anonymous round trip':<48} {messages:8.1f} "
+              f"(cell-transfer minimum {CELL_TRANSFER_MINIMUM})")
 
         # 3a. relay CPU: frames through one middle relay's handler, links stubbed out
         relay = net.users[1].overlay
