@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import multiaddr
 import trio
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 
@@ -43,6 +44,12 @@ from ps_p2p.roles.model import ModelNodeService
 from ps_p2p.roles.user import UserClient
 
 log = logging.getLogger(__name__)
+
+#: What a registration or directory fetch may fail with: our own errors (a bad reply, a refusal),
+#: a deadline, py-libp2p's dial and stream errors, and the socket's.
+_REMOTE_FAILURES = (PsError, trio.TooSlowError, BaseLibp2pError, OSError)
+#: Longest wait (s) between registration attempts while no verifier takes the record.
+REGISTER_BACKOFF_MAX = 30.0
 
 _ROLE = {"user": Role.USER, "model": Role.MODEL, "verifier": Role.VERIFIER}
 
@@ -266,6 +273,7 @@ class Node:
         )
         self._quiet_refreshes = 0
         next_register = 0.0
+        register_failures = 0
         while True:
             now = trio.current_time()
             if self.directory_service is not None and now >= next_register:
@@ -277,8 +285,13 @@ class Node:
                     ok += await self._register_with(verifier)
                 if ok or not targets:
                     next_register = now + self.config.register_interval
+                    register_failures = 0
                 else:
-                    next_register = now + 1.0
+                    # no verifier took the record (unreachable, or not a verifier at all): back
+                    # off with jitter instead of dialling it a few times a second
+                    register_failures += 1
+                    wait = min(REGISTER_BACKOFF_MAX, 2.0 ** (register_failures - 1))
+                    next_register = now + wait * (0.5 + self.rng.random())
             await self._refresh_directory(targets)
             await trio.sleep(self._refresh_delay())
 
@@ -318,7 +331,7 @@ class Node:
                 self.host, verifier, self.own_record(_now_ms()), timeout=5.0
             )
             return 1
-        except (PsError, Exception) as exc:
+        except _REMOTE_FAILURES as exc:
             log.info("registration with %s failed: %s", ID(verifier).to_base58()[-8:], exc)
             return 0
 
@@ -343,7 +356,7 @@ class Node:
                     timeout=5.0,
                     replica=self._replica,
                 )
-            except (PsError, Exception) as exc:
+            except _REMOTE_FAILURES as exc:
                 log.info("directory from %s refused: %s", ID(verifier).to_base58()[-8:], exc)
                 continue
             self._install(directory, self._replica.last_changed)
