@@ -39,6 +39,7 @@ from libp2p.peer.id import ID
 
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.overlay.rtt import RttEstimator
 from ps_p2p.protocols.framing import FrameReader, encode_frame
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,10 @@ class LinkManager:
         on_link_down: called (synchronously, in the writer task) with the peer ID bytes and a reason
             when a stream to that peer could not be opened or failed while writing.
         queue_frames: frames queued per peer before :meth:`send` starts refusing (default 4096).
-        open_timeout: seconds allowed to dial and negotiate a stream (default 5 s).
+        open_timeout: the floor of the time allowed to dial and negotiate a stream (default
+            5 s); the allowance itself is the RFC 6298 timeout of the measured stream opens, so
+            a machine too busy to finish handshakes in 5 s does not fail every link it opens
+            (which made a 100-user devnet tear down working paths and dial again, at once).
         clock: seconds (trio's clock); random: uniform [0, 1) draws for the back-off jitter.
     """
 
@@ -114,6 +118,7 @@ class LinkManager:
         self._queue_frames = queue_frames
         self._open_timeout = open_timeout
         self._links: dict[bytes, _Link] = {}
+        self._open_rtt = RttEstimator(initial_rto=open_timeout, min_rto=open_timeout, max_rto=60.0)
         self._clock = clock
         self._random = random
         # peer -> (failed opens in a row, no dial before this time)
@@ -173,9 +178,12 @@ class LinkManager:
     async def _run_link(self, link: _Link) -> None:
         stream: INetStream | None = None
         reason = "closed"
+        allowance = self._open_rtt.rto
         try:
-            with trio.fail_after(self._open_timeout):
+            started = self._clock()
+            with trio.fail_after(allowance):
                 stream = await self._host.new_stream(ID(link.peer_id), [self._protocol_id])
+            self._open_rtt.sample(self._clock() - started)
             self.stats.links_opened += 1
             self._backoff.pop(link.peer_id, None)
             async with link.receive:
@@ -194,7 +202,7 @@ class LinkManager:
                     link.sent += len(parts)
                     self.stats.frames_sent += len(parts)
         except trio.TooSlowError:
-            reason = f"could not open a {self._protocol_id} stream in {self._open_timeout:.0f} s"
+            reason = f"could not open a {self._protocol_id} stream in {allowance:.0f} s"
             self._back_off(link.peer_id)
         except trio.Cancelled:
             raise
