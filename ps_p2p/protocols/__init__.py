@@ -1,1 +1,16 @@
-"""protocols."""
+"""Services: trio + py-libp2p adapters, one module per protocol (DESIGN.md "Layers", "Wire").
+
+* :mod:`~ps_p2p.protocols.host` -- hosts (TCP + Noise + Yamux only, connection limits);
+* :mod:`~ps_p2p.protocols.framing`, :mod:`~ps_p2p.protocols.links` -- varint frames, one-way
+  message links with bounded queues, guarded stream handlers;
+* :mod:`~ps_p2p.protocols.driver` -- the one generic driver that owns a pure core;
+* :mod:`~ps_p2p.protocols.onion_setup`, :mod:`~ps_p2p.protocols.clove_relay`,
+  :mod:`~ps_p2p.protocols.delivery` -- the overlay's three protocols, composed by
+  :mod:`~ps_p2p.protocols.overlay`;
+* :mod:`~ps_p2p.protocols.directory` -- registration and the paged directory;
+* :mod:`~ps_p2p.protocols.inference_codec`, :mod:`~ps_p2p.protocols.clove_codec` -- protobuf
+  conversion of Q, the response and cloves.
+
+A stream handler only decodes a frame (a frame that does not parse resets that one stream) and
+hands the input to the task that owns the core; nothing a peer sends can stop a node.
+"""
