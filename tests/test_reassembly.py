@@ -440,3 +440,29 @@ def test_buffered_bytes_return_to_zero_when_messages_complete_or_expire():
     assert assembler.buffered_bytes > 0
     assembler.expire(now=5.0)
     assert assembler.buffered_bytes == 0
+
+
+def test_garbage_groups_of_large_messages_stop_at_the_decode_byte_budget():
+    # 16-of-12 groups of a 4 MiB message once cost 234 ms a subset, 64 subsets per message
+    assembler = CloveAssembler(max_decode_bytes=3 * 1_000_000)
+    message_id = b"g" * 16
+    cloves = sida.encode(b"\x01" * 2_000_000, total=6, threshold=3, message_id=message_id)
+    garbage = [dataclasses.replace(c, fragment=bytes(len(c.fragment))) for c in cloves]
+    failed_at = None
+    for i, clove in enumerate(garbage):
+        if any(isinstance(e, ReassemblyFailed) for e in assembler.receive_clove(clove, now=0.0)):
+            failed_at = i
+            break
+    # each attempt feeds k fragments of ~667 KB: the budget allows 2 subsets, spent by the 4th
+    # clove, long before all C(6, 3) = 20 subsets of the 6 cloves were tried
+    assert failed_at == 3
+
+
+def test_a_small_message_with_a_tampered_clove_still_decodes_within_the_budget():
+    assembler = CloveAssembler()
+    cloves = sida.encode(b"q" * 30_000, total=4, threshold=3)
+    bad = dataclasses.replace(cloves[0], fragment=bytes(len(cloves[0].fragment)))
+    events = []
+    for clove in [bad, *cloves[1:]]:
+        events += assembler.receive_clove(clove, now=0.0)
+    assert [e.payload for e in events if isinstance(e, MessageReassembled)] == [b"q" * 30_000]

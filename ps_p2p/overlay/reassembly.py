@@ -42,6 +42,15 @@ most 1 + k are needed. The bound stops a sender of garbage with n = 16, k = 8 fr
 C(16, 8) = 12,870 subsets of a 4 MiB message.
 """
 
+DEFAULT_MAX_DECODE_BYTES = 32 * 1024 * 1024
+"""Fragment bytes fed to decode attempts per message, over all its groups, before it is given up.
+
+Decoding costs about its input size (a 16-of-12 group of a 4 MiB message: ~230 ms a subset on
+this machine), so a count of attempts alone let one garbage group hold the event loop for
+seconds; with this budget a 4 MiB message gets about 8 attempts, a 30 KB prompt (n = 4, k = 3)
+thousands (its 4 subsets are never short of budget).
+"""
+
 DEFAULT_MAX_GROUPS = 4
 """Header groups, i.e. distinct (total, threshold) pairs, buffered per message ID.
 
@@ -93,6 +102,7 @@ class _Pending:
     first_header: _Header
     groups: dict[_Header, _Group] = field(default_factory=dict)  # in order of first clove
     attempts: int = 0  # k-subsets tried, over all groups
+    decoded_bytes: int = 0  # fragment bytes fed to those attempts
     size: int = 0  # fragment and key share bytes buffered, over all groups
 
 
@@ -127,6 +137,8 @@ class CloveAssembler:
             :class:`ReassemblyFailed` event). The completed IDs remembered are bounded alike.
         max_attempts: k-subsets tried per message, over all its groups, before giving up (see
             DEFAULT_MAX_ATTEMPTS).
+        max_decode_bytes: fragment bytes fed to those attempts before giving up (see
+            DEFAULT_MAX_DECODE_BYTES).
         max_groups: header groups buffered per message ID (see DEFAULT_MAX_GROUPS).
         max_bytes: fragment and key share bytes buffered at most, over all incomplete messages;
             beyond it the oldest incomplete messages are evicted (with :class:`ReassemblyFailed`)
@@ -146,6 +158,7 @@ class CloveAssembler:
         max_messages: int = 10_000,
         *,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        max_decode_bytes: int = DEFAULT_MAX_DECODE_BYTES,
         max_groups: int = DEFAULT_MAX_GROUPS,
         max_bytes: int | None = None,
     ) -> None:
@@ -160,6 +173,7 @@ class CloveAssembler:
         self.ttl = ttl
         self.max_messages = max_messages
         self.max_attempts = max_attempts
+        self.max_decode_bytes = max_decode_bytes
         self.max_groups = max_groups
         self.max_bytes = max_bytes
         self._bytes = 0
@@ -256,9 +270,10 @@ class CloveAssembler:
 
         others = [group.cloves[i] for i in sorted(group.cloves) if i != clove.index]
         for rest in itertools.combinations(others, k - 1):
-            if entry.attempts >= self.max_attempts:
+            if entry.attempts >= self.max_attempts or entry.decoded_bytes >= self.max_decode_bytes:
                 break
             entry.attempts += 1
+            entry.decoded_bytes += len(clove.fragment) * k
             try:
                 payload = sida.decode_subset((*rest, clove))
             except (DecodeError, RemoteProtocolError):
@@ -268,8 +283,11 @@ class CloveAssembler:
             events.append(MessageReassembled(message_id, payload, total, k))
             return events
 
-        if entry.attempts >= self.max_attempts:
-            reason = f"no subset of any header group decoded within {self.max_attempts} attempts"
+        if entry.attempts >= self.max_attempts or entry.decoded_bytes >= self.max_decode_bytes:
+            reason = (
+                f"no subset of any header group decoded within {entry.attempts} attempts "
+                f"({entry.decoded_bytes} bytes)"
+            )
         elif len(group.cloves) == total:
             group.exhausted = True
             freed = sum(len(c.fragment) + len(c.key_share) for c in group.cloves.values())
