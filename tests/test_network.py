@@ -18,7 +18,7 @@ from ps_p2p.testing.localnet import open_localnet
 async def test_prompt_crosses_the_overlay_and_signed_answer_returns():
     async with open_localnet(users=6) as net:
         user = net.users[0]
-        answer = await user.user.ask("Once upon a time there was a fox", timeout=20)
+        answer = await user.user.ask("Once upon a time there was a fox", timeout=60)
         assert answer.ok, answer.error
         assert answer.text == "xof a saw ereht emit a nopu ecnO"
         assert answer.signature_valid
@@ -44,7 +44,7 @@ async def test_paths_become_disjoint_when_the_network_is_large_enough():
     cfg = UserConfig(total=2, threshold=2, paths=2, probe_interval=0.5, probe_timeout=2.0)
     async with open_localnet(users=8, user_config=cfg) as net:
         for node in net.users:
-            with trio.fail_after(20):
+            with trio.fail_after(60):
                 while True:
                     ready = node.user.ready_paths()
                     relays = [r for p in ready for r in p.relays]
@@ -57,7 +57,7 @@ async def test_tampering_relay_cannot_stop_or_alter_answers():
     async with open_localnet(users=6, tamper=(5,)) as net:
         tamperer = net.users[5]
         for i, node in enumerate(net.users[:5]):
-            answer = await node.user.ask(f"prompt number {i} about a cat", timeout=30)
+            answer = await node.user.ask(f"prompt number {i} about a cat", timeout=60)
             assert answer.ok, answer.error
             assert answer.text == f"prompt number {i} about a cat"[::-1]
             assert answer.signature_valid
@@ -74,7 +74,7 @@ async def test_request_survives_a_relay_killed_mid_request():
         result = {}
 
         async def ask():
-            result["answer"] = await asker.user.ask("the relay dies while I wait", timeout=40)
+            result["answer"] = await asker.user.ask("the relay dies while I wait", timeout=60)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask)
@@ -85,7 +85,7 @@ async def test_request_survives_a_relay_killed_mid_request():
         assert answer.ok, answer.error
         assert answer.text == "the relay dies while I wait"[::-1]
         # the pool repairs itself: the asker gets back to N ready paths, none through the victim
-        with trio.fail_after(20):
+        with trio.fail_after(60):
             while not (
                 len(asker.user.ready_paths()) >= asker.config.user.paths
                 and all(victim_id not in p.relays for p in asker.user.ready_paths())
@@ -96,7 +96,7 @@ async def test_request_survives_a_relay_killed_mid_request():
 async def test_model_node_down_gives_an_error_before_the_deadline():
     async with open_localnet(users=6) as net:
         net.kill(net.models[0])
-        with trio.fail_after(15):
+        with trio.fail_after(60):
             answer = await net.users[0].user.ask("anyone there?", timeout=4)
         assert not answer.ok
         assert "RequestTimeoutError" in answer.error
@@ -114,12 +114,12 @@ async def test_full_queue_answers_overloaded_instead_of_silence():
         results = []
 
         async def ask(node, text):
-            results.append(await node.user.ask(text, timeout=30))
+            results.append(await node.user.ask(text, timeout=60))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask, net.users[0], "first")
             await engine.entered.wait()
-            second = await net.users[1].user.ask("second", timeout=30)
+            second = await net.users[1].user.ask("second", timeout=60)
             gate.set()
         assert not second.ok
         assert second.error.startswith("OVERLOADED")
@@ -129,7 +129,7 @@ async def test_full_queue_answers_overloaded_instead_of_silence():
 
 async def test_prompt_too_long_for_the_model_is_reported():
     async with open_localnet(users=6, engine_factory=lambda i: InstantEngine(max_context=100)) as net:
-        answer = await net.users[0].user.ask("y" * 500, max_tokens=10, timeout=20)
+        answer = await net.users[0].user.ask("y" * 500, max_tokens=10, timeout=60)
         assert not answer.ok
         assert answer.error.startswith("PROMPT_TOO_LONG")
         assert answer.signature_valid
@@ -147,13 +147,13 @@ async def test_malformed_and_oversized_frames_reset_one_stream_and_the_node_serv
         ]:
             stream = await host.new_stream(ID(target.peer_id), [TProtocol(protocol)])
             await stream.write(frame)
-            with trio.fail_after(5):
+            with trio.fail_after(60):
                 try:
                     while await stream.read(1024):
                         pass
                 except Exception:
                     pass  # reset or EOF: the remote dropped this stream
-        answer = await sender.user.ask("still alive?", timeout=20)
+        answer = await sender.user.ask("still alive?", timeout=60)
         assert answer.ok, answer.error
 
 
@@ -164,7 +164,7 @@ async def test_cell_with_unknown_path_id_is_dropped_and_counted():
         frame = clove_pb2.CloveFrame(cell=clove_pb2.Cell(path_id=b"\x01" * 16, payload=b"\x00" * 1024))
         stream = await net.users[0].host.new_stream(ID(target.peer_id), [TProtocol(CLOVE_PROTOCOL_ID)])
         await stream.write(encode_frame(frame.SerializeToString()))
-        with trio.fail_after(5):
+        with trio.fail_after(60):
             while target.overlay.stats.cells_dropped == before:
                 await _poll()
         await stream.close()
@@ -181,13 +181,13 @@ async def test_paths_are_rotated_after_the_rotation_period_and_the_pool_refills(
     async with open_localnet(users=6, user_config=cfg) as net:
         client = net.users[0].user
         first = {p.handle.key for p in client.ready_paths()}
-        with trio.fail_after(20):
+        with trio.fail_after(60):
             while not (
                 len(client.ready_paths()) >= cfg.paths
                 and not first & {p.handle.key for p in client.ready_paths()}
             ):
                 await client.wait_changed()
-        answer = await client.ask("after rotation", timeout=20)
+        answer = await client.ask("after rotation", timeout=60)
         assert answer.ok, answer.error
 
 
@@ -197,7 +197,7 @@ async def test_a_dead_node_leaves_the_directory_when_its_record_expires():
         observer = net.users[0]
         assert observer.directory.record(victim.peer_id) is not None
         net.kill(victim)
-        with trio.fail_after(15):
+        with trio.fail_after(60):
             while observer.directory.record(victim.peer_id) is not None:
                 await observer.wait_directory_update()
         # the live nodes keep re-registering: their records outlive many lifetimes
@@ -213,7 +213,7 @@ async def test_a_replayed_setup_packet_is_refused():
         for path_id in (b"\x01" * 16, b"\x02" * 16):
             frame = onion_pb2.OnionFrame(setup=onion_pb2.OnionSetup(path_id=path_id, packet=packet))
             await stream.write(encode_frame(frame.SerializeToString()))
-        with trio.fail_after(5):
+        with trio.fail_after(60):
             while target.overlay.stats.setups_replayed < 1:
                 await _poll()
         assert target.overlay.stats.setups_replayed == 1
@@ -226,7 +226,7 @@ async def test_a_long_run_of_requests_over_the_same_paths_is_all_answered():
     async with open_localnet(users=6) as net:
         client = net.users[0].user
         for i in range(90):
-            answer = await client.ask(f"request {i}", timeout=20)
+            answer = await client.ask(f"request {i}", timeout=60)
             assert answer.ok, (i, answer.error)
 
 
@@ -240,7 +240,7 @@ async def test_a_proxy_that_alters_response_cloves_is_caught_and_avoided():
         assert askers, "no user has the tampering node as a proxy"
         client = askers[0].user
         for i in range(12):
-            answer = await client.ask(f"question {i}", timeout=30)
+            answer = await client.ask(f"question {i}", timeout=60)
             assert answer.ok, answer.error
             if tamperer.peer_id in client.avoided_proxies:
                 break

@@ -68,7 +68,7 @@ async def test_cells_naming_a_node_that_is_no_model_node_kill_no_path():
         refused = sum(n.overlay.stats.deliveries_refused for n in net.users)
         assert refused >= sent
         for node in victims:
-            answer = await node.user.ask("still served?", timeout=30)
+            answer = await node.user.ask("still served?", timeout=60)
             assert answer.ok, answer.error
 
 
@@ -86,7 +86,7 @@ async def test_a_delivery_from_a_peer_outside_the_directory_is_dropped_and_the_s
             await _until(lambda: model.overlay.stats.deliveries_refused >= before + 3)
             assert model.overlay.stats.deliveries == 0
             await stream.close()
-        answer = await net.users[0].user.ask("still served?", timeout=30)
+        answer = await net.users[0].user.ask("still served?", timeout=60)
         assert answer.ok, answer.error
 
 
@@ -129,7 +129,7 @@ async def test_a_model_node_cannot_get_honest_proxies_convicted(monkeypatch):
     async with open_localnet(users=6, models=2) as net:
         client = net.users[0].user
         m1, m2 = net.models
-        first = await client.ask("to M1", model_node=m1.peer_id, timeout=30)
+        first = await client.ask("to M1", model_node=m1.peer_id, timeout=60)
         assert first.ok, first.error
         (response_id,) = list(client._audits)  # the answer M2 is told about
 

@@ -60,7 +60,7 @@ async def open_localnet(
     model_capacity: int = 2,
     model_max_queue: int = 64,
     seed: int = 1,
-    ready_timeout: float = 30.0,
+    ready_timeout: float = 90.0,
     record_lifetime: float = 120.0,
 ) -> AsyncIterator[LocalNet]:
     """Run a verifier, ``models`` model nodes and ``users`` user nodes in this trio run.
