@@ -289,6 +289,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
                 "ok": answer.ok, "response": answer.text, "served_by": served_by,
                 "signature_valid": answer.signature_valid, "cloves_received": answer.cloves_received,
                 "latency_ms": round(answer.latency_ms, 1), "error": answer.error or None,
+                # the typed outcome: a class of ps_p2p.errors (e.g. RequestTimeoutError)
+                "error_type": answer.error_type.__name__ if answer.error_type else None,
             }))
         elif answer.ok:
             print(answer.text)

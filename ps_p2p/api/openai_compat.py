@@ -7,8 +7,10 @@ Endpoints (bind to loopback: anyone who can reach it can spend the user's anonym
   and our extension ``timeout`` (seconds). The prompt goes through the anonymous overlay; the
   reply is a ``text_completion`` object with an extra ``planetserve`` member: ``served_by``
   (peer ID), ``signature_valid``, ``cloves_received``, ``latency_ms``, ``attempts``.
-  Failures answer OpenAI-style ``{"error": {"message", "type", "code"}}`` with 400 (bad body),
-  503 (no paths or model node; overloaded), 504 (deadline passed) or 502 (other).
+  Failures answer OpenAI-style ``{"error": {"message", "type", "code"}}`` with 400 (bad body, or
+  a request the model node refused), 503 (no paths or model node; overloaded), 504 (deadline
+  passed) or 502 (other), chosen by the class of the request's typed outcome (:func:`http_status`);
+  ``planetserve.error_type`` names that class.
 * ``GET /v1/models`` — the model IDs of the directory's model nodes.
 * ``GET /status`` — peer ID, directory size and this user's ready paths (relay peer IDs).
 """
@@ -23,6 +25,15 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
+from ps_p2p.errors import (
+    DirectoryError,
+    OverloadedError,
+    PathError,
+    PsError,
+    RequestRefusedError,
+    RequestTimeoutError,
+    RequestTooLargeError,
+)
 from ps_p2p.roles.user import Answer
 from ps_p2p.api.asgi import Receive, Scope, Send, serve_lifespan
 
@@ -118,6 +129,27 @@ class UserAPI:
         return _answer_to_http(answer)
 
 
+#: HTTP status of a failed request by its outcome's class (first match in this order).
+_STATUS_BY_ERROR: tuple[tuple[type[PsError], int], ...] = (
+    (RequestTimeoutError, 504),
+    (OverloadedError, 503),
+    (PathError, 503),  # NoPathError: too few paths ready
+    (DirectoryError, 503),  # NoModelNodeError: no model node for the model ID
+    (RequestRefusedError, 400),  # BAD_REQUEST, WRONG_MODEL, PROMPT_TOO_LONG (signed)
+    (RequestTooLargeError, 400),
+)
+
+
+def http_status(error: PsError | None) -> int:
+    """The HTTP status of a request's typed outcome: 504 deadline passed; 503 no paths, no
+    model node or overloaded; 400 the request itself is at fault; 502 anything else (another
+    signed error status, a bug)."""
+    for cls, code in _STATUS_BY_ERROR:
+        if isinstance(error, cls):
+            return code
+    return 502
+
+
 def _answer_to_http(answer: Answer) -> tuple[int, dict[str, Any]]:
     meta = {
         "request_id": answer.request_id.hex(),
@@ -128,13 +160,8 @@ def _answer_to_http(answer: Answer) -> tuple[int, dict[str, Any]]:
         "attempts": answer.attempts,
     }
     if not answer.ok:
-        code = 502
-        if answer.error.startswith("RequestTimeoutError"):
-            code = 504
-        elif answer.error.startswith(("OVERLOADED", "PathError", "DirectoryError")):
-            code = 503
-        elif answer.error.startswith(("PROMPT_TOO_LONG", "BAD_REQUEST", "WRONG_MODEL")):
-            code = 400
+        code = http_status(answer.exception)
+        meta["error_type"] = answer.error_type.__name__ if answer.error_type else None
         payload = _error(answer.error, "planetserve_error")
         payload["planetserve"] = meta
         return code, payload

@@ -1,0 +1,673 @@
+"""Anonymous requests of one user node (pure core, sans-I/O).
+
+PlanetServe sec. 3.2 ("Request", "Response") with the fixes of DESIGN.md:
+
+* a request waits until n paths are ready (then up to ``distinct_proxy_grace`` s more for n
+  distinct proxies), and is sent as one *attempt*: Q (with a fresh reply tag per path) is
+  S-IDA-encoded into n cloves, clove i over path i to the model node;
+* an attempt unanswered for ``attempt_wait(max_tokens) * 2**(attempt - 1)`` s, or left with
+  fewer than k of its paths, is followed by another (same request ID, fresh paths and tags);
+  when one of its paths dies while k or more are left, that path's clove is re-sent on a spare;
+* response cloves come back through the reply proxies, each under the reply tag registered with
+  that path's proxy; the answer decodes from any k, and is accepted only when the model node
+  asked signed it (over Q's hash) and the directory lists it as a model node;
+* conviction only on evidence the accused alone could have produced: a clove under a tag this
+  user registered on that very path, whose signature fails under the tag's model node, convicts
+  that path's proxy (it forwards a reply under the tag only once that signature verified);
+  a clove under an unknown tag, on another path, or validly signed but not fitting its tag
+  convicts nobody;
+* the cloves that arrived are audited against the verified answer, which is kept a while to
+  check late cloves too;
+* every request ends once, with an :class:`Outcome`: a verified reply, or an error of the
+  ``RequestError`` tree (:mod:`ps_p2p.errors`).
+
+Inputs are method calls that take ``now`` (seconds) and, where paths are needed, the ready paths
+(objects with ``path_id`` and ``proxy``, e.g. :class:`~ps_p2p.overlay.path_pool.PoolPath`); they
+return commands. :meth:`RequestCore.next_deadline` says when :meth:`RequestCore.tick` is due.
+Wire encoding is injected (:class:`WireCodec`); randomness is the injected ``rng`` (proxy choice:
+one shuffle per attempt; spare choice) and ``random_bytes`` (reply tags, then S-IDA keys).
+Signature checks default to :mod:`ps_p2p.records` / :mod:`ps_p2p.responses` and may be injected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ps_p2p import records, responses
+from ps_p2p.crypto import onion, sida
+from ps_p2p.errors import (
+    DecodeError,
+    InvalidSignatureError,
+    NoPathError,
+    PsError,
+    RemoteProtocolError,
+    RequestError,
+    RequestTimeoutError,
+    RequestTooLargeError,
+)
+from ps_p2p.inference import (
+    InferenceQuery,
+    InferenceReply,
+    ReplyProxy,
+    ResponseStatus,
+    SamplingParams,
+    status_error,
+)
+from ps_p2p.overlay.path_pool import choose_distinct_proxies
+from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
+from ps_p2p.records import short_peer_id as _short
+
+log = logging.getLogger(__name__)
+
+#: Response cloves of one request kept for the audit.
+MAX_RECEIVED_CLOVES = 64
+#: Decoded responses kept to check late cloves against.
+MAX_AUDITS = 256
+#: Reply tags remembered (for late cloves too): a few thousand requests' worth.
+MAX_REPLY_TAGS = MAX_AUDITS * sida.MAX_TOTAL
+
+
+@dataclass(frozen=True)
+class RequestConfig:
+    """Request settings; times in seconds.
+
+    Attributes:
+        total, threshold: n cloves per message, k to decode.
+        attempt_timeout: base of the wait before another attempt (see :meth:`RequestCore.attempt_wait`).
+        token_time: seconds allowed per requested token before the time per token is measured;
+            afterwards twice the measured time (EWMA, 1/8) when that is longer.
+        distinct_proxy_grace: once n paths are ready, wait this long for n distinct proxies.
+        max_clove_bytes: a clove (with its delivery header) must fit one cell's payload.
+    """
+
+    total: int = sida.DEFAULT_TOTAL
+    threshold: int = sida.DEFAULT_THRESHOLD
+    attempt_timeout: float = 8.0
+    token_time: float = 0.05
+    distinct_proxy_grace: float = 1.0
+    max_clove_bytes: int = onion.MAX_CELL_PAYLOAD
+
+
+class WireCodec(Protocol):
+    """Wire conversions the service layer provides (protobuf there, anything in tests)."""
+
+    def encode_request(self, query: InferenceQuery) -> bytes:
+        """Q's bytes as the model node will decode and hash them."""
+
+    def decode_response(self, payload: bytes) -> InferenceReply:
+        """Parse a reassembled response. Raises RemoteProtocolError when malformed."""
+
+    def clove_size(self, clove: sida.Clove) -> int:
+        """Bytes the clove takes in a cell's payload, delivery header included."""
+
+
+class PathRef(Protocol):
+    """A ready path as the request core sees it."""
+
+    @property
+    def path_id(self) -> int: ...
+
+    @property
+    def proxy(self) -> bytes: ...
+
+
+CloveVerifier = Callable[[bytes, bytes, bytes, bytes], bool]
+"""``(model_node, message_id, clove_bytes, signature) -> bool``: the model node signed the clove."""
+ReplyVerifier = Callable[[InferenceReply], None]
+"""Raises InvalidSignatureError (or RemoteProtocolError) unless the reply's signature verifies."""
+
+
+def verify_clove_signature(model_node: bytes, message_id: bytes, raw: bytes, signature: bytes) -> bool:
+    """The default :data:`CloveVerifier` (Ed25519 over ``records.clove_signing_bytes``)."""
+    try:
+        records.verify_signature(model_node, records.clove_signing_bytes(message_id, raw), signature)
+    except (InvalidSignatureError, RemoteProtocolError):
+        return False
+    return True
+
+
+def verify_reply_signature(reply: InferenceReply) -> None:
+    """The default :data:`ReplyVerifier` (:func:`ps_p2p.responses.verify_response`)."""
+    responses.verify_response(
+        request_id=reply.request_id,
+        req_hash=reply.request_hash,
+        content=reply.content(),
+        signed_at_ms=reply.signed_at_ms,
+        model_node=reply.model_node,
+        signature=reply.signature,
+    )
+
+
+# ---------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request as the application asks it.
+
+    Attributes:
+        destination: peer ID of the model node asked.
+        timeout: seconds from :meth:`RequestCore.start` until the request fails.
+    """
+
+    request_id: bytes
+    destination: bytes
+    model_id: str
+    prompt: str
+    params: SamplingParams
+    timeout: float
+
+
+@dataclass(frozen=True)
+class ResponseClove:
+    """A signed response clove that came back on path ``path_id``.
+
+    Attributes:
+        clove: parsed and checked (``Clove.check``) by the service layer.
+        raw: its bytes as received (what the signature covers).
+    """
+
+    path_id: int
+    clove: sida.Clove
+    raw: bytes
+    signature: bytes
+    reply_tag: bytes
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class SendClove:
+    """Send ``clove`` over the path to ``destination`` (registering ``reply_tag`` at its proxy;
+    empty for a clove re-sent on a spare path)."""
+
+    path_id: int
+    destination: bytes
+    clove: sida.Clove
+    reply_tag: bytes
+
+
+@dataclass(frozen=True)
+class ConvictProxy:
+    """``proxy`` altered a response clove (see the module docstring): avoid it."""
+
+    proxy: bytes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a request ended.
+
+    Attributes:
+        reply: the verified reply (status OK or a signed error status); None when none came.
+        error: None for a verified status-OK reply; else the ``RequestError`` it ended with
+            (e.g. :class:`~ps_p2p.errors.OverloadedError` for a signed OVERLOADED reply,
+            :class:`~ps_p2p.errors.RequestTimeoutError`, :class:`~ps_p2p.errors.NoPathError`).
+        cloves_received: response cloves fed to the request's reassembly.
+        attempts: attempts sent.
+        latency: seconds from start to the end.
+    """
+
+    request_id: bytes
+    reply: InferenceReply | None
+    error: PsError | None
+    cloves_received: int
+    attempts: int
+    latency: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """The request ended; it is forgotten (apart from the audit of its answer)."""
+
+    outcome: Outcome
+
+
+Command = SendClove | ConvictProxy | RequestDone
+
+
+# ---------------------------------------------------------------------------------- state
+
+
+@dataclass
+class _Attempt:
+    q_bytes: bytes
+    req_hash: bytes
+    cloves: list[sida.Clove]
+    path_ids: list[int]  # clove i (and response clove i) goes over path_ids[i]
+    sent_at: float
+    response_id: bytes  # S-IDA message ID of the answer to this attempt
+    lost: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Request:
+    spec: RequestSpec
+    started_at: float
+    deadline: float
+    waiting: bool = True  # for paths; False: an attempt is out
+    ready_since: float | None = None
+    retry_at: float = 0.0
+    retry_now: bool = False
+    attempts: list[_Attempt] = field(default_factory=list)
+    assembler: CloveAssembler = field(default_factory=CloveAssembler)
+    cloves_received: int = 0
+    received: list[tuple[sida.Clove, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReplyTag:
+    """What this user registered a reply tag for: the model node asked, the path whose proxy
+    holds the tag, and which response clove may come back under it."""
+
+    destination: bytes
+    path_id: int
+    proxy: bytes
+    response_id: bytes
+    index: int
+    total: int
+
+
+@dataclass
+class Audit:
+    """A decoded response, kept a while to check the cloves that arrive after it."""
+
+    good: list[sida.Clove]
+    payload: bytes
+    destination: bytes = b""  # the model node that signed the answer
+
+
+def consistent(audit: Audit, clove: sida.Clove) -> bool:
+    """Whether ``clove`` belongs to the same S-IDA encoding as the audit's verified answer."""
+    for good in audit.good:
+        if good.index == clove.index:
+            return good == clove
+    try:
+        return sida.decode_subset([*audit.good[1:], clove]) == audit.payload
+    except (DecodeError, RemoteProtocolError):
+        return False
+
+
+class RequestCore:
+    """Attempts, response cloves, verification, audit and outcomes of a user's requests.
+
+    Args:
+        config: :class:`RequestConfig`.
+        codec: :class:`WireCodec`.
+        is_model_node: whether the current directory lists a peer as a model node.
+        rng: proxy and spare choice.
+        random_bytes: reply tags and S-IDA keys.
+        verify_clove, verify_reply: signature checks (defaults: Ed25519 via ps_p2p.records).
+
+    Attributes:
+        misrouted_cloves: response cloves dropped without blame (unknown tag, wrong path,
+            not fitting their tag, unsigned).
+        audits: response message ID -> :class:`Audit`, oldest first (at most MAX_AUDITS).
+        token_time: measured seconds per token (EWMA, 1/8; Karn: single-attempt answers only).
+    """
+
+    def __init__(
+        self,
+        config: RequestConfig,
+        codec: WireCodec,
+        is_model_node: Callable[[bytes], bool],
+        *,
+        rng: random.Random,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+        verify_clove: CloveVerifier = verify_clove_signature,
+        verify_reply: ReplyVerifier = verify_reply_signature,
+    ) -> None:
+        self.config = config
+        self._codec = codec
+        self._is_model_node = is_model_node
+        self._rng = rng
+        self._random_bytes = random_bytes
+        self._verify_clove = verify_clove
+        self._verify_reply = verify_reply
+        self._requests: dict[bytes, _Request] = {}
+        # response message ID (one per attempt) -> its request
+        self._by_response_id: dict[bytes, _Request] = {}
+        self._reply_tags: OrderedDict[bytes, ReplyTag] = OrderedDict()
+        self.audits: OrderedDict[bytes, Audit] = OrderedDict()
+        self.misrouted_cloves = 0
+        self.token_time = config.token_time
+
+    # ------------------------------------------------------------------ queries
+
+    def __contains__(self, request_id: bytes) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def attempts(self, request_id: bytes) -> int:
+        request = self._requests.get(request_id)
+        return len(request.attempts) if request is not None else 0
+
+    def attempt_wait(self, max_tokens: int) -> float:
+        """Seconds to wait for an answer before the first resend: ``attempt_timeout`` plus
+        ``max_tokens`` times the larger of ``token_time`` and twice the measured time per
+        token (so a 36 s answer is not resent while it is being generated); it doubles with
+        every attempt. Resending is cheap: the model node joins a repeated request to the one
+        in service."""
+        per_token = max(self.config.token_time, 2 * self.token_time)
+        return self.config.attempt_timeout + max_tokens * per_token
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` is next due (seconds); None: nothing pending."""
+        deadlines = []
+        for request in self._requests.values():
+            deadlines.append(request.deadline)
+            if not request.waiting:
+                deadlines.append(request.retry_at)
+            elif request.ready_since is not None:
+                deadlines.append(request.ready_since + self.config.distinct_proxy_grace)
+        return min(deadlines, default=None)
+
+    # ------------------------------------------------------------------ inputs
+
+    def start(self, spec: RequestSpec, now: float, ready: Sequence[PathRef]) -> list[Command]:
+        """Take a request; its first attempt goes out as soon as paths allow (maybe now)."""
+        if spec.request_id in self._requests:
+            raise ValueError("request ID already pending")
+        self._requests[spec.request_id] = _Request(spec, now, now + spec.timeout)
+        return self.tick(now, ready)
+
+    def cancel(self, request_id: bytes) -> list[Command]:
+        """Forget a request without an outcome (its caller is gone)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._forget(request)
+        return []
+
+    def tick(self, now: float, ready: Sequence[PathRef]) -> list[Command]:
+        """Deadlines, resends, and attempts of requests waiting for paths."""
+        commands: list[Command] = []
+        for request in list(self._requests.values()):
+            if now >= request.deadline:
+                commands += self._finish(request, None, self._deadline_error(request, ready), now)
+                continue
+            if not request.waiting and (request.retry_now or now >= request.retry_at):
+                log.warning("request %s: no answer on attempt %d; resending on fresh paths",
+                            request.spec.request_id.hex()[:8], len(request.attempts))
+                request.waiting = True
+                request.ready_since = None
+            if request.waiting:
+                commands += self._maybe_send(request, now, ready)
+        return commands
+
+    def path_lost(self, path_id: int, now: float, ready: Sequence[PathRef]) -> list[Command]:
+        """A path died: each request whose last attempt used it re-sends that clove on a spare
+        path, or makes another attempt when fewer than k of its paths are left."""
+        commands: list[Command] = []
+        for request in self._requests.values():
+            if not request.attempts:
+                continue
+            attempt = request.attempts[-1]
+            if path_id not in attempt.path_ids or path_id in attempt.lost:
+                continue
+            attempt.lost.add(path_id)
+            if len(attempt.path_ids) - len(attempt.lost) < self.config.threshold:
+                request.retry_now = True
+                continue
+            # re-send the lost path's clove on a spare path (duplicates are dropped downstream)
+            index = attempt.path_ids.index(path_id)
+            spares = [p for p in ready if p.path_id not in attempt.path_ids]
+            if spares:
+                spare = self._rng.choice(spares)
+                commands.append(
+                    SendClove(spare.path_id, request.spec.destination, attempt.cloves[index], b"")
+                )
+        return commands
+
+    def unsigned_clove(self) -> list[Command]:
+        """An unsigned response clove came back (nothing any proxy vouched for): dropped."""
+        self.misrouted_cloves += 1
+        log.warning("unsigned response clove dropped")
+        return []
+
+    def response_clove(self, event: ResponseClove, now: float) -> list[Command]:
+        """Check one response clove and feed it to its request (see the module docstring)."""
+        clove = event.clove
+        registered = self._reply_tags.get(event.reply_tag)
+        if registered is None or registered.path_id != event.path_id:
+            self.misrouted_cloves += 1
+            log.warning("response clove under a reply tag not registered on its path; dropped")
+            return []
+        if not self._verify_clove(registered.destination, clove.message_id, event.raw, event.signature):
+            # only the proxy sees a clove in the clear (relays are held off by the end-to-end
+            # layer), and it forwards a reply under this tag only once the signature verified
+            return [ConvictProxy(registered.proxy)]
+        if (
+            clove.message_id != registered.response_id
+            or clove.index != registered.index
+            or (clove.total, clove.threshold) != (registered.total, self.config.threshold)
+        ):
+            self.misrouted_cloves += 1
+            log.warning("model node %s signed a clove that does not fit its reply tag; dropped",
+                        _short(registered.destination))
+            return []
+        request = self._by_response_id.get(clove.message_id)
+        if request is None:
+            audit = self.audits.get(clove.message_id)
+            if audit is not None and not consistent(audit, clove):
+                log.warning("model node %s signed a clove that is not part of its answer",
+                            _short(audit.destination))
+            return []
+        request.cloves_received += 1
+        if len(request.received) < MAX_RECEIVED_CLOVES:
+            request.received.append((clove, event.path_id))
+        try:
+            events = request.assembler.receive_clove(clove, now)
+        except RemoteProtocolError as exc:
+            log.warning("inconsistent response clove dropped: %s", exc)
+            return []
+        commands: list[Command] = []
+        for reassembly in events:
+            if isinstance(reassembly, ReassemblyFailed):
+                log.warning("response %s did not decode: %s",
+                            clove.message_id.hex()[:8], reassembly.reason)
+                request.assembler = CloveAssembler()
+            elif isinstance(reassembly, MessageReassembled):
+                commands += self._on_response(request, reassembly.payload, reassembly.message_id, now)
+        return commands
+
+    # ------------------------------------------------------------------ internals
+
+    def _deadline_error(self, request: _Request, ready: Sequence[PathRef]) -> RequestError:
+        timeout = request.spec.timeout
+        if request.attempts:
+            return RequestTimeoutError(f"no answer within {timeout:.0f} s")
+        return NoPathError(
+            f"only {len(ready)} of {self.config.total} paths ready after {timeout:.0f} s"
+        )
+
+    def _maybe_send(self, request: _Request, now: float, ready: Sequence[PathRef]) -> list[Command]:
+        n = self.config.total
+        if len(ready) < n:
+            request.ready_since = None
+            return []
+        if request.ready_since is None:
+            request.ready_since = now
+        distinct = len({p.proxy for p in ready})
+        if distinct < n and now - request.ready_since < self.config.distinct_proxy_grace:
+            return []  # the pool may be rebuilding after a loss
+        try:
+            return self._send_attempt(request, now, ready)
+        except RequestError as exc:
+            return self._finish(request, None, exc, now)
+
+    def _send_attempt(self, request: _Request, now: float, ready: Sequence[PathRef]) -> list[Command]:
+        cfg = self.config
+        spec = request.spec
+        chosen = choose_distinct_proxies(ready, cfg.total, self._rng)
+        # A fresh reply tag per request and path: the model node answers proxy i under tag i,
+        # so no lasting path ID links this user's requests; fresh tags also make every
+        # attempt's Q (and so its response ID) differ from the earlier ones.
+        tags = [self._random_bytes(16) for _ in chosen]
+        query = InferenceQuery(
+            request_id=spec.request_id,
+            model_id=spec.model_id,
+            prompt=spec.prompt,
+            params=spec.params,
+            reply_proxies=tuple(ReplyProxy(p.proxy, tag) for p, tag in zip(chosen, tags)),
+        )
+        q_bytes = self._codec.encode_request(query)
+        if len(q_bytes) > sida.MAX_MESSAGE_BYTES:
+            raise RequestTooLargeError(
+                f"request of {len(q_bytes)} bytes is over the {sida.MAX_MESSAGE_BYTES}-byte limit"
+            )
+        cloves = sida.encode(
+            q_bytes, total=cfg.total, threshold=cfg.threshold, random_bytes=self._random_bytes
+        )
+        clove_bytes = self._codec.clove_size(cloves[0])
+        if clove_bytes > cfg.max_clove_bytes:
+            raise RequestTooLargeError(
+                f"request of {len(q_bytes)} bytes gives cloves of {clove_bytes} bytes, over the "
+                f"{cfg.max_clove_bytes}-byte cell limit; shorten the prompt"
+            )
+        req_hash = responses.request_hash(q_bytes)
+        attempt = _Attempt(
+            q_bytes, req_hash, cloves, [p.path_id for p in chosen], now,
+            responses.response_message_id(spec.request_id, req_hash),
+        )
+        request.attempts.append(attempt)
+        request.waiting = False
+        request.retry_now = False
+        request.retry_at = now + self.attempt_wait(spec.params.max_tokens) * 2 ** (
+            len(request.attempts) - 1
+        )
+        self._by_response_id[attempt.response_id] = request
+        commands: list[Command] = []
+        for index, (path, clove, tag) in enumerate(zip(chosen, cloves, tags)):
+            self._reply_tags[tag] = ReplyTag(
+                spec.destination, path.path_id, path.proxy, attempt.response_id, index, len(chosen)
+            )
+            while len(self._reply_tags) > MAX_REPLY_TAGS:
+                self._reply_tags.popitem(last=False)
+            commands.append(SendClove(path.path_id, spec.destination, clove, tag))
+        return commands
+
+    def _on_response(
+        self, request: _Request, payload: bytes, message_id: bytes, now: float
+    ) -> list[Command]:
+        try:
+            reply = self._codec.decode_response(payload)
+        except RemoteProtocolError as exc:
+            log.warning("undecodable response dropped: %s", exc)
+            return []
+        try:
+            self._check_reply(request, reply)
+        except (InvalidSignatureError, RemoteProtocolError) as exc:
+            # the request goes on: another attempt may bring a good answer
+            log.warning("response to %s rejected: %s: %s",
+                        request.spec.request_id.hex()[:8], type(exc).__name__, exc)
+            return []
+        error: RequestError | None = None
+        if reply.status == ResponseStatus.OK:
+            if reply.completion_tokens and len(request.attempts) == 1:  # Karn: one attempt
+                measured = (now - request.started_at) / reply.completion_tokens
+                self.token_time += (measured - self.token_time) / 8
+        else:
+            error = status_error(reply.status, reply.error)
+        commands = self._finish(request, reply, error, now)
+        try:
+            self._audit(request, message_id, payload)
+        except Exception:  # the answer stands whatever the audit hits
+            log.exception("audit of the response to %s failed", request.spec.request_id.hex()[:8])
+        return commands
+
+    def _check_reply(self, request: _Request, reply: InferenceReply) -> None:
+        spec = request.spec
+        if reply.request_id != spec.request_id:
+            raise RemoteProtocolError("response for another request")
+        if not any(a.req_hash == reply.request_hash for a in request.attempts):
+            raise RemoteProtocolError("response signs a request we did not send")
+        if not self._is_model_node(reply.model_node):
+            raise InvalidSignatureError(
+                "response signed by a node that is no model node of the directory"
+            )
+        if reply.model_node != spec.destination:
+            raise RemoteProtocolError("response signed by another model node than the one asked")
+        if reply.status == ResponseStatus.OK and reply.model_id != spec.model_id:
+            raise RemoteProtocolError(
+                f"response from model {reply.model_id!r}, asked {spec.model_id!r}"
+            )
+        self._verify_reply(reply)
+
+    def _finish(
+        self, request: _Request, reply: InferenceReply | None, error: PsError | None, now: float
+    ) -> list[Command]:
+        self._forget(request)
+        outcome = Outcome(
+            request_id=request.spec.request_id,
+            reply=reply,
+            error=error,
+            cloves_received=request.cloves_received,
+            attempts=len(request.attempts),
+            latency=now - request.started_at,
+        )
+        return [RequestDone(outcome)]
+
+    def _forget(self, request: _Request) -> None:
+        self._requests.pop(request.spec.request_id, None)
+        for attempt in request.attempts:
+            self._by_response_id.pop(attempt.response_id, None)
+
+    def _audit(self, request: _Request, message_id: bytes, payload: bytes) -> None:
+        """Check the response cloves against the verified answer, and keep the answer a while
+        to check late cloves (their signatures convict an altering proxy; signed cloves that do
+        not fit the answer are the model node's own doing and are logged)."""
+        received = [c for c, _ in request.received if c.message_id == message_id]
+        distinct: dict[int, sida.Clove] = {}
+        for clove in received:
+            distinct.setdefault(clove.index, clove)
+        good: list[sida.Clove] | None = None
+        for subset in itertools.combinations(list(distinct.values()), self.config.threshold):
+            try:
+                if sida.decode_subset(list(subset)) == payload:
+                    good = list(subset)
+                    break
+            except (DecodeError, RemoteProtocolError):
+                continue
+        if good is None:
+            return
+        audit = Audit(good, payload, request.spec.destination)
+        if any(not consistent(audit, clove) for clove in received):
+            # every clove here carries the model node's valid signature: its own doing
+            log.warning("model node %s signed cloves that are not part of its answer",
+                        _short(request.spec.destination))
+        self.audits[message_id] = audit
+        while len(self.audits) > MAX_AUDITS:
+            self.audits.popitem(last=False)
+
+
+__all__ = [
+    "Audit",
+    "Command",
+    "ConvictProxy",
+    "Outcome",
+    "ReplyTag",
+    "RequestConfig",
+    "RequestCore",
+    "RequestDone",
+    "RequestSpec",
+    "ResponseClove",
+    "SendClove",
+    "WireCodec",
+    "consistent",
+    "verify_clove_signature",
+    "verify_reply_signature",
+]
