@@ -1,40 +1,73 @@
 """Service tests of the local OpenAI-compatible API (ps_p2p.api.openai_compat).
 
-Each test runs a whole in-process network (ps_p2p.testing.localnet: real py-libp2p hosts, the
-fake InstantEngine) and serves user 0's API with hypercorn on 127.0.0.1 in the same trio run;
-requests go through httpx as an application's would.
+The API is served by hypercorn on 127.0.0.1 in the test's trio run and spoken to with httpx as
+an application would. Behind it stands :class:`~ps_p2p.testing.fakes.FakeUserNode`: a directory
+with one model node, five ready paths of three relays, and a user client that answers at once
+(the prompt reversed, as the fake engine does) or fails with the typed error a test queues.
+One slow test serves a real user node of an in-process network (ps_p2p.testing.localnet).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
 import pytest
 import trio
+from libp2p.peer.id import ID
 
-from ps_p2p.api.openai_compat import serve_api
-from ps_p2p.testing.localnet import LocalNet, open_localnet
+from ps_p2p.api.openai_compat import MAX_BODY_BYTES, serve_api
+from ps_p2p.errors import (
+    ContextLengthError,
+    DecodeError,
+    ModelNodeError,
+    NoModelNodeError,
+    NoPathError,
+    OverloadedError,
+    RequestError,
+    RequestRefusedError,
+    RequestTimeoutError,
+    RequestTooLargeError,
+)
+from ps_p2p.inference import ResponseStatus
+from ps_p2p.testing.fakes import AskCall, FakeUserClient, FakeUserNode
+from ps_p2p.testing.localnet import open_localnet
 
 PROMPT = "Once upon a time there was a fox"
 
 
+def b58(peer_id: bytes) -> str:
+    return ID(peer_id).to_base58()
+
+
 @dataclass
 class Api:
-    net: LocalNet
+    node: FakeUserNode
     client: httpx.AsyncClient
+
+    @property
+    def user(self) -> FakeUserClient:
+        assert self.node.user is not None
+        return self.node.user
+
+
+@asynccontextmanager
+async def _serve(node: object) -> AsyncIterator[httpx.AsyncClient]:
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_api, node, "127.0.0.1:0")
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            yield client
+        nursery.cancel_scope.cancel()
 
 
 @pytest.fixture
 async def api() -> AsyncIterator[Api]:
-    """A 6-user local network and an HTTP client on user 0's API."""
-    async with open_localnet(users=6) as net:
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(serve_api, net.users[0], "127.0.0.1:0")
-            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                yield Api(net, client)
-            nursery.cancel_scope.cancel()
+    """The API of a fake user node, and an HTTP client on it."""
+    node = FakeUserNode()
+    async with _serve(node) as client:
+        yield Api(node, client)
 
 
 def _assert_openai_error(body: dict) -> None:
@@ -43,57 +76,61 @@ def _assert_openai_error(body: dict) -> None:
     assert isinstance(body["error"]["type"], str) and body["error"]["type"]
 
 
+# ------------------------------------------------------------------------------ completions
+
+
 async def test_completion_returns_the_model_answer_as_a_text_completion(api):
     r = await api.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 64})
 
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion"
-    assert body["id"].startswith("cmpl-")
+    assert body["id"] == "cmpl-" + api.user.answers[0].request_id.hex()
+    assert isinstance(body["created"], int)
     assert body["model"] == "fake-model"
-    assert [c["text"] for c in body["choices"]] == [PROMPT[::-1]]
-    assert body["usage"]["completion_tokens"] == len(PROMPT)
+    assert body["choices"] == [{"index": 0, "text": PROMPT[::-1], "finish_reason": None,
+                                "logprobs": None}]
+    assert body["usage"] == {"completion_tokens": len(PROMPT)}
 
 
 async def test_completion_carries_planetserve_metadata_of_the_signing_model_node(api):
     r = await api.client.post("/v1/completions", json={"prompt": PROMPT})
 
     assert r.status_code == 200, r.text
-    meta = r.json()["planetserve"]
-    assert meta["served_by"] == api.net.models[0].keys.identity.peer_id_str
-    assert meta["served_by"].startswith("12D3KooW")
-    assert meta["signature_valid"] is True
-    assert meta["cloves_received"] >= 3
-    assert meta["attempts"] >= 1
-    assert meta["latency_ms"] > 0
+    answer = api.user.answers[0]
+    assert r.json()["planetserve"] == {
+        "request_id": answer.request_id.hex(),
+        "served_by": b58(api.node.model_record.peer_id),
+        "signature_valid": True,
+        "cloves_received": 3,
+        "latency_ms": 25.0,
+        "attempts": 1,
+    }
+    assert r.json()["planetserve"]["served_by"].startswith("12D3KooW")
 
 
-async def test_models_lists_the_model_id_of_the_model_node(api):
-    r = await api.client.get("/v1/models")
+async def test_completion_passes_the_body_parameters_to_the_user_client(api):
+    r = await api.client.post("/v1/completions", json={
+        "prompt": PROMPT, "model": "fake-model", "max_tokens": 7, "temperature": 0.5,
+        "top_p": 0.9, "seed": 42, "timeout": 3,
+    })
 
-    assert r.status_code == 200
-    body = r.json()
-    assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == ["fake-model"]
+    assert r.status_code == 200, r.text
+    assert api.user.calls == [AskCall(
+        prompt=PROMPT, model_id="fake-model", max_tokens=7, temperature=0.5, top_p=0.9, seed=42,
+        model_node=None, timeout=3.0,
+    )]
+    assert r.json()["choices"][0]["text"] == PROMPT[::-1][:7]
 
 
-async def test_status_lists_the_ready_paths_with_three_relays_each(api):
-    user = api.net.users[0]
+async def test_completion_without_parameters_asks_with_the_defaults(api):
+    r = await api.client.post("/v1/completions", json={"prompt": PROMPT})
 
-    r = await api.client.get("/status")
-
-    assert r.status_code == 200
-    body = r.json()
-    assert body["peer_id"] == user.keys.identity.peer_id_str
-    assert body["directory"]["users"] == 6
-    assert body["directory"]["model_nodes"] == 1
-    paths = body["ready_paths"]
-    assert len(paths) == len(user.user.ready_paths()) >= 4
-    for path in paths:
-        assert len(path["relays"]) == 3
-        assert all(relay.startswith("12D3KooW") for relay in path["relays"])
-        assert user.keys.identity.peer_id_str not in path["relays"]
-        assert path["proxy"] == path["relays"][-1]
+    assert r.status_code == 200, r.text
+    assert api.user.calls == [AskCall(
+        prompt=PROMPT, model_id=None, max_tokens=128, temperature=0.0, top_p=1.0, seed=0,
+        model_node=None, timeout=None,
+    )]
 
 
 @pytest.mark.parametrize(
@@ -110,12 +147,15 @@ async def test_status_lists_the_ready_paths_with_three_relays_each(api):
         (b'{"prompt": "hi", "timeout": "soon"}', "bad parameter"),
         (b'{"prompt": "hi", "timeout": -1}', "timeout"),
         (b'{"prompt": "hi", "timeout": "nan"}', "timeout"),
+        (b'{"prompt": "hi", "timeout": 3601}', "timeout"),
     ],
     ids=["not-json", "not-object", "no-prompt", "empty-prompt", "prompt-not-string",
          "max-tokens-0", "max-tokens-too-big", "max-tokens-not-int", "timeout-not-number",
-         "timeout-negative", "timeout-nan"],
+         "timeout-negative", "timeout-nan", "timeout-over-an-hour"],
 )
-async def test_bad_completion_body_gets_400_with_an_openai_error(api, content, reason):
+async def test_bad_completion_body_gets_400_with_an_openai_error_and_asks_nothing(
+    api, content, reason
+):
     r = await api.client.post(
         "/v1/completions", content=content, headers={"content-type": "application/json"}
     )
@@ -125,15 +165,161 @@ async def test_bad_completion_body_gets_400_with_an_openai_error(api, content, r
     _assert_openai_error(body)
     assert body["error"]["type"] == "invalid_request_error"
     assert reason in body["error"]["message"]
+    assert api.user.calls == []
 
 
-async def test_completion_for_an_unknown_model_id_gets_503_with_an_openai_error(api):
+async def test_completion_body_over_the_limit_gets_400(api):
+    content = b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
+
+    r = await api.client.post(
+        "/v1/completions", content=content, headers={"content-type": "application/json"}
+    )
+
+    assert r.status_code == 400
+    assert "body over" in r.json()["error"]["message"]
+    assert api.user.calls == []
+
+
+async def test_completion_for_an_unknown_model_id_gets_503_no_model_node(api):
     r = await api.client.post("/v1/completions", json={"prompt": PROMPT, "model": "no-such-model"})
 
     assert r.status_code == 503
     body = r.json()
     _assert_openai_error(body)
+    assert body["error"]["type"] == "planetserve_error"
     assert "no-such-model" in body["error"]["message"]
+    assert body["planetserve"]["error_type"] == "NoModelNodeError"
+    assert body["planetserve"]["attempts"] == 0
+
+
+# ------------------------------------------------------------- typed failures -> HTTP status
+
+
+@pytest.mark.parametrize(
+    "error, status",
+    [
+        (RequestTimeoutError("no answer within 3 s"), 504),
+        (NoPathError("only 2 of 4 paths ready"), 503),
+        (NoModelNodeError("no model node in the directory"), 503),
+        (OverloadedError("OVERLOADED: queue full", status=ResponseStatus.OVERLOADED), 503),
+        (RequestRefusedError("BAD_REQUEST: top_p", status=ResponseStatus.BAD_REQUEST), 400),
+        (RequestRefusedError("WRONG_MODEL: other", status=ResponseStatus.WRONG_MODEL), 400),
+        (ContextLengthError("PROMPT_TOO_LONG: 9000", status=ResponseStatus.PROMPT_TOO_LONG), 400),
+        (RequestTooLargeError("request of 70000 bytes"), 400),
+        (ModelNodeError("ENGINE_ERROR: CUDA", status=ResponseStatus.ENGINE_ERROR), 502),
+        (RequestError("something else"), 502),
+        (DecodeError("no 3-subset decodes"), 502),
+    ],
+    ids=["timeout-504", "no-path-503", "no-model-node-503", "overloaded-503",
+         "bad-request-400", "wrong-model-400", "prompt-too-long-400", "too-large-400",
+         "engine-error-502", "other-request-error-502", "decode-error-502"],
+)
+async def test_failed_request_gets_the_http_status_of_its_error_class(api, error, status):
+    api.user.fail_next(error)
+
+    r = await api.client.post("/v1/completions", json={"prompt": PROMPT})
+
+    assert r.status_code == status
+    body = r.json()
+    _assert_openai_error(body)
+    assert body["error"]["type"] == "planetserve_error"
+    assert body["error"]["message"] == api.user.answers[0].error
+    assert body["planetserve"]["error_type"] == type(error).__name__
+    assert body["planetserve"]["request_id"] == api.user.answers[0].request_id.hex()
+    assert body["planetserve"]["attempts"] == api.user.answers[0].attempts
+
+
+async def test_timed_out_request_gets_504_with_no_signer(api):
+    api.user.fail_next(RequestTimeoutError("no answer within 3 s"))
+
+    r = await api.client.post("/v1/completions", json={"prompt": PROMPT, "timeout": 3})
+
+    assert r.status_code == 504
+    meta = r.json()["planetserve"]
+    assert meta["error_type"] == "RequestTimeoutError"
+    assert meta["signature_valid"] is False
+    assert meta["served_by"] == ""
+    assert api.user.calls[0].timeout == 3.0
+
+
+async def test_signed_error_status_names_the_model_node_that_signed_it(api):
+    api.user.fail_next(OverloadedError("OVERLOADED: queue full", status=ResponseStatus.OVERLOADED))
+
+    r = await api.client.post("/v1/completions", json={"prompt": PROMPT})
+
+    assert r.status_code == 503
+    meta = r.json()["planetserve"]
+    assert meta["error_type"] == "OverloadedError"
+    assert meta["signature_valid"] is True
+    assert meta["served_by"] == b58(api.node.model_record.peer_id)
+
+
+async def test_a_failure_costs_one_request_and_the_next_is_answered(api):
+    api.user.fail_next(OverloadedError("OVERLOADED", status=ResponseStatus.OVERLOADED))
+
+    first = await api.client.post("/v1/completions", json={"prompt": PROMPT})
+    second = await api.client.post("/v1/completions", json={"prompt": PROMPT})
+
+    assert (first.status_code, second.status_code) == (503, 200)
+    assert second.json()["choices"][0]["text"] == PROMPT[::-1]
+
+
+async def test_completion_on_a_node_without_the_user_role_gets_503():
+    async with _serve(FakeUserNode(user_role=False)) as client:
+        r = await client.post("/v1/completions", json={"prompt": PROMPT})
+
+    assert r.status_code == 503
+    body = r.json()
+    _assert_openai_error(body)
+    assert body["error"]["type"] == "unavailable"
+
+
+# ------------------------------------------------------------------------- models, status
+
+
+async def test_models_lists_the_model_id_of_the_model_node(api):
+    r = await api.client.get("/v1/models")
+
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list"
+    assert body["data"] == [{"id": "fake-model", "object": "model", "owned_by": "planetserve"}]
+
+
+async def test_status_lists_the_ready_paths_with_three_relays_each(api):
+    node = api.node
+
+    r = await api.client.get("/status")
+
+    assert r.status_code == 200
+    body = r.json()
+    assert body["peer_id"] == node.keys.identity.peer_id_str
+    assert body["roles"] == ["user"]
+    assert body["listen"] == node.listen_addrs
+    assert body["directory"] == {"height": 1, "users": 7, "model_nodes": 1}
+    paths = body["ready_paths"]
+    assert [p["relays"] for p in paths] == [
+        [b58(r) for r in p.relays] for p in api.user.ready_paths()
+    ]
+    assert len(paths) == 5
+    relay_ids = {b58(r.peer_id) for r in node.relay_records}
+    for path in paths:
+        assert len(path["relays"]) == 3
+        assert set(path["relays"]) <= relay_ids
+        assert node.keys.identity.peer_id_str not in path["relays"]
+        assert path["proxy"] == path["relays"][-1]
+        assert path["age_s"] >= 0
+
+
+async def test_status_of_a_node_without_a_directory_says_so():
+    node = FakeUserNode()
+    node.directory = None
+
+    async with _serve(node) as client:
+        r = await client.get("/status")
+
+    assert r.status_code == 200
+    assert r.json()["directory"] is None
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/chat"), ("GET", "/v1/completions"),
@@ -142,18 +328,30 @@ async def test_unknown_route_gets_404_with_an_openai_error(api, method, path):
     r = await api.client.request(method, path)
 
     assert r.status_code == 404
-    _assert_openai_error(r.json())
-
-
-async def test_request_to_a_dead_model_node_gets_504_within_its_timeout(api):
-    api.net.kill(api.net.models[0])
-
-    with trio.fail_after(15):
-        r = await api.client.post("/v1/completions", json={"prompt": PROMPT, "timeout": 3})
-
-    assert r.status_code == 504
     body = r.json()
     _assert_openai_error(body)
-    assert "RequestTimeoutError" in body["error"]["message"]
-    assert body["planetserve"]["signature_valid"] is False
-    assert body["planetserve"]["served_by"] == ""
+    assert body["error"]["type"] == "not_found"
+
+
+# ----------------------------------------------------------------------- real network (slow)
+
+
+@pytest.mark.slow
+async def test_completion_through_a_real_local_network_is_answered_and_signed():
+    async with open_localnet(users=6) as net:
+        user = net.users[0]
+        async with _serve(user) as client:
+            models = await client.get("/v1/models")
+            status = await client.get("/status")
+            r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 64})
+
+    assert [m["id"] for m in models.json()["data"]] == ["fake-model"]
+    assert status.json()["directory"]["users"] == 6
+    assert all(len(p["relays"]) == 3 for p in status.json()["ready_paths"])
+    assert len(status.json()["ready_paths"]) >= 4
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == PROMPT[::-1]
+    assert body["planetserve"]["served_by"] == net.models[0].keys.identity.peer_id_str
+    assert body["planetserve"]["signature_valid"] is True
+    assert body["planetserve"]["cloves_received"] >= 3
