@@ -166,13 +166,8 @@ async def test_cell_with_unknown_path_id_is_dropped_and_counted():
         await stream.write(encode_frame(frame.SerializeToString()))
         with trio.fail_after(60):
             while target.overlay.stats.cells_dropped == before:
-                await _poll()
+                await target.overlay.driver.wait_processed()
         await stream.close()
-
-
-async def _poll() -> None:
-    """Let the network tasks run; for a counter that has no event to await."""
-    await trio.sleep(0.01)
 
 
 
@@ -215,7 +210,7 @@ async def test_a_replayed_setup_packet_is_refused():
             await stream.write(encode_frame(frame.SerializeToString()))
         with trio.fail_after(60):
             while target.overlay.stats.setups_replayed < 1:
-                await _poll()
+                await target.overlay.driver.wait_processed()
         assert target.overlay.stats.setups_replayed == 1
         await stream.close()
 

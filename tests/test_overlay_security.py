@@ -36,11 +36,22 @@ def _count_backward(node, kind: str) -> list[int]:
     return seen
 
 
-async def _until(condition, timeout: float = 30.0) -> None:
-    """Await ``condition()`` (a counter with no event of its own), checking every 10 ms."""
+async def _until(condition, *nodes, timeout: float = 60.0) -> None:
+    """Await ``condition()`` (a counter with no event of its own), re-checking it each time the
+    overlay driver of one of ``nodes`` has handled inputs."""
+
+    async def any_processed() -> None:
+        async with trio.open_nursery() as nursery:
+            async def one(node) -> None:
+                await node.overlay.driver.wait_processed()
+                nursery.cancel_scope.cancel()
+
+            for node in nodes:
+                nursery.start_soon(one, node)
+
     with trio.fail_after(timeout):
         while not condition():
-            await trio.sleep(0.01)
+            await any_processed()
 
 
 async def test_cells_naming_a_node_that_is_no_model_node_kill_no_path():
@@ -63,7 +74,7 @@ async def test_cells_naming_a_node_that_is_no_model_node_kill_no_path():
                 )
                 assert attacker.overlay.send_on_path(path.handle, payload)
                 sent += 1
-        await _until(lambda: failed[0] >= sent)
+        await _until(lambda: failed[0] >= sent, attacker)
         assert sum(n.overlay.stats.paths_lost_to_link_down for n in net.users) == lost_before
         refused = sum(n.overlay.stats.deliveries_refused for n in net.users)
         assert refused >= sent
@@ -83,7 +94,7 @@ async def test_a_delivery_from_a_peer_outside_the_directory_is_dropped_and_the_s
             before = model.overlay.stats.deliveries_refused
             for _ in range(3):  # a reset stream would fail the later writes
                 await stream.write(encode_frame(frame.SerializeToString()))
-            await _until(lambda: model.overlay.stats.deliveries_refused >= before + 3)
+            await _until(lambda: model.overlay.stats.deliveries_refused >= before + 3, model)
             assert model.overlay.stats.deliveries == 0
             await stream.close()
         answer = await net.users[0].user.ask("still served?", timeout=60)
@@ -112,13 +123,13 @@ async def test_replies_pass_only_under_a_live_reply_tag_from_its_model_node():
         for sender, signature in [(intruder, good), (model, b"\x00" * 64)]:
             before = proxy.overlay.stats.cells_dropped
             sender.overlay.send_reply(proxy.peer_id, tag, raw, signature)
-            await _until(lambda: proxy.overlay.stats.cells_dropped > before)
+            await _until(lambda: proxy.overlay.stats.cells_dropped > before, proxy)
         # passes: the model node with its signature, once
         model.overlay.send_reply(proxy.peer_id, tag, raw, good)
-        await _until(lambda: signed[0] == 1)
+        await _until(lambda: signed[0] == 1, owner)
         before = proxy.overlay.stats.cells_dropped
         model.overlay.send_reply(proxy.peer_id, tag, raw, good)  # the tag is spent
-        await _until(lambda: proxy.overlay.stats.cells_dropped > before)
+        await _until(lambda: proxy.overlay.stats.cells_dropped > before, proxy)
         assert signed[0] == 1
 
 
@@ -146,6 +157,6 @@ async def test_a_model_node_cannot_get_honest_proxies_convicted(monkeypatch):
         before = client.misrouted_cloves
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: client.ask("to M2", model_node=m2.peer_id, timeout=60))
-            await _until(lambda: client.misrouted_cloves >= before + 3)
+            await _until(lambda: client.misrouted_cloves >= before + 3, net.users[0])
             nursery.cancel_scope.cancel()
         assert client.avoided_proxies == frozenset()

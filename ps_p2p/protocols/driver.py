@@ -82,6 +82,7 @@ class CoreDriver(Generic[C]):
         self._clock = clock
         self._send, self._receive = trio.open_memory_channel[Input[C] | None](inbox)
         self._next_tick = -math.inf
+        self._processed = trio.Event()
         self.dropped = 0
         self.failed = 0
 
@@ -99,6 +100,15 @@ class CoreDriver(Generic[C]):
                 log.warning("%s: inbox full, %d input(s) dropped", self.name, self.dropped)
             return False
         return True
+
+    async def wait_processed(self) -> None:
+        """Wait until the driver next finishes a batch of inputs or a tick (for code that waits
+        on a condition of the core, e.g. a counter, instead of polling it)."""
+        await self._processed.wait()
+
+    def _notify(self) -> None:
+        self._processed.set()
+        self._processed = trio.Event()
 
     def wake(self) -> None:
         """Make the driver re-read ``next_deadline()`` (after a direct call to the core)."""
@@ -159,6 +169,7 @@ class CoreDriver(Generic[C]):
                             break
                 if now >= self._deadline():
                     self._do_tick(now)
+                self._notify()
 
     def _apply(self, event: Input[C], now: float) -> None:
         try:
