@@ -48,6 +48,7 @@ def test_latency_summary_uses_nearest_rank_percentiles():
     assert stats == {"median": 50.5, "p95": 95.0, "p99": 99.0, "max": 100.0}
 
 
+@pytest.mark.slow
 def test_instant_engine_with_several_nodes_per_process_answers_every_prompt(tmp_path):
     out = tmp_path / "results.jsonl"
 

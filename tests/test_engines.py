@@ -138,6 +138,7 @@ def test_default_model_id_is_the_last_path_component(model, expected):
     assert default_model_id(model) == expected
 
 
+@pytest.mark.slow
 def test_load_engine_names_a_folder_model_after_the_folder(shared):
     pytest.importorskip("transformers")
     engine = load_engine("transformers", model=str(shared / "models" / "stories260K"))
@@ -182,6 +183,7 @@ async def test_streamed_pieces_join_to_the_completion_text(engine, params):
     assert "".join(pieces) == completion.text
 
 
+@pytest.mark.slow
 async def test_seeded_sampling_repeats_and_other_seeds_differ(engine):
     texts = set()
     for seed in (1, 2, 3):
@@ -200,6 +202,7 @@ async def test_stream_ends_with_finish_reason_and_token_counts(engine):
     assert last.prompt_tokens == len(await engine.tokenize(PROMPT))
 
 
+@pytest.mark.slow
 async def test_concurrent_streams_give_the_same_text_as_one_at_a_time(engine):
     prompts = [PROMPT, "The little dog", "Lily and Ben"]
     expected = [(await engine.complete(p, GREEDY)).text for p in prompts]

@@ -99,6 +99,7 @@ class _ConnectionEvents(INotifee):
         pass
 
 
+@pytest.mark.slow
 async def test_a_host_stays_reachable_after_more_connect_and_close_dials_than_its_cap():
     # py-libp2p 0.8.1 kept an inbound slot per accepted connection until the swarm stopped:
     # with max_connections=300 (its default) the 301st inbound connection ever was refused.

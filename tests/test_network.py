@@ -1,6 +1,13 @@
-"""Service tests: a whole network of real py-libp2p hosts in one process (ps_p2p.testing.localnet)."""
+"""Service tests: a whole network of real py-libp2p hosts in one process (ps_p2p.testing.localnet).
+
+The policies behind them are tested on the cores (tests/test_relay_core.py, test_path_pool.py,
+test_requests.py, test_dispatch.py); three smoke tests run by default, the rest are marked slow and
+run in CI.
+"""
 
 from __future__ import annotations
+
+import pytest
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -29,6 +36,7 @@ async def test_prompt_crosses_the_overlay_and_signed_answer_returns():
         assert model.overlay.stats.deliveries >= 3
 
 
+@pytest.mark.slow
 async def test_every_path_has_three_distinct_relays_and_excludes_the_user():
     async with open_localnet(users=6) as net:
         for node in net.users:
@@ -38,6 +46,7 @@ async def test_every_path_has_three_distinct_relays_and_excludes_the_user():
                 assert node.peer_id not in path.relays
 
 
+@pytest.mark.slow
 async def test_paths_become_disjoint_when_the_network_is_large_enough():
     # Paths built while the directory was still filling may share relays; the pool replaces
     # them until no relay serves two paths of one user.
@@ -53,6 +62,7 @@ async def test_paths_become_disjoint_when_the_network_is_large_enough():
                     await node.user.wait_changed()
 
 
+@pytest.mark.slow
 async def test_tampering_relay_cannot_stop_or_alter_answers():
     async with open_localnet(users=6, tamper=(5,)) as net:
         tamperer = net.users[5]
@@ -93,6 +103,7 @@ async def test_request_survives_a_relay_killed_mid_request():
                 await asker.user.wait_changed()
 
 
+@pytest.mark.slow
 async def test_model_node_down_gives_an_error_before_the_deadline():
     async with open_localnet(users=6) as net:
         net.kill(net.models[0])
@@ -102,6 +113,7 @@ async def test_model_node_down_gives_an_error_before_the_deadline():
         assert "RequestTimeoutError" in answer.error
 
 
+@pytest.mark.slow
 async def test_full_queue_answers_overloaded_instead_of_silence():
     gate = trio.Event()
     engine = InstantEngine(gate=gate)
@@ -127,6 +139,7 @@ async def test_full_queue_answers_overloaded_instead_of_silence():
         assert results[0].ok
 
 
+@pytest.mark.slow
 async def test_prompt_too_long_for_the_model_is_reported():
     async with open_localnet(users=6, engine_factory=lambda i: InstantEngine(max_context=100)) as net:
         answer = await net.users[0].user.ask("y" * 500, max_tokens=10, timeout=60)
@@ -157,6 +170,7 @@ async def test_malformed_and_oversized_frames_reset_one_stream_and_the_node_serv
         assert answer.ok, answer.error
 
 
+@pytest.mark.slow
 async def test_cell_with_unknown_path_id_is_dropped_and_counted():
     async with open_localnet(users=6) as net:
         target = net.users[2]
@@ -171,6 +185,7 @@ async def test_cell_with_unknown_path_id_is_dropped_and_counted():
 
 
 
+@pytest.mark.slow
 async def test_paths_are_rotated_after_the_rotation_period_and_the_pool_refills():
     cfg = UserConfig(probe_interval=0.5, probe_timeout=2.0, rotate_period=3.0, request_timeout=1.0)
     async with open_localnet(users=6, user_config=cfg) as net:
@@ -186,6 +201,7 @@ async def test_paths_are_rotated_after_the_rotation_period_and_the_pool_refills(
         assert answer.ok, answer.error
 
 
+@pytest.mark.slow
 async def test_a_dead_node_leaves_the_directory_when_its_record_expires():
     async with open_localnet(users=6, record_lifetime=3.0) as net:
         victim = net.users[5]
@@ -199,6 +215,7 @@ async def test_a_dead_node_leaves_the_directory_when_its_record_expires():
         assert len(observer.directory.users()) == 5
 
 
+@pytest.mark.slow
 async def test_a_replayed_setup_packet_is_refused():
     async with open_localnet(users=6) as net:
         sender, target = net.users[0], net.users[1]
@@ -215,6 +232,7 @@ async def test_a_replayed_setup_packet_is_refused():
         await stream.close()
 
 
+@pytest.mark.slow
 async def test_a_long_run_of_requests_over_the_same_paths_is_all_answered():
     # each request registers a reply tag at each of its proxies; tags must not pile up on a
     # path until answers are refused (the benchmark's 200 requests once hit such a limit)
@@ -225,6 +243,7 @@ async def test_a_long_run_of_requests_over_the_same_paths_is_all_answered():
             assert answer.ok, (i, answer.error)
 
 
+@pytest.mark.slow
 async def test_a_proxy_that_alters_response_cloves_is_caught_and_avoided():
     async with open_localnet(users=6, tamper=(5,)) as net:
         tamperer = net.users[5]

@@ -6,6 +6,8 @@ attack now costs only the attacker's own cell, delivery or request.
 
 from __future__ import annotations
 
+import pytest
+
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
@@ -83,6 +85,7 @@ async def test_cells_naming_a_node_that_is_no_model_node_kill_no_path():
             assert answer.ok, answer.error
 
 
+@pytest.mark.slow
 async def test_a_delivery_from_a_peer_outside_the_directory_is_dropped_and_the_stream_lives():
     async with open_localnet(users=6) as net:
         model = net.models[0]
@@ -101,6 +104,7 @@ async def test_a_delivery_from_a_peer_outside_the_directory_is_dropped_and_the_s
         assert answer.ok, answer.error
 
 
+@pytest.mark.slow
 async def test_replies_pass_only_under_a_live_reply_tag_from_its_model_node():
     async with open_localnet(users=6) as net:
         owner, model = net.users[0], net.models[0]
@@ -133,6 +137,7 @@ async def test_replies_pass_only_under_a_live_reply_tag_from_its_model_node():
         assert signed[0] == 1
 
 
+@pytest.mark.slow
 async def test_a_model_node_cannot_get_honest_proxies_convicted(monkeypatch):
     # Before: M2, told the response ID of an answer from M1, sent cloves under that ID through the
     # proxies of a request to M2; the user checked them against M1 and avoided 4 of 4 honest
