@@ -247,3 +247,30 @@ def test_rebalancing_replaces_a_path_that_shares_relays_once_free_relays_appear(
     assert len(pool.ready_paths()) == 1  # one path retired
     kept = pool.ready_paths()[0]
     assert not set(replacement.relays) & set(kept.relays)
+
+
+def test_rebalancing_counts_the_victims_own_relays_as_free():
+    # 2 paths of 3 hops over 5 relays share one; with 7 relays the pool can be disjoint although
+    # only 2 relays are used by neither path
+    pool = _pool(paths=2, total=2)
+    opened = _open_all(pool, 0.0, RELAYS[:5])
+    used = {r for c in opened for r in c.relays}
+    assert len(used) == 5
+    seven = RELAYS[:7]
+    (replacement,) = _of(pool.tick(0.6, seven), OpenPath)
+    (kept,) = pool.ready_paths()
+    assert not set(replacement.relays) & set(kept.relays)
+
+
+
+def test_a_full_pool_forgives_penalties_after_the_cooldown_and_then_rebalances():
+    r = RELAYS
+    pool = _pool(paths=2, total=2)
+    for command in _of(pool.tick(0.0, [r[0], r[5], r[6]]), OpenPath):
+        pool.path_failed(command.path_id, 0.1)  # e.g. while the network was starting
+    opened = _open_all(pool, 0.6, r[:5])  # the 4 clean relays, shared by 2 paths
+    assert {x for c in opened for x in c.relays} <= set(r[1:5])
+    assert _of(pool.tick(1.0, r[:7]), OpenPath) == []  # 1 clean relay outside a path: wait
+    (replacement,) = _of(pool.tick(31.0, r[:7]), OpenPath)  # forgiven: the shared path goes
+    (kept,) = pool.ready_paths()
+    assert not set(replacement.relays) & set(kept.relays)

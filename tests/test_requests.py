@@ -23,7 +23,7 @@ from ps_p2p.errors import (
     RequestTimeoutError,
     RequestTooLargeError,
 )
-from ps_p2p.inference import InferenceReply, ResponseStatus, SamplingParams
+from ps_p2p.inference import InferenceReply, ResponseStatus, SamplingParams, status_error
 from ps_p2p.overlay.requests import (
     ConvictProxy,
     RequestConfig,
@@ -343,3 +343,41 @@ def test_the_measured_time_per_token_stretches_the_next_attempt_wait():
     assert core.token_time == pytest.approx(0.05 + (1.0 - 0.05) / 8)
     assert core.attempt_wait(10) == pytest.approx(8.0 + 10 * 2 * core.token_time)
 
+
+
+# ------------------------------------------------------------------ the outcome in upper layers
+
+
+@pytest.mark.parametrize(
+    "error, http, text",
+    [
+        (None, 502, ""),
+        (RequestTimeoutError("no answer within 4 s"), 504, "RequestTimeoutError: no answer"),
+        (NoPathError("only 2 of 4 paths ready after 4 s"), 503, "NoPathError: only 2"),
+        (status_error(ResponseStatus.OVERLOADED, "busy"), 503, "OVERLOADED: busy"),
+        (status_error(ResponseStatus.PROMPT_TOO_LONG, "long"), 400, "PROMPT_TOO_LONG: long"),
+        (status_error(ResponseStatus.WRONG_MODEL, "no"), 400, "WRONG_MODEL: no"),
+        (status_error(ResponseStatus.ENGINE_ERROR, "oom"), 502, "ENGINE_ERROR: oom"),
+        (RequestTooLargeError("big"), 400, "RequestTooLargeError: big"),
+    ],
+)
+def test_the_typed_outcome_gives_the_answer_text_and_the_http_status(error, http, text):
+    from ps_p2p.api.openai_compat import http_status
+    from ps_p2p.roles.user import answer_from_outcome
+    from ps_p2p.overlay.requests import Outcome
+
+    answer = answer_from_outcome(Outcome(b"r" * 16, None, error, 0, 1, 4.0))
+    assert answer.ok is (error is None)
+    assert answer.exception is error and answer.error_type is (type(error) if error else None)
+    assert answer.error.startswith(text)
+    if error is not None:
+        assert http_status(answer.exception) == http
+
+
+def test_no_model_node_in_the_directory_is_a_503():
+    from ps_p2p.api.openai_compat import http_status
+    from ps_p2p.errors import DirectoryError, NoModelNodeError, RequestError
+
+    error = NoModelNodeError("no model node serving 'x' in the directory")
+    assert isinstance(error, DirectoryError) and isinstance(error, RequestError)
+    assert http_status(error) == 503

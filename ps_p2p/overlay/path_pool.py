@@ -371,6 +371,7 @@ class PathPool:
                 commands += self._drop(path, "rotated")
         if self._next_maintenance is None or now >= self._next_maintenance:
             self._next_maintenance = now + self._interval
+            self._forgive(now)
             live = self.live_paths()
             missing = cfg.paths - len(live) - len(self._opening)
             if missing > 0:
@@ -411,6 +412,17 @@ class PathPool:
         self._probe_retry.pop(path.path_id, None)
         return [SendProbe(path.path_id, nonce)]
 
+    def _forgive(self, now: float) -> None:
+        """Forget penalties ``failed_relay_cooldown`` s after their last failure, and
+        convictions past their term (at every maintenance: a full pool builds nothing, and
+        rebalancing needs the forgiven relays)."""
+        for peer, (_, last) in list(self._penalty.items()):
+            if now - last >= self.config.failed_relay_cooldown:
+                del self._penalty[peer]
+        for peer, until in list(self._bad_proxies.items()):
+            if until <= now:
+                del self._bad_proxies[peer]
+
     def _penalize(self, relays: Sequence[bytes], now: float) -> None:
         for relay in relays:
             count, _ = self._penalty.get(relay, (0, now))
@@ -429,16 +441,10 @@ class PathPool:
         cfg = self.config
         if relays is None:
             return []
-        for peer, (_, last) in list(self._penalty.items()):
-            if now - last >= cfg.failed_relay_cooldown:
-                del self._penalty[peer]
         users = self._usable(relays)
         if len(users) < cfg.hops:
             log.debug("only %d other users known; need %d relays", len(users), cfg.hops)
             return []
-        for peer, until in list(self._bad_proxies.items()):
-            if until <= now:
-                del self._bad_proxies[peer]
         clean = [r for r in users if r not in self._penalty]
         if len(clean) >= cfg.hops:
             candidates = clean
@@ -507,10 +513,13 @@ class PathPool:
         shared = [p for p in ready if any(uses[r] > 1 for r in p.relays)]
         if not shared:
             return []
-        free = [r for r in users if r not in uses and r not in self._penalty]
-        if len(free) < self.config.hops:
-            return []
         victim = max(shared, key=lambda p: sum(uses[r] for r in p.relays))
+        # relays the replacement may use: clean ones no other ready path holds (the victim's
+        # own count: 7 relays suffice for 2 disjoint paths of 3 even while 2 paths share one)
+        kept = {r for p in ready if p is not victim for r in p.relays}
+        free = [r for r in users if r not in kept and r not in self._penalty]
+        if len(free) < self.config.hops or all(r in self._bad_proxies for r in free):
+            return []
         self._retire(victim, now)
         log.info("replacing path via %s: it shares relays with another path",
                  _short(victim.relays[0]))

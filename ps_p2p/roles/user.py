@@ -336,6 +336,7 @@ class UserClient:
         self.inbox_dropped = 0
         self._wake = trio.Event()
         self._changed = trio.Event()
+        self._processed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._relay_cache: tuple[Directory | None, int, list[bytes] | None] = (None, -1, None)
         overlay.on_backward = self._on_backward
@@ -383,6 +384,11 @@ class UserClient:
     async def wait_changed(self) -> None:
         """Wait until the path pool changes (a path became ready or was lost)."""
         await self._changed.wait()
+
+    async def wait_processed(self) -> None:
+        """Wait until the driver task has next handled its inputs and timers (for tests that
+        watch a counter such as :attr:`misrouted_cloves`, instead of polling)."""
+        await self._processed.wait()
 
     def model_nodes(self, model_id: str | None = None) -> list[NodeRecord]:
         """Model node records of the current directory (optionally serving ``model_id``)."""
@@ -494,6 +500,8 @@ class UserClient:
             self._execute(self._requests.tick(now, self._ready_refs()), now)
         except Exception:
             log.exception("user client tick failed")
+        self._processed.set()
+        self._processed = trio.Event()
 
     def _next_deadline(self) -> float:
         """The earlier of the cores' deadlines (the pool's None: at once)."""
