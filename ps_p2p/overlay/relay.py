@@ -203,11 +203,14 @@ class PathReady:
 
 @dataclass(frozen=True)
 class PathFailed:
-    """An own path failed (``was_ready``: it had been ready, i.e. it died)."""
+    """An own path failed (``was_ready``: it had been ready, i.e. it died;
+    ``first_hop_down``: the link to its first hop was lost, which names the culprit, while any
+    other failure may be any hop's fault)."""
 
     token: Hashable
     reason: str
     was_ready: bool
+    first_hop_down: bool = False
 
 
 @dataclass(frozen=True)
@@ -397,12 +400,14 @@ class RelayCore:
         del self._paths[own.key]
         return [SendDestroy(own.path.first_hop, own.path.first_path_id, reason[:MAX_REASON_CHARS])]
 
-    def _path_failed(self, own: OwnPath, reason: str) -> list[Command]:
+    def _path_failed(
+        self, own: OwnPath, reason: str, *, first_hop_down: bool = False
+    ) -> list[Command]:
         if self._paths.get(own.key) is not own:
             return []
         del self._paths[own.key]
         log.info("path via %s failed: %s", _short(own.path.first_hop), reason)
-        return [PathFailed(own.token, reason, own.ready)]
+        return [PathFailed(own.token, reason, own.ready, first_hop_down)]
 
     # ------------------------------------------------------------------ setup
 
@@ -638,7 +643,7 @@ class RelayCore:
         for own in list(self._paths.values()):
             if own.path.first_hop == peer:
                 self.stats.paths_lost_to_link_down += 1
-                out += self._path_failed(own, f"first hop down: {reason}")
+                out += self._path_failed(own, f"first hop down: {reason}", first_hop_down=True)
         return out
 
     def send_failed(self, command: Command, now: float) -> list[Command]:
@@ -649,7 +654,7 @@ class RelayCore:
                 return self._fail_relay_setup(pending.entry, "next hop unreachable")
             own = self._paths.get((command.peer, command.path_id))
             if own is not None:
-                return self._path_failed(own, "first hop unreachable")
+                return self._path_failed(own, "first hop unreachable", first_hop_down=True)
         elif isinstance(command, SendDelivery):
             found = self.table.lookup(command.in_peer, command.in_path_id)
             if found is not None:

@@ -74,6 +74,8 @@ class PathHandle:
     ready: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
     error: str | None = None
+    #: the path failed because the link to its first hop was lost (the first hop is to blame)
+    first_hop_down: bool = False
     is_ready: bool = False
     cells_sent: int = 0
     cells_received: int = 0
@@ -339,10 +341,11 @@ class OverlayService:
                 handle: PathHandle = token  # type: ignore[assignment]
                 handle.is_ready = True
                 handle.ready.set()
-            case core.PathFailed(token, reason, was_ready):
+            case core.PathFailed(token, reason, was_ready, first_hop_down):
                 handle = token  # type: ignore[assignment]
                 if not handle.done.is_set():
                     handle.error = reason
+                    handle.first_hop_down = first_hop_down
                     handle.done.set()
                     handle.ready.set()  # wake waiters; they check handle.is_ready
                     if was_ready and self.on_path_down is not None:

@@ -19,11 +19,11 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import trio
 
 from ps_p2p import responses
+from ps_p2p.config import ModelNodeConfig
 from ps_p2p.crypto import sida
 from ps_p2p.engines.base import Engine, SamplingParams
 from ps_p2p.errors import EngineError, PromptTooLongError, PsError, RemoteProtocolError
@@ -34,7 +34,7 @@ from ps_p2p.protocols.driver import CoreDriver
 from ps_p2p.protocols.inference_codec import decode_query, encode_reply
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.serving import dispatch
-from ps_p2p.serving.dispatch import DispatchConfig, Dispatcher, SendAnswer, StartJob
+from ps_p2p.serving.dispatch import Dispatcher, SendAnswer, StartJob
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,6 @@ MAX_PROMPT_CHARS = dispatch.MAX_PROMPT_CHARS
 MIN_THRESHOLD = dispatch.MIN_THRESHOLD
 
 
-@dataclass
-class ModelNodeConfig(DispatchConfig):
-    """Model node settings: :class:`~ps_p2p.serving.dispatch.DispatchConfig` plus
-    ``default_max_tokens`` (used when a request asks for 0 tokens)."""
-
-    default_max_tokens: int = 128
 
 
 class ModelNodeService:

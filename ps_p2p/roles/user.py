@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import trio
 
+from ps_p2p.config import UserConfig
 from ps_p2p.crypto import onion, sida
 from ps_p2p.errors import (
     ModelNodeError,
@@ -45,7 +46,6 @@ from ps_p2p.overlay.path_pool import (
     PathLost,
     PathPool,
     PoolChanged,
-    PoolConfig,
     PoolPath,
     SendProbe,
 )
@@ -53,7 +53,6 @@ from ps_p2p.overlay.requests import (
     Audit,
     ConvictProxy,
     Outcome,
-    RequestConfig,
     RequestCore,
     RequestDone,
     RequestSpec,
@@ -73,74 +72,6 @@ _DELIVER_OVERHEAD = 64
 #: Backward payloads queued for the driver task at most; more are dropped (counted). Path
 #: events and requests are never dropped: there are at most a few per path and per caller.
 MAX_INBOX = 4096
-
-
-@dataclass
-class UserConfig:
-    """User node settings; times in seconds.
-
-    Attributes:
-        total: n, cloves per message (and reply proxies per request).
-        threshold: k, cloves needed to decode.
-        paths: N >= n paths kept (spares included).
-        hops: relays per path (l).
-        rotate_period: paths older than this are replaced (default 15 min).
-        probe_interval, probe_timeout: liveness probes through each path.
-        request_timeout: deadline of one request, all attempts included.
-        attempt_timeout: a request with no answer this long, plus ``max_tokens`` times the
-            time per token (below), is sent again on fresh paths; the wait doubles with every
-            attempt. Resending is cheap for the model node, which joins a repeated request to
-            the one in service instead of running inference again.
-        token_time: seconds allowed per requested token before the first answer is measured;
-            afterwards twice the measured time per token (EWMA, 1/8) when that is longer, so a
-            36 s answer is not resent while it is being generated.
-        probe_timeout: the floor of the probe deadline; the deadline itself is the RFC 6298
-            retransmission timeout of the measured probe round trips (it grows when the
-            machine or the network is loaded instead of tearing working paths down).
-    """
-
-    total: int = sida.DEFAULT_TOTAL
-    threshold: int = sida.DEFAULT_THRESHOLD
-    paths: int = sida.DEFAULT_TOTAL + 1
-    hops: int = 3
-    rotate_period: float = 15 * 60.0
-    probe_interval: float = 2.0
-    probe_timeout: float = 4.0
-    request_timeout: float = 120.0
-    attempt_timeout: float = 8.0
-    token_time: float = 0.05
-    failed_relay_cooldown: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.threshold <= self.total <= sida.MAX_TOTAL:
-            # k = 1 would let every proxy read the prompt
-            raise ValueError("need 2 <= threshold <= total <= %d" % sida.MAX_TOTAL)
-        if self.paths < self.total:
-            raise ValueError("paths (N) must be >= total (n)")
-        if not 1 <= self.hops <= onion.MAX_HOPS:
-            raise ValueError(f"hops must be in 1..{onion.MAX_HOPS}")
-
-    def pool_config(self) -> PoolConfig:
-        """The path pool core's settings."""
-        return PoolConfig(
-            total=self.total,
-            paths=self.paths,
-            hops=self.hops,
-            rotate_period=self.rotate_period,
-            retire_grace=self.request_timeout,
-            probe_interval=self.probe_interval,
-            probe_timeout=self.probe_timeout,
-            failed_relay_cooldown=self.failed_relay_cooldown,
-        )
-
-    def request_config(self) -> RequestConfig:
-        """The request core's settings."""
-        return RequestConfig(
-            total=self.total,
-            threshold=self.threshold,
-            attempt_timeout=self.attempt_timeout,
-            token_time=self.token_time,
-        )
 
 
 @dataclass
@@ -620,9 +551,10 @@ class UserClient:
         error = handle.error or ""
         log.info("path setup via %s failed: %s", _short(handle.path.first_hop), error)
         self._forget_handle(path_id)
-        # "first hop down" names the culprit; otherwise any hop of the path may be at fault
-        first_hop_down = error.startswith("first hop")
-        self._execute(self._pool.path_failed(path_id, now, first_hop_down=first_hop_down), now)
+        # a lost first hop names the culprit; otherwise any hop of the path may be at fault
+        self._execute(
+            self._pool.path_failed(path_id, now, first_hop_down=handle.first_hop_down), now
+        )
 
     def _forget_handle(self, path_id: int) -> PathHandle | None:
         handle = self._handles.pop(path_id, None)
