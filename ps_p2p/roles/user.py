@@ -59,7 +59,8 @@ from ps_p2p.overlay.requests import (
     ResponseClove,
     SendClove,
 )
-from ps_p2p.pb.planetserve.v1 import clove_pb2, inference_pb2
+from ps_p2p.pb.planetserve.v1 import clove_pb2
+from ps_p2p.protocols import inference_codec
 from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
 from ps_p2p.protocols.overlay import OverlayService, PathHandle
 from ps_p2p.records import Directory, NodeRecord, Role
@@ -168,42 +169,10 @@ class ProtobufCodec:
     """:class:`~ps_p2p.overlay.requests.WireCodec` over ``planetserve.v1.inference``."""
 
     def encode_request(self, query: InferenceQuery) -> bytes:
-        return inference_pb2.InferenceRequest(
-            request_id=query.request_id,
-            model_id=query.model_id,
-            prompt=query.prompt,
-            params=inference_pb2.SamplingParams(
-                max_tokens=query.params.max_tokens,
-                temperature=query.params.temperature,
-                top_p=query.params.top_p,
-                seed=query.params.seed,
-            ),
-            reply_proxies=[
-                inference_pb2.ReplyProxy(peer_id=p.peer_id, reply_tag=p.reply_tag)
-                for p in query.reply_proxies
-            ],
-            preferred_model_node=query.preferred_model_node,
-        ).SerializeToString()
+        return inference_codec.encode_query(query)
 
     def decode_response(self, payload: bytes) -> InferenceReply:
-        message = inference_pb2.InferenceResponse()
-        try:
-            message.ParseFromString(payload)
-        except Exception as exc:  # protobuf's DecodeError and friends
-            raise RemoteProtocolError(f"malformed response: {exc}") from exc
-        return InferenceReply(
-            request_id=message.request_id,
-            status=message.status,
-            text=message.text,
-            error=message.error,
-            model_id=message.model_id,
-            prompt_tokens=message.prompt_tokens,
-            completion_tokens=message.completion_tokens,
-            request_hash=message.request_hash,
-            signed_at_ms=message.signed_at_ms,
-            model_node=message.model_node,
-            signature=message.signature,
-        )
+        return inference_codec.decode_reply(payload)
 
     def clove_size(self, clove: sida.Clove) -> int:
         return len(clove_to_bytes(clove)) + _DELIVER_OVERHEAD
