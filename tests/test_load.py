@@ -2,6 +2,7 @@
 
 import pytest
 
+from ps_p2p.errors import PsError
 from ps_p2p.gossip.load import EWMA_ALPHA, LoadTracker
 
 
@@ -41,5 +42,5 @@ def test_admission_refuses_beyond_capacity_plus_queue():
 
 @pytest.mark.parametrize("capacity,max_queue", [(0, 1), (1, -1)])
 def test_bad_settings_are_refused(capacity, max_queue):
-    with pytest.raises(ValueError):
+    with pytest.raises(PsError):
         LoadTracker(capacity=capacity, max_queue=max_queue)

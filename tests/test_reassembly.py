@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps_p2p.crypto import sida
-from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.errors import PsError, RemoteProtocolError
 from ps_p2p.overlay import reassembly
 from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
 
@@ -411,7 +411,7 @@ def test_completed_ids_remembered_are_bounded_by_max_messages():
     "kwargs", [{"ttl": 0}, {"max_messages": 0}, {"max_attempts": 0}, {"max_groups": 0}]
 )
 def test_bad_limits_are_rejected(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(PsError):
         CloveAssembler(**kwargs)
 
 

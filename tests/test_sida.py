@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps_p2p.crypto import sida
-from ps_p2p.errors import DecodeError, RemoteProtocolError
+from ps_p2p.errors import DecodeError, PsError, RemoteProtocolError
 
 MESSAGE = b"Once upon a time, a little model answered a prompt it could not trace. " * 40
 MESSAGE_ID = bytes(range(16))
@@ -190,19 +190,19 @@ def test_encode_uses_the_given_message_id_and_is_deterministic_in_its_randomness
 
 @pytest.mark.parametrize("total,threshold", [(0, 0), (3, 4), (4, 0), (17, 3), (17, 17), (-1, 1)])
 def test_encode_rejects_bad_total_or_threshold(total, threshold):
-    with pytest.raises(ValueError):
+    with pytest.raises(PsError):
         sida.encode(MESSAGE, total, threshold)
 
 
 def test_encode_rejects_oversized_message_and_bad_message_id():
-    with pytest.raises(ValueError):
+    with pytest.raises(PsError):
         sida.encode(bytes(sida.MAX_MESSAGE_BYTES + 1))
-    with pytest.raises(ValueError):
+    with pytest.raises(PsError):
         sida.encode(MESSAGE, message_id=bytes(15))
 
 
 def test_encode_rejects_random_bytes_of_the_wrong_length():
-    with pytest.raises(ValueError):
+    with pytest.raises(PsError):
         sida.encode(MESSAGE, random_bytes=lambda n: bytes(n - 1))
 
 

@@ -37,7 +37,7 @@ import zfec
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ps_p2p.errors import DecodeError, RemoteProtocolError
+from ps_p2p.errors import DecodeError, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "AAD_PREFIX",
@@ -279,19 +279,21 @@ def encode(
         ceil((len(message) + 17) / k) bytes long.
 
     Raises:
-        ValueError: bad total/threshold, message over MAX_MESSAGE_BYTES, message ID not 16 bytes,
-            or ``random_bytes`` returned the wrong length (all local errors).
+        LocalProtocolError: bad total/threshold, message over MAX_MESSAGE_BYTES, message ID not
+            16 bytes, or ``random_bytes`` returned the wrong length (all the caller's errors).
     """
     if not 1 <= threshold <= total <= MAX_TOTAL:
-        raise ValueError(
+        raise LocalProtocolError(
             f"need 1 <= threshold <= total <= {MAX_TOTAL}, got threshold={threshold} total={total}"
         )
     if len(message) > MAX_MESSAGE_BYTES:
-        raise ValueError(f"message of {len(message)} bytes is over {MAX_MESSAGE_BYTES}")
+        raise LocalProtocolError(f"message of {len(message)} bytes is over {MAX_MESSAGE_BYTES}")
     if message_id is None:
         message_id = _draw(random_bytes, MESSAGE_ID_BYTES)
     elif len(message_id) != MESSAGE_ID_BYTES:
-        raise ValueError(f"message ID must be {MESSAGE_ID_BYTES} bytes, got {len(message_id)}")
+        raise LocalProtocolError(
+            f"message ID must be {MESSAGE_ID_BYTES} bytes, got {len(message_id)}"
+        )
     else:
         message_id = bytes(message_id)
     key = _draw(random_bytes, KEY_BYTES)
@@ -322,7 +324,7 @@ def encode(
 def _draw(random_bytes: RandomBytes, n: int) -> bytes:
     data = random_bytes(n)
     if len(data) != n:
-        raise ValueError(f"random_bytes({n}) returned {len(data)} bytes")
+        raise LocalProtocolError(f"random_bytes({n}) returned {len(data)} bytes")
     return bytes(data)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ps_p2p.errors import ConfigError
+
 #: EWMA weight of a new latency sample (paper sec. 3.3).
 EWMA_ALPHA = 1.0 / 8.0
 
@@ -36,9 +38,9 @@ class LoadTracker:
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
-            raise ValueError("capacity must be >= 1")
+            raise ConfigError("capacity must be >= 1")
         if self.max_queue < 0:
-            raise ValueError("max_queue must be >= 0")
+            raise ConfigError("max_queue must be >= 0")
 
     def try_admit(self) -> bool:
         """Admit one request into the queue; False (and counted as refused) when full."""

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from ps_p2p.errors import DirectoryError
+from ps_p2p.errors import ConfigError, DirectoryError
 from ps_p2p.overlay.paths import choose_relays, reuse_count
 from ps_p2p.overlay.rtt import RttEstimator
 from ps_p2p.records import short_peer_id as _short
@@ -86,7 +86,7 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         if self.paths < self.total or self.hops < 1:
-            raise ValueError("need paths >= total and hops >= 1")
+            raise ConfigError("need paths >= total and hops >= 1")
 
 
 # ---------------------------------------------------------------------------------- commands

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ps_p2p.crypto import sida
 from ps_p2p.crypto.sida import Clove
-from ps_p2p.errors import DecodeError, RemoteProtocolError
+from ps_p2p.errors import ConfigError, DecodeError, RemoteProtocolError
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -163,13 +163,13 @@ class CloveAssembler:
         max_bytes: int | None = None,
     ) -> None:
         if ttl <= 0:
-            raise ValueError(f"ttl must be positive, got {ttl}")
+            raise ConfigError(f"ttl must be positive, got {ttl}")
         if max_messages < 1:
-            raise ValueError(f"max_messages must be >= 1, got {max_messages}")
+            raise ConfigError(f"max_messages must be >= 1, got {max_messages}")
         if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+            raise ConfigError(f"max_attempts must be >= 1, got {max_attempts}")
         if max_groups < 1:
-            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+            raise ConfigError(f"max_groups must be >= 1, got {max_groups}")
         self.ttl = ttl
         self.max_messages = max_messages
         self.max_attempts = max_attempts

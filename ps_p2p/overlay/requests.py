@@ -43,6 +43,7 @@ from typing import Protocol
 from ps_p2p import records, responses
 from ps_p2p.crypto import onion, sida
 from ps_p2p.errors import (
+    LocalProtocolError,
     DecodeError,
     InvalidSignatureError,
     NoPathError,
@@ -381,7 +382,7 @@ class RequestCore:
     def start(self, spec: RequestSpec, now: float, ready: Sequence[PathRef]) -> list[Command]:
         """Take a request; its first attempt goes out as soon as paths allow (maybe now)."""
         if spec.request_id in self._requests:
-            raise ValueError("request ID already pending")
+            raise LocalProtocolError("request ID already pending")
         self._requests[spec.request_id] = _Request(spec, now, now + spec.timeout)
         return self.tick(now, ready)
 
