@@ -225,3 +225,17 @@ def test_idle_entries_and_tags_expire_at_the_deadline_the_core_announces():
     assert core.table.tag_count == 0 and core.next_deadline() == 11.0  # the idle entry
     core.tick(11.0)
     assert len(core.table) == 0 and core.next_deadline() is None
+
+
+def test_own_setup_deadlines_grow_when_measured_setups_are_slow():
+    core, _ = _core(setup_timeout=1.0)
+    proxy_key = onion.OnionKeyPair.generate()
+    for i in range(4):  # every setup takes 1.8 s, close to the 2 s floor of a 1-hop path
+        own, (setup,) = core.open_path([onion.HopSpec(NEXT, proxy_key.public)], i, now=10.0 * i)
+        hop, _ = onion.process_setup(proxy_key, setup.packet)
+        core.receive_setup_reply(NEXT, setup.path_id, True, hop.make_ack(), "", 10.0 * i + 1.8)
+    own, _ = core.open_path([onion.HopSpec(NEXT, proxy_key.public)], "slow", now=100.0)
+    assert own.deadline - 100.0 > 2.0  # more than the floor: SRTT + 4 RTTVAR of the samples
+    fresh, _ = _core(setup_timeout=1.0)
+    own, _ = fresh.open_path([onion.HopSpec(NEXT, proxy_key.public)], "t", now=0.0)
+    assert own.deadline == 2.0  # no samples yet: the floor

@@ -57,7 +57,7 @@ from typing import Protocol
 from ps_p2p.crypto import onion
 from ps_p2p.errors import CryptoError, RemoteProtocolError
 from ps_p2p.overlay.relay_table import Direction, RelayEntry, RelayTable
-from ps_p2p.overlay.rtt import RttTable
+from ps_p2p.overlay.rtt import RttEstimator, RttTable
 from ps_p2p.records import short_peer_id as _short
 
 log = logging.getLogger(__name__)
@@ -349,6 +349,11 @@ class RelayCore:
         self._setup_rtt = RttTable(
             initial_rto=self.config.setup_timeout, min_rto=self.config.setup_timeout
         )
+        # this node's own setups (every hop there and back): a loaded network gets more time
+        # than the floor of ``setup_timeout`` per hop plus one (RFC 6298 on measured setups)
+        self._own_setup_rtt = RttEstimator(
+            initial_rto=0.0, min_rto=0.0, max_rto=self.config.setup_timeout * 4 * onion.MAX_HOPS
+        )
 
     # ------------------------------------------------------------------ introspection
 
@@ -380,7 +385,8 @@ class RelayCore:
             CryptoError: an onion key no shared secret can be derived with (low order).
         """
         path, packet = onion.create_path(hops, random_bytes=self._random_bytes)
-        deadline = now + self.config.setup_timeout * (len(hops) + 1)
+        floor = self.config.setup_timeout * (len(hops) + 1)
+        deadline = now + max(floor, self._own_setup_rtt.rto)
         own = OwnPath(path, token, now, deadline)
         self._paths[own.key] = own
         heapq.heappush(self._path_deadlines, (deadline, next(self._seq), own.key))
@@ -473,6 +479,7 @@ class RelayCore:
             except (CryptoError, RemoteProtocolError) as exc:
                 return self._path_failed(own, f"bad acknowledgement: {exc}")
             own.ready = True
+            self._own_setup_rtt.sample(now - own.created_at)
             return [PathReady(own.token)]
         pending = self._pending.pop(key, None)
         if pending is None:
@@ -678,6 +685,7 @@ class RelayCore:
             _, _, key = heapq.heappop(self._path_deadlines)
             own = self._paths.get(key)
             if own is not None and not own.ready and now >= own.deadline:
+                self._own_setup_rtt.timed_out()
                 out += self._path_failed(own, "setup timed out")
         for entry in self.table.expire(now, self.config.relay_idle_timeout):
             log.debug("relay entry from %s idle, dropped", _short(entry.in_peer))
