@@ -250,3 +250,53 @@ async def test_a_reuseport_socket_cannot_join_a_hosts_listen_port():
             with pytest.raises(OSError) as raised:
                 thief.bind(("127.0.0.1", port))
             assert raised.value.errno == errno.EADDRINUSE
+
+
+async def test_yamux_returns_receive_window_once_per_half_window_not_per_read(monkeypatch):
+    """py-libp2p 0.8.1 answers almost every read with a WINDOW_UPDATE; ours waits until half the
+    window is consumed (go-yamux), and a transfer of many windows still never stalls."""
+    import struct
+
+    from libp2p.stream_muxer.yamux import yamux
+
+    sent_updates: list[int] = []
+    original = yamux.Yamux._write_frame
+
+    async def counting(self, data: bytes) -> None:
+        _, typ, flags, _, length = struct.unpack(yamux.YAMUX_HEADER_FORMAT, data[:12])
+        if typ == yamux.TYPE_WINDOW_UPDATE and flags == 0:
+            sent_updates.append(length)
+        await original(self, data)
+
+    monkeypatch.setattr(yamux.Yamux, "_write_frame", counting)
+    a_id, b_id = Identity.generate(), Identity.generate()
+    protocol = TProtocol("/planetserve/test-window/1.0.0")
+    received = 0
+    done = trio.Event()
+    message, count = b"x" * 1000, 2000  # 2 MB: eight default windows of 256 KiB
+
+    async def reader(stream) -> None:
+        nonlocal received
+        while received < len(message) * count:
+            data = await stream.read(65536)
+            if not data:
+                break
+            received += len(data)
+        done.set()
+
+    async with open_host(a_id, ["/ip4/127.0.0.1/tcp/0"]) as a, open_host(
+        b_id, ["/ip4/127.0.0.1/tcp/0"]
+    ) as b:
+        b.set_stream_handler(protocol, reader)
+        with trio.fail_after(30):
+            await connect(a, listen_multiaddrs(b)[0])
+            stream = await a.new_stream(ID(b_id.peer_id), [protocol])
+            for _ in range(count):
+                await stream.write(message)
+            await done.wait()
+    assert received == len(message) * count
+    # every update returns at least half a window; one per read would be ~2000 updates
+    window = yamux.DEFAULT_WINDOW_SIZE
+    assert sent_updates, "the sender would have stalled without any window update"
+    assert all(n >= window // 2 for n in sent_updates), sent_updates[:10]
+    assert len(sent_updates) <= 2 * len(message) * count // window + 2

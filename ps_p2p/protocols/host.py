@@ -8,8 +8,10 @@
 * the default ping (``/ipfs/ping/1.0.0``) and identify handlers of ``BasicHost``;
 * the 250 ms happy-eyeballs dial delay of py-libp2p 0.8.1 removed (a dial then takes ~7 ms on
   loopback), and the auto-connector limited so it does not dial every known peer;
-* Yamux windows returned with go-yamux's half-window hysteresis instead of a WINDOW_UPDATE per
-  read (``PY_YAMUX_RELEASE_ON_READ=0``): about a third fewer messages per anonymous round trip;
+* Yamux receive windows returned as go-yamux does, in one WINDOW_UPDATE once half the window is
+  consumed, instead of one per read (``PY_YAMUX_RELEASE_ON_READ=0`` and
+  :func:`_return_window_at_half`): a third fewer messages per anonymous round trip (60 -> 41) and
+  almost half fewer at rest, when probes are the only traffic;
 * connection limits that are released when a connection closes: at most
   ``max_connections_per_peer`` (default 8) connections per peer ID, over which the newest inbound
   connection is closed, and ``max_connections`` (default 1024) in all, over which py-libp2p refuses
@@ -73,7 +75,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.transport.tcp import tcp as _tcp
 
 from ps_p2p.errors import ConfigError
@@ -86,10 +88,33 @@ _swarm._HAPPY_EYEBALLS_DELAY = 0.0
 
 # py-libp2p's Yamux sends a WINDOW_UPDATE after every read by default ("release on read"): one
 # extra Noise message per cell on every link, ~30 of the ~65 messages of an anonymous round trip
-# (32 cell transfers are the minimum). Off, the receive window is returned in go-yamux's way
-# (GrowTo with half-window hysteresis), and a round trip takes ~44 messages. The variable is read
-# at every read, so setting it here is enough; an operator's own setting wins.
+# (32 cell transfers are the minimum). The variable is read at every read, so setting it here is
+# enough; an operator's own setting wins.
 os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
+
+
+async def _return_window_at_half(self: YamuxStream, *, bytes_read: int = 0) -> None:
+    """Give the peer back receive window the way go-yamux does (``sendWindowUpdate``): only once
+    at least half of the target window has been consumed, in one WINDOW_UPDATE.
+
+    py-libp2p 0.8.1's own version has a "partial slack" branch that, with release-on-read off,
+    still answers almost every read with a WINDOW_UPDATE (and credits twice the bytes read):
+    measured on a 9-host localnet at rest, 450 of its 990 Yamux frames a second were window
+    updates. The Yamux spec (hashicorp/yamux spec.md, "Flow Control") leaves the moment to the
+    receiver; half a window keeps the sender from ever stalling on a window that is not full.
+    """
+    del bytes_read  # what was read shows in the buffer: the window is recomputed from it
+    increment = 0
+    async with self.window_lock:
+        buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+        missing = self.target_recv_window - (self.recv_window + buffered)
+        if missing > 0 and missing >= self._grow_threshold():
+            increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+    if increment > 0:
+        await self.send_window_update(increment, skip_lock=True)
+
+
+YamuxStream._auto_tune_and_send_window_update = _return_window_at_half  # type: ignore[method-assign]
 
 DEFAULT_MAX_CONNECTIONS = 1024
 """Connections (inbound + outbound) a host keeps at most; a newer one over it is refused."""
