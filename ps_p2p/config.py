@@ -61,6 +61,7 @@ class UserConfig:
         probe_timeout: the floor of the probe deadline; the deadline itself is the RFC 6298
             retransmission timeout of the measured probe round trips (it grows when the
             machine or the network is loaded instead of tearing working paths down).
+        max_setups: path setups in flight at most (more are built as these finish).
     """
 
     total: int = sida.DEFAULT_TOTAL
@@ -74,6 +75,7 @@ class UserConfig:
     attempt_timeout: float = 8.0
     token_time: float = 0.05
     failed_relay_cooldown: float = 30.0
+    max_setups: int = 2
 
     def __post_init__(self) -> None:
         if not 2 <= self.threshold <= self.total <= sida.MAX_TOTAL:
@@ -95,6 +97,7 @@ class UserConfig:
             probe_interval=self.probe_interval,
             probe_timeout=self.probe_timeout,
             failed_relay_cooldown=self.failed_relay_cooldown,
+            max_setups=self.max_setups,
         )
 
     def request_config(self) -> RequestConfig:

@@ -23,7 +23,8 @@ RELAYS = [bytes([i]) * 8 for i in range(1, 21)]
 
 def _pool(**overrides) -> PathPool:
     fields = dict(total=4, paths=5, hops=3, probe_interval=2.0, probe_timeout=4.0,
-                  rotate_period=900.0, retire_grace=120.0, failed_relay_cooldown=30.0)
+                  rotate_period=900.0, retire_grace=120.0, failed_relay_cooldown=30.0,
+                  max_setups=5)
     fields.update(overrides)
     return PathPool(PoolConfig(**fields), rng=random.Random(7))
 
@@ -69,6 +70,38 @@ def test_paths_still_opening_count_against_the_missing_ones():
     pool = _pool()
     pool.tick(0.0, RELAYS)
     assert _of(pool.tick(1.0, RELAYS), OpenPath) == []
+
+
+def test_at_most_max_setups_paths_are_set_up_at_once_and_the_next_starts_as_one_finishes():
+    pool = _pool(max_setups=2)
+    first = _of(pool.tick(0.0, RELAYS), OpenPath)
+    assert len(first) == 2 and pool.setting_up == 2
+    assert _of(pool.tick(0.5, RELAYS), OpenPath) == []  # two in flight: nothing more
+    pool.path_ready(first[0].path_id, 0.6)  # a setup finished: the next one starts at once
+    assert pool.next_deadline() is None
+    second = _of(pool.tick(0.6, RELAYS), OpenPath)
+    assert len(second) == 1 and pool.setting_up == 2
+    pool.path_failed(first[1].path_id, 0.7)  # a failure frees its slot at the next maintenance
+    assert _of(pool.tick(0.7, RELAYS), OpenPath) == []
+    third = _of(pool.tick(0.7 + 0.5, RELAYS), OpenPath)
+    assert len(third) == 1 and pool.setting_up == 2
+    # the pool still fills up to N paths, two setups at a time
+    now = 2.0
+    while len(pool.live_paths()) < 5:
+        for command in _of(pool.tick(now, RELAYS), OpenPath):
+            assert pool.setting_up <= 2
+        for path_id in list(pool._opening):
+            pool.path_ready(path_id, now)
+        now += 0.5
+    assert len(pool.live_paths()) == 5 and pool.setting_up == 0
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_max_setups_below_one_is_refused(value):
+    from ps_p2p.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        PoolConfig(max_setups=value)
 
 
 def test_a_convicted_proxy_is_never_chosen_as_a_proxy_while_flagged():

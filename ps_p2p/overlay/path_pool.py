@@ -6,7 +6,8 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
   no relay on two paths when the list is large enough, each path's proxy the relay least used
   as a proxy (a request needs n distinct proxies);
 * ``paths`` (N >= n) paths are kept, spares included; a missing one is rebuilt on the next
-  maintenance (every ``maintenance_interval`` s, or at once after the pool changed);
+  maintenance (every ``maintenance_interval`` s, or at once after the pool changed), with at
+  most ``max_setups`` setups in flight;
 * every path is probed ``probe_interval`` s after its last probe or reply; a probe unanswered
   for the RFC 6298 timeout of the measured probe round trips (:mod:`~ps_p2p.overlay.rtt`, floor
   ``probe_timeout``) replaces the path and makes each of its relays suspect;
@@ -71,6 +72,9 @@ class PoolConfig:
         bad_proxy_cooldown: a convicted proxy is no proxy for this long.
         maintenance_interval: refill and rebalance at least this often (the directory may
             change without telling); None: min(0.5, probe_interval / 2).
+        max_setups: path setups in flight at most. A starved network answers setups late;
+            building every missing path at once then multiplies the load that made them late
+            (a 64-user devnet on 2 cores failed 1,911 setups while keeping ~320 paths).
     """
 
     total: int = 4
@@ -83,10 +87,13 @@ class PoolConfig:
     failed_relay_cooldown: float = 30.0
     bad_proxy_cooldown: float = BAD_PROXY_COOLDOWN
     maintenance_interval: float | None = None
+    max_setups: int = 2
 
     def __post_init__(self) -> None:
         if self.paths < self.total or self.hops < 1:
             raise ConfigError("need paths >= total and hops >= 1")
+        if self.max_setups < 1:
+            raise ConfigError("need max_setups >= 1")
 
 
 # ---------------------------------------------------------------------------------- commands
@@ -373,7 +380,9 @@ class PathPool:
             self._next_maintenance = now + self._interval
             self._forgive(now)
             live = self.live_paths()
-            missing = cfg.paths - len(live) - len(self._opening)
+            missing = min(
+                cfg.paths - len(live) - len(self._opening), cfg.max_setups - len(self._opening)
+            )
             if missing > 0:
                 commands += self._build(missing, now, relays)
             elif not self._opening and all(p.confirmed for p in live):
