@@ -1,0 +1,176 @@
+"""The canonical byte strings that record, head, response and clove signatures cover, pure.
+
+Every signature covers a canonical byte string with a domain-separation prefix
+(:mod:`ps_p2p.records.limits`) and length-prefixed fields (DESIGN.md "Wire"), never a
+re-serialized protobuf::
+
+    record    = b"planetserve/v1/node-record\\x00" || bytes(peer_id) || u32(#addrs) || bytes(addr)*
+                || u32(#roles) || u32(role)* (ascending) || bytes(onion_key) || str(model_id)
+                || str(organization) || u64(capacity) || u64(issued_at_ms) || u64(expires_at_ms)
+    head      = b"planetserve/v1/directory-head\\x00" || u64(height) || u64(issued_at_ms)
+                || u64(expires_at_ms) || u32(#records) || bytes(root)
+    response  = b"planetserve/v1/response\\x00" || bytes(request_id) || bytes(request hash)
+                || bytes(content digest) || u64(signed_at_ms) || bytes(model node peer ID)
+    clove     = b"planetserve/v1/response-clove\\x00" || message_id || SHA-256(clove)
+
+where ``bytes(b) = u32(len(b)) || b``, ``str(s) = bytes(utf8(s))``, integers are big-endian and
+``addr`` is a multiaddr in its binary form (what the record stores and what was validated). The
+``root`` of a head is :func:`~ps_p2p.records.recordset.record_set_root` (32 bytes). Sources:
+PlanetServe sec. 3.2 (node records, signed responses) and sec. 3.4 (the verifiers' directory).
+
+Bytes only: the signing and checking (Ed25519, RFC 8032) are in
+:mod:`ps_p2p.records.signatures` and :mod:`ps_p2p.records.validation`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import TYPE_CHECKING
+
+from ps_p2p.errors import LocalProtocolError, RemoteProtocolError
+from ps_p2p.records.limits import (
+    CLOVE_DOMAIN,
+    DIRECTORY_DOMAIN,
+    RECORD_DOMAIN,
+    RESPONSE_DOMAIN,
+    UINT64_BOUND,
+)
+
+if TYPE_CHECKING:  # annotations only: types.Directory.head() needs recordset, which needs this
+    from ps_p2p.records.types import Directory, DirectoryHead, NodeRecord
+
+# ---------------------------------------------------------------------------------- encoding
+
+
+def u32(n: int) -> bytes:
+    """``n`` as 4 big-endian bytes (``struct.error`` outside [0, 2**32))."""
+    return struct.pack(">I", n)
+
+
+def u64(n: int) -> bytes:
+    """``n`` as 8 big-endian bytes (``struct.error`` outside [0, 2**64))."""
+    return struct.pack(">Q", n)
+
+
+def lp(data: bytes) -> bytes:
+    """``bytes(data)``: ``data`` after its length as a :func:`u32`."""
+    return u32(len(data)) + data
+
+
+def lps(text: str) -> bytes:
+    """``str(text)``: the UTF-8 of ``text``, length-prefixed (:func:`lp`)."""
+    return lp(text.encode("utf-8"))
+
+
+# ---------------------------------------------------------------------------------- signed bytes
+
+
+def record_signing_bytes(record: NodeRecord) -> bytes:
+    """The canonical byte string a record's signature covers (see the module docstring).
+
+    Raises:
+        LocalProtocolError: a field out of its wire range (negative or too large integer,
+            a string that is not encodable as UTF-8).
+    """
+    try:
+        parts = [RECORD_DOMAIN, lp(bytes(record.peer_id)), u32(len(record.addrs))]
+        parts.extend(lp(bytes(a)) for a in record.addrs)
+        roles = sorted(int(r) for r in record.roles)
+        parts.append(u32(len(roles)))
+        parts.extend(u32(r) for r in roles)
+        parts += [
+            lp(bytes(record.onion_key)),
+            lps(record.model_id),
+            lps(record.organization),
+            u64(record.capacity),
+            u64(record.issued_at_ms),
+            u64(record.expires_at_ms),
+        ]
+    except (struct.error, UnicodeError, TypeError, AttributeError, ValueError) as exc:
+        raise LocalProtocolError(f"node record field out of range: {exc}") from exc
+    return b"".join(parts)
+
+
+def head_signing_bytes(head: DirectoryHead) -> bytes:
+    """The canonical byte string a verifier signs (module docstring).
+
+    Raises:
+        LocalProtocolError: an integer out of its wire range.
+    """
+    try:
+        return (
+            DIRECTORY_DOMAIN
+            + u64(head.height)
+            + u64(head.issued_at_ms)
+            + u64(head.expires_at_ms)
+            + u32(head.record_count)
+            + lp(bytes(head.root))
+        )
+    except (struct.error, TypeError) as exc:
+        raise LocalProtocolError(f"directory head field out of range: {exc}") from exc
+
+
+def directory_signing_bytes(directory: Directory) -> bytes:
+    """What a verifier signs for a whole directory: :func:`head_signing_bytes` of its head.
+
+    The verifier signatures are not covered, so verifiers sign independently. O(records).
+
+    Raises:
+        LocalProtocolError: an integer out of its wire range.
+    """
+    return head_signing_bytes(directory.head())
+
+
+def clove_signing_bytes(message_id: bytes, clove: bytes) -> bytes:
+    """What a model node signs for each response clove it sends: the response's message ID and
+    the SHA-256 of the serialized clove. A user then tells a clove its proxy altered (bad
+    signature) from one the model node itself sent wrong.
+    """
+    return CLOVE_DOMAIN + message_id + hashlib.sha256(clove).digest()
+
+
+def response_signing_bytes(
+    request_id: bytes,
+    req_hash: bytes,
+    content_digest: bytes,
+    signed_at_ms: int,
+    model_node: bytes,
+) -> bytes:
+    """The canonical byte string a model node signs for one response (PlanetServe sec. 3.2).
+
+    Args:
+        request_id: the request's ID as sent by the user.
+        req_hash: SHA-256 of the decoded request Q (32 bytes).
+        content_digest: ``ResponseContent.digest()`` (32 bytes).
+        signed_at_ms: unix milliseconds.
+        model_node: the signing model node's peer ID.
+
+    Raises:
+        RemoteProtocolError: ``signed_at_ms`` outside [0, 2**64).
+    """
+    if not 0 <= signed_at_ms < UINT64_BOUND:
+        raise RemoteProtocolError(f"response time {signed_at_ms} out of range")
+    return b"".join(
+        (
+            RESPONSE_DOMAIN,
+            lp(bytes(request_id)),
+            lp(bytes(req_hash)),
+            lp(bytes(content_digest)),
+            u64(signed_at_ms),
+            lp(bytes(model_node)),
+        )
+    )
+
+
+__all__ = [
+    "clove_signing_bytes",
+    "directory_signing_bytes",
+    "head_signing_bytes",
+    "lp",
+    "lps",
+    "record_signing_bytes",
+    "response_signing_bytes",
+    "u32",
+    "u64",
+]
