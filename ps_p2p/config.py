@@ -49,7 +49,8 @@ class UserConfig:
         paths: N >= n paths kept (spares included).
         hops: relays per path (l).
         rotate_period: paths older than this are replaced (default 15 min).
-        probe_interval, probe_timeout: liveness probes through each path.
+        probe_interval, probe_timeout: liveness probes through each path (every 10 s on an
+            idle path by default).
         request_timeout: deadline of one request, all attempts included.
         attempt_timeout: a request with no answer this long, plus ``max_tokens`` times the
             time per token (below), is sent again on fresh paths; the wait doubles with every
@@ -62,6 +63,8 @@ class UserConfig:
             retransmission timeout of the measured probe round trips (it grows when the
             machine or the network is loaded instead of tearing working paths down).
         max_setups: path setups in flight at most (more are built as these finish).
+        probe_attempts: unanswered probes in a row, each waiting twice as long as the one
+            before, that replace a path.
     """
 
     total: int = sida.DEFAULT_TOTAL
@@ -69,8 +72,9 @@ class UserConfig:
     paths: int = sida.DEFAULT_TOTAL + 1
     hops: int = 3
     rotate_period: float = 15 * 60.0
-    probe_interval: float = 2.0
+    probe_interval: float = 10.0
     probe_timeout: float = 4.0
+    probe_attempts: int = 2
     request_timeout: float = 120.0
     attempt_timeout: float = 8.0
     token_time: float = 0.05
@@ -96,6 +100,7 @@ class UserConfig:
             retire_grace=self.request_timeout,
             probe_interval=self.probe_interval,
             probe_timeout=self.probe_timeout,
+            probe_attempts=self.probe_attempts,
             failed_relay_cooldown=self.failed_relay_cooldown,
             max_setups=self.max_setups,
         )

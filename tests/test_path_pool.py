@@ -168,7 +168,7 @@ def test_the_next_probe_goes_out_a_probe_interval_after_the_last_reply():
 
 
 def test_a_probe_unanswered_past_the_rto_replaces_the_path_and_penalizes_its_relays():
-    pool = _pool(paths=1, total=1, maintenance_interval=100.0)
+    pool = _pool(paths=1, total=1, maintenance_interval=100.0, probe_attempts=1)
     (opened,) = _open_all(pool, 0.0)
     (probe,) = _of(pool.tick(2.01, RELAYS), SendProbe)
     assert pool.next_deadline() == pytest.approx(2.01 + pool.probe_rtt.rto)
@@ -179,6 +179,43 @@ def test_a_probe_unanswered_past_the_rto_replaces_the_path_and_penalizes_its_rel
     assert all(pool.penalty(r) == 1 for r in opened.relays)
     (rebuilt,) = _of(commands, OpenPath)  # at once, around the suspects
     assert not set(rebuilt.relays) & set(opened.relays)
+
+
+def test_an_unanswered_probe_is_sent_again_with_twice_the_timeout_before_the_path_is_replaced():
+    pool = _pool(paths=1, total=1, maintenance_interval=100.0, probe_attempts=2)
+    (opened,) = _open_all(pool, 0.0)
+    (first,) = _of(pool.tick(2.01, RELAYS), SendProbe)
+    rto = pool.probe_rtt.rto
+    commands = pool.tick(2.01 + rto, RELAYS)  # first timeout: probe again, path kept
+    (second,) = _of(commands, SendProbe)
+    assert second.nonce != first.nonce
+    assert _of(commands, ClosePath) == [] and _of(commands, PathLost) == []
+    assert all(pool.penalty(r) == 0 for r in opened.relays)
+    assert pool.next_deadline() == pytest.approx(2.01 + rto + 2 * rto)  # RFC 6298 5.5
+    assert _of(pool.tick(2.01 + rto + 2 * rto - 0.1, RELAYS), ClosePath) == []
+    commands = pool.tick(2.01 + 3 * rto, RELAYS)  # second timeout: replaced
+    assert ClosePath(opened.path_id, "probe timeout") in commands
+    assert all(pool.penalty(r) == 1 for r in opened.relays)
+
+
+def test_a_late_answer_to_an_earlier_probe_of_the_series_keeps_the_path_without_an_rtt_sample():
+    pool = _pool(paths=1, total=1, maintenance_interval=100.0, probe_attempts=2)
+    (opened,) = _open_all(pool, 0.0)
+    srtt = pool.probe_rtt.srtt
+    (first,) = _of(pool.tick(2.01, RELAYS), SendProbe)
+    rto = pool.probe_rtt.rto
+    (second,) = _of(pool.tick(2.01 + rto, RELAYS), SendProbe)
+    pool.probe_reply(opened.path_id, first.nonce, 2.01 + rto + 0.5)  # the first one, late
+    assert pool.probe_rtt.srtt == srtt  # ambiguous round trip: not sampled (Karn)
+    assert [p.path_id for p in pool.ready_paths()] == [opened.path_id]
+    commands = pool.tick(2.01 + 3 * rto + 1, RELAYS)  # the series is over: nothing times out
+    assert _of(commands, ClosePath) == []
+    pool.probe_reply(opened.path_id, second.nonce, 2.01 + 3 * rto + 2)  # stale now: ignored
+    assert pool.probe_rtt.srtt == srtt
+    # a nonce never sent counts for nothing
+    (third,) = _of(pool.tick(100.0, RELAYS), SendProbe)
+    pool.probe_reply(opened.path_id, third.nonce ^ 1, 100.1)
+    assert pool.ready_paths()[0].probe_nonce == third.nonce
 
 
 def test_the_probe_deadline_grows_with_measured_round_trips():

@@ -10,7 +10,10 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
   most ``max_setups`` setups in flight;
 * every path is probed ``probe_interval`` s after its last probe or reply; a probe unanswered
   for the RFC 6298 timeout of the measured probe round trips (:mod:`~ps_p2p.overlay.rtt`, floor
-  ``probe_timeout``) replaces the path and makes each of its relays suspect;
+  ``probe_timeout``) is sent again with the timeout doubled (RFC 6298 5.5-5.6), and only after
+  ``probe_attempts`` unanswered probes in a row is the path replaced and each of its relays made
+  suspect (a late answer to any of them still counts): one slow moment of a loaded machine no
+  longer costs a path and three setups;
 * a path is *confirmed*, and used for requests, only after its first probe reply: the setup
   acknowledgement only travels backwards, past a relay that corrupts forward cells;
 * penalties: a relay on a path that failed setup (only the first hop when the first hop itself
@@ -67,7 +70,11 @@ class PoolConfig:
         retire_grace: a retired path is closed this long after it retired (the request
             deadline: it still carries the answers of requests sent before).
         probe_interval: a probe goes out this long after the last probe or reply on a path.
+            Default 10 s: at 2 s, probes were a fifth of a 100-user devnet's CPU; a path that
+            turns bad between probes costs at most one resent request attempt.
         probe_timeout: floor (and initial value) of the probe deadline (RFC 6298 RTO).
+        probe_attempts: unanswered probes in a row (each waiting twice as long as the one
+            before) that replace a path.
         failed_relay_cooldown: a relay's penalty is forgotten this long after its last failure.
         bad_proxy_cooldown: a convicted proxy is no proxy for this long.
         maintenance_interval: refill and rebalance at least this often (the directory may
@@ -82,8 +89,9 @@ class PoolConfig:
     hops: int = 3
     rotate_period: float = 15 * 60.0
     retire_grace: float = 120.0
-    probe_interval: float = 2.0
+    probe_interval: float = 10.0
     probe_timeout: float = 4.0
+    probe_attempts: int = 2
     failed_relay_cooldown: float = 30.0
     bad_proxy_cooldown: float = BAD_PROXY_COOLDOWN
     maintenance_interval: float | None = None
@@ -94,6 +102,8 @@ class PoolConfig:
             raise ConfigError("need paths >= total and hops >= 1")
         if self.max_setups < 1:
             raise ConfigError("need max_setups >= 1")
+        if self.probe_attempts < 1:
+            raise ConfigError("need probe_attempts >= 1")
 
 
 # ---------------------------------------------------------------------------------- commands
@@ -149,6 +159,9 @@ class PoolPath:
             intact. Only confirmed paths carry request cloves.
         retiring: rotated out (or replaced by rebalancing): carries no new request.
         probe_nonce: the outstanding probe's nonce, None when none is outstanding.
+        probe_losses: probes of the outstanding series that went unanswered (the one out now
+            waits ``2 ** probe_losses`` RTOs).
+        lost_nonces: nonces of those probes: a late answer to one still proves the path.
     """
 
     path_id: int
@@ -160,6 +173,8 @@ class PoolPath:
     confirmed: bool = False
     probe_sent_at: float = 0.0
     last_reply_at: float = 0.0
+    probe_losses: int = 0
+    lost_nonces: tuple[int, ...] = ()
 
     @property
     def proxy(self) -> bytes:
@@ -305,19 +320,26 @@ class PathPool:
         return []
 
     def probe_reply(self, path_id: int, nonce: int, now: float) -> list[Command]:
-        """A probe reply came back; only the outstanding nonce counts.
+        """A probe reply came back; only the outstanding nonce, or one of its unanswered
+        predecessors of the same series, counts.
 
-        Confirms the path, samples the probe RTT, and clears the penalties of the relays before
-        the proxy (every one of them forwarded cells intact); never the proxy's.
+        Confirms the path, samples the probe RTT (only from a probe answered before its timeout:
+        Karn's rule, RFC 6298 sec. 3), and clears the penalties of the relays before the proxy
+        (every one of them forwarded cells intact); never the proxy's.
         """
         path = self._paths.get(path_id)
         if path is None:
             return []
         path.last_reply_at = now
-        if path.probe_nonce != nonce:
+        if path.probe_nonce is None or (
+            nonce != path.probe_nonce and nonce not in path.lost_nonces
+        ):
             return []
+        if nonce == path.probe_nonce and not path.probe_losses:
+            self.probe_rtt.sample(now - path.probe_sent_at)
         path.probe_nonce = None
-        self.probe_rtt.sample(now - path.probe_sent_at)
+        path.probe_losses = 0
+        path.lost_nonces = ()
         for relay in path.relays[:-1]:
             self._penalty.pop(relay, None)
         if path.confirmed:
@@ -359,9 +381,14 @@ class PathPool:
         cfg = self.config
         commands: list[Command] = []
         for path in list(self._paths.values()):
-            if path.probe_nonce is not None and now - path.probe_sent_at >= self.probe_rtt.rto:
-                log.warning("path via %s unanswered for %.1f s: replacing it",
-                            _short(path.relays[0]), now - path.probe_sent_at)
+            if path.probe_nonce is not None and now >= self._probe_deadline(path):
+                if path.probe_losses + 1 < cfg.probe_attempts:
+                    log.info("probe via %s unanswered for %.1f s: probing again",
+                             _short(path.relays[0]), now - path.probe_sent_at)
+                    commands += self._probe(path, now, again=True)
+                    continue
+                log.warning("path via %s: %d probes unanswered: replacing it",
+                            _short(path.relays[0]), path.probe_losses + 1)
                 # one of its relays drops cells (dead, or tampering): suspect every relay of it
                 self._penalize(path.relays, now)
                 commands += self._drop(path, "probe timeout")
@@ -396,7 +423,7 @@ class PathPool:
         deadline = self._next_maintenance
         for path in self._paths.values():
             if path.probe_nonce is not None:
-                due = path.probe_sent_at + self.probe_rtt.rto
+                due = self._probe_deadline(path)
             else:
                 due = self._probe_due(path)
             if path.retiring:
@@ -414,7 +441,16 @@ class PathPool:
             return retry
         return max(path.probe_sent_at, path.last_reply_at) + self.config.probe_interval
 
-    def _probe(self, path: PoolPath, now: float) -> list[Command]:
+    def _probe_deadline(self, path: PoolPath) -> float:
+        return path.probe_sent_at + self.probe_rtt.rto * 2 ** path.probe_losses
+
+    def _probe(self, path: PoolPath, now: float, *, again: bool = False) -> list[Command]:
+        if again and path.probe_nonce is not None:
+            path.probe_losses += 1
+            path.lost_nonces = (*path.lost_nonces, path.probe_nonce)
+        else:
+            path.probe_losses = 0
+            path.lost_nonces = ()
         nonce = self._rng.getrandbits(64)
         path.probe_nonce = nonce
         path.probe_sent_at = now
