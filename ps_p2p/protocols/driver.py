@@ -86,20 +86,39 @@ class CoreDriver(Generic[C]):
         self.dropped = 0
         self.failed = 0
 
-    def submit(self, event: Input[C]) -> bool:
+    def submit(self, event: Input[C], *, essential: bool = False) -> bool:
         """Queue one input for the driver task; never blocks.
 
+        Args:
+            essential: an input that must not be lost (a caller waits on its outcome, or the
+                core would keep state for an answer that never comes): when the inbox is full
+                it is applied at once on the caller's task instead of dropped (and not
+                counted), as a direct call would be (see the module docstring). Only for code
+                on the driver's trio thread that is not itself inside a core's command
+                execution (e.g. another service's callback).
+
         Returns:
-            False when the inbox is full (the input is dropped and counted) or closed.
+            False when the input was dropped (counted): the inbox is full (and the input not
+            essential) or closed.
         """
         try:
             self._send.send_nowait(event)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            self.dropped += 1
-            if self.dropped in (1, 100, 10_000, 1_000_000):
-                log.warning("%s: inbox full, %d input(s) dropped", self.name, self.dropped)
+        except trio.WouldBlock:
+            if essential:
+                self._apply(event, self._clock())
+                self.wake()
+                return True
+            self._count_drop()
+            return False
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._count_drop()
             return False
         return True
+
+    def _count_drop(self) -> None:
+        self.dropped += 1
+        if self.dropped in (1, 100, 10_000, 1_000_000):
+            log.warning("%s: inbox full, %d input(s) dropped", self.name, self.dropped)
 
     async def wait_processed(self) -> None:
         """Wait until the driver next finishes a batch of inputs or a tick (for code that waits

@@ -9,12 +9,17 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md. The rules live in two pure cor
   resends, response cloves per reply tag, reassembly, verification, audit, conviction, and a
   typed outcome per request.
 
-:class:`UserClient` owns both in one driver task (:meth:`UserClient.run`): the overlay's
-callbacks (``on_backward``, ``on_path_down``) and :meth:`UserClient.ask` only decode and hand an
-input over (never blocking); the task feeds the inputs to the cores with the trio clock's
-``now``, executes their commands (``open_path``, ``send_on_path``, ``close_path``, waking
-waiters), and sleeps until the earlier of the cores' ``next_deadline()``. Protobuf conversion of
-Q, the response, probes and cloves happens here and nowhere in the cores.
+:class:`UserClient` runs both on the one generic driver of a pure core,
+:class:`~ps_p2p.protocols.driver.CoreDriver` (DESIGN.md "Layers"), as the overlay relay and the
+model node do: the overlay's callbacks (``on_backward``, ``on_path_down``), path setups and
+:meth:`UserClient.ask` only decode and ``submit`` a bound input (never blocking); the driver task
+calls it with the trio clock's ``now`` and executes the commands it returns (``open_path``,
+``send_on_path``, ``close_path``, waking waiters; a command that feeds one core's output to the
+other, a path lost or a proxy convicted, is fed at once). Its ``tick`` does both cores' timer work
+(the pool's first, then the requests' with the ready paths it left) when the earlier of their
+``next_deadline()`` passes, or at once after the ready paths changed: a request waiting for paths
+learns of new ones only from a tick. Protobuf conversion of Q, the response, probes and cloves
+happens here and nowhere in the cores.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import logging
 import math
 import os
 import random
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
@@ -62,6 +68,7 @@ from ps_p2p.overlay.requests import (
 from ps_p2p.pb.planetserve.v1 import clove_pb2
 from ps_p2p.protocols import inference_codec
 from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
+from ps_p2p.protocols.driver import CoreDriver
 from ps_p2p.protocols.overlay import OverlayService, PathHandle
 from ps_p2p.records import Directory, NodeRecord, Role
 from ps_p2p.records import short_peer_id as _short
@@ -70,9 +77,13 @@ log = logging.getLogger(__name__)
 
 #: ForwardPayload bytes around a clove: the destination peer ID and protobuf tags and lengths.
 _DELIVER_OVERHEAD = 64
-#: Backward payloads queued for the driver task at most; more are dropped (counted). Path
-#: events and requests are never dropped: there are at most a few per path and per caller.
+#: Inputs (backward payloads above all) queued for the driver task at most; more are dropped
+#: (counted in ``inbox_dropped``). A request's start and cancel and a path setup's outcome are
+#: never dropped (with a full inbox they apply at once); a dropped path-down is caught by the
+#: next tick, which finds the path's handle dead.
 MAX_INBOX = 4096
+#: Seconds without a tick after a tick that raised (a persistent bug must not spin the driver).
+TICK_RETRY = 0.5
 
 
 @dataclass
@@ -187,7 +198,8 @@ class _Waiter:
 
 
 class UserClient:
-    """Path pool and anonymous requests of one user node (the driver of both cores).
+    """Path pool and anonymous requests of one user node: both cores on one
+    :class:`~ps_p2p.protocols.driver.CoreDriver` (see the module docstring).
 
     Args:
         overlay: the host's overlay service; its ``on_backward`` and ``on_path_down`` are set
@@ -200,7 +212,9 @@ class UserClient:
         random_bytes: request IDs, reply tags, S-IDA keys.
 
     Attributes:
-        inbox_dropped: backward payloads dropped because the driver's inbox was full.
+        driver: the :class:`~ps_p2p.protocols.driver.CoreDriver` of both cores.
+        inbox_dropped: inputs (backward payloads, path-downs) dropped because the driver's
+            inbox was full.
     """
 
     def __init__(
@@ -231,18 +245,30 @@ class UserClient:
         self._handles: dict[int, PathHandle] = {}
         self._path_ids: dict[tuple[bytes, bytes], int] = {}
         self._waiters: dict[bytes, _Waiter] = {}
-        self._inbox: deque[tuple[Callable[[float], None], float]] = deque()
-        self._backward_queued = 0
-        self.inbox_dropped = 0
-        self._wake = trio.Event()
         self._changed = trio.Event()
-        self._processed = trio.Event()
+        # the ready paths changed (or a request lost a path) since the last tick: the request
+        # core's next_deadline() does not know, so the next tick is due at once
+        self._tick_due = True
+        self._tick_retry_at = -math.inf  # no tick before this (the last one raised)
         self._nursery: trio.Nursery | None = None
+        self.driver: CoreDriver[object] = CoreDriver(
+            "user",
+            execute=self._execute_command,
+            tick=self._tick,
+            next_deadline=self._next_deadline,
+            inbox=MAX_INBOX,
+            clock=clock,
+        )
         self._relay_cache: tuple[Directory | None, int, list[bytes] | None] = (None, -1, None)
         overlay.on_backward = self._on_backward
         overlay.on_path_down = self._on_path_down
 
     # ------------------------------------------------------------------ public face
+
+    @property
+    def inbox_dropped(self) -> int:
+        """Inputs (backward payloads, path-downs) dropped because the inbox was full."""
+        return self.driver.dropped
 
     @property
     def avoided_proxies(self) -> frozenset[bytes]:
@@ -286,9 +312,10 @@ class UserClient:
         await self._changed.wait()
 
     async def wait_processed(self) -> None:
-        """Wait until the driver task has next handled its inputs and timers (for tests that
-        watch a counter such as :attr:`misrouted_cloves`, instead of polling)."""
-        await self._processed.wait()
+        """Wait until the driver task next finishes a batch of inputs or a tick (for tests that
+        watch a counter such as :attr:`misrouted_cloves`, instead of polling: wait in a loop on
+        the condition, as a tick may come before the input queued meanwhile)."""
+        await self.driver.wait_processed()
 
     def model_nodes(self, model_id: str | None = None) -> list[NodeRecord]:
         """Model node records of the current directory (optionally serving ``model_id``)."""
@@ -339,77 +366,71 @@ class UserClient:
             timeout=max(0.0, timeout - (self._clock() - started)),
         )
         waiter = self._waiters[request_id] = _Waiter()
-
-        def start(now: float) -> None:
-            try:
-                commands = self._requests.start(spec, now, self._ready_refs())
-            except Exception as exc:  # a bug: the caller gets an error, not a hang
-                log.exception("request %s could not start", request_id.hex()[:8])
-                error = RequestError(f"internal error: {exc}")
-                commands = [RequestDone(Outcome(request_id, None, error, 0, 0, 0.0))]
-            self._execute(commands, now)
-
-        self._hand(start)
+        # essential: a start lost to a full inbox would leave the caller waiting forever
+        self.driver.submit(partial(self._start_request, spec), essential=True)
         try:
             await waiter.done.wait()
         finally:
             if waiter.outcome is None:  # cancelled: the core forgets the request
                 self._waiters.pop(request_id, None)
-                self._hand(lambda now: self._requests.cancel(request_id))
+                self.driver.submit(partial(self._cancel_request, request_id), essential=True)
         assert waiter.outcome is not None
         return answer_from_outcome(waiter.outcome)
 
     # ------------------------------------------------------------------ driver
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Drive both cores until cancelled: inputs in, commands out, timers."""
+        """Drive both cores until cancelled (the driver task, and the path setups it starts)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await nursery.start(self.driver.run)
             task_status.started()
-            while True:
-                self._wake = trio.Event()
-                self._step()
-                with trio.move_on_at(self._next_deadline()):
-                    await self._wake.wait()
 
-    def _hand(self, item: Callable[[float], None], *, backward: bool = False) -> None:
-        """Queue an input for the driver task with the time it happened (never blocks)."""
-        if backward:
-            if self._backward_queued >= MAX_INBOX:
-                self.inbox_dropped += 1
-                return
-            self._backward_queued += 1
-        self._inbox.append((item, self._clock()))
-        self._wake.set()
-
-    def _step(self) -> None:
-        while self._inbox:
-            item, at = self._inbox.popleft()
-            try:
-                item(at)
-            except Exception:  # one bad input costs only itself
-                log.exception("user client input failed")
-        self._backward_queued = 0
-        now = self._clock()
+    def _start_request(self, spec: RequestSpec, now: float) -> Sequence[object]:
         try:
-            for path in self._pool.paths():  # died without a path-down callback reaching us
-                handle = self._handles.get(path.path_id)
-                if handle is None or not handle.alive:
-                    self._execute(self._pool.path_down(path.path_id, now), now)
-            self._execute(self._pool.tick(now, self._relays()), now)
-            self._execute(self._requests.tick(now, self._ready_refs()), now)
-        except Exception:
-            log.exception("user client tick failed")
-        self._processed.set()
-        self._processed = trio.Event()
+            return self._requests.start(spec, now, self._ready_refs())
+        except Exception as exc:  # a bug: the caller gets an error, not a hang
+            log.exception("request %s could not start", spec.request_id.hex()[:8])
+            error = RequestError(f"internal error: {exc}")
+            return [RequestDone(Outcome(spec.request_id, None, error, 0, 0, 0.0))]
+
+    def _cancel_request(self, request_id: bytes, now: float) -> Sequence[object]:
+        return self._requests.cancel(request_id)
+
+    def _tick(self, now: float) -> Sequence[object]:
+        """Both cores' timer work: paths that died without a path-down reaching us, the pool,
+        then the requests with the ready paths the pool left (their commands are returned)."""
+        self._tick_retry_at = now + TICK_RETRY  # cleared below unless this tick raises
+        for path in self._pool.paths():  # died without a path-down callback reaching us
+            handle = self._handles.get(path.path_id)
+            if handle is None or not handle.alive:
+                self._execute(self._pool.path_down(path.path_id, now), now)
+        self._execute(self._pool.tick(now, self._relays()), now)
+        commands = self._requests.tick(now, self._ready_refs())
+        # the requests saw the ready paths as they are now (changes made by the pool's
+        # commands above included)
+        self._tick_due = False
+        self._tick_retry_at = -math.inf
+        return commands
 
     def _next_deadline(self) -> float:
-        """The earlier of the cores' deadlines (the pool's None: at once)."""
+        """The earlier of the cores' deadlines; at once when the pool says None (it has work
+        now: it changed, or has not ticked yet) or the ready paths changed since the last tick.
+
+        Never in the past after a tick that did not raise: the pool's tick does all its due
+        work and always sets its next maintenance (at most ``maintenance_interval`` ahead), the
+        request core's tick sends, resends or ends every request that is due; after a tick
+        that raised, no tick for :data:`TICK_RETRY` s (the driver must not spin)."""
         pool = self._pool.next_deadline()
-        if pool is None:
-            return -math.inf
+        if pool is None or self._tick_due:
+            return self._tick_retry_at
         requests = self._requests.next_deadline()
-        return pool if requests is None else min(pool, requests)
+        at = pool if requests is None else min(pool, requests)
+        return max(at, self._tick_retry_at)
+
+    def _execute_command(self, command: object) -> None:
+        """The driver's ``execute``: one command at the current time."""
+        self._execute((command,), self._clock())
 
     def _execute(self, commands: Sequence[object], now: float) -> None:
         """Carry out core commands (never blocks); commands that feed one core's output to
@@ -441,10 +462,12 @@ class UserClient:
                 self.overlay.close_path(handle, command.reason)
         elif isinstance(command, PathLost):
             self._forget_handle(command.path_id)
+            self._tick_due = True  # a request left with fewer than k paths resends on a tick
             self._execute(
                 self._requests.path_lost(command.path_id, now, self._ready_refs()), now
             )
         elif isinstance(command, PoolChanged):
+            self._tick_due = True  # requests waiting for paths look again on the next tick
             self._changed.set()
             self._changed = trio.Event()
         elif isinstance(command, ConvictProxy):
@@ -511,19 +534,18 @@ class UserClient:
 
     async def _await_setup(self, path_id: int, handle: PathHandle) -> None:
         await handle.ready.wait()
-        self._hand(lambda now: self._setup_done(path_id, handle, now))
+        # essential: the pool answers every OpenPath once; a lost answer would leave the path
+        # "setting up" forever, and the pool would never replace it
+        self.driver.submit(partial(self._setup_done, path_id, handle), essential=True)
 
-    def _setup_done(self, path_id: int, handle: PathHandle, now: float) -> None:
+    def _setup_done(self, path_id: int, handle: PathHandle, now: float) -> Sequence[object]:
         if handle.alive:
-            self._execute(self._pool.path_ready(path_id, now), now)
-            return
+            return self._pool.path_ready(path_id, now)
         error = handle.error or ""
         log.info("path setup via %s failed: %s", _short(handle.path.first_hop), error)
         self._forget_handle(path_id)
         # a lost first hop names the culprit; otherwise any hop of the path may be at fault
-        self._execute(
-            self._pool.path_failed(path_id, now, first_hop_down=handle.first_hop_down), now
-        )
+        return self._pool.path_failed(path_id, now, first_hop_down=handle.first_hop_down)
 
     def _forget_handle(self, path_id: int) -> PathHandle | None:
         handle = self._handles.pop(path_id, None)
@@ -549,10 +571,12 @@ class UserClient:
         path_id = self._path_ids.get(handle.key)
         if path_id is not None:
             log.warning("path via %s down: %s", _short(handle.path.first_hop), handle.error)
-            self._hand(lambda now: self._execute(self._pool.path_down(path_id, now), now))
+            # not essential (this runs inside the overlay's command execution): if the inbox
+            # is full, the next tick finds the handle dead and reports the path down itself
+            self.driver.submit(partial(self._pool.path_down, path_id))
 
     def _on_backward(self, handle: PathHandle, message: clove_pb2.BackwardPayload) -> None:
-        """Decode one backward payload and hand it to the driver; never raises (one bad
+        """Decode one backward payload and submit it to the driver; never raises (one bad
         payload must not reset the first hop's shared stream)."""
         try:
             self._decode_backward(handle, message)
@@ -566,39 +590,34 @@ class UserClient:
             return  # a path the pool no longer holds
         kind = message.WhichOneof("kind")
         if kind == "probe_reply":
-            nonce = message.probe_reply.nonce
-            self._hand(
-                lambda now: self._execute(self._pool.probe_reply(path_id, nonce, now), now),
-                backward=True,
+            self.driver.submit(
+                partial(self._pool.probe_reply, path_id, message.probe_reply.nonce)
             )
-            return
-        heard = self._pool.heard_from
-        if kind == "delivery_failed":
-            log.warning("proxy could not deliver a clove: %s", message.delivery_failed)
-            self._hand(lambda now: heard(path_id, now), backward=True)
         elif kind == "signed_clove":
             signed = message.signed_clove
             try:
                 clove = clove_from_bytes(signed.clove)
             except RemoteProtocolError as exc:
                 log.warning("malformed response clove dropped: %s", exc)
-                self._hand(lambda now: heard(path_id, now), backward=True)
+                self.driver.submit(partial(self._pool.heard_from, path_id))
                 return
             event = ResponseClove(path_id, clove, signed.clove, signed.signature, signed.reply_tag)
-
-            def feed(now: float) -> None:
-                heard(path_id, now)
-                self._execute(self._requests.response_clove(event, now), now)
-
-            self._hand(feed, backward=True)
+            self.driver.submit(partial(self._response_clove, event))
         elif kind == "clove":
-            def unsigned(now: float) -> None:
-                heard(path_id, now)
-                self._requests.unsigned_clove()
-
-            self._hand(unsigned, backward=True)
+            self.driver.submit(partial(self._unsigned_clove, path_id))
         else:
-            self._hand(lambda now: heard(path_id, now), backward=True)
+            if kind == "delivery_failed":
+                log.warning("proxy could not deliver a clove: %s", message.delivery_failed)
+            self.driver.submit(partial(self._pool.heard_from, path_id))
+
+    def _response_clove(self, event: ResponseClove, now: float) -> Sequence[object]:
+        return [
+            *self._pool.heard_from(event.path_id, now),
+            *self._requests.response_clove(event, now),
+        ]
+
+    def _unsigned_clove(self, path_id: int, now: float) -> Sequence[object]:
+        return [*self._pool.heard_from(path_id, now), *self._requests.unsigned_clove()]
 
 
 __all__ = ["Answer", "UserClient", "UserConfig", "UserPath", "answer_from_outcome", "describe"]
