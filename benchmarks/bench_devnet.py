@@ -4,15 +4,17 @@ For each size (number of users; plus ``--models`` model nodes and ``--verifiers`
 script starts a devnet (:func:`ps_p2p.devnet.open_devnet`, real OS processes on 127.0.0.1, every
 request an anonymous round trip: S-IDA cloves over 3-hop onion paths) and prints:
 
-1. ready time: from the first process start until every user holds n ready paths;
-2. request latency, median and p99 (ms, as the user node measures it), ``--latency-requests``
-   requests one at a time, round robin over the users, after a short warm-up;
+1. ready time: from the first process start until every user holds n ready paths, and the CPU
+   of all node processes over 10 s at rest right after (probes, directory refreshes);
+2. request latency, median and p99 (ms, as the user node measures it): first the first request
+   of every user (round robin, 4 at a time: its proxies open their delivery links), then
+   ``--latency-requests`` requests one at a time, round robin over the users;
 3. total RSS of the node processes (sum of VmRSS from ``/proc/<pid>/status``), after the start
    and after the load;
 4. requests/s (answered requests / wall time) at each concurrency of ``--concurrency`` (default
    1, 4, 16, 64), ``--requests-per-level`` requests each (default: 4 x concurrency, at least 32);
-5. from the node logs: path setups that failed, paths replaced after an unanswered probe,
-   request attempts resent.
+5. from the node logs: path setups that failed, paths replaced after unanswered probes, probes
+   sent again, request attempts resent.
 
 Run: ``python benchmarks/bench_devnet.py [--sizes 8,32,64,100] [--engine instant]
 [--nodes-per-process 8]``. The load generator (an httpx client in this process) shares the
@@ -40,7 +42,10 @@ from ps_p2p.devnet import DevnetOptions, Prompt, latency_summary, open_devnet
 
 LOG_PATTERNS = {
     "setup_failed": re.compile(r"path setup via \S+ failed"),
-    "probe_timeouts": re.compile(r"unanswered for [\d.]+ s: replacing it"),
+    # paths replaced after their probes went unanswered (before 2026-11-23 after one probe:
+    # "unanswered for N s: replacing it"; since, after two: "N probes unanswered: replacing it")
+    "probe_timeouts": re.compile(r"unanswered(?: for [\d.]+ s)?: replacing it"),
+    "probes_resent": re.compile(r"unanswered for [\d.]+ s: probing again"),
     "resent": re.compile(r"no answer on attempt \d+; resending"),
 }
 
@@ -66,6 +71,22 @@ def prompts(count: int, start: int = 0) -> list[Prompt]:
                        "in the forest and wondered who had left it there.")
         for i in range(start, start + count)
     ]
+
+
+def cpu_seconds(net: Any) -> float:
+    """User + system CPU seconds of every running worker (``/proc/<pid>/stat``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for worker in net.workers:
+        if worker.process.returncode is not None:
+            continue
+        try:
+            fields = pathlib.Path(f"/proc/{worker.process.pid}/stat").read_text().rsplit(")", 1)[1]
+        except OSError:
+            continue
+        utime, stime = fields.split()[11:13]
+        total += int(utime) + int(stime)
+    return total / tick
 
 
 def count_log_events(logs: pathlib.Path) -> dict[str, int]:
@@ -105,8 +126,25 @@ async def bench_size(users: int, args: argparse.Namespace) -> dict[str, Any]:
             row["rss_ready_mib"] = round(net.rss_bytes() / 2**20)
             print(f"ready in {row['ready_s']} s; {row['processes']} processes, "
                   f"RSS {row['rss_ready_mib']} MiB", flush=True)
+            # the network at rest (probes, directory refreshes, renewals): CPU of all nodes
+            rest_s = 10.0
+            cpu0 = cpu_seconds(net)
+            await trio.sleep(rest_s)
+            row["cpu_at_rest_pct"] = round((cpu_seconds(net) - cpu0) / rest_s * 100, 1)
+            print(f"CPU at rest: {row['cpu_at_rest_pct']}% of one core (all processes, "
+                  f"{rest_s:g} s)", flush=True)
             common = dict(max_tokens=48, timeout=args.request_timeout)
-            await net.send_prompts(prompts(min(16, 2 * users)), concurrency=4, **common)  # warm-up
+            # warm-up: every user asks once (round robin), so the latency below is that of users
+            # whose proxies already hold their delivery links to the model nodes; the first
+            # request of each user (new connections from its proxies) is reported apart
+            first = await net.send_prompts(prompts(max(16, users)), concurrency=4, **common)
+            ok_first = [r["latency_ms"] for r in first if r["ok"]]
+            stats = latency_summary(ok_first)
+            row["first_request"] = {"n": len(first), "answered": len(ok_first),
+                                    **{k: round(v, 1) for k, v in stats.items()}}
+            print(f"first request of each user (concurrency 4): median "
+                  f"{stats.get('median', 0):.0f} ms, p99 {stats.get('p99', 0):.0f} ms, "
+                  f"{len(ok_first)}/{len(first)} answered", flush=True)
             done = await net.send_prompts(
                 prompts(args.latency_requests, 1000), concurrency=1, **common
             )
@@ -153,9 +191,9 @@ async def bench_size(users: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     levels = sorted({t["concurrency"] for r in rows for t in r.get("throughput", [])})
-    head = ["users", "nodes (processes)", "ready", "latency median", "p99", "RSS"]
+    head = ["users", "nodes (processes)", "ready", "CPU at rest", "latency median", "p99", "RSS"]
     head += [f"req/s @{c}" for c in levels]
-    head += ["setups failed / probe timeouts / resends"]
+    head += ["setups failed / paths lost to probes / probes resent / requests resent"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r and "ready_s" not in r:
@@ -164,6 +202,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lat = r.get("latency", {})
         cells = [
             str(r["users"]), f"{r['nodes']} ({r.get('processes', '?')})", f"{r['ready_s']} s",
+            f"{r.get('cpu_at_rest_pct', '?')}%",
             f"{lat.get('median', 0):.0f} ms", f"{lat.get('p99', 0):.0f} ms",
             f"{r.get('rss_ready_mib', 0)} MiB",
         ]
@@ -174,7 +213,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                          f"{t['req_per_s']} ({t['answered']}/{t['requests']})")
         ev = r.get("log_events", {})
         cells.append(f"{ev.get('setup_failed', 0)} / {ev.get('probe_timeouts', 0)} / "
-                     f"{ev.get('resent', 0)}")
+                     f"{ev.get('probes_resent', 0)} / {ev.get('resent', 0)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

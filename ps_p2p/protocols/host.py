@@ -75,6 +75,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux import yamux as _yamux_module
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.transport.tcp import tcp as _tcp
 
@@ -117,6 +118,12 @@ async def _return_window_at_half(self: YamuxStream, *, bytes_read: int = 0) -> N
 
 
 YamuxStream._auto_tune_and_send_window_update = _return_window_at_half  # type: ignore[method-assign]
+
+# Every Yamux connection pings its peer every 30 s to measure the RTT that only the window
+# auto-tuning reads (both ends do; py-libp2p 0.8.1 ``_measure_rtt_loop``, read per iteration). A
+# user relays for dozens of peers, so at rest these pings were a quarter of all messages of a
+# 32-host localnet (70 of 258 a second); every 2 minutes is enough for the window.
+_yamux_module.RTT_MEASURE_INTERVAL = 120
 
 DEFAULT_MAX_CONNECTIONS = 1024
 """Connections (inbound + outbound) a host keeps at most; a newer one over it is refused."""
