@@ -90,16 +90,20 @@ async def bench(quick: bool) -> None:
 
         # 1. path setup, connections up (the relays already carry this user's paths)
         setup = []
+        failed: list[str] = []
         for i in range(rounds):
             relays = [others[(i + j) % len(others)] for j in range(3)]
             hops = [onion.HopSpec(r.peer_id, r.onion_key) for r in relays]
             t0 = time.perf_counter()
             handle = overlay.open_path(hops)
             await handle.ready.wait()
+            if not handle.is_ready:  # e.g. a relay whose directory lags: counted, not timed
+                failed.append(str(handle.error))
+                continue
             setup.append((time.perf_counter() - t0) * 1000)
-            assert handle.is_ready, handle.error
             overlay.close_path(handle)
-        print(summary("onion path setup, 3 hops", setup))
+        print(summary("onion path setup, 3 hops", setup)
+              + (f"   {len(failed)} failed: {failed[0]}" if failed else ""))
 
         # 2. anonymous round trip vs direct request
         model = net.models[0]
