@@ -131,6 +131,9 @@ def test_devnet_answers_every_prompt_with_valid_signatures(shared, tmp_path, per
     assert "answered 6/6 prompts" in done.stdout
     if perturb == "kill-relay":
         assert "killed" in done.stdout
-    # --workdir keeps keys and logs
+    # --workdir keeps keys and logs (at --log-level WARNING a healthy node's log may be empty)
     assert len(list((tmp_path / "net" / "keys").glob("*.key"))) == 10
-    assert (tmp_path / "net" / "logs" / "user0.log").stat().st_size > 0
+    logs = tmp_path / "net" / "logs"
+    assert {f"{role}0.log" for role in ("verifier", "model", "user")} <= {
+        p.name for p in logs.iterdir()
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -56,6 +57,20 @@ def test_a_fresh_pool_opens_n_paths_of_distinct_relays_and_distinct_proxies():
     assert all(len(c.relays) == 3 for c in opened)
     assert len(relays) == len(set(relays))  # 20 relays >= n*l + 1: no reuse
     assert len({c.relays[-1] for c in opened}) == 5
+
+
+@pytest.mark.parametrize("others", [3, 4], ids=["4-user-network", "5-user-network"])
+def test_relays_repeating_across_paths_are_logged_once_at_info(caplog, others):
+    pool = _pool()
+    with caplog.at_level(logging.INFO, logger="ps_p2p.overlay.path_pool"):
+        pool.tick(0.0, RELAYS[:others])
+        pool.tick(1.0, RELAYS[:others])
+
+    reports = [r for r in caplog.records if "candidate relays" in r.getMessage()]
+    assert [r.levelno for r in reports] == [logging.INFO]
+    assert "some relays serve two paths of this user (a network of >= 16 users" in (
+        reports[0].getMessage()
+    )
 
 
 def test_without_a_directory_nothing_opens_and_the_pool_retries_at_the_maintenance_interval():
@@ -127,12 +142,22 @@ class _Ref:
         ([b"a", b"a", b"b", b"b"], 4, 2),  # too few proxies: repeats fill up
     ],
 )
-def test_choose_distinct_proxies_takes_one_path_per_proxy_where_possible(proxies, count, distinct):
+def test_choose_distinct_proxies_takes_one_path_per_proxy_where_possible(
+    proxies, count, distinct, caplog
+):
     refs = [_Ref(str(i), p) for i, p in enumerate(proxies)]
-    chosen = choose_distinct_proxies(refs, count, random.Random(1))
+    with caplog.at_level(logging.WARNING, logger="ps_p2p.overlay.path_pool"):
+        chosen = choose_distinct_proxies(refs, count, random.Random(1))
     assert len(chosen) == count
     assert len({c.proxy for c in chosen}) == distinct
     assert len({c.name for c in chosen}) == count
+    warnings = [r.getMessage() for r in caplog.records]
+    if distinct < count:  # only a request that must double up a proxy warns
+        assert warnings == [f"only {distinct} distinct proxies among {len(proxies)} ready paths: "
+                            "one proxy carries two cloves of this request (a network of >= 5 "
+                            "users avoids this)"]
+    else:
+        assert warnings == []
 
 
 # ------------------------------------------------------------------ confirmation and probes

@@ -208,8 +208,9 @@ def choose_distinct_proxies(ready: Sequence[P], count: int, rng: random.Random) 
         if len(chosen) == count:
             return chosen
     rest = [p for p in order if not any(p is c for c in chosen)]
-    log.warning("only %d distinct proxies among %d ready paths; one proxy carries two cloves",
-                len(proxies), len(ready))
+    log.warning("only %d distinct proxies among %d ready paths: one proxy carries two cloves of "
+                "this request (a network of >= %d users avoids this)",
+                len(proxies), len(ready), count + 1)
     return chosen + rest[: count - len(chosen)]
 
 
@@ -244,7 +245,7 @@ class PathPool:
         self._interval = min(0.5, config.probe_interval / 2) if interval is None else interval
         self._next_maintenance: float | None = None  # None: at the next tick
         self._probe_retry: dict[int, float] = {}  # path -> earliest probe after a failed send
-        self._warned_reuse = False
+        self._reuse_logged = False
 
     # ------------------------------------------------------------------ queries
 
@@ -512,19 +513,34 @@ class PathPool:
             log.warning("cannot choose relays: %s", exc)
             return []
         reused = reuse_count(choices) + sum(1 for c in choices for r in c if r in in_use)
-        if reused and not self._warned_reuse:
-            self._warned_reuse = True
-            log.warning(
-                "only %d candidate relays for %d paths of %d hops: some relays serve two paths "
-                "of this user (a network of >= %d users avoids this)",
-                len(candidates), cfg.paths, cfg.hops, cfg.total * cfg.hops + 1,
-            )
+        if reused:
+            self._report_reuse(len(candidates))
         commands: list[Command] = []
         for chosen in choices:
             path_id = next(self._ids)
             self._opening[path_id] = tuple(chosen)
             commands.append(OpenPath(path_id, tuple(chosen)))
         return commands
+
+    def _report_reuse(self, candidates: int) -> None:
+        """Log once, at INFO, that relays repeat across this user's paths.
+
+        In a network of under ``paths * hops + 1`` users that is expected: each request still
+        reaches n distinct proxies while there are n candidates, and rebalancing spreads the
+        paths out once more users join. With fewer than n candidates (a network still filling
+        up, or under n + 1 users) a request would put two cloves on one proxy; that is what
+        weakens a request (DESIGN.md: one clove per proxy), and :func:`choose_distinct_proxies`
+        warns when a request is actually sent so, not when paths are built.
+        """
+        if self._reuse_logged:
+            return
+        self._reuse_logged = True
+        cfg = self.config
+        log.info(
+            "%d candidate relays for %d paths of %d hops: some relays serve two paths of this "
+            "user (a network of >= %d users avoids this)",
+            candidates, cfg.paths, cfg.hops, cfg.paths * cfg.hops + 1,
+        )
 
     def _retire(self, victim: PoolPath, now: float) -> None:
         victim.retiring = True
