@@ -4,7 +4,7 @@ Subcommands::
 
     ps-node keygen  --key-file PATH                 create a key file, print the peer ID
     ps-node run     --role user|model|verifier ...  run one node until interrupted
-    ps-node devnet  --prompts FILE [--model PATH]   a local network of OS processes, prompts through it
+    ps-node devnet  [--prompts FILE] [--model PATH] a local network of OS processes, prompts through it
     ps-node ask     --multiaddr MADDR "prompt"      join as a user, ask once, print the answer
 
 ``main(argv) -> int`` returns the exit status: 0 ok, 1 a failure at run time, 2 bad usage or
@@ -89,13 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="TESTING ONLY: corrupt relayed cells and cloves (a malicious relay)")
 
     devnet = sub.add_parser("devnet", help="run a local network of OS processes and send prompts through it")
-    devnet.add_argument("--model", help="model for the model nodes (HF folder or .gguf); "
-                                        "needed by --engine transformers")
+    devnet.add_argument("--model", help="model for the model nodes (HF folder or .gguf; "
+                                        "default ../shared/models/stories260K if present)")
     devnet.add_argument("--engine", choices=["transformers", "instant"], default="transformers",
                         help="model nodes' engine: transformers (loads --model) or instant "
                              "(a fake that answers at once, to measure the overlay; no --model)")
-    devnet.add_argument("--prompts", required=True,
-                        help="prompts: a text file (one per line) or ../shared/data JSON/JSONL")
+    devnet.add_argument("--prompts",
+                        help="prompts: a text file (one per line) or ../shared/data JSON/JSONL "
+                             "(default ../shared/data/mtbench/question.jsonl if present)")
     devnet.add_argument("--users", type=int, default=8, help="user nodes (default 8)")
     devnet.add_argument("--models", type=int, default=2, help="model nodes (default 2)")
     devnet.add_argument("--verifiers", type=int, default=4, help="verifier nodes (default 4)")
@@ -307,11 +308,15 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
 
 def _cmd_devnet(args: argparse.Namespace) -> int:
-    from ps_p2p.devnet import DevnetOptions, run_devnet
+    from ps_p2p.devnet import SHARED_PROMPTS, DevnetOptions, run_devnet, shared_defaults, shared_dir
 
+    shared = shared_dir()
+    model, prompts = shared_defaults(args.model, args.prompts, engine=args.engine, shared=shared)
+    if prompts is None:
+        raise ConfigError(f"devnet needs --prompts FILE (there is no {shared / SHARED_PROMPTS})")
     options = DevnetOptions(
-        model=args.model,
-        prompts=args.prompts,
+        model=model,
+        prompts=prompts,
         users=args.users,
         models=args.models,
         verifiers=args.verifiers,

@@ -66,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +90,11 @@ REPORT_EVERY = 5.0
 #: seconds a node killed inside its worker gets to close its connections
 KILL_CLOSE_TIMEOUT = 3.0
 _MAX_LINE = 1 << 20
+#: the repository of an editable install (the folder above the ``ps_p2p`` package)
+REPO = pathlib.Path(__file__).resolve().parent.parent
+#: the devnet's default model and prompts, inside the shared folder (:func:`shared_dir`)
+SHARED_MODEL = "models/stories260K"
+SHARED_PROMPTS = "data/mtbench/question.jsonl"
 
 
 class DevnetError(PsError):
@@ -99,6 +104,33 @@ class DevnetError(PsError):
 def default_start_timeout(nodes: int) -> float:
     """Seconds the whole network may take to become ready: 60 s + 1 s per node."""
     return 60.0 + 1.0 * nodes
+
+
+def shared_dir(
+    environ: Mapping[str, str] = os.environ, repo: pathlib.Path = REPO
+) -> pathlib.Path:
+    """The shared model and data folder: ``$PS_SHARED_DIR``, else ``shared`` beside the
+    repository (``../shared`` from its root), as the tests locate it."""
+    return pathlib.Path(environ.get("PS_SHARED_DIR") or repo.parent / "shared")
+
+
+def shared_defaults(
+    model: str | None,
+    prompts: str | None,
+    *,
+    engine: str,
+    shared: pathlib.Path,
+    exists: Callable[[pathlib.Path], bool] = pathlib.Path.exists,
+) -> tuple[str | None, str | None]:
+    """The devnet's ``(model, prompts)``: each one given wins; a missing one is the shared
+    TinyStories model (:data:`SHARED_MODEL`, engine ``transformers`` only: ``instant`` loads
+    none) or the MT-Bench questions (:data:`SHARED_PROMPTS`) when that path ``exists``, else
+    None (:meth:`DevnetOptions.validate` then names the flag to give)."""
+    if model is None and engine == "transformers" and exists(shared / SHARED_MODEL):
+        model = str(shared / SHARED_MODEL)
+    if prompts is None and exists(shared / SHARED_PROMPTS):
+        prompts = str(shared / SHARED_PROMPTS)
+    return model, prompts
 
 
 @dataclass
@@ -719,9 +751,11 @@ async def _devnet(opts: DevnetOptions) -> int:
     assert opts.prompts is not None
     prompts = load_prompts(opts.prompts, opts.limit)
     opts.validate()
-    print(f"devnet: {opts.verifiers} verifiers, {opts.models} model nodes ({opts.engine} engine), "
+    engine = opts.engine + (f" engine, model {opts.model}" if opts.engine == "transformers"
+                            else " engine")
+    print(f"devnet: {opts.verifiers} verifiers, {opts.models} model nodes ({engine}), "
           f"{opts.users} users, {opts.nodes_per_process} node(s) per process; "
-          f"{len(prompts)} prompts; "
+          f"{len(prompts)} prompts from {opts.prompts}; "
           f"work dir {opts.workdir or 'temporary (removed at exit)'}", flush=True)
     results: list[dict[str, Any]] = []
     started = time.monotonic()

@@ -7,12 +7,15 @@ import pathlib
 
 import pytest
 
+from ps_p2p import devnet
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def shared_dir() -> pathlib.Path:
-    """``../shared`` next to the repository (``PS_SHARED_DIR`` overrides)."""
-    return pathlib.Path(os.environ.get("PS_SHARED_DIR", REPO.parent / "shared"))
+    """``../shared`` next to the repository (``PS_SHARED_DIR`` overrides); the folder where
+    ``ps-node devnet`` finds its default model and prompts."""
+    return devnet.shared_dir(os.environ, REPO)
 
 
 @pytest.fixture

@@ -111,6 +111,18 @@ def test_run_with_a_missing_config_file_exits_2_with_a_message(tmp_path, capsys)
     assert f"cannot read config file {missing}" in capsys.readouterr().err
 
 
+def test_devnet_without_prompts_or_shared_data_exits_2_naming_the_missing_file(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("PS_SHARED_DIR", str(tmp_path))
+
+    status = main(["devnet", "--engine", "instant"])
+
+    assert status == 2
+    expected = tmp_path / "data" / "mtbench" / "question.jsonl"
+    assert f"devnet needs --prompts FILE (there is no {expected})" in capsys.readouterr().err
+
+
 def test_unknown_role_is_a_usage_error_with_status_2(capsys):
     with pytest.raises(SystemExit) as exc_info:
         main(["run", "--role", "wizard"])

@@ -14,18 +14,24 @@ import sys
 
 import pytest
 
-from ps_p2p.devnet import DevnetOptions, default_start_timeout, latency_summary
+from ps_p2p.devnet import (
+    DevnetOptions,
+    default_start_timeout,
+    latency_summary,
+    shared_defaults,
+    shared_dir,
+)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _devnet(
-    tmp_path: pathlib.Path, *args: str, timeout: float = 400
+    tmp_path: pathlib.Path, *args: str, timeout: float = 400, **env_vars: str
 ) -> subprocess.CompletedProcess:
     """Run ``ps-node devnet`` with its temporary directories under ``tmp_path/tmp``."""
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(tmp))
+    env = dict(os.environ, TMPDIR=str(tmp), **env_vars)
     cmd = [sys.executable, "-m", "ps_p2p.cli", "--log-level", "WARNING", "devnet", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
@@ -40,6 +46,43 @@ def test_default_start_timeout_grows_with_the_node_count():
     assert default_start_timeout(14) == 74.0
     assert DevnetOptions(users=100, models=2, verifiers=4).start_deadline == 166.0
     assert DevnetOptions(start_timeout=30.0).start_deadline == 30.0
+
+
+SHARED = pathlib.Path("/srv/shared")
+MODEL = str(SHARED / "models" / "stories260K")
+MTBENCH = str(SHARED / "data" / "mtbench" / "question.jsonl")
+
+
+@pytest.mark.parametrize(
+    "model, prompts, engine, present, expected",
+    [
+        (None, None, "transformers", {MODEL, MTBENCH}, (MODEL, MTBENCH)),
+        ("m", "p.txt", "transformers", {MODEL, MTBENCH}, ("m", "p.txt")),
+        (None, "p.txt", "transformers", {MODEL}, (MODEL, "p.txt")),
+        ("m", None, "transformers", {MTBENCH}, ("m", MTBENCH)),
+        (None, None, "transformers", set(), (None, None)),
+        (None, None, "instant", {MODEL, MTBENCH}, (None, MTBENCH)),
+    ],
+    ids=["both-from-shared", "given-win", "model-from-shared", "prompts-from-shared",
+         "no-shared", "instant-loads-no-model"],
+)
+def test_shared_defaults_fill_only_what_is_missing_and_present(
+    model, prompts, engine, present, expected
+):
+    found = shared_defaults(model, prompts, engine=engine, shared=SHARED,
+                            exists=lambda path: str(path) in present)
+
+    assert found == expected
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [({}, "/work/shared"), ({"PS_SHARED_DIR": "/data/ps"}, "/data/ps"),
+     ({"PS_SHARED_DIR": ""}, "/work/shared")],
+    ids=["beside-the-repo", "env-overrides", "empty-env-ignored"],
+)
+def test_shared_dir_is_beside_the_repository_unless_ps_shared_dir_is_set(environ, expected):
+    assert shared_dir(environ, pathlib.Path("/work/main")) == pathlib.Path(expected)
 
 
 def test_latency_summary_uses_nearest_rank_percentiles():
@@ -81,7 +124,8 @@ def test_start_deadline_error_names_the_nodes_not_ready_and_removes_the_work_dir
 
 
 def test_transformers_engine_without_a_model_is_a_usage_error(tmp_path):
-    done = _devnet(tmp_path, "--prompts", str(_prompt_file(tmp_path, 1)), timeout=60)
+    done = _devnet(tmp_path, "--prompts", str(_prompt_file(tmp_path, 1)), timeout=60,
+                   PS_SHARED_DIR=str(tmp_path / "no-shared"))
 
     assert done.returncode == 2
     assert "--engine transformers needs --model" in done.stderr
