@@ -71,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verifier", action="append", dest="verifiers", metavar="PEER_ID",
                      help="trusted verifier peer ID; repeatable (default: the --multiaddr peers)")
     run.add_argument("--key-file", help="identity + onion keys, created on first run "
-                                        "(default ~/.ps_p2p/node.key)")
+                                        "(default <home>/node.key)")
+    run.add_argument("--name", help="node name: its home is <user data dir>/ps_p2p/NAME "
+                                    "(default: the roles, e.g. user)")
+    run.add_argument("--home", metavar="DIR", help="keys and state of this node (default "
+                                                   "<user data dir>/ps_p2p/<name>)")
     run.add_argument("--model", help="model role: HF folder or .gguf (transformers), "
                                      "or the served model name (vllm)")
     run.add_argument("--engine", choices=["transformers", "vllm"], help="default transformers")
@@ -154,6 +158,8 @@ def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "bootstrap": args.bootstrap,
         "verifiers": args.verifiers,
         "key_file": args.key_file,
+        "name": args.name,
+        "home": args.home,
         "model": args.model,
         "engine": args.engine,
         "vllm_url": args.vllm_url,
@@ -187,7 +193,32 @@ def make_engine(config):  # type: ignore[no-untyped-def]
     )
 
 
-async def _run_node(config, api: str | None, status_file: str | None) -> None:  # type: ignore[no-untyped-def]
+async def _run_node_at_home(  # type: ignore[no-untyped-def]
+    config, api: str | None, status_file: str | None,
+    *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """:func:`_run_node` with the key and status files not given in the node's home
+    (:mod:`ps_p2p.home`), which stays locked while the node runs.
+
+    Raises:
+        ConfigError: the home is in use by another node or cannot be created.
+    """
+    import contextlib
+
+    from ps_p2p.home import STATUS_FILE, locked_home
+
+    uses_home = config.home is not None or config.key_file is None or status_file is None
+    with locked_home(config.home_path) if uses_home else contextlib.nullcontext():
+        status_file = status_file or str(config.home_path / STATUS_FILE)
+        await _run_node(config, api, status_file, task_status=task_status)
+
+
+async def _run_node(  # type: ignore[no-untyped-def]
+    config, api: str | None, status_file: str | None,
+    *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run one node until cancelled; once it listens, print its listen multiaddrs (with
+    ``/p2p/<peer ID>``) on stdout, one a line, and call ``task_status.started(node)``."""
     from ps_p2p.keys import load_or_create_keys
     from ps_p2p.node import Node
 
@@ -203,12 +234,14 @@ async def _run_node(config, api: str | None, status_file: str | None) -> None:  
             from ps_p2p.api.openai_compat import serve_api
 
             api_url = await nursery.start(serve_api, node, api)
-        print(f"peer ID {keys.identity.peer_id_str}", file=sys.stderr)
-        for addr in node.listen_addrs:
-            print(f"listening on {addr}", file=sys.stderr)
+        log.info("peer ID %s, keys %s, status %s", keys.identity.peer_id_str, config.key_path,
+                 status_file)
+        for addr in node.listen_addrs:  # stdout is for scripts: the addresses only
+            print(addr, flush=True)
         if status_file:
             nursery.start_soon(_status_writer, node, pathlib.Path(status_file), api_url)
         nursery.start_soon(_stop_on_sigterm, nursery.cancel_scope)
+        task_status.started(node)
 
 
 async def _stop_on_sigterm(scope: trio.CancelScope) -> None:
@@ -246,7 +279,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # an operator's Ctrl-C (or kill -INT) must still stop the node.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        trio.run(_run_node, config, args.api, args.status_file)
+        trio.run(_run_node_at_home, config, args.api, args.status_file)
     except BaseException as exc:
         if not is_keyboard_interrupt(exc):
             raise

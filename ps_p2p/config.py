@@ -6,7 +6,7 @@ Times are in seconds, sizes in bytes. A TOML file holds the same keys as :class:
     roles = ["user"]
     listen = "/ip4/0.0.0.0/tcp/4001"
     bootstrap = ["/ip4/10.0.0.5/tcp/4001/p2p/12D3KooW..."]
-    key_file = "~/.ps_p2p/node.key"
+    name = "relay1"                    # home: <user data dir>/ps_p2p/relay1 (keys, status)
 
     [user]
     total = 4
@@ -131,7 +131,9 @@ class NodeConfig:
         bootstrap: multiaddrs (with /p2p/<peer ID>) dialled at start.
         verifiers: trusted verifier peer IDs (base58); empty = the bootstrap peers.
         quorum: verifier signatures a directory needs (2f+1 once consensus lands).
-        key_file: identity + onion key file, created on first run.
+        name: the node's name, its default home's folder (default: the roles, ``user``).
+        home: keys and state (:mod:`ps_p2p.home`); default ``<user data dir>/ps_p2p/<name>``.
+        key_file: identity + onion key file, created on first run; default ``<home>/node.key``.
         organization: shown in the node record.
         model: model path (HF folder or .gguf) or, with engine "vllm", the served model name.
         engine, vllm_url, device, model_id: inference engine settings (model role).
@@ -149,7 +151,9 @@ class NodeConfig:
     bootstrap: list[str] = field(default_factory=list)
     verifiers: list[str] = field(default_factory=list)
     quorum: int = 1
-    key_file: str = "~/.ps_p2p/node.key"
+    name: str | None = None
+    home: str | None = None
+    key_file: str | None = None
     organization: str = ""
     model: str | None = None
     engine: str = "transformers"
@@ -179,6 +183,10 @@ class NodeConfig:
             raise ConfigError("the model role needs --model PATH (or the served name with --engine vllm)")
         if self.quorum < 1:
             raise ConfigError("quorum must be >= 1")
+        if self.name is not None:
+            from ps_p2p.home import check_name
+
+            check_name(self.name)
         if "verifier" not in self.roles and not self.bootstrap:
             raise ConfigError("a node without the verifier role needs --multiaddr of a verifier")
         for addr in self.bootstrap:
@@ -186,8 +194,22 @@ class NodeConfig:
                 raise ConfigError(f"bootstrap multiaddr {addr!r} lacks /p2p/<peer ID>")
 
     @property
+    def home_path(self) -> pathlib.Path:
+        """``home``, else :func:`ps_p2p.home.default_home` of ``name`` (default: the roles)."""
+        from ps_p2p import home
+
+        if self.home:
+            return pathlib.Path(self.home).expanduser()
+        return home.default_home(self.name or home.node_name(self.roles))
+
+    @property
     def key_path(self) -> pathlib.Path:
-        return pathlib.Path(self.key_file).expanduser()
+        """``key_file``, else ``<home>/node.key``."""
+        from ps_p2p import home
+
+        if self.key_file:
+            return pathlib.Path(self.key_file).expanduser()
+        return self.home_path / home.KEY_FILE
 
 
 _NESTED = {"user": UserConfig, "model_node": ModelNodeConfig}

@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable
 
 import pytest
+import trio
 
-from ps_p2p.cli import build_parser, main
+from ps_p2p.cli import _run_config, _run_node_at_home, build_parser, main
+from ps_p2p.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
@@ -129,6 +131,78 @@ def test_unknown_role_is_a_usage_error_with_status_2(capsys):
 
     assert exc_info.value.code == 2
     assert "invalid choice: 'wizard'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- home, stdout
+
+
+def _config(*argv: str):  # type: ignore[no-untyped-def]
+    return _run_config(build_parser().parse_args(["run", *argv]))
+
+
+@pytest.mark.parametrize(
+    "argv, home, key",
+    [
+        (["--multiaddr", BOOT], "data/ps_p2p/user", "data/ps_p2p/user/node.key"),
+        (["--role", "verifier", "--role", "model", "--model", "m"],
+         "data/ps_p2p/model+verifier", "data/ps_p2p/model+verifier/node.key"),
+        (["--multiaddr", BOOT, "--name", "alice"], "data/ps_p2p/alice", "data/ps_p2p/alice/node.key"),
+        (["--multiaddr", BOOT, "--home", "h"], "h", "h/node.key"),
+        (["--multiaddr", BOOT, "--key-file", "k/u.key"], "data/ps_p2p/user", "k/u.key"),
+    ],
+    ids=["default-user", "roles-name", "name", "home", "key-file-wins"],
+)
+def test_home_defaults_to_the_user_data_dir_by_name_and_key_file_overrides_the_key(
+    tmp_path, monkeypatch, argv, home, key
+):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+
+    config = _config(*argv)
+
+    assert config.home_path.resolve() == tmp_path / home
+    assert config.key_path.resolve() == tmp_path / key
+
+
+@pytest.mark.parametrize("name", ["../up", "a/b", ".hidden", ""])
+def test_a_name_that_is_not_a_folder_name_exits_2(name, capsys):
+    assert main(["run", "--multiaddr", BOOT, "--name", name]) == 2
+    assert "bad node name" in capsys.readouterr().err
+
+
+async def test_run_prints_each_listen_multiaddr_with_the_peer_id_alone_on_stdout(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    config = _config("--role", "verifier")
+
+    async with trio.open_nursery() as nursery:
+        node = await nursery.start(_run_node_at_home, config, None, None)
+        out = capsys.readouterr().out
+        nursery.cancel_scope.cancel()
+
+    peer_id = node.keys.identity.peer_id_str
+    assert out.splitlines() == node.listen_addrs
+    assert all(re.fullmatch(rf"/ip4/127\.0\.0\.1/tcp/\d+/p2p/{peer_id}", a) for a in node.listen_addrs)
+    assert list((tmp_path / "cwd").iterdir()) == []  # no key file in the working directory
+    assert (tmp_path / "data" / "ps_p2p" / "verifier" / "node.key").is_file()
+
+
+async def test_run_creates_its_home_with_the_key_file_and_refuses_a_second_node_on_it(tmp_path):
+    home = tmp_path / "nodes" / "v1"
+    config = _config("--role", "verifier", "--home", str(home))
+
+    async with trio.open_nursery() as nursery:
+        node = await nursery.start(_run_node_at_home, config, None, None)
+        with pytest.raises(ConfigError, match="in use by another node"):
+            await _run_node_at_home(config, None, None)
+        nursery.cancel_scope.cancel()
+
+    assert home.stat().st_mode & 0o777 == 0o700
+    assert (home / "node.key").stat().st_mode & 0o777 == 0o600
+    assert json.loads((home / "node.key").read_text())["peer_id"] == node.keys.identity.peer_id_str
 
 
 # ---------------------------------------------------------------------- README reference vs parser
