@@ -66,8 +66,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -683,13 +683,7 @@ async def open_devnet(opts: DevnetOptions) -> AsyncIterator[Devnet]:
             starting (the message names the nodes and what they lacked).
     """
     opts.validate()
-    temporary = opts.workdir is None
-    workdir = pathlib.Path(opts.workdir or tempfile.mkdtemp(prefix="ps-devnet-"))
-    try:
-        for sub in ("status", "logs", "keys"):
-            (workdir / sub).mkdir(parents=True, exist_ok=True)
-        for stale in (workdir / "status").glob("*.json"):
-            stale.unlink()
+    with work_directory(opts.workdir) as workdir:
         try:
             async with trio.open_nursery() as nursery:
                 net = Devnet(opts, workdir, nursery)
@@ -704,9 +698,28 @@ async def open_devnet(opts: DevnetOptions) -> AsyncIterator[Devnet]:
             if len(leaves) == 1:  # the caller sees the DevnetError itself, not a group of one
                 raise leaves[0] from None
             raise
+
+
+@contextmanager
+def work_directory(workdir: str | os.PathLike[str] | None) -> Iterator[pathlib.Path]:
+    """The devnet's work directory, with its ``keys``, ``logs`` and ``status`` folders.
+
+    ``workdir`` is created if needed and kept (its old status files removed); None makes a new
+    ``ps-devnet-*`` directory under :func:`tempfile.gettempdir` that is removed when the block
+    exits, however it exits (an error, Ctrl-C, or SIGTERM and SIGHUP, which the devnet turns into
+    a cancellation). Only SIGKILL of the controller leaves it behind.
+    """
+    temporary = workdir is None
+    path = pathlib.Path(tempfile.mkdtemp(prefix="ps-devnet-") if workdir is None else workdir)
+    try:
+        for sub in ("status", "logs", "keys"):
+            (path / sub).mkdir(parents=True, exist_ok=True)
+        for stale in (path / "status").glob("*.json"):
+            stale.unlink()
+        yield path
     finally:
         if temporary:
-            shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- the command
@@ -838,8 +851,9 @@ async def _plan_kill(
 
 
 async def _devnet_until_signal(opts: DevnetOptions) -> int:
-    """:func:`_devnet`, stopped by SIGTERM as by Ctrl-C (returns 143)."""
-    status = 143
+    """:func:`_devnet`, stopped by SIGTERM or SIGHUP (its terminal closed) as by Ctrl-C
+    (returns 128 + the signal number: 143, 129)."""
+    status = 0
     async with trio.open_nursery() as nursery:
 
         async def main() -> None:
@@ -848,9 +862,12 @@ async def _devnet_until_signal(opts: DevnetOptions) -> int:
             nursery.cancel_scope.cancel()
 
         async def on_sigterm() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                async for _ in signals:
-                    print("SIGTERM: stopping the devnet", file=sys.stderr, flush=True)
+            nonlocal status
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    print(f"{name}: stopping the devnet", file=sys.stderr, flush=True)
+                    status = 128 + signum
                     nursery.cancel_scope.cancel()
                     return
 
@@ -861,7 +878,7 @@ async def _devnet_until_signal(opts: DevnetOptions) -> int:
 
 def run_devnet(opts: DevnetOptions) -> int:
     """Run the devnet to completion; returns 0 when every prompt was answered, 1 when not or
-    when the network did not start, 130 after Ctrl-C, 143 after SIGTERM.
+    when the network did not start, 130 after Ctrl-C, 143 after SIGTERM, 129 after SIGHUP.
 
     Raises:
         ConfigError: bad options or prompt file.

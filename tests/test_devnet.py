@@ -6,11 +6,13 @@ system tests (marked ``slow``) run the real TinyStories model, one node per proc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -20,6 +22,7 @@ from ps_p2p.devnet import (
     latency_summary,
     shared_defaults,
     shared_dir,
+    work_directory,
 )
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -83,6 +86,34 @@ def test_shared_defaults_fill_only_what_is_missing_and_present(
 )
 def test_shared_dir_is_beside_the_repository_unless_ps_shared_dir_is_set(environ, expected):
     assert shared_dir(environ, pathlib.Path("/work/main")) == pathlib.Path(expected)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["normal-exit", "error"])
+def test_a_temporary_work_directory_is_removed_when_the_devnet_exits(tmp_path, monkeypatch, fails):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        with work_directory(None) as workdir:
+            assert workdir.parent == tmp_path and workdir.name.startswith("ps-devnet-")
+            assert {p.name for p in workdir.iterdir()} == {"keys", "logs", "status"}
+            (workdir / "keys" / "user0.key").write_text("{}")
+            if fails:
+                raise RuntimeError("a node failed")
+
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_given_work_directory_is_kept_without_its_old_status_files(tmp_path):
+    given = tmp_path / "net"
+    (given / "status").mkdir(parents=True)
+    (given / "status" / "user0.json").write_text("{}")
+
+    with work_directory(str(given)) as workdir:
+        assert workdir == given
+        assert list((given / "status").iterdir()) == []
+        (workdir / "logs" / "user0.log").write_text("up")
+
+    assert (given / "logs" / "user0.log").read_text() == "up"
 
 
 def test_latency_summary_uses_nearest_rank_percentiles():
