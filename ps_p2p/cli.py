@@ -4,7 +4,7 @@ Subcommands::
 
     ps-node keygen  --key-file PATH                 create a key file, print the peer ID
     ps-node run     --role user|model|verifier ...  run one node until interrupted
-    ps-node devnet  [--prompts FILE] [--model PATH] a local network of OS processes, prompts through it
+    ps-node devnet  [--prompts FILE] [--model PATH] a local network of OS processes; prompts via it
     ps-node ask     --multiaddr MADDR "prompt"      join as a user, ask once, print the answer
 
 ``main(argv) -> int`` returns the exit status: 0 ok, 1 a failure at run time, 2 bad usage or

@@ -25,6 +25,10 @@ Work directory: ``keys/<node>.key``, ``logs/<node>.log`` (that node's log record
 ``status/<node>.json`` (the node's latest status line). Without ``workdir`` it is a new
 ``ps-devnet-*`` temporary directory, removed when the devnet stops, also after Ctrl-C.
 
+Progress: :attr:`Devnet.progress` counts nodes up, nodes holding the full directory, users with
+their paths and prompts answered and failed; ``ps-node devnet`` shows them live on a terminal
+(``rich``) and as a plain line every 5 s of the start otherwise (:mod:`ps_p2p.devnet_progress`).
+
 Start deadline: one deadline for the whole start (verifiers listening, every node holding the full
 directory, every user holding n ready paths); by default 60 s + 1 s per node. When it passes, the
 error names every node that was not ready and what it lacked.
@@ -73,6 +77,7 @@ from typing import Any
 
 import trio
 
+from ps_p2p.devnet_progress import Display, PlainDisplay, Progress, choose_display
 from ps_p2p.errors import ConfigError, PsError
 
 log = logging.getLogger(__name__)
@@ -85,8 +90,6 @@ PERTURBATIONS = ("none", "kill-relay", "tamper-clove")
 READY_PATHS = 4
 #: seconds the workers get to stop after being told to, before SIGKILL
 STOP_GRACE = 8.0
-#: progress lines while waiting, every this many seconds
-REPORT_EVERY = 5.0
 #: seconds a node killed inside its worker gets to close its connections
 KILL_CLOSE_TIMEOUT = 3.0
 _MAX_LINE = 1 << 20
@@ -342,7 +345,10 @@ class Devnet:
         self.models: list[DevnetNode] = []
         self.users: list[DevnetNode] = []
         self.ready_s: float | None = None
+        self.progress = Progress(nodes=opts.nodes, users=opts.users,
+                                 directory_nodes=opts.models + opts.users)
         self._changed = trio.Event()
+        self._stopping = False
 
     @property
     def nodes(self) -> list[DevnetNode]:
@@ -352,7 +358,7 @@ class Devnet:
 
     async def _start(self) -> None:
         opts = self.opts
-        started = trio.current_time()
+        started = self.progress.started_at = trio.current_time()
         deadline = started + opts.start_deadline
         what = f"(--start-timeout {opts.start_deadline:g} s)"
         self.verifiers = await self._spawn_group("verifier", opts.verifiers, [])
@@ -384,6 +390,8 @@ class Devnet:
 
         await self._wait(self.users, paths_lack, "user paths", deadline, what)
         self.ready_s = trio.current_time() - started
+        self.progress.ready = True
+        self.progress.phase = "ready"
 
     async def _spawn_group(self, role: str, count: int, boot: list[str]) -> list[DevnetNode]:
         opts = self.opts
@@ -458,8 +466,24 @@ class Devnet:
             pass  # the work directory is being removed at the end
 
     def _notify(self) -> None:
+        self._count()
         self._changed.set()
         self._changed = trio.Event()
+
+    def _count(self) -> None:
+        """Recount :attr:`progress` from the nodes' latest status lines (not while stopping:
+        the last view keeps the counts of the run, not of its shutdown)."""
+        opts, p = self.opts, self.progress
+        if self._stopping:
+            return
+        p.nodes_up = sum(1 for n in self.nodes if n.state == "up" and n.running and not n.killed)
+        p.nodes_down = sum(1 for n in self.nodes if n.killed or not n.running)
+        p.with_directory = sum(
+            1 for n in [*self.models, *self.users]
+            if (d := n.status.get("directory")) is not None
+            and d["users"] >= opts.users and d["model_nodes"] >= opts.models
+        )
+        p.users_ready = sum(1 for n in self.users if n.status.get("ready_paths", 0) >= READY_PATHS)
 
     async def _wait(
         self,
@@ -475,7 +499,7 @@ class Devnet:
             DevnetError: a node failed or its worker exited, or ``deadline`` (trio time) passed;
                 the message names every node not ready and what it lacked.
         """
-        next_report = trio.current_time() + REPORT_EVERY
+        self.progress.phase = f"waiting for {what}"
         while True:
             for node in nodes:
                 if node.state == "failed" or node.worker.exited:
@@ -493,11 +517,7 @@ class Devnet:
                     f"{len(nodes)} nodes not ready: {listed}{more}"
                     + ("" if self.opts.workdir else "; run with --workdir DIR to keep the logs")
                 )
-            if now >= next_report:
-                print(f"  waiting for {what}: {len(nodes) - len(pending)}/{len(nodes)} ready",
-                      flush=True)
-                next_report = now + REPORT_EVERY
-            with trio.move_on_at(min(deadline, next_report)):
+            with trio.move_on_at(deadline):
                 await self._changed.wait()
 
     def _failure(self, node: DevnetNode) -> str:
@@ -580,11 +600,15 @@ class Devnet:
 
         askers = list(askers or self.users)
         limiter = trio.CapacityLimiter(max(1, concurrency))
+        progress = self.progress
+        progress.phase = "sending prompts"
+        progress.prompts += len(prompts)
         dispatched = trio.Event()
         results: list[dict[str, Any]] = []
 
         async def one(http: Any, index: int, prompt: Prompt) -> None:
             async with limiter:
+                progress.in_flight += 1
                 user = askers[index % len(askers)]
                 t0 = time.monotonic()
                 record: dict[str, Any] = {
@@ -618,6 +642,11 @@ class Devnet:
                 if record["latency_ms"] is None:
                     record["latency_ms"] = record["http_ms"]
                 results.append(record)
+                progress.in_flight -= 1
+                if record["ok"]:
+                    progress.answered += 1
+                else:
+                    progress.failed += 1
                 if on_result is not None:
                     on_result(record)
 
@@ -657,6 +686,8 @@ class Devnet:
 
     async def stop(self) -> None:
         """Stop every worker: ask, wait up to STOP_GRACE s, then SIGKILL. Shielded."""
+        self._stopping = True
+        self.progress.phase = "stopping"
         with trio.CancelScope(shield=True):
             for worker in self.workers:
                 if worker.process.stdin is not None:
@@ -670,12 +701,18 @@ class Devnet:
                 if worker.process.returncode is None:
                     worker.process.kill()
                     await worker.process.wait()
+        self.progress.phase = "stopped"
 
 
 @asynccontextmanager
-async def open_devnet(opts: DevnetOptions) -> AsyncIterator[Devnet]:
+async def open_devnet(
+    opts: DevnetOptions, *, display: Display | None = None
+) -> AsyncIterator[Devnet]:
     """Start a devnet and wait until it is ready; stop it (and remove a temporary work directory)
     when the block exits, however it exits.
+
+    ``display`` shows :attr:`Devnet.progress` while the devnet runs (default
+    :class:`~ps_p2p.devnet_progress.PlainDisplay`: a line every 5 s while it starts).
 
     Raises:
         ConfigError: bad options.
@@ -687,6 +724,7 @@ async def open_devnet(opts: DevnetOptions) -> AsyncIterator[Devnet]:
         try:
             async with trio.open_nursery() as nursery:
                 net = Devnet(opts, workdir, nursery)
+                nursery.start_soon((display or PlainDisplay()).run, net.progress)
                 try:
                     await net._start()
                     yield net
@@ -789,7 +827,7 @@ async def _devnet(opts: DevnetOptions) -> int:
             print(f"      error: {record['error']}", flush=True)
         results.append(record)
 
-    async with open_devnet(opts) as net:
+    async with open_devnet(opts, display=choose_display()) as net:
         print(f"network ready in {net.ready_s:.1f} s; {len(net.workers)} processes, "
               f"RSS {net.rss_bytes() / 2**20:.0f} MiB in all; logs in {net.workdir / 'logs'}",
               flush=True)

@@ -146,7 +146,8 @@ def _config(*argv: str):  # type: ignore[no-untyped-def]
         (["--multiaddr", BOOT], "data/ps_p2p/user", "data/ps_p2p/user/node.key"),
         (["--role", "verifier", "--role", "model", "--model", "m"],
          "data/ps_p2p/model+verifier", "data/ps_p2p/model+verifier/node.key"),
-        (["--multiaddr", BOOT, "--name", "alice"], "data/ps_p2p/alice", "data/ps_p2p/alice/node.key"),
+        (["--multiaddr", BOOT, "--name", "alice"], "data/ps_p2p/alice",
+         "data/ps_p2p/alice/node.key"),
         (["--multiaddr", BOOT, "--home", "h"], "h", "h/node.key"),
         (["--multiaddr", BOOT, "--key-file", "k/u.key"], "data/ps_p2p/user", "k/u.key"),
     ],
@@ -185,7 +186,8 @@ async def test_run_prints_each_listen_multiaddr_with_the_peer_id_alone_on_stdout
 
     peer_id = node.keys.identity.peer_id_str
     assert out.splitlines() == node.listen_addrs
-    assert all(re.fullmatch(rf"/ip4/127\.0\.0\.1/tcp/\d+/p2p/{peer_id}", a) for a in node.listen_addrs)
+    address = rf"/ip4/127\.0\.0\.1/tcp/\d+/p2p/{peer_id}"
+    assert all(re.fullmatch(address, a) for a in node.listen_addrs)
     assert list((tmp_path / "cwd").iterdir()) == []  # no key file in the working directory
     assert (tmp_path / "data" / "ps_p2p" / "verifier" / "node.key").is_file()
 
