@@ -144,6 +144,30 @@ def test_with_too_few_distinct_proxies_a_request_waits_the_grace_then_goes():
     assert len(_of(core.tick(1.0, shared), SendClove)) == 4
 
 
+def test_with_fewer_distinct_proxies_than_k_a_request_waits_past_the_grace_for_more():
+    two = [Path(1, b"a"), Path(2, b"a"), Path(3, b"b"), Path(4, b"b"), Path(5, b"b")]
+    three = [*two[:4], Path(6, b"c")]
+    core = _core()
+    assert core.start(_spec(timeout=30.0), 0.0, two) == []
+    assert core.next_deadline() == pytest.approx(30.0)  # no grace: such an attempt never decodes
+    assert core.tick(5.0, two) == []
+    assert core.tick(6.0, three) == []  # k distinct proxies: the grace for n starts now
+    sent = _of(core.tick(7.0, three), SendClove)
+    proxy_of = {p.path_id: p.proxy for p in three}
+    assert len(sent) == 4 and {proxy_of[s.path_id] for s in sent} == {b"a", b"b", b"c"}
+
+
+def test_too_few_distinct_proxies_until_the_deadline_is_a_no_path_error_saying_so():
+    two = [Path(1, b"a"), Path(2, b"a"), Path(3, b"b"), Path(4, b"b")]
+    core = _core()
+    core.start(_spec(timeout=4.0), 0.0, two)
+    outcome = _done(core.tick(4.0, two))
+    assert isinstance(outcome.error, NoPathError)
+    assert "only 2 distinct proxies among 4 ready paths after 4 s; a request needs 3" in str(
+        outcome.error
+    )
+
+
 @pytest.mark.parametrize(
     "max_tokens, first_wait",
     [(0, 8.0), (100, 18.0)],  # attempt_timeout + max_tokens * max(token_time, 2 * measured)

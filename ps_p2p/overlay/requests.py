@@ -2,8 +2,8 @@
 
 PlanetServe sec. 3.2 ("Request", "Response") with the fixes of DESIGN.md:
 
-* a request waits until n paths are ready (then up to ``distinct_proxy_grace`` s more for n
-  distinct proxies), and is sent as one *attempt*: Q (with a fresh reply tag per path) is
+* a request waits until n paths with at least k distinct proxies are ready (then up to
+  ``distinct_proxy_grace`` s more for n distinct proxies), and is sent as one *attempt*: Q (with a fresh reply tag per path) is
   S-IDA-encoded into n cloves, clove i over path i to the model node;
 * an attempt unanswered for ``attempt_wait(max_tokens) * 2**(attempt - 1)`` s, or left with
   fewer than k of its paths, is followed by another (same request ID, fresh paths and tags);
@@ -491,18 +491,26 @@ class RequestCore:
         timeout = request.spec.timeout
         if request.attempts:
             return RequestTimeoutError(f"no answer within {timeout:.0f} s")
+        if len(ready) >= self.config.total:
+            distinct = len({p.proxy for p in ready})
+            return NoPathError(
+                f"only {distinct} distinct proxies among {len(ready)} ready paths after "
+                f"{timeout:.0f} s; a request needs {self.config.threshold}"
+            )
         return NoPathError(
             f"only {len(ready)} of {self.config.total} paths ready after {timeout:.0f} s"
         )
 
     def _maybe_send(self, request: _Request, now: float, ready: Sequence[PathRef]) -> list[Command]:
         n = self.config.total
-        if len(ready) < n:
+        distinct = len({p.proxy for p in ready})
+        if len(ready) < n or distinct < self.config.threshold:
+            # a model node counts one clove per proxy and request: with fewer than k distinct
+            # proxies an attempt could never decode (a pool still rebalancing after its start)
             request.ready_since = None
             return []
         if request.ready_since is None:
             request.ready_since = now
-        distinct = len({p.proxy for p in ready})
         if distinct < n and now - request.ready_since < self.config.distinct_proxy_grace:
             return []  # the pool may be rebuilding after a loss
         try:
