@@ -322,6 +322,22 @@ async def test_status_of_a_node_without_a_directory_says_so():
     assert r.json()["directory"] is None
 
 
+@pytest.mark.parametrize(
+    "relays, directory, ready",
+    [(6, True, True), (3, True, False), (6, False, False)],
+    ids=["n-distinct-proxies", "3-proxies-for-n-4", "no-directory"],
+)
+async def test_status_is_ready_with_a_model_node_and_n_distinct_proxies(relays, directory, ready):
+    node = FakeUserNode(relays=relays)
+    if not directory:
+        node.directory = None
+
+    async with _serve(node) as client:
+        r = await client.get("/status")
+
+    assert r.json()["ready"] is ready
+
+
 @pytest.mark.parametrize("method, path", [("GET", "/v1/chat"), ("GET", "/v1/completions"),
                                           ("POST", "/status")])
 async def test_unknown_route_gets_404_with_an_openai_error(api, method, path):

@@ -12,7 +12,9 @@ Endpoints (bind to loopback: anyone who can reach it can spend the user's anonym
   passed) or 502 (other), chosen by the class of the request's typed outcome (:func:`http_status`);
   ``planetserve.error_type`` names that class.
 * ``GET /v1/models`` — the model IDs of the directory's model nodes.
-* ``GET /status`` — peer ID, directory size and this user's ready paths (relay peer IDs).
+* ``GET /status`` — peer ID, directory size, this user's ready paths (relay peer IDs) and
+  ``ready``: a model node is known and the ready paths reach n distinct proxies, so a request
+  goes out at once with one clove per proxy (what a script waits for before its first request).
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ class UserAPI:
                 "model_nodes": len(directory.model_nodes()),
             },
             "ready_paths": paths,
+            "ready": (
+                directory is not None and bool(directory.model_nodes())
+                and len({p["proxy"] for p in paths}) >= node.config.user.total
+            ),
         }
 
     def models(self) -> dict[str, Any]:
