@@ -214,6 +214,10 @@ class NodeMetrics:
     Attributes:
         registry: this node's ``CollectorRegistry`` (serve it elsewhere if you embed the node).
         url: ``http://HOST:PORT/metrics`` once :meth:`serve` bound it, else None.
+
+    A scrape waits for the node's trio thread to take the reading: never scrape the node with
+    a blocking call *on* that thread (it would wait for itself); ``generate_latest(registry)``
+    there is fine (it reads directly).
     """
 
     def __init__(self, node: Node) -> None:
@@ -297,7 +301,7 @@ def status_line(node: Node) -> str:
         if cancelled:
             text += f" / {cancelled} cancelled"
         parts.append(text)
-    if node.overlay is not None:
+    if node.overlay is not None and node.overlay.config.relay:
         parts.append(f"relaying {len(node.overlay.table)} paths")
     model = node.model
     if model is not None:

@@ -180,7 +180,6 @@ class Node:
             await self._run(task_status)
         finally:
             self.metrics.close()
-            self.metrics.bind(None)
 
     async def _run(self, task_status: trio.TaskStatus["Node"]) -> None:
         async with open_host(self.keys.identity, [self.config.listen]) as host:

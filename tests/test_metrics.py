@@ -81,6 +81,12 @@ async def test_a_request_shows_on_the_user_relay_and_model_node_metrics():
         assert _value(model, "planetserve_requests_total", outcome="ok") is None  # no user
         assert _value(model, "planetserve_time_to_first_token_seconds_count") is None
 
+        assert re.fullmatch(
+            r"engine queue 0, 0/2 running, 1 served, 0 overloaded, "
+            r"directory height \d+ \(8 records\)",
+            status_line(net.models[0]),
+        ), status_line(net.models[0])
+
         verifier = await _scrape(net.verifier.metrics.url)
         assert _value(verifier, "planetserve_registry_records") == 8
 
