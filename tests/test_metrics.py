@@ -159,7 +159,8 @@ async def test_the_status_line_is_logged_every_status_interval(caplog):
             nursery.cancel_scope.cancel()
     finally:
         logging.getLogger("ps_p2p.node").removeHandler(handler)
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("status of ")][:1]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("status of ")]
+    line = lines[0]
     assert re.fullmatch(
         r"status of \S+: registry height \d+ \(\d+ records\), "
         r"(no directory yet|directory height \d+ \(\d+ records\))",

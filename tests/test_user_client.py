@@ -373,7 +373,9 @@ def test_next_deadline_is_at_once_while_the_ready_paths_changed(pool_deadline):
 def _observed_client(overlay: FakeOverlay, done: list[tuple[str, float]]) -> UserClient:
     directory = FakeDirectory()
     return UserClient(
-        overlay, lambda: directory, UserConfig(probe_interval=2.0, probe_timeout=4.0),  # type: ignore[arg-type]
+        overlay,  # type: ignore[arg-type]
+        lambda: directory,  # type: ignore[arg-type,return-value]
+        UserConfig(probe_interval=2.0, probe_timeout=4.0),
         on_request_done=lambda outcome, seconds: done.append((outcome, seconds)),
     )
 
@@ -413,7 +415,9 @@ async def test_an_observer_that_raises_costs_the_caller_nothing(autojump_clock, 
     def broken(outcome: str, seconds: float) -> None:
         raise RuntimeError("observer bug")
 
-    client = UserClient(overlay, lambda: directory, UserConfig(), on_request_done=broken)  # type: ignore[arg-type]
+    client = UserClient(
+        overlay, lambda: directory, UserConfig(), on_request_done=broken  # type: ignore[arg-type]
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(client.run)
         answer = await client.ask("hello", timeout=1.0)
