@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="user role: serve the local OpenAI-compatible API here (e.g. 127.0.0.1:8088)")
     run.add_argument("--status-file", help="write a JSON status (peer ID, addresses, API URL, "
                                            "ready paths) here and keep it current")
+    run.add_argument("--metrics", metavar="HOST:PORT",
+                     help="serve Prometheus /metrics of this node here (e.g. 127.0.0.1:9100)")
+    run.add_argument("--status-interval", type=float, metavar="S",
+                     help="seconds between one-line status logs (default 60; 0: none)")
     run.add_argument("--tamper", action="store_true", default=None,
                      help="TESTING ONLY: corrupt relayed cells and cloves (a malicious relay)")
 
@@ -167,6 +171,8 @@ def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "model_id": args.model_id,
         "organization": args.organization,
         "tamper": args.tamper,
+        "metrics": args.metrics,
+        "status_interval": args.status_interval,
     }
     config = load_config(args.config, overrides)
     if args.capacity is not None:
@@ -238,6 +244,8 @@ async def _run_node(  # type: ignore[no-untyped-def]
                  status_file)
         for addr in node.listen_addrs:  # stdout is for scripts: the addresses only
             print(addr, flush=True)
+        if node.metrics.url:
+            print(f"metrics on {node.metrics.url}", file=sys.stderr)
         if status_file:
             nursery.start_soon(_status_writer, node, pathlib.Path(status_file), api_url)
         nursery.start_soon(_stop_on_sigterm, nursery.cancel_scope)
@@ -281,10 +289,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         trio.run(_run_node_at_home, config, args.api, args.status_file)
     except BaseException as exc:
-        if not is_keyboard_interrupt(exc):
-            raise
-        log.info("interrupted; node stopped")
+        if is_keyboard_interrupt(exc):
+            log.info("interrupted; node stopped")
+            return 0
+        # an address in use, a bad address...: reach main() as themselves, not as a group
+        leaf = _only_exception(exc)
+        if isinstance(leaf, (OSError, PsError)):
+            raise leaf from None
+        raise
     return 0
+
+
+def _only_exception(exc: BaseException) -> BaseException:
+    """The one exception inside nested exception groups of one member each (trio wraps what
+    escapes a nursery), else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
@@ -388,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except PsError as exc:
         print(f"ps-node: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. a listen or metrics address in use: the message names it
+        print(f"ps-node: {exc}", file=sys.stderr)
         return 1
     parser.error(f"unknown command {args.command}")
     return 2

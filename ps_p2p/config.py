@@ -144,6 +144,9 @@ class NodeConfig:
         relay: user nodes relay other users' paths (``ps-node ask`` turns it off).
         register: register this node's record with the verifiers (off for a one-shot ``ask``).
         tamper: TEST ONLY: corrupt relayed cells and cloves (``devnet --perturb tamper-clove``).
+        metrics: ``"HOST:PORT"`` (``[HOST]:PORT`` for IPv6; port 0 picks a free one) where this
+            node serves Prometheus ``/metrics`` (:mod:`ps_p2p.metrics`); None: not served.
+        status_interval: seconds between the node's one-line status logs (INFO); 0: none.
     """
 
     roles: list[str] = field(default_factory=lambda: ["user"])
@@ -167,6 +170,8 @@ class NodeConfig:
     relay: bool = True
     register: bool = True
     tamper: bool = False
+    metrics: str | None = None
+    status_interval: float = 1 * MINUTES
     user: UserConfig = field(default_factory=UserConfig)
     model_node: ModelNodeConfig = field(default_factory=ModelNodeConfig)
 
@@ -192,6 +197,10 @@ class NodeConfig:
         for addr in self.bootstrap:
             if "/p2p/" not in addr:
                 raise ConfigError(f"bootstrap multiaddr {addr!r} lacks /p2p/<peer ID>")
+        if self.metrics is not None:
+            parse_host_port(self.metrics, "--metrics")
+        if not self.status_interval >= 0:
+            raise ConfigError("status_interval must be >= 0 seconds")
 
     @property
     def home_path(self) -> pathlib.Path:
@@ -210,6 +219,20 @@ class NodeConfig:
         if self.key_file:
             return pathlib.Path(self.key_file).expanduser()
         return self.home_path / home.KEY_FILE
+
+
+def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
+    """``"HOST:PORT"`` or ``"[IPv6]:PORT"`` -> (host, port).
+
+    Raises:
+        ConfigError: no host, or a port that is not an integer in 0..65535.
+    """
+    host, sep, port = str(text).rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9100), not {text!r}")
+    return host, int(port)
 
 
 _NESTED = {"user": UserConfig, "model_node": ModelNodeConfig}

@@ -8,7 +8,9 @@
 * user: the overlay service as relay and proxy, and the :class:`~ps_p2p.roles.user.UserClient`;
 * model: the overlay service (as clove destination) and the
   :class:`~ps_p2p.roles.model.ModelNodeService` with its engine;
-* verifier: the :class:`~ps_p2p.protocols.directory.DirectoryService`.
+* verifier: the :class:`~ps_p2p.protocols.directory.DirectoryService`;
+* observability: :class:`~ps_p2p.metrics.NodeMetrics` (its own Prometheus registry, served on
+  ``config.metrics``) and a one-line status log every ``config.status_interval`` seconds.
 
 Use it embedded in another trio program::
 
@@ -36,6 +38,7 @@ from ps_p2p.config import NodeConfig
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import ConfigError, PsError
 from ps_p2p.keys import NodeKeys
+from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import directory as directory_proto
 from ps_p2p.protocols.host import open_host
 from ps_p2p.protocols.overlay import OverlayConfig, OverlayService
@@ -113,6 +116,9 @@ class Node:
         engine: the inference engine; required with the model role.
         rng: randomness for relay/verifier/model choice (seed it in tests).
 
+    Attributes:
+        metrics: :class:`~ps_p2p.metrics.NodeMetrics` (its ``url`` once served).
+
     Raises:
         ConfigError: model role without an engine, or a bad trusted verifier ID.
     """
@@ -156,11 +162,26 @@ class Node:
         if Role.VERIFIER in self.roles:
             trusted.append(self.peer_id)
         self.trusted_verifiers = frozenset(trusted)
+        self.metrics = NodeMetrics(self)
 
     # ------------------------------------------------------------------ running
 
     async def run(self, *, task_status: trio.TaskStatus["Node"] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the host and every service; ``task_status.started(self)`` once listening."""
+        """Start the host and every service; ``task_status.started(self)`` once listening.
+
+        Raises:
+            OSError: the listen address or the metrics address cannot be bound (the message
+                names it).
+        """
+        self.metrics.bind(trio.lowlevel.current_trio_token())
+        try:
+            if self.config.metrics is not None:
+                self.metrics.serve(self.config.metrics)  # before the host: fail fast
+            await self._run(task_status)
+        finally:
+            self.metrics.close()
+
+    async def _run(self, task_status: trio.TaskStatus["Node"]) -> None:
         async with open_host(self.keys.identity, [self.config.listen]) as host:
             self.host = host
             from ps_p2p.protocols.host import listen_multiaddrs
@@ -197,10 +218,13 @@ class Node:
                 if Role.USER in self.roles:
                     assert self.overlay is not None
                     self.user = UserClient(
-                        self.overlay, lambda: self.directory, self.config.user, rng=self.rng
+                        self.overlay, lambda: self.directory, self.config.user, rng=self.rng,
+                        on_request_done=self.metrics.observe_request,
                     )
                     await nursery.start(self.user.run)
                 nursery.start_soon(self._directory_loop)
+                if self.config.status_interval > 0:
+                    nursery.start_soon(self._status_loop, self.config.status_interval)
                 log.info(
                     "node %s up: roles %s, listening on %s",
                     self.keys.identity.peer_id_str,
@@ -208,6 +232,15 @@ class Node:
                     " ".join(self.listen_addrs),
                 )
                 task_status.started(self)
+
+    async def _status_loop(self, interval: float) -> None:
+        """Log :func:`~ps_p2p.metrics.status_message` every ``interval`` seconds (INFO)."""
+        while True:
+            await trio.sleep(interval)
+            try:
+                log.info("%s", status_message(self))
+            except Exception:  # a status line must never stop the node
+                log.exception("status line failed")
 
     async def wait_directory(self, min_users: int = 0, min_models: int = 0, timeout: float = 30.0) -> Directory:
         """Wait for a verified directory with at least the given numbers of users and model nodes.

@@ -18,6 +18,16 @@ def shared_dir() -> pathlib.Path:
     return devnet.shared_dir(os.environ, REPO)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _user_data_dir(tmp_path_factory):
+    """Point the user data directory (``XDG_DATA_HOME``, where ``ps-node run`` keeps node homes
+    by default) at a temporary folder: no test writes into the real one. Subprocesses inherit
+    it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
+        yield
+
+
 @pytest.fixture
 def shared() -> pathlib.Path:
     """The shared model/data folder; skips the test with a reason when it is absent."""

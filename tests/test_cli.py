@@ -113,6 +113,24 @@ def test_run_with_a_missing_config_file_exits_2_with_a_message(tmp_path, capsys)
     assert f"cannot read config file {missing}" in capsys.readouterr().err
 
 
+def test_run_with_a_metrics_address_in_use_exits_1_with_one_line_naming_it(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+
+        status = main(["run", "--role", "verifier", "--key-file", str(tmp_path / "node.key"),
+                       "--metrics", address])
+
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("ps-node: ")]
+    assert f"cannot serve metrics on {address}" in line and "in use" in line
+
+
 def test_devnet_without_prompts_or_shared_data_exits_2_naming_the_missing_file(
     tmp_path, monkeypatch, capsys
 ):

@@ -51,6 +51,10 @@ def test_bad_toml_is_reported_with_the_file_name(tmp_path):
         ({"roles": ["user"]}, "verifier"),
         ({"roles": ["user"], "bootstrap": ["/ip4/127.0.0.1/tcp/1"]}, "/p2p/"),
         ({"roles": ["user"], "bootstrap": [BOOT], "engine": "onnx"}, "engine"),
+        ({"roles": ["verifier"], "metrics": "9100"}, "--metrics must be HOST:PORT"),
+        ({"roles": ["verifier"], "metrics": "127.0.0.1:http"}, "--metrics must be HOST:PORT"),
+        ({"roles": ["verifier"], "metrics": "127.0.0.1:70000"}, "--metrics must be HOST:PORT"),
+        ({"roles": ["verifier"], "status_interval": -1}, "status_interval"),
     ],
 )
 def test_impossible_settings_are_refused(overrides, message):
@@ -70,3 +74,15 @@ def test_a_threshold_of_one_is_refused_since_every_proxy_could_read_the_prompt(t
     path.write_text(f'roles = ["user"]\nbootstrap = ["{BOOT}"]\n[user]\ntotal = 4\nthreshold = 1\n')
     with pytest.raises(ConfigError, match="threshold"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("127.0.0.1:9100", ("127.0.0.1", 9100)), ("[::1]:0", ("::1", 0)),
+     ("localhost:9100", ("localhost", 9100))],
+)
+def test_metrics_addresses_parse_into_host_and_port(text, expected):
+    from ps_p2p.config import parse_host_port
+
+    assert parse_host_port(text) == expected
+    assert load_config(None, {"roles": ["verifier"], "metrics": text}).metrics == text

@@ -54,6 +54,7 @@ def test_a_request_becomes_one_job_and_every_sending_gets_its_answer():
     (cached,) = _deliver(d, third, now=3.0)  # from the answer cache: no second job
     assert isinstance(cached, SendAnswer) and cached.content == OK
     assert d.load.served == 1 and d.load.latency_ewma == pytest.approx(1.0)
+    assert d.requests == {"admitted": 1, "joined": 1, "cached": 1}
 
 
 def test_the_same_request_id_with_another_prompt_is_another_request():
@@ -80,7 +81,7 @@ def test_bad_sampling_parameters_are_answered_at_once_without_a_job(changes, sta
     q = dataclasses.replace(q, params=dataclasses.replace(q.params, **changes))
     (answer,) = _deliver(d, q)
     assert isinstance(answer, SendAnswer) and answer.content.status == status
-    assert d.load.queued == 0
+    assert d.load.queued == 0 and d.requests == {"invalid": 1}
 
 
 def test_a_request_for_another_model_is_answered_wrong_model():
@@ -95,28 +96,32 @@ def test_past_capacity_and_queue_the_answer_is_overloaded():
     assert isinstance(first, StartJob)
     (second,) = _deliver(d, _query("two"))
     assert isinstance(second, SendAnswer) and second.content.status == ResponseStatus.OVERLOADED
+    assert d.requests == {"admitted": 1, "overloaded": 1}
 
 
 @pytest.mark.parametrize(
-    "senders, threshold, decoded",
+    "senders, threshold, decoded, dropped",
     [
-        (PROXIES[:3], 3, True),
-        ([PROXIES[0]] * 3, 3, False),  # one proxy, three cloves: only its first counts
+        (PROXIES[:3], 3, True, {}),
+        # one proxy, three cloves: only its first counts
+        ([PROXIES[0]] * 3, 3, False, {"duplicate_proxy": 2}),
     ],
 )
-def test_a_proxy_counts_once_per_request(senders, threshold, decoded):
+def test_a_proxy_counts_once_per_request(senders, threshold, decoded, dropped):
     d = _dispatcher()
     cloves = sida.encode(encode_query(_query()), total=4, threshold=threshold)
     out = []
     for sender, clove in zip(senders, cloves):
         out += d.receive_clove(sender, clove, 0.0)
     assert bool(out) is decoded
+    assert d.dropped_by == dropped
 
 
 def test_cloves_with_threshold_one_are_dropped():
     d = _dispatcher()
     (clove,) = sida.encode(encode_query(_query()), total=1, threshold=1)
     assert d.receive_clove(PROXIES[0], clove, 0.0) == [] and d.dropped_cloves == 1
+    assert d.dropped_by == {"low_threshold": 1}
 
 
 def test_one_proxy_cannot_pin_more_than_its_share_of_incomplete_requests():
@@ -127,7 +132,7 @@ def test_one_proxy_cannot_pin_more_than_its_share_of_incomplete_requests():
         (clove, *_) = sida.encode(b"never completes", total=4, threshold=3,
                                   message_id=i.to_bytes(16, "big"))
         d.receive_clove(sybil, clove, 0.0)
-    assert d.per_proxy[sybil] == 16 and d.dropped_cloves == 5
+    assert d.per_proxy[sybil] == 16 and d.dropped_by == {"proxy_share": 5}
     assert d.assembler.pending == 16
     # honest proxies are unaffected
     assert isinstance(_deliver(d, _query())[0], StartJob)
@@ -143,6 +148,7 @@ def test_incomplete_requests_expire_at_the_announced_deadline_and_free_their_pro
     assert d.assembler.pending == 1
     d.tick(11.0)
     assert d.assembler.pending == 0 and d.per_proxy == {} and d.next_deadline() is None
+    assert d.requests == {"expired": 1}
 
 
 def test_cached_answers_expire_after_their_ttl():

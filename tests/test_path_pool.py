@@ -15,6 +15,7 @@ from ps_p2p.overlay.path_pool import (
     PathPool,
     PoolChanged,
     PoolConfig,
+    PoolStats,
     SendProbe,
     choose_distinct_proxies,
 )
@@ -369,3 +370,112 @@ def test_a_full_pool_forgives_penalties_after_the_cooldown_and_then_rebalances()
     (replacement,) = _of(pool.tick(31.0, r[:7]), OpenPath)  # forgiven: the shared path goes
     (kept,) = pool.ready_paths()
     assert not set(replacement.relays) & set(kept.relays)
+
+
+# ------------------------------------------------------------------ counters (PoolStats)
+
+
+def _ready(pool: PathPool, path_id: int, now: float) -> None:
+    """The path's setup is acknowledged and its first probe answered."""
+    for probe in _of(pool.path_ready(path_id, now), SendProbe):
+        pool.probe_reply(probe.path_id, probe.nonce, now)
+
+
+def _ready_all(pool: PathPool, now: float) -> list[OpenPath]:
+    """Tick at ``now``; every path opened gets ready and confirmed."""
+    opened = _of(pool.tick(now, RELAYS), OpenPath)
+    for command in opened:
+        _ready(pool, command.path_id, now)
+    return opened
+
+
+def _fill(pool: PathPool) -> list[OpenPath]:
+    return _ready_all(pool, 0.0)
+
+
+def _fresh(pool):
+    _fill(pool)
+
+
+def _setup_fails(pool):
+    (first, *_) = _of(pool.tick(0.0, RELAYS), OpenPath)
+    pool.path_failed(first.path_id, 0.1)
+
+
+def _down_then_repaired(pool):
+    (first, *_) = _fill(pool)
+    pool.path_down(first.path_id, 1.0)
+    _ready_all(pool, 1.0)
+
+
+def _down_repair_fails_then_repaired(pool):
+    (first, *_) = _fill(pool)
+    pool.path_down(first.path_id, 1.0)
+    (repair,) = _of(pool.tick(1.0, RELAYS), OpenPath)
+    pool.path_failed(repair.path_id, 1.1)
+    _ready_all(pool, 2.0)
+
+
+def _down_not_yet_repaired(pool):
+    (first, *_) = _fill(pool)
+    pool.path_down(first.path_id, 1.0)
+    pool.tick(1.0, RELAYS)  # the replacement is still setting up
+
+
+def _probe_timeout_then_repaired(pool):
+    _fill(pool)
+    pool.tick(2.0, RELAYS)  # every path sends a probe; none is answered
+    pool.tick(2.0 + pool.probe_rtt.rto, RELAYS)
+    for path in list(pool._opening):  # the replacements open in the same tick
+        _ready(pool, path, 7.0)
+
+
+def _bad_proxy(pool):
+    (first, *_) = _fill(pool)
+    pool.convict_proxy(first.relays[-1], 1.0)
+
+
+def _rotated_and_replaced(pool):
+    _fill(pool)
+    pool.tick(10.0, RELAYS)  # every path retires; replacements open
+    for path in list(pool._opening):
+        _ready(pool, path, 10.0)
+    pool.tick(15.0, RELAYS)  # the grace is over: the retired paths close
+
+
+def _retiring_path_down(pool):
+    (first, *_) = _fill(pool)
+    pool.tick(10.0, RELAYS)  # every path retires; replacements open
+    for path in list(pool._opening):
+        _ready(pool, path, 10.0)
+    pool.path_down(first.path_id, 11.0)  # its replacement is already built
+    _ready_all(pool, 11.0)
+
+
+@pytest.mark.parametrize(
+    "scenario, expected",
+    [
+        (_fresh, PoolStats(built=2)),
+        (_setup_fails, PoolStats(setups_failed=1)),
+        (_down_then_repaired, PoolStats(built=3, lost={"down": 1}, repaired=1)),
+        (_down_repair_fails_then_repaired,
+         PoolStats(built=3, setups_failed=1, lost={"down": 1}, repaired=1)),
+        (_down_not_yet_repaired, PoolStats(built=2, lost={"down": 1})),
+        (_probe_timeout_then_repaired,
+         PoolStats(built=4, lost={"probe_timeout": 2}, repaired=2)),
+        (_bad_proxy, PoolStats(built=2, lost={"bad_proxy": 1})),
+        (_rotated_and_replaced, PoolStats(built=4, rotated=2)),
+        (_retiring_path_down, PoolStats(built=4, lost={"down": 1})),
+    ],
+    ids=lambda v: v.__name__.strip("_") if callable(v) else "",
+)
+def test_pool_counters_count_builds_failures_losses_repairs_and_rotations(scenario, expected):
+    # probes every 2 s (unanswered ones fail the path at once) in the probe timeout scenario;
+    # elsewhere no probe falls due
+    probe_interval = 2.0 if scenario is _probe_timeout_then_repaired else 100.0
+    pool = _pool(paths=2, total=2, probe_interval=probe_interval, probe_attempts=1,
+                 rotate_period=10.0, retire_grace=5.0, maintenance_interval=0.5)
+
+    scenario(pool)
+
+    assert pool.stats == expected

@@ -123,6 +123,8 @@ def test_a_proxy_answers_probes_and_refuses_deliveries_to_non_model_nodes(messag
     assert isinstance(back, r.SendCell) and back.peer == PREV
     assert pickle.loads(path.open_backward(back.payload)) == expected
     assert core.table.tag_count == 0  # no tag registered for a node that is no model node
+    refused = {} if isinstance(message, r.Probe) else {r.REFUSE_NO_MODEL_NODE: 1}
+    assert core.stats.deliveries_refused_by == refused and core.stats.cloves_proxied == 0
 
 
 def test_a_delivery_to_a_model_node_registers_its_reply_tag():
@@ -131,7 +133,7 @@ def test_a_delivery_to_a_model_node_registers_its_reply_tag():
     deliver = r.DeliverClove(MODEL, b"clove", b"t" * 16)
     (out,) = core.receive_cell(PREV, path.first_path_id, path.seal_forward(pickle.dumps(deliver)), 1.0)
     assert out == r.SendDelivery(MODEL, b"clove", PREV, path.first_path_id)
-    assert core.table.tag_count == 1
+    assert core.table.tag_count == 1 and core.stats.cloves_proxied == 1
     # the model node could not be reached: the user hears of it
     (failed,) = core.send_failed(out, 1.0)
     assert pickle.loads(path.open_backward(failed.payload)) == r.DeliveryFailed(
@@ -144,20 +146,27 @@ def test_a_malformed_payload_costs_that_cell_only():
     path = _proxy_path(key, core=core)
     assert core.receive_cell(PREV, path.first_path_id, path.seal_forward(b"not a pickle"), 1.0) == []
     assert core.receive_cell(PREV, path.first_path_id, b"\x00" * 100, 1.0) == []  # fails the AEAD
-    assert core.stats.cells_dropped == 2 and len(core.table) == 1
+    assert core.stats.cells_dropped_by == {r.DROP_BAD_CELL: 2} and len(core.table) == 1
+    assert core.stats.cells_dropped == 2
+
+
+def test_a_cell_on_an_unknown_path_is_dropped_and_counted_by_its_reason():
+    core, _ = _core()
+    assert core.receive_cell(PREV, b"p" * 16, b"\x00" * 100, 1.0) == []
+    assert core.stats.cells_dropped_by == {r.DROP_UNKNOWN_PATH: 1}
 
 
 @pytest.mark.parametrize(
-    "sender, tag, signature, passes",
+    "sender, tag, signature, passes, dropped",
     [
-        (MODEL, b"t" * 16, b"good", True),
-        (MODEL, b"t" * 16, b"bad", False),  # the model node's own bad signature
-        (STRANGER, b"t" * 16, b"good", False),  # another peer under the live tag
-        (MODEL, b"u" * 16, b"good", False),  # an unknown tag
+        (MODEL, b"t" * 16, b"good", True, None),
+        (MODEL, b"t" * 16, b"bad", False, r.DROP_BAD_REPLY_SIGNATURE),  # the model node's own
+        (STRANGER, b"t" * 16, b"good", False, r.DROP_UNKNOWN_REPLY_TAG),  # another peer
+        (MODEL, b"u" * 16, b"good", False, r.DROP_UNKNOWN_REPLY_TAG),  # an unknown tag
     ],
 )
 def test_replies_pass_only_under_a_live_tag_from_its_model_node_with_its_signature(
-    sender, tag, signature, passes
+    sender, tag, signature, passes, dropped
 ):
     core, key = _core()
     path = _proxy_path(key, core=core)
@@ -172,16 +181,19 @@ def test_replies_pass_only_under_a_live_tag_from_its_model_node_with_its_signatu
         assert core.receive_reply(MODEL, tag, b"answer", b"good", now=3.0) == []  # spent
     else:
         assert core.table.tag_count == 1  # a refused reply spends nothing
+        assert core.stats.cells_dropped_by == {dropped: 1}
 
 
 @pytest.mark.parametrize(
-    "serves_model, sender, delivered",
-    [(True, USER, True), (True, STRANGER, False), (False, USER, False)],
+    "serves_model, sender, refused",
+    [(True, USER, None), (True, STRANGER, r.REFUSE_NOT_USER), (False, USER, r.REFUSE_NOT_SERVING)],
 )
-def test_model_nodes_accept_deliveries_only_from_directory_users(serves_model, sender, delivered):
+def test_model_nodes_accept_deliveries_only_from_directory_users(serves_model, sender, refused):
     core, _ = _core(serves_model=serves_model)
     out = core.receive_delivery(sender, b"clove", now=0.0)
-    assert out == ([r.DeliverToModel(sender, b"clove")] if delivered else [])
+    assert out == ([] if refused else [r.DeliverToModel(sender, b"clove")])
+    assert core.stats.deliveries_refused_by == ({refused: 1} if refused else {})
+    assert core.stats.deliveries == (0 if refused else 1)
 
 
 @pytest.mark.parametrize("connected, lost", [(True, 0), (False, 1)])

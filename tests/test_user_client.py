@@ -365,3 +365,85 @@ def test_next_deadline_is_at_once_while_the_ready_paths_changed(pool_deadline):
     client._tick_due = False
     expected = -math.inf if pool_deadline is None else pool_deadline
     assert client._next_deadline() == expected
+
+
+# ------------------------------------------------------------------ outcomes (for metrics)
+
+
+def _observed_client(overlay: FakeOverlay, done: list[tuple[str, float]]) -> UserClient:
+    directory = FakeDirectory()
+    return UserClient(
+        overlay,  # type: ignore[arg-type]
+        lambda: directory,  # type: ignore[arg-type,return-value]
+        UserConfig(probe_interval=2.0, probe_timeout=4.0),
+        on_request_done=lambda outcome, seconds: done.append((outcome, seconds)),
+    )
+
+
+async def test_an_ask_without_paths_ends_no_path_counted_and_reported_with_its_duration(
+    autojump_clock,
+):
+    overlay = FakeOverlay(answer_probes=False)  # no ready paths until the deadline
+    done: list[tuple[str, float]] = []
+    client = _observed_client(overlay, done)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.run)
+        answer = await client.ask("hello", timeout=5.0)
+        assert not answer.ok
+        assert client.outcomes == {"no_path": 1}
+        assert done == [("no_path", pytest.approx(5.0, abs=0.5))]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_cancelled_ask_is_counted_cancelled_and_reported(autojump_clock):
+    overlay = FakeOverlay(answer_probes=False)
+    done: list[tuple[str, float]] = []
+    client = _observed_client(overlay, done)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.run)
+        with trio.move_on_after(1.0):
+            await client.ask("never mind", timeout=60)
+        assert client.outcomes == {"cancelled": 1}
+        assert done == [("cancelled", pytest.approx(1.0))]
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_observer_that_raises_costs_the_caller_nothing(autojump_clock, caplog):
+    overlay = FakeOverlay(answer_probes=False)
+    directory = FakeDirectory()
+
+    def broken(outcome: str, seconds: float) -> None:
+        raise RuntimeError("observer bug")
+
+    client = UserClient(
+        overlay, lambda: directory, UserConfig(), on_request_done=broken  # type: ignore[arg-type]
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.run)
+        answer = await client.ask("hello", timeout=1.0)
+        assert not answer.ok and client.outcomes == {"no_path": 1}
+        assert "on_request_done failed" in caplog.text
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    "error, label",
+    [
+        (None, "ok"),
+        ("RequestTimeoutError", "timeout"),
+        ("NoPathError", "no_path"),
+        ("NoModelNodeError", "no_model_node"),
+        ("OverloadedError", "overloaded"),
+        ("RequestRefusedError", "refused"),
+        ("ContextLengthError", "refused"),
+        ("ModelNodeError", "model_error"),
+        ("RequestTooLargeError", "too_large"),
+        ("RequestError", "error"),
+    ],
+)
+def test_outcome_labels_follow_the_error_class(error, label):
+    from ps_p2p import errors
+
+    exception = None if error is None else getattr(errors, error)("x")
+    answer = user_module.Answer(request_id=b"r", ok=error is None, exception=exception)
+    assert user_module.outcome_label(answer) == label

@@ -29,6 +29,9 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
   relay is nobody's proxy), else a path sharing relays (while enough unused clean relays exist),
   retires and is replaced, one at a time.
 
+Counters (:class:`PoolStats`, for logs and metrics): paths built, setups failed, paths lost by
+reason, lost paths repaired, paths rotated out.
+
 Inputs are method calls that take ``now`` (seconds, the driver's clock) and return a list of
 commands; :meth:`PathPool.next_deadline` says when :meth:`PathPool.tick` is next due. Paths are
 named by a local ``path_id`` (an int never reused), assigned when :class:`OpenPath` is emitted.
@@ -42,7 +45,7 @@ import itertools
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from ps_p2p.errors import ConfigError, DirectoryError
@@ -104,6 +107,39 @@ class PoolConfig:
             raise ConfigError("need max_setups >= 1")
         if self.probe_attempts < 1:
             raise ConfigError("need probe_attempts >= 1")
+
+
+#: Reasons a ready path is lost (:attr:`PoolStats.lost`): it died (a hop went away, a Destroy
+#: came back), its probes went unanswered, or its proxy altered a response clove.
+LOST_DOWN = "down"
+LOST_PROBE_TIMEOUT = "probe_timeout"
+LOST_BAD_PROXY = "bad_proxy"
+
+
+@dataclass
+class PoolStats:
+    """Counters of a :class:`PathPool` (for logs and metrics); they only grow.
+
+    Attributes:
+        built: path setups acknowledged (a path joined the pool).
+        setups_failed: path setups that failed (refused, timed out, a hop unreachable).
+        lost: ready paths lost, by reason (:data:`LOST_DOWN`, :data:`LOST_PROBE_TIMEOUT`,
+            :data:`LOST_BAD_PROXY`); rotation is no loss.
+        repaired: paths built to replace a lost one that was not retiring (counted when the
+            replacement is ready; a replacement whose setup fails leaves the repair owed).
+            Replacements of rotated or rebalanced paths are not repairs.
+        rotated: retired paths (rotation, rebalancing) closed at the end of their grace.
+    """
+
+    built: int = 0
+    setups_failed: int = 0
+    lost: dict[str, int] = field(default_factory=dict)
+    repaired: int = 0
+    rotated: int = 0
+
+    @property
+    def lost_total(self) -> int:
+        return sum(self.lost.values())
 
 
 # ---------------------------------------------------------------------------------- commands
@@ -224,10 +260,17 @@ class PathPool:
     Args:
         config: :class:`PoolConfig`.
         rng: relay choice and probe nonces (a seeded ``random.Random`` in tests).
+
+    Attributes:
+        stats: :class:`PoolStats`.
     """
 
     def __init__(self, config: PoolConfig, *, rng: random.Random) -> None:
         self.config = config
+        self.stats = PoolStats()
+        # lost paths not yet replaced, and the setups under way that replace one
+        self._owed_repairs = 0
+        self._repairs: set[int] = set()
         self._rng = rng
         self._ids = itertools.count(1)
         self._paths: dict[int, PoolPath] = {}
@@ -288,6 +331,10 @@ class PathPool:
         relays = self._opening.pop(path_id, None)
         if relays is None:
             return [ClosePath(path_id, "not opened by the pool")]
+        self.stats.built += 1
+        if path_id in self._repairs:
+            self._repairs.discard(path_id)
+            self.stats.repaired += 1
         path = PoolPath(path_id, relays, created_at=now, last_reply_at=now, probe_sent_at=now)
         self._paths[path_id] = path
         log.info("path ready: %s (proxy %s)", " -> ".join(_short(r) for r in relays),
@@ -301,6 +348,10 @@ class PathPool:
         tight retry loop)."""
         relays = self._opening.pop(path_id, None)
         if relays is not None:
+            self.stats.setups_failed += 1
+            if path_id in self._repairs:  # the repair is still owed
+                self._repairs.discard(path_id)
+                self._owed_repairs += 1
             self._penalize(relays[:1] if first_hop_down else relays, now)
         return []
 
@@ -310,6 +361,7 @@ class PathPool:
         if path is None:
             return []
         log.warning("path via %s down", _short(path.relays[0]))
+        self._count_loss(path, LOST_DOWN)
         self._next_maintenance = None
         return [PathLost(path_id), PoolChanged()]
 
@@ -368,7 +420,7 @@ class PathPool:
         commands: list[Command] = []
         for path in list(self._paths.values()):
             if path.proxy == proxy:
-                commands += self._drop(path, "proxy altered a clove")
+                commands += self._drop(path, "proxy altered a clove", lost=LOST_BAD_PROXY)
         return commands
 
     def tick(self, now: float, relays: Sequence[bytes] | None) -> list[Command]:
@@ -392,7 +444,7 @@ class PathPool:
                             _short(path.relays[0]), path.probe_losses + 1)
                 # one of its relays drops cells (dead, or tampering): suspect every relay of it
                 self._penalize(path.relays, now)
-                commands += self._drop(path, "probe timeout")
+                commands += self._drop(path, "probe timeout", lost=LOST_PROBE_TIMEOUT)
                 continue
             if path.probe_nonce is None and now >= self._probe_due(path):
                 commands += self._probe(path, now)
@@ -403,6 +455,7 @@ class PathPool:
                 log.info("rotating path via %s", _short(path.relays[0]))
             # a retired path still carries the answers of requests sent before it retired
             if path.retiring and now - path.retired_at >= cfg.retire_grace:
+                self.stats.rotated += 1
                 commands += self._drop(path, "rotated")
         if self._next_maintenance is None or now >= self._next_maintenance:
             self._next_maintenance = now + self._interval
@@ -474,9 +527,18 @@ class PathPool:
             count, _ = self._penalty.get(relay, (0, now))
             self._penalty[relay] = (count + 1, now)
 
-    def _drop(self, path: PoolPath, reason: str) -> list[Command]:
+    def _count_loss(self, path: PoolPath, reason: str) -> None:
+        """Count a lost path; one that was not retiring is owed a repair (a retiring path's
+        replacement was built when it retired)."""
+        self.stats.lost[reason] = self.stats.lost.get(reason, 0) + 1
+        if not path.retiring:
+            self._owed_repairs = min(self._owed_repairs + 1, self.config.paths)
+
+    def _drop(self, path: PoolPath, reason: str, *, lost: str | None = None) -> list[Command]:
         self._paths.pop(path.path_id, None)
         self._probe_retry.pop(path.path_id, None)
+        if lost is not None:
+            self._count_loss(path, lost)
         self._next_maintenance = None
         return [ClosePath(path.path_id, reason), PathLost(path.path_id), PoolChanged()]
 
@@ -519,6 +581,9 @@ class PathPool:
         for chosen in choices:
             path_id = next(self._ids)
             self._opening[path_id] = tuple(chosen)
+            if self._owed_repairs > 0:
+                self._owed_repairs -= 1
+                self._repairs.add(path_id)
             commands.append(OpenPath(path_id, tuple(chosen)))
         return commands
 
@@ -591,12 +656,16 @@ __all__ = [
     "BAD_PROXY_COOLDOWN",
     "ClosePath",
     "Command",
+    "LOST_BAD_PROXY",
+    "LOST_DOWN",
+    "LOST_PROBE_TIMEOUT",
     "OpenPath",
     "PathLost",
     "PathPool",
     "PoolChanged",
     "PoolConfig",
     "PoolPath",
+    "PoolStats",
     "SendProbe",
     "choose_distinct_proxies",
 ]

@@ -28,7 +28,7 @@ cell                          own path: opened and decoded (``BackwardReceived``
                               layer on and passed on; a proxy: opened and decoded, then a probe
                               is answered or a clove delivered (only to directory model nodes,
                               registering its reply tag). An error about one cell costs that
-                              cell (counted in ``cells_dropped``), never a stream
+                              cell (counted in ``cells_dropped_by``), never a stream
 delivery (at a model node)    passed up (``DeliverToModel``) only from directory users
 reply (at a proxy)            passed back under a live reply tag from its model node, after the
                               model node's clove signature verified (only then is the tag spent)
@@ -51,7 +51,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ps_p2p.crypto import onion
@@ -257,21 +257,63 @@ class RelayConfig:
     tamper: bool = False
 
 
+#: Reasons a cell (or a reply clove at a proxy) is dropped (:attr:`RelayStats.cells_dropped_by`).
+DROP_UNKNOWN_PATH = "unknown_path"  # no relay entry nor own path for the link's path ID
+DROP_BAD_CELL = "bad_cell"  # a layer or the end-to-end payload did not open or parse
+DROP_UNKNOWN_REPLY_TAG = "unknown_reply_tag"  # unknown, expired or spent tag, or its sender
+DROP_BAD_REPLY_SIGNATURE = "bad_reply_signature"  # the model node's clove signature failed
+#: Reasons a delivery is refused (:attr:`RelayStats.deliveries_refused_by`).
+REFUSE_NO_MODEL_NODE = "no_model_node"  # proxy: the destination is no directory model node
+REFUSE_NOT_SERVING = "not_serving"  # this node serves no model
+REFUSE_NOT_USER = "not_user"  # model node: the proxy is no directory user
+
+
 @dataclass
 class RelayStats:
-    """Counters (for logs and metrics)."""
+    """Counters (for logs and metrics); they only grow.
+
+    Attributes:
+        setups_relayed: setup packets accepted (a relay entry added), as relay or proxy.
+        setups_failed: setups refused (bad packet, table full) or failed downstream.
+        setups_replayed: replayed setup packets refused.
+        cells_relayed: cells passed on (forward or backward) or opened as proxy.
+        cells_dropped_by: cells and reply cloves dropped, by reason (``DROP_*``).
+        cloves_proxied: request cloves passed to a model node as proxy.
+        deliveries: request cloves accepted from proxies (model nodes).
+        deliveries_refused_by: deliveries refused, by reason (``REFUSE_*``).
+        replies: response cloves sent to reply proxies (model nodes).
+        tampered: cells and cloves corrupted on purpose (TEST ONLY ``tamper``).
+        paths_lost_to_link_down: relay entries and own paths torn down because the connection
+            to a peer was lost.
+    """
 
     setups_relayed: int = 0
     setups_failed: int = 0
     setups_replayed: int = 0
     cells_relayed: int = 0
-    cells_dropped: int = 0
+    cells_dropped_by: dict[str, int] = field(default_factory=dict)
+    cloves_proxied: int = 0
     deliveries: int = 0
-    deliveries_refused: int = 0
+    deliveries_refused_by: dict[str, int] = field(default_factory=dict)
     replies: int = 0
     tampered: int = 0
-    #: relay entries and own paths torn down because the connection to a peer was lost
     paths_lost_to_link_down: int = 0
+
+    @property
+    def cells_dropped(self) -> int:
+        """Cells and reply cloves dropped, all reasons."""
+        return sum(self.cells_dropped_by.values())
+
+    @property
+    def deliveries_refused(self) -> int:
+        """Deliveries refused, all reasons."""
+        return sum(self.deliveries_refused_by.values())
+
+    def drop_cell(self, reason: str) -> None:
+        self.cells_dropped_by[reason] = self.cells_dropped_by.get(reason, 0) + 1
+
+    def refuse_delivery(self, reason: str) -> None:
+        self.deliveries_refused_by[reason] = self.deliveries_refused_by.get(reason, 0) + 1
 
 
 @dataclass
@@ -509,7 +551,7 @@ class RelayCore:
             return self._own_backward(own, payload)
         found = self.table.lookup(peer, path_id)
         if found is None:
-            self.stats.cells_dropped += 1
+            self.stats.drop_cell(DROP_UNKNOWN_PATH)
             return []
         entry, direction = found
         self.table.touch(entry, now)
@@ -530,7 +572,7 @@ class RelayCore:
                 assert hop.next_peer_id is not None
                 out = [SendCell(hop.next_peer_id, hop.out_path_id, cell)]
         except (CryptoError, RemoteProtocolError) as exc:
-            self.stats.cells_dropped += 1
+            self.stats.drop_cell(DROP_BAD_CELL)
             log.warning("cell on a path from %s dropped: %s", _short(entry.in_peer), exc)
             return []
         self.stats.cells_relayed += 1
@@ -541,7 +583,7 @@ class RelayCore:
             return [self._backward(entry, message)]
         destination, clove, tag = message.destination, message.clove, message.reply_tag
         if not self._is_model_node(destination):
-            self.stats.deliveries_refused += 1
+            self.stats.refuse_delivery(REFUSE_NO_MODEL_NODE)
             log.info("clove for %s refused: no model node of the directory", _short(destination))
             return [self._backward(entry, DeliveryFailed("destination is no model node"))]
         if len(tag) == REPLY_TAG_BYTES:
@@ -551,6 +593,7 @@ class RelayCore:
         if self.config.tamper:
             clove = self.codec.tamper_clove(clove)
             self.stats.tampered += 1
+        self.stats.cloves_proxied += 1
         if destination == self.peer_id:
             return self.receive_delivery(self.peer_id, clove, now)
         return [SendDelivery(destination, clove, entry.in_peer, entry.in_path_id)]
@@ -563,7 +606,7 @@ class RelayCore:
         try:
             message = self.codec.decode_backward(own.path.open_backward(payload))
         except (CryptoError, RemoteProtocolError) as exc:
-            self.stats.cells_dropped += 1
+            self.stats.drop_cell(DROP_BAD_CELL)
             log.warning("backward cell on own path dropped: %s", exc)
             return []
         return [] if message is None else [BackwardReceived(own.token, message)]
@@ -574,11 +617,11 @@ class RelayCore:
         """A request clove from proxy ``peer``; refused deliveries are dropped, never answered
         by a reset (the proxy's stream carries other users' cloves)."""
         if not self.config.serves_model:
-            self.stats.deliveries_refused += 1
+            self.stats.refuse_delivery(REFUSE_NOT_SERVING)
             log.info("delivery from %s refused: this node serves no model", _short(peer))
             return []
         if peer != self.peer_id and not self._is_user(peer):
-            self.stats.deliveries_refused += 1
+            self.stats.refuse_delivery(REFUSE_NOT_USER)
             log.info("delivery from %s refused: no user of the directory", _short(peer))
             return []
         self.stats.deliveries += 1
@@ -595,12 +638,12 @@ class RelayCore:
         """A response clove from model node ``peer`` under ``reply_tag``."""
         entry = self.table.find_reply(reply_tag, peer, now)
         if entry is None:  # unknown, expired or spent tag, or not the tag's model node
-            self.stats.cells_dropped += 1
+            self.stats.drop_cell(DROP_UNKNOWN_REPLY_TAG)
             log.info("reply from %s under an unknown or spent reply tag dropped", _short(peer))
             return []
         if not self._verify_reply(peer, clove, signature):
             # the model node's fault: never pass on a clove that would be pinned on this proxy
-            self.stats.cells_dropped += 1
+            self.stats.drop_cell(DROP_BAD_REPLY_SIGNATURE)
             log.warning("reply from %s with a bad clove signature dropped", _short(peer))
             return []
         self.table.spend_reply(reply_tag)
@@ -703,6 +746,10 @@ __all__ = [
     "BackwardMessage",
     "BackwardReceived",
     "Command",
+    "DROP_BAD_CELL",
+    "DROP_BAD_REPLY_SIGNATURE",
+    "DROP_UNKNOWN_PATH",
+    "DROP_UNKNOWN_REPLY_TAG",
     "DeliverClove",
     "DeliverToModel",
     "DeliveryFailed",
@@ -712,6 +759,9 @@ __all__ = [
     "PathReady",
     "PayloadCodec",
     "Probe",
+    "REFUSE_NOT_SERVING",
+    "REFUSE_NOT_USER",
+    "REFUSE_NO_MODEL_NODE",
     "REPLY_TAG_BYTES",
     "RelayConfig",
     "RelayCore",

@@ -48,7 +48,7 @@ from ps_p2p.protocols import clove_relay, delivery, onion_setup
 from ps_p2p.protocols.clove_relay import CLOVE_MAX_FRAME, CLOVE_PROTOCOL_ID
 from ps_p2p.protocols.delivery import DELIVER_MAX_FRAME, DELIVER_PROTOCOL_ID
 from ps_p2p.protocols.driver import CoreDriver
-from ps_p2p.protocols.links import LinkManager, make_frame_handler
+from ps_p2p.protocols.links import LinkManager, LinkStats, make_frame_handler
 from ps_p2p.protocols.onion_setup import ONION_MAX_FRAME, ONION_PROTOCOL_ID
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,14 @@ class OverlayService:
     def table(self):  # type: ignore[no-untyped-def]
         """The core's :class:`~ps_p2p.overlay.relay_table.RelayTable` (for tests and metrics)."""
         return self.core.table
+
+    def link_stats(self, protocol: str) -> LinkStats | None:
+        """Counters of the outbound links of ``protocol`` (``"onion"``, ``"clove"`` or
+        ``"deliver"``); None before :meth:`run` started them."""
+        links = {
+            "onion": self._onion_links, "clove": self._clove_links, "deliver": self._deliver_links,
+        }.get(protocol)
+        return None if links is None else links.stats
 
     # ------------------------------------------------------------------ lifecycle
 

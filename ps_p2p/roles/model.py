@@ -85,6 +85,9 @@ class ModelNodeService:
         )
         #: request cloves that did not parse
         self.malformed_cloves = 0
+        #: answers sent (one per sending of a request), by status name in lower case
+        #: (``ok``, ``overloaded``, ``engine_error``...)
+        self.answers: dict[str, int] = {}
 
     @property
     def load(self):  # type: ignore[no-untyped-def]
@@ -180,6 +183,11 @@ class ModelNodeService:
     def _send_answer(self, waiter: dispatch.Waiter, content: responses.ResponseContent) -> None:
         """Sign, encode and send one answer through the waiter's reply proxies."""
         assert self.overlay is not None, "attach() the overlay first"
+        try:
+            status = ResponseStatus(content.status).name.lower()
+        except ValueError:
+            status = "unknown"
+        self.answers[status] = self.answers.get(status, 0) + 1
         query = waiter.query
         req_hash = responses.request_hash(waiter.q_bytes)
         signed_at = self._wall_ms()

@@ -40,10 +40,15 @@ from ps_p2p.crypto import onion, sida
 from ps_p2p.errors import (
     ModelNodeError,
     NoModelNodeError,
+    NoPathError,
+    OverloadedError,
     PathError,
     PsError,
     RemoteProtocolError,
     RequestError,
+    RequestRefusedError,
+    RequestTimeoutError,
+    RequestTooLargeError,
 )
 from ps_p2p.inference import InferenceQuery, InferenceReply, SamplingParams
 from ps_p2p.overlay.path_pool import (
@@ -134,6 +139,29 @@ def describe(error: PsError) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+#: Outcome labels of a request (:attr:`UserClient.outcomes`, the node's metrics), most specific
+#: error class first; an error of none of these classes is "error", a cancelled ask "cancelled".
+OUTCOME_LABELS: tuple[tuple[type[PsError], str], ...] = (
+    (RequestTimeoutError, "timeout"),
+    (NoPathError, "no_path"),
+    (NoModelNodeError, "no_model_node"),
+    (OverloadedError, "overloaded"),
+    (RequestRefusedError, "refused"),
+    (ModelNodeError, "model_error"),
+    (RequestTooLargeError, "too_large"),
+)
+
+
+def outcome_label(answer: Answer) -> str:
+    """``"ok"``, or the label of the answer's error class (:data:`OUTCOME_LABELS`)."""
+    if answer.ok:
+        return "ok"
+    for cls, label in OUTCOME_LABELS:
+        if isinstance(answer.exception, cls):
+            return label
+    return "error"
+
+
 def answer_from_outcome(outcome: Outcome) -> Answer:
     """The :class:`Answer` of a request core outcome."""
     reply = outcome.reply
@@ -210,11 +238,17 @@ class UserClient:
             in tests).
         clock: seconds (trio's clock).
         random_bytes: request IDs, reply tags, S-IDA keys.
+        on_request_done: ``on_request_done(outcome, seconds)`` once per :meth:`ask`, when it
+            returns or is cancelled, on the caller's task: the outcome label
+            (:func:`outcome_label`, ``"cancelled"``, or ``"error"`` for an ask that raised) and
+            the seconds it took (e.g. the node's metrics observe their histograms here). An
+            exception it raises is logged, never passed to the caller.
 
     Attributes:
         driver: the :class:`~ps_p2p.protocols.driver.CoreDriver` of both cores.
         inbox_dropped: inputs (backward payloads, path-downs) dropped because the driver's
             inbox was full.
+        outcomes: finished asks by outcome label (see ``on_request_done``).
     """
 
     def __init__(
@@ -226,9 +260,12 @@ class UserClient:
         rng: random.Random | None = None,
         clock: Callable[[], float] = trio.current_time,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        on_request_done: Callable[[str, float], None] | None = None,
     ) -> None:
         self.overlay = overlay
         self.config = config or UserConfig()
+        self.outcomes: dict[str, int] = {}
+        self._on_request_done = on_request_done
         self._directory = directory
         self._rng = rng or random.SystemRandom()
         self._clock = clock
@@ -269,6 +306,18 @@ class UserClient:
     def inbox_dropped(self) -> int:
         """Inputs (backward payloads, path-downs) dropped because the inbox was full."""
         return self.driver.dropped
+
+    @property
+    def pool(self) -> PathPool:
+        """The path pool core (read it for counts and :attr:`PathPool.stats`; never call its
+        inputs from outside the driver)."""
+        return self._pool
+
+    @property
+    def requests(self) -> RequestCore:
+        """The request core (read it for counts, e.g. ``len()`` of requests in flight and
+        ``misrouted_cloves``; never call its inputs from outside the driver)."""
+        return self._requests
 
     @property
     def avoided_proxies(self) -> frozenset[bytes]:
@@ -340,8 +389,44 @@ class UserClient:
 
         Never raises for network trouble: a failure comes back as ``Answer(ok=False)`` with a
         typed ``exception`` (see :class:`Answer`) once known, at the latest when the deadline
-        (``timeout`` or ``config.request_timeout`` seconds) passes. Needs :meth:`run`.
+        (``timeout`` or ``config.request_timeout`` seconds) passes. Needs :meth:`run`. Counted
+        in :attr:`outcomes` and reported to ``on_request_done`` when it ends.
         """
+        started = self._clock()
+        try:
+            answer = await self._ask(
+                prompt, model_id=model_id, max_tokens=max_tokens, temperature=temperature,
+                top_p=top_p, seed=seed, model_node=model_node, timeout=timeout,
+            )
+        except trio.Cancelled:
+            self._request_done("cancelled", started)
+            raise
+        except BaseException:
+            self._request_done("error", started)
+            raise
+        self._request_done(outcome_label(answer), started)
+        return answer
+
+    def _request_done(self, outcome: str, started: float) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if self._on_request_done is not None:
+            try:
+                self._on_request_done(outcome, self._clock() - started)
+            except Exception:  # an observer's bug must not cost the caller its answer
+                log.exception("on_request_done failed")
+
+    async def _ask(
+        self,
+        prompt: str,
+        *,
+        model_id: str | None,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        model_node: bytes | None,
+        timeout: float | None,
+    ) -> Answer:
         timeout = self.config.request_timeout if timeout is None else timeout
         request_id = self._random_bytes(16)
         started = self._clock()
@@ -620,4 +705,7 @@ class UserClient:
         return [*self._pool.heard_from(path_id, now), *self._requests.unsigned_clove()]
 
 
-__all__ = ["Answer", "UserClient", "UserConfig", "UserPath", "answer_from_outcome", "describe"]
+__all__ = [
+    "Answer", "OUTCOME_LABELS", "UserClient", "UserConfig", "UserPath", "answer_from_outcome",
+    "describe", "outcome_label",
+]

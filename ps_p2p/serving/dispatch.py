@@ -58,6 +58,22 @@ MIN_THRESHOLD = 2
 MAX_TEMPERATURE = 100.0
 _RETRY_KEY_DOMAIN = b"planetserve/v1/retry-key\x00"
 
+#: Reasons a request clove is dropped (:attr:`Dispatcher.dropped_by`).
+DROP_LOW_THRESHOLD = "low_threshold"  # threshold below MIN_THRESHOLD
+DROP_DUPLICATE_PROXY = "duplicate_proxy"  # a second clove of one request from one proxy
+DROP_PROXY_SHARE = "proxy_share"  # the proxy has its share of incomplete requests buffered
+#: What became of a request (:attr:`Dispatcher.requests`): a job started, answered from the
+#: answer cache, joined the job in service, answered OVERLOADED, answered with its error at once
+#: (bad parameters, another model), dropped (undecodable, too few reply proxies, too many copies
+#: of one request), or expired incomplete (fewer than k cloves within ``reassembly_ttl``).
+REQUEST_ADMITTED = "admitted"
+REQUEST_CACHED = "cached"
+REQUEST_JOINED = "joined"
+REQUEST_OVERLOADED = "overloaded"
+REQUEST_INVALID = "invalid"
+REQUEST_DROPPED = "dropped"
+REQUEST_EXPIRED = "expired"
+
 
 @dataclass
 class DispatchConfig:
@@ -164,8 +180,9 @@ class Dispatcher:
 
     Attributes:
         load: the :class:`~ps_p2p.gossip.load.LoadTracker` (F_LB).
-        dropped_cloves: request cloves refused (second from one proxy, threshold < 2, over the
-            proxy's share).
+        dropped_by: request cloves refused, by reason (``DROP_*``).
+        requests: requests reassembled (or expired incomplete), by what became of them
+            (``REQUEST_*``); a resent request counts once per sending.
     """
 
     def __init__(
@@ -189,14 +206,26 @@ class Dispatcher:
         # incomplete request -> proxies with a clove of it buffered; proxy -> such cloves
         self._buffered_by: dict[bytes, list[bytes]] = {}
         self.per_proxy: dict[bytes, int] = {}
-        self.dropped_cloves = 0
+        self.dropped_by: dict[str, int] = {}
+        self.requests: dict[str, int] = {}
+
+    @property
+    def dropped_cloves(self) -> int:
+        """Request cloves refused, all reasons."""
+        return sum(self.dropped_by.values())
+
+    def _drop(self, reason: str) -> None:
+        self.dropped_by[reason] = self.dropped_by.get(reason, 0) + 1
+
+    def _count(self, outcome: str) -> None:
+        self.requests[outcome] = self.requests.get(outcome, 0) + 1
 
     # ------------------------------------------------------------------ cloves
 
     def receive_clove(self, proxy: bytes, clove: sida.Clove, now: float) -> list[Command]:
         """One request clove delivered by ``proxy`` (already checked by ``Clove.check``)."""
         if clove.threshold < MIN_THRESHOLD:
-            self.dropped_cloves += 1
+            self._drop(DROP_LOW_THRESHOLD)
             log.warning("clove with threshold %d from proxy %s dropped", clove.threshold, _short(proxy))
             return []
         senders = self._senders.get(clove.message_id)
@@ -207,13 +236,13 @@ class Dispatcher:
         if proxy in senders:
             # honest cloves of one request come from n distinct proxies: a proxy that sends k
             # cloves of its own making under a message ID it saw cannot hijack it
-            self.dropped_cloves += 1
+            self._drop(DROP_DUPLICATE_PROXY)
             log.warning("second clove of one request from proxy %s dropped", _short(proxy))
             return []
         if self.assembler.is_completed(clove.message_id):
             return []  # a late clove of a request already decoded
         if self.per_proxy.get(proxy, 0) >= self.config.max_cloves_per_proxy:
-            self.dropped_cloves += 1
+            self._drop(DROP_PROXY_SHARE)
             log.warning("proxy %s has %d cloves of incomplete requests buffered; clove dropped",
                         _short(proxy), self.config.max_cloves_per_proxy)
             return []
@@ -224,6 +253,7 @@ class Dispatcher:
         for event in self.assembler.receive_clove(clove, now):
             self._release(event.message_id)
             if isinstance(event, ReassemblyFailed):
+                self._count(REQUEST_DROPPED)
                 log.warning("request %s: %s", event.message_id.hex()[:8], event.reason)
             elif isinstance(event, MessageReassembled):
                 out += self._on_request(event.payload, event.threshold, now)
@@ -243,10 +273,12 @@ class Dispatcher:
         try:
             query = self._decode_query(q_bytes)
         except RemoteProtocolError as exc:
+            self._count(REQUEST_DROPPED)
             log.warning("undecodable request dropped: %s", exc)
             return []
         n_proxies = len(query.reply_proxies)
         if n_proxies < threshold or n_proxies > MAX_REPLY_PROXIES:
+            self._count(REQUEST_DROPPED)
             log.warning("request %s names %d reply proxies for threshold %d; cannot answer",
                         query.request_id.hex()[:8], n_proxies, threshold)
             return []
@@ -254,20 +286,27 @@ class Dispatcher:
         key = retry_key(query)
         cached = self._cache.get(key)
         if cached is not None and cached.expires_at > now:
+            self._count(REQUEST_CACHED)
             return [SendAnswer(waiter, cached.content)]
         job = self._jobs.get(key)
         if job is not None:
             if len(job.waiters) < self.config.max_waiters:
                 job.waiters.append(waiter)
+                self._count(REQUEST_JOINED)
+            else:
+                self._count(REQUEST_DROPPED)
             return []
         problem = self.validate(query)
         if problem is not None:
+            self._count(REQUEST_INVALID)
             return [SendAnswer(waiter, self.error_content(*problem))]
         if not self.load.try_admit():
+            self._count(REQUEST_OVERLOADED)
             log.warning("overloaded: request %s refused", query.request_id.hex()[:8])
             return [SendAnswer(waiter, self.error_content(
                 ResponseStatus.OVERLOADED, "model node overloaded; retry later"
             ))]
+        self._count(REQUEST_ADMITTED)
         self._jobs[key] = _Job(query, [waiter])
         return [StartJob(key, query)]
 
@@ -332,6 +371,7 @@ class Dispatcher:
     def tick(self, now: float) -> list[Command]:
         """Expire incomplete requests and cached answers (O(expired))."""
         for message_id in self.assembler.expire(now):
+            self._count(REQUEST_EXPIRED)
             log.info("incomplete request %s expired", message_id.hex()[:8])
             self._senders.pop(message_id, None)
             self._release(message_id)
@@ -341,5 +381,8 @@ class Dispatcher:
 
 
 __all__ = [
-    "Command", "DispatchConfig", "Dispatcher", "SendAnswer", "StartJob", "Waiter", "retry_key",
+    "Command", "DROP_DUPLICATE_PROXY", "DROP_LOW_THRESHOLD", "DROP_PROXY_SHARE",
+    "DispatchConfig", "Dispatcher", "REQUEST_ADMITTED", "REQUEST_CACHED", "REQUEST_DROPPED",
+    "REQUEST_EXPIRED", "REQUEST_INVALID", "REQUEST_JOINED", "REQUEST_OVERLOADED", "SendAnswer",
+    "StartJob", "Waiter", "retry_key",
 ]

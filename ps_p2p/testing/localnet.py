@@ -62,6 +62,7 @@ async def open_localnet(
     seed: int = 1,
     ready_timeout: float = 90.0,
     record_lifetime: float = 120.0,
+    metrics: bool = False,
 ) -> AsyncIterator[LocalNet]:
     """Run a verifier, ``models`` model nodes and ``users`` user nodes in this trio run.
 
@@ -72,6 +73,8 @@ async def open_localnet(
         seed: seeds every node's relay and model choice.
         record_lifetime: seconds a node record stays valid (nodes re-register every
             ``min(2, record_lifetime / 3)`` seconds).
+        metrics: every node serves ``/metrics`` on 127.0.0.1, a free port each
+            (``node.metrics.url``).
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
     ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
@@ -89,6 +92,7 @@ async def open_localnet(
             directory_refresh=0.5,
             register_interval=min(2.0, record_lifetime / 3),
             record_lifetime=record_lifetime,
+            metrics="127.0.0.1:0" if metrics else None,
         )
         verifier = await start(NodeConfig(roles=["verifier"], **fast))
         boot = [verifier.listen_addrs[0]]
