@@ -195,9 +195,9 @@ class PoolPath:
             intact. Only confirmed paths carry request cloves.
         retiring: rotated out (or replaced by rebalancing): carries no new request.
         probe_nonce: the outstanding probe's nonce, None when none is outstanding.
-        probe_losses: probes of the outstanding series that went unanswered (the one out now
-            waits ``2 ** probe_losses`` RTOs).
-        lost_nonces: nonces of those probes: a late answer to one still proves the path.
+        lost_nonces: nonces of the probes of the outstanding series that went unanswered (the
+            one out now waits ``2 ** len(lost_nonces)`` RTOs); a late answer to one still
+            proves the path.
     """
 
     path_id: int
@@ -209,7 +209,6 @@ class PoolPath:
     confirmed: bool = False
     probe_sent_at: float = 0.0
     last_reply_at: float = 0.0
-    probe_losses: int = 0
     lost_nonces: tuple[int, ...] = ()
 
     @property
@@ -388,10 +387,9 @@ class PathPool:
             nonce != path.probe_nonce and nonce not in path.lost_nonces
         ):
             return []
-        if nonce == path.probe_nonce and not path.probe_losses:
+        if nonce == path.probe_nonce and not path.lost_nonces:
             self.probe_rtt.sample(now - path.probe_sent_at)
         path.probe_nonce = None
-        path.probe_losses = 0
         path.lost_nonces = ()
         for relay in path.relays[:-1]:
             self._penalty.pop(relay, None)
@@ -435,13 +433,13 @@ class PathPool:
         commands: list[Command] = []
         for path in list(self._paths.values()):
             if path.probe_nonce is not None and now >= self._probe_deadline(path):
-                if path.probe_losses + 1 < cfg.probe_attempts:
+                if len(path.lost_nonces) + 1 < cfg.probe_attempts:
                     log.info("probe via %s unanswered for %.1f s: probing again",
                              _short(path.relays[0]), now - path.probe_sent_at)
                     commands += self._probe(path, now, again=True)
                     continue
                 log.warning("path via %s: %d probes unanswered: replacing it",
-                            _short(path.relays[0]), path.probe_losses + 1)
+                            _short(path.relays[0]), len(path.lost_nonces) + 1)
                 # one of its relays drops cells (dead, or tampering): suspect every relay of it
                 self._penalize(path.relays, now)
                 commands += self._drop(path, "probe timeout", lost=LOST_PROBE_TIMEOUT)
@@ -496,14 +494,12 @@ class PathPool:
         return max(path.probe_sent_at, path.last_reply_at) + self.config.probe_interval
 
     def _probe_deadline(self, path: PoolPath) -> float:
-        return path.probe_sent_at + self.probe_rtt.rto * 2 ** path.probe_losses
+        return path.probe_sent_at + self.probe_rtt.rto * 2 ** len(path.lost_nonces)
 
     def _probe(self, path: PoolPath, now: float, *, again: bool = False) -> list[Command]:
         if again and path.probe_nonce is not None:
-            path.probe_losses += 1
             path.lost_nonces = (*path.lost_nonces, path.probe_nonce)
         else:
-            path.probe_losses = 0
             path.lost_nonces = ()
         nonce = self._rng.getrandbits(64)
         path.probe_nonce = nonce
