@@ -33,6 +33,9 @@ from ps_p2p.errors import EngineError
 FINISH_STOP = "stop"  # the model emitted an end-of-sequence token
 FINISH_LENGTH = "length"  # max_tokens reached
 
+#: Chat roles a request may use (OpenAI's chat completions API).
+CHAT_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
+
 _MAX_SEED = 2**64
 
 
@@ -112,6 +115,76 @@ class StreamChunk:
     completion_tokens: int | None = None
 
 
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat (OpenAI's chat completions API, text content only).
+
+    Attributes:
+        role: one of :data:`CHAT_ROLES`.
+        content: the message text.
+    """
+
+    role: str
+    content: str
+
+
+def default_chat_prompt(messages: Sequence[ChatMessage]) -> str:
+    """The prompt for a model without a chat template: one ``"<Role>: <content>"`` line per
+    message (roles capitalised, e.g. ``"User: hi"``), then ``"Assistant:"`` for the answer.
+
+    A plain transcript is what a base model continues best; it is documented in
+    ``docs/api.md`` so clients know what the model sees.
+    """
+    lines = [f"{m.role.capitalize()}: {m.content}" for m in messages]
+    lines.append("Assistant:")
+    return "\n".join(lines)
+
+
+async def stop_at(chunks: AsyncIterator[StreamChunk], stop: Sequence[str]) -> AsyncIterator[StreamChunk]:
+    """Cut a stream at the first of the ``stop`` strings, as OpenAI's ``stop`` parameter does.
+
+    The stop string itself is not returned, and the last chunk then says ``"stop"``. Text that
+    could be the start of a stop string is held back until it is known not to be one, so
+    nothing past a stop string is ever yielded. Closing the source stream (leaving the loop)
+    stops its generation. Without ``stop`` the chunks pass through unchanged.
+
+    Token counts on the last chunk are those of the whole generation (the engine's), which may
+    include tokens past the stop string when it ended inside a token.
+    """
+    if not stop:
+        async for chunk in chunks:
+            yield chunk
+        return
+    longest = max(len(s) for s in stop)
+    pending = ""
+    try:
+        async for chunk in chunks:
+            pending += chunk.text
+            cut = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                yield StreamChunk(
+                    pending[:cut], finish_reason=FINISH_STOP,
+                    prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
+                )
+                return
+            if chunk.finish_reason is not None:
+                yield StreamChunk(
+                    pending, finish_reason=chunk.finish_reason,
+                    prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
+                )
+                return
+            keep = min(len(pending), longest - 1)
+            if len(pending) > keep:
+                yield StreamChunk(pending[: len(pending) - keep])
+                pending = pending[len(pending) - keep:]
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if pending:
+        yield StreamChunk(pending, finish_reason=FINISH_STOP)
+
+
 @dataclass
 class TokenScores:
     """Log-probabilities of given tokens under the model.
@@ -151,6 +224,15 @@ class TokenScores:
         if mean == -math.inf:
             return math.inf
         return math.exp(-mean)
+
+
+def check_messages(messages: Sequence[ChatMessage]) -> None:
+    """Raise ValueError unless ``messages`` is non-empty and every role is in :data:`CHAT_ROLES`."""
+    if not messages:
+        raise ValueError("a chat needs at least one message")
+    for m in messages:
+        if m.role not in CHAT_ROLES:
+            raise ValueError(f"unknown chat role {m.role!r}")
 
 
 class Engine(abc.ABC):
@@ -241,6 +323,17 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Release the model, connections and threads; the engine is unusable afterwards."""
+
+    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt text for a chat: the model's chat template with the generation prompt
+        when it has one, else :func:`default_chat_prompt`. This default always uses the latter.
+
+        Raises:
+            ValueError: no messages, or a role outside :data:`CHAT_ROLES`.
+            EngineError: the template failed to render.
+        """
+        check_messages(messages)
+        return default_chat_prompt(messages)
 
     # -- optional token-level API ---------------------------------------------------------
 
