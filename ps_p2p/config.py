@@ -34,9 +34,12 @@ from ps_p2p.serving.dispatch import DispatchConfig
 @dataclass
 class ModelNodeConfig(DispatchConfig):
     """Model node settings: :class:`~ps_p2p.serving.dispatch.DispatchConfig` plus
-    ``default_max_tokens`` (used when a request asks for 0 tokens)."""
+    ``default_max_tokens`` (used when a request asks for 0 tokens) and ``stream_interval``
+    (seconds: a streamed answer's text is sent as one segment per this interval at most, the
+    first piece at once; docs/streaming.md)."""
 
     default_max_tokens: int = 128
+    stream_interval: float = 0.05
 
 
 @dataclass

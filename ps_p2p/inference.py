@@ -27,12 +27,27 @@ class ResponseStatus(enum.IntEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling parameters; ``temperature`` 0 is greedy."""
+    """Sampling parameters; ``temperature`` 0 is greedy; generation ends before the first of
+    the ``stop`` strings (OpenAI's ``stop``)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat (OpenAI's chat completions API, text content only).
+
+    Attributes:
+        role: ``system``, ``user``, ``assistant``, ``developer`` or ``tool``.
+        content: the message text.
+    """
+
+    role: str
+    content: str
 
 
 @dataclass(frozen=True)
@@ -49,7 +64,10 @@ class InferenceQuery:
 
     Attributes:
         request_id: 16 random bytes, the same for every sending of one request.
+        prompt: the prompt; "" when ``messages`` is a chat.
         reply_proxies: one per clove, in clove order.
+        stream: answer in segments as the text is generated (docs/streaming.md).
+        messages: a chat, rendered by the model node with its model's chat template.
     """
 
     request_id: bytes
@@ -58,6 +76,8 @@ class InferenceQuery:
     params: SamplingParams
     reply_proxies: tuple[ReplyProxy, ...]
     preferred_model_node: bytes = b""
+    stream: bool = False
+    messages: tuple[ChatMessage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,7 @@ class InferenceReply:
     signed_at_ms: int
     model_node: bytes
     signature: bytes
+    finish_reason: str = ""
 
     def content(self) -> responses.ResponseContent:
         """The part of the reply the signature's response hash covers."""
@@ -92,7 +113,28 @@ class InferenceReply:
             model_id=self.model_id,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
+            finish_reason=self.finish_reason,
         )
+
+
+@dataclass(frozen=True)
+class ResponseSegment:
+    """One segment of a streamed answer (``planetserve.v1.ResponseSegment``; docs/streaming.md).
+
+    Attributes:
+        seq: 0, 1, 2...; bound in the segment's S-IDA message ID
+            (:func:`ps_p2p.responses.segment_message_id`).
+        offset: UTF-8 byte offset of ``text`` in the whole answer.
+        text: the segment's text.
+        final: on the last segment only, the signed reply; its ``text`` is "" on the wire and
+            the concatenation of every segment's text is what its signature covers.
+    """
+
+    request_id: bytes
+    seq: int
+    offset: int
+    text: str
+    final: InferenceReply | None = None
 
 
 _STATUS_ERRORS: dict[int, type[ModelNodeError]] = {
@@ -117,9 +159,11 @@ def status_error(status: int, message: str) -> ModelNodeError:
 
 
 __all__ = [
+    "ChatMessage",
     "InferenceQuery",
     "InferenceReply",
     "ReplyProxy",
+    "ResponseSegment",
     "ResponseStatus",
     "SamplingParams",
     "status_error",

@@ -27,6 +27,8 @@ class ResponseContent:
         error: a human-readable error when status != 0.
         model_id: the model that produced ``text``.
         prompt_tokens, completion_tokens: token counts under the model's tokenizer.
+        finish_reason: why generation ended, ``"stop"`` or ``"length"`` (OpenAI's terms); ""
+            for an error answer.
     """
 
     status: int
@@ -35,12 +37,13 @@ class ResponseContent:
     model_id: str
     prompt_tokens: int
     completion_tokens: int
+    finish_reason: str = ""
 
     def digest(self) -> bytes:
         """SHA-256 over a length-prefixed canonical encoding (32 bytes)."""
         h = hashlib.sha256(_CONTENT_PREFIX)
         h.update(struct.pack(">III", self.status, self.prompt_tokens, self.completion_tokens))
-        for part in (self.text, self.error, self.model_id):
+        for part in (self.text, self.error, self.model_id, self.finish_reason):
             data = part.encode("utf-8")
             h.update(struct.pack(">I", len(data)))
             h.update(data)
@@ -58,6 +61,16 @@ def response_message_id(request_id: bytes, req_hash: bytes) -> bytes:
     request ID, and cloves of two answers to two sendings never mix.
     """
     return hashlib.sha256(_RESPONSE_ID_PREFIX + request_id + req_hash).digest()[:16]
+
+
+_SEGMENT_ID_PREFIX = b"planetserve/v1/segment-id\x00"
+
+
+def segment_message_id(response_id: bytes, seq: int) -> bytes:
+    """The S-IDA message ID of segment ``seq`` of a streamed answer (16 bytes): a hash of the
+    answer's :func:`response_message_id` and ``seq``, so each segment's cloves (signed over
+    their message ID) name their place in the stream and a proxy cannot reorder them."""
+    return hashlib.sha256(_SEGMENT_ID_PREFIX + response_id + struct.pack(">I", seq)).digest()[:16]
 
 
 def request_hash(request_bytes: bytes) -> bytes:

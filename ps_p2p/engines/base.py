@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from ps_p2p.errors import EngineError
+from ps_p2p.inference import ChatMessage  # noqa: F401  (re-exported: engines render chats)
 
 #: finish reasons, as OpenAI's and vLLM's APIs spell them
 FINISH_STOP = "stop"  # the model emitted an end-of-sequence token
@@ -113,19 +114,6 @@ class StreamChunk:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    """One message of a chat (OpenAI's chat completions API, text content only).
-
-    Attributes:
-        role: one of :data:`CHAT_ROLES`.
-        content: the message text.
-    """
-
-    role: str
-    content: str
 
 
 def default_chat_prompt(messages: Sequence[ChatMessage]) -> str:

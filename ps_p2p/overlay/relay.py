@@ -64,9 +64,12 @@ log = logging.getLogger(__name__)
 
 #: Bytes of a reply tag.
 REPLY_TAG_BYTES = 16
-#: Response cloves a model node may send under one reply tag: one (a user never sends the same
-#: request twice with the same tags).
+#: Response cloves a model node may send under one reply tag unless the user asks for more
+#: (a user never sends the same request twice with the same tags).
 REPLIES_PER_TAG = 1
+#: Most response cloves a user may ask for under one tag: one per segment of a streamed answer
+#: (the model node sends at most this many segments; see ps_p2p.serving.dispatch).
+MAX_REPLIES_PER_TAG = 256
 #: Setup packets remembered to refuse replays (32 bytes each; oldest forgotten first).
 MAX_REMEMBERED_SETUPS = 200_000
 #: Longest reason string put in a setup reply or destroy.
@@ -86,11 +89,14 @@ class Probe:
 @dataclass(frozen=True)
 class DeliverClove:
     """User -> proxy: deliver ``clove`` to model node ``destination``; its answer comes back
-    under ``reply_tag`` (16 fresh bytes per request and path; empty: no reply expected)."""
+    under ``reply_tag`` (16 fresh bytes per request and path; empty: no reply expected), in at
+    most ``max_replies`` cloves (0 means 1; a streamed answer has one per segment; the proxy
+    caps it at :data:`MAX_REPLIES_PER_TAG`)."""
 
     destination: bytes
     clove: bytes
     reply_tag: bytes = b""
+    max_replies: int = 0
 
 
 @dataclass(frozen=True)
@@ -588,7 +594,8 @@ class RelayCore:
             return [self._backward(entry, DeliveryFailed("destination is no model node"))]
         if len(tag) == REPLY_TAG_BYTES:
             self.table.add_reply_tag(
-                tag, entry, destination, now, ttl=self.config.reply_tag_ttl, replies=REPLIES_PER_TAG
+                tag, entry, destination, now, ttl=self.config.reply_tag_ttl,
+                replies=min(max(message.max_replies, REPLIES_PER_TAG), MAX_REPLIES_PER_TAG),
             )
         if self.config.tamper:
             clove = self.codec.tamper_clove(clove)

@@ -18,6 +18,11 @@ PlanetServe sec. 3.2 ("Request", "Response") with the fixes of DESIGN.md:
   convicts nobody;
 * the cloves that arrived are audited against the verified answer, which is kept a while to
   check late cloves too;
+* a streamed request (``RequestSpec.stream``; docs/streaming.md) is answered in segments, each
+  its own S-IDA message under :func:`~ps_p2p.responses.segment_message_id` (so its signed
+  cloves name their place): text is released (:class:`StreamText`) in order and only once,
+  across attempts too; the last segment carries the reply signed over the whole text, which
+  must extend what was released;
 * every request ends once, with an :class:`Outcome`: a verified reply, or an error of the
   ``RequestError`` tree (:mod:`ps_p2p.errors`).
 
@@ -31,6 +36,7 @@ Signature checks default to :mod:`ps_p2p.records` / :mod:`ps_p2p.responses` and 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -54,9 +60,11 @@ from ps_p2p.errors import (
     RequestTooLargeError,
 )
 from ps_p2p.inference import (
+    ChatMessage,
     InferenceQuery,
     InferenceReply,
     ReplyProxy,
+    ResponseSegment,
     ResponseStatus,
     SamplingParams,
     status_error,
@@ -73,6 +81,10 @@ MAX_RECEIVED_CLOVES = 64
 MAX_AUDITS = 256
 #: Reply tags remembered (for late cloves too): a few thousand requests' worth.
 MAX_REPLY_TAGS = MAX_AUDITS * sida.MAX_TOTAL
+#: Segments of a streamed answer at most (what a model node sends: ps_p2p.serving.dispatch).
+MAX_SEGMENTS = 128
+#: Text of one streamed answer at most (UTF-8 bytes), all segments of one attempt together.
+MAX_STREAM_BYTES = sida.MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,9 @@ class WireCodec(Protocol):
 
     def clove_size(self, clove: sida.Clove) -> int:
         """Bytes the clove takes in a cell's payload, delivery header included."""
+
+    def decode_segment(self, payload: bytes) -> ResponseSegment:
+        """Parse a reassembled segment of a streamed answer. Raises RemoteProtocolError."""
 
 
 class PathRef(Protocol):
@@ -155,7 +170,10 @@ class RequestSpec:
 
     Attributes:
         destination: peer ID of the model node asked.
+        prompt: the prompt; "" for a chat (``messages``).
         timeout: seconds from :meth:`RequestCore.start` until the request fails.
+        stream: have the answer streamed (:class:`StreamText` commands as it comes).
+        messages: a chat, rendered by the model node with its model's chat template.
     """
 
     request_id: bytes
@@ -164,6 +182,8 @@ class RequestSpec:
     prompt: str
     params: SamplingParams
     timeout: float
+    stream: bool = False
+    messages: tuple[ChatMessage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,13 +207,23 @@ class ResponseClove:
 
 @dataclass(frozen=True)
 class SendClove:
-    """Send ``clove`` over the path to ``destination`` (registering ``reply_tag`` at its proxy;
-    empty for a clove re-sent on a spare path)."""
+    """Send ``clove`` over the path to ``destination`` (registering ``reply_tag`` at its proxy
+    for ``max_replies`` response cloves, 0 meaning 1; empty for a clove re-sent on a spare
+    path)."""
 
     path_id: int
     destination: bytes
     clove: sida.Clove
     reply_tag: bytes
+    max_replies: int = 0
+
+
+@dataclass(frozen=True)
+class StreamText:
+    """The next piece of a streamed request's answer, in order (never text sent before)."""
+
+    request_id: bytes
+    text: str
 
 
 @dataclass(frozen=True)
@@ -236,7 +266,7 @@ class RequestDone:
     outcome: Outcome
 
 
-Command = SendClove | ConvictProxy | RequestDone
+Command = SendClove | ConvictProxy | StreamText | RequestDone
 
 
 # ---------------------------------------------------------------------------------- state
@@ -251,6 +281,11 @@ class _Attempt:
     sent_at: float
     response_id: bytes  # S-IDA message ID of the answer to this attempt
     lost: set[int] = field(default_factory=set)
+    # streamed: segment message ID -> seq; decoded segments not yet in order; the text so far
+    segment_ids: dict[bytes, int] = field(default_factory=dict)
+    segments: dict[int, ResponseSegment] = field(default_factory=dict)
+    next_seq: int = 0
+    text: bytearray = field(default_factory=bytearray)
 
 
 @dataclass
@@ -266,6 +301,7 @@ class _Request:
     assembler: CloveAssembler = field(default_factory=CloveAssembler)
     cloves_received: int = 0
     received: list[tuple[sida.Clove, int]] = field(default_factory=list)
+    released: bytearray = field(default_factory=bytearray)  # streamed text given out so far
 
 
 @dataclass(frozen=True)
@@ -279,6 +315,7 @@ class ReplyTag:
     response_id: bytes
     index: int
     total: int
+    stream: bool = False
 
 
 @dataclass
@@ -338,8 +375,10 @@ class RequestCore:
         self._verify_clove = verify_clove
         self._verify_reply = verify_reply
         self._requests: dict[bytes, _Request] = {}
-        # response message ID (one per attempt) -> its request
+        # response message ID (one per attempt; one per segment of a streamed attempt) -> its
+        # request and attempt
         self._by_response_id: dict[bytes, _Request] = {}
+        self._by_segment_id: dict[bytes, tuple[_Request, _Attempt]] = {}
         self._reply_tags: OrderedDict[bytes, ReplyTag] = OrderedDict()
         self.audits: OrderedDict[bytes, Audit] = OrderedDict()
         self.misrouted_cloves = 0
@@ -451,6 +490,16 @@ class RequestCore:
             # only the proxy sees a clove in the clear (relays are held off by the end-to-end
             # layer), and it forwards a reply under this tag only once the signature verified
             return [ConvictProxy(registered.proxy)]
+        if registered.stream:
+            streamed = self._by_segment_id.get(clove.message_id)
+            if streamed is None:
+                return []  # a late segment of a request that ended (or a stray one): no blame
+            if streamed[1].response_id != registered.response_id:
+                self.misrouted_cloves += 1
+                log.warning("model node %s signed a segment of another answer under a tag; "
+                            "dropped", _short(registered.destination))
+                return []
+            return self._segment_clove(streamed[0], streamed[1], event, now)
         if (
             clove.message_id != registered.response_id
             or clove.index != registered.index
@@ -484,6 +533,96 @@ class RequestCore:
             elif isinstance(reassembly, MessageReassembled):
                 commands += self._on_response(request, reassembly.payload, reassembly.message_id, now)
         return commands
+
+    def _segment_clove(
+        self, request: _Request, attempt: _Attempt, event: ResponseClove, now: float
+    ) -> list[Command]:
+        """A signed clove of a segment of a streamed attempt (tag and signature checked)."""
+        clove = event.clove
+        registered = self._reply_tags[event.reply_tag]
+        if clove.index != registered.index or (clove.total, clove.threshold) != (
+            registered.total, self.config.threshold
+        ):
+            self.misrouted_cloves += 1
+            log.warning("model node %s signed a segment clove that does not fit its reply tag; "
+                        "dropped", _short(registered.destination))
+            return []
+        request.cloves_received += 1
+        try:
+            events = request.assembler.receive_clove(clove, now)
+        except RemoteProtocolError as exc:
+            log.warning("inconsistent segment clove dropped: %s", exc)
+            return []
+        commands: list[Command] = []
+        for reassembly in events:
+            if isinstance(reassembly, ReassemblyFailed):
+                log.warning("segment %s did not decode: %s",
+                            reassembly.message_id.hex()[:8], reassembly.reason)
+            elif isinstance(reassembly, MessageReassembled):
+                commands += self._on_segment(request, attempt, reassembly.message_id,
+                                             reassembly.payload, now)
+            if request.spec.request_id not in self._requests:
+                break
+        return commands
+
+    def _on_segment(
+        self, request: _Request, attempt: _Attempt, message_id: bytes, payload: bytes, now: float
+    ) -> list[Command]:
+        seq = attempt.segment_ids.get(message_id)
+        if seq is None or seq < attempt.next_seq or seq in attempt.segments:
+            return []
+        try:
+            segment = self._codec.decode_segment(payload)
+        except RemoteProtocolError as exc:
+            log.warning("undecodable segment dropped: %s", exc)
+            return []
+        if segment.request_id != request.spec.request_id or segment.seq != seq:
+            log.warning("segment %d of %s names another place; dropped",
+                        seq, request.spec.request_id.hex()[:8])
+            return []
+        attempt.segments[seq] = segment
+        # a stream that moves is not resent
+        request.retry_at = max(request.retry_at, now + self.config.attempt_timeout)
+        commands: list[Command] = []
+        while attempt.next_seq in attempt.segments:
+            segment = attempt.segments.pop(attempt.next_seq)
+            attempt.next_seq += 1
+            data = segment.text.encode("utf-8", "surrogatepass")
+            if segment.offset != len(attempt.text) or len(attempt.text) + len(data) > MAX_STREAM_BYTES:
+                log.warning("segment %d of %s does not follow the text before it; attempt "
+                            "abandoned", segment.seq, request.spec.request_id.hex()[:8])
+                self._drop_segments(attempt)
+                request.retry_now = True
+                return commands
+            attempt.text += data
+            if segment.final is None:
+                commands += self._release(request, bytes(attempt.text))
+                continue
+            reply = dataclasses.replace(
+                segment.final, text=attempt.text.decode("utf-8", "surrogatepass")
+            )
+            if not attempt.text.startswith(request.released):
+                # the model node signed other text than it streamed: only it could have
+                log.warning("model node %s streamed text its signed answer does not have",
+                            _short(request.spec.destination))
+                self._drop_segments(attempt)
+                return commands
+            commands += self._release(request, bytes(attempt.text))
+            return commands + self._on_reply(request, reply, now)
+        return commands
+
+    def _release(self, request: _Request, text: bytes) -> list[Command]:
+        """Give out the part of ``text`` (an attempt's text so far) not given out yet."""
+        if len(text) <= len(request.released) or not text.startswith(request.released):
+            return []
+        new = text[len(request.released):]
+        request.released += new
+        return [StreamText(request.spec.request_id, new.decode("utf-8", "surrogatepass"))]
+
+    def _drop_segments(self, attempt: _Attempt) -> None:
+        for message_id in attempt.segment_ids:
+            self._by_segment_id.pop(message_id, None)
+        attempt.segments.clear()
 
     # ------------------------------------------------------------------ internals
 
@@ -532,6 +671,8 @@ class RequestCore:
             prompt=spec.prompt,
             params=spec.params,
             reply_proxies=tuple(ReplyProxy(p.proxy, tag) for p, tag in zip(chosen, tags)),
+            stream=spec.stream,
+            messages=spec.messages,
         )
         q_bytes = self._codec.encode_request(query)
         if len(q_bytes) > sida.MAX_MESSAGE_BYTES:
@@ -559,14 +700,22 @@ class RequestCore:
             len(request.attempts) - 1
         )
         self._by_response_id[attempt.response_id] = request
+        if spec.stream:
+            for seq in range(MAX_SEGMENTS):
+                segment_id = responses.segment_message_id(attempt.response_id, seq)
+                attempt.segment_ids[segment_id] = seq
+                self._by_segment_id[segment_id] = (request, attempt)
         commands: list[Command] = []
         for index, (path, clove, tag) in enumerate(zip(chosen, cloves, tags)):
             self._reply_tags[tag] = ReplyTag(
-                spec.destination, path.path_id, path.proxy, attempt.response_id, index, len(chosen)
+                spec.destination, path.path_id, path.proxy, attempt.response_id, index,
+                len(chosen), spec.stream,
             )
             while len(self._reply_tags) > MAX_REPLY_TAGS:
                 self._reply_tags.popitem(last=False)
-            commands.append(SendClove(path.path_id, spec.destination, clove, tag))
+            commands.append(SendClove(
+                path.path_id, spec.destination, clove, tag, MAX_SEGMENTS if spec.stream else 0
+            ))
         return commands
 
     def _on_response(
@@ -577,6 +726,18 @@ class RequestCore:
         except RemoteProtocolError as exc:
             log.warning("undecodable response dropped: %s", exc)
             return []
+        commands = self._on_reply(request, reply, now)
+        if commands:
+            try:
+                self._audit(request, message_id, payload)
+            except Exception:  # the answer stands whatever the audit hits
+                log.exception("audit of the response to %s failed",
+                              request.spec.request_id.hex()[:8])
+        return commands
+
+    def _on_reply(self, request: _Request, reply: InferenceReply, now: float) -> list[Command]:
+        """A decoded reply (of a whole answer, or the last segment of a streamed one): checked,
+        then the request ends with it; nothing when it is rejected."""
         try:
             self._check_reply(request, reply)
         except (InvalidSignatureError, RemoteProtocolError) as exc:
@@ -591,12 +752,7 @@ class RequestCore:
                 self.token_time += (measured - self.token_time) / 8
         else:
             error = status_error(reply.status, reply.error)
-        commands = self._finish(request, reply, error, now)
-        try:
-            self._audit(request, message_id, payload)
-        except Exception:  # the answer stands whatever the audit hits
-            log.exception("audit of the response to %s failed", request.spec.request_id.hex()[:8])
-        return commands
+        return self._finish(request, reply, error, now)
 
     def _check_reply(self, request: _Request, reply: InferenceReply) -> None:
         spec = request.spec
@@ -634,6 +790,7 @@ class RequestCore:
         self._requests.pop(request.spec.request_id, None)
         for attempt in request.attempts:
             self._by_response_id.pop(attempt.response_id, None)
+            self._drop_segments(attempt)
 
     def _audit(self, request: _Request, message_id: bytes, payload: bytes) -> None:
         """Check the response cloves against the verified answer, and keep the answer a while
@@ -675,6 +832,7 @@ __all__ = [
     "RequestSpec",
     "ResponseClove",
     "SendClove",
+    "StreamText",
     "WireCodec",
     "consistent",
     "verify_clove_signature",

@@ -114,7 +114,8 @@ def forward_to_pb(message: ForwardMessage) -> clove_pb2.ForwardPayload:
         return clove_pb2.ForwardPayload(probe=clove_pb2.Probe(nonce=message.nonce))
     return clove_pb2.ForwardPayload(
         deliver=clove_pb2.DeliverClove(
-            destination=message.destination, clove=message.clove, reply_tag=message.reply_tag
+            destination=message.destination, clove=message.clove, reply_tag=message.reply_tag,
+            max_replies=message.max_replies,
         )
     )
 
@@ -126,7 +127,7 @@ def forward_from_pb(payload: clove_pb2.ForwardPayload) -> ForwardMessage:
         return Probe(payload.probe.nonce)
     if kind == "deliver":
         d = payload.deliver
-        return DeliverClove(d.destination, d.clove, d.reply_tag)
+        return DeliverClove(d.destination, d.clove, d.reply_tag, d.max_replies)
     raise RemoteProtocolError("empty forward payload")
 
 

@@ -15,8 +15,10 @@ reports are submitted to it, and it executes the commands (queue a job, sign and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -25,16 +27,16 @@ import trio
 from ps_p2p import responses
 from ps_p2p.config import ModelNodeConfig
 from ps_p2p.crypto import sida
-from ps_p2p.engines.base import Engine, SamplingParams
+from ps_p2p.engines.base import FINISH_STOP, Completion, Engine, SamplingParams, StreamChunk, stop_at
 from ps_p2p.errors import EngineError, PromptTooLongError, PsError, RemoteProtocolError
-from ps_p2p.inference import InferenceQuery, InferenceReply, ResponseStatus
+from ps_p2p.inference import InferenceQuery, InferenceReply, ResponseSegment, ResponseStatus
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
 from ps_p2p.protocols.driver import CoreDriver
-from ps_p2p.protocols.inference_codec import decode_query, encode_reply
+from ps_p2p.protocols.inference_codec import decode_query, encode_reply, encode_segment
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.serving import dispatch
-from ps_p2p.serving.dispatch import Dispatcher, SendAnswer, StartJob
+from ps_p2p.serving.dispatch import Dispatcher, SendAnswer, SendSegment, StartJob
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,40 @@ MAX_PROMPT_CHARS = dispatch.MAX_PROMPT_CHARS
 MIN_THRESHOLD = dispatch.MIN_THRESHOLD
 
 
+
+
+class _Flusher:
+    """Coalesces streamed text: ``send`` gets the first piece at once, then what accumulated,
+    at most once per ``interval`` seconds and at most ``interval`` after it was added."""
+
+    def __init__(self, send: Callable[[str], None], interval: float) -> None:
+        self._send = send
+        self._interval = interval
+        self._pending: list[str] = []
+        self._next_at = -math.inf
+        self._wake = trio.Event()
+
+    def add(self, text: str) -> None:
+        if not text:
+            return
+        self._pending.append(text)
+        if trio.current_time() >= self._next_at:
+            self.flush()
+        else:
+            self._wake.set()
+
+    def flush(self) -> None:
+        if self._pending:
+            text, self._pending = "".join(self._pending), []
+            self._next_at = trio.current_time() + self._interval
+            self._send(text)
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            await trio.sleep_until(self._next_at)
+            self.flush()
 
 
 class ModelNodeService:
@@ -134,14 +170,16 @@ class ModelNodeService:
         if isinstance(command, StartJob):
             self._jobs_in.send_nowait(command)
         elif isinstance(command, SendAnswer):
-            self._send_answer(command.waiter, command.content)
+            self._send_answer(command)
+        elif isinstance(command, SendSegment):
+            self._send_segment(command)
 
     async def _worker(self, index: int) -> None:
         async for job in self._jobs_out:
             self.driver.submit(functools.partial(self.dispatcher.job_started, job.key))
             started = self._clock()
             try:
-                content = await self._serve(job.query)
+                content = await self._serve(job.key, job.query)
             except Exception as exc:  # an engine bug must not kill the worker or strand waiters
                 log.exception("serving %s failed", job.query.request_id.hex()[:8])
                 content = self.dispatcher.error_content(
@@ -154,7 +192,7 @@ class ModelNodeService:
                 (self._clock() - started) * 1000, self.load.load_factor(),
             )
 
-    async def _serve(self, query: InferenceQuery) -> responses.ResponseContent:
+    async def _serve(self, key: bytes, query: InferenceQuery) -> responses.ResponseContent:
         p = query.params
         try:
             params = SamplingParams(
@@ -163,7 +201,14 @@ class ModelNodeService:
                 top_p=p.top_p or 1.0,
                 seed=p.seed or None,
             )
-            completion = await self.engine.complete(query.prompt, params)
+            if query.messages:
+                prompt = await self.engine.chat_prompt(query.messages)
+            else:
+                prompt = query.prompt
+            if query.stream or p.stop:
+                completion = await self._stream(key, prompt, params, query)
+            else:
+                completion = await self.engine.complete(prompt, params)
         except PromptTooLongError as exc:
             return self.dispatcher.error_content(ResponseStatus.PROMPT_TOO_LONG, str(exc))
         except (EngineError, PsError, ValueError) as exc:  # ValueError: SamplingParams' checks
@@ -176,13 +221,50 @@ class ModelNodeService:
             model_id=self.engine.model_id,
             prompt_tokens=completion.prompt_tokens,
             completion_tokens=completion.completion_tokens,
+            finish_reason=completion.finish_reason,
         )
+
+    async def _stream(
+        self, key: bytes, prompt: str, params: SamplingParams, query: InferenceQuery
+    ) -> Completion:
+        """Run the engine's stream, cut at the stop strings; for a streamed Q, hand the text to
+        the dispatcher as it comes: the first piece at once, then what accumulated, at most one
+        segment per ``stream_interval`` seconds and never later than that after it was
+        generated."""
+        pieces: list[str] = []
+        last = StreamChunk("")
+        flusher = _Flusher(
+            lambda text: self.driver.submit(
+                functools.partial(self.dispatcher.job_progress, key, text)
+            ),
+            self.config.stream_interval,
+        )
+        async with trio.open_nursery() as nursery:
+            if query.stream:
+                nursery.start_soon(flusher.run)
+            async for chunk in stop_at(self.engine.stream(prompt, params), query.params.stop):
+                pieces.append(chunk.text)
+                last = chunk
+                if query.stream and chunk.finish_reason is None:
+                    flusher.add(chunk.text)
+            flusher.flush()  # before the answer: its segment must follow the text's
+            nursery.cancel_scope.cancel()
+        text = "".join(pieces)
+        prompt_tokens = last.prompt_tokens
+        if prompt_tokens is None:
+            prompt_tokens = len(await self.engine.tokenize(prompt))
+        completion_tokens = last.completion_tokens
+        if completion_tokens is None:
+            completion_tokens = len(await self.engine.tokenize(text)) if text else 0
+        return Completion(text, prompt_tokens, completion_tokens, last.finish_reason or FINISH_STOP)
 
     # ------------------------------------------------------------------ cloves out
 
-    def _send_answer(self, waiter: dispatch.Waiter, content: responses.ResponseContent) -> None:
-        """Sign, encode and send one answer through the waiter's reply proxies."""
+    def _send_answer(self, command: SendAnswer) -> None:
+        """Sign, encode and send one answer through the waiter's reply proxies (for a streamed
+        Q, as its last segment)."""
         assert self.overlay is not None, "attach() the overlay first"
+        waiter, content = command.waiter, command.content
         try:
             status = ResponseStatus(content.status).name.lower()
         except ValueError:
@@ -205,13 +287,37 @@ class ModelNodeService:
             signature=responses.sign_response(
                 self.identity, query.request_id, req_hash, content, signed_at
             ),
+            finish_reason=content.finish_reason,
         )
-        proxies = query.reply_proxies
+        if not query.stream:
+            self._send_message(waiter, encode_reply(reply), responses.response_message_id(
+                query.request_id, req_hash
+            ))
+            return
+        rest = content.text.encode("utf-8", "surrogatepass")[command.offset:]
+        segment = ResponseSegment(
+            query.request_id, command.seq, command.offset,
+            rest.decode("utf-8", "surrogatepass"), dataclasses.replace(reply, text=""),
+        )
+        self._send_message(waiter, encode_segment(segment), responses.segment_message_id(
+            responses.response_message_id(query.request_id, req_hash), command.seq
+        ))
+
+    def _send_segment(self, command: SendSegment) -> None:
+        """Send one text segment of a streamed answer through the waiter's reply proxies."""
+        query = command.waiter.query
+        req_hash = responses.request_hash(command.waiter.q_bytes)
+        segment = ResponseSegment(query.request_id, command.seq, command.offset, command.text)
+        self._send_message(command.waiter, encode_segment(segment), responses.segment_message_id(
+            responses.response_message_id(query.request_id, req_hash), command.seq
+        ))
+
+    def _send_message(self, waiter: dispatch.Waiter, payload: bytes, message_id: bytes) -> None:
+        """S-IDA-encode ``payload`` under ``message_id``; clove i, signed, to reply proxy i."""
+        assert self.overlay is not None, "attach() the overlay first"
+        proxies = waiter.query.reply_proxies
         cloves = sida.encode(
-            encode_reply(reply),
-            total=len(proxies),
-            threshold=waiter.threshold,
-            message_id=responses.response_message_id(query.request_id, req_hash),
+            payload, total=len(proxies), threshold=waiter.threshold, message_id=message_id
         )
         for proxy, clove in zip(proxies, cloves):
             data = clove_to_bytes(clove)

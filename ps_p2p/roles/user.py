@@ -50,7 +50,13 @@ from ps_p2p.errors import (
     RequestTimeoutError,
     RequestTooLargeError,
 )
-from ps_p2p.inference import InferenceQuery, InferenceReply, SamplingParams
+from ps_p2p.inference import (
+    ChatMessage,
+    InferenceQuery,
+    InferenceReply,
+    ResponseSegment,
+    SamplingParams,
+)
 from ps_p2p.overlay.path_pool import (
     ClosePath,
     OpenPath,
@@ -69,6 +75,7 @@ from ps_p2p.overlay.requests import (
     RequestSpec,
     ResponseClove,
     SendClove,
+    StreamText,
 )
 from ps_p2p.pb.planetserve.v1 import clove_pb2
 from ps_p2p.protocols import inference_codec
@@ -109,6 +116,9 @@ class Answer:
             error status), ``RequestTooLargeError``; None when ok.
         status: the signed ``ResponseStatus`` value (0 also when no reply came).
         attempts: how many times the request was sent.
+        model_id: the model that answered; prompt_tokens, completion_tokens: its token counts
+            (the prompt as the model saw it: a chat after its template).
+        finish_reason: ``"stop"`` or ``"length"`` as the model node signed it ("" on error).
     """
 
     request_id: bytes
@@ -124,6 +134,8 @@ class Answer:
     model_id: str = ""
     completion_tokens: int = 0
     exception: PsError | None = None
+    prompt_tokens: int = 0
+    finish_reason: str = ""
 
     @property
     def error_type(self) -> type[PsError] | None:
@@ -180,8 +192,10 @@ def answer_from_outcome(outcome: Outcome) -> Answer:
         answer.status = reply.status
         answer.model_id = reply.model_id
         answer.completion_tokens = reply.completion_tokens
+        answer.prompt_tokens = reply.prompt_tokens
         if outcome.ok:
             answer.text = reply.text
+            answer.finish_reason = reply.finish_reason
     return answer
 
 
@@ -216,13 +230,17 @@ class ProtobufCodec:
     def clove_size(self, clove: sida.Clove) -> int:
         return len(clove_to_bytes(clove)) + _DELIVER_OVERHEAD
 
+    def decode_segment(self, payload: bytes) -> ResponseSegment:
+        return inference_codec.decode_segment(payload)
+
 
 class _Waiter:
-    """One :meth:`UserClient.ask` waiting for its outcome."""
+    """One :meth:`UserClient.ask` waiting for its outcome (and, streamed, for its text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_text: Callable[[str], None] | None = None) -> None:
         self.done = trio.Event()
         self.outcome: Outcome | None = None
+        self.on_text = on_text
 
 
 class UserClient:
@@ -375,28 +393,42 @@ class UserClient:
 
     async def ask(
         self,
-        prompt: str,
+        prompt: str = "",
         *,
+        messages: Sequence[ChatMessage] = (),
         model_id: str | None = None,
         max_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int = 0,
+        stop: Sequence[str] = (),
         model_node: bytes | None = None,
         timeout: float | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Answer:
-        """Send one prompt anonymously and wait for the signed answer.
+        """Send one prompt (or chat: ``messages``) anonymously and wait for the signed answer.
+
+        With ``on_text``, the answer is streamed through the overlay (docs/streaming.md):
+        ``on_text(piece)`` is called with each new piece of text, in order, as the model node
+        generates it (from the driver task: it must not block); the pieces add up to
+        ``Answer.text``. Generation ends before the first of the ``stop`` strings.
 
         Never raises for network trouble: a failure comes back as ``Answer(ok=False)`` with a
         typed ``exception`` (see :class:`Answer`) once known, at the latest when the deadline
         (``timeout`` or ``config.request_timeout`` seconds) passes. Needs :meth:`run`. Counted
         in :attr:`outcomes` and reported to ``on_request_done`` when it ends.
+
+        Raises:
+            ValueError: neither a non-blank prompt nor messages, or both.
         """
+        if bool(prompt) == bool(messages) or (prompt and not prompt.strip()):
+            raise ValueError("ask needs a non-blank prompt or chat messages (not both)")
         started = self._clock()
         try:
             answer = await self._ask(
-                prompt, model_id=model_id, max_tokens=max_tokens, temperature=temperature,
-                top_p=top_p, seed=seed, model_node=model_node, timeout=timeout,
+                prompt, messages=tuple(messages), model_id=model_id, max_tokens=max_tokens,
+                temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop),
+                model_node=model_node, timeout=timeout, on_text=on_text,
             )
         except trio.Cancelled:
             self._request_done("cancelled", started)
@@ -419,13 +451,16 @@ class UserClient:
         self,
         prompt: str,
         *,
+        messages: tuple[ChatMessage, ...],
         model_id: str | None,
         max_tokens: int,
         temperature: float,
         top_p: float,
         seed: int,
+        stop: tuple[str, ...],
         model_node: bytes | None,
         timeout: float | None,
+        on_text: Callable[[str], None] | None,
     ) -> Answer:
         timeout = self.config.request_timeout if timeout is None else timeout
         request_id = self._random_bytes(16)
@@ -446,11 +481,14 @@ class UserClient:
             model_id=target.model_id,
             prompt=prompt,
             params=SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                stop=stop,
             ),
             timeout=max(0.0, timeout - (self._clock() - started)),
+            stream=on_text is not None,
+            messages=messages,
         )
-        waiter = self._waiters[request_id] = _Waiter()
+        waiter = self._waiters[request_id] = _Waiter(on_text)
         # essential: a start lost to a full inbox would leave the caller waiting forever
         self.driver.submit(partial(self._start_request, spec), essential=True)
         try:
@@ -557,6 +595,13 @@ class UserClient:
             self._changed = trio.Event()
         elif isinstance(command, ConvictProxy):
             self._execute(self._pool.convict_proxy(command.proxy, now), now)
+        elif isinstance(command, StreamText):
+            waiter = self._waiters.get(command.request_id)
+            if waiter is not None and waiter.on_text is not None:
+                try:
+                    waiter.on_text(command.text)
+                except Exception:  # the caller's bug must not stop the driver
+                    log.exception("on_text failed")
         elif isinstance(command, RequestDone):
             waiter = self._waiters.pop(command.outcome.request_id, None)
             if waiter is not None:
@@ -645,6 +690,7 @@ class UserClient:
                 destination=command.destination,
                 clove=clove_to_bytes(command.clove),
                 reply_tag=command.reply_tag,
+                max_replies=command.max_replies,
             )
         )
         if handle is None or not self.overlay.send_on_path(handle, payload):

@@ -19,14 +19,19 @@ request decoded                a resent request (same Q but its reply proxies) i
                                sampling parameters out of range) is answered with its error at
                                once; past ``capacity + max_queue`` the answer is OVERLOADED;
                                otherwise ``StartJob``
-job started / finished         load tracking (F_LB); the answer goes to every waiter, an OK one
-                               is cached ``cache_ttl`` seconds
+job progress (streamed Q)      the new text goes to every waiter as a segment (a waiter that
+                               joins later first gets the text so far); at most
+                               ``MAX_SEGMENTS - 1`` such segments per waiter, the rest rides on
+                               the last one
+job started / finished         load tracking (F_LB); the answer goes to every waiter (the last
+                               segment of a streamed Q), an OK one is cached ``cache_ttl`` s
 tick                           expiry of incomplete requests and cached answers (both in order)
 =============================  ==================================================================
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -56,6 +61,17 @@ MAX_REPLY_PROXIES = sida.MAX_TOTAL
 MIN_THRESHOLD = 2
 #: Largest sampling temperature accepted.
 MAX_TEMPERATURE = 100.0
+#: Stop strings a request may name, and their longest length (characters; OpenAI allows 4).
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+#: Messages a chat may have.
+MAX_CHAT_MESSAGES = 256
+#: Chat roles accepted (OpenAI's chat completions API).
+CHAT_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
+#: Segments of one streamed answer at most, the last one included (each is one clove per reply
+#: proxy, so it must not exceed what a proxy forwards under one tag:
+#: ps_p2p.overlay.relay.MAX_REPLIES_PER_TAG).
+MAX_SEGMENTS = 128
 _RETRY_KEY_DOMAIN = b"planetserve/v1/retry-key\x00"
 
 #: Reasons a request clove is dropped (:attr:`Dispatcher.dropped_by`).
@@ -127,13 +143,28 @@ class StartJob:
 
 @dataclass(frozen=True)
 class SendAnswer:
-    """Sign ``content`` for ``waiter`` and send it through its reply proxies."""
+    """Sign ``content`` for ``waiter`` and send it through its reply proxies; for a streamed Q,
+    as its last segment: number ``seq``, carrying ``content.text`` from UTF-8 byte ``offset``
+    on (what earlier segments to this waiter did not carry)."""
 
     waiter: Waiter
     content: ResponseContent
+    seq: int = 0
+    offset: int = 0
 
 
-Command = StartJob | SendAnswer
+@dataclass(frozen=True)
+class SendSegment:
+    """Send segment ``seq`` of a streamed answer, ``text`` at UTF-8 byte ``offset``, to
+    ``waiter`` through its reply proxies."""
+
+    waiter: Waiter
+    seq: int
+    offset: int
+    text: str
+
+
+Command = StartJob | SendAnswer | SendSegment
 
 
 @dataclass
@@ -141,6 +172,9 @@ class _Job:
     query: InferenceQuery
     waiters: list[Waiter] = field(default_factory=list)
     started_at: float | None = None
+    pieces: list[str] = field(default_factory=list)  # text streamed so far
+    # per waiter (same order): next segment number, UTF-8 bytes sent in segments
+    sent: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -167,6 +201,12 @@ def retry_key(query: InferenceQuery) -> bytes:
         + lp(query.prompt.encode("utf-8", "surrogatepass"))
         + struct.pack(">IddQ", p.max_tokens, p.temperature, p.top_p, p.seed)
         + lp(query.preferred_model_node)
+        + struct.pack(">?II", query.stream, len(p.stop), len(query.messages))
+        + b"".join(lp(s.encode("utf-8", "surrogatepass")) for s in p.stop)
+        + b"".join(
+            lp(m.role.encode("utf-8", "surrogatepass")) + lp(m.content.encode("utf-8", "surrogatepass"))
+            for m in query.messages
+        )
     ).digest()
 
 
@@ -292,7 +332,10 @@ class Dispatcher:
         if job is not None:
             if len(job.waiters) < self.config.max_waiters:
                 job.waiters.append(waiter)
+                job.sent.append([0, 0])
                 self._count(REQUEST_JOINED)
+                if query.stream and job.pieces:  # the text so far, then what comes
+                    return self._segment(job, len(job.waiters) - 1, "".join(job.pieces))
             else:
                 self._count(REQUEST_DROPPED)
             return []
@@ -307,7 +350,7 @@ class Dispatcher:
                 ResponseStatus.OVERLOADED, "model node overloaded; retry later"
             ))]
         self._count(REQUEST_ADMITTED)
-        self._jobs[key] = _Job(query, [waiter])
+        self._jobs[key] = _Job(query, [waiter], sent=[[0, 0]])
         return [StartJob(key, query)]
 
     def validate(self, query: InferenceQuery) -> tuple[int, str] | None:
@@ -318,8 +361,19 @@ class Dispatcher:
         if query.model_id and query.model_id != self.model_id:
             return (ResponseStatus.WRONG_MODEL,
                     f"this node serves {self.model_id!r}, not {query.model_id!r}")
-        if len(query.prompt) > MAX_PROMPT_CHARS:
+        if bool(query.prompt) == bool(query.messages):
+            return ResponseStatus.BAD_REQUEST, "a request has either a prompt or chat messages"
+        if len(query.messages) > MAX_CHAT_MESSAGES:
+            return ResponseStatus.BAD_REQUEST, f"over {MAX_CHAT_MESSAGES} chat messages"
+        for m in query.messages:
+            if m.role not in CHAT_ROLES:
+                return ResponseStatus.BAD_REQUEST, f"unknown chat role {m.role[:40]!r}"
+        size = len(query.prompt) + sum(len(m.content) for m in query.messages)
+        if size > MAX_PROMPT_CHARS:
             return ResponseStatus.PROMPT_TOO_LONG, f"prompt over {MAX_PROMPT_CHARS} characters"
+        if len(p.stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in p.stop):
+            return (ResponseStatus.BAD_REQUEST,
+                    f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_CHARS} characters")
         if p.max_tokens > MAX_TOKENS_LIMIT:
             return ResponseStatus.BAD_REQUEST, f"max_tokens over {MAX_TOKENS_LIMIT}"
         if not (math.isfinite(p.temperature) and 0.0 <= p.temperature <= MAX_TEMPERATURE):
@@ -342,8 +396,32 @@ class Dispatcher:
             self.load.start()
         return []
 
+    def job_progress(self, key: bytes, text: str, now: float) -> list[Command]:
+        """The streamed job ``key`` generated ``text`` (the next piece, in order): a segment to
+        each waiter that has segments left (:data:`MAX_SEGMENTS`)."""
+        job = self._jobs.get(key)
+        if job is None or not text or not job.query.stream:
+            return []
+        job.pieces.append(text)
+        out: list[Command] = []
+        for index in range(len(job.waiters)):
+            out += self._segment(job, index, text)
+        return out
+
+    def _segment(self, job: _Job, index: int, text: str) -> list[Command]:
+        sent = job.sent[index]
+        if sent[0] >= MAX_SEGMENTS - 1:
+            return []  # the last segment carries the rest
+        seq, offset = sent
+        sent[0] += 1
+        sent[1] += len(text.encode("utf-8", "surrogatepass"))
+        return [SendSegment(job.waiters[index], seq, offset, text)]
+
     def job_finished(self, key: bytes, content: ResponseContent, now: float) -> list[Command]:
-        """The job ``key`` ended with ``content``: every waiter gets it; OK answers are cached."""
+        """The job ``key`` ended with ``content``: every waiter gets it; OK answers are cached.
+
+        For a streamed Q whose job failed after streaming text, the answer signs the text
+        streamed so far (what the user already holds)."""
         job = self._jobs.pop(key, None)
         if job is None:
             return []
@@ -354,7 +432,9 @@ class Dispatcher:
             self._cache[key] = _Cached(content, now + self.config.cache_ttl)
             while len(self._cache) > self.config.max_cached:
                 self._cache.popitem(last=False)
-        return [SendAnswer(w, content) for w in job.waiters]
+        elif job.pieces:
+            content = dataclasses.replace(content, text="".join(job.pieces))
+        return [SendAnswer(w, content, *job.sent[i]) for i, w in enumerate(job.waiters)]
 
     # ------------------------------------------------------------------ timers
 
@@ -383,6 +463,7 @@ class Dispatcher:
 __all__ = [
     "Command", "DROP_DUPLICATE_PROXY", "DROP_LOW_THRESHOLD", "DROP_PROXY_SHARE",
     "DispatchConfig", "Dispatcher", "REQUEST_ADMITTED", "REQUEST_CACHED", "REQUEST_DROPPED",
-    "REQUEST_EXPIRED", "REQUEST_INVALID", "REQUEST_JOINED", "REQUEST_OVERLOADED", "SendAnswer",
+    "MAX_SEGMENTS", "REQUEST_EXPIRED", "REQUEST_INVALID", "REQUEST_JOINED", "REQUEST_OVERLOADED",
+    "SendAnswer", "SendSegment",
     "StartJob", "Waiter", "retry_key",
 ]
