@@ -21,7 +21,7 @@ import trio.testing
 from ps_p2p.engines import default_model_id, load_engine
 from ps_p2p.engines.base import Engine, SamplingParams, TokenScores
 from ps_p2p.engines.vllm_engine import VLLMEngine
-from ps_p2p.errors import ConfigError, EngineError, PromptTooLongError
+from ps_p2p.errors import ConfigError, EngineError, EngineParameterError, PromptTooLongError
 from ps_p2p.testing.fake_vllm import open_fake_vllm
 from ps_p2p.testing.fakes import InstantEngine
 
@@ -367,13 +367,55 @@ async def test_vllm_refresh_reads_max_model_len(engine, vllm):
     assert vllm.max_context == engine.max_context
 
 
-async def test_vllm_context_overflow_raises_prompt_too_long(engine, vllm):
-    too_many = SamplingParams(max_tokens=engine.max_context)
-    with pytest.raises(PromptTooLongError):
-        await vllm.complete(PROMPT, too_many)
-    with pytest.raises(PromptTooLongError):
-        async for _ in vllm.generate(PROMPT, too_many):
-            pass
+async def test_vllm_overflowing_max_tokens_is_cut_to_the_room_left(engine):
+    prompt_tokens = len(await engine.tokenize(PROMPT))
+    room = 6
+    expected = await engine.complete(PROMPT, SamplingParams(max_tokens=room))
+    assert expected.finish_reason == "length"  # the model does not stop within 6 tokens
+    overflowing = SamplingParams(max_tokens=prompt_tokens + room)  # = max_model_len: accepted
+    async with open_fake_vllm(engine, max_model_len=prompt_tokens + room) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            completion = await client.complete(PROMPT, overflowing)
+            chunks = [c async for c in client.stream(PROMPT, overflowing)]
+    assert completion == expected
+    assert "".join(c.text for c in chunks) == expected.text
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == (
+        "length", prompt_tokens, room,
+    )
+
+
+@pytest.mark.parametrize("short_by", [1, 0], ids=["prompt-over-context", "prompt-equals-context"])
+async def test_vllm_prompt_that_leaves_no_room_raises_prompt_too_long(engine, short_by):
+    prompt_tokens = len(await engine.tokenize(PROMPT))
+    async with open_fake_vllm(engine, max_model_len=prompt_tokens - short_by) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            with pytest.raises(PromptTooLongError):
+                await client.complete(PROMPT, SamplingParams(max_tokens=1))
+            with pytest.raises(PromptTooLongError):
+                async for _ in client.stream(PROMPT, SamplingParams(max_tokens=1)):
+                    pass
+            with pytest.raises(PromptTooLongError):
+                await client.score(PROMPT, " there")
+
+
+async def test_vllm_max_tokens_above_max_model_len_is_a_parameter_error(engine):
+    window = len(await engine.tokenize(PROMPT)) + 4
+    async with open_fake_vllm(engine, max_model_len=window) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            too_many = SamplingParams(max_tokens=window + 1)
+            with pytest.raises(EngineParameterError, match="cannot be greater than") as info:
+                await client.complete(PROMPT, too_many)
+            assert not isinstance(info.value, PromptTooLongError)
+            assert isinstance(info.value, ValueError)
+            with pytest.raises(EngineParameterError):
+                async for _ in client.generate(PROMPT, too_many):
+                    pass
+            # max_tokens equal to the window is accepted (and cut): only "greater than" is not
+            cut = await client.complete(PROMPT, SamplingParams(max_tokens=window))
+    assert (cut.completion_tokens, cut.finish_reason) == (4, "length")
+
+
+async def test_vllm_score_of_a_continuation_past_the_context_raises_prompt_too_long(engine, vllm):
     with pytest.raises(PromptTooLongError):
         await vllm.score(PROMPT, " a" * engine.max_context)
 
@@ -404,24 +446,52 @@ async def test_vllm_unknown_model_raises_engine_error(vllm_url):
 
 async def test_fake_vllm_answers_vllm_error_objects(engine, vllm_url):
     async with httpx.AsyncClient(base_url=vllm_url) as http:
-        too_long = await http.post("/v1/completions", json={
-            "model": engine.model_id, "prompt": PROMPT, "max_tokens": engine.max_context,
+        too_many = await http.post("/v1/completions", json={
+            "model": engine.model_id, "prompt": PROMPT, "max_tokens": engine.max_context + 1,
         })
-        assert too_long.status_code == 400
-        body = too_long.json()
-        assert (body["object"], body["type"], body["code"]) == ("error", "BadRequestError", 400)
-        assert "maximum context length is 2048 tokens" in body["message"]
+        assert too_many.status_code == 400
+        assert too_many.json() == {"error": {
+            "message": "max_tokens=2049 cannot be greater than max_model_len=2048. "
+                       "Please request fewer output tokens.",
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }}
 
         unknown = await http.post("/v1/completions", json={"model": "x", "prompt": PROMPT})
         assert unknown.status_code == 404
-        assert unknown.json()["message"] == "The model `x` does not exist."
+        assert unknown.json()["error"]["message"] == "The model `x` does not exist."
+        assert unknown.json()["error"]["type"] == "NotFoundError"
 
         for bad in ({"prompt": PROMPT, "temperature": -1}, {"prompt": PROMPT, "max_tokens": 0},
                     {"prompt": PROMPT, "stream": True, "prompt_logprobs": 1}, {"max_tokens": 4}):
             response = await http.post("/v1/completions", json=bad)
             assert response.status_code == 400, bad
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
         assert (await http.get("/v1/completions")).status_code == 405
         assert (await http.get("/v1/chat")).status_code == 404
+
+
+async def test_fake_vllm_accepts_overflow_and_refuses_a_prompt_alone_too_long(engine):
+    ids = await engine.tokenize(PROMPT)
+    async with open_fake_vllm(engine, max_model_len=len(ids) + 3) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            request = {"prompt": PROMPT, "max_tokens": len(ids) + 3, "temperature": 0}
+            accepted = await http.post("/v1/completions", json=request)
+            too_long = await http.post("/v1/completions", json={
+                **request, "prompt": PROMPT + " there was a little girl",
+            })
+    assert accepted.status_code == 200
+    assert accepted.json()["choices"][0]["finish_reason"] == "length"
+    assert accepted.json()["usage"]["completion_tokens"] == 3
+    assert too_long.status_code == 400
+    error = too_long.json()["error"]
+    assert error["param"] == "input_tokens" and error["code"] == 400
+    assert error["message"].startswith(
+        f"This model's maximum context length is {len(ids) + 3} tokens. However, your prompt "
+        f"contains {len(await engine.tokenize(PROMPT + ' there was a little girl'))} input "
+        "tokens, which exceeds this limit even without any output tokens."
+    )
 
 
 async def test_fake_vllm_completion_and_stream_have_vllm_shapes(engine, vllm_url):
@@ -439,11 +509,23 @@ async def test_fake_vllm_completion_and_stream_have_vllm_shapes(engine, vllm_url
             lines = [line async for line in response.aiter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-    assert all(e["object"] == "text_completion" and e["id"] == events[0]["id"] for e in events)
+    assert all(e["id"] == events[0]["id"] and e["id"].startswith("cmpl-") for e in events)
     text_events, usage_event = events[:-1], events[-1]
+    for event in text_events:
+        assert set(event) == {"id", "object", "created", "model", "choices"}
+        assert event["object"] == "text_completion" and event["model"] == engine.model_id
+        [choice] = event["choices"]
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
+        assert choice["index"] == 0 and choice["logprobs"] is None
+    assert [e["choices"][0]["finish_reason"] for e in text_events] == (
+        [None] * (len(text_events) - 1) + ["length"]
+    )
     assert "".join(e["choices"][0]["text"] for e in text_events) == answer["choices"][0]["text"]
-    assert text_events[-1]["choices"][0]["finish_reason"] == "length"
-    assert usage_event["choices"] == [] and usage_event["usage"] == answer["usage"]
+    assert set(usage_event) == {"id", "object", "created", "model", "choices", "usage"}
+    assert usage_event["object"] == "text_completion" and usage_event["choices"] == []
+    assert usage_event["usage"] == {
+        k: v for k, v in answer["usage"].items() if k != "prompt_tokens_details"
+    }
 
 
 async def test_fake_vllm_prompt_logprobs_align_with_prompt_tokens(engine, vllm_url):

@@ -328,12 +328,24 @@ class Engine(abc.ABC):
         """The prompt text for a chat: the model's chat template with the generation prompt
         when it has one, else :func:`default_chat_prompt`. This default always uses the latter.
 
+        The text is meant for :meth:`complete` / :meth:`stream`, which add the tokenizer's
+        special tokens (BOS) themselves: engines leave a template's leading BOS out of it.
+
         Raises:
             ValueError: no messages, or a role outside :data:`CHAT_ROLES`.
             EngineError: the template failed to render.
         """
         check_messages(messages)
         return default_chat_prompt(messages)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (Jinja source) when this engine holds it, else None.
+
+        None also when the template is applied elsewhere (a vLLM server renders its own); the
+        fake vLLM server reads it to answer chat requests as a server without a template would.
+        """
+        return None
 
     # -- optional token-level API ---------------------------------------------------------
 
