@@ -19,7 +19,7 @@ import trio
 import trio.testing
 
 from ps_p2p.engines import default_model_id, load_engine
-from ps_p2p.engines.base import Engine, SamplingParams, TokenScores
+from ps_p2p.engines.base import Engine, SamplingParams, StreamChunk, TokenScores
 from ps_p2p.engines.vllm_engine import VLLMEngine
 from ps_p2p.errors import ConfigError, EngineError, EngineParameterError, PromptTooLongError
 from ps_p2p.testing.fake_vllm import open_fake_vllm
@@ -540,3 +540,224 @@ async def test_fake_vllm_prompt_logprobs_align_with_prompt_tokens(engine, vllm_u
         own = entry[str(token_id)]
         assert own["logprob"] <= 0 and own["rank"] >= 1 and isinstance(own["decoded_token"], str)
         assert {v["rank"] for v in entry.values()} >= {1, 2}
+
+
+async def test_fake_vllm_prompt_logprobs_put_the_prompt_token_first_with_its_true_rank(engine):
+    ids = await engine.tokenize(PROMPT + " there was")
+    local = await engine.score_ids(ids, 1, top_k=3)
+    async with open_fake_vllm(engine) as url, httpx.AsyncClient(base_url=url) as http:
+        answer = (await http.post("/v1/completions", json={
+            "prompt": ids, "max_tokens": 1, "prompt_logprobs": 3,
+        })).json()
+    entries = answer["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None
+    for token_id, rank, top, entry in zip(ids[1:], local.ranks, local.top_logprobs, entries[1:]):
+        keys = list(entry)
+        assert keys[0] == str(token_id) and entry[keys[0]]["rank"] == rank
+        alternatives = {int(k): v for k, v in entry.items() if k != str(token_id) or rank <= 3}
+        assert set(alternatives) == set(top)
+        assert sorted(v["rank"] for v in alternatives.values()) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("k", [21, -1])
+async def test_fake_vllm_refuses_prompt_logprobs_above_max_logprobs(engine, vllm_url, k):
+    async with httpx.AsyncClient(base_url=vllm_url) as http:
+        response = await http.post("/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": k,
+        })
+    assert response.status_code == 400
+    error = response.json()["error"]
+    wanted = k if k > 0 else engine.vocab_size
+    assert error["message"] == (
+        f"Requested prompt logprobs of {wanted}, which is greater than max allowed: 20"
+    )
+    assert error["param"] == "prompt_logprobs"
+
+
+async def test_fake_vllm_without_a_logprobs_limit_gives_the_whole_vocabulary(engine):
+    ids = await engine.tokenize(PROMPT)
+    async with open_fake_vllm(engine, max_logprobs=-1) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            answer = (await http.post("/v1/completions", json={
+                "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1,
+            })).json()
+    entries = answer["choices"][0]["prompt_logprobs"]
+    assert all(len(entry) == engine.vocab_size for entry in entries[1:])
+
+
+async def test_vllm_score_ids_above_max_logprobs_is_a_parameter_error(engine, vllm):
+    ids = await engine.tokenize(PROMPT)
+    assert len((await vllm.score_ids(ids, 1, top_k=20)).top_logprobs[0]) == 20
+    with pytest.raises(EngineParameterError, match="max allowed: 20"):
+        await vllm.score_ids(ids, 1, top_k=21)
+
+
+class _ImpossibleTokens(InstantEngine):
+    """Characters as tokens; every token has probability 0 (logprob -inf), rank 1."""
+
+    async def encode(self, text, *, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+    async def decode(self, token_ids):
+        return "".join(map(chr, token_ids))
+
+    async def score_ids(self, token_ids, start, *, top_k=0):
+        scored = list(token_ids[start:])
+        return TokenScores(
+            scored, [-math.inf] * len(scored), ranks=[1] * len(scored),
+            top_logprobs=[{t: -math.inf} for t in scored] if top_k else None,
+        )
+
+
+async def test_minus_infinity_travels_as_minus_9999_and_reads_back_as_minus_infinity():
+    engine = _ImpossibleTokens(max_context=64)
+    async with open_fake_vllm(engine) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            response = await http.post("/v1/completions", json={
+                "prompt": [104, 105], "max_tokens": 1, "prompt_logprobs": 1,
+            })
+        async with VLLMEngine(url, engine.model_id) as client:
+            scores = await client.score_ids([104, 105, 106], 1, top_k=1)
+    assert b"Infinity" not in response.content
+    assert response.json()["choices"][0]["prompt_logprobs"][1]["105"]["logprob"] == -9999.0
+    assert scores.logprobs == [-math.inf, -math.inf]
+    assert scores.top_logprobs == [{105: -math.inf}, {106: -math.inf}]
+
+
+class _FailsMidStream(InstantEngine):
+    """Streams one piece, then fails as a crashed engine would."""
+
+    async def stream(self, prompt, params):
+        yield StreamChunk("Once")
+        raise EngineError("CUDA error: an illegal memory access was encountered")
+
+
+async def test_fake_vllm_reports_a_failure_inside_the_stream_before_done():
+    engine = _FailsMidStream()
+    async with open_fake_vllm(engine) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            request = {"prompt": "hi", "max_tokens": 4, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=request) as response:
+                assert response.status_code == 200
+                lines = [line async for line in response.aiter_lines() if line]
+        async with VLLMEngine(url, engine.model_id) as client:
+            pieces = []
+            with pytest.raises(EngineError, match="illegal memory access") as info:
+                async for chunk in client.stream("hi", SamplingParams(max_tokens=4)):
+                    pieces.append(chunk.text)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: ")) == {"error": {
+        "message": "CUDA error: an illegal memory access was encountered",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }}
+    assert pieces == ["Once"]
+    assert not isinstance(info.value, EngineParameterError)
+
+
+# -- VLLMEngine's reading of server answers (canned answers, no server) -----------------------
+
+
+def _canned(status: int, payload: dict, *, stream: bool = False) -> httpx.MockTransport:
+    """A transport answering every request with ``payload`` (as an SSE error event when
+    ``stream``, the way vLLM reports a failure after the stream started)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if stream:
+            body = b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.Response(status, json=payload)
+
+    return httpx.MockTransport(answer)
+
+
+def _nested(message: str, param: str | None = None, code: int = 400) -> dict:
+    kind = {400: "BadRequestError", 500: "InternalServerError"}.get(code, "Error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _flat(message: str, code: int = 400) -> dict:
+    return {"object": "error", "message": message, "type": "BadRequestError", "param": None,
+            "code": code}
+
+
+_ERROR_CASES = [
+    ("max-tokens-0.33", 400, _nested(
+        "max_tokens=4097 cannot be greater than max_model_len=4096. Please request fewer "
+        "output tokens.", "max_tokens"), EngineParameterError),
+    ("max-tokens-total-tokens", 400, _nested(
+        "max_tokens=8888 cannot be greater than max_model_len=max_total_tokens=3072."),
+        EngineParameterError),
+    ("max-tokens-flat", 400, _flat(
+        "max_tokens=4097 cannot be greater than max_model_len=4096"), EngineParameterError),
+    ("prompt-alone-too-long", 400, _nested(
+        "This model's maximum context length is 4096 tokens. However, your prompt contains "
+        "5000 input tokens, which exceeds this limit even without any output tokens.",
+        "input_tokens"), PromptTooLongError),
+    ("old-overflow", 400, _flat(
+        "This model's maximum context length is 2048 tokens. However, you requested 2060 "
+        "tokens (12 in the messages, 2048 in the completion)."), PromptTooLongError),
+    ("prompt-logprobs", 400, _nested(
+        "Requested prompt logprobs of 21, which is greater than max allowed: 20",
+        "prompt_logprobs"), EngineParameterError),
+    ("server-error", 500, _nested("EngineCore died", code=500), EngineError),
+    ("unknown-model", 404, _nested("The model `m` does not exist.", "model", 404), EngineError),
+]
+
+
+@pytest.mark.parametrize(
+    "status, payload, expected", [c[1:] for c in _ERROR_CASES], ids=[c[0] for c in _ERROR_CASES]
+)
+async def test_vllm_maps_server_errors_to_engine_errors(status, payload, expected):
+    for stream in (False, True):
+        if stream and status == 404:
+            continue  # a 404 comes before any stream
+        transport = _canned(status, payload, stream=stream)
+        async with VLLMEngine("http://vllm.invalid", "m", transport=transport) as client:
+            with pytest.raises(EngineError) as info:
+                if stream:
+                    async for _ in client.stream("hi", GREEDY):
+                        pass
+                else:
+                    await client.complete("hi", GREEDY)
+        assert type(info.value) is expected, stream
+
+
+async def test_vllm_stream_asks_for_usage_and_puts_it_on_the_last_chunk():
+    bodies = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
+        events = [
+            {**chunk, "choices": [{"index": 0, "text": "Once", "logprobs": None,
+                                   "finish_reason": None, "stop_reason": None}]},
+            {**chunk, "choices": [{"index": 0, "text": " upon", "logprobs": None,
+                                   "finish_reason": "length", "stop_reason": None}]},
+            {**chunk, "choices": [],
+             "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}},
+        ]
+        body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        return httpx.Response(200, content=body + b"data: [DONE]\n\n")
+
+    transport = httpx.MockTransport(answer)
+    async with VLLMEngine("http://vllm.invalid", "m", transport=transport) as client:
+        chunks = [c async for c in client.stream("hi", GREEDY)]
+        completion = await Engine.complete(client, "hi", GREEDY)  # the default: from stream()
+    assert bodies[0]["stream"] is True and bodies[0]["stream_options"] == {"include_usage": True}
+    assert [c.text for c in chunks] == ["Once", " upon"]
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == (
+        "length", 7, 2,
+    )
+    assert completion.finish_reason == "length" and completion.completion_tokens == 2
+
+
+async def test_vllm_aborted_request_raises_engine_error():
+    answer = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+              "choices": [{"index": 0, "text": "Once", "logprobs": None,
+                           "finish_reason": "abort", "stop_reason": None}],
+              "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}
+    async with VLLMEngine("http://vllm.invalid", "m", transport=_canned(200, answer)) as client:
+        with pytest.raises(EngineError, match="aborted"):
+            await client.complete("hi", GREEDY)
