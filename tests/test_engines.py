@@ -19,7 +19,14 @@ import trio
 import trio.testing
 
 from ps_p2p.engines import default_model_id, load_engine
-from ps_p2p.engines.base import Engine, SamplingParams, StreamChunk, TokenScores
+from ps_p2p.engines.base import (
+    ChatMessage,
+    Engine,
+    SamplingParams,
+    StreamChunk,
+    TokenScores,
+    default_chat_prompt,
+)
 from ps_p2p.engines.vllm_engine import VLLMEngine
 from ps_p2p.errors import ConfigError, EngineError, EngineParameterError, PromptTooLongError
 from ps_p2p.testing.fake_vllm import open_fake_vllm
@@ -761,3 +768,149 @@ async def test_vllm_aborted_request_raises_engine_error():
     async with VLLMEngine("http://vllm.invalid", "m", transport=_canned(200, answer)) as client:
         with pytest.raises(EngineError, match="aborted"):
             await client.complete("hi", GREEDY)
+
+
+# -- chat prompts ------------------------------------------------------------------------------
+
+CHAT = [
+    ChatMessage("system", "You tell short stories."),
+    ChatMessage("user", "Tell me about a dog."),
+]
+#: a small template in the usual shape: BOS first, one line per message, generation prompt
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+TEMPLATED = "<system> You tell short stories.\n<user> Tell me about a dog.\n<assistant>"
+
+
+def _with_template(engine, template: str):
+    """A second engine over the same model, with its own tokenizer holding ``template``."""
+    from transformers import AutoTokenizer
+
+    from ps_p2p.engines.transformers_engine import TransformersEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer.name_or_path)
+    tokenizer.chat_template = template
+    return TransformersEngine(
+        engine.model, tokenizer, model_id=engine.model_id, max_context=engine.max_context
+    )
+
+
+async def test_instant_engine_uses_the_default_chat_prompt():
+    assert await InstantEngine().chat_prompt(CHAT) == (
+        "System: You tell short stories.\nUser: Tell me about a dog.\nAssistant:"
+    )
+    assert InstantEngine().chat_template is None
+
+
+@pytest.mark.parametrize("messages", [[], [ChatMessage("narrator", "x")]], ids=["none", "role"])
+async def test_chat_prompt_refuses_no_messages_and_unknown_roles(engine, messages):
+    for chat_engine in (engine, InstantEngine()):
+        with pytest.raises(ValueError):
+            await chat_engine.chat_prompt(messages)
+
+
+async def test_stories260k_has_no_chat_template_and_gets_the_default_prompt(engine):
+    assert engine.tokenizer.chat_template is None and engine.chat_template is None
+    assert await engine.chat_prompt(CHAT) == default_chat_prompt(CHAT)
+
+
+async def test_transformers_chat_prompt_renders_the_template_with_one_bos(engine):
+    templated = _with_template(engine, TEMPLATE)
+    text = await templated.chat_prompt(CHAT)
+    assert text == TEMPLATED  # the template's BOS is left to the tokenizer
+    ids = await templated.tokenize(text)
+    assert ids[0] == engine.tokenizer.bos_token_id
+    assert ids.count(engine.tokenizer.bos_token_id) == 1
+
+
+@pytest.mark.parametrize(
+    "template", ["{{ raise_exception('roles must alternate') }}", "{% for %}"],
+    ids=["raise_exception", "syntax-error"],
+)
+async def test_transformers_chat_template_failure_raises_engine_error(engine, template):
+    with pytest.raises(EngineError, match="chat template of stories260K failed"):
+        await _with_template(engine, template).chat_prompt(CHAT)
+
+
+async def test_vllm_chat_prompt_matches_the_backing_engine_template(engine):
+    templated = _with_template(engine, TEMPLATE)
+    async with open_fake_vllm(templated) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            assert await client.chat_prompt(CHAT) == TEMPLATED
+            assert await client.chat_prompt(CHAT[1:]) == await templated.chat_prompt(CHAT[1:])
+
+
+async def test_fake_vllm_tokenizes_chat_messages_with_the_engine_template(engine):
+    templated = _with_template(engine, TEMPLATE)
+    messages = [{"role": m.role, "content": m.content} for m in CHAT]
+    async with open_fake_vllm(templated) as url, httpx.AsyncClient(base_url=url) as http:
+        plain = (await http.post("/tokenize", json={"messages": messages})).json()
+        special = (await http.post("/tokenize", json={
+            "messages": messages, "add_special_tokens": True,
+        })).json()
+        parts = (await http.post("/tokenize", json={"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Tell me"},
+                                         {"type": "text", "text": "about a dog."}]},
+        ]})).json()
+    assert plain["tokens"] == await templated.encode(TEMPLATED, add_special_tokens=False)
+    assert plain["count"] == len(plain["tokens"])
+    assert special["tokens"] == await templated.tokenize(TEMPLATED)
+    assert parts["tokens"] == await templated.encode(
+        "<user> Tell me\nabout a dog.\n<assistant>", add_special_tokens=False
+    )
+
+
+async def test_vllm_server_without_a_chat_template_gives_the_default_prompt(engine, vllm):
+    async with httpx.AsyncClient(base_url=vllm.base_url) as http:
+        refused = await http.post("/tokenize", json={
+            "messages": [{"role": "user", "content": "hi"}],
+        })
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        "As of transformers v4.44, default chat template is no longer allowed, so you must "
+        "provide a chat template if the tokenizer does not define one."
+    )
+    assert await vllm.chat_prompt(CHAT) == await engine.chat_prompt(CHAT) == (
+        default_chat_prompt(CHAT)
+    )
+
+
+async def test_vllm_chat_template_failure_raises_engine_error(engine):
+    failing = _with_template(engine, "{{ raise_exception('roles must alternate') }}")
+    async with open_fake_vllm(failing) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            with pytest.raises(EngineError, match="roles must alternate"):
+                await client.chat_prompt(CHAT)
+            with pytest.raises(ValueError):
+                await client.chat_prompt([])
+
+
+async def test_vllm_chat_prompt_drops_the_template_bos_that_completions_add_again():
+    """A real server's template renders BOS as a token; the text sent back must not hold it,
+    or /v1/completions would add a second BOS."""
+    requests = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        requests.append((request.url.path, body))
+        if request.url.path == "/tokenize" and "messages" in body:
+            return httpx.Response(200, json={"count": 4, "max_model_len": 64,
+                                             "tokens": [1, 40, 41, 42], "token_strs": None})
+        if request.url.path == "/tokenize":  # the empty prompt with special tokens: [BOS]
+            return httpx.Response(200, json={"count": 1, "max_model_len": 64, "tokens": [1],
+                                             "token_strs": None})
+        return httpx.Response(200, json={"prompt": f"text of {body['tokens']}"})
+
+    transport = httpx.MockTransport(answer)
+    async with VLLMEngine("http://vllm.invalid", "m", transport=transport) as client:
+        assert await client.chat_prompt(CHAT) == "text of [40, 41, 42]"
+        assert await client.chat_prompt(CHAT) == "text of [40, 41, 42]"
+    chat_request = requests[0][1]
+    assert chat_request["add_generation_prompt"] is True
+    assert chat_request["add_special_tokens"] is False
+    assert chat_request["messages"][1] == {"role": "user", "content": "Tell me about a dog."}
+    assert [path for path, _ in requests] == [  # the BOS prefix is asked once
+        "/tokenize", "/tokenize", "/detokenize", "/tokenize", "/detokenize",
+    ]
