@@ -16,7 +16,14 @@ methods. The fake vLLM server (:mod:`ps_p2p.testing.fake_vllm`) needs it for tok
 ``prompt_logprobs``.
 
 Errors: :class:`~ps_p2p.errors.PromptTooLongError` when prompt tokens + ``max_tokens`` exceed the
-context window; :class:`~ps_p2p.errors.EngineError` for every other failure of the engine.
+context window (a vLLM server >= 0.32 instead cuts ``max_tokens`` to what fits, and refuses only a
+prompt that leaves no room: see :mod:`~ps_p2p.engines.vllm_engine`);
+:class:`~ps_p2p.errors.EngineParameterError` (also a ``ValueError``) for a parameter the engine
+refuses whatever the prompt, such as ``max_tokens`` above the whole context window;
+:class:`~ps_p2p.errors.EngineError` for every other failure of the engine.
+
+Chats: :meth:`Engine.chat_prompt` turns :class:`ChatMessage` lists into a prompt with the model's
+chat template, or :func:`default_chat_prompt` for a model without one.
 """
 
 from __future__ import annotations
@@ -90,7 +97,8 @@ class Completion:
         text: the generated text (without the prompt, without the end-of-sequence token).
         prompt_tokens: tokens in the prompt, special tokens (BOS) included.
         completion_tokens: tokens generated (an end-of-sequence token is not counted).
-        finish_reason: ``"stop"`` (end of sequence) or ``"length"`` (max_tokens reached).
+        finish_reason: ``"stop"`` (end of sequence) or ``"length"`` (max_tokens reached, or the
+            context window full); a vLLM server may also say ``"repetition"``.
     """
 
     text: str
@@ -260,7 +268,10 @@ class Engine(abc.ABC):
 
         Raises:
             PromptTooLongError: prompt tokens + ``params.max_tokens`` > ``max_context`` (raised
-                on the first iteration, before any piece).
+                on the first iteration, before any piece); with vLLM, only a prompt that leaves
+                no room for one token (the server cuts ``max_tokens`` otherwise).
+            EngineParameterError: a parameter the engine refuses (vLLM: ``max_tokens`` >
+                ``max_model_len``).
             EngineError: the engine failed.
         """
 

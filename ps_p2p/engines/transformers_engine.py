@@ -11,7 +11,9 @@ tokenizer files; local files only, never the hub) or a single ``.gguf`` file, an
   seeded sample is the same on CPU and GPU, and streamed and non-streamed text are identical;
 * text is detokenized incrementally (a window of a few tokens, as vLLM does), so pieces keep
   their leading spaces and never split a multi-byte character;
-* :meth:`~TransformersEngine.score` is one forward pass over prompt + continuation tokens.
+* :meth:`~TransformersEngine.score` is one forward pass over prompt + continuation tokens;
+* :meth:`~TransformersEngine.chat_prompt` renders the tokenizer's chat template (or the default
+  chat prompt when it has none).
 
 Cancellation: a cancelled stream stops before its next token; a cancelled ``complete`` sets a
 flag that the worker thread checks between tokens, and is waited for (at most one token).

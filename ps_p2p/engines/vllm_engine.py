@@ -499,6 +499,8 @@ class VLLMEngine(Engine):
         message = _error_message(event) or json.dumps(event)[:1000]
         error = event.get("error") if isinstance(event.get("error"), dict) else event
         code = error.get("code") if isinstance(error, dict) else None
+        if isinstance(code, str) and code.isdigit():  # some proxies send the code as text
+            code = int(code)
         status = code if isinstance(code, int) else 500
         return self._classify(status, message, _error_param(event), "failed during the stream")
 

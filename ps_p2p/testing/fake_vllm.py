@@ -244,7 +244,7 @@ class FakeVLLM:
             raise _bad_request(NO_CHAT_TEMPLATE_MESSAGE)
         try:
             text = await self.engine.chat_prompt(messages)
-        except (EngineError, ValueError) as exc:  # vLLM: a template that fails is the request's fault
+        except (EngineError, ValueError) as exc:  # vLLM: a failing template is a bad request
             raise _bad_request(str(exc), param="messages") from exc
         return list(
             await self._engine_call(self.engine.encode(text, add_special_tokens=add_special))
@@ -335,7 +335,9 @@ class FakeVLLM:
         if value is None:
             return None
         if not _is_int(value) or value < -1:
-            raise _bad_request("`prompt_logprobs` must be an integer >= -1", param="prompt_logprobs")
+            raise _bad_request(
+                "`prompt_logprobs` must be an integer >= -1", param="prompt_logprobs"
+            )
         if stream:
             raise _bad_request(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
