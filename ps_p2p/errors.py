@@ -24,7 +24,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │       └── RequestRefusedError status BAD_REQUEST or WRONG_MODEL: the request is at fault
     │           └── ContextLengthError  status PROMPT_TOO_LONG (also a PromptTooLongError)
     └── EngineError                 the inference engine failed
-        └── PromptTooLongError      prompt + max_tokens exceed the model's context
+        ├── PromptTooLongError      prompt + max_tokens exceed the model's context
+        └── EngineParameterError    (also a ValueError) the engine refused a request parameter
 
 A request's outcome (``ps_p2p.overlay.requests``) is a verified answer or one of the
 ``RequestError`` classes above; layers above map the class, never its message (e.g. the local
@@ -88,6 +89,15 @@ class EngineError(PsError):
 
 class PromptTooLongError(EngineError):
     """The prompt (plus max_tokens) does not fit in the model's context window."""
+
+
+class EngineParameterError(EngineError, ValueError):
+    """The engine refused a request parameter that no prompt could make acceptable, e.g.
+    ``max_tokens`` above the whole context window or more prompt logprobs than the server allows.
+
+    The request is at fault, not the engine; shortening the prompt would not help (so it is not a
+    :class:`PromptTooLongError`). Also a ``ValueError``, like the checks of ``SamplingParams``.
+    """
 
 
 class RequestError(PsError):

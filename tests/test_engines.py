@@ -19,9 +19,16 @@ import trio
 import trio.testing
 
 from ps_p2p.engines import default_model_id, load_engine
-from ps_p2p.engines.base import Engine, SamplingParams, TokenScores
+from ps_p2p.engines.base import (
+    ChatMessage,
+    Engine,
+    SamplingParams,
+    StreamChunk,
+    TokenScores,
+    default_chat_prompt,
+)
 from ps_p2p.engines.vllm_engine import VLLMEngine
-from ps_p2p.errors import ConfigError, EngineError, PromptTooLongError
+from ps_p2p.errors import ConfigError, EngineError, EngineParameterError, PromptTooLongError
 from ps_p2p.testing.fake_vllm import open_fake_vllm
 from ps_p2p.testing.fakes import InstantEngine
 
@@ -367,13 +374,55 @@ async def test_vllm_refresh_reads_max_model_len(engine, vllm):
     assert vllm.max_context == engine.max_context
 
 
-async def test_vllm_context_overflow_raises_prompt_too_long(engine, vllm):
-    too_many = SamplingParams(max_tokens=engine.max_context)
-    with pytest.raises(PromptTooLongError):
-        await vllm.complete(PROMPT, too_many)
-    with pytest.raises(PromptTooLongError):
-        async for _ in vllm.generate(PROMPT, too_many):
-            pass
+async def test_vllm_overflowing_max_tokens_is_cut_to_the_room_left(engine):
+    prompt_tokens = len(await engine.tokenize(PROMPT))
+    room = 6
+    expected = await engine.complete(PROMPT, SamplingParams(max_tokens=room))
+    assert expected.finish_reason == "length"  # the model does not stop within 6 tokens
+    overflowing = SamplingParams(max_tokens=prompt_tokens + room)  # = max_model_len: accepted
+    async with open_fake_vllm(engine, max_model_len=prompt_tokens + room) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            completion = await client.complete(PROMPT, overflowing)
+            chunks = [c async for c in client.stream(PROMPT, overflowing)]
+    assert completion == expected
+    assert "".join(c.text for c in chunks) == expected.text
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == (
+        "length", prompt_tokens, room,
+    )
+
+
+@pytest.mark.parametrize("short_by", [1, 0], ids=["prompt-over-context", "prompt-equals-context"])
+async def test_vllm_prompt_that_leaves_no_room_raises_prompt_too_long(engine, short_by):
+    prompt_tokens = len(await engine.tokenize(PROMPT))
+    async with open_fake_vllm(engine, max_model_len=prompt_tokens - short_by) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            with pytest.raises(PromptTooLongError):
+                await client.complete(PROMPT, SamplingParams(max_tokens=1))
+            with pytest.raises(PromptTooLongError):
+                async for _ in client.stream(PROMPT, SamplingParams(max_tokens=1)):
+                    pass
+            with pytest.raises(PromptTooLongError):
+                await client.score(PROMPT, " there")
+
+
+async def test_vllm_max_tokens_above_max_model_len_is_a_parameter_error(engine):
+    window = len(await engine.tokenize(PROMPT)) + 4
+    async with open_fake_vllm(engine, max_model_len=window) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            too_many = SamplingParams(max_tokens=window + 1)
+            with pytest.raises(EngineParameterError, match="cannot be greater than") as info:
+                await client.complete(PROMPT, too_many)
+            assert not isinstance(info.value, PromptTooLongError)
+            assert isinstance(info.value, ValueError)
+            with pytest.raises(EngineParameterError):
+                async for _ in client.generate(PROMPT, too_many):
+                    pass
+            # max_tokens equal to the window is accepted (and cut): only "greater than" is not
+            cut = await client.complete(PROMPT, SamplingParams(max_tokens=window))
+    assert (cut.completion_tokens, cut.finish_reason) == (4, "length")
+
+
+async def test_vllm_score_of_a_continuation_past_the_context_raises_prompt_too_long(engine, vllm):
     with pytest.raises(PromptTooLongError):
         await vllm.score(PROMPT, " a" * engine.max_context)
 
@@ -404,24 +453,52 @@ async def test_vllm_unknown_model_raises_engine_error(vllm_url):
 
 async def test_fake_vllm_answers_vllm_error_objects(engine, vllm_url):
     async with httpx.AsyncClient(base_url=vllm_url) as http:
-        too_long = await http.post("/v1/completions", json={
-            "model": engine.model_id, "prompt": PROMPT, "max_tokens": engine.max_context,
+        too_many = await http.post("/v1/completions", json={
+            "model": engine.model_id, "prompt": PROMPT, "max_tokens": engine.max_context + 1,
         })
-        assert too_long.status_code == 400
-        body = too_long.json()
-        assert (body["object"], body["type"], body["code"]) == ("error", "BadRequestError", 400)
-        assert "maximum context length is 2048 tokens" in body["message"]
+        assert too_many.status_code == 400
+        assert too_many.json() == {"error": {
+            "message": "max_tokens=2049 cannot be greater than max_model_len=2048. "
+                       "Please request fewer output tokens.",
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }}
 
         unknown = await http.post("/v1/completions", json={"model": "x", "prompt": PROMPT})
         assert unknown.status_code == 404
-        assert unknown.json()["message"] == "The model `x` does not exist."
+        assert unknown.json()["error"]["message"] == "The model `x` does not exist."
+        assert unknown.json()["error"]["type"] == "NotFoundError"
 
         for bad in ({"prompt": PROMPT, "temperature": -1}, {"prompt": PROMPT, "max_tokens": 0},
                     {"prompt": PROMPT, "stream": True, "prompt_logprobs": 1}, {"max_tokens": 4}):
             response = await http.post("/v1/completions", json=bad)
             assert response.status_code == 400, bad
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
         assert (await http.get("/v1/completions")).status_code == 405
         assert (await http.get("/v1/chat")).status_code == 404
+
+
+async def test_fake_vllm_accepts_overflow_and_refuses_a_prompt_alone_too_long(engine):
+    ids = await engine.tokenize(PROMPT)
+    async with open_fake_vllm(engine, max_model_len=len(ids) + 3) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            request = {"prompt": PROMPT, "max_tokens": len(ids) + 3, "temperature": 0}
+            accepted = await http.post("/v1/completions", json=request)
+            too_long = await http.post("/v1/completions", json={
+                **request, "prompt": PROMPT + " there was a little girl",
+            })
+    assert accepted.status_code == 200
+    assert accepted.json()["choices"][0]["finish_reason"] == "length"
+    assert accepted.json()["usage"]["completion_tokens"] == 3
+    assert too_long.status_code == 400
+    error = too_long.json()["error"]
+    assert error["param"] == "input_tokens" and error["code"] == 400
+    assert error["message"].startswith(
+        f"This model's maximum context length is {len(ids) + 3} tokens. However, your prompt "
+        f"contains {len(await engine.tokenize(PROMPT + ' there was a little girl'))} input "
+        "tokens, which exceeds this limit even without any output tokens."
+    )
 
 
 async def test_fake_vllm_completion_and_stream_have_vllm_shapes(engine, vllm_url):
@@ -439,11 +516,23 @@ async def test_fake_vllm_completion_and_stream_have_vllm_shapes(engine, vllm_url
             lines = [line async for line in response.aiter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-    assert all(e["object"] == "text_completion" and e["id"] == events[0]["id"] for e in events)
+    assert all(e["id"] == events[0]["id"] and e["id"].startswith("cmpl-") for e in events)
     text_events, usage_event = events[:-1], events[-1]
+    for event in text_events:
+        assert set(event) == {"id", "object", "created", "model", "choices"}
+        assert event["object"] == "text_completion" and event["model"] == engine.model_id
+        [choice] = event["choices"]
+        assert set(choice) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
+        assert choice["index"] == 0 and choice["logprobs"] is None
+    assert [e["choices"][0]["finish_reason"] for e in text_events] == (
+        [None] * (len(text_events) - 1) + ["length"]
+    )
     assert "".join(e["choices"][0]["text"] for e in text_events) == answer["choices"][0]["text"]
-    assert text_events[-1]["choices"][0]["finish_reason"] == "length"
-    assert usage_event["choices"] == [] and usage_event["usage"] == answer["usage"]
+    assert set(usage_event) == {"id", "object", "created", "model", "choices", "usage"}
+    assert usage_event["object"] == "text_completion" and usage_event["choices"] == []
+    assert usage_event["usage"] == {
+        k: v for k, v in answer["usage"].items() if k != "prompt_tokens_details"
+    }
 
 
 async def test_fake_vllm_prompt_logprobs_align_with_prompt_tokens(engine, vllm_url):
@@ -458,3 +547,370 @@ async def test_fake_vllm_prompt_logprobs_align_with_prompt_tokens(engine, vllm_u
         own = entry[str(token_id)]
         assert own["logprob"] <= 0 and own["rank"] >= 1 and isinstance(own["decoded_token"], str)
         assert {v["rank"] for v in entry.values()} >= {1, 2}
+
+
+async def test_fake_vllm_prompt_logprobs_put_the_prompt_token_first_with_its_true_rank(engine):
+    ids = await engine.tokenize(PROMPT + " there was")
+    local = await engine.score_ids(ids, 1, top_k=3)
+    async with open_fake_vllm(engine) as url, httpx.AsyncClient(base_url=url) as http:
+        answer = (await http.post("/v1/completions", json={
+            "prompt": ids, "max_tokens": 1, "prompt_logprobs": 3,
+        })).json()
+    entries = answer["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None
+    for token_id, rank, top, entry in zip(ids[1:], local.ranks, local.top_logprobs, entries[1:]):
+        keys = list(entry)
+        assert keys[0] == str(token_id) and entry[keys[0]]["rank"] == rank
+        alternatives = {int(k): v for k, v in entry.items() if k != str(token_id) or rank <= 3}
+        assert set(alternatives) == set(top)
+        assert sorted(v["rank"] for v in alternatives.values()) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("k", [21, -1])
+async def test_fake_vllm_refuses_prompt_logprobs_above_max_logprobs(engine, vllm_url, k):
+    async with httpx.AsyncClient(base_url=vllm_url) as http:
+        response = await http.post("/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": k,
+        })
+    assert response.status_code == 400
+    error = response.json()["error"]
+    wanted = k if k > 0 else engine.vocab_size
+    assert error["message"] == (
+        f"Requested prompt logprobs of {wanted}, which is greater than max allowed: 20"
+    )
+    assert error["param"] == "prompt_logprobs"
+
+
+async def test_fake_vllm_without_a_logprobs_limit_gives_the_whole_vocabulary(engine):
+    ids = await engine.tokenize(PROMPT)
+    async with open_fake_vllm(engine, max_logprobs=-1) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            answer = (await http.post("/v1/completions", json={
+                "prompt": ids, "max_tokens": 1, "prompt_logprobs": -1,
+            })).json()
+    entries = answer["choices"][0]["prompt_logprobs"]
+    assert all(len(entry) == engine.vocab_size for entry in entries[1:])
+
+
+async def test_vllm_score_ids_above_max_logprobs_is_a_parameter_error(engine, vllm):
+    ids = await engine.tokenize(PROMPT)
+    assert len((await vllm.score_ids(ids, 1, top_k=20)).top_logprobs[0]) == 20
+    with pytest.raises(EngineParameterError, match="max allowed: 20"):
+        await vllm.score_ids(ids, 1, top_k=21)
+
+
+class _ImpossibleTokens(InstantEngine):
+    """Characters as tokens; every token has probability 0 (logprob -inf), rank 1."""
+
+    async def encode(self, text, *, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+    async def decode(self, token_ids):
+        return "".join(map(chr, token_ids))
+
+    async def score_ids(self, token_ids, start, *, top_k=0):
+        scored = list(token_ids[start:])
+        return TokenScores(
+            scored, [-math.inf] * len(scored), ranks=[1] * len(scored),
+            top_logprobs=[{t: -math.inf} for t in scored] if top_k else None,
+        )
+
+
+async def test_minus_infinity_travels_as_minus_9999_and_reads_back_as_minus_infinity():
+    engine = _ImpossibleTokens(max_context=64)
+    async with open_fake_vllm(engine) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            response = await http.post("/v1/completions", json={
+                "prompt": [104, 105], "max_tokens": 1, "prompt_logprobs": 1,
+            })
+        async with VLLMEngine(url, engine.model_id) as client:
+            scores = await client.score_ids([104, 105, 106], 1, top_k=1)
+    assert b"Infinity" not in response.content
+    assert response.json()["choices"][0]["prompt_logprobs"][1]["105"]["logprob"] == -9999.0
+    assert scores.logprobs == [-math.inf, -math.inf]
+    assert scores.top_logprobs == [{105: -math.inf}, {106: -math.inf}]
+
+
+class _FailsMidStream(InstantEngine):
+    """Streams one piece, then fails as a crashed engine would."""
+
+    async def stream(self, prompt, params):
+        yield StreamChunk("Once")
+        raise EngineError("CUDA error: an illegal memory access was encountered")
+
+
+async def test_fake_vllm_reports_a_failure_inside_the_stream_before_done():
+    engine = _FailsMidStream()
+    async with open_fake_vllm(engine) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            request = {"prompt": "hi", "max_tokens": 4, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=request) as response:
+                assert response.status_code == 200
+                lines = [line async for line in response.aiter_lines() if line]
+        async with VLLMEngine(url, engine.model_id) as client:
+            pieces = []
+            with pytest.raises(EngineError, match="illegal memory access") as info:
+                async for chunk in client.stream("hi", SamplingParams(max_tokens=4)):
+                    pieces.append(chunk.text)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: ")) == {"error": {
+        "message": "CUDA error: an illegal memory access was encountered",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }}
+    assert pieces == ["Once"]
+    assert not isinstance(info.value, EngineParameterError)
+
+
+# -- VLLMEngine's reading of server answers (canned answers, no server) -----------------------
+
+
+def _canned(status: int, payload: dict, *, stream: bool = False) -> httpx.MockTransport:
+    """A transport answering every request with ``payload`` (as an SSE error event when
+    ``stream``, the way vLLM reports a failure after the stream started)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if stream:
+            body = b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.Response(status, json=payload)
+
+    return httpx.MockTransport(answer)
+
+
+def _nested(message: str, param: str | None = None, code: int = 400) -> dict:
+    kind = {400: "BadRequestError", 500: "InternalServerError"}.get(code, "Error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _flat(message: str, code: int = 400) -> dict:
+    return {"object": "error", "message": message, "type": "BadRequestError", "param": None,
+            "code": code}
+
+
+_ERROR_CASES = [
+    ("max-tokens-0.33", 400, _nested(
+        "max_tokens=4097 cannot be greater than max_model_len=4096. Please request fewer "
+        "output tokens.", "max_tokens"), EngineParameterError),
+    ("max-tokens-total-tokens", 400, _nested(
+        "max_tokens=8888 cannot be greater than max_model_len=max_total_tokens=3072."),
+        EngineParameterError),
+    ("max-tokens-flat", 400, _flat(
+        "max_tokens=4097 cannot be greater than max_model_len=4096"), EngineParameterError),
+    ("prompt-alone-too-long", 400, _nested(
+        "This model's maximum context length is 4096 tokens. However, your prompt contains "
+        "5000 input tokens, which exceeds this limit even without any output tokens.",
+        "input_tokens"), PromptTooLongError),
+    ("old-overflow", 400, _flat(
+        "This model's maximum context length is 2048 tokens. However, you requested 2060 "
+        "tokens (12 in the messages, 2048 in the completion)."), PromptTooLongError),
+    ("prompt-logprobs", 400, _nested(
+        "Requested prompt logprobs of 21, which is greater than max allowed: 20",
+        "prompt_logprobs"), EngineParameterError),
+    ("server-error", 500, _nested("EngineCore died", code=500), EngineError),
+    ("unknown-model", 404, _nested("The model `m` does not exist.", "model", 404), EngineError),
+]
+
+
+@pytest.mark.parametrize(
+    "status, payload, expected", [c[1:] for c in _ERROR_CASES], ids=[c[0] for c in _ERROR_CASES]
+)
+async def test_vllm_maps_server_errors_to_engine_errors(status, payload, expected):
+    for stream in (False, True):
+        if stream and status == 404:
+            continue  # a 404 comes before any stream
+        transport = _canned(status, payload, stream=stream)
+        async with VLLMEngine("http://vllm.invalid", "m", transport=transport) as client:
+            with pytest.raises(EngineError) as info:
+                if stream:
+                    async for _ in client.stream("hi", GREEDY):
+                        pass
+                else:
+                    await client.complete("hi", GREEDY)
+        assert type(info.value) is expected, stream
+
+
+async def test_vllm_stream_asks_for_usage_and_puts_it_on_the_last_chunk():
+    bodies = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
+        events = [
+            {**chunk, "choices": [{"index": 0, "text": "Once", "logprobs": None,
+                                   "finish_reason": None, "stop_reason": None}]},
+            {**chunk, "choices": [{"index": 0, "text": " upon", "logprobs": None,
+                                   "finish_reason": "length", "stop_reason": None}]},
+            {**chunk, "choices": [],
+             "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}},
+        ]
+        body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        return httpx.Response(200, content=body + b"data: [DONE]\n\n")
+
+    transport = httpx.MockTransport(answer)
+    async with VLLMEngine("http://vllm.invalid", "m", transport=transport) as client:
+        chunks = [c async for c in client.stream("hi", GREEDY)]
+        completion = await Engine.complete(client, "hi", GREEDY)  # the default: from stream()
+    assert bodies[0]["stream"] is True and bodies[0]["stream_options"] == {"include_usage": True}
+    assert [c.text for c in chunks] == ["Once", " upon"]
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == (
+        "length", 7, 2,
+    )
+    assert completion.finish_reason == "length" and completion.completion_tokens == 2
+
+
+async def test_vllm_aborted_request_raises_engine_error():
+    answer = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+              "choices": [{"index": 0, "text": "Once", "logprobs": None,
+                           "finish_reason": "abort", "stop_reason": None}],
+              "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}
+    async with VLLMEngine("http://vllm.invalid", "m", transport=_canned(200, answer)) as client:
+        with pytest.raises(EngineError, match="aborted"):
+            await client.complete("hi", GREEDY)
+
+
+# -- chat prompts ------------------------------------------------------------------------------
+
+CHAT = [
+    ChatMessage("system", "You tell short stories."),
+    ChatMessage("user", "Tell me about a dog."),
+]
+#: a small template in the usual shape: BOS first, one line per message, generation prompt
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+TEMPLATED = "<system> You tell short stories.\n<user> Tell me about a dog.\n<assistant>"
+
+
+def _with_template(engine, template: str):
+    """A second engine over the same model, with its own tokenizer holding ``template``."""
+    from transformers import AutoTokenizer
+
+    from ps_p2p.engines.transformers_engine import TransformersEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer.name_or_path)
+    tokenizer.chat_template = template
+    return TransformersEngine(
+        engine.model, tokenizer, model_id=engine.model_id, max_context=engine.max_context
+    )
+
+
+async def test_instant_engine_uses_the_default_chat_prompt():
+    assert await InstantEngine().chat_prompt(CHAT) == (
+        "System: You tell short stories.\nUser: Tell me about a dog.\nAssistant:"
+    )
+    assert InstantEngine().chat_template is None
+
+
+@pytest.mark.parametrize("messages", [[], [ChatMessage("narrator", "x")]], ids=["none", "role"])
+async def test_chat_prompt_refuses_no_messages_and_unknown_roles(engine, messages):
+    for chat_engine in (engine, InstantEngine()):
+        with pytest.raises(ValueError):
+            await chat_engine.chat_prompt(messages)
+
+
+async def test_stories260k_has_no_chat_template_and_gets_the_default_prompt(engine):
+    assert engine.tokenizer.chat_template is None and engine.chat_template is None
+    assert await engine.chat_prompt(CHAT) == default_chat_prompt(CHAT)
+
+
+async def test_transformers_chat_prompt_renders_the_template_with_one_bos(engine):
+    templated = _with_template(engine, TEMPLATE)
+    text = await templated.chat_prompt(CHAT)
+    assert text == TEMPLATED  # the template's BOS is left to the tokenizer
+    ids = await templated.tokenize(text)
+    assert ids[0] == engine.tokenizer.bos_token_id
+    assert ids.count(engine.tokenizer.bos_token_id) == 1
+
+
+@pytest.mark.parametrize(
+    "template", ["{{ raise_exception('roles must alternate') }}", "{% for %}"],
+    ids=["raise_exception", "syntax-error"],
+)
+async def test_transformers_chat_template_failure_raises_engine_error(engine, template):
+    with pytest.raises(EngineError, match="chat template of stories260K failed"):
+        await _with_template(engine, template).chat_prompt(CHAT)
+
+
+async def test_vllm_chat_prompt_matches_the_backing_engine_template(engine):
+    templated = _with_template(engine, TEMPLATE)
+    async with open_fake_vllm(templated) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            assert await client.chat_prompt(CHAT) == TEMPLATED
+            assert await client.chat_prompt(CHAT[1:]) == await templated.chat_prompt(CHAT[1:])
+
+
+async def test_fake_vllm_tokenizes_chat_messages_with_the_engine_template(engine):
+    templated = _with_template(engine, TEMPLATE)
+    messages = [{"role": m.role, "content": m.content} for m in CHAT]
+    async with open_fake_vllm(templated) as url, httpx.AsyncClient(base_url=url) as http:
+        plain = (await http.post("/tokenize", json={"messages": messages})).json()
+        special = (await http.post("/tokenize", json={
+            "messages": messages, "add_special_tokens": True,
+        })).json()
+        parts = (await http.post("/tokenize", json={"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Tell me"},
+                                         {"type": "text", "text": "about a dog."}]},
+        ]})).json()
+    assert plain["tokens"] == await templated.encode(TEMPLATED, add_special_tokens=False)
+    assert plain["count"] == len(plain["tokens"])
+    assert special["tokens"] == await templated.tokenize(TEMPLATED)
+    assert parts["tokens"] == await templated.encode(
+        "<user> Tell me\nabout a dog.\n<assistant>", add_special_tokens=False
+    )
+
+
+async def test_vllm_server_without_a_chat_template_gives_the_default_prompt(engine, vllm):
+    async with httpx.AsyncClient(base_url=vllm.base_url) as http:
+        refused = await http.post("/tokenize", json={
+            "messages": [{"role": "user", "content": "hi"}],
+        })
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        "As of transformers v4.44, default chat template is no longer allowed, so you must "
+        "provide a chat template if the tokenizer does not define one."
+    )
+    assert await vllm.chat_prompt(CHAT) == await engine.chat_prompt(CHAT) == (
+        default_chat_prompt(CHAT)
+    )
+
+
+async def test_vllm_chat_template_failure_raises_engine_error(engine):
+    failing = _with_template(engine, "{{ raise_exception('roles must alternate') }}")
+    async with open_fake_vllm(failing) as url:
+        async with VLLMEngine(url, engine.model_id) as client:
+            with pytest.raises(EngineError, match="roles must alternate"):
+                await client.chat_prompt(CHAT)
+            with pytest.raises(ValueError):
+                await client.chat_prompt([])
+
+
+async def test_vllm_chat_prompt_drops_the_template_bos_that_completions_add_again():
+    """A real server's template renders BOS as a token; the text sent back must not hold it,
+    or /v1/completions would add a second BOS."""
+    requests = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        requests.append((request.url.path, body))
+        if request.url.path == "/tokenize" and "messages" in body:
+            return httpx.Response(200, json={"count": 4, "max_model_len": 64,
+                                             "tokens": [1, 40, 41, 42], "token_strs": None})
+        if request.url.path == "/tokenize":  # the empty prompt with special tokens: [BOS]
+            return httpx.Response(200, json={"count": 1, "max_model_len": 64, "tokens": [1],
+                                             "token_strs": None})
+        return httpx.Response(200, json={"prompt": f"text of {body['tokens']}"})
+
+    transport = httpx.MockTransport(answer)
+    async with VLLMEngine("http://vllm.invalid", "m", transport=transport) as client:
+        assert await client.chat_prompt(CHAT) == "text of [40, 41, 42]"
+        assert await client.chat_prompt(CHAT) == "text of [40, 41, 42]"
+    chat_request = requests[0][1]
+    assert chat_request["add_generation_prompt"] is True
+    assert chat_request["add_special_tokens"] is False
+    assert chat_request["messages"][1] == {"role": "user", "content": "Tell me about a dog."}
+    assert [path for path, _ in requests] == [  # the BOS prefix is asked once
+        "/tokenize", "/tokenize", "/detokenize", "/tokenize", "/detokenize",
+    ]

@@ -16,7 +16,14 @@ methods. The fake vLLM server (:mod:`ps_p2p.testing.fake_vllm`) needs it for tok
 ``prompt_logprobs``.
 
 Errors: :class:`~ps_p2p.errors.PromptTooLongError` when prompt tokens + ``max_tokens`` exceed the
-context window; :class:`~ps_p2p.errors.EngineError` for every other failure of the engine.
+context window (a vLLM server >= 0.32 instead cuts ``max_tokens`` to what fits, and refuses only a
+prompt that leaves no room: see :mod:`~ps_p2p.engines.vllm_engine`);
+:class:`~ps_p2p.errors.EngineParameterError` (also a ``ValueError``) for a parameter the engine
+refuses whatever the prompt, such as ``max_tokens`` above the whole context window;
+:class:`~ps_p2p.errors.EngineError` for every other failure of the engine.
+
+Chats: :meth:`Engine.chat_prompt` turns :class:`ChatMessage` lists into a prompt with the model's
+chat template, or :func:`default_chat_prompt` for a model without one.
 """
 
 from __future__ import annotations
@@ -91,7 +98,8 @@ class Completion:
         text: the generated text (without the prompt, without the end-of-sequence token).
         prompt_tokens: tokens in the prompt, special tokens (BOS) included.
         completion_tokens: tokens generated (an end-of-sequence token is not counted).
-        finish_reason: ``"stop"`` (end of sequence) or ``"length"`` (max_tokens reached).
+        finish_reason: ``"stop"`` (end of sequence) or ``"length"`` (max_tokens reached, or the
+            context window full); a vLLM server may also say ``"repetition"``.
     """
 
     text: str
@@ -248,7 +256,10 @@ class Engine(abc.ABC):
 
         Raises:
             PromptTooLongError: prompt tokens + ``params.max_tokens`` > ``max_context`` (raised
-                on the first iteration, before any piece).
+                on the first iteration, before any piece); with vLLM, only a prompt that leaves
+                no room for one token (the server cuts ``max_tokens`` otherwise).
+            EngineParameterError: a parameter the engine refuses (vLLM: ``max_tokens`` >
+                ``max_model_len``).
             EngineError: the engine failed.
         """
 
@@ -316,12 +327,24 @@ class Engine(abc.ABC):
         """The prompt text for a chat: the model's chat template with the generation prompt
         when it has one, else :func:`default_chat_prompt`. This default always uses the latter.
 
+        The text is meant for :meth:`complete` / :meth:`stream`, which add the tokenizer's
+        special tokens (BOS) themselves: engines leave a template's leading BOS out of it.
+
         Raises:
             ValueError: no messages, or a role outside :data:`CHAT_ROLES`.
             EngineError: the template failed to render.
         """
         check_messages(messages)
         return default_chat_prompt(messages)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (Jinja source) when this engine holds it, else None.
+
+        None also when the template is applied elsewhere (a vLLM server renders its own); the
+        fake vLLM server reads it to answer chat requests as a server without a template would.
+        """
+        return None
 
     # -- optional token-level API ---------------------------------------------------------
 

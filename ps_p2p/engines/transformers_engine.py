@@ -11,7 +11,9 @@ tokenizer files; local files only, never the hub) or a single ``.gguf`` file, an
   seeded sample is the same on CPU and GPU, and streamed and non-streamed text are identical;
 * text is detokenized incrementally (a window of a few tokens, as vLLM does), so pieces keep
   their leading spaces and never split a multi-byte character;
-* :meth:`~TransformersEngine.score` is one forward pass over prompt + continuation tokens.
+* :meth:`~TransformersEngine.score` is one forward pass over prompt + continuation tokens;
+* :meth:`~TransformersEngine.chat_prompt` renders the tokenizer's chat template (or the default
+  chat prompt when it has none).
 
 Cancellation: a cancelled stream stops before its next token; a cancelled ``complete`` sets a
 flag that the worker thread checks between tokens, and is waited for (at most one token).
@@ -48,11 +50,14 @@ import trio  # noqa: E402
 from ps_p2p.engines.base import (  # noqa: E402
     FINISH_LENGTH,
     FINISH_STOP,
+    ChatMessage,
     Completion,
     Engine,
     SamplingParams,
     StreamChunk,
     TokenScores,
+    check_messages,
+    default_chat_prompt,
 )
 from ps_p2p.errors import EngineError, PromptTooLongError  # noqa: E402
 
@@ -262,6 +267,49 @@ class TransformersEngine(Engine):
         self._check_open()
         return self._encode(text, add_special_tokens=True)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's ``chat_template`` (None or "" when the model has none: None)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) and template else None
+
+    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        """The tokenizer's chat template rendered with ``add_generation_prompt=True``
+        (``apply_chat_template(..., tokenize=False)``), or :func:`default_chat_prompt` when the
+        tokenizer has no ``chat_template`` (stories260K has none).
+
+        A template usually starts with ``{{ bos_token }}``; when the tokenizer adds BOS itself
+        (as :meth:`complete` does), that leading BOS text is dropped, so the model sees one BOS,
+        as vLLM's chat completions (which tokenize the rendered text without special tokens).
+
+        Raises:
+            ValueError: no messages, or a role outside :data:`CHAT_ROLES`.
+            EngineError: the template failed to render (a syntax error, ``raise_exception``
+                for a conversation it does not accept), or the engine is closed.
+        """
+        check_messages(messages)
+        self._check_open()
+        template = self.chat_template
+        if template is None:
+            return default_chat_prompt(messages)
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # noqa: BLE001 - jinja2 TemplateError, ValueError, KeyError...
+            raise EngineError(
+                f"chat template of {self.model_id} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(text, str):
+            raise EngineError(
+                f"chat template of {self.model_id} gave {type(text).__name__}, not text"
+            )
+        bos = self.tokenizer.bos_token
+        if isinstance(bos, str) and bos and text.startswith(bos) and self._adds_bos():
+            text = text[len(bos):]
+        return text
+
     async def aclose(self) -> None:
         """Free the model (waits for a forward pass in progress); later calls raise EngineError."""
         if self._closed:
@@ -317,6 +365,11 @@ class TransformersEngine(Engine):
                 f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the context "
                 f"of {self.max_context} tokens of {self.model_id}"
             )
+
+    def _adds_bos(self) -> bool:
+        """True when encoding with special tokens puts BOS first."""
+        bos_id = self.tokenizer.bos_token_id
+        return bos_id is not None and self._encode("", add_special_tokens=True)[:1] == [bos_id]
 
     def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
         ids = [int(t) for t in token_ids]

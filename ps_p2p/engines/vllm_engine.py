@@ -5,45 +5,74 @@ The server is started apart from the node, e.g.
 HR-tree forwarding pay off: requests that share a prefix reuse its KV cache). The client is
 ``httpx.AsyncClient``, which runs on trio.
 
-Shapes assumed (vLLM's documented OpenAI-compatible server; :mod:`ps_p2p.testing.fake_vllm`
-implements the same):
+Shapes assumed (vLLM 0.33's OpenAI-compatible server, as ``DESIGN.md`` records it;
+:mod:`ps_p2p.testing.fake_vllm` implements the same):
 
 ``POST /v1/completions``
     request ``{"model", "prompt": str | [int], "max_tokens", "temperature", "top_p", "seed",
     "stream", "stream_options": {"include_usage": true}, "prompt_logprobs": int}``
     (``prompt_logprobs`` is vLLM's extension). Answer ``{"id": "cmpl-...", "object":
     "text_completion", "created", "model", "choices": [{"index": 0, "text", "logprobs": null,
-    "finish_reason": "stop" | "length", "stop_reason", "prompt_logprobs"}], "usage":
-    {"prompt_tokens", "completion_tokens", "total_tokens"}}``. ``prompt_logprobs`` is a list
-    aligned with the prompt tokens: ``null`` first, then per token a dict from token-ID string
-    to ``{"logprob": float, "rank": int, "decoded_token": str}``, holding the prompt token itself
-    and the ``prompt_logprobs`` most likely tokens.
-    With ``"stream": true``: server-sent events ``data: {chunk}`` with the same ``choices``
-    carrying text deltas (``finish_reason`` set on the last), then, with ``include_usage``, a
-    chunk with ``"choices": []`` and ``usage``, then ``data: [DONE]``. A failure after the stream
-    started is an event ``data: {"error": {...}}``.
+    "finish_reason": "stop" | "length" | "abort" | "repetition", "stop_reason",
+    "prompt_logprobs"}], "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}``.
+    ``prompt_logprobs`` is a list aligned with the prompt tokens: ``null`` first, then per token a
+    dict from token-ID string to ``{"logprob": float, "rank": int, "decoded_token": str}``,
+    holding the prompt token itself (first, with its true rank) and the ``prompt_logprobs`` most
+    likely tokens; ``-inf`` arrives as -9999.0. ``prompt_logprobs`` above the server's
+    ``--max-logprobs`` (default 20), or -1 (the whole vocabulary), get a 400.
+    With ``"stream": true``: server-sent events ``data: {chunk}``, each chunk ``{"id", "object":
+    "text_completion", "created", "model", "choices": [{"index", "text", "logprobs",
+    "finish_reason", "stop_reason"}]}`` carrying a text delta (``finish_reason`` set on the last),
+    then, with ``include_usage``, a chunk with ``"choices": []`` and ``usage``, then
+    ``data: [DONE]``. A failure after the stream started is an event ``data: {"error": {...}}``
+    before ``[DONE]``.
 ``POST /tokenize``
-    ``{"model", "prompt", "add_special_tokens"}`` -> ``{"count", "max_model_len", "tokens"}``.
+    ``{"model", "prompt", "add_special_tokens"}`` -> ``{"count", "max_model_len", "tokens"}``;
+    for a chat, ``{"model", "messages": [{"role", "content"}], "add_generation_prompt": true,
+    "add_special_tokens": false}`` gives the tokens of the server's chat template, or 400 "...
+    you must provide a chat template if the tokenizer does not define one." without one.
 ``POST /detokenize``
     ``{"model", "tokens"}`` -> ``{"prompt": str}``.
 ``GET /v1/models``
     ``{"object": "list", "data": [{"id", "object": "model", "max_model_len", ...}]}``.
 Errors
-    HTTP 4xx/5xx with ``{"object": "error", "message", "type", "param", "code"}`` (newer
-    versions nest it: ``{"error": {"message", "type", "param", "code"}}``; both are read). A
-    prompt that does not fit gets 400 with "This model's maximum context length is N tokens..."
-    (or "... longer than the maximum model length ..."); an unknown model gets 404 "The model
-    `x` does not exist.".
+    HTTP 4xx/5xx with ``{"error": {"message", "type", "param", "code"}}`` (vLLM >= 0.10.1; the
+    older flat ``{"object": "error", "message", "type", "param", "code"}`` is read too); an
+    unknown model gets 404 "The model `x` does not exist.".
 
-Mapping: 400 about the context length -> :class:`~ps_p2p.errors.PromptTooLongError`; any other
-HTTP error, a connection failure, a timeout or a malformed answer ->
-:class:`~ps_p2p.errors.EngineError` naming the server and the cause.
+Context window (vLLM >= 0.32): prompt + ``max_tokens`` beyond ``max_model_len`` is **accepted**:
+the server cuts ``max_tokens`` to what fits, and the completion is a normal one, ending with
+``finish_reason: "length"`` when it used all the room (so unlike
+:class:`~ps_p2p.engines.transformers_engine.TransformersEngine`, this engine raises no
+``PromptTooLongError`` for an overflowing ``max_tokens``). The server answers 400 only when the
+prompt alone does not leave room for one token ("... your prompt contains M input tokens, which
+exceeds this limit even without any output tokens"), or when ``max_tokens`` alone exceeds the
+window ("max_tokens=X cannot be greater than max_model_len=Y").
+
+Mapping of errors:
+
+* 400 about ``max_tokens`` (``param`` "max_tokens", or the "max_tokens=X cannot be greater than"
+  message, which also names ``max_model_len``) -> :class:`~ps_p2p.errors.EngineParameterError`:
+  the parameter is wrong whatever the prompt, so it is not a too-long prompt;
+* other 400 about the context length ("maximum context length", "context length", ``param``
+  "input_tokens"...; older servers' prompt + ``max_tokens`` overflow too) ->
+  :class:`~ps_p2p.errors.PromptTooLongError`;
+* any other 400 (a parameter the server refuses, e.g. too many ``prompt_logprobs``) ->
+  :class:`~ps_p2p.errors.EngineParameterError`;
+* a ``finish_reason`` of ``"abort"`` (the server gave up the request) -> ``EngineError``;
+  ``"repetition"`` and other reasons pass through as the completion's ``finish_reason``;
+* any other HTTP error, a connection failure, a timeout or a malformed answer ->
+  :class:`~ps_p2p.errors.EngineError` naming the server and the cause.
+
+The same mapping applies to an error event inside a stream (its ``code`` is the status).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -51,13 +80,16 @@ import httpx
 
 from ps_p2p.engines.base import (
     FINISH_STOP,
+    ChatMessage,
     Completion,
     Engine,
     SamplingParams,
     StreamChunk,
     TokenScores,
+    check_messages,
+    default_chat_prompt,
 )
-from ps_p2p.errors import EngineError, PromptTooLongError
+from ps_p2p.errors import EngineError, EngineParameterError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +98,11 @@ DEFAULT_TIMEOUT = 600.0
 #: seconds to wait for a TCP connection
 DEFAULT_CONNECT_TIMEOUT = 10.0
 
+#: what vLLM sends for a -inf log-probability; read back as -inf
+LOGPROB_FLOOR = -9999.0
+#: finish reason of a request the server gave up (vLLM)
+FINISH_ABORT = "abort"
+
 _CONTEXT_ERROR_HINTS = (
     "maximum context length",
     "maximum model length",
@@ -73,6 +110,18 @@ _CONTEXT_ERROR_HINTS = (
     "context length",
     "context window",
     "prompt is too long",
+)
+#: vLLM's "max_tokens=X cannot be greater than max_model_len=Y" (also spelled with
+#: max_completion_tokens, max_output_tokens, or "max_model_len=max_total_tokens=Y")
+_MAX_TOKENS_ERROR = re.compile(r"max_\w*tokens\s*=\s*-?\d+\s*cannot be greater than")
+_MAX_TOKENS_PARAMS = frozenset({"max_tokens", "max_completion_tokens", "max_output_tokens"})
+_PROMPT_LENGTH_PARAMS = frozenset({"input_tokens", "input_text"})
+#: phrases of the 400 a server without a chat template answers to chat messages
+_NO_CHAT_TEMPLATE_HINTS = (
+    "default chat template is no longer allowed",
+    "must provide a chat template",
+    "chat_template is not set",
+    "does not define one",
 )
 _INT63 = 2**63
 
@@ -113,6 +162,7 @@ class VLLMEngine(Engine):
         self.max_context = 0
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self._client = httpx.AsyncClient(timeout=self._timeout, transport=transport)
+        self._special_prefix: list[int] | None = None  # what /tokenize puts before any text
 
     # -- server metadata ------------------------------------------------------------------
 
@@ -170,10 +220,19 @@ class VLLMEngine(Engine):
                 yield chunk.text
 
     async def stream(self, prompt: str, params: SamplingParams) -> AsyncIterator[StreamChunk]:
-        """Stream ``POST /v1/completions`` with ``stream: true``; counts come from ``usage``.
+        """Stream ``POST /v1/completions`` with ``stream: true`` and
+        ``stream_options: {"include_usage": true}``.
+
+        The last chunk carries the ``finish_reason`` and the token counts of the server's usage
+        chunk (None when the server sent none). An overflowing ``max_tokens`` is cut by the
+        server (see the module docstring): the stream then ends with ``"length"``.
 
         Raises:
-            PromptTooLongError, EngineError: see :meth:`Engine.generate`.
+            PromptTooLongError: the prompt alone fills the context window.
+            EngineParameterError: ``max_tokens`` > ``max_model_len``, or another parameter the
+                server refused.
+            EngineError: the server failed, aborted the request, or the stream ended without a
+                finish reason.
         """
         body = self._completion_body(prompt, params)
         body["stream"] = True
@@ -201,7 +260,8 @@ class VLLMEngine(Engine):
                         text = choice.get("text") or ""
                         finish_reason = choice.get("finish_reason")
                         if finish_reason:
-                            final = StreamChunk(text, finish_reason=finish_reason)
+                            self._check_finish(finish_reason)
+                            final = StreamChunk(text, finish_reason=str(finish_reason))
                         elif text:
                             yield StreamChunk(text)
         except httpx.HTTPError as exc:
@@ -213,15 +273,18 @@ class VLLMEngine(Engine):
     async def complete(self, prompt: str, params: SamplingParams) -> Completion:
         """One non-streaming ``POST /v1/completions``.
 
+        prompt + ``max_tokens`` beyond the context window is not an error: the server generates
+        what fits and says ``"length"`` (see the module docstring).
+
         Raises:
-            PromptTooLongError, EngineError: see :meth:`Engine.complete`.
+            PromptTooLongError, EngineParameterError, EngineError: as :meth:`stream`.
         """
         body = self._completion_body(prompt, params)
         payload = await self._request("POST", "/v1/completions", body)
         try:
             choice = payload["choices"][0]
             usage = payload["usage"]
-            return Completion(
+            completion = Completion(
                 text=str(choice["text"]),
                 prompt_tokens=int(usage["prompt_tokens"]),
                 completion_tokens=int(usage["completion_tokens"]),
@@ -229,6 +292,53 @@ class VLLMEngine(Engine):
             )
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise EngineError(f"vLLM at {self.base_url}: malformed completion: {exc!r}") from exc
+        self._check_finish(completion.finish_reason)
+        return completion
+
+    def _check_finish(self, finish_reason: Any) -> None:
+        if finish_reason == FINISH_ABORT:
+            raise EngineError(f"vLLM at {self.base_url} aborted the request")
+
+    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt text of ``messages`` under the server's chat template.
+
+        ``POST /tokenize`` with ``messages``, ``add_generation_prompt: true`` and
+        ``add_special_tokens: false`` renders the template on the server; a leading BOS (what
+        ``/tokenize`` puts before an empty prompt with special tokens, asked once and cached)
+        is dropped, since :meth:`complete` adds it again; ``POST /detokenize`` turns the rest
+        into text. Three requests the first time, two afterwards.
+
+        A server without a chat template (its 400 "... you must provide a chat template if the
+        tokenizer does not define one.") gets :func:`default_chat_prompt`, as a
+        :class:`~ps_p2p.engines.transformers_engine.TransformersEngine` on a model without a
+        template does: both engines give the same prompt for the same model.
+
+        Raises:
+            ValueError: no messages, or a role outside :data:`CHAT_ROLES`.
+            EngineParameterError: the template refused the conversation (400).
+            EngineError: the server failed or is unreachable.
+        """
+        check_messages(messages)
+        body = {
+            "model": self.model,
+            "messages": [{"role": m.role, "content": m.content} for m in messages],
+            "add_generation_prompt": True,
+            "add_special_tokens": False,
+        }
+        try:
+            payload = await self._request("POST", "/tokenize", body)
+        except EngineParameterError as exc:
+            if any(hint in str(exc).lower() for hint in _NO_CHAT_TEMPLATE_HINTS):
+                log.debug("vLLM at %s has no chat template: default chat prompt", self.base_url)
+                return default_chat_prompt(messages)
+            raise
+        tokens = self._tokens_of(payload)
+        if self._special_prefix is None:
+            self._special_prefix = await self.encode("", add_special_tokens=True)
+        prefix = self._special_prefix
+        if prefix and tokens[: len(prefix)] == prefix:
+            tokens = tokens[len(prefix):]
+        return await self.decode(tokens)
 
     async def score(self, prompt: str, continuation: str) -> TokenScores:
         """Tokenize both parts (``/tokenize``), then :meth:`score_ids` (one forward pass).
@@ -258,11 +368,15 @@ class VLLMEngine(Engine):
     async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """``POST /tokenize``."""
         body = {"model": self.model, "prompt": text, "add_special_tokens": add_special_tokens}
-        payload = await self._request("POST", "/tokenize", body)
+        return self._tokens_of(await self._request("POST", "/tokenize", body))
+
+    def _tokens_of(self, payload: Any) -> list[int]:
         tokens = payload.get("tokens") if isinstance(payload, dict) else None
-        if not isinstance(tokens, list):
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
             raise EngineError(f"vLLM at {self.base_url}: malformed /tokenize answer")
-        return [int(t) for t in tokens]
+        return list(tokens)
 
     async def decode(self, token_ids: Sequence[int]) -> str:
         """``POST /detokenize``."""
@@ -277,11 +391,15 @@ class VLLMEngine(Engine):
         self, token_ids: Sequence[int], start: int, *, top_k: int = 0
     ) -> TokenScores:
         """``POST /v1/completions`` with the token IDs as prompt, ``max_tokens: 1`` and
-        ``prompt_logprobs: top_k``: the server's prefill is the one forward pass.
+        ``prompt_logprobs: top_k``: the server's prefill is the one forward pass (vLLM skips
+        its prefix cache for such requests). A logprob of -9999.0 (vLLM's JSON for ``-inf``)
+        reads as ``-inf``.
 
         Raises:
             ValueError: ``start`` out of [1, len(token_ids)], or ``top_k`` < 0.
-            PromptTooLongError: ``len(token_ids) + 1`` > ``max_model_len``.
+            PromptTooLongError: ``len(token_ids)`` >= ``max_model_len`` (no room for the one
+                generated token).
+            EngineParameterError: ``top_k`` above the server's ``--max-logprobs`` (default 20).
             EngineError: the server failed or its answer lacks ``prompt_logprobs``.
         """
         ids = [int(t) for t in token_ids]
@@ -307,11 +425,11 @@ class VLLMEngine(Engine):
             top: list[dict[int, float]] | None = [] if top_k else None
             for token_id, entry in zip(ids[start:], entries[start:]):
                 own = entry[str(token_id)]
-                logprobs.append(float(own["logprob"]))
+                logprobs.append(_logprob(own["logprob"]))
                 ranks.append(int(own["rank"]))
                 if top is not None:
                     top.append({
-                        int(key): float(value["logprob"])
+                        int(key): _logprob(value["logprob"])
                         for key, value in entry.items()
                         if int(value["rank"]) <= top_k
                     })
@@ -369,25 +487,36 @@ class VLLMEngine(Engine):
             payload = json.loads(content)
         except ValueError:
             payload = None
+        param = None
         if isinstance(payload, dict):
             message = _error_message(payload) or message
-        if status == 400 and _is_context_error(message):
-            return PromptTooLongError(f"vLLM ({self.model}): {message}")
+            param = _error_param(payload)
         if status == 404:
             return EngineError(f"vLLM at {self.base_url} (model {self.model!r}): 404 {message}")
-        return EngineError(f"vLLM at {self.base_url} answered HTTP {status}: {message}")
+        return self._classify(status, message, param, f"answered HTTP {status}")
 
     def _event_error(self, event: dict[str, Any]) -> EngineError:
         message = _error_message(event) or json.dumps(event)[:1000]
         error = event.get("error") if isinstance(event.get("error"), dict) else event
         code = error.get("code") if isinstance(error, dict) else None
-        if code == 400 and _is_context_error(message):
-            return PromptTooLongError(f"vLLM ({self.model}): {message}")
-        return EngineError(f"vLLM at {self.base_url} failed during the stream: {message}")
+        if isinstance(code, str) and code.isdigit():  # some proxies send the code as text
+            code = int(code)
+        status = code if isinstance(code, int) else 500
+        return self._classify(status, message, _error_param(event), "failed during the stream")
+
+    def _classify(self, status: int, message: str, param: Any, what: str) -> EngineError:
+        """The error for an HTTP status (or a stream error's ``code``); see the module docstring."""
+        if status == 400:
+            if param in _MAX_TOKENS_PARAMS or _MAX_TOKENS_ERROR.search(message):
+                return EngineParameterError(f"vLLM ({self.model}) refused max_tokens: {message}")
+            if param in _PROMPT_LENGTH_PARAMS or _is_context_error(message):
+                return PromptTooLongError(f"vLLM ({self.model}): {message}")
+            return EngineParameterError(f"vLLM ({self.model}) refused the request: {message}")
+        return EngineError(f"vLLM at {self.base_url} {what}: {message}")
 
 
 def _error_message(payload: dict[str, Any]) -> str | None:
-    """The message of vLLM's error object, old (flat) or new (nested under "error")."""
+    """The message of vLLM's error object, new (nested under "error") or old (flat)."""
     error = payload.get("error")
     if isinstance(error, dict) and isinstance(error.get("message"), str):
         return error["message"]
@@ -399,6 +528,19 @@ def _error_message(payload: dict[str, Any]) -> str | None:
     if detail is not None:
         return str(detail)
     return None
+
+
+def _error_param(payload: dict[str, Any]) -> Any:
+    """The ``param`` of vLLM's error object (the request field at fault), or None."""
+    error = payload.get("error")
+    source = error if isinstance(error, dict) else payload
+    return source.get("param")
+
+
+def _logprob(value: Any) -> float:
+    """A logprob as sent by vLLM -> float, with its -inf stand-in (-9999.0) back to -inf."""
+    logprob = float(value)
+    return -math.inf if logprob <= LOGPROB_FLOOR else logprob
 
 
 def _is_context_error(message: str) -> bool:
