@@ -71,7 +71,7 @@ async def api() -> AsyncIterator[Api]:
 
 
 def _assert_openai_error(body: dict) -> None:
-    assert set(body["error"]) == {"message", "type", "code"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     assert isinstance(body["error"]["type"], str) and body["error"]["type"]
 
@@ -88,9 +88,10 @@ async def test_completion_returns_the_model_answer_as_a_text_completion(api):
     assert body["id"] == "cmpl-" + api.user.answers[0].request_id.hex()
     assert isinstance(body["created"], int)
     assert body["model"] == "fake-model"
-    assert body["choices"] == [{"index": 0, "text": PROMPT[::-1], "finish_reason": None,
+    assert body["choices"] == [{"index": 0, "text": PROMPT[::-1], "finish_reason": "length",
                                 "logprobs": None}]
-    assert body["usage"] == {"completion_tokens": len(PROMPT)}
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": len(PROMPT),
+                             "total_tokens": 2 * len(PROMPT)}
 
 
 async def test_completion_carries_planetserve_metadata_of_the_signing_model_node(api):
@@ -143,8 +144,8 @@ async def test_completion_without_parameters_asks_with_the_defaults(api):
         (b'{"prompt": 42}', "prompt"),
         (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
         (b'{"prompt": "hi", "max_tokens": 5000}', "max_tokens"),
-        (b'{"prompt": "hi", "max_tokens": "many"}', "bad parameter"),
-        (b'{"prompt": "hi", "timeout": "soon"}', "bad parameter"),
+        (b'{"prompt": "hi", "max_tokens": "many"}', "max_tokens"),
+        (b'{"prompt": "hi", "timeout": "soon"}', "timeout"),
         (b'{"prompt": "hi", "timeout": -1}', "timeout"),
         (b'{"prompt": "hi", "timeout": "nan"}', "timeout"),
         (b'{"prompt": "hi", "timeout": 3601}', "timeout"),
@@ -180,16 +181,16 @@ async def test_completion_body_over_the_limit_gets_400(api):
     assert api.user.calls == []
 
 
-async def test_completion_for_an_unknown_model_id_gets_503_no_model_node(api):
+async def test_completion_for_an_unknown_model_id_gets_404_model_not_found(api):
     r = await api.client.post("/v1/completions", json={"prompt": PROMPT, "model": "no-such-model"})
 
-    assert r.status_code == 503
+    assert r.status_code == 404
     body = r.json()
     _assert_openai_error(body)
-    assert body["error"]["type"] == "planetserve_error"
+    assert body["error"]["code"] == "model_not_found"
+    assert body["error"]["param"] == "model"
     assert "no-such-model" in body["error"]["message"]
-    assert body["planetserve"]["error_type"] == "NoModelNodeError"
-    assert body["planetserve"]["attempts"] == 0
+    assert api.user.calls == []
 
 
 # ------------------------------------------------------------- typed failures -> HTTP status
@@ -222,7 +223,8 @@ async def test_failed_request_gets_the_http_status_of_its_error_class(api, error
     assert r.status_code == status
     body = r.json()
     _assert_openai_error(body)
-    assert body["error"]["type"] == "planetserve_error"
+    assert body["error"]["type"] == ("invalid_request_error" if status == 400 else "planetserve_error")
+    assert body["error"]["code"] == type(error).__name__
     assert body["error"]["message"] == api.user.answers[0].error
     assert body["planetserve"]["error_type"] == type(error).__name__
     assert body["planetserve"]["request_id"] == api.user.answers[0].request_id.hex()
@@ -271,7 +273,7 @@ async def test_completion_on_a_node_without_the_user_role_gets_503():
     assert r.status_code == 503
     body = r.json()
     _assert_openai_error(body)
-    assert body["error"]["type"] == "unavailable"
+    assert body["error"]["code"] == "no_user_role"
 
 
 # ------------------------------------------------------------------------- models, status
@@ -283,7 +285,8 @@ async def test_models_lists_the_model_id_of_the_model_node(api):
     assert r.status_code == 200
     body = r.json()
     assert body["object"] == "list"
-    assert body["data"] == [{"id": "fake-model", "object": "model", "owned_by": "planetserve"}]
+    assert body["data"] == [{"id": "fake-model", "object": "model", "created": 0,
+                             "owned_by": "planetserve"}]
 
 
 async def test_status_lists_the_ready_paths_with_three_relays_each(api):
@@ -338,15 +341,16 @@ async def test_status_is_ready_with_a_model_node_and_n_distinct_proxies(relays, 
     assert r.json()["ready"] is ready
 
 
-@pytest.mark.parametrize("method, path", [("GET", "/v1/chat"), ("GET", "/v1/completions"),
-                                          ("POST", "/status")])
-async def test_unknown_route_gets_404_with_an_openai_error(api, method, path):
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/chat", 404), ("GET", "/v1/completions", 405), ("POST", "/status", 405),
+])
+async def test_unknown_route_or_method_gets_an_openai_error(api, method, path, status):
     r = await api.client.request(method, path)
 
-    assert r.status_code == 404
+    assert r.status_code == status
     body = r.json()
     _assert_openai_error(body)
-    assert body["error"]["type"] == "not_found"
+    assert body["error"]["code"] == ("not_found" if status == 404 else "method_not_allowed")
 
 
 # ----------------------------------------------------------------------- real network (slow)

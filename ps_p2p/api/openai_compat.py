@@ -1,31 +1,50 @@
-"""The local HTTP API of a user node (OpenAI-compatible completions), served by hypercorn on trio.
+"""The local HTTP API of a user node: OpenAI-compatible, on Starlette (ASGI) served by hypercorn
+on trio, bodies validated by pydantic models. docs/api.md has the full reference.
 
 Endpoints (bind to loopback: anyone who can reach it can spend the user's anonymity):
 
-* ``POST /v1/completions`` — body as OpenAI's completions API: ``prompt`` (string), ``model``
-  (optional: any model node's model ID), ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
-  and our extension ``timeout`` (seconds). The prompt goes through the anonymous overlay; the
-  reply is a ``text_completion`` object with an extra ``planetserve`` member: ``served_by``
-  (peer ID), ``signature_valid``, ``cloves_received``, ``latency_ms``, ``attempts``.
-  Failures answer OpenAI-style ``{"error": {"message", "type", "code"}}`` with 400 (bad body, or
-  a request the model node refused), 503 (no paths or model node; overloaded), 504 (deadline
-  passed) or 502 (other), chosen by the class of the request's typed outcome (:func:`http_status`);
-  ``planetserve.error_type`` names that class.
-* ``GET /v1/models`` — the model IDs of the directory's model nodes.
-* ``GET /status`` — peer ID, directory size, this user's ready paths (relay peer IDs) and
-  ``ready``: a model node is known and the ready paths reach n distinct proxies, so a request
-  goes out at once with one clove per proxy (what a script waits for before its first request).
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` — OpenAI's request bodies. The
+  prompt (or the chat, rendered by the model node with its model's chat template) goes through
+  the anonymous overlay. Honoured: ``model``, ``max_tokens`` (``max_completion_tokens`` for
+  chats), ``temperature``, ``top_p``, ``seed``, ``stop`` (string or up to 4), ``n`` (up to 8:
+  n anonymous requests), ``stream`` with ``stream_options.include_usage`` (server-sent events in
+  OpenAI's chunk format, ``data: [DONE]`` last; the text is streamed through the overlay as the
+  model node generates it, docs/streaming.md), and our extension ``timeout`` (seconds).
+  Parameters we cannot honour (``logprobs``, ``echo``, ``suffix``, ``best_of`` > 1,
+  ``logit_bias``, non-zero penalties, tools) are refused with a 400 naming the field, as is
+  any value out of range; nothing is silently ignored. Every answer has an extra
+  ``planetserve`` member: ``served_by`` (peer ID), ``signature_valid``, ``cloves_received``,
+  ``latency_ms``, ``attempts``.
+* ``GET /v1/models`` and ``GET /v1/models/{id}`` — the model IDs of the directory's model nodes.
+* ``GET /status`` — peer ID, directory size, ready paths and ``ready`` (what a script waits for).
+
+Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+bad body or a request the model node refused (``invalid_request_error``), 404 for an unknown
+model (``model_not_found``) or route, 503 when the network cannot serve it now (no paths, no
+model node, overloaded), 504 when the deadline passed, 502 for anything else; chosen by the
+class of the request's typed outcome (:func:`http_status`). In a stream that has started, an
+error is an event ``data: {"error": ...}`` before ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import secrets
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 import trio
 from libp2p.peer.id import ID
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from ps_p2p.errors import (
     DirectoryError,
@@ -36,47 +55,279 @@ from ps_p2p.errors import (
     RequestTimeoutError,
     RequestTooLargeError,
 )
+from ps_p2p.inference import ChatMessage
 from ps_p2p.roles.user import Answer
-from ps_p2p.api.asgi import Receive, Scope, Send, serve_lifespan
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 #: Longest deadline a request may ask for (seconds).
 MAX_TIMEOUT_S = 3600.0
-
+#: Most choices one request may ask for (each is its own anonymous request).
+MAX_N = 8
+#: Most tokens a request may ask for (the model nodes' limit, ps_p2p.serving.dispatch).
+MAX_TOKENS = 4096
+DEFAULT_MAX_TOKENS = 128
 
 
 def _b58(peer: bytes) -> str:
     return ID(peer).to_base58() if peer else ""
 
 
+# ---------------------------------------------------------------------------- request bodies
+
+
+class _Body(BaseModel):
+    """Fields common to both endpoints (OpenAI's names and ranges)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None  # accepted, never sent anywhere
+    timeout: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S)  # our extension
+    # refused unless at their neutral value (validated in _refuse_unsupported)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop strings")
+        if any(not 0 < len(s) <= 256 for s in stops):
+            raise ValueError("stop strings must have 1..256 characters")
+        return value
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionBody(_Body):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: str | list[str]) -> str | list[str]:
+        prompts = [value] if isinstance(value, str) else value
+        if len(prompts) != 1:
+            raise ValueError("exactly one prompt (a string) per request")
+        if not prompts[0].strip():
+            raise ValueError("the prompt must not be empty")
+        return value
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class _ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[_ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatBody(_Body):
+    """``POST /v1/chat/completions`` (text messages only)."""
+
+    messages: Annotated[list[_Message], Field(min_length=1, max_length=256)]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    def chat(self) -> tuple[ChatMessage, ...]:
+        return tuple(ChatMessage(m.role, m.text()) for m in self.messages)
+
+
+def _refuse_unsupported(body: _Body) -> None:
+    """A 400 naming the first parameter we cannot honour at the value asked."""
+    checks: list[tuple[str, bool]] = [
+        ("presence_penalty", bool(body.presence_penalty)),
+        ("frequency_penalty", bool(body.frequency_penalty)),
+        ("logit_bias", bool(body.logit_bias)),
+        ("logprobs", body.logprobs not in (None, False, 0)),
+    ]
+    if isinstance(body, CompletionBody):
+        checks += [
+            ("echo", body.echo),
+            ("suffix", bool(body.suffix)),
+            ("best_of", body.best_of not in (None, 1)),
+        ]
+    if isinstance(body, ChatBody):
+        checks += [
+            ("tools", bool(body.tools)),
+            ("tool_choice", body.tool_choice not in (None, "none")),
+            ("response_format", (body.response_format or {}).get("type", "text") != "text"),
+            ("top_logprobs", bool(body.top_logprobs)),
+        ]
+    for param, refused in checks:
+        if refused:
+            raise ApiError(400, f"'{param}' is not supported by this network", param=param)
+    if body.stream and body.n > 1:
+        raise ApiError(400, "'n' > 1 cannot be streamed; ask n requests instead", param="n")
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer."""
+
+    def __init__(
+        self, status: int, message: str, *, kind: str | None = None, param: str | None = None,
+        code: str | None = None, extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind or _KIND_BY_STATUS.get(status, "api_error")
+        self.param = param
+        self.code = code
+        self.extra = extra or {}
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param,
+                      "code": self.code},
+            **self.extra,
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.payload(), status_code=self.status)
+
+
+_KIND_BY_STATUS = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    503: "service_unavailable",
+    504: "timeout",
+    502: "planetserve_error",
+}
+
+#: HTTP status of a failed request by its outcome's class (first match in this order).
+_STATUS_BY_ERROR: tuple[tuple[type[PsError], int], ...] = (
+    (RequestTimeoutError, 504),
+    (OverloadedError, 503),
+    (PathError, 503),  # NoPathError: too few paths ready
+    (DirectoryError, 503),  # NoModelNodeError: no model node for the model ID
+    (RequestRefusedError, 400),  # BAD_REQUEST, WRONG_MODEL, PROMPT_TOO_LONG (signed)
+    (RequestTooLargeError, 400),
+)
+
+
+def http_status(error: PsError | None) -> int:
+    """The HTTP status of a request's typed outcome: 504 deadline passed; 503 no paths, no
+    model node or overloaded; 400 the request itself is at fault; 502 anything else (another
+    signed error status, a bug)."""
+    for cls, code in _STATUS_BY_ERROR:
+        if isinstance(error, cls):
+            return code
+    return 502
+
+
+def _meta(answer: Answer) -> dict[str, Any]:
+    return {
+        "request_id": answer.request_id.hex(),
+        "served_by": _b58(answer.served_by),
+        "signature_valid": answer.signature_valid,
+        "cloves_received": answer.cloves_received,
+        "latency_ms": round(answer.latency_ms, 1),
+        "attempts": answer.attempts,
+    }
+
+
+def answer_error(answer: Answer) -> ApiError:
+    """The error answer of a failed request."""
+    meta = _meta(answer)
+    meta["error_type"] = answer.error_type.__name__ if answer.error_type else None
+    status = http_status(answer.exception)
+    kind = "invalid_request_error" if status == 400 else "planetserve_error"
+    return ApiError(status, answer.error, kind=kind, code=meta["error_type"],
+                    extra={"planetserve": meta})
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, int)) or None
+    message = first.get("msg", "invalid body")
+    if param:
+        message = f"'{param}': {message}"
+    return ApiError(400, message, param=param.split(".")[0] if param else None)
+
+
+# ---------------------------------------------------------------------------- application
+
+
 class UserAPI:
-    """ASGI application over a running :class:`~ps_p2p.node.Node` with the user role."""
+    """The ASGI application over a running :class:`~ps_p2p.node.Node` with the user role
+    (or anything with its ``user``, ``directory``, ``keys``, ``config`` and ``listen_addrs``)."""
 
     def __init__(self, node: Any) -> None:
         self.node = node
+        self.app = Starlette(
+            routes=[
+                Route("/status", self._status, methods=["GET"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            ],
+            exception_handlers={HTTPException: self._http_error, ApiError: self._api_error},
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await serve_lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        method, path = scope["method"], scope["path"]
-        try:
-            if method == "GET" and path == "/status":
-                await _json(send, 200, self.status())
-            elif method == "GET" and path == "/v1/models":
-                await _json(send, 200, self.models())
-            elif method == "POST" and path == "/v1/completions":
-                body = await _read_body(receive)
-                status, payload = await self.completions(body)
-                await _json(send, status, payload)
-            else:
-                await _json(send, 404, _error(f"no route {method} {path}", "not_found"))
-        except _BadRequest as exc:
-            await _json(send, 400, _error(str(exc), "invalid_request_error"))
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return ApiError(exc.status_code, message, kind="invalid_request_error", code=code).response()
+
+    @staticmethod
+    async def _api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    # -- read-only endpoints ----------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         node = self.node
@@ -105,120 +356,231 @@ class UserAPI:
             ),
         }
 
+    def model_ids(self) -> list[str]:
+        user = self.node.user
+        return sorted({r.model_id for r in (user.model_nodes() if user else [])})
+
+    @staticmethod
+    def _model_object(model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "planetserve"}
+
     def models(self) -> dict[str, Any]:
-        ids = sorted({r.model_id for r in (self.node.user.model_nodes() if self.node.user else [])})
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "planetserve"} for m in ids]}
+        return {"object": "list", "data": [self._model_object(m) for m in self.model_ids()]}
 
-    async def completions(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        if self.node.user is None:
-            return 503, _error("this node has no user role", "unavailable")
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise _BadRequest("'prompt' must be a non-empty string")
-        try:
-            kwargs = dict(
-                model_id=body.get("model") or None,
-                max_tokens=int(body.get("max_tokens", 128)),
-                temperature=float(body.get("temperature", 0.0)),
-                top_p=float(body.get("top_p", 1.0)),
-                seed=int(body.get("seed") or 0),
-                timeout=float(body["timeout"]) if "timeout" in body else None,
-            )
-        except (TypeError, ValueError) as exc:
-            raise _BadRequest(f"bad parameter: {exc}") from exc
-        if not 1 <= kwargs["max_tokens"] <= 4096:
-            raise _BadRequest("'max_tokens' must be in 1..4096")
-        timeout = kwargs["timeout"]
-        if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # also refuses NaN
-            raise _BadRequest(f"'timeout' must be in (0, {MAX_TIMEOUT_S:.0f}] seconds")
-        answer = await self.node.user.ask(prompt, **kwargs)
-        return _answer_to_http(answer)
+    async def _status(self, request: Request) -> Response:
+        return JSONResponse(self.status())
 
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse(self.models())
 
-#: HTTP status of a failed request by its outcome's class (first match in this order).
-_STATUS_BY_ERROR: tuple[tuple[type[PsError], int], ...] = (
-    (RequestTimeoutError, 504),
-    (OverloadedError, 503),
-    (PathError, 503),  # NoPathError: too few paths ready
-    (DirectoryError, 503),  # NoModelNodeError: no model node for the model ID
-    (RequestRefusedError, 400),  # BAD_REQUEST, WRONG_MODEL, PROMPT_TOO_LONG (signed)
-    (RequestTooLargeError, 400),
-)
+    async def _model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id not in self.model_ids():
+            raise _unknown_model(model_id)
+        return JSONResponse(self._model_object(model_id))
 
+    # -- generation -------------------------------------------------------------------
 
-def http_status(error: PsError | None) -> int:
-    """The HTTP status of a request's typed outcome: 504 deadline passed; 503 no paths, no
-    model node or overloaded; 400 the request itself is at fault; 502 anything else (another
-    signed error status, a bug)."""
-    for cls, code in _STATUS_BY_ERROR:
-        if isinstance(error, cls):
-            return code
-    return 502
+    async def _completions(self, request: Request) -> Response:
+        body = await _parse(request, CompletionBody)
+        return await self._generate(body, prompt=body.prompt_text(), chat=False,
+                                    max_tokens=body.max_tokens)
 
+    async def _chat(self, request: Request) -> Response:
+        body = await _parse(request, ChatBody)
+        return await self._generate(body, messages=body.chat(), chat=True,
+                                    max_tokens=body.max_completion_tokens or body.max_tokens)
 
-def _answer_to_http(answer: Answer) -> tuple[int, dict[str, Any]]:
-    meta = {
-        "request_id": answer.request_id.hex(),
-        "served_by": _b58(answer.served_by),
-        "signature_valid": answer.signature_valid,
-        "cloves_received": answer.cloves_received,
-        "latency_ms": round(answer.latency_ms, 1),
-        "attempts": answer.attempts,
-    }
-    if not answer.ok:
-        code = http_status(answer.exception)
-        meta["error_type"] = answer.error_type.__name__ if answer.error_type else None
-        payload = _error(answer.error, "planetserve_error")
-        payload["planetserve"] = meta
-        return code, payload
-    return 200, {
-        "id": "cmpl-" + answer.request_id.hex(),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": answer.model_id,
-        "choices": [{"index": 0, "text": answer.text, "finish_reason": None, "logprobs": None}],
-        "usage": {"completion_tokens": answer.completion_tokens},
-        "planetserve": meta,
-    }
+    async def _generate(
+        self, body: _Body, *, chat: bool, max_tokens: int | None, prompt: str = "",
+        messages: tuple[ChatMessage, ...] = (),
+    ) -> Response:
+        _refuse_unsupported(body)
+        user = self.node.user
+        if user is None:
+            raise ApiError(503, "this node has no user role", code="no_user_role")
+        if body.model is not None and body.model not in self.model_ids():
+            raise _unknown_model(body.model)
+        ask = _Ask(
+            user, prompt=prompt, messages=messages, model_id=body.model,
+            max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=body.temperature,
+            top_p=body.top_p, seed=body.seed or 0, stop=body.stops(), timeout=body.timeout,
+        )
+        if body.stream:
+            return _EventStream(ask, chat=chat, include_usage=body.include_usage())
+        answers = await ask.many(body.n)
+        failed = next((a for a in answers if not a.ok), None)
+        if failed is not None:
+            raise answer_error(failed)
+        return JSONResponse(_completion_object(answers, chat=chat))
 
 
-class _BadRequest(Exception):
-    pass
+def _unknown_model(model_id: str) -> ApiError:
+    return ApiError(404, f"The model '{model_id}' does not exist", param="model",
+                    code="model_not_found")
 
 
-def _error(message: str, kind: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": None}}
-
-
-async def _read_body(receive: Receive) -> dict[str, Any]:
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _BadRequest(f"body over {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            break
+async def _parse(request: Request, model: type[_Body]) -> Any:
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(400, f"body over {MAX_BODY_BYTES} bytes")
     try:
-        body = json.loads(b"".join(chunks) or b"{}")
+        data = json.loads(raw or b"{}")
     except ValueError as exc:
-        raise _BadRequest(f"body is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise _BadRequest("body must be a JSON object")
-    return body
+        raise ApiError(400, f"body is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ApiError(400, "body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
 
 
-async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
-    data = json.dumps(payload).encode()
-    await send({
-        "type": "http.response.start",
-        "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
-    })
-    await send({"type": "http.response.body", "body": data})
+class _Ask:
+    """One API request's arguments to :meth:`~ps_p2p.roles.user.UserClient.ask`."""
+
+    def __init__(self, user: Any, **kwargs: Any) -> None:
+        self.user = user
+        self.kwargs = kwargs
+        self.created = int(time.time())
+        self.stream_id = secrets.token_hex(12)
+
+    async def one(self, index: int = 0, on_text: Any = None) -> Answer:
+        kwargs = dict(self.kwargs)
+        if index and kwargs["seed"]:
+            kwargs["seed"] = (kwargs["seed"] + index) % 2**63  # n seeded choices differ
+        return await self.user.ask(**kwargs, on_text=on_text)
+
+    async def many(self, n: int) -> list[Answer]:
+        answers: list[Answer | None] = [None] * n
+
+        async def run(i: int) -> None:
+            answers[i] = await self.one(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(run, i)
+        return [a for a in answers if a is not None]
+
+
+def _usage(answers: Sequence[Answer]) -> dict[str, int]:
+    prompt = answers[0].prompt_tokens if answers else 0
+    completion = sum(a.completion_tokens for a in answers)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _completion_object(answers: Sequence[Answer], *, chat: bool) -> dict[str, Any]:
+    first = answers[0]
+    choices: list[dict[str, Any]] = []
+    for i, a in enumerate(answers):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": a.text},
+                            "finish_reason": a.finish_reason or "stop", "logprobs": None})
+        else:
+            choices.append({"index": i, "text": a.text, "finish_reason": a.finish_reason or "stop",
+                            "logprobs": None})
+    return {
+        "id": ("chatcmpl-" if chat else "cmpl-") + first.request_id.hex(),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": first.model_id,
+        "choices": choices,
+        "usage": _usage(answers),
+        "planetserve": _meta(first) if len(answers) == 1 else [_meta(a) for a in answers],
+    }
+
+
+class _EventStream(Response):
+    """Server-sent events of one streamed request (OpenAI's chunk format).
+
+    The HTTP status is chosen once the first text or the outcome arrives: a request that fails
+    before any text gets its error status and object, like an unstreamed one; once text has
+    been sent, a failure is an error event before ``[DONE]``. A client that goes away cancels
+    the request.
+    """
+
+    def __init__(self, ask: _Ask, *, chat: bool, include_usage: bool) -> None:
+        super().__init__(status_code=200, media_type="text/event-stream")
+        self.ask = ask
+        self.chat = chat
+        self.include_usage = include_usage
+
+    def _chunk(self, answer_id: str, model: str, delta: str | None,
+               finish_reason: str | None = None, *, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            d: dict[str, Any] = {}
+            if role:
+                d["role"] = "assistant"
+            if delta is not None:
+                d["content"] = delta
+            choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish_reason,
+                                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason,
+                      "logprobs": None}
+        return {
+            "id": answer_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.ask.created,
+            "model": model,
+            "choices": [choice],
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        events_in, events_out = trio.open_memory_channel[str | Answer](math.inf)
+
+        async def run() -> None:
+            answer = await self.ask.one(0, on_text=events_in.send_nowait)
+            events_in.send_nowait(answer)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            first = await events_out.receive()
+            if isinstance(first, Answer) and not first.ok:
+                await answer_error(first).response()(scope, receive, send)
+                return
+            await send({
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache")],
+            })
+            await self._events(first, events_out, send)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _events(
+        self, first: str | Answer, events: trio.MemoryReceiveChannel[str | Answer], send: Send
+    ) -> None:
+        answer_id = ("chatcmpl-" if self.chat else "cmpl-") + self.ask.stream_id
+        model = self.ask.kwargs.get("model_id") or ""
+
+        async def emit(payload: dict[str, Any] | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(),
+                        "more_body": True})
+
+        if self.chat:
+            await emit(self._chunk(answer_id, model, "", role=True))
+        event = first
+        while not isinstance(event, Answer):
+            await emit(self._chunk(answer_id, model, event))
+            event = await events.receive()
+        answer = event
+        if answer.ok:
+            await emit(self._chunk(answer_id, answer.model_id or model, None if self.chat else "",
+                                   answer.finish_reason or "stop"))
+            if self.include_usage:
+                chunk = self._chunk(answer_id, answer.model_id or model, None)
+                chunk["choices"] = []
+                chunk["usage"] = _usage([answer])
+                chunk["planetserve"] = _meta(answer)
+                await emit(chunk)
+        else:
+            await emit(answer_error(answer).payload())
+        await emit("[DONE]")
 
 
 async def serve_api(

@@ -28,7 +28,13 @@ from ps_p2p import responses
 from ps_p2p.config import ModelNodeConfig
 from ps_p2p.crypto import sida
 from ps_p2p.engines.base import FINISH_STOP, Completion, Engine, SamplingParams, StreamChunk, stop_at
-from ps_p2p.errors import EngineError, PromptTooLongError, PsError, RemoteProtocolError
+from ps_p2p.errors import (
+    EngineError,
+    EngineParameterError,
+    PromptTooLongError,
+    PsError,
+    RemoteProtocolError,
+)
 from ps_p2p.inference import InferenceQuery, InferenceReply, ResponseSegment, ResponseStatus
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
@@ -211,6 +217,8 @@ class ModelNodeService:
                 completion = await self.engine.complete(prompt, params)
         except PromptTooLongError as exc:
             return self.dispatcher.error_content(ResponseStatus.PROMPT_TOO_LONG, str(exc))
+        except EngineParameterError as exc:  # the request's parameters, not the engine
+            return self.dispatcher.error_content(ResponseStatus.BAD_REQUEST, str(exc))
         except (EngineError, PsError, ValueError) as exc:  # ValueError: SamplingParams' checks
             log.warning("engine failed on %s: %s", query.request_id.hex()[:8], exc)
             return self.dispatcher.error_content(ResponseStatus.ENGINE_ERROR, str(exc))

@@ -13,7 +13,14 @@ import trio
 from ps_p2p.config import NodeConfig
 from ps_p2p.crypto import sida
 from ps_p2p.crypto.onion import OnionKeyPair
-from ps_p2p.engines.base import Completion, Engine, SamplingParams, TokenScores
+from ps_p2p.engines.base import (
+    ChatMessage,
+    Completion,
+    Engine,
+    SamplingParams,
+    TokenScores,
+    default_chat_prompt,
+)
 from ps_p2p.errors import (
     ModelNodeError,
     NoModelNodeError,
@@ -125,6 +132,9 @@ class AskCall:
     seed: int
     model_node: bytes | None
     timeout: float | None
+    messages: tuple[ChatMessage, ...] = ()
+    stop: tuple[str, ...] = ()
+    stream: bool = False
 
 
 class FakeUserClient:
@@ -175,6 +185,8 @@ class FakeUserClient:
             for path_id, relays in enumerate(paths, start=1)
         ]
         self._failures: deque[PsError] = deque()
+        #: characters per piece given to ``on_text``
+        self.stream_piece = 4
         self.calls: list[AskCall] = []
         self.answers: list[Answer] = []
 
@@ -195,20 +207,36 @@ class FakeUserClient:
 
     async def ask(
         self,
-        prompt: str,
+        prompt: str = "",
         *,
+        messages: Sequence[ChatMessage] = (),
         model_id: str | None = None,
         max_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int = 0,
+        stop: Sequence[str] = (),
         model_node: bytes | None = None,
         timeout: float | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Answer:
-        """Answer at once (see the class docstring); never raises, like the real one."""
-        self.calls.append(
-            AskCall(prompt, model_id, max_tokens, temperature, top_p, seed, model_node, timeout)
-        )
+        """Answer at once (see the class docstring); never raises for network trouble, like
+        the real one. A chat is answered as if its prompt were :func:`default_chat_prompt`;
+        the answer is cut before the first ``stop`` string (``finish_reason`` "stop", else
+        "length"); with ``on_text`` the text is given to it first, in pieces of
+        :attr:`stream_piece` characters.
+
+        Raises:
+            ValueError: neither a non-blank prompt nor messages, or both (as the real one).
+        """
+        if bool(prompt) == bool(messages) or (prompt and not prompt.strip()):
+            raise ValueError("ask needs a non-blank prompt or chat messages (not both)")
+        self.calls.append(AskCall(
+            prompt, model_id, max_tokens, temperature, top_p, seed, model_node, timeout,
+            tuple(messages), tuple(stop), on_text is not None,
+        ))
+        if messages:
+            prompt = default_chat_prompt(messages)
         request_id = len(self.calls).to_bytes(16, "big")
         candidates = [
             r for r in self.model_nodes(model_id) if model_node is None or r.peer_id == model_node
@@ -224,6 +252,13 @@ class FakeUserClient:
         else:
             target = candidates[0]
             text = self.reply(prompt, max_tokens)
+            finish = "length"
+            cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+            if cuts:
+                text, finish = text[: min(cuts)], "stop"
+            if on_text is not None:
+                for i in range(0, len(text), self.stream_piece):
+                    on_text(text[i : i + self.stream_piece])
             answer = Answer(
                 request_id,
                 ok=True,
@@ -235,6 +270,8 @@ class FakeUserClient:
                 attempts=1,
                 model_id=target.model_id,
                 completion_tokens=len(text),
+                prompt_tokens=len(prompt),
+                finish_reason=finish,
             )
         self.answers.append(answer)
         return answer
