@@ -9,7 +9,7 @@ import os
 import pytest
 
 from ps_p2p.crypto import sida
-from ps_p2p.inference import InferenceQuery, ReplyProxy, ResponseStatus, SamplingParams
+from ps_p2p.inference import ChatMessage, InferenceQuery, ReplyProxy, ResponseStatus, SamplingParams
 from ps_p2p.protocols.inference_codec import decode_query, encode_query
 from ps_p2p.responses import ResponseContent
 from ps_p2p.serving.dispatch import DispatchConfig, Dispatcher, SendAnswer, StartJob
@@ -161,3 +161,83 @@ def test_cached_answers_expire_after_their_ttl():
     d.tick(6.0)
     again = dataclasses.replace(q, reply_proxies=tuple(ReplyProxy(p, b"z" * 16) for p in PROXIES))
     assert isinstance(_deliver(d, again, now=7.0)[0], StartJob)
+
+
+# ------------------------------------------------------------------ streamed answers
+
+
+def _streamed(prompt="hello", tag=b"a", **params) -> InferenceQuery:
+    return dataclasses.replace(_query(prompt, tag=tag, **params), stream=True)
+
+
+def test_streamed_text_goes_out_as_numbered_segments_and_the_answer_follows_them():
+    from ps_p2p.serving.dispatch import SendSegment
+
+    d = _dispatcher()
+    q = _streamed()
+    (start,) = _deliver(d, q)
+    (s0,) = d.job_progress(start.key, "Once", now=0.1)
+    (s1,) = d.job_progress(start.key, " upon é", now=0.2)
+    assert (s0.seq, s0.offset, s0.text) == (0, 0, "Once")
+    assert isinstance(s1, SendSegment) and (s1.seq, s1.offset) == (1, 4)
+    content = dataclasses.replace(OK, text="Once upon é")
+    (last,) = d.job_finished(start.key, content, now=0.3)
+    # the last segment continues after the UTF-8 bytes sent ("é" is two)
+    assert (last.seq, last.offset) == (2, len("Once upon é".encode()))
+
+
+def test_a_sending_that_joins_a_streamed_job_first_gets_the_text_so_far():
+    d = _dispatcher()
+    q = _streamed()
+    (start,) = _deliver(d, q)
+    d.job_progress(start.key, "Once", now=0.1)
+    resend = dataclasses.replace(q, reply_proxies=tuple(ReplyProxy(p, b"b" * 16) for p in PROXIES))
+    (catch_up,) = _deliver(d, resend, now=0.2)
+    assert (catch_up.waiter.query, catch_up.seq, catch_up.offset, catch_up.text) == (
+        resend, 0, 0, "Once"
+    )
+    both = d.job_progress(start.key, " upon", now=0.3)
+    assert [(s.waiter.query, s.seq, s.offset) for s in both] == [(q, 1, 4), (resend, 1, 4)]
+
+
+def test_a_streamed_and_an_unstreamed_sending_are_different_jobs():
+    d = _dispatcher()
+    (one,) = _deliver(d, _query())
+    (two,) = _deliver(d, dataclasses.replace(_streamed(), request_id=one.query.request_id))
+    assert isinstance(two, StartJob) and two.key != one.key
+
+
+def test_segments_stop_at_the_budget_and_the_last_one_carries_the_rest():
+    from ps_p2p.serving.dispatch import MAX_SEGMENTS
+
+    d = _dispatcher()
+    (start,) = _deliver(d, _streamed())
+    sent = []
+    for _ in range(MAX_SEGMENTS + 10):
+        sent += d.job_progress(start.key, "ab", now=0.1)
+    assert len(sent) == MAX_SEGMENTS - 1
+    (last,) = d.job_finished(start.key, dataclasses.replace(OK, text="ab" * (MAX_SEGMENTS + 10)), 1.0)
+    assert (last.seq, last.offset) == (MAX_SEGMENTS - 1, 2 * (MAX_SEGMENTS - 1))
+
+
+def test_a_streamed_job_that_fails_after_text_signs_the_text_it_streamed():
+    d = _dispatcher()
+    (start,) = _deliver(d, _streamed())
+    d.job_progress(start.key, "partial", now=0.1)
+    error = d.error_content(ResponseStatus.ENGINE_ERROR, "GPU fell off")
+    (last,) = d.job_finished(start.key, error, now=0.2)
+    assert last.content.status == ResponseStatus.ENGINE_ERROR
+    assert last.content.text == "partial" and (last.seq, last.offset) == (1, 7)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(prompt="", messages=()), "either a prompt or chat messages"),
+    (dict(prompt="", messages=(ChatMessage("wizard", "hi"),)), "unknown chat role"),
+    (dict(params=SamplingParams(max_tokens=16, stop=("a",) * 5)), "stop strings"),
+    (dict(params=SamplingParams(max_tokens=16, stop=("",))), "stop strings"),
+])
+def test_bad_chats_and_stop_strings_are_answered_at_once(changes, message):
+    d = _dispatcher()
+    (answer,) = _deliver(d, dataclasses.replace(_query(), **changes))
+    assert isinstance(answer, SendAnswer)
+    assert answer.content.status == ResponseStatus.BAD_REQUEST and message in answer.content.error

@@ -3,6 +3,7 @@ outcomes, on injected time, with a pickle codec and injected signature checks.""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 from dataclasses import dataclass
@@ -23,8 +24,15 @@ from ps_p2p.errors import (
     RequestTimeoutError,
     RequestTooLargeError,
 )
-from ps_p2p.inference import InferenceReply, ResponseStatus, SamplingParams, status_error
+from ps_p2p.inference import (
+    InferenceReply,
+    ResponseSegment,
+    ResponseStatus,
+    SamplingParams,
+    status_error,
+)
 from ps_p2p.overlay.requests import (
+    MAX_SEGMENTS,
     ConvictProxy,
     RequestConfig,
     RequestCore,
@@ -32,6 +40,7 @@ from ps_p2p.overlay.requests import (
     RequestSpec,
     ResponseClove,
     SendClove,
+    StreamText,
 )
 
 MODEL = b"model-node-M"
@@ -405,3 +414,110 @@ def test_no_model_node_in_the_directory_is_a_503():
     error = NoModelNodeError("no model node serving 'x' in the directory")
     assert isinstance(error, DirectoryError) and isinstance(error, RequestError)
     assert http_status(error) == 503
+
+
+# ------------------------------------------------------------------ streamed answers
+
+
+class SegmentCodec(PickleCodec):
+    def decode_segment(self, payload):
+        return self.decode_response(payload)
+
+
+def _stream_core() -> RequestCore:
+    core = _core()
+    core._codec = SegmentCodec()
+    return core
+
+
+def _stream_spec(request_id=b"s" * 16):
+    return dataclasses.replace(_spec(request_id), stream=True)
+
+
+def _segments(sent, texts, *, final_text=None, signature=b"good", seqs=None):
+    """The model node's segments for one attempt: ``texts`` one per segment, then the last
+    segment with the reply signed over ``final_text`` (default: all texts joined). Returns
+    per segment the ResponseCloves (one per path)."""
+    q_bytes = sida.decode_subset([c.clove for c in sent[:3]])
+    query = pickle.loads(q_bytes)
+    req_hash = responses.request_hash(q_bytes)
+    response_id = responses.response_message_id(query.request_id, req_hash)
+    full = "".join(texts) if final_text is None else final_text
+    reply = InferenceReply(
+        request_id=query.request_id, status=ResponseStatus.OK, text="", error="",
+        model_id="fake-model", prompt_tokens=4, completion_tokens=len(texts), request_hash=req_hash,
+        signed_at_ms=1, model_node=MODEL, signature=signature if full == "".join(texts) else b"x",
+        finish_reason="stop",
+    )
+    out, offset = [], 0
+    items = [(t, None) for t in texts] + [("", reply)]
+    for seq, (text, final) in enumerate(items):
+        place = seq if seqs is None else seqs[seq]
+        segment = ResponseSegment(query.request_id, place, offset, text, final)
+        offset += len(text.encode())
+        cloves = sida.encode(pickle.dumps(segment), total=len(sent), threshold=3,
+                             message_id=responses.segment_message_id(response_id, seq))
+        out.append([ResponseClove(s.path_id, c, b"raw", b"signed by " + MODEL, s.reply_tag)
+                    for s, c in zip(sent, cloves)])
+    return out
+
+
+def _texts(commands):
+    return [c.text for c in commands if isinstance(c, StreamText)]
+
+
+def test_streamed_segments_are_released_in_order_whatever_order_they_decode_in():
+    core = _stream_core()
+    sent = _of(core.start(_stream_spec(), 0.0, READY), SendClove)
+    assert {s.max_replies for s in sent} == {MAX_SEGMENTS}
+    seg0, seg1, seg2, last = _segments(sent, ["Once", " upon", " a time"])
+    assert _texts(_feed(core, seg1, 0.1)) == []  # segment 1 waits for segment 0
+    assert _texts(_feed(core, seg0, 0.2)) == ["Once", " upon"]
+    assert _texts(_feed(core, seg2, 0.3)) == [" a time"]
+    outcome = _done(_feed(core, last, 0.4))
+    assert outcome.ok and outcome.reply.text == "Once upon a time"
+    assert outcome.reply.finish_reason == "stop"
+    assert _feed(core, seg1, 0.5) == []  # a late segment: dropped without blame
+    assert core.misrouted_cloves == 0
+
+
+def test_a_segment_under_another_place_in_the_stream_is_dropped():
+    core = _stream_core()
+    sent = _of(core.start(_stream_spec(), 0.0, READY), SendClove)
+    # the model node numbered segment 0 as 1: the message ID and the content disagree
+    seg0, last = _segments(sent, ["Once"], seqs=[1, 1])
+    assert _texts(_feed(core, seg0, 0.1)) == []
+    assert _of(_feed(core, last, 0.2), RequestDone) == []
+
+
+def test_a_proxy_that_alters_a_segment_clove_is_convicted_and_the_text_still_comes():
+    core = _stream_core()
+    sent = _of(core.start(_stream_spec(), 0.0, READY), SendClove)
+    seg0, last = _segments(sent, ["Once"])
+    forged = dataclasses.replace(seg0[0], signature=b"forged")
+    commands = _feed(core, [forged, *seg0[1:]], 0.1)
+    assert _of(commands, ConvictProxy) == [ConvictProxy(READY[sent[0].path_id - 1].proxy)]
+    assert _texts(commands) == ["Once"]
+    assert _done(_feed(core, last, 0.2)).ok
+
+
+def test_a_signed_answer_that_differs_from_the_streamed_text_ends_nothing():
+    core = _stream_core()
+    sent = _of(core.start(_stream_spec(), 0.0, READY), SendClove)
+    seg0, last = _segments(sent, ["Once"], final_text="Twice")
+    assert _texts(_feed(core, seg0, 0.1)) == ["Once"]
+    assert _of(_feed(core, last, 0.2), RequestDone) == []  # the signature does not verify
+
+
+def test_text_streamed_by_an_earlier_attempt_is_not_released_twice():
+    core = _stream_core()
+    first = _of(core.start(_stream_spec(), 0.0, READY), SendClove)
+    seg0, _ = _segments(first, ["Once"])
+    assert _texts(_feed(core, seg0, 0.1)) == ["Once"]
+    # no more for a long while: another attempt goes out; its catch-up segment repeats "Once"
+    second = _of(core.tick(100.0, READY), SendClove)
+    assert second and {s.reply_tag for s in second}.isdisjoint({s.reply_tag for s in first})
+    catch_up, more, last = _segments(second, ["Once", " upon"])
+    assert _texts(_feed(core, catch_up, 100.1)) == []
+    assert _texts(_feed(core, more, 100.2)) == [" upon"]
+    assert _done(_feed(core, last, 100.3)).reply.text == "Once upon"
