@@ -93,10 +93,9 @@ verifiers
 ``planetserve_registry_records``                            records it holds
 ==========================================================  ======================================
 
-Time to first token: streaming does not exist yet, so ``planetserve_time_to_first_token_seconds``
-observes the time to the whole (verified) answer today, the same as the ``ok`` series of
-``planetserve_request_duration_seconds``; once answers stream, it observes the first token and
-keeps its name.
+Time to first token: ``planetserve_time_to_first_token_seconds`` observes, per answered request,
+the time to its first piece of text when it was streamed through the overlay, else the time to
+the whole (verified) answer.
 """
 
 from __future__ import annotations
@@ -233,8 +232,7 @@ class NodeMetrics:
         )
         self.time_to_first_token = Histogram(
             "planetserve_time_to_first_token_seconds",
-            "Time to the first token of an answered request; the whole answer until answers "
-            "stream.",
+            "Time to the first text of an answered request (streamed), else to the whole answer.",
             buckets=LATENCY_BUCKETS, registry=registry,
         )
         for outcome in BASE_OUTCOMES:
@@ -250,8 +248,6 @@ class NodeMetrics:
     def observe_request(self, outcome: str, seconds: float) -> None:
         """One ask ended (``UserClient``'s ``on_request_done``; on the trio thread)."""
         self.request_duration.labels(outcome).observe(seconds)
-        if outcome == "ok":
-            self.time_to_first_token.observe(seconds)
 
     def serve(self, address: str) -> str:
         """Serve ``/metrics`` on ``address`` (``HOST:PORT``; port 0 picks one) in a daemon

@@ -220,6 +220,7 @@ class Node:
                     self.user = UserClient(
                         self.overlay, lambda: self.directory, self.config.user, rng=self.rng,
                         on_request_done=self.metrics.observe_request,
+                        on_first_token=self.metrics.time_to_first_token.observe,
                     )
                     await nursery.start(self.user.run)
                 nursery.start_soon(self._directory_loop)

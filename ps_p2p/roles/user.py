@@ -261,6 +261,8 @@ class UserClient:
             (:func:`outcome_label`, ``"cancelled"``, or ``"error"`` for an ask that raised) and
             the seconds it took (e.g. the node's metrics observe their histograms here). An
             exception it raises is logged, never passed to the caller.
+        on_first_token: ``on_first_token(seconds)`` once per answered :meth:`ask`: the time
+            to its first piece of text (streamed asks), or to the whole answer.
 
     Attributes:
         driver: the :class:`~ps_p2p.protocols.driver.CoreDriver` of both cores.
@@ -279,11 +281,13 @@ class UserClient:
         clock: Callable[[], float] = trio.current_time,
         random_bytes: Callable[[int], bytes] = os.urandom,
         on_request_done: Callable[[str, float], None] | None = None,
+        on_first_token: Callable[[float], None] | None = None,
     ) -> None:
         self.overlay = overlay
         self.config = config or UserConfig()
         self.outcomes: dict[str, int] = {}
         self._on_request_done = on_request_done
+        self._on_first_token = on_first_token
         self._directory = directory
         self._rng = rng or random.SystemRandom()
         self._clock = clock
@@ -424,6 +428,15 @@ class UserClient:
         if bool(prompt) == bool(messages) or (prompt and not prompt.strip()):
             raise ValueError("ask needs a non-blank prompt or chat messages (not both)")
         started = self._clock()
+        first_token_at: list[float] = []
+        if on_text is not None:
+            caller_on_text = on_text
+
+            def on_text(text: str) -> None:
+                if not first_token_at:
+                    first_token_at.append(self._clock())
+                caller_on_text(text)
+
         try:
             answer = await self._ask(
                 prompt, messages=tuple(messages), model_id=model_id, max_tokens=max_tokens,
@@ -437,6 +450,11 @@ class UserClient:
             self._request_done("error", started)
             raise
         self._request_done(outcome_label(answer), started)
+        if answer.ok and self._on_first_token is not None:
+            try:
+                self._on_first_token((first_token_at or [self._clock()])[0] - started)
+            except Exception:
+                log.exception("on_first_token failed")
         return answer
 
     def _request_done(self, outcome: str, started: float) -> None:
