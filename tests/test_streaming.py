@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 
+import pytest
 import trio
 
 from ps_p2p.engines.base import SamplingParams, StreamChunk, default_chat_prompt
@@ -91,3 +92,31 @@ async def test_chat_is_rendered_by_the_model_node_with_the_default_template():
         rendered = default_chat_prompt(messages)
         assert answer.text == rendered[:64][::-1]
         assert answer.prompt_tokens == len(rendered)  # InstantEngine: a token per character
+
+
+@pytest.mark.slow
+async def test_real_model_behind_the_vllm_api_streams_a_chat_through_the_overlay(shared):
+    """TinyStories in a TransformersEngine, served by the fake vLLM server, asked by the model
+    node's VLLMEngine: the streamed chat answer is the model's own greedy answer to the chat
+    prompt, signed, with the model's token counts."""
+    from ps_p2p.engines.transformers_engine import TransformersEngine
+    from ps_p2p.engines.vllm_engine import VLLMEngine
+    from ps_p2p.testing.fake_vllm import open_fake_vllm
+
+    model = TransformersEngine.load(shared / "models" / "stories260K")
+    messages = [ChatMessage("user", "Tell me about a cat")]
+    expected = await model.complete(await model.chat_prompt(messages), SamplingParams(max_tokens=40))
+    with trio.fail_after(240):
+        async with open_fake_vllm(model) as url, VLLMEngine(url, model.model_id) as vllm:
+            async with open_localnet(users=6, engine_factory=lambda i: vllm) as net:
+                pieces: list[str] = []
+                answer = await net.users[0].user.ask(
+                    messages=messages, max_tokens=40, timeout=120, on_text=pieces.append
+                )
+    assert answer.ok, answer.error
+    assert answer.text == "".join(pieces) == expected.text
+    assert len(pieces) >= 1
+    assert (answer.prompt_tokens, answer.completion_tokens) == (
+        expected.prompt_tokens, expected.completion_tokens
+    )
+    assert answer.finish_reason == expected.finish_reason
