@@ -50,6 +50,7 @@ from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import NodeKeys
 from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import directory as directory_proto
+from ps_p2p.protocols.handlers import registered_protocols
 from ps_p2p.protocols.host import (
     check_foreign_host,
     connect,
@@ -57,7 +58,13 @@ from ps_p2p.protocols.host import (
     listen_multiaddrs,
     open_host,
 )
-from ps_p2p.protocols.overlay import OverlayConfig, OverlayService
+from ps_p2p.protocols.overlay import (
+    CLOVE_PROTOCOL_ID,
+    DELIVER_PROTOCOL_ID,
+    ONION_PROTOCOL_ID,
+    OverlayConfig,
+    OverlayService,
+)
 from ps_p2p.records import Directory, NodeRecord, Role
 from ps_p2p.roles.model import ModelNodeService
 from ps_p2p.roles.user import UserClient
@@ -252,6 +259,39 @@ class Node:
         """
         await self._run(host, task_status)
 
+    @property
+    def protocol_ids(self) -> frozenset[str]:
+        """The stream protocol IDs this node's roles serve (registered while it runs)."""
+        ids: set[str] = set()
+        if Role.VERIFIER in self.roles:
+            ids.add(str(directory_proto.DIRECTORY_PROTOCOL_ID))
+        if self.roles & {Role.USER, Role.MODEL}:
+            ids |= {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
+        return frozenset(ids)
+
+    def check_host(self, host: IHost) -> None:
+        """Whether :meth:`serve` can run on ``host`` (what it checks first).
+
+        Raises:
+            ConfigError: the host's peer ID is not this node's; it offers a security transport
+                that does not authenticate peers (:func:`~ps_p2p.protocols.host.
+                check_foreign_host`); or it already has a handler for one of
+                :attr:`protocol_ids` (a node is already attached, or the application uses the
+                ID).
+        """
+        if host.get_id().to_bytes() != self.peer_id:
+            raise ConfigError(
+                f"the host's peer ID {host.get_id()} is not this node's "
+                f"({self.keys.identity.peer_id_str}); build the node with Node.for_host"
+            )
+        check_foreign_host(host)
+        taken = sorted(self.protocol_ids & registered_protocols(host))
+        if taken:
+            raise ConfigError(
+                f"the host already serves {', '.join(taken)} (is a ps_p2p node already "
+                "attached to it?)"
+            )
+
     async def stop(self) -> None:
         """Stop the node and wait until it has stopped: services cancelled, our stream
         handlers removed from the host (their open inbound streams reset), our outbound links
@@ -268,12 +308,7 @@ class Node:
         self._ran = True
         try:
             if host is not None:
-                if host.get_id().to_bytes() != self.peer_id:
-                    raise ConfigError(
-                        f"the host's peer ID {host.get_id()} is not this node's "
-                        f"({self.keys.identity.peer_id_str}); build the node with Node.for_host"
-                    )
-                check_foreign_host(host)
+                self.check_host(host)
             self.metrics.bind(trio.lowlevel.current_trio_token())
             with trio.CancelScope() as self._cancel_scope:
                 if self.config.metrics is not None:
@@ -589,9 +624,17 @@ async def attach(
         OSError: ``config.metrics`` cannot be bound.
     """
     node = Node.for_host(host, config, engine=engine, onion_key=onion_key, rng=rng)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(node.serve, host)
-        try:
-            yield node
-        finally:
-            await node.stop()
+    node.check_host(host)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve, host)
+            try:
+                yield node
+            finally:
+                await node.stop()
+    except BaseExceptionGroup as group:
+        # one exception (the block's, or the node's start failure): raise it as it is, as if
+        # no nursery stood between the block and the caller
+        if len(group.exceptions) != 1:
+            raise
+        raise group.exceptions[0] from None
