@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -187,14 +188,15 @@ def test_attach_is_exported_by_the_package():
 @pytest.mark.slow
 def test_the_embedding_example_runs_and_prints_the_answer():
     script = REPO / "docs" / "examples" / "embed_user.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "answer: xof a saw ereht emit a nopu ecnO" in result.stdout
-    assert "echo: b'hello from the app'" in result.stdout
-    assert "after detach: ['/myapp/echo/1.0.0']" in result.stdout
+    lines = result.stdout.splitlines()
+    assert "answer: xof a saw ereht emit a nopu ecnO  (signed by the model node: True)" in lines
+    assert "echo: b'hello from the app'" in lines
+    attached = next(line for line in lines if line.startswith("attached: "))
+    assert "/planetserve/onion/1.0.0" in attached and "/myapp/echo/1.0.0" in attached
+    detached = next(line for line in lines if line.startswith("after detach: "))
+    assert "/planetserve/" not in detached and "/myapp/echo/1.0.0" in detached
