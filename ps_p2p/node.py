@@ -12,12 +12,20 @@
 * observability: :class:`~ps_p2p.metrics.NodeMetrics` (its own Prometheus registry, served on
   ``config.metrics``) and a one-line status log every ``config.status_interval`` seconds.
 
-Use it embedded in another trio program::
+Use it embedded in another trio program, on a host of its own::
 
     async with trio.open_nursery() as nursery:
         node = await nursery.start(Node(config, keys, engine).run)
         await node.wait_directory()
         answer = await node.user.ask("Once upon a time")
+
+or on a py-libp2p host that another application built and owns (docs/embedding.md), beside
+that application's own protocols; leaving the block removes our handlers, not the host::
+
+    async with attach(app_host, NodeConfig(roles=["user"], bootstrap=[...])) as node:
+        answer = await node.user.ask("Once upon a time")
+
+Both paths run the same :meth:`Node._serve`; only where the host comes from differs.
 """
 
 from __future__ import annotations
@@ -25,23 +33,38 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import multiaddr
 import trio
 from libp2p.exceptions import BaseLibp2pError
-from libp2p.abc import INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 
 from ps_p2p import records
 from ps_p2p.config import NodeConfig
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import ConfigError, PsError
+from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import NodeKeys
 from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import directory as directory_proto
-from ps_p2p.protocols.host import open_host
-from ps_p2p.protocols.overlay import OverlayConfig, OverlayService
+from ps_p2p.protocols.handlers import registered_protocols
+from ps_p2p.protocols.host import (
+    check_foreign_host,
+    connect,
+    host_identity,
+    listen_multiaddrs,
+    open_host,
+)
+from ps_p2p.protocols.overlay import (
+    CLOVE_PROTOCOL_ID,
+    DELIVER_PROTOCOL_ID,
+    ONION_PROTOCOL_ID,
+    OverlayConfig,
+    OverlayService,
+)
 from ps_p2p.records import Directory, NodeRecord, Role
 from ps_p2p.roles.model import ModelNodeService
 from ps_p2p.roles.user import UserClient
@@ -107,6 +130,15 @@ class _DisconnectNotifee(INotifee):
         return None
 
 
+def _remove_notifee(network: INetwork, notifee: INotifee) -> None:
+    """Unregister ``notifee`` (py-libp2p 0.8.1: ``Swarm.remove_notifee``; else the list)."""
+    remove = getattr(network, "remove_notifee", None)
+    if remove is not None:
+        remove(notifee)
+    elif notifee in getattr(network, "notifees", []):
+        network.notifees.remove(notifee)  # type: ignore[attr-defined]
+
+
 class Node:
     """A PlanetServe node (see the module docstring).
 
@@ -140,7 +172,7 @@ class Node:
         self.rng = rng or random.SystemRandom()
         self.peer_id = keys.identity.peer_id
         self.roles = frozenset(_ROLE[r] for r in config.roles)
-        self.host = None
+        self.host: IHost | None = None
         self.overlay: OverlayService | None = None
         self.user: UserClient | None = None
         self.model: ModelNodeService | None = None
@@ -163,37 +195,147 @@ class Node:
             trusted.append(self.peer_id)
         self.trusted_verifiers = frozenset(trusted)
         self.metrics = NodeMetrics(self)
+        self._ran = False
+        self._cancel_scope: trio.CancelScope | None = None
+        self._finished = trio.Event()
+
+    @classmethod
+    def for_host(
+        cls,
+        host: IHost,
+        config: NodeConfig,
+        *,
+        engine: Engine | None = None,
+        onion_key: OnionKeyPair | None = None,
+        rng: random.Random | None = None,
+    ) -> "Node":
+        """A node whose identity is ``host``'s key, to :meth:`serve` on that host.
+
+        Args:
+            host: a py-libp2p host another application built (its key must be Ed25519).
+            onion_key: this node's X25519 onion key (published in its record); default a new
+                one (an onion key need not outlive the process).
+
+        Raises:
+            ConfigError: the host's key is not Ed25519 (or missing), or as :class:`Node`.
+        """
+        identity = host_identity(host)
+        keys = NodeKeys(identity, onion_key or OnionKeyPair.generate())
+        return cls(config, keys, engine, rng=rng)
 
     # ------------------------------------------------------------------ running
 
     async def run(self, *, task_status: trio.TaskStatus["Node"] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the host and every service; ``task_status.started(self)`` once listening.
+        """Start a host of our own on ``config.listen`` and every service on it;
+        ``task_status.started(self)`` once listening. Runs until cancelled or :meth:`stop`.
 
         Raises:
             OSError: the listen address or the metrics address cannot be bound (the message
                 names it).
+            RuntimeError: the node ran before (a node runs once).
         """
-        self.metrics.bind(trio.lowlevel.current_trio_token())
+        await self._run(None, task_status)
+
+    async def serve(
+        self, host: IHost, *, task_status: trio.TaskStatus["Node"] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run every service of the node's roles on ``host``, which another application built,
+        runs and owns (docs/embedding.md); ``task_status.started(self)`` once the handlers are
+        registered. Runs until cancelled or :meth:`stop`, then removes our stream handlers and
+        notifee and leaves the host running. ``config.listen`` is not used: the node's record
+        lists the host's listen addresses.
+
+        Args:
+            host: a running py-libp2p host whose peer ID is this node's (see
+                :meth:`for_host`).
+
+        Raises:
+            ConfigError: the host's peer ID is not this node's, it offers a security transport
+                that does not authenticate peers (:func:`~ps_p2p.protocols.host.
+                check_foreign_host`), or it already serves one of our protocols (a node is
+                already attached) -- all before ``task_status.started``.
+            OSError: the metrics address cannot be bound.
+            RuntimeError: the node ran before (a node runs once).
+        """
+        await self._run(host, task_status)
+
+    @property
+    def protocol_ids(self) -> frozenset[str]:
+        """The stream protocol IDs this node's roles serve (registered while it runs)."""
+        ids: set[str] = set()
+        if Role.VERIFIER in self.roles:
+            ids.add(str(directory_proto.DIRECTORY_PROTOCOL_ID))
+        if self.roles & {Role.USER, Role.MODEL}:
+            ids |= {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
+        return frozenset(ids)
+
+    def check_host(self, host: IHost) -> None:
+        """Whether :meth:`serve` can run on ``host`` (what it checks first).
+
+        Raises:
+            ConfigError: the host's peer ID is not this node's; it offers a security transport
+                that does not authenticate peers (:func:`~ps_p2p.protocols.host.
+                check_foreign_host`); or it already has a handler for one of
+                :attr:`protocol_ids` (a node is already attached, or the application uses the
+                ID).
+        """
+        if host.get_id().to_bytes() != self.peer_id:
+            raise ConfigError(
+                f"the host's peer ID {host.get_id()} is not this node's "
+                f"({self.keys.identity.peer_id_str}); build the node with Node.for_host"
+            )
+        check_foreign_host(host)
+        taken = sorted(self.protocol_ids & registered_protocols(host))
+        if taken:
+            raise ConfigError(
+                f"the host already serves {', '.join(taken)} (is a ps_p2p node already "
+                "attached to it?)"
+            )
+
+    async def stop(self) -> None:
+        """Stop the node and wait until it has stopped: services cancelled, our stream
+        handlers removed from the host (their open inbound streams reset), our outbound links
+        closed; a host of our own (:meth:`run`) is closed, a host of another application
+        (:meth:`serve`) keeps running. Returns at once for a node that never ran."""
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
+        if self._ran:
+            await self._finished.wait()
+
+    async def _run(self, host: IHost | None, task_status: trio.TaskStatus["Node"]) -> None:
+        if self._ran:
+            raise RuntimeError("a Node runs once; make a new one")
+        self._ran = True
         try:
-            if self.config.metrics is not None:
-                self.metrics.serve(self.config.metrics)  # before the host: fail fast
-            await self._run(task_status)
+            if host is not None:
+                self.check_host(host)
+            self.metrics.bind(trio.lowlevel.current_trio_token())
+            with trio.CancelScope() as self._cancel_scope:
+                if self.config.metrics is not None:
+                    self.metrics.serve(self.config.metrics)  # before the host: fail fast
+                if host is None:
+                    async with open_host(self.keys.identity, [self.config.listen]) as own_host:
+                        await self._serve(own_host, task_status)
+                else:
+                    await self._serve(host, task_status)
         finally:
             self.metrics.close()
+            self._finished.set()
 
-    async def _run(self, task_status: trio.TaskStatus["Node"]) -> None:
-        async with open_host(self.keys.identity, [self.config.listen]) as host:
-            self.host = host
-            from ps_p2p.protocols.host import listen_multiaddrs
-
-            self.listen_addrs = listen_multiaddrs(host)
+    async def _serve(self, host: IHost, task_status: trio.TaskStatus["Node"]) -> None:
+        """The services of the node's roles on ``host`` (both :meth:`run` and :meth:`serve`)."""
+        self.host = host
+        self.listen_addrs = listen_multiaddrs(host)
+        notifee: _DisconnectNotifee | None = None
+        network = host.get_network()
+        try:
             async with trio.open_nursery() as nursery:
                 if Role.VERIFIER in self.roles:
                     self.directory_service = directory_proto.DirectoryService(
                         self.keys.identity,
                         directory_lifetime_ms=int(self.config.directory_lifetime * 1000),
                     )
-                    self.directory_service.register_handlers(host)
+                    await nursery.start(self.directory_service.serve, host)
                 if self.roles & {Role.USER, Role.MODEL}:
                     self.overlay = OverlayService(
                         host,
@@ -204,10 +346,9 @@ class Node:
                         ),
                         directory=lambda: self.directory,
                     )
-                    host.get_network().register_notifee(
-                        _DisconnectNotifee(self.overlay.peer_disconnected)
-                    )
                     await nursery.start(self.overlay.run)
+                    notifee = _DisconnectNotifee(self.overlay.peer_disconnected)
+                    network.register_notifee(notifee)
                 if Role.MODEL in self.roles:
                     assert self.engine is not None and self.overlay is not None
                     self.model = ModelNodeService(
@@ -226,13 +367,26 @@ class Node:
                 nursery.start_soon(self._directory_loop)
                 if self.config.status_interval > 0:
                     nursery.start_soon(self._status_loop, self.config.status_interval)
+                if not self.listen_addrs and self._needs_inbound():
+                    log.warning(
+                        "the host listens on no address: peers cannot dial this %s node",
+                        "+".join(self.config.roles),
+                    )
                 log.info(
                     "node %s up: roles %s, listening on %s",
                     self.keys.identity.peer_id_str,
                     ",".join(self.config.roles),
-                    " ".join(self.listen_addrs),
+                    " ".join(self.listen_addrs) or "nothing",
                 )
                 task_status.started(self)
+        finally:
+            if notifee is not None:
+                _remove_notifee(network, notifee)
+
+    def _needs_inbound(self) -> bool:
+        """Whether other nodes must be able to dial this one (verifier, model node, relay)."""
+        relays = Role.USER in self.roles and self.config.relay
+        return relays or bool(self.roles & {Role.VERIFIER, Role.MODEL})
 
     async def _status_loop(self, interval: float) -> None:
         """Log :func:`~ps_p2p.metrics.status_message` every ``interval`` seconds (INFO)."""
@@ -310,6 +464,8 @@ class Node:
         register_failures = 0
         while True:
             now = trio.current_time()
+            # a host of another application may listen on more (or other) addresses by now
+            self.listen_addrs = listen_multiaddrs(self.host)
             if self.directory_service is not None and now >= next_register:
                 self.directory_service.registry.register(self.own_record(_now_ms()), _now_ms())
             targets = self._verifier_targets()
@@ -346,8 +502,6 @@ class Node:
         addr = self._bootstrap.get(peer)
         try:
             if addr is not None:
-                from ps_p2p.protocols.host import connect
-
                 with trio.fail_after(5):
                     await connect(self.host, addr)
                 return True
@@ -431,3 +585,57 @@ class Node:
             )
         self._directory_ready.set()
         self._directory_ready = trio.Event()
+
+
+@asynccontextmanager
+async def attach(
+    host: IHost,
+    config: NodeConfig,
+    *,
+    engine: Engine | None = None,
+    onion_key: OnionKeyPair | None = None,
+    rng: random.Random | None = None,
+) -> AsyncIterator[Node]:
+    """Run the services of ``config.roles`` on ``host``, a py-libp2p host that another
+    application built, runs and owns, for the duration of the block (docs/embedding.md).
+
+    The node's identity (peer ID, record and response signatures) is the host's Ed25519 key;
+    its background tasks run in a nursery of this block. Leaving the block (normally, by an
+    exception or by cancellation) removes our stream handlers and notifee, resets the inbound
+    streams they served and closes our outbound ones; the host keeps running with the
+    application's protocols. For the caller's own nursery instead:
+    ``node = await nursery.start(Node.for_host(host, config).serve, host)`` and
+    ``await node.stop()``.
+
+    Args:
+        host: a running py-libp2p host (inside its ``host.run(...)``) with an Ed25519 key, offering
+            only authenticating security transports (Noise, TLS), ideally listening on an address
+            other nodes can dial (relays, model nodes and verifiers must be dialable).
+        config: the node's settings; ``listen`` is not used (the host's addresses are).
+        engine: the inference engine; required with the model role.
+        onion_key: X25519 onion key; default a new one.
+        rng: randomness for relay/verifier/model choice (seed it in tests).
+
+    Yields:
+        the running :class:`Node` (``node.user``, ``node.model``, ``node.directory``...).
+
+    Raises:
+        ConfigError: a key that is not Ed25519, an unauthenticated security transport, a
+            protocol of ours the host already serves, or a bad config (before the block runs).
+        OSError: ``config.metrics`` cannot be bound.
+    """
+    node = Node.for_host(host, config, engine=engine, onion_key=onion_key, rng=rng)
+    node.check_host(host)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve, host)
+            try:
+                yield node
+            finally:
+                await node.stop()
+    except BaseExceptionGroup as group:
+        # one exception (the block's, or the node's start failure): raise it as it is, as if
+        # no nursery stood between the block and the caller
+        if len(group.exceptions) != 1:
+            raise
+        raise group.exceptions[0] from None

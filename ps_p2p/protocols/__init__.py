@@ -3,6 +3,8 @@
 * :mod:`~ps_p2p.protocols.host` -- hosts (TCP + Noise + Yamux only, connection limits);
 * :mod:`~ps_p2p.protocols.framing`, :mod:`~ps_p2p.protocols.links` -- varint frames, one-way
   message links with bounded queues, guarded stream handlers;
+* :mod:`~ps_p2p.protocols.handlers` -- a service's stream handlers, registered and removed
+  together (so a service can leave a host that another application owns);
 * :mod:`~ps_p2p.protocols.driver` -- the one generic driver that owns a pure core;
 * :mod:`~ps_p2p.protocols.onion_setup`, :mod:`~ps_p2p.protocols.clove_relay`,
   :mod:`~ps_p2p.protocols.delivery` -- the overlay's three protocols, composed by

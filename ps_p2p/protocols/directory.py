@@ -47,6 +47,7 @@ from ps_p2p.errors import (
 )
 from ps_p2p.pb.planetserve.v1 import directory_pb2, records_pb2
 from ps_p2p.protocols.framing import encode_frame, encode_varint, read_frame
+from ps_p2p.protocols.handlers import StreamHandlers
 from ps_p2p.records import (
     Directory,
     DirectoryHead,
@@ -275,9 +276,32 @@ class DirectoryService:
         self._head_field: bytes = b""  # field 1 of a DirectoryPage: the encoded head
         self._encoded: dict[bytes, tuple[NodeRecord, bytes]] = {}  # peer -> (record, field 4)
 
-    def register_handlers(self, host: IHost) -> None:
-        """Serve :data:`DIRECTORY_PROTOCOL_ID` on ``host``."""
-        host.set_stream_handler(DIRECTORY_PROTOCOL_ID, self._handle_stream)
+    def register_handlers(self, host: IHost) -> StreamHandlers:
+        """Serve :data:`DIRECTORY_PROTOCOL_ID` on ``host`` until the returned handlers'
+        ``aclose()``.
+
+        Raises:
+            ConfigError: the host already serves :data:`DIRECTORY_PROTOCOL_ID`.
+        """
+        handlers = StreamHandlers(host)
+        handlers.add(DIRECTORY_PROTOCOL_ID, self._handle_stream)
+        return handlers
+
+    async def serve(
+        self, host: IHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve :data:`DIRECTORY_PROTOCOL_ID` on ``host`` until cancelled, then remove the
+        handler (resetting the streams it still serves).
+
+        Raises:
+            ConfigError: the host already serves the protocol (before ``task_status.started()``).
+        """
+        handlers = self.register_handlers(host)
+        try:
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            await handlers.aclose()
 
     def signed_head(self, now_ms: int) -> DirectoryHead:
         """The registry's current head, signed by this verifier.

@@ -19,6 +19,11 @@
 * TCP listeners opened without ``SO_REUSEPORT``, and :func:`open_host` raising ``OSError`` when a
   listen address is already in use instead of sharing the port with whoever holds it.
 
+The module-level settings above (the dial delay, the Yamux window updates and RTT pings, the
+listener without ``SO_REUSEPORT``) are installed when this module is imported and hold for every
+py-libp2p host of the process, an application's own included (they change no wire format); the
+per-host ones are :func:`tune_host`'s.
+
 Source: DESIGN.md "py-libp2p 0.8.1: measured pitfalls".
 
 Upstream bug (py-libp2p 0.8.1; this module works around it, see :class:`_InboundConnectionGuard`)
@@ -214,6 +219,33 @@ def build_host(
         ),
         enable_mDNS=False,
     )
+    tune_host(host, max_connections_per_peer=max_connections_per_peer)
+    return host
+
+
+def tune_host(
+    host: IHost, *, max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER
+) -> None:
+    """Apply to ``host`` what :func:`build_host` adds after py-libp2p's ``new_host``.
+
+    Every host :func:`build_host` makes gets it; an application that embeds ps_p2p in a host of
+    its own (docs/embedding.md) may call it on that host, before ``host.run``, to get the same
+    behaviour; :func:`ps_p2p.node.attach` never calls it (these settings change how the
+    application's own dials and connections behave):
+
+    * a failed dial is retried once after 50 ms (py-libp2p: 3 times with back-off, ~0.7 s per
+      unreachable peer);
+    * the auto-connector never dials peers by itself (py-libp2p dials peerstore peers up to the
+      midpoint of the connection watermarks; the directory puts every node's address there);
+    * the inbound connection slot is released when the connection closes, and at most
+      ``max_connections_per_peer`` connections per peer ID are kept
+      (:class:`_InboundConnectionGuard`).
+
+    Raises:
+        ConfigError: ``max_connections_per_peer`` below 1.
+    """
+    if max_connections_per_peer < 1:
+        raise ConfigError(f"max_connections_per_peer must be >= 1, not {max_connections_per_peer}")
     # A dead relay must be noticed in well under a second: one quick retry, not three with
     # exponential back-off (py-libp2p's default costs ~0.7 s per unreachable peer).
     network = host.get_network()
@@ -222,7 +254,6 @@ def build_host(
     # (150 by default) whatever ConnectionConfig says; the overlay dials the peers it needs.
     network.auto_connector.maybe_connect = _no_auto_connect  # type: ignore[attr-defined]
     _InboundConnectionGuard(network, max_connections_per_peer).install()  # type: ignore[arg-type]
-    return host
 
 
 async def _no_auto_connect(*args: object, **kwargs: object) -> None:
@@ -390,6 +421,79 @@ async def _close_connection(swarm: Swarm, muxed_conn: IMuxedConn) -> None:
     await muxed_conn.close()
 
 
+#: Security transports a foreign host may offer (:func:`check_foreign_host`): their handshakes
+#: prove that the remote holds the key of its peer ID. ``/plaintext/2.0.0`` (in py-libp2p's
+#: default ``new_host``) lets a dialer claim any peer ID, and secio is deprecated by the libp2p
+#: specs; a host offering either is refused.
+AUTHENTICATED_SECURITY_PROTOCOLS = frozenset({str(NOISE_PROTOCOL_ID), "/tls/1.0.0"})
+
+
+def host_identity(host: IHost) -> Identity:
+    """The Ed25519 identity of a host that another application built (its peer ID's key).
+
+    ps_p2p signs node records and responses with the identity key and names nodes by Ed25519
+    peer IDs, so the host's key must be Ed25519 (py-libp2p's ``new_host()`` default, or
+    ``key_pair=libp2p.crypto.ed25519.create_new_key_pair()``).
+
+    Raises:
+        ConfigError: the host's peerstore has no private key for its own peer ID, or the key
+            is not Ed25519 (the message names its type).
+    """
+    from libp2p.crypto.keys import KeyType
+
+    try:
+        private = host.get_private_key()
+    except Exception as exc:  # py-libp2p raises PeerStoreError when the key is missing
+        raise ConfigError(f"the host has no private key for its own peer ID: {exc}") from exc
+    if private is None:
+        raise ConfigError("the host has no private key for its own peer ID")
+    key_type = private.get_type()
+    if key_type != KeyType.Ed25519:
+        raise ConfigError(
+            f"the host's identity key is {getattr(key_type, 'name', key_type)}; ps_p2p needs an "
+            "Ed25519 identity (build the host with "
+            "key_pair=libp2p.crypto.ed25519.create_new_key_pair())"
+        )
+    identity = Identity.from_private_bytes(private.to_bytes())
+    if identity.peer_id != host.get_id().to_bytes():
+        raise ConfigError("the host's private key does not match its peer ID")
+    return identity
+
+
+def check_foreign_host(host: IHost) -> None:
+    """Refuse a host, built by another application, that our services cannot run on safely.
+
+    Checks (py-libp2p 0.8.1's ``Swarm``; a host without these attributes is refused too):
+    every security transport the host offers is in
+    :data:`AUTHENTICATED_SECURITY_PROTOCOLS`, so a peer ID on a stream is the key holder's (the
+    overlay refuses deliveries from, and delivers only to, peer IDs of the directory). A host
+    without Yamux is accepted with a warning (Mplex is ~5x slower for bulk data).
+
+    Raises:
+        ConfigError: an unauthenticated or unknown security transport (named), or a host whose
+            transports cannot be inspected.
+    """
+    try:
+        upgrader = host.get_network().upgrader  # type: ignore[attr-defined]
+        security = [str(p) for p in upgrader.security_multistream.transports]
+        muxers = [str(p) for p in upgrader.muxer_multistream.transports]
+    except AttributeError as exc:
+        raise ConfigError(
+            f"cannot inspect the host's security transports ({exc}); ps_p2p embeds in "
+            "py-libp2p BasicHost/Swarm hosts"
+        ) from exc
+    refused = [p for p in security if p not in AUTHENTICATED_SECURITY_PROTOCOLS]
+    if refused or not security:
+        raise ConfigError(
+            f"the host offers security transports {refused or security} that do not "
+            "authenticate peer IDs; build it with only Noise, e.g. "
+            "sec_opt={NOISE_PROTOCOL_ID: noise.Transport(key_pair, noise_privkey=...)} "
+            "(docs/embedding.md)"
+        )
+    if str(YAMUX_PROTOCOL_ID) not in muxers:
+        log.warning("the host offers no Yamux (only %s): the overlay will be slow", muxers)
+
+
 def listen_multiaddrs(host: IHost) -> list[str]:
     """The host's listen addresses with ``/p2p/<peer ID>`` appended (what ``--multiaddr`` takes)."""
     peer = host.get_id().to_base58()
@@ -418,4 +522,14 @@ async def connect(host: IHost, address: str, timeout: float = 5.0) -> bytes:
     return info.peer_id.to_bytes()
 
 
-__all__ = ["build_host", "connect", "listen_multiaddrs", "open_host", "parse_multiaddr"]
+__all__ = [
+    "AUTHENTICATED_SECURITY_PROTOCOLS",
+    "build_host",
+    "check_foreign_host",
+    "connect",
+    "host_identity",
+    "listen_multiaddrs",
+    "open_host",
+    "parse_multiaddr",
+    "tune_host",
+]

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import IHost
-from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from ps_p2p import records
@@ -48,6 +47,7 @@ from ps_p2p.protocols import clove_relay, delivery, onion_setup
 from ps_p2p.protocols.clove_relay import CLOVE_MAX_FRAME, CLOVE_PROTOCOL_ID
 from ps_p2p.protocols.delivery import DELIVER_MAX_FRAME, DELIVER_PROTOCOL_ID
 from ps_p2p.protocols.driver import CoreDriver
+from ps_p2p.protocols.handlers import StreamHandlers
 from ps_p2p.protocols.links import LinkManager, LinkStats, make_frame_handler
 from ps_p2p.protocols.onion_setup import ONION_MAX_FRAME, ONION_PROTOCOL_ID
 
@@ -186,7 +186,26 @@ class OverlayService:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Register the stream handlers and serve until cancelled."""
+        """Register the stream handlers and serve until cancelled; then remove the handlers
+        (resetting the inbound streams they still serve) and finish the outbound links.
+
+        Raises:
+            ConfigError: the host already serves one of the three protocols (before
+                ``task_status.started()``).
+        """
+        handlers = StreamHandlers(self.host)
+        try:
+            for protocol_id, limit, handler in (
+                (ONION_PROTOCOL_ID, ONION_MAX_FRAME, self._on_onion_frame),
+                (CLOVE_PROTOCOL_ID, CLOVE_MAX_FRAME, self._on_clove_frame),
+                (DELIVER_PROTOCOL_ID, DELIVER_MAX_FRAME, self._on_deliver_frame),
+            ):
+                handlers.add(protocol_id, make_frame_handler(protocol_id, limit, handler))
+            await self._serve(task_status)
+        finally:
+            await handlers.aclose()
+
+    async def _serve(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self._onion_links = LinkManager(
                 self.host, nursery, ONION_PROTOCOL_ID, on_link_down=self._link_down
@@ -196,14 +215,6 @@ class OverlayService:
             )
             # a delivery link that fails costs the deliveries queued on it, never a path
             self._deliver_links = LinkManager(self.host, nursery, DELIVER_PROTOCOL_ID)
-            for protocol_id, limit, handler in (
-                (ONION_PROTOCOL_ID, ONION_MAX_FRAME, self._on_onion_frame),
-                (CLOVE_PROTOCOL_ID, CLOVE_MAX_FRAME, self._on_clove_frame),
-                (DELIVER_PROTOCOL_ID, DELIVER_MAX_FRAME, self._on_deliver_frame),
-            ):
-                self.host.set_stream_handler(
-                    TProtocol(protocol_id), make_frame_handler(protocol_id, limit, handler)
-                )
             await nursery.start(self.driver.run)
             task_status.started()
             try:

@@ -1,0 +1,203 @@
+"""Embedding: a ps_p2p role on a py-libp2p host that another application built and owns
+(ps_p2p.node.attach, Node.serve; docs/embedding.md)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import multiaddr
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
+from libp2p.crypto.secp256k1 import create_new_key_pair as secp256k1_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.host.exceptions import StreamFailure
+from libp2p.network.stream.exceptions import StreamEOF, StreamError
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+import ps_p2p
+from ps_p2p.config import NodeConfig
+from ps_p2p.errors import ConfigError
+from ps_p2p.node import Node, attach
+from ps_p2p.protocols.directory import DIRECTORY_PROTOCOL_ID
+from ps_p2p.protocols.handlers import registered_protocols
+from ps_p2p.protocols.overlay import CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID, ONION_PROTOCOL_ID
+from ps_p2p.roles.user import UserConfig
+from ps_p2p.testing.localnet import open_localnet
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ECHO_PROTOCOL_ID = TProtocol("/myapp/echo/1.0.0")
+OVERLAY_PROTOCOL_IDS = {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
+
+
+def app_host(key_pair=None) -> IHost:  # type: ignore[no-untyped-def]
+    """A host the way an application builds it: its own key, Noise + Yamux, not yet running."""
+    key_pair = key_pair or ed25519_key_pair()
+    noise = NoiseTransport(key_pair, noise_privkey=x25519_key_pair().private_key)
+    return new_host(
+        key_pair=key_pair,
+        sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        enable_mDNS=False,
+    )
+
+
+async def echo(stream: INetStream) -> None:
+    """The application's protocol: send back every byte until EOF."""
+    try:
+        while True:
+            await stream.write(await stream.read(1024))
+    except StreamEOF:
+        await stream.close()
+    except Exception:
+        await stream.reset()
+
+
+async def echo_round_trip(client: IHost, server: IHost, message: bytes) -> bytes:
+    stream = await client.new_stream(server.get_id(), [ECHO_PROTOCOL_ID])
+    await stream.write(message)
+    received = b""
+    while len(received) < len(message):
+        received += await stream.read(len(message) - len(received))
+    await stream.close()
+    return received
+
+
+def user_config(boot: str) -> NodeConfig:
+    return NodeConfig(
+        roles=["user"],
+        bootstrap=[boot],
+        directory_refresh=0.5,
+        register_interval=2.0,
+        user=UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0),
+    )
+
+
+def lonely_user_config() -> NodeConfig:
+    """A user whose bootstrap verifier does not exist (nothing listens on port 1)."""
+    nobody = ID.from_pubkey(ed25519_key_pair().public_key).to_base58()
+    return NodeConfig(
+        roles=["user"], bootstrap=[f"/ip4/127.0.0.1/tcp/1/p2p/{nobody}"], register=False,
+        status_interval=0,
+    )
+
+
+async def test_an_attached_user_is_answered_beside_the_app_protocol_and_detaches_cleanly():
+    async with open_localnet(users=6) as net:
+        host = app_host()
+        host.set_stream_handler(ECHO_PROTOCOL_ID, echo)
+        neighbour = net.users[0].host
+        assert neighbour is not None
+        async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            async with attach(host, user_config(net.verifier.listen_addrs[0])) as node:
+                assert node.peer_id == host.get_id().to_bytes()
+                assert OVERLAY_PROTOCOL_IDS <= registered_protocols(host)
+
+                await node.wait_directory(min_models=1)
+                assert node.user is not None
+                await node.user.wait_ready(timeout=60)
+                answer = await node.user.ask("Once upon a time there was a fox", timeout=60)
+                assert answer.ok, answer.error
+                assert answer.text == "xof a saw ereht emit a nopu ecnO"
+                assert answer.signature_valid
+
+                # the application's protocol works beside ours, from a peer of the network
+                await neighbour.connect(PeerInfo(host.get_id(), host.get_addrs()))
+                assert await echo_round_trip(neighbour, host, b"hello app") == b"hello app"
+                # a stream of ours that is open when we detach
+                open_clove = await neighbour.new_stream(host.get_id(), [TProtocol(CLOVE_PROTOCOL_ID)])
+
+            # detached: our protocols are gone, the inbound stream they served was reset, and
+            # the host runs on with the application's protocol
+            assert not OVERLAY_PROTOCOL_IDS & registered_protocols(host)
+            assert str(ECHO_PROTOCOL_ID) in registered_protocols(host)
+            with pytest.raises(StreamError):  # a reset stream reads as EOF (py-libp2p 0.8.1)
+                await open_clove.read(1)
+            with pytest.raises(StreamFailure):  # multistream-select answered "na"
+                await neighbour.new_stream(host.get_id(), [TProtocol(CLOVE_PROTOCOL_ID)])
+            assert await echo_round_trip(neighbour, host, b"still here") == b"still here"
+            assert host.get_network().get_connections(ID(net.users[0].peer_id))
+            assert host.get_transport_addrs()
+
+
+async def test_a_verifier_attached_in_the_callers_nursery_stops_with_node_stop():
+    host = app_host()
+    async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        node = Node.for_host(host, NodeConfig(roles=["verifier"], status_interval=0))
+        async with trio.open_nursery() as nursery:
+            started = await nursery.start(node.serve, host)
+            assert started is node
+            assert str(DIRECTORY_PROTOCOL_ID) in registered_protocols(host)
+            directory = await node.wait_directory()  # its own registry, signed by itself
+            assert directory.record(node.peer_id) is not None
+            await node.stop()
+        assert str(DIRECTORY_PROTOCOL_ID) not in registered_protocols(host)
+        assert host.get_transport_addrs()  # the application's host still listens
+
+
+async def test_a_host_key_that_is_not_ed25519_is_refused_naming_its_type():
+    host = app_host(secp256k1_key_pair())
+    with pytest.raises(ConfigError, match="Secp256k1.*Ed25519"):
+        async with attach(host, lonely_user_config()):
+            pass  # pragma: no cover - never reached
+
+
+async def test_a_host_offering_plaintext_is_refused():
+    host = new_host(key_pair=ed25519_key_pair(), enable_mDNS=False)  # py-libp2p's defaults
+    with pytest.raises(ConfigError, match="/plaintext/2.0.0"):
+        async with attach(host, lonely_user_config()):
+            pass  # pragma: no cover - never reached
+
+
+async def test_a_second_node_on_the_same_host_is_refused_and_the_first_keeps_its_handlers():
+    host = app_host()
+    async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        config = lonely_user_config()
+        async with attach(host, config):
+            with pytest.raises(ConfigError, match="already serves"):
+                async with attach(host, config):
+                    pass  # pragma: no cover - never reached
+            assert OVERLAY_PROTOCOL_IDS <= registered_protocols(host)
+        assert not OVERLAY_PROTOCOL_IDS & registered_protocols(host)
+
+
+async def test_an_error_in_the_attached_block_propagates_as_itself():
+    host = app_host()
+    async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        config = lonely_user_config()
+        with pytest.raises(KeyError, match="app failure"):
+            async with attach(host, config):
+                raise KeyError("app failure")
+        assert not OVERLAY_PROTOCOL_IDS & registered_protocols(host)
+
+
+def test_attach_is_exported_by_the_package():
+    assert ps_p2p.attach is attach
+
+
+@pytest.mark.slow
+def test_the_embedding_example_runs_and_prints_the_answer():
+    script = REPO / "docs" / "examples" / "embed_user.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "answer: xof a saw ereht emit a nopu ecnO  (signed by the model node: True)" in lines
+    assert "echo: b'hello from the app'" in lines
+    attached = next(line for line in lines if line.startswith("attached: "))
+    assert "/planetserve/onion/1.0.0" in attached and "/myapp/echo/1.0.0" in attached
+    detached = next(line for line in lines if line.startswith("after detach: "))
+    assert "/planetserve/" not in detached and "/myapp/echo/1.0.0" in detached
