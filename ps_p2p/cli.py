@@ -24,9 +24,12 @@ from typing import Any
 
 import trio
 
-from ps_p2p.errors import ConfigError, PsError, is_keyboard_interrupt
+from ps_p2p.errors import AddressInUseError, ConfigError, PsError, is_keyboard_interrupt
 
 log = logging.getLogger("ps_p2p.cli")
+
+#: Seconds ``ps-node ask`` allows each dial to a ``--multiaddr`` verifier before it gives up.
+ASK_DIAL_TIMEOUT = 5.0
 
 
 def _setup_logging(level: str, *, libp2p_level: str = "WARNING") -> None:
@@ -281,8 +284,39 @@ async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:
         await trio.sleep(0.5)  # periodic refresh of a file other processes poll
 
 
+def _preflight(config, api: str | None) -> None:  # type: ignore[no-untyped-def]
+    """What can be checked before a key file is written or torch is imported
+    (:mod:`ps_p2p.preflight`): the model path, and that the listen, API and metrics addresses
+    are free.
+
+    Raises:
+        ConfigError: a bad ``--model`` path or ``--api`` address.
+        AddressInUseError: an address another socket holds.
+    """
+    from ps_p2p import preflight
+    from ps_p2p.config import parse_host_port
+
+    if "model" in config.roles and config.engine == "transformers":
+        preflight.check_model_path(config.model)
+    preflight.check_listen_free(config.listen)
+    if api is not None:
+        host, port = parse_host_port(api, "--api")
+        preflight.check_address_free(host, port, f"--api {api}")
+    if config.metrics is not None:
+        host, port = parse_host_port(config.metrics, "--metrics")
+        try:
+            preflight.check_address_free(host, port, f"--metrics {config.metrics}")
+        except AddressInUseError:  # worded as NodeMetrics.serve words it
+            raise AddressInUseError(
+                f"cannot serve metrics on {config.metrics}: address already in use"
+            ) from None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     config = _run_config(args)
+    if args.api is not None and "user" not in config.roles:
+        raise ConfigError("--api needs the user role")
+    _preflight(config, args.api)
     # A process started in the background of a non-interactive shell inherits SIGINT ignored;
     # an operator's Ctrl-C (or kill -INT) must still stop the node.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -313,6 +347,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     from ps_p2p.keys import NodeKeys
     from ps_p2p.node import Node
 
+    if not args.prompt.strip():
+        raise ConfigError("the prompt is empty; ask needs a non-empty prompt")
     config = NodeConfig(roles=["user"], bootstrap=args.bootstrap, relay=False, register=False)
     config.validate()
     keys = NodeKeys.generate()
@@ -321,6 +357,12 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             node = await nursery.start(Node(config, keys).run)
             print("joining the network...", file=sys.stderr)
+            failures = await node.unreachable_verifiers(timeout=min(ASK_DIAL_TIMEOUT, args.timeout))
+            if len(failures) == len(config.bootstrap):
+                for addr, reason in failures.items():
+                    print(f"error: cannot reach verifier {addr}: {reason}", file=sys.stderr)
+                nursery.cancel_scope.cancel()
+                return 1
             try:
                 await node.wait_directory(min_models=1, timeout=args.timeout)
             except trio.TooSlowError:
@@ -407,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ps-node: {exc}", file=sys.stderr)
         return 2
+    except AddressInUseError as exc:  # the message names the flag or the listen multiaddr
+        print(f"ps-node: {exc}", file=sys.stderr)
+        return 1
     except PsError as exc:
         print(f"ps-node: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -4,6 +4,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
 
     PsError
     ├── ConfigError                 bad configuration, key file or command line
+    ├── AddressInUseError           (also an OSError, EADDRINUSE) a listen/API/metrics address
+    │                               another socket holds
     ├── LocalProtocolError          we were about to break a protocol (a bug on our side)
     ├── RemoteProtocolError         a peer broke a protocol: malformed/oversized frame, bad
     │   │                           indices, unknown path ID; costs one stream, never the node
@@ -44,6 +46,22 @@ class PsError(Exception):
 
 class ConfigError(PsError):
     """Bad configuration value, key file or command line."""
+
+
+class AddressInUseError(PsError, OSError):
+    """A listen, API or metrics address is already bound by another socket.
+
+    ``str()`` is the one line to show, e.g. ``listen address /ip4/127.0.0.1/tcp/4001 is already
+    in use``; ``errno`` is ``EADDRINUSE``.
+    """
+
+    def __init__(self, message: str) -> None:
+        import errno
+
+        OSError.__init__(self, errno.EADDRINUSE, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class LocalProtocolError(PsError):

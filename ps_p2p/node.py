@@ -242,6 +242,34 @@ class Node:
             except Exception:  # a status line must never stop the node
                 log.exception("status line failed")
 
+    async def unreachable_verifiers(self, timeout: float = 5.0) -> dict[str, str]:
+        """Dial every ``--multiaddr`` (bootstrap) verifier at once, for a command that must say
+        at once when none can be reached (``ps-node ask``) instead of waiting for a directory.
+
+        Args:
+            timeout: seconds allowed for each dial (they run in parallel).
+
+        Returns:
+            bootstrap multiaddr -> why it could not be reached (e.g. ``"connection refused"``,
+            :func:`~ps_p2p.protocols.host.dial_failure_reason`), for each one that could not;
+            empty when every one was reached.
+        """
+        from ps_p2p.protocols.host import connect, dial_failure_reason
+
+        assert self.host is not None, "run() the node first"
+        failures: dict[str, str] = {}
+
+        async def dial(addr: str) -> None:
+            try:
+                await connect(self.host, addr, timeout=timeout)
+            except (Exception, trio.TooSlowError) as exc:
+                failures[addr] = dial_failure_reason(exc)
+
+        async with trio.open_nursery() as nursery:
+            for addr in self._bootstrap.values():
+                nursery.start_soon(dial, addr)
+        return failures
+
     async def wait_directory(self, min_users: int = 0, min_models: int = 0, timeout: float = 30.0) -> Directory:
         """Wait for a verified directory with at least the given numbers of users and model nodes.
 
