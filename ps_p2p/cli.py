@@ -33,12 +33,18 @@ ASK_DIAL_TIMEOUT = 5.0
 
 
 def _setup_logging(level: str, *, libp2p_level: str = "WARNING") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
+    """Logs to stderr at ``level``; repeated warnings limited to one a minute per template
+    (:class:`~ps_p2p.log_limits.RepeatFilter`; at DEBUG nothing is limited). Does nothing to
+    the root logger's handlers when it already has some (an embedding program's)."""
+    from ps_p2p.log_limits import RepeatFilter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
     )
+    if level.upper() != "DEBUG":
+        handler.addFilter(RepeatFilter())
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     import libp2p  # noqa: F401  (import first: it resets its logger's level on import)
 
     logging.getLogger("libp2p").setLevel(getattr(logging, libp2p_level.upper(), logging.WARNING))
