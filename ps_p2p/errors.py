@@ -21,6 +21,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │   ├── RequestTooLargeError    the request Q does not fit a message or one cell per clove
     │   ├── NoPathError             (also a PathError) fewer than n paths ready until the deadline
     │   ├── NoModelNodeError        (also a DirectoryError) no model node for the request
+    │   ├── ModelNodeLostError      the model node stopped answering: more than n - k of the
+    │   │                           request's proxies lost their connection to it
     │   └── ModelNodeError          the model node answered with a signed error status
     │       ├── OverloadedError     status OVERLOADED: its queue is full
     │       └── RequestRefusedError status BAD_REQUEST or WRONG_MODEL: the request is at fault
@@ -126,6 +128,12 @@ class NoPathError(PathError, RequestError):
 
 class NoModelNodeError(DirectoryError, RequestError):
     """The directory lists no model node that could serve the request."""
+
+
+class ModelNodeLostError(RequestError):
+    """The model node asked stopped answering before it answered: more than n - k of the
+    request's reply proxies lost their connection to it (so k response cloves can no longer
+    come), and no other model node of the model was left to ask."""
 
 
 class ModelNodeError(RequestError):

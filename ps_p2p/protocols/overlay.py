@@ -194,8 +194,12 @@ class OverlayService:
             self._clove_links = LinkManager(
                 self.host, nursery, CLOVE_PROTOCOL_ID, on_link_down=self._link_down
             )
-            # a delivery link that fails costs the deliveries queued on it, never a path
-            self._deliver_links = LinkManager(self.host, nursery, DELIVER_PROTOCOL_ID)
+            # a delivery link that fails while the connection lives costs the deliveries
+            # queued on it, never a path; a lost connection to a model node is told to the
+            # users whose reply tags wait for it (RelayCore.destination_lost)
+            self._deliver_links = LinkManager(
+                self.host, nursery, DELIVER_PROTOCOL_ID, on_link_down=self._link_down
+            )
             for protocol_id, limit, handler in (
                 (ONION_PROTOCOL_ID, ONION_MAX_FRAME, self._on_onion_frame),
                 (CLOVE_PROTOCOL_ID, CLOVE_MAX_FRAME, self._on_clove_frame),
