@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve Prometheus /metrics of this node here (e.g. 127.0.0.1:9100)")
     run.add_argument("--status-interval", type=float, metavar="S",
                      help="seconds between one-line status logs (default 60; 0: none)")
+    run.add_argument("--drain-timeout", type=float, metavar="S",
+                     help="model role: on SIGTERM, seconds to finish the requests in service "
+                          "while refusing new ones (default 30)")
     run.add_argument("--tamper", action="store_true", default=None,
                      help="TESTING ONLY: corrupt relayed cells and cloves (a malicious relay)")
 
@@ -182,6 +185,7 @@ def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "tamper": args.tamper,
         "metrics": args.metrics,
         "status_interval": args.status_interval,
+        "drain_timeout": args.drain_timeout,
     }
     config = load_config(args.config, overrides)
     if args.capacity is not None:
@@ -257,17 +261,38 @@ async def _run_node(  # type: ignore[no-untyped-def]
             print(f"metrics on {node.metrics.url}", file=sys.stderr)
         if status_file:
             nursery.start_soon(_status_writer, node, pathlib.Path(status_file), api_url)
-        nursery.start_soon(_stop_on_sigterm, nursery.cancel_scope)
+        nursery.start_soon(_stop_on_sigterm, nursery.cancel_scope, node)
         task_status.started(node)
 
 
-async def _stop_on_sigterm(scope: trio.CancelScope) -> None:
-    """SIGTERM (systemd, docker, the devnet) stops the node as cleanly as Ctrl-C does."""
+async def _stop_on_sigterm(scope: trio.CancelScope, node=None) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM (systemd, docker, the devnet) stops the node as cleanly as Ctrl-C does; a model
+    node first drains (:meth:`ps_p2p.node.Node.drain`: new requests refused, its record
+    withdrawn, the requests in service finished within ``--drain-timeout``). A second SIGTERM
+    stops it at once."""
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async for _ in signals:
-            log.info("SIGTERM: stopping the node")
-            scope.cancel()
+            if node is None or node.model is None:
+                log.info("SIGTERM: stopping the node")
+                scope.cancel()
+                return
+            log.info("SIGTERM: draining (up to %.0f s; SIGTERM again stops at once)",
+                     node.config.drain_timeout)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_drain_then_stop, node, scope)
+                async for _ in signals:
+                    log.info("second SIGTERM: stopping at once")
+                    break
+                scope.cancel()
             return
+
+
+async def _drain_then_stop(node, scope: trio.CancelScope) -> None:  # type: ignore[no-untyped-def]
+    report = await node.drain()
+    if report is not None:
+        log.info("drained in %.1f s: %d request(s) finished, %d abandoned; stopping",
+                 report.seconds, report.finished, report.abandoned)
+    scope.cancel()
 
 
 async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:  # type: ignore[no-untyped-def]

@@ -19,6 +19,7 @@ Unknown keys are an error (a typo should not silently fall back to a default).
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import tomllib
 from dataclasses import dataclass, field
@@ -149,6 +150,8 @@ class NodeConfig:
         metrics: ``"HOST:PORT"`` (``[HOST]:PORT`` for IPv6; port 0 picks a free one) where this
             node serves Prometheus ``/metrics`` (:mod:`ps_p2p.metrics`); None: not served.
         status_interval: seconds between the node's one-line status logs (INFO); 0: none.
+        drain_timeout: model role: seconds a node stopped by SIGTERM waits for the requests in
+            service (:mod:`ps_p2p.serving.drain`); new ones are refused meanwhile.
     """
 
     roles: list[str] = field(default_factory=lambda: ["user"])
@@ -174,6 +177,7 @@ class NodeConfig:
     tamper: bool = False
     metrics: str | None = None
     status_interval: float = 1 * MINUTES
+    drain_timeout: float = 30 * SECONDS
     user: UserConfig = field(default_factory=UserConfig)
     model_node: ModelNodeConfig = field(default_factory=ModelNodeConfig)
 
@@ -205,6 +209,8 @@ class NodeConfig:
             parse_host_port(self.metrics, "--metrics")
         if not self.status_interval >= 0:
             raise ConfigError("status_interval must be >= 0 seconds")
+        if not (isinstance(self.drain_timeout, (int, float)) and 0 <= self.drain_timeout < math.inf):
+            raise ConfigError(f"--drain-timeout must be >= 0 seconds, not {self.drain_timeout!r}")
 
     @property
     def home_path(self) -> pathlib.Path:

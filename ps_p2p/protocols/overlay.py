@@ -316,6 +316,13 @@ class OverlayService:
             for c in self.core.send_reply(proxy, reply_tag, clove, signature)
         )
 
+    async def flush(self) -> None:
+        """Wait until the frames queued so far (answers to reply proxies, cells) are written
+        or their links failed; for a node that stops. Wrap it in a deadline."""
+        for links in (self._deliver_links, self._clove_links, self._onion_links):
+            if links is not None:
+                await links.flush()
+
     # ------------------------------------------------------------------ commands
 
     def _run(self, commands: Iterable[core.Command]) -> None:
