@@ -150,3 +150,43 @@ async def test_a_draining_model_node_withdraws_its_record_from_the_verifier():
             while verifier.directory.model_nodes():
                 await verifier.wait_directory_update()
         nursery.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------ ps-node run processes
+
+
+@pytest.mark.slow
+def test_sigterm_drains_a_model_node_process_withdraws_it_and_exits_0(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from ps_p2p.devnet import SHARED_MODEL, shared_dir
+
+    model = shared_dir() / SHARED_MODEL
+    if not model.is_dir():
+        pytest.skip(f"needs the TinyStories model at {model}")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    base = [sys.executable, "-m", "ps_p2p.cli", "run"]
+    verifier = subprocess.Popen(
+        [*base, "--role", "verifier", "--home", str(tmp_path / "v")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    try:
+        boot = verifier.stdout.readline().strip()  # its listen multiaddr, once it listens
+        node = subprocess.Popen(
+            [*base, "--role", "model", "--model", str(model), "--multiaddr", boot,
+             "--home", str(tmp_path / "m"), "--drain-timeout", "20"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        assert node.stdout.readline().strip(), "the model node did not start"
+        node.send_signal(signal.SIGTERM)
+        _, err = node.communicate(timeout=60)
+    finally:
+        verifier.terminate()
+        verifier.wait(timeout=30)
+
+    assert node.returncode == 0, err
+    assert "SIGTERM: draining" in err
+    assert "record withdrawn from 1 verifier(s)" in err
+    assert "drained in" in err and "0 abandoned" in err
