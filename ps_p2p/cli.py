@@ -253,6 +253,8 @@ async def _run_node(  # type: ignore[no-untyped-def]
             from ps_p2p.api.openai_compat import serve_api
 
             api_url = await nursery.start(serve_api, node, api)
+        # before the addresses are printed: a script that reads them may send SIGTERM at once
+        await nursery.start(_stop_on_sigterm, nursery.cancel_scope, node)
         log.info("peer ID %s, keys %s, status %s", keys.identity.peer_id_str, config.key_path,
                  status_file)
         for addr in node.listen_addrs:  # stdout is for scripts: the addresses only
@@ -261,16 +263,18 @@ async def _run_node(  # type: ignore[no-untyped-def]
             print(f"metrics on {node.metrics.url}", file=sys.stderr)
         if status_file:
             nursery.start_soon(_status_writer, node, pathlib.Path(status_file), api_url)
-        nursery.start_soon(_stop_on_sigterm, nursery.cancel_scope, node)
         task_status.started(node)
 
 
-async def _stop_on_sigterm(scope: trio.CancelScope, node=None) -> None:  # type: ignore[no-untyped-def]
+async def _stop_on_sigterm(  # type: ignore[no-untyped-def]
+    scope: trio.CancelScope, node=None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     """SIGTERM (systemd, docker, the devnet) stops the node as cleanly as Ctrl-C does; a model
     node first drains (:meth:`ps_p2p.node.Node.drain`: new requests refused, its record
     withdrawn, the requests in service finished within ``--drain-timeout``). A second SIGTERM
-    stops it at once."""
+    stops it at once. ``task_status.started()`` once the signal is caught."""
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        task_status.started()
         async for _ in signals:
             if node is None or node.model is None:
                 log.info("SIGTERM: stopping the node")
