@@ -24,18 +24,27 @@ from typing import Any
 
 import trio
 
-from ps_p2p.errors import ConfigError, PsError, is_keyboard_interrupt
+from ps_p2p.errors import AddressInUseError, ConfigError, PsError, is_keyboard_interrupt
 
 log = logging.getLogger("ps_p2p.cli")
 
+#: Seconds ``ps-node ask`` allows each dial to a ``--multiaddr`` verifier before it gives up.
+ASK_DIAL_TIMEOUT = 5.0
+
 
 def _setup_logging(level: str, *, libp2p_level: str = "WARNING") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
+    """Logs to stderr at ``level``; repeated warnings limited to one a minute per template
+    (:class:`~ps_p2p.log_limits.RepeatFilter`; at DEBUG nothing is limited). Does nothing to
+    the root logger's handlers when it already has some (an embedding program's)."""
+    from ps_p2p.log_limits import RepeatFilter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
     )
+    if level.upper() != "DEBUG":
+        handler.addFilter(RepeatFilter())
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     import libp2p  # noqa: F401  (import first: it resets its logger's level on import)
 
     logging.getLogger("libp2p").setLevel(getattr(logging, libp2p_level.upper(), logging.WARNING))
@@ -93,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve Prometheus /metrics of this node here (e.g. 127.0.0.1:9100)")
     run.add_argument("--status-interval", type=float, metavar="S",
                      help="seconds between one-line status logs (default 60; 0: none)")
+    run.add_argument("--drain-timeout", type=float, metavar="S",
+                     help="model role: on SIGTERM, seconds to finish the requests in service "
+                          "while refusing new ones (default 30)")
     run.add_argument("--tamper", action="store_true", default=None,
                      help="TESTING ONLY: corrupt relayed cells and cloves (a malicious relay)")
 
@@ -173,6 +185,7 @@ def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "tamper": args.tamper,
         "metrics": args.metrics,
         "status_interval": args.status_interval,
+        "drain_timeout": args.drain_timeout,
     }
     config = load_config(args.config, overrides)
     if args.capacity is not None:
@@ -240,6 +253,8 @@ async def _run_node(  # type: ignore[no-untyped-def]
             from ps_p2p.api.openai_compat import serve_api
 
             api_url = await nursery.start(serve_api, node, api)
+        # before the addresses are printed: a script that reads them may send SIGTERM at once
+        await nursery.start(_stop_on_sigterm, nursery.cancel_scope, node)
         log.info("peer ID %s, keys %s, status %s", keys.identity.peer_id_str, config.key_path,
                  status_file)
         for addr in node.listen_addrs:  # stdout is for scripts: the addresses only
@@ -248,17 +263,40 @@ async def _run_node(  # type: ignore[no-untyped-def]
             print(f"metrics on {node.metrics.url}", file=sys.stderr)
         if status_file:
             nursery.start_soon(_status_writer, node, pathlib.Path(status_file), api_url)
-        nursery.start_soon(_stop_on_sigterm, nursery.cancel_scope)
         task_status.started(node)
 
 
-async def _stop_on_sigterm(scope: trio.CancelScope) -> None:
-    """SIGTERM (systemd, docker, the devnet) stops the node as cleanly as Ctrl-C does."""
+async def _stop_on_sigterm(  # type: ignore[no-untyped-def]
+    scope: trio.CancelScope, node=None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """SIGTERM (systemd, docker, the devnet) stops the node as cleanly as Ctrl-C does; a model
+    node first drains (:meth:`ps_p2p.node.Node.drain`: new requests refused, its record
+    withdrawn, the requests in service finished within ``--drain-timeout``). A second SIGTERM
+    stops it at once. ``task_status.started()`` once the signal is caught."""
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        task_status.started()
         async for _ in signals:
-            log.info("SIGTERM: stopping the node")
-            scope.cancel()
+            if node is None or node.model is None:
+                log.info("SIGTERM: stopping the node")
+                scope.cancel()
+                return
+            log.info("SIGTERM: draining (up to %.0f s; SIGTERM again stops at once)",
+                     node.config.drain_timeout)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_drain_then_stop, node, scope)
+                async for _ in signals:
+                    log.info("second SIGTERM: stopping at once")
+                    break
+                scope.cancel()
             return
+
+
+async def _drain_then_stop(node, scope: trio.CancelScope) -> None:  # type: ignore[no-untyped-def]
+    report = await node.drain()
+    if report is not None:
+        log.info("drained in %.1f s: %d request(s) finished, %d abandoned; stopping",
+                 report.seconds, report.finished, report.abandoned)
+    scope.cancel()
 
 
 async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:  # type: ignore[no-untyped-def]
@@ -281,8 +319,39 @@ async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:
         await trio.sleep(0.5)  # periodic refresh of a file other processes poll
 
 
+def _preflight(config, api: str | None) -> None:  # type: ignore[no-untyped-def]
+    """What can be checked before a key file is written or torch is imported
+    (:mod:`ps_p2p.preflight`): the model path, and that the listen, API and metrics addresses
+    are free.
+
+    Raises:
+        ConfigError: a bad ``--model`` path or ``--api`` address.
+        AddressInUseError: an address another socket holds.
+    """
+    from ps_p2p import preflight
+    from ps_p2p.config import parse_host_port
+
+    if "model" in config.roles and config.engine == "transformers":
+        preflight.check_model_path(config.model)
+    preflight.check_listen_free(config.listen)
+    if api is not None:
+        host, port = parse_host_port(api, "--api")
+        preflight.check_address_free(host, port, f"--api {api}")
+    if config.metrics is not None:
+        host, port = parse_host_port(config.metrics, "--metrics")
+        try:
+            preflight.check_address_free(host, port, f"--metrics {config.metrics}")
+        except AddressInUseError:  # worded as NodeMetrics.serve words it
+            raise AddressInUseError(
+                f"cannot serve metrics on {config.metrics}: address already in use"
+            ) from None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     config = _run_config(args)
+    if args.api is not None and "user" not in config.roles:
+        raise ConfigError("--api needs the user role")
+    _preflight(config, args.api)
     # A process started in the background of a non-interactive shell inherits SIGINT ignored;
     # an operator's Ctrl-C (or kill -INT) must still stop the node.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -313,6 +382,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     from ps_p2p.keys import NodeKeys
     from ps_p2p.node import Node
 
+    if not args.prompt.strip():
+        raise ConfigError("the prompt is empty; ask needs a non-empty prompt")
     config = NodeConfig(roles=["user"], bootstrap=args.bootstrap, relay=False, register=False)
     config.validate()
     keys = NodeKeys.generate()
@@ -321,6 +392,12 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             node = await nursery.start(Node(config, keys).run)
             print("joining the network...", file=sys.stderr)
+            failures = await node.unreachable_verifiers(timeout=min(ASK_DIAL_TIMEOUT, args.timeout))
+            if len(failures) == len(config.bootstrap):
+                for addr, reason in failures.items():
+                    print(f"error: cannot reach verifier {addr}: {reason}", file=sys.stderr)
+                nursery.cancel_scope.cancel()
+                return 1
             try:
                 await node.wait_directory(min_models=1, timeout=args.timeout)
             except trio.TooSlowError:
@@ -407,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ps-node: {exc}", file=sys.stderr)
         return 2
+    except AddressInUseError as exc:  # the message names the flag or the listen multiaddr
+        print(f"ps-node: {exc}", file=sys.stderr)
+        return 1
     except PsError as exc:
         print(f"ps-node: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

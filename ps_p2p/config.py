@@ -19,10 +19,13 @@ Unknown keys are an error (a typo should not silently fall back to a default).
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
+
+import multiaddr
 
 from ps_p2p.crypto import onion, sida
 from ps_p2p.errors import ConfigError
@@ -150,6 +153,8 @@ class NodeConfig:
         metrics: ``"HOST:PORT"`` (``[HOST]:PORT`` for IPv6; port 0 picks a free one) where this
             node serves Prometheus ``/metrics`` (:mod:`ps_p2p.metrics`); None: not served.
         status_interval: seconds between the node's one-line status logs (INFO); 0: none.
+        drain_timeout: model role: seconds a node stopped by SIGTERM waits for the requests in
+            service (:mod:`ps_p2p.serving.drain`); new ones are refused meanwhile.
     """
 
     roles: list[str] = field(default_factory=lambda: ["user"])
@@ -175,6 +180,7 @@ class NodeConfig:
     tamper: bool = False
     metrics: str | None = None
     status_interval: float = 1 * MINUTES
+    drain_timeout: float = 30 * SECONDS
     user: UserConfig = field(default_factory=UserConfig)
     model_node: ModelNodeConfig = field(default_factory=ModelNodeConfig)
 
@@ -197,13 +203,17 @@ class NodeConfig:
             check_name(self.name)
         if "verifier" not in self.roles and not self.bootstrap:
             raise ConfigError("a node without the verifier role needs --multiaddr of a verifier")
+        check_multiaddr(self.listen, "--listen", peer_id=False)
         for addr in self.bootstrap:
-            if "/p2p/" not in addr:
-                raise ConfigError(f"bootstrap multiaddr {addr!r} lacks /p2p/<peer ID>")
+            check_multiaddr(addr, "--multiaddr", peer_id=True)
+        for peer in self.verifiers:
+            check_peer_id(peer, "--verifier")
         if self.metrics is not None:
             parse_host_port(self.metrics, "--metrics")
         if not self.status_interval >= 0:
             raise ConfigError("status_interval must be >= 0 seconds")
+        if not (isinstance(self.drain_timeout, (int, float)) and 0 <= self.drain_timeout < math.inf):
+            raise ConfigError(f"--drain-timeout must be >= 0 seconds, not {self.drain_timeout!r}")
 
     @property
     def home_path(self) -> pathlib.Path:
@@ -222,6 +232,79 @@ class NodeConfig:
         if self.key_file:
             return pathlib.Path(self.key_file).expanduser()
         return self.home_path / home.KEY_FILE
+
+
+#: Protocols a listen or dial multiaddr may start with (the host speaks TCP only).
+_ADDRESS_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6")
+
+
+def check_multiaddr(text: str, flag: str, *, peer_id: bool) -> multiaddr.Multiaddr:
+    """Parse one multiaddr of the command line or the config file, strictly.
+
+    A TCP multiaddr is ``/ip4|ip6|dns|dns4|dns6/<host>/tcp/<port>``, with ``/p2p/<peer ID>``
+    at the end when ``peer_id`` (a bootstrap peer) and without it otherwise (a listen
+    address). The peer ID must be an Ed25519 identity peer ID (the only kind node records and
+    signatures accept, :mod:`ps_p2p.records.peer_ids`).
+
+    Args:
+        text: e.g. ``/ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...``.
+        flag: the flag (or config key) it came from, named in the error.
+        peer_id: whether ``/p2p/<peer ID>`` is required (True) or refused (False).
+
+    Returns:
+        the parsed multiaddr.
+
+    Raises:
+        ConfigError: one line naming ``flag`` and ``text``: not a multiaddr (bad IP, port out
+            of 0..65535, bad peer ID...), not TCP, or ``/p2p/`` missing or where it has no place.
+    """
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"{flag} needs a multiaddr, got {text!r}")
+    try:
+        addr = multiaddr.Multiaddr(text)
+    except Exception as exc:  # multiaddr raises ValueError subclasses, and others on odd input
+        reason = getattr(exc, "message", None) or str(exc)
+        raise ConfigError(f"{flag} {text}: not a valid multiaddr: {reason}") from None
+    names = [p.name for p in addr.protocols()]
+    if len(names) < 2 or names[0] not in _ADDRESS_PROTOCOLS or names[1] != "tcp":
+        raise ConfigError(
+            f"{flag} {text}: expected /ip4|ip6|dns4|dns6/<host>/tcp/<port>"
+            + ("/p2p/<peer ID>" if peer_id else "")
+        )
+    if not peer_id:
+        if len(names) != 2:
+            raise ConfigError(f"{flag} {text}: expected /ip4|ip6/<host>/tcp/<port> and nothing more")
+        return addr
+    if names[2:] != ["p2p"]:
+        raise ConfigError(f"{flag} {text}: lacks /p2p/<peer ID> at its end")
+    check_peer_id(addr.value_for_protocol("p2p"), flag, shown=text)
+    return addr
+
+
+def check_peer_id(text: str, flag: str, *, shown: str | None = None) -> bytes:
+    """Parse a base58 peer ID (``12D3KooW...``) that must be an Ed25519 identity peer ID.
+
+    Returns:
+        the peer ID bytes (38).
+
+    Raises:
+        ConfigError: naming ``flag`` and ``shown`` (default ``text``): not base58, or not an
+            Ed25519 identity-multihash peer ID (e.g. an RSA key's ``Qm...`` ID).
+    """
+    import base58
+
+    from ps_p2p.errors import RemoteProtocolError
+    from ps_p2p.records.peer_ids import public_key_from_peer_id
+
+    shown = text if shown is None else shown
+    try:
+        raw = base58.b58decode(text)
+        public_key_from_peer_id(raw)
+    except (ValueError, RemoteProtocolError):
+        raise ConfigError(
+            f"{flag} {shown}: {text!r} is not an Ed25519 peer ID (12D3KooW...)"
+        ) from None
+    return raw
 
 
 def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:

@@ -4,6 +4,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
 
     PsError
     ├── ConfigError                 bad configuration, key file or command line
+    ├── AddressInUseError           (also an OSError, EADDRINUSE) a listen/API/metrics address
+    │                               another socket holds
     ├── LocalProtocolError          we were about to break a protocol (a bug on our side)
     ├── RemoteProtocolError         a peer broke a protocol: malformed/oversized frame, bad
     │   │                           indices, unknown path ID; costs one stream, never the node
@@ -19,6 +21,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │   ├── RequestTooLargeError    the request Q does not fit a message or one cell per clove
     │   ├── NoPathError             (also a PathError) fewer than n paths ready until the deadline
     │   ├── NoModelNodeError        (also a DirectoryError) no model node for the request
+    │   ├── ModelNodeLostError      the model node stopped answering: more than n - k of the
+    │   │                           request's proxies lost their connection to it
     │   └── ModelNodeError          the model node answered with a signed error status
     │       ├── OverloadedError     status OVERLOADED: its queue is full
     │       └── RequestRefusedError status BAD_REQUEST or WRONG_MODEL: the request is at fault
@@ -45,6 +49,22 @@ class PsError(Exception):
 
 class ConfigError(PsError):
     """Bad configuration value, key file or command line."""
+
+
+class AddressInUseError(PsError, OSError):
+    """A listen, API or metrics address is already bound by another socket.
+
+    ``str()`` is the one line to show, e.g. ``listen address /ip4/127.0.0.1/tcp/4001 is already
+    in use``; ``errno`` is ``EADDRINUSE``.
+    """
+
+    def __init__(self, message: str) -> None:
+        import errno
+
+        OSError.__init__(self, errno.EADDRINUSE, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class LocalProtocolError(PsError):
@@ -118,6 +138,12 @@ class NoPathError(PathError, RequestError):
 
 class NoModelNodeError(DirectoryError, RequestError):
     """The directory lists no model node that could serve the request."""
+
+
+class ModelNodeLostError(RequestError):
+    """The model node asked stopped answering before it answered: more than n - k of the
+    request's reply proxies lost their connection to it (so k response cloves can no longer
+    come), and no other model node of the model was left to ask."""
 
 
 class ModelNodeError(RequestError):

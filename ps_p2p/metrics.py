@@ -67,9 +67,9 @@ user nodes
 ``planetserve_probe_timeout_seconds``                       current probe deadline (RFC 6298 RTO)
 ``planetserve_proxies_avoided``                             proxies convicted, still avoided
 ``planetserve_requests_total{outcome}``                     asks ended: ok, timeout, no_path,
-                                                            no_model_node, overloaded, refused,
-                                                            model_error, too_large, error,
-                                                            cancelled
+                                                            no_model_node, model_node_lost,
+                                                            overloaded, refused, model_error,
+                                                            too_large, error, cancelled
 ``planetserve_requests_in_flight``                          requests the request core holds
 ``planetserve_request_duration_seconds{outcome}``           histogram: time an ask took
 ``planetserve_time_to_first_token_seconds``                 histogram, ok asks: see below

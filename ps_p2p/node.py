@@ -31,6 +31,7 @@ Both paths run the same :meth:`Node._serve`; only where the host comes from diff
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -68,6 +69,7 @@ from ps_p2p.protocols.overlay import (
 from ps_p2p.records import Directory, NodeRecord, Role
 from ps_p2p.roles.model import ModelNodeService
 from ps_p2p.roles.user import UserClient
+from ps_p2p.serving.drain import DrainReport
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,10 @@ log = logging.getLogger(__name__)
 _REMOTE_FAILURES = (PsError, trio.TooSlowError, BaseLibp2pError, OSError)
 #: Longest wait (s) between registration attempts while no verifier takes the record.
 REGISTER_BACKOFF_MAX = 30.0
+#: Lifetime of the record a node registers to withdraw (:meth:`Node.withdraw`), ms.
+WITHDRAW_LIFETIME_MS = 1000
+#: Seconds a draining node allows for sending its last answers.
+DRAIN_FLUSH_TIMEOUT = 5.0
 
 _ROLE = {"user": Role.USER, "model": Role.MODEL, "verifier": Role.VERIFIER}
 
@@ -181,6 +187,7 @@ class Node:
         self.listen_addrs: list[str] = []
         self._directory_ready = trio.Event()
         self._directory_changed_at = -1e9
+        self._withdrawn = False
         self._bootstrap: dict[bytes, str] = {}
         for addr in config.bootstrap:
             peer = ID.from_base58(addr.rsplit("/p2p/", 1)[1]).to_bytes()
@@ -397,6 +404,34 @@ class Node:
             except Exception:  # a status line must never stop the node
                 log.exception("status line failed")
 
+    async def unreachable_verifiers(self, timeout: float = 5.0) -> dict[str, str]:
+        """Dial every ``--multiaddr`` (bootstrap) verifier at once, for a command that must say
+        at once when none can be reached (``ps-node ask``) instead of waiting for a directory.
+
+        Args:
+            timeout: seconds allowed for each dial (they run in parallel).
+
+        Returns:
+            bootstrap multiaddr -> why it could not be reached (e.g. ``"connection refused"``,
+            :func:`~ps_p2p.protocols.host.dial_failure_reason`), for each one that could not;
+            empty when every one was reached.
+        """
+        from ps_p2p.protocols.host import connect, dial_failure_reason
+
+        assert self.host is not None, "run() the node first"
+        failures: dict[str, str] = {}
+
+        async def dial(addr: str) -> None:
+            try:
+                await connect(self.host, addr, timeout=timeout)
+            except (Exception, trio.TooSlowError) as exc:
+                failures[addr] = dial_failure_reason(exc)
+
+        async with trio.open_nursery() as nursery:
+            for addr in self._bootstrap.values():
+                nursery.start_soon(dial, addr)
+        return failures
+
     async def wait_directory(self, min_users: int = 0, min_models: int = 0, timeout: float = 30.0) -> Directory:
         """Wait for a verified directory with at least the given numbers of users and model nodes.
 
@@ -417,8 +452,70 @@ class Node:
 
     # ------------------------------------------------------------------ directory client
 
-    def own_record(self, now_ms: int) -> NodeRecord:
-        """This node's signed record, valid ``record_lifetime`` seconds from ``now_ms``.
+    async def drain(self, grace: float | None = None) -> DrainReport | None:
+        """Stop this node gently (SIGTERM): a model node stops taking new requests (answered
+        OVERLOADED), withdraws its record from the verifiers (:meth:`withdraw`), waits up to
+        ``grace`` seconds (default ``config.drain_timeout``) for the requests in service and
+        sends their answers (at most 5 s more). The caller then cancels :meth:`run`.
+
+        Returns:
+            the model role's :class:`~ps_p2p.serving.drain.DrainReport`; None without it.
+        """
+        if self.model is None:
+            return None
+        grace = self.config.drain_timeout if grace is None else grace
+        self.model.dispatcher.draining = True
+        await self.withdraw()
+        report = await self.model.drain(grace)
+        if self.overlay is not None:
+            with trio.move_on_after(DRAIN_FLUSH_TIMEOUT):
+                await self.overlay.flush()
+        return report
+
+    async def withdraw(self, timeout: float = 5.0) -> int:
+        """Deregister: stop renewing this node's record and register, with every trusted
+        verifier, the same record valid for :data:`WITHDRAW_LIFETIME_MS` only. A verifier
+        takes a newer record of a peer (same content: as a renewal, which sets how long the
+        peer stays listed), so it drops the node within that time, and users' next directory
+        refresh (a few seconds) no longer lists it. There is no delete message in the
+        directory protocol: a record signed by the node itself, that expires, is the
+        deregistration.
+
+        Args:
+            timeout: seconds for each verifier's exchange (they run in parallel).
+
+        Returns:
+            verifiers that took the withdrawal.
+        """
+        self._withdrawn = True
+        if self.host is None:
+            return 0
+        now_ms = _now_ms()
+        record = self.own_record(now_ms, lifetime_ms=WITHDRAW_LIFETIME_MS)
+        if self.directory_service is not None:
+            try:
+                self.directory_service.registry.register(record, now_ms)
+            except PsError as exc:
+                log.info("own registry refused the withdrawal: %s", exc)
+        taken = 0
+
+        async def one(verifier: bytes) -> None:
+            nonlocal taken
+            try:
+                await directory_proto.register(self.host, verifier, record, timeout=timeout)
+                taken += 1
+            except _REMOTE_FAILURES as exc:
+                log.info("withdrawal from %s failed: %s", ID(verifier).to_base58()[-8:], exc)
+
+        async with trio.open_nursery() as nursery:
+            for verifier in self._verifier_targets():
+                nursery.start_soon(one, verifier)
+        log.info("record withdrawn from %d verifier(s)", taken)
+        return taken
+
+    def own_record(self, now_ms: int, *, lifetime_ms: int | None = None) -> NodeRecord:
+        """This node's signed record, valid ``record_lifetime`` seconds (or ``lifetime_ms``)
+        from ``now_ms``.
 
         Lists the first :data:`~ps_p2p.records.MAX_ADDRS` listen addresses that fit a record
         (binary form of at most :data:`~ps_p2p.records.MAX_ADDR_BYTES` bytes).
@@ -445,7 +542,9 @@ class Node:
             organization=cfg.organization,
             capacity=cfg.model_node.capacity if Role.MODEL in self.roles else 0,
             issued_at_ms=now_ms,
-            expires_at_ms=now_ms + int(cfg.record_lifetime * 1000),
+            expires_at_ms=now_ms + (
+                int(cfg.record_lifetime * 1000) if lifetime_ms is None else lifetime_ms
+            ),
         )
         return records.sign_record(self.keys.identity, record)
 
@@ -466,6 +565,8 @@ class Node:
             now = trio.current_time()
             # a host of another application may listen on more (or other) addresses by now
             self.listen_addrs = listen_multiaddrs(self.host)
+            if self._withdrawn:
+                next_register = math.inf  # deregistered: the record is left to expire
             if self.directory_service is not None and now >= next_register:
                 self.directory_service.registry.register(self.own_record(_now_ms()), _now_ms())
             targets = self._verifier_targets()

@@ -589,9 +589,20 @@ async def serve_api(
     """Serve :class:`UserAPI` on ``bind`` ("127.0.0.1:0" picks a port) until cancelled.
 
     ``task_status.started(url)`` gives the base URL actually bound, e.g. ``http://127.0.0.1:43117``.
+
+    Raises:
+        ConfigError: ``bind`` is not HOST:PORT.
+        AddressInUseError: ``"--api <bind> is already in use"`` (one line, instead of
+            hypercorn's traceback).
     """
     from hypercorn.config import Config
     from hypercorn.trio import serve
+
+    from ps_p2p.config import parse_host_port
+    from ps_p2p.preflight import check_address_free
+
+    host, port = parse_host_port(bind, "--api")
+    check_address_free(host, port, f"--api {bind}")
 
     config = Config()
     config.accesslog = None

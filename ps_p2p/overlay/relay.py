@@ -111,9 +111,11 @@ class SignedClove:
 
 @dataclass(frozen=True)
 class DeliveryFailed:
-    """Proxy -> user: a clove could not be delivered."""
+    """Proxy -> user: a clove could not be delivered, or (``reply_tag`` set) the model node
+    that the clove registered under ``reply_tag`` went to was lost before it answered."""
 
     reason: str
+    reply_tag: bytes = b""
 
 
 ForwardMessage = Probe | DeliverClove
@@ -685,7 +687,7 @@ class RelayCore:
         if connected:
             log.info("stream to %s failed (%s); connection alive, paths kept", _short(peer), reason)
             return []
-        out: list[Command] = []
+        out: list[Command] = self.destination_lost(peer, reason, now)
         for key, pending in list(self._pending.items()):
             if key[0] == peer:
                 del self._pending[key]
@@ -701,6 +703,23 @@ class RelayCore:
             if own.path.first_hop == peer:
                 self.stats.paths_lost_to_link_down += 1
                 out += self._path_failed(own, f"first hop down: {reason}", first_hop_down=True)
+        return out
+
+    def destination_lost(self, peer: bytes, reason: str, now: float) -> list[Command]:
+        """Proxies: the connection to model node ``peer`` is gone (it died or left). Every
+        user with a live reply tag for it hears so at once, one ``DeliveryFailed`` carrying
+        that tag back on the tag's path, instead of waiting out its request's deadline; the
+        tags are forgotten (a reply under them could no longer come from this connection).
+
+        Returns:
+            one ``SendCell`` per live reply tag registered for ``peer``; [] when none.
+        """
+        out: list[Command] = []
+        for tag, entry in self.table.take_tags_for(peer, now):
+            message = DeliveryFailed(f"model node lost: {reason}"[:MAX_REASON_CHARS], tag)
+            out.append(self._backward(entry, message))
+        if out:
+            log.info("model node %s lost (%s): told %d reply tag(s)", _short(peer), reason, len(out))
         return out
 
     def send_failed(self, command: Command, now: float) -> list[Command]:

@@ -103,6 +103,8 @@ class RelayTable:
         # peer -> entries with that peer as predecessor or successor (for link loss)
         self._by_peer: dict[bytes, set[RelayEntry]] = {}
         self._tags: OrderedDict[bytes, ReplyTag] = OrderedDict()  # oldest registration first
+        # model node -> its live reply tags (a proxy tells their users when it loses the node)
+        self._tags_by_destination: dict[bytes, dict[bytes, None]] = {}
 
     def __len__(self) -> int:
         return len(self._forward)
@@ -171,7 +173,20 @@ class RelayTable:
             self._drop_tag(next(iter(self._tags)))
         self._tags[tag] = ReplyTag(entry, destination, now + ttl, replies)
         entry.tags[tag] = None
+        self._tags_by_destination.setdefault(destination, {})[tag] = None
         return True
+
+    def take_tags_for(self, destination: bytes, now: float) -> list[tuple[bytes, RelayEntry]]:
+        """Forget and return the live (unexpired, unspent) reply tags registered for replies
+        from model node ``destination``, oldest first, with the path each one belongs to;
+        O(tags of that destination)."""
+        out = []
+        for tag in list(self._tags_by_destination.get(destination, ())):
+            registered = self._tags[tag]
+            if now < registered.expires_at:
+                out.append((tag, registered.entry))
+            self._drop_tag(tag)
+        return out
 
     def find_reply(self, tag: bytes, sender: bytes, now: float) -> RelayEntry | None:
         """The path a reply under ``tag`` from ``sender`` would go back on, spending nothing;
@@ -203,6 +218,11 @@ class RelayTable:
         registered = self._tags.pop(tag, None)
         if registered is not None:
             registered.entry.tags.pop(tag, None)
+            tags = self._tags_by_destination.get(registered.destination)
+            if tags is not None:
+                tags.pop(tag, None)
+                if not tags:
+                    del self._tags_by_destination[registered.destination]
 
     def touch(self, entry: RelayEntry, now: float) -> None:
         """Mark ``entry`` used at ``now`` (moves it to the back of the expiry order)."""

@@ -51,6 +51,7 @@ from ps_p2p.crypto import onion, sida
 from ps_p2p.errors import (
     LocalProtocolError,
     DecodeError,
+    ModelNodeLostError,
     InvalidSignatureError,
     NoPathError,
     PsError,
@@ -174,6 +175,8 @@ class RequestSpec:
         timeout: seconds from :meth:`RequestCore.start` until the request fails.
         stream: have the answer streamed (:class:`StreamText` commands as it comes).
         messages: a chat, rendered by the model node with its model's chat template.
+        switch_model_node: when the model node is lost mid-request
+            (:meth:`RequestCore.delivery_failed`), ask another of the model instead of failing.
     """
 
     request_id: bytes
@@ -184,6 +187,7 @@ class RequestSpec:
     timeout: float
     stream: bool = False
     messages: tuple[ChatMessage, ...] = ()
+    switch_model_node: bool = True
 
 
 @dataclass(frozen=True)
@@ -286,6 +290,8 @@ class _Attempt:
     segments: dict[int, ResponseSegment] = field(default_factory=dict)
     next_seq: int = 0
     text: bytearray = field(default_factory=bytearray)
+    # indices of cloves whose proxy lost the model node (delivery_failed)
+    undeliverable: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -302,6 +308,7 @@ class _Request:
     cloves_received: int = 0
     received: list[tuple[sida.Clove, int]] = field(default_factory=list)
     released: bytearray = field(default_factory=bytearray)  # streamed text given out so far
+    lost_model_nodes: set[bytes] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -348,6 +355,9 @@ class RequestCore:
         rng: proxy and spare choice.
         random_bytes: reply tags and S-IDA keys.
         verify_clove, verify_reply: signature checks (defaults: Ed25519 via ps_p2p.records).
+        model_nodes: ``model_nodes(model_id) -> peer IDs`` of the directory's model nodes of
+            that model: where a request goes when its model node is lost
+            (:meth:`delivery_failed`). Default: none (the request then fails).
 
     Attributes:
         misrouted_cloves: response cloves dropped without blame (unknown tag, wrong path,
@@ -366,8 +376,10 @@ class RequestCore:
         random_bytes: Callable[[int], bytes] = os.urandom,
         verify_clove: CloveVerifier = verify_clove_signature,
         verify_reply: ReplyVerifier = verify_reply_signature,
+        model_nodes: Callable[[str], Sequence[bytes]] = lambda model_id: (),
     ) -> None:
         self.config = config
+        self._model_nodes = model_nodes
         self._codec = codec
         self._is_model_node = is_model_node
         self._rng = rng
@@ -471,6 +483,53 @@ class RequestCore:
                     SendClove(spare.path_id, request.spec.destination, attempt.cloves[index], b"")
                 )
         return commands
+
+    def delivery_failed(self, reply_tag: bytes, path_id: int, now: float) -> list[Command]:
+        """A proxy lost the model node that a clove of this user's went to, before it answered
+        (``DeliveryFailed`` with ``reply_tag`` on path ``path_id``).
+
+        Once more than n - k proxies of a request's last attempt said so, k response cloves
+        can no longer come: the request asks another model node of the same model at once
+        (fresh paths and tags, on the next tick), or, with none left (or
+        ``switch_model_node`` off), ends with :class:`~ps_p2p.errors.ModelNodeLostError`.
+        A notice counts only under a tag this user registered on that very path (only that
+        path's proxy can send on it), once per clove; so it takes more than n - k lying
+        proxies to move a request, which could make it fail anyway.
+
+        Returns:
+            [] or ``[RequestDone]`` (the request failed).
+        """
+        registered = self._reply_tags.get(reply_tag)
+        if registered is None or registered.path_id != path_id:
+            self.misrouted_cloves += 1
+            log.warning("delivery failure under a reply tag not registered on its path; dropped")
+            return []
+        request = self._by_response_id.get(registered.response_id)
+        if request is None or request.attempts[-1].response_id != registered.response_id:
+            return []  # ended, or an earlier attempt's
+        attempt = request.attempts[-1]
+        attempt.undeliverable.add(registered.index)
+        if len(attempt.undeliverable) <= self.config.total - self.config.threshold:
+            return []
+        lost = request.spec.destination
+        request.lost_model_nodes.add(lost)
+        others = [
+            peer for peer in self._model_nodes(request.spec.model_id)
+            if peer not in request.lost_model_nodes
+        ] if request.spec.switch_model_node else []
+        if not others:
+            error = ModelNodeLostError(
+                f"model node {_short(lost)} stopped answering ({len(attempt.undeliverable)} of "
+                f"{len(attempt.path_ids)} proxies lost it)"
+            )
+            return self._finish(request, None, error, now)
+        target = self._rng.choice(others)
+        log.warning("request %s: model node %s stopped answering; asking %s",
+                    request.spec.request_id.hex()[:8], _short(lost), _short(target))
+        request.spec = dataclasses.replace(request.spec, destination=target)
+        request.waiting = True  # a fresh attempt as soon as paths allow
+        request.ready_since = None
+        return []
 
     def unsigned_clove(self) -> list[Command]:
         """An unsigned response clove came back (nothing any proxy vouched for): dropped."""

@@ -94,7 +94,7 @@ class ProtobufPayloadCodec:
             s = payload.signed_clove
             return SignedClove(s.clove, s.signature, s.reply_tag)
         if kind == "delivery_failed":
-            return DeliveryFailed(payload.delivery_failed)
+            return DeliveryFailed(payload.delivery_failed, payload.delivery_failed_tag)
         return None  # unsigned cloves are no longer sent; an empty payload says nothing
 
     def tamper_clove(self, clove: bytes) -> bytes:
@@ -140,7 +140,9 @@ def backward_to_pb(message: BackwardMessage) -> clove_pb2.BackwardPayload:
                 clove=message.clove, signature=message.signature, reply_tag=message.reply_tag
             )
         )
-    return clove_pb2.BackwardPayload(delivery_failed=message.reason[:200])
+    return clove_pb2.BackwardPayload(
+        delivery_failed=message.reason[:200], delivery_failed_tag=message.reply_tag
+    )
 
 
 def _flip_byte(data: bytes) -> bytes:

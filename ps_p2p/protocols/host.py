@@ -84,7 +84,7 @@ from libp2p.stream_muxer.yamux import yamux as _yamux_module
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.transport.tcp import tcp as _tcp
 
-from ps_p2p.errors import ConfigError
+from ps_p2p.errors import AddressInUseError, ConfigError
 from ps_p2p.keys import Identity
 
 log = logging.getLogger(__name__)
@@ -281,9 +281,10 @@ async def open_host(
 
     Raises:
         ConfigError: a bad listen multiaddr, or bad limits.
-        OSError: a listen address cannot be bound; ``errno`` is ``EADDRINUSE`` when another
-            socket (of any process, ``SO_REUSEPORT`` or not) already listens on it. The message
-            names the multiaddr.
+        AddressInUseError: (an ``OSError``, ``errno`` ``EADDRINUSE``) another socket (of any
+            process, ``SO_REUSEPORT`` or not) already listens on a listen address; the message
+            is ``listen address <multiaddr> is already in use``.
+        OSError: a listen address cannot be bound for another reason; the message names it.
     """
     addrs = [parse_multiaddr(a) for a in listen]
     host = build_host(
@@ -316,8 +317,9 @@ def _listen_error(addr: multiaddr.Multiaddr) -> OSError:
             probe.bind((ip, port))
         except OSError as exc:
             code = exc.errno or errno.EADDRINUSE
-            what = "address already in use" if code == errno.EADDRINUSE else exc.strerror
-            return OSError(code, f"cannot listen on {addr}: {what}")
+            if code == errno.EADDRINUSE:
+                return AddressInUseError(f"listen address {addr} is already in use")
+            return OSError(code, f"cannot listen on {addr}: {exc.strerror}")
     return OSError(f"cannot listen on {addr}: py-libp2p's TCP listener failed (see its log)")
 
 
@@ -522,6 +524,40 @@ async def connect(host: IHost, address: str, timeout: float = 5.0) -> bytes:
     return info.peer_id.to_bytes()
 
 
+def dial_failure_reason(exc: BaseException) -> str:
+    """Why a dial failed, in a few words (for one line of a command's output).
+
+    py-libp2p wraps the socket's error five levels deep (``SwarmDialAllFailedError`` ->
+    ``MultiError`` -> ``SwarmException`` -> ``OpenConnectionError`` -> ``OSError`` ->
+    ``ExceptionGroup`` -> e.g. ``ConnectionRefusedError``); this returns the innermost socket
+    error's text in lower case (``"connection refused"``, ``"no route to host"``), else
+    ``"no connection within the deadline"`` for ``trio.TooSlowError``, else the innermost
+    message of the chain (e.g. ``"failed to negotiate the secure protocol"``).
+    """
+    if isinstance(exc, trio.TooSlowError):
+        return "no connection within the deadline"
+    socket_error: OSError | None = None
+    innermost: BaseException = exc
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.strerror:
+            socket_error = current
+        innermost = current if str(current) else innermost
+        children = list(getattr(current, "exceptions", None) or getattr(current, "errors", None) or [])
+        cause = current.__cause__ or current.__context__
+        stack.extend(children + ([cause] if cause is not None else []))
+    if socket_error is not None:
+        code = socket_error.errno
+        return (os.strerror(code) if code else str(socket_error.strerror)).lower()
+    text = str(innermost).splitlines()[0] if str(innermost) else type(innermost).__name__
+    return text[:200]
+
+
 __all__ = [
     "AUTHENTICATED_SECURITY_PROTOCOLS",
     "build_host",
@@ -532,4 +568,5 @@ __all__ = [
     "open_host",
     "parse_multiaddr",
     "tune_host",
+    "dial_failure_reason",
 ]

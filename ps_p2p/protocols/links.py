@@ -66,6 +66,7 @@ class _Link:
     sent: int = 0
     queued_bytes: int = 0
     closed: bool = False
+    writing: bool = False  # a write() is in progress
 
 
 @dataclass
@@ -124,6 +125,7 @@ class LinkManager:
         # peer -> (failed opens in a row, no dial before this time)
         self._backoff: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         self.stats = LinkStats()
+        self._wrote = trio.Event()  # set after every write and every link's end (flush)
 
     def send(self, peer_id: bytes, message: bytes) -> bool:
         """Queue one message (the frame prefix is added here) for ``peer_id``; never blocks.
@@ -155,6 +157,14 @@ class LinkManager:
                 )
             return False
         return True
+
+    async def flush(self) -> None:
+        """Wait until every frame queued so far is written or its link has failed (a node
+        that stops sends its last answers first). Wrap it in a deadline: a link still
+        dialling waits up to its open allowance (5 s or more)."""
+        while any(link.queued_bytes > 0 or link.writing for link in self._links.values()):
+            self._wrote = trio.Event()
+            await self._wrote.wait()
 
     def close(self, peer_id: bytes) -> None:
         """Finish the link to ``peer_id`` after its queued frames are written."""
@@ -197,8 +207,11 @@ class LinkManager:
                             break
                         parts.append(more)
                         size += len(more)
+                    link.writing = True
                     link.queued_bytes -= size
                     await stream.write(parts[0] if len(parts) == 1 else b"".join(parts))
+                    link.writing = False
+                    self._wrote.set()
                     link.sent += len(parts)
                     self.stats.frames_sent += len(parts)
         except trio.TooSlowError:
@@ -212,8 +225,10 @@ class LinkManager:
                 self._back_off(link.peer_id)
         finally:
             link.closed = True
+            link.writing = False
             if self._links.get(link.peer_id) is link:
                 del self._links[link.peer_id]
+            self._wrote.set()
             if stream is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     try:

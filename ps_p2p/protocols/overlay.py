@@ -213,8 +213,12 @@ class OverlayService:
             self._clove_links = LinkManager(
                 self.host, nursery, CLOVE_PROTOCOL_ID, on_link_down=self._link_down
             )
-            # a delivery link that fails costs the deliveries queued on it, never a path
-            self._deliver_links = LinkManager(self.host, nursery, DELIVER_PROTOCOL_ID)
+            # a delivery link that fails while the connection lives costs the deliveries
+            # queued on it, never a path; a lost connection to a model node is told to the
+            # users whose reply tags wait for it (RelayCore.destination_lost)
+            self._deliver_links = LinkManager(
+                self.host, nursery, DELIVER_PROTOCOL_ID, on_link_down=self._link_down
+            )
             await nursery.start(self.driver.run)
             task_status.started()
             try:
@@ -322,6 +326,13 @@ class OverlayService:
             self._execute(c) is not False
             for c in self.core.send_reply(proxy, reply_tag, clove, signature)
         )
+
+    async def flush(self) -> None:
+        """Wait until the frames queued so far (answers to reply proxies, cells) are written
+        or their links failed; for a node that stops. Wrap it in a deadline."""
+        for links in (self._deliver_links, self._clove_links, self._onion_links):
+            if links is not None:
+                await links.flush()
 
     # ------------------------------------------------------------------ commands
 

@@ -43,6 +43,7 @@ from ps_p2p.protocols.inference_codec import decode_query, encode_reply, encode_
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.serving import dispatch
 from ps_p2p.serving.dispatch import Dispatcher, SendAnswer, SendSegment, StartJob
+from ps_p2p.serving.drain import Drain, DrainReport
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,28 @@ class ModelNodeService:
             for i in range(self.config.capacity):
                 nursery.start_soon(self._worker, i)
             task_status.started()
+
+    async def drain(self, grace: float) -> DrainReport:
+        """Stop taking new requests (answered OVERLOADED) and wait until the requests in
+        service are answered, at most ``grace`` seconds (:mod:`ps_p2p.serving.drain`).
+
+        The answers are queued to their reply proxies when this returns; the caller keeps the
+        overlay running a moment to send them (``OverlayService.flush``).
+
+        Raises:
+            ValueError: ``grace`` negative or not finite.
+        """
+        self.dispatcher.draining = True  # on the driver's trio thread: applies atomically
+        drain = Drain(grace, self._clock(), self.dispatcher.in_service)
+        log.info("draining: %d request(s) in service, up to %.0f s", self.dispatcher.in_service,
+                 grace)
+        while not drain.done:
+            deadline = drain.next_deadline()
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                await self.driver.wait_processed()  # a job finished (or another input)
+            drain.update(self.dispatcher.in_service, self._clock())
+        assert drain.report is not None
+        return drain.report
 
     # ------------------------------------------------------------------ cloves in
 

@@ -39,6 +39,7 @@ from ps_p2p.config import UserConfig
 from ps_p2p.crypto import onion, sida
 from ps_p2p.errors import (
     ModelNodeError,
+    ModelNodeLostError,
     NoModelNodeError,
     NoPathError,
     OverloadedError,
@@ -157,6 +158,7 @@ OUTCOME_LABELS: tuple[tuple[type[PsError], str], ...] = (
     (RequestTimeoutError, "timeout"),
     (NoPathError, "no_path"),
     (NoModelNodeError, "no_model_node"),
+    (ModelNodeLostError, "model_node_lost"),
     (OverloadedError, "overloaded"),
     (RequestRefusedError, "refused"),
     (ModelNodeError, "model_error"),
@@ -300,6 +302,7 @@ class UserClient:
             self._is_model_node,
             rng=self._rng,
             random_bytes=random_bytes,
+            model_nodes=lambda model_id: [r.peer_id for r in self.model_nodes(model_id)],
         )
         self._handles: dict[int, PathHandle] = {}
         self._path_ids: dict[tuple[bytes, bytes], int] = {}
@@ -505,6 +508,7 @@ class UserClient:
             timeout=max(0.0, timeout - (self._clock() - started)),
             stream=on_text is not None,
             messages=messages,
+            switch_model_node=model_node is None,  # a node asked by name is not replaced
         )
         waiter = self._waiters[request_id] = _Waiter(on_text)
         # essential: a start lost to a full inbox would leave the caller waiting forever
@@ -754,6 +758,10 @@ class UserClient:
             self.driver.submit(partial(self._response_clove, event))
         elif kind == "clove":
             self.driver.submit(partial(self._unsigned_clove, path_id))
+        elif kind == "delivery_failed" and message.delivery_failed_tag:
+            self.driver.submit(
+                partial(self._delivery_failed, path_id, message.delivery_failed_tag)
+            )
         else:
             if kind == "delivery_failed":
                 log.warning("proxy could not deliver a clove: %s", message.delivery_failed)
@@ -763,6 +771,15 @@ class UserClient:
         return [
             *self._pool.heard_from(event.path_id, now),
             *self._requests.response_clove(event, now),
+        ]
+
+    def _delivery_failed(self, path_id: int, reply_tag: bytes, now: float) -> Sequence[object]:
+        """A proxy lost the model node of one of our reply tags; a request that moves to
+        another model node sends its next attempt on the next tick, at once."""
+        self._tick_due = True
+        return [
+            *self._pool.heard_from(path_id, now),
+            *self._requests.delivery_failed(reply_tag, path_id, now),
         ]
 
     def _unsigned_clove(self, path_id: int, now: float) -> Sequence[object]:

@@ -248,6 +248,14 @@ class Dispatcher:
         self.per_proxy: dict[bytes, int] = {}
         self.dropped_by: dict[str, int] = {}
         self.requests: dict[str, int] = {}
+        #: set when the node stops (:mod:`ps_p2p.serving.drain`): new requests are answered
+        #: OVERLOADED; resent copies still join their job, cached answers are still sent
+        self.draining = False
+
+    @property
+    def in_service(self) -> int:
+        """Jobs admitted and not finished (queued or running)."""
+        return len(self._jobs)
 
     @property
     def dropped_cloves(self) -> int:
@@ -343,6 +351,11 @@ class Dispatcher:
         if problem is not None:
             self._count(REQUEST_INVALID)
             return [SendAnswer(waiter, self.error_content(*problem))]
+        if self.draining:
+            self._count(REQUEST_OVERLOADED)
+            return [SendAnswer(waiter, self.error_content(
+                ResponseStatus.OVERLOADED, "model node shutting down; ask another"
+            ))]
         if not self.load.try_admit():
             self._count(REQUEST_OVERLOADED)
             log.warning("overloaded: request %s refused", query.request_id.hex()[:8])

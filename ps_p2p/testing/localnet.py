@@ -43,6 +43,19 @@ class LocalNet:
         """Stop ``node`` abruptly (its host closes; peers see the connection drop)."""
         self.scopes[node.peer_id].cancel()
 
+    async def crash(self, node: Node, close_timeout: float = 3.0) -> None:
+        """Stop ``node`` as a crashed process stops: its connections and listener close first
+        (peers read EOF on every link at once; a cancelled task alone can leave its sockets
+        open, which peers take for a frozen node), then its tasks are cancelled.
+
+        Args:
+            close_timeout: seconds allowed for closing the connections.
+        """
+        if node.host is not None:
+            with trio.move_on_after(close_timeout):
+                await node.host.get_network().close()
+        self.kill(node)
+
 
 async def _run_node(node: Node, scope: trio.CancelScope, *, task_status: trio.TaskStatus[Node]) -> None:
     with scope:

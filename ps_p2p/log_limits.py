@@ -1,0 +1,87 @@
+"""Rate limit for repeated log lines (standard :mod:`logging`).
+
+A node that cannot reach a peer, or that keeps dropping the same kind of cell, would otherwise log
+the same warning many times a second and bury everything else. :class:`RepeatFilter` passes the
+first record of each (logger, level, message template) and then at most one per ``interval``
+seconds; the next one it passes says how many it held back::
+
+    12:00:00 WARNING ps_p2p.protocols.links: queue to ...x full, dropped 1 frame(s)
+    12:01:00 WARNING ps_p2p.protocols.links: queue to ...y full, dropped 1 frame(s) [42 similar
+             messages suppressed in the last 60 s]
+
+The key is the template (``record.msg``), not the formatted text: "the same warning about
+another peer" counts as a repeat, which is what floods a log. Records below ``min_level`` (INFO
+by default in the CLI: WARNING and above are limited) always pass. ``ps-node``'s logging setup
+installs one on its stderr handler (:func:`ps_p2p.cli._setup_logging`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+#: Seconds between two records with the same key (default of :class:`RepeatFilter`).
+DEFAULT_INTERVAL = 60.0
+#: Keys remembered at most (least recently passed forgotten first); templates are few, so this
+#: only bounds memory if some code logs non-constant templates.
+MAX_KEYS = 4096
+
+
+class RepeatFilter(logging.Filter):
+    """Pass the same (logger, level, template) at most once per ``interval`` seconds.
+
+    Args:
+        interval: seconds; a repeat within it is dropped and counted.
+        min_level: records below this level are never limited (default WARNING).
+        clock: seconds, monotonic (injectable for tests).
+
+    Attributes:
+        suppressed: records dropped so far, all keys.
+    """
+
+    def __init__(
+        self,
+        interval: float = DEFAULT_INTERVAL,
+        *,
+        min_level: int = logging.WARNING,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0 seconds, not {interval!r}")
+        self.interval = interval
+        self.min_level = min_level
+        self._clock = clock
+        # key -> [time it last passed, records dropped since]; least recently passed first
+        self._seen: OrderedDict[tuple[str, int, str], list[float | int]] = OrderedDict()
+        self.suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """True to emit ``record``; a passed record after drops gets the count appended."""
+        if record.levelno < self.min_level:
+            return True
+        template = record.msg if isinstance(record.msg, str) else type(record.msg).__name__
+        key = (record.name, record.levelno, template)
+        now = self._clock()
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self.interval:
+            seen[1] += 1
+            self.suppressed += 1
+            return False
+        if seen is not None and seen[1]:
+            # ``msg`` is formatted with ``args`` later: escape nothing, add no "%"
+            record.msg = (
+                f"{record.getMessage()} [{seen[1]} similar message(s) suppressed in the last "
+                f"{now - seen[0]:.0f} s]"
+            )
+            record.args = None
+        self._seen[key] = [now, 0]
+        self._seen.move_to_end(key)
+        while len(self._seen) > MAX_KEYS:
+            self._seen.popitem(last=False)
+        return True
+
+
+__all__ = ["DEFAULT_INTERVAL", "MAX_KEYS", "RepeatFilter"]

@@ -1,0 +1,99 @@
+"""Repeated identical warnings are rate-limited (ps_p2p.log_limits), with the count of those held
+back, and ``ps-node``'s logging setup installs the limit."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from ps_p2p.log_limits import RepeatFilter
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def logged():
+    """A logger writing through a RepeatFilter (interval 60 s, fake clock) into a buffer."""
+    clock = _Clock()
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    handler.addFilter(RepeatFilter(60.0, clock=clock))
+    logger = logging.getLogger("test.log_limits")
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG)
+    yield logger, clock, lambda: out.getvalue().splitlines()
+    logger.handlers[:] = []
+
+
+def test_a_repeated_warning_prints_once_per_interval_then_says_how_many_were_held(logged):
+    logger, clock, lines = logged
+
+    for i in range(241):  # e.g. one "cannot reach" warning every 0.5 s for two minutes
+        logger.warning("cannot reach verifier %s: %s", f"v{i % 3}", "connection refused")
+        clock.now += 0.5
+
+    assert lines() == [
+        "WARNING cannot reach verifier v0: connection refused",
+        "WARNING cannot reach verifier v0: connection refused "
+        "[119 similar message(s) suppressed in the last 60 s]",
+        "WARNING cannot reach verifier v0: connection refused "
+        "[119 similar message(s) suppressed in the last 60 s]",
+    ]
+
+
+def test_different_templates_levels_and_loggers_are_limited_apart(logged):
+    logger, clock, lines = logged
+
+    logger.warning("a %d", 1)
+    logger.warning("b %d", 1)
+    logger.error("a %d", 2)
+    logging.getLogger("test.log_limits.child").warning("a %d", 3)  # propagates to the handler
+    logger.warning("a %d", 4)  # the only repeat
+
+    assert lines() == ["WARNING a 1", "WARNING b 1", "ERROR a 2", "WARNING a 3"]
+
+
+def test_info_and_debug_lines_are_never_limited(logged):
+    logger, clock, lines = logged
+
+    for _ in range(3):
+        logger.info("served %s", "x")
+
+    assert lines() == ["INFO served x"] * 3
+
+
+def test_a_warning_after_a_quiet_interval_prints_without_a_count(logged):
+    logger, clock, lines = logged
+
+    logger.warning("w")
+    clock.now += 61
+    logger.warning("w")
+
+    assert lines() == ["WARNING w", "WARNING w"]
+
+
+def test_ps_node_logging_setup_installs_the_limit(monkeypatch):
+    from ps_p2p.cli import _setup_logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", root.level)
+    for name in ("libp2p", "libp2p.transport.tcp", "hypercorn.error", "httpx"):
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "level", logger.level)
+        monkeypatch.setattr(logger, "propagate", logger.propagate)
+
+    _setup_logging("INFO")
+
+    (handler,) = root.handlers
+    assert any(isinstance(f, RepeatFilter) for f in handler.filters)

@@ -1,0 +1,228 @@
+"""A model node that dies mid-request: its proxies tell the users whose reply tags wait for it
+(RelayCore.destination_lost), and the request core moves the request to another model node of
+the model, or fails it with ModelNodeLostError, once more than n - k proxies said so. Pure cores
+on injected time; one service test on real hosts with a model node whose host is stopped."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+
+from ps_p2p.errors import ModelNodeLostError
+from ps_p2p.overlay import relay as r
+from ps_p2p.overlay.requests import RequestConfig, RequestCore, RequestDone, RequestSpec, SendClove
+from ps_p2p.pb.planetserve.v1 import clove_pb2
+from ps_p2p.protocols.clove_relay import ProtobufPayloadCodec
+from test_relay_core import MODEL, PREV, _core as _relay_core, _proxy_path
+from test_requests import READY, PickleCodec, _of, _serve, _verify_clove, _verify_reply
+
+M1, M2 = b"model-node-M", b"model-node-N"
+
+
+# ------------------------------------------------------------------ proxy: the relay core
+
+
+def _deliver(core, path, tag, destination=MODEL, now=1.0):
+    deliver = r.DeliverClove(destination, b"clove", tag)
+    return core.receive_cell(PREV, path.first_path_id, path.seal_forward(pickle.dumps(deliver)), now)
+
+
+def test_a_proxy_that_loses_a_model_node_tells_each_live_reply_tag_on_its_own_path():
+    core, key = _relay_core()
+    path_a, path_b = _proxy_path(key, core=core), _proxy_path(key, core=core)
+    _deliver(core, path_a, b"a" * 16)
+    _deliver(core, path_b, b"b" * 16)
+
+    out = core.link_failed(MODEL, "disconnected", connected=False, now=2.0)
+
+    told = {}
+    for cell in out:
+        assert isinstance(cell, r.SendCell) and cell.peer == PREV
+        path = path_a if cell.path_id == path_a.first_path_id else path_b
+        told[cell.path_id] = pickle.loads(path.open_backward(cell.payload))
+    assert told == {
+        path_a.first_path_id: r.DeliveryFailed("model node lost: disconnected", b"a" * 16),
+        path_b.first_path_id: r.DeliveryFailed("model node lost: disconnected", b"b" * 16),
+    }
+    assert core.table.tag_count == 0  # told once: the tags are forgotten
+
+
+def test_a_proxy_tells_nothing_while_a_connection_to_the_model_node_lives():
+    core, key = _relay_core()
+    _deliver(core, _proxy_path(key, core=core), b"a" * 16)
+
+    assert core.link_failed(MODEL, "stream reset", connected=True, now=2.0) == []
+    assert core.table.tag_count == 1
+
+
+def test_spent_and_expired_tags_are_not_told():
+    core, key = _relay_core(reply_tag_ttl=10.0)
+    path = _proxy_path(key, core=core)
+    _deliver(core, path, b"a" * 16, now=0.0)  # expires at 10
+    _deliver(core, path, b"b" * 16, now=5.0)
+    core.receive_reply(MODEL, b"b" * 16, b"answer", b"good", now=6.0)  # spent
+
+    assert core.destination_lost(MODEL, "gone", now=11.0) == []
+
+
+def test_the_failed_reply_tag_survives_the_wire_codec():
+    codec = ProtobufPayloadCodec()
+    message = r.DeliveryFailed("model node lost: disconnected", b"t" * 16)
+
+    data = codec.encode_backward(message)
+
+    assert codec.decode_backward(data) == message
+    parsed = clove_pb2.BackwardPayload.FromString(data)
+    assert parsed.WhichOneof("kind") == "delivery_failed" and parsed.delivery_failed_tag == b"t" * 16
+
+
+# ------------------------------------------------------------------ user: the request core
+
+
+def _core(model_nodes=(M1,)) -> RequestCore:
+    return RequestCore(
+        RequestConfig(total=4, threshold=3), PickleCodec(), lambda peer: peer in (M1, M2),
+        rng=random.Random(3), random_bytes=random.Random(5).randbytes,
+        verify_clove=_verify_clove, verify_reply=_verify_reply,
+        model_nodes=lambda model_id: list(model_nodes) if model_id == "fake-model" else [],
+    )
+
+
+def _spec(**kw):
+    return RequestSpec(b"r" * 16, M1, "fake-model", "tell me a story",
+                       r_params(), 120.0, **kw)
+
+
+def r_params():
+    from ps_p2p.inference import SamplingParams
+
+    return SamplingParams(max_tokens=100)
+
+
+def _started(core, **kw):
+    sent = _of(core.start(_spec(**kw), 0.0, READY), SendClove)
+    assert len(sent) == 4 and {s.destination for s in sent} == {M1}
+    return sent
+
+
+def test_one_proxy_losing_the_model_node_still_leaves_k_cloves_to_wait_for():
+    core = _core(model_nodes=(M1, M2))
+    sent = _started(core)
+
+    assert core.delivery_failed(sent[0].reply_tag, sent[0].path_id, 1.0) == []  # n - k = 1
+    assert core.delivery_failed(sent[0].reply_tag, sent[0].path_id, 1.0) == []  # counted once
+    assert core.tick(1.0, READY) == []  # still waiting for that model node
+    assert core.attempts(b"r" * 16) == 1
+
+
+def test_more_than_n_minus_k_lost_moves_the_request_to_another_model_node_at_once():
+    core = _core(model_nodes=(M1, M2))
+    sent = _started(core)
+
+    assert core.delivery_failed(sent[0].reply_tag, sent[0].path_id, 1.0) == []
+    assert core.delivery_failed(sent[1].reply_tag, sent[1].path_id, 1.0) == []
+    resent = _of(core.tick(1.0, READY), SendClove)
+
+    assert len(resent) == 4 and {s.destination for s in resent} == {M2}
+    assert core.attempts(b"r" * 16) == 2
+    # the other model node's answer ends the request
+    replies = _serve(resent, signer=M2)
+    from ps_p2p.overlay.requests import ResponseClove
+
+    signed = [ResponseClove(c.path_id, c.clove, c.raw, b"signed by " + M2, c.reply_tag)
+              for c in replies]
+    done = [c for clove in signed for c in core.response_clove(clove, 2.0) if isinstance(c, RequestDone)]
+    assert len(done) == 1 and done[0].outcome.ok and done[0].outcome.reply.model_node == M2
+
+
+def test_with_no_other_model_node_the_request_fails_at_once_naming_the_lost_node():
+    core = _core(model_nodes=(M1,))
+    sent = _started(core)
+
+    core.delivery_failed(sent[0].reply_tag, sent[0].path_id, 1.0)
+    (done,) = core.delivery_failed(sent[1].reply_tag, sent[1].path_id, 1.5)
+
+    assert isinstance(done, RequestDone)
+    assert isinstance(done.outcome.error, ModelNodeLostError)
+    assert "stopped answering (2 of 4 proxies lost it)" in str(done.outcome.error)
+    assert done.outcome.latency == 1.5 and b"r" * 16 not in core
+
+
+def test_a_request_for_a_named_model_node_fails_instead_of_moving():
+    core = _core(model_nodes=(M1, M2))
+    sent = _started(core, switch_model_node=False)
+
+    core.delivery_failed(sent[0].reply_tag, sent[0].path_id, 1.0)
+    (done,) = core.delivery_failed(sent[1].reply_tag, sent[1].path_id, 1.0)
+
+    assert isinstance(done.outcome.error, ModelNodeLostError)
+
+
+@pytest.mark.parametrize("wrong", ["tag", "path"])
+def test_a_notice_under_an_unknown_tag_or_on_another_path_counts_for_nothing(wrong):
+    core = _core(model_nodes=(M1,))
+    sent = _started(core)
+
+    for s in sent:
+        tag = b"x" * 16 if wrong == "tag" else s.reply_tag
+        path_id = s.path_id if wrong == "tag" else s.path_id + 100
+        assert core.delivery_failed(tag, path_id, 1.0) == []
+
+    assert b"r" * 16 in core and core.misrouted_cloves == 4
+
+
+# ------------------------------------------------------------------ real hosts
+
+
+async def test_a_model_node_killed_mid_request_is_replaced_then_reported_without_the_deadline():
+    """Without the proxies' notices the request would wait for its 60 s attempt timeout and
+    then resend to the same dead node until the 50 s deadline: it would fail."""
+    import trio
+
+    from ps_p2p.roles.user import UserConfig
+    from ps_p2p.testing.fakes import InstantEngine
+    from ps_p2p.testing.localnet import open_localnet
+
+    gate = trio.Event()
+    engines = [InstantEngine(gate=gate), InstantEngine(gate=gate)]
+    config = UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=60.0)
+    async with open_localnet(
+        users=6, models=2, engine_factory=lambda i: engines[i], user_config=config
+    ) as net:
+        asker = net.users[0].user
+        answers = []
+
+        async def ask() -> None:
+            answers.append(await asker.ask("Once upon a time", timeout=50))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            # the first model node asked holds the request in service: kill it there
+            entered: list[int] = []
+            async with trio.open_nursery() as race:
+                for i, engine in enumerate(engines):
+                    race.start_soon(_first_entered, engine, i, race.cancel_scope, entered)
+            first = entered[0]
+            killed_at = trio.current_time()
+            await net.crash(net.models[first])
+            gate.set()  # the other model node answers at once
+        (answer,) = answers
+        assert answer.ok, answer.error
+        assert answer.served_by == net.models[1 - first].peer_id and answer.attempts == 2
+        print(f"answered by the other model node {trio.current_time() - killed_at:.2f} s after the kill")
+
+        # both dead (their records still listed): the next ask fails naming a lost node
+        await net.crash(net.models[1 - first])
+        started = trio.current_time()
+        answer = await asker.ask("Once upon a time", timeout=50)
+        assert not answer.ok and answer.error_type is ModelNodeLostError, answer.error
+        assert "stopped answering" in answer.error
+        print(f"failed {trio.current_time() - started:.2f} s after the ask: {answer.error}")
+
+
+async def _first_entered(engine, index, scope, out) -> None:
+    await engine.entered.wait()
+    out.append(index)
+    scope.cancel()
