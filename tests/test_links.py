@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 
 from ps_p2p.keys import NodeKeys
-from ps_p2p.protocols.host import open_host
+from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 from ps_p2p.protocols.links import BACKOFF_INITIAL, BACKOFF_MAX, LinkManager
 
 
@@ -40,3 +40,30 @@ async def test_a_peer_that_cannot_be_dialled_is_backed_off_with_growing_jittered
     assert waits[0] <= BACKOFF_INITIAL + 1e-6
     assert all(b >= a for a, b in zip(waits, waits[1:]))
     assert max(waits) <= BACKOFF_MAX
+
+
+async def test_a_backed_off_peer_that_is_connected_gets_a_stream_without_waiting(autojump_clock):
+    """A dial failed (no address known), then the peer connected to us: a setup reply to it
+    must not wait out the back-off, since a stream needs no dial."""
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as peer_host:
+        received = trio.Event()
+
+        async def handler(stream) -> None:
+            await stream.read(100)
+            received.set()
+
+        peer_host.set_stream_handler("/test/1.0.0", handler)
+        peer = peer_host.get_id().to_bytes()
+        down = trio.Event()
+        async with trio.open_nursery() as nursery:
+            links = LinkManager(host, nursery, "/test/1.0.0", open_timeout=1.0,
+                                on_link_down=lambda p, r: down.set())
+            assert links.send(peer, b"frame")  # no address of peer known yet: the dial fails
+            await down.wait()
+            assert not links.send(peer, b"frame")  # backed off
+            await connect(peer_host, listen_multiaddrs(host)[0])  # the peer dials us
+            assert links.send(peer, b"frame")  # connected: no back-off
+            await received.wait()
+            nursery.cancel_scope.cancel()
+    assert links.stats.frames_backed_off == 1

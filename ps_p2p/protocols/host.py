@@ -496,6 +496,15 @@ def check_foreign_host(host: IHost) -> None:
         log.warning("the host offers no Yamux (only %s): the overlay will be slow", muxers)
 
 
+def is_connected(host: IHost, peer: bytes) -> bool:
+    """Whether ``host`` has a connection open to ``peer`` (peer ID bytes); False for a
+    malformed peer ID."""
+    try:
+        return bool(host.get_network().get_connections(ID(peer)))
+    except Exception:  # a malformed peer ID, or a network without the call
+        return False
+
+
 def listen_multiaddrs(host: IHost) -> list[str]:
     """The host's listen addresses with ``/p2p/<peer ID>`` appended (what ``--multiaddr`` takes)."""
     peer = host.get_id().to_base58()
@@ -564,6 +573,7 @@ __all__ = [
     "check_foreign_host",
     "connect",
     "host_identity",
+    "is_connected",
     "listen_multiaddrs",
     "open_host",
     "parse_multiaddr",

@@ -35,6 +35,8 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
+
+from ps_p2p.protocols.host import is_connected
 from libp2p.peer.id import ID
 
 from ps_p2p.records import short_peer_id as _short
@@ -138,8 +140,13 @@ class LinkManager:
         if link is None or link.closed:
             backoff = self._backoff.get(peer_id)
             if backoff is not None and self._clock() < backoff[1]:
-                self.stats.frames_backed_off += 1
-                return False
+                # the back-off spares dials that fail; with a connection up (the peer dialled
+                # us since), a stream opens without one: a setup reply to a user whose
+                # address was unknown a moment ago must not be lost
+                if not is_connected(self._host, peer_id):
+                    self.stats.frames_backed_off += 1
+                    return False
+                del self._backoff[peer_id]
             link = self._open(peer_id)
         frame = encode_frame(message)
         try:

@@ -48,6 +48,7 @@ from ps_p2p.protocols.clove_relay import CLOVE_MAX_FRAME, CLOVE_PROTOCOL_ID
 from ps_p2p.protocols.delivery import DELIVER_MAX_FRAME, DELIVER_PROTOCOL_ID
 from ps_p2p.protocols.driver import CoreDriver
 from ps_p2p.protocols.handlers import StreamHandlers
+from ps_p2p.protocols.host import is_connected
 from ps_p2p.protocols.links import LinkManager, LinkStats, make_frame_handler
 from ps_p2p.protocols.onion_setup import ONION_MAX_FRAME, ONION_PROTOCOL_ID
 
@@ -397,10 +398,7 @@ class OverlayService:
         return record is not None and role in record.roles
 
     def _connected(self, peer: bytes) -> bool:
-        try:
-            return bool(self.host.get_network().get_connections(ID(peer)))
-        except Exception:  # a malformed peer ID, or a network without the call
-            return False
+        return is_connected(self.host, peer)
 
 
 __all__ = [
