@@ -146,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--max-tokens", type=int, default=64)
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default 120)")
+    ask.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the answer before this text; repeatable (up to 4)")
+    ask.add_argument("--stream", action="store_true",
+                     help="print the text as the model node generates it (streamed through the "
+                          "overlay; docs/streaming.md)")
     ask.add_argument("--json", action="store_true", help="print the answer as JSON")
     ask.add_argument("prompt")
     return parser
@@ -384,6 +389,10 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty; ask needs a non-empty prompt")
+    if len(args.stop) > 4 or any(not s for s in args.stop):
+        raise ConfigError("--stop takes up to 4 non-empty strings")
+    if args.stream and args.json:
+        raise ConfigError("--stream prints text as it comes; --json prints one object at the end")
     config = NodeConfig(roles=["user"], bootstrap=args.bootstrap, relay=False, register=False)
     config.validate()
     keys = NodeKeys.generate()
@@ -405,13 +414,24 @@ def _cmd_ask(args: argparse.Namespace) -> int:
                 nursery.cancel_scope.cancel()
                 return 1
             assert node.user is not None
+            streamed: list[str] = []
+
+            def show(text: str) -> None:
+                streamed.append(text)
+                sys.stdout.write(text)
+                sys.stdout.flush()
+
             answer = await node.user.ask(
                 args.prompt,
                 model_id=args.model_id,
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,
+                stop=args.stop,
                 timeout=args.timeout,
+                on_text=show if args.stream else None,
             )
+            if streamed:
+                print()
             nursery.cancel_scope.cancel()
         from libp2p.peer.id import ID
 
@@ -425,13 +445,17 @@ def _cmd_ask(args: argparse.Namespace) -> int:
                 "error_type": answer.error_type.__name__ if answer.error_type else None,
             }))
         elif answer.ok:
-            print(answer.text)
+            if not args.stream:
+                print(answer.text)
             print(
                 f"-- served by {served_by}, signature valid, {answer.cloves_received} cloves, "
                 f"{answer.latency_ms:.0f} ms",
                 file=sys.stderr,
             )
         else:
+            if streamed:
+                print("error: the text above was streamed but not confirmed by the signed answer",
+                      file=sys.stderr)
             print(f"error: {answer.error}", file=sys.stderr)
         return 0 if answer.ok else 1
 

@@ -100,6 +100,21 @@ SHARED_MODEL = "models/stories260K"
 SHARED_PROMPTS = "data/mtbench/question.jsonl"
 
 
+
+def describe_exception(exc: BaseException) -> str:
+    """``"Type: message"`` of ``exc``, or of the errors inside an exception group (trio's
+    nurseries wrap them), at most three, so a node's failure names its cause in one line."""
+    leaves: list[BaseException] = []
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, BaseExceptionGroup):
+            stack.extend(reversed(current.exceptions))
+        else:
+            leaves.append(current)
+    text = "; ".join(f"{type(e).__name__}: {e}" for e in leaves[:3])
+    return text + (f" (and {len(leaves) - 3} more)" if len(leaves) > 3 else "")
+
 class DevnetError(PsError):
     """The devnet could not start (a deadline passed, a node failed) or lost a node it needed."""
 
@@ -1114,7 +1129,7 @@ class _WorkerProcess:
                     nursery.start_soon(self._report, node, {**base, "api": api_url})
         except Exception as exc:
             log.exception("%s failed", name)
-            self._emit({**base, "state": "failed", "error": f"{type(exc).__name__}: {exc}"})
+            self._emit({**base, "state": "failed", "error": describe_exception(exc)})
             return
         self._emit({**base, "state": "stopped"})
 

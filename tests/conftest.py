@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 
@@ -35,3 +36,19 @@ def shared() -> pathlib.Path:
     if not (path / "models" / "stories260K").is_dir():
         pytest.skip(f"{path} has no models/stories260K (the shared model and data are absent)")
     return path
+
+
+@pytest.fixture
+def restore_logging():
+    """``ps_p2p.cli.main()`` configures logging for a process; undo that for the rest of the
+    test session."""
+    names = ["", "libp2p", "libp2p.transport.tcp", "hypercorn.error", "httpx"]
+    saved = [(logging.getLogger(n), logging.getLogger(n).level, logging.getLogger(n).propagate,
+              list(logging.getLogger(n).handlers), list(logging.getLogger(n).filters))
+             for n in names]
+    yield
+    for logger, level, propagate, handlers, filters in saved:
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.handlers[:] = handlers
+        logger.filters[:] = filters

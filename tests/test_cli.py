@@ -26,17 +26,7 @@ FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 BOOT = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWEyoppNCUx8Yx66oV9fJnriXwCcXwDDUA2kj6vnc6iDEp"
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """main() configures logging for a process; undo that for the rest of the test session."""
-    names = ["", "libp2p", "hypercorn.error", "httpx"]
-    saved = [(logging.getLogger(n), logging.getLogger(n).level, logging.getLogger(n).propagate,
-              list(logging.getLogger(n).handlers)) for n in names]
-    yield
-    for logger, level, propagate, handlers in saved:
-        logger.setLevel(level)
-        logger.propagate = propagate
-        logger.handlers[:] = handlers
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 # ---------------------------------------------------------------------- keygen
@@ -399,6 +389,17 @@ def test_ask_gets_a_signed_answer_from_a_network_of_processes(shared, tmp_path):
         assert answer["served_by"] == model_peer_id
         assert answer["cloves_received"] >= 3
         assert answer["error"] is None
+
+        streamed = subprocess.run(
+            [sys.executable, "-m", "ps_p2p.cli", "--log-level", "WARNING", "ask",
+             "--multiaddr", boot, "--max-tokens", "16", "--timeout", "60", "--stream",
+             "Once upon a time"],
+            capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120,
+        )
+        assert streamed.returncode == 0, streamed.stderr[-3000:]
+        # greedy: the streamed text is the same answer, then one newline
+        assert streamed.stdout == answer["response"] + "\n"
+        assert "signature valid" in streamed.stderr
     finally:
         _stop(nodes)
 

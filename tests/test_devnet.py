@@ -212,3 +212,13 @@ def test_devnet_answers_every_prompt_with_valid_signatures(shared, tmp_path, per
     assert {f"{role}0.log" for role in ("verifier", "model", "user")} <= {
         p.name for p in logs.iterdir()
     }
+
+
+def test_a_node_failure_names_the_errors_inside_trio_exception_groups():
+    from ps_p2p.devnet import describe_exception
+
+    nested = ExceptionGroup("nursery", [ExceptionGroup("inner", [OSError("port in use")])])
+    assert describe_exception(nested) == "OSError: port in use"
+    many = ExceptionGroup("n", [ValueError(str(i)) for i in range(5)])
+    assert describe_exception(many) == "ValueError: 0; ValueError: 1; ValueError: 2 (and 2 more)"
+    assert describe_exception(KeyError("k")) == "KeyError: 'k'"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -12,19 +13,14 @@ import multiaddr
 import pytest
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost
 from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
 from libp2p.crypto.secp256k1 import create_new_key_pair as secp256k1_key_pair
-from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.host.exceptions import StreamFailure
-from libp2p.network.stream.exceptions import StreamEOF, StreamError
+from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
-from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
 
 import ps_p2p
 from ps_p2p.config import NodeConfig
@@ -37,31 +33,23 @@ from ps_p2p.roles.user import UserConfig
 from ps_p2p.testing.localnet import open_localnet
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _example():  # type: ignore[no-untyped-def]
+    """docs/examples/embed_user.py as a module: the tests build the application's host and
+    its echo protocol the way the documented example does."""
+    spec = importlib.util.spec_from_file_location("embed_user", REPO / "docs/examples/embed_user.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLE = _example()
+app_host = EXAMPLE.build_app_host
+echo = EXAMPLE.echo
 ECHO_PROTOCOL_ID = TProtocol("/myapp/echo/1.0.0")
 OVERLAY_PROTOCOL_IDS = {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
-
-
-def app_host(key_pair=None) -> IHost:  # type: ignore[no-untyped-def]
-    """A host the way an application builds it: its own key, Noise + Yamux, not yet running."""
-    key_pair = key_pair or ed25519_key_pair()
-    noise = NoiseTransport(key_pair, noise_privkey=x25519_key_pair().private_key)
-    return new_host(
-        key_pair=key_pair,
-        sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
-        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
-        enable_mDNS=False,
-    )
-
-
-async def echo(stream: INetStream) -> None:
-    """The application's protocol: send back every byte until EOF."""
-    try:
-        while True:
-            await stream.write(await stream.read(1024))
-    except StreamEOF:
-        await stream.close()
-    except Exception:
-        await stream.reset()
 
 
 async def echo_round_trip(client: IHost, server: IHost, message: bytes) -> bytes:

@@ -21,17 +21,7 @@ PEER = "12D3KooWRUZm9BaBBgi9dCdSQqKQhdPHoxGGxGVrNhTAbXd8hiHa"
 BOOT = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """main() configures logging for a process; undo that for the rest of the test session."""
-    names = ["", "libp2p", "libp2p.transport.tcp", "hypercorn.error", "httpx"]
-    saved = [(logging.getLogger(n), logging.getLogger(n).level, logging.getLogger(n).propagate,
-              list(logging.getLogger(n).handlers)) for n in names]
-    yield
-    for logger, level, propagate, handlers in saved:
-        logger.setLevel(level)
-        logger.propagate = propagate
-        logger.handlers[:] = handlers
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def _one_error_line(err: str) -> str:

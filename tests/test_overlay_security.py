@@ -149,7 +149,8 @@ async def test_a_model_node_cannot_get_honest_proxies_convicted(monkeypatch):
         assert first.ok, first.error
         (response_id,) = list(client._audits)  # the answer M2 is told about
 
-        def forged_answer(self, waiter, content):
+        def forged_answer(self, command):
+            waiter = command.waiter
             proxies = waiter.query.reply_proxies
             cloves = sida.encode(b"forged", total=len(proxies), threshold=waiter.threshold,
                                  message_id=response_id)

@@ -132,12 +132,12 @@ def test_a_delivery_to_a_model_node_registers_its_reply_tag():
     path = _proxy_path(key, core=core)
     deliver = r.DeliverClove(MODEL, b"clove", b"t" * 16)
     (out,) = core.receive_cell(PREV, path.first_path_id, path.seal_forward(pickle.dumps(deliver)), 1.0)
-    assert out == r.SendDelivery(MODEL, b"clove", PREV, path.first_path_id)
+    assert out == r.SendDelivery(MODEL, b"clove", PREV, path.first_path_id, b"t" * 16)
     assert core.table.tag_count == 1 and core.stats.cloves_proxied == 1
     # the model node could not be reached: the user hears of it
     (failed,) = core.send_failed(out, 1.0)
     assert pickle.loads(path.open_backward(failed.payload)) == r.DeliveryFailed(
-        "proxy could not reach the model node"
+        "proxy could not reach the model node", b"t" * 16
     )
 
 

@@ -46,9 +46,10 @@ from ps_p2p.testing.localnet import open_localnet
 ECHO = TProtocol("/myapp/echo/1.0.0")
 
 
-def build_app_host() -> IHost:
-    """The application's host: an Ed25519 key, Noise only, Yamux."""
-    key_pair = create_new_key_pair()
+def build_app_host(key_pair=None) -> IHost:  # type: ignore[no-untyped-def]
+    """The application's host: its own key (Ed25519 unless given), Noise only, Yamux; not yet
+    running."""
+    key_pair = key_pair or create_new_key_pair()
     noise = NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
     return new_host(
         key_pair=key_pair,

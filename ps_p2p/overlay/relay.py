@@ -178,12 +178,14 @@ class SendDestroy:
 @dataclass(frozen=True)
 class SendDelivery:
     """Proxy -> model node ``peer``: one request clove. ``path_id`` and ``in_peer`` name the
-    path it came on, for :meth:`RelayCore.send_failed`."""
+    path it came on, and ``reply_tag`` the tag its answer would come under, for
+    :meth:`RelayCore.send_failed`."""
 
     peer: bytes
     clove: bytes
     in_peer: bytes
     in_path_id: bytes
+    reply_tag: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -605,7 +607,7 @@ class RelayCore:
         self.stats.cloves_proxied += 1
         if destination == self.peer_id:
             return self.receive_delivery(self.peer_id, clove, now)
-        return [SendDelivery(destination, clove, entry.in_peer, entry.in_path_id)]
+        return [SendDelivery(destination, clove, entry.in_peer, entry.in_path_id, tag)]
 
     def _backward(self, entry: RelayEntry, message: BackwardMessage) -> SendCell:
         cell = entry.hop.seal_backward(self.codec.encode_backward(message))
@@ -734,7 +736,10 @@ class RelayCore:
         elif isinstance(command, SendDelivery):
             found = self.table.lookup(command.in_peer, command.in_path_id)
             if found is not None:
-                return [self._backward(found[0], DeliveryFailed("proxy could not reach the model node"))]
+                # with the tag, the user counts it against this attempt (RequestCore.delivery_failed)
+                return [self._backward(found[0], DeliveryFailed(
+                    "proxy could not reach the model node", command.reply_tag
+                ))]
         return []
 
     # ------------------------------------------------------------------ timers

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import IHost
-from libp2p.peer.id import ID
 
 from ps_p2p import records
 from ps_p2p.crypto import onion
