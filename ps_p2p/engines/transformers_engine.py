@@ -119,6 +119,7 @@ class TransformersEngine(Engine):
         device: str = "cpu",
         model_id: str | None = None,
         dtype: str | torch.dtype | None = None,
+        cpu_threads: int | None = None,
     ) -> TransformersEngine:
         """Load a model folder or ``.gguf`` file onto ``device`` (blocking: seconds to minutes).
 
@@ -128,12 +129,19 @@ class TransformersEngine(Engine):
             model_id: announced model ID; defaults to the folder name or the file's stem.
             dtype: weights dtype (``"float16"``, ``"bfloat16"``, ``torch.float32``...); None keeps
                 transformers' default for the checkpoint.
+            cpu_threads: torch's intra-op threads on a CPU device (process-wide). None: one
+                core fewer than the machine has (at least 1), unless ``OMP_NUM_THREADS`` says
+                otherwise: the node's own event loop (relaying, signing, S-IDA) needs a core,
+                and torch's threads spinning on every core slowed streamed answers 40-fold on a
+                2-core machine (benchmarks/README.md, "API").
 
         Raises:
             EngineError: no model at ``path``, unknown or unavailable device, or loading failed.
         """
         p = pathlib.Path(path)
         torch_device = _torch_device(device)
+        if torch_device.type == "cpu":
+            _set_cpu_threads(cpu_threads)
         if isinstance(dtype, str) and dtype != "auto":
             resolved = getattr(torch, dtype, None)
             if not isinstance(resolved, torch.dtype):
@@ -558,6 +566,18 @@ class _Detokenizer:
 
 
 # -- loading --------------------------------------------------------------------------------
+
+
+def _set_cpu_threads(threads: int | None) -> None:
+    if threads is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return  # the operator chose
+        threads = max(1, (os.cpu_count() or 2) - 1)
+    if threads < 1:
+        raise EngineError(f"cpu_threads must be >= 1, not {threads}")
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+        log.info("torch uses %d CPU thread(s) for inference", threads)
 
 
 def _torch_device(device: str) -> torch.device:
