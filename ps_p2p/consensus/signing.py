@@ -64,7 +64,12 @@ MAX_VALIDATORS = 128
 MAX_TOTAL_POWER = 2**60
 
 
-def _check_chain_id(chain_id: str) -> bytes:
+def check_chain_id(chain_id: str) -> bytes:
+    """``str(chain_id)`` (length-prefixed UTF-8).
+
+    Raises:
+        LocalProtocolError: empty, not a string, or over :data:`MAX_CHAIN_ID_BYTES`.
+    """
     if not isinstance(chain_id, str) or not chain_id:
         raise LocalProtocolError("chain ID must be a non-empty string")
     encoded = lps(chain_id)
@@ -88,7 +93,7 @@ def proposal_signing_bytes(chain_id: str, proposal: Proposal) -> bytes:
         RemoteProtocolError: height, round or POL round out of range (POL round must be -1
             or in [0, round)).
     """
-    chain = _check_chain_id(chain_id)
+    chain = check_chain_id(chain_id)
     _check_position(proposal.height, proposal.round)
     pol = proposal.pol_round
     if not isinstance(pol, int) or not NIL_ROUND <= pol < proposal.round:
@@ -111,7 +116,7 @@ def vote_signing_bytes(chain_id: str, vote: Vote) -> bytes:
         RemoteProtocolError: an unknown vote type, height or round out of range, or a value
             ID that is neither None (nil) nor 32 bytes.
     """
-    chain = _check_chain_id(chain_id)
+    chain = check_chain_id(chain_id)
     try:
         vote_type = VoteType(vote.type)
     except ValueError:
@@ -334,6 +339,7 @@ __all__ = [
     "VALUE_ID_BYTES",
     "VOTE_DOMAIN",
     "CommitInfo",
+    "check_chain_id",
     "check_validators",
     "has_quorum",
     "proposal_signing_bytes",
