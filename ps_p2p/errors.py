@@ -10,11 +10,23 @@ Every error this package raises on purpose derives from :class:`PsError`::
     ├── RemoteProtocolError         a peer broke a protocol: malformed/oversized frame, bad
     │   │                           indices, unknown path ID; costs one stream, never the node
     │   ├── FrameTooLargeError      a length prefix above the protocol's limit
-    │   └── InvalidSignatureError   a record, directory or response whose signature fails
+    │   ├── InvalidSignatureError   a record, directory or response whose signature fails
+    │   └── ConsensusError          a proposal, vote, commit, block or transaction of the
+    │       │                       verifier committee breaks the consensus or registry rules
+    │       ├── InvalidCommitError  not > 2/3 of the voting power signed valid precommits for
+    │       │                       exactly that height and block ID
+    │       ├── InvalidBlockError   a block's header, size or time does not follow the chain
+    │       ├── InvalidTransactionError  a registry transaction refused (mempool or execution)
+    │       │   └── AdmissionError  refused by the committed sybil admission policy or a full
+    │       │                       mempool (a cap, not a fault of the transaction itself)
+    │       └── InvalidDirectoryError  (also a DirectoryError) directory deltas that do not
+    │                               rebuild the committed app hash
     ├── DecodeError                 S-IDA: no k-subset of the cloves decodes (tampered/too few)
     ├── CryptoError                 onion layer or AEAD check failed
     ├── DirectoryError              no valid, unexpired directory; not enough nodes to build paths
-    │   └── ExpiredError            a record or directory past its expiry time
+    │   ├── ExpiredError            a record or directory past its expiry time (or older
+    │   │                           than the node accepts)
+    │   └── DirectoryRollbackError  a directory older than one the node already verified
     ├── PathError                   onion path setup failed or a path died
     ├── RequestError                an anonymous request could not be answered
     │   ├── RequestTimeoutError     the request's deadline passed (attempts were sent)
@@ -83,6 +95,30 @@ class InvalidSignatureError(RemoteProtocolError):
     """A signature over a record, directory or response does not verify."""
 
 
+class ConsensusError(RemoteProtocolError):
+    """A proposal, vote, commit, block or registry transaction breaks the rules of the verifier
+    committee (:mod:`ps_p2p.consensus`). Raised on what a peer sent: costs that message."""
+
+
+class InvalidCommitError(ConsensusError):
+    """A commit (quorum certificate) does not carry valid precommits of more than 2/3 of the
+    validator set's voting power for exactly one height, round and block ID."""
+
+
+class InvalidBlockError(ConsensusError):
+    """A block's header does not follow the chain (height, previous block ID, app hash, time),
+    or the block is over its byte or transaction limits."""
+
+
+class InvalidTransactionError(ConsensusError):
+    """A registry transaction is malformed, badly signed, or not applicable to the state."""
+
+
+class AdmissionError(InvalidTransactionError):
+    """A well-formed transaction refused by the committed admission policy (per-network,
+    per-organization or per-block caps against sybils) or by a full mempool."""
+
+
 class DecodeError(PsError):
     """S-IDA decoding failed: fewer than k cloves, or no k-subset passes the AEAD check."""
 
@@ -97,6 +133,15 @@ class DirectoryError(PsError):
 
 class ExpiredError(DirectoryError):
     """A node record or directory is past its expiry time."""
+
+
+class DirectoryRollbackError(DirectoryError):
+    """A directory at a lower height than one the node already verified (a rollback)."""
+
+
+class InvalidDirectoryError(ConsensusError, DirectoryError):
+    """Directory deltas that, applied to the node's view, do not give the app hash the
+    committed header carries (tampered, missing or reordered pages)."""
 
 
 class PathError(PsError):

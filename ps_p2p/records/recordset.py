@@ -121,6 +121,17 @@ class RecordSet:
         self._sorted = None
         return old[0]
 
+    def copy(self) -> RecordSet:
+        """An independent copy sharing the (immutable) records: O(records) pointer copies,
+        no hashing (the bucket digests and root are copied)."""
+        new = RecordSet.__new__(RecordSet)
+        new._records = dict(self._records)
+        new._buckets = [list(b) for b in self._buckets]
+        new._digests = list(self._digests)
+        new._root = self._root
+        new._sorted = self._sorted
+        return new
+
     def root(self) -> bytes:
         """:func:`record_set_root` of the set (32 bytes), rehashing only changed buckets."""
         if self._root is None:

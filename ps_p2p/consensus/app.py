@@ -1,0 +1,964 @@
+"""The registry as a replicated state machine: transactions, admission, execution, app hash; pure.
+
+The committee's application (PlanetServe sec. 3.4): the set of node records every verifier keeps
+identical by executing the same blocks (:mod:`ps_p2p.consensus.block`) in the same order. Nothing
+here reads a clock: mempool admission takes the validator's ``now_ms`` (unix ms), execution uses
+only the block's time (the proposer's timestamp, which every validator checked to be monotonic
+and within its drift, :func:`~ps_p2p.consensus.block.validate_block`).
+
+Transactions (canonical bytes; ``bytes``/``str``/``u*`` as in :mod:`ps_p2p.records.canonical`)::
+
+    tx         = b"planetserve/v1/registry-tx\\x00" || u8(kind) || body
+    REGISTER   (1): bytes(record_signing_bytes(record)) || bytes(record signature)
+    DEREGISTER (2): bytes(peer_id) || u64(issued_at_ms) || bytes(signature over
+                    b"planetserve/v1/deregister\\x00" || str(chain_id) || bytes(peer_id)
+                    || u64(issued_at_ms))
+    EPOCH_PLAN (3), REPUTATION_UPDATE (4): reserved for the epoch issues; refused for now
+    EVIDENCE   (5): vote(first) || vote(second), two conflicting signed votes of one validator,
+                    vote = u8(type) || u64(height) || u32(round) || u8(0) | u8(1) || bytes(id)
+                    || bytes(validator) || bytes(signature)
+
+A node may only register or deregister itself: the record (or the deregistration) is signed by
+the peer ID it names, so anyone may relay it but nobody can forge it. A REGISTER of a peer
+already listed is a renewal: it must be issued later than the listed record and replaces it. A
+DEREGISTER must be issued no earlier than the listed record, so an old deregistration cannot be
+replayed against a newer registration. Only members of the validator set may list
+:attr:`~ps_p2p.records.Role.VERIFIER`. EVIDENCE (Algorithm 1's equivocation) is recorded once per
+(validator, type, height, round); later issues act on it.
+
+Admission against sybils (:class:`AdmissionPolicy`, committed in the :class:`Genesis`). The
+threat (paper sec. 4): identities are free, and every extra identity an adversary registers as a
+user is one more relay that honest users may pick for their 3-hop paths, so the share of
+malicious relays, and with it the chance that a path or k of a user's n paths are compromised,
+grows with the number of sybils it can list. The registry cannot tell people apart, but it can
+make identities cost what they really cost an adversary: addresses and organizations. A verifier
+refuses (before its mempool, :func:`check_tx`, and again at execution):
+
+* more than ``max_records_per_network`` records whose multiaddrs fall in one source network: an
+  IPv4 /24 or an IPv6 /48 (the usual allocation to one site), or for DNS multiaddrs the last two
+  labels of the name;
+* more than ``max_records_without_address`` records listing no IP or DNS address at all;
+* more than ``max_records_per_organization`` records naming one (non-empty) organization;
+* more than ``max_registrations_per_block`` new peers in one block (a burst of sybils must
+  spread over time, so operators can see it coming), and more than ``max_records`` in all.
+
+Known limits: addresses are claimed, not verified (a deterministic rule cannot dial), so an
+adversary may list addresses in a victim's network to use up its slots; it pays one identity
+that it must keep renewing per slot, and the caps are per-network, so it cannot exhaust the
+network as a whole. Everything is deterministic: the same state and transaction give the same
+answer on every verifier.
+
+The state's app hash (what block h+1 carries, and what a directory's commit covers)::
+
+    app hash      = SHA-256(b"planetserve/v1/app-state\\x00" || str(chain_id) || u64(height)
+                            || u32(#records) || bytes(records root) || bytes(aux root))
+    records root  = :meth:`~ps_p2p.records.RecordSet.root` (two-level, 256 buckets)
+    aux root      = SHA-256(b"planetserve/v1/app-aux\\x00" || u32(#evidence) || key*)
+
+(evidence keys ascending). Cost after a block of k changes: the k changed buckets (~1/256 of the
+set each), 8 KiB of bucket digests, and the evidence keys when evidence changed (bounded by
+``max_evidence``). :func:`execute_block` copies the state first (O(records) pointer copies,
+~14 ms at 100,000 records) so the old state stays valid for the directory being served.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import hashlib
+import heapq
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ps_p2p.consensus.block import (
+    ZERO_ID,
+    Block,
+    BlockLimits,
+    ChainTip,
+    block_id,
+    validate_block,
+)
+from ps_p2p.consensus.encoding import Reader, lp, lps, u8, u32, u64
+from ps_p2p.consensus.signing import (
+    VALUE_ID_BYTES,
+    check_chain_id,
+    check_validators,
+    verify_vote,
+)
+from ps_p2p.consensus.types import Validator, Vote, VoteType
+from ps_p2p.errors import (
+    AdmissionError,
+    ExpiredError,
+    InvalidBlockError,
+    InvalidSignatureError,
+    InvalidTransactionError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
+from ps_p2p.records.canonical import record_signing_bytes
+from ps_p2p.records.limits import (
+    MAX_ADDR_BYTES,
+    MAX_ADDRS,
+    MAX_CLOCK_SKEW_MS,
+    MAX_MODEL_ID_BYTES,
+    MAX_ORGANIZATION_BYTES,
+    MAX_RECORDS,
+    ONION_KEY_BYTES,
+    RECORD_DOMAIN,
+    SIGNATURE_BYTES,
+)
+from ps_p2p.records.multiaddrs import check_multiaddr
+from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES, peer_label
+from ps_p2p.records.recordset import RecordSet
+from ps_p2p.records.signatures import verify_signature
+from ps_p2p.records.types import NodeRecord, Role, Signer
+from ps_p2p.records.validation import check_record
+
+TX_DOMAIN = b"planetserve/v1/registry-tx\x00"
+DEREGISTER_DOMAIN = b"planetserve/v1/deregister\x00"
+APP_STATE_DOMAIN = b"planetserve/v1/app-state\x00"
+APP_AUX_DOMAIN = b"planetserve/v1/app-aux\x00"
+EVIDENCE_KEY_DOMAIN = b"planetserve/v1/evidence-key\x00"
+#: Longest canonical record bytes (4 addresses of 100 bytes, 64-byte strings: ~650 bytes).
+MAX_RECORD_SIGNING_BYTES = 1024
+
+
+class TxKind(enum.IntEnum):
+    """The kind byte of a registry transaction (module docstring)."""
+
+    REGISTER = 1
+    DEREGISTER = 2
+    EPOCH_PLAN = 3  # reserved: the epochs issue
+    REPUTATION_UPDATE = 4  # reserved: the reputation issue
+    EVIDENCE = 5
+
+
+#: Kinds whose format is reserved but which this version refuses.
+RESERVED_KINDS = frozenset({TxKind.EPOCH_PLAN, TxKind.REPUTATION_UPDATE})
+
+
+# ---------------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """Committed caps against sybils (module docstring: threat and rules).
+
+    Attributes:
+        max_records: records in the registry.
+        max_records_per_network: records with an address in one IPv4 /24, IPv6 /48 or DNS
+            domain (last two labels).
+        max_records_without_address: records with no IP or DNS address.
+        max_records_per_organization: records naming one organization ("" is not counted).
+        max_registrations_per_block: new peers (not renewals) in one block.
+        max_evidence: equivocation evidence entries kept.
+        ipv4_prefix_bits, ipv6_prefix_bits: the source network of an address.
+    """
+
+    max_records: int = MAX_RECORDS
+    max_records_per_network: int = 32
+    max_records_without_address: int = 256
+    max_records_per_organization: int = 1024
+    max_registrations_per_block: int = 64
+    max_evidence: int = 10_000
+    ipv4_prefix_bits: int = 24
+    ipv6_prefix_bits: int = 48
+
+    def __post_init__(self) -> None:
+        for name in ("max_records", "max_records_per_network", "max_records_without_address",
+                     "max_records_per_organization", "max_registrations_per_block",
+                     "max_evidence"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise LocalProtocolError(f"admission policy {name} must be an integer >= 1")
+        if not 8 <= self.ipv4_prefix_bits <= 32 or not 16 <= self.ipv6_prefix_bits <= 128:
+            raise LocalProtocolError("network prefix bits out of range")
+
+
+@dataclass(frozen=True)
+class Genesis:
+    """What every node of one chain starts from (the genesis file).
+
+    Attributes:
+        chain_id: non-empty, at most 64 UTF-8 bytes; part of every signature.
+        time_ms: genesis time (unix ms); block 1 must be later.
+        validators: the committee (N = 3f+1), Ed25519 peer IDs and voting powers.
+        policy: the admission policy; limits: block bounds.
+    """
+
+    chain_id: str
+    time_ms: int
+    validators: tuple[Validator, ...]
+    policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    limits: BlockLimits = field(default_factory=BlockLimits)
+
+    def __post_init__(self) -> None:
+        check_validators(self.validators)
+        check_chain_id(self.chain_id)
+
+
+# ---------------------------------------------------------------------------------- transactions
+
+
+@dataclass(frozen=True)
+class RegisterTx:
+    """Register or renew ``record`` (signed by its own peer ID)."""
+
+    record: NodeRecord
+
+    @property
+    def subject(self) -> bytes:
+        return self.record.peer_id
+
+
+@dataclass(frozen=True)
+class DeregisterTx:
+    """Remove ``peer_id``'s record; signed by ``peer_id`` at ``issued_at_ms`` (unix ms)."""
+
+    peer_id: bytes
+    issued_at_ms: int
+    signature: bytes = b""
+
+    @property
+    def subject(self) -> bytes:
+        return self.peer_id
+
+
+@dataclass(frozen=True)
+class EvidenceTx:
+    """Two different signed votes of one validator for one (type, height, round)."""
+
+    first: Vote
+    second: Vote
+
+    @property
+    def subject(self) -> bytes:
+        return self.first.validator
+
+
+@dataclass(frozen=True)
+class ReservedTx:
+    """A transaction of a reserved kind (decoded so that it is refused with a clear error)."""
+
+    kind: TxKind
+    body: bytes
+
+    @property
+    def subject(self) -> bytes:
+        return b""
+
+
+Tx = RegisterTx | DeregisterTx | EvidenceTx | ReservedTx
+
+
+def deregister_signing_bytes(chain_id: str, peer_id: bytes, issued_at_ms: int) -> bytes:
+    """What a node signs to leave the registry (module docstring)."""
+    return DEREGISTER_DOMAIN + lps(chain_id) + lp(peer_id) + u64(issued_at_ms)
+
+
+def sign_deregister(identity: Signer, chain_id: str, issued_at_ms: int) -> DeregisterTx:
+    """A deregistration of ``identity``'s own record."""
+    data = deregister_signing_bytes(chain_id, identity.peer_id, issued_at_ms)
+    return DeregisterTx(identity.peer_id, issued_at_ms, identity.sign(data))
+
+
+def _vote_bytes(vote: Vote) -> bytes:
+    target = u8(0) if vote.value_id is None else u8(1) + lp(vote.value_id)
+    return (u8(int(vote.type)) + u64(vote.height) + u32(vote.round) + target
+            + lp(vote.validator) + lp(vote.signature))
+
+
+def encode_tx(tx: Tx) -> bytes:
+    """The canonical bytes of a transaction (module docstring).
+
+    Raises:
+        LocalProtocolError: a field out of its range.
+    """
+    try:
+        if isinstance(tx, RegisterTx):
+            body = lp(record_signing_bytes(tx.record)) + lp(tx.record.signature)
+            kind = TxKind.REGISTER
+        elif isinstance(tx, DeregisterTx):
+            body = lp(tx.peer_id) + u64(tx.issued_at_ms) + lp(tx.signature)
+            kind = TxKind.DEREGISTER
+        elif isinstance(tx, EvidenceTx):
+            body = _vote_bytes(tx.first) + _vote_bytes(tx.second)
+            kind = TxKind.EVIDENCE
+        elif isinstance(tx, ReservedTx):
+            body, kind = tx.body, tx.kind
+        else:
+            raise LocalProtocolError(f"not a transaction: {type(tx).__name__}")
+        return TX_DOMAIN + u8(int(kind)) + body
+    except LocalProtocolError:
+        raise
+    except Exception as exc:  # struct.error, TypeError
+        raise LocalProtocolError(f"transaction field out of range: {exc}") from exc
+
+
+def decode_record(signing_bytes: bytes, signature: bytes) -> NodeRecord:
+    """Parse :func:`~ps_p2p.records.record_signing_bytes` back into a record, strictly.
+
+    Checks the layout and the byte bounds of every field (the semantic checks and the
+    signature are :func:`~ps_p2p.records.check_record`'s). Roles must be ascending and known.
+
+    Raises:
+        InvalidTransactionError: malformed, a field over its bound, or non-canonical.
+    """
+    r = Reader(signing_bytes, InvalidTransactionError, "node record")
+    r.prefix(RECORD_DOMAIN, "record domain")
+    peer_id = r.lp("peer ID", ED25519_PEER_ID_BYTES)
+    n_addrs = r.u32("address count")
+    if n_addrs > MAX_ADDRS:
+        raise r.fail(f"{n_addrs} addresses (max {MAX_ADDRS})")
+    addrs = tuple(r.lp("address", MAX_ADDR_BYTES) for _ in range(n_addrs))
+    n_roles = r.u32("role count")
+    if n_roles > len(Role):
+        raise r.fail(f"{n_roles} roles (max {len(Role)})")
+    raw_roles = [r.u32("role") for _ in range(n_roles)]
+    if raw_roles != sorted(set(raw_roles)):
+        raise r.fail("roles not strictly ascending")
+    try:
+        roles = frozenset(Role(x) for x in raw_roles)
+    except ValueError:
+        raise r.fail(f"unknown role in {raw_roles}") from None
+    onion_key = r.lp("onion key", ONION_KEY_BYTES)
+    model_id = r.lps("model ID", MAX_MODEL_ID_BYTES)
+    organization = r.lps("organization", MAX_ORGANIZATION_BYTES)
+    capacity = r.u64("capacity")
+    issued = r.u64("issue time")
+    expires = r.u64("expiry time")
+    r.done()
+    if len(signature) != SIGNATURE_BYTES:
+        raise InvalidTransactionError(f"record signature of {len(signature)} bytes")
+    return NodeRecord(peer_id, addrs, roles, onion_key, model_id, organization, capacity,
+                      issued, expires, bytes(signature))
+
+
+def _decode_vote(r: Reader) -> Vote:
+    raw_type = r.u8("vote type")
+    try:
+        vote_type = VoteType(raw_type)
+    except ValueError:
+        raise r.fail(f"unknown vote type {raw_type}") from None
+    height = r.u64("height")
+    round_ = r.u32("round")
+    flag = r.u8("nil flag")
+    if flag not in (0, 1):
+        raise r.fail(f"nil flag {flag}")
+    target = r.lp("value ID", VALUE_ID_BYTES, exact=VALUE_ID_BYTES) if flag else None
+    validator = r.lp("validator", ED25519_PEER_ID_BYTES)
+    signature = r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES)
+    return Vote(vote_type, height, round_, target, validator, signature)
+
+
+def decode_tx(data: bytes, max_tx_bytes: int) -> Tx:
+    """Parse a transaction strictly (no signature or state check).
+
+    Raises:
+        InvalidTransactionError: over ``max_tx_bytes``, an unknown kind, or malformed.
+    """
+    if not isinstance(data, (bytes, bytearray)):
+        raise InvalidTransactionError("transaction is not bytes")
+    if len(data) > max_tx_bytes:
+        raise InvalidTransactionError(f"transaction of {len(data)} bytes (max {max_tx_bytes})")
+    r = Reader(bytes(data), InvalidTransactionError, "transaction")
+    r.prefix(TX_DOMAIN, "transaction domain")
+    raw_kind = r.u8("kind")
+    try:
+        kind = TxKind(raw_kind)
+    except ValueError:
+        raise InvalidTransactionError(f"unknown transaction kind {raw_kind}") from None
+    if kind in RESERVED_KINDS:
+        body = bytes(data[len(TX_DOMAIN) + 1:])
+        return ReservedTx(kind, body)
+    if kind == TxKind.REGISTER:
+        record_bytes = r.lp("record", MAX_RECORD_SIGNING_BYTES)
+        signature = r.lp("signature", SIGNATURE_BYTES)
+        r.done()
+        return RegisterTx(decode_record(record_bytes, signature))
+    if kind == TxKind.DEREGISTER:
+        peer_id = r.lp("peer ID", ED25519_PEER_ID_BYTES)
+        issued = r.u64("issue time")
+        signature = r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES)
+        r.done()
+        return DeregisterTx(peer_id, issued, signature)
+    first = _decode_vote(r)
+    second = _decode_vote(r)
+    r.done()
+    return EvidenceTx(first, second)
+
+
+def tx_hash(tx: bytes) -> bytes:
+    """SHA-256 of an encoded transaction (the mempool's dedup key), 32 bytes."""
+    return hashlib.sha256(tx).digest()
+
+
+# ---------------------------------------------------------------------------------- networks
+
+
+def source_networks(record: NodeRecord, policy: AdmissionPolicy) -> frozenset[str]:
+    """The source networks a record's multiaddrs fall in (module docstring).
+
+    ``"ip4:a.b.c.0/24"``, ``"ip6:2001:db8::/48"``, ``"dns:example.com"``; an address of another
+    kind (e.g. a circuit relay) counts in none. The empty set means "no address".
+
+    Raises:
+        RemoteProtocolError: an address that is not a canonical multiaddr.
+    """
+    out = set()
+    for addr in record.addrs:
+        parts = check_multiaddr(addr).split("/")
+        if len(parts) < 3:
+            continue
+        proto, value = parts[1], parts[2]
+        if proto == "ip4":
+            net = ipaddress.IPv4Network(f"{value}/{policy.ipv4_prefix_bits}", strict=False)
+            out.add(f"ip4:{net}")
+        elif proto == "ip6":
+            net6 = ipaddress.IPv6Network(f"{value}/{policy.ipv6_prefix_bits}", strict=False)
+            out.add(f"ip6:{net6}")
+        elif proto in ("dns", "dns4", "dns6", "dnsaddr"):
+            labels = value.lower().rstrip(".").split(".")
+            out.add("dns:" + ".".join(labels[-2:]))
+    return frozenset(out)
+
+
+# ---------------------------------------------------------------------------------- state
+
+
+def app_state_hash(
+    chain_id: str, height: int, record_count: int, records_root: bytes, aux_root: bytes,
+) -> bytes:
+    """The app hash (module docstring) from its parts, 32 bytes; what a directory view
+    recomputes from the records it holds."""
+    return hashlib.sha256(
+        APP_STATE_DOMAIN + lps(chain_id) + u64(height) + u32(record_count)
+        + lp(records_root) + lp(aux_root)
+    ).digest()
+
+
+def _evidence_key(vote: Vote) -> bytes:
+    return hashlib.sha256(
+        EVIDENCE_KEY_DOMAIN + lp(vote.validator) + u8(int(vote.type)) + u64(vote.height)
+        + u32(vote.round)
+    ).digest()
+
+
+class AppState:
+    """The registry state after a height (use :func:`genesis_state`, :func:`execute_block`).
+
+    Attributes:
+        genesis: the chain's genesis (chain ID, validators, policy, limits).
+        height: the last executed height (0: genesis).
+        block_id: that block's ID (:data:`ZERO_ID` at genesis).
+        time_ms: that block's time (the genesis time at height 0), unix ms.
+        app_hash: :func:`app_hash` of this state (block ``height + 1`` carries it).
+        records: the listed records (a :class:`RecordSet`, one per peer ID).
+        evidence: evidence key -> (validator, height) of recorded equivocations.
+
+    Not thread-safe; never mutate a state another holder uses: :func:`execute_block` returns a
+    new one.
+    """
+
+    def __init__(self, genesis: Genesis) -> None:
+        self.genesis = genesis
+        self.height = 0
+        self.block_id = ZERO_ID
+        self.time_ms = genesis.time_ms
+        self.records = RecordSet()
+        self.evidence: dict[bytes, tuple[bytes, int]] = {}
+        self._validators = {v.address for v in genesis.validators}
+        self._expiry: list[tuple[int, bytes]] = []  # heap of (expires_at_ms, peer ID), lazy
+        self._networks: collections.Counter[str] = collections.Counter()
+        self._orgs: collections.Counter[str] = collections.Counter()
+        self._aux_root: bytes | None = None
+        self.app_hash = b""
+
+    @property
+    def chain_id(self) -> str:
+        return self.genesis.chain_id
+
+    @property
+    def policy(self) -> AdmissionPolicy:
+        return self.genesis.policy
+
+    def tip(self) -> ChainTip:
+        """What the next block must follow."""
+        return ChainTip(self.chain_id, self.height, self.block_id, self.time_ms, self.app_hash)
+
+    def is_validator(self, peer_id: bytes) -> bool:
+        return peer_id in self._validators
+
+    def network_count(self, network: str) -> int:
+        """Records listed with an address in ``network`` (a :func:`source_networks` key;
+        ``""``: records without address)."""
+        return self._networks[network]
+
+    def organization_count(self, organization: str) -> int:
+        return self._orgs[organization]
+
+    def aux_root(self) -> bytes:
+        """The aux root (module docstring), cached until evidence changes."""
+        if self._aux_root is None:
+            keys = sorted(self.evidence)
+            self._aux_root = hashlib.sha256(
+                APP_AUX_DOMAIN + u32(len(keys)) + b"".join(keys)
+            ).digest()
+        return self._aux_root
+
+    def copy(self) -> AppState:
+        """A copy sharing the (immutable) records: O(records) pointer copies."""
+        new = AppState.__new__(AppState)
+        new.__dict__.update(self.__dict__)
+        new.records = self.records.copy()
+        new.evidence = dict(self.evidence)
+        new._expiry = list(self._expiry)
+        new._networks = collections.Counter(self._networks)
+        new._orgs = collections.Counter(self._orgs)
+        return new
+
+    # ---- mutation (execution only)
+
+    def _networks_of(self, record: NodeRecord) -> frozenset[str]:
+        nets = source_networks(record, self.policy)
+        return nets if nets else frozenset({""})
+
+    def _put(self, record: NodeRecord) -> NodeRecord | None:
+        old = self.records.put(record)
+        if old is not None:
+            self._uncount(old)
+        self._networks.update(self._networks_of(record))
+        if record.organization:
+            self._orgs[record.organization] += 1
+        heapq.heappush(self._expiry, (record.expires_at_ms, record.peer_id))
+        if len(self._expiry) > 2 * len(self.records) + 64:
+            self._expiry = [(r.expires_at_ms, r.peer_id) for r in self.records.records()]
+            heapq.heapify(self._expiry)
+        return old
+
+    def _remove(self, peer_id: bytes) -> NodeRecord | None:
+        old = self.records.remove(peer_id)
+        if old is not None:
+            self._uncount(old)
+        return old
+
+    def _uncount(self, record: NodeRecord) -> None:
+        for net in self._networks_of(record):
+            self._networks[net] -= 1
+            if not self._networks[net]:
+                del self._networks[net]
+        if record.organization:
+            self._orgs[record.organization] -= 1
+            if not self._orgs[record.organization]:
+                del self._orgs[record.organization]
+
+    def _expire(self, time_ms: int) -> list[bytes]:
+        """Remove records with ``expires_at_ms <= time_ms``; amortized O(expired log n)."""
+        removed = []
+        heap = self._expiry
+        while heap and heap[0][0] <= time_ms:
+            until, peer = heapq.heappop(heap)
+            record = self.records.get(peer)
+            if record is None or record.expires_at_ms != until:
+                continue  # renewed or removed since: a stale heap entry
+            self._remove(peer)
+            removed.append(peer)
+        return removed
+
+
+def genesis_state(genesis: Genesis) -> AppState:
+    """The state at height 0: no records, app hash computed."""
+    state = AppState(genesis)
+    state.app_hash = app_hash(state)
+    return state
+
+
+def app_hash(state: AppState) -> bytes:
+    """The app hash of ``state`` (module docstring): 32 bytes, O(changed buckets)."""
+    return app_state_hash(state.chain_id, state.height, len(state.records),
+                          state.records.root(), state.aux_root())
+
+
+# ---------------------------------------------------------------------------------- checking
+
+
+def _verify_tx(tx: Tx, state: AppState, now_ms: int) -> None:
+    """Signature, field and time checks that need no admission decision."""
+    if isinstance(tx, ReservedTx):
+        raise InvalidTransactionError(
+            f"transaction kind {tx.kind.name} is reserved and not accepted by this version"
+        )
+    if isinstance(tx, RegisterTx):
+        record = tx.record
+        try:
+            check_record(record, now_ms)
+        except InvalidSignatureError:
+            raise InvalidTransactionError(
+                f"record of {peer_label(record.peer_id)} is not signed by that peer ID "
+                "(a node may only register itself)"
+            ) from None
+        except ExpiredError as exc:
+            raise InvalidTransactionError(str(exc)) from None
+        except RemoteProtocolError as exc:
+            raise InvalidTransactionError(f"record refused: {exc}") from None
+        if Role.VERIFIER in record.roles and not state.is_validator(record.peer_id):
+            raise InvalidTransactionError(
+                f"{peer_label(record.peer_id)} is not a validator and cannot list the verifier role"
+            )
+        return
+    if isinstance(tx, DeregisterTx):
+        try:
+            verify_signature(
+                tx.peer_id,
+                deregister_signing_bytes(state.chain_id, tx.peer_id, tx.issued_at_ms),
+                tx.signature,
+            )
+        except RemoteProtocolError:
+            raise InvalidTransactionError(
+                f"deregistration of {peer_label(tx.peer_id)} is not signed by that peer ID"
+            ) from None
+        if tx.issued_at_ms > now_ms + MAX_CLOCK_SKEW_MS:
+            raise InvalidTransactionError("deregistration issued in the future")
+        return
+    a, b = tx.first, tx.second
+    if (a.validator != b.validator or a.type != b.type or a.height != b.height
+            or a.round != b.round):
+        raise InvalidTransactionError(
+            "evidence votes differ in validator, type, height or round"
+        )
+    if a.value_id == b.value_id:
+        raise InvalidTransactionError("evidence votes are not conflicting (same value ID)")
+    if not state.is_validator(a.validator):
+        raise InvalidTransactionError(f"evidence against {peer_label(a.validator)}, not a validator")
+    if a.height > state.height + 1:
+        raise InvalidTransactionError(f"evidence for future height {a.height}")
+    for vote in (a, b):
+        try:
+            verify_vote(state.chain_id, vote)
+        except RemoteProtocolError as exc:
+            raise InvalidTransactionError(f"evidence vote: {exc}") from None
+
+
+def _admit(tx: Tx, state: AppState, new_in_block: int | None) -> None:
+    """The state-dependent rules and the admission caps (module docstring)."""
+    policy = state.policy
+    if isinstance(tx, RegisterTx):
+        record = tx.record
+        held = state.records.get(record.peer_id)
+        if held is not None:
+            if held == record:
+                raise InvalidTransactionError(
+                    f"record of {peer_label(record.peer_id)} already listed"
+                )
+            if record.issued_at_ms <= held.issued_at_ms:
+                raise InvalidTransactionError(
+                    f"record of {peer_label(record.peer_id)} issued at {record.issued_at_ms} "
+                    f"is not newer than the listed one ({held.issued_at_ms})"
+                )
+        else:
+            if len(state.records) >= policy.max_records:
+                raise AdmissionError(f"registry full ({policy.max_records} records)")
+            if new_in_block is not None and new_in_block >= policy.max_registrations_per_block:
+                raise AdmissionError(
+                    f"{policy.max_registrations_per_block} new registrations already in this "
+                    "block (admission cap)"
+                )
+        old_nets = state._networks_of(held) if held is not None else frozenset()
+        for net in state._networks_of(record) - old_nets:
+            cap = policy.max_records_without_address if net == "" else \
+                policy.max_records_per_network
+            if state.network_count(net) >= cap:
+                where = "without address" if net == "" else f"in network {net}"
+                raise AdmissionError(f"{cap} records already listed {where} (admission cap)")
+        org = record.organization
+        new_org = org and (held is None or held.organization != org)
+        if new_org and state.organization_count(org) >= policy.max_records_per_organization:
+            raise AdmissionError(
+                f"{policy.max_records_per_organization} records already listed for "
+                f"organization {org!r} (admission cap)"
+            )
+    elif isinstance(tx, DeregisterTx):
+        held = state.records.get(tx.peer_id)
+        if held is None:
+            raise InvalidTransactionError(f"{peer_label(tx.peer_id)} is not listed")
+        if tx.issued_at_ms < held.issued_at_ms:
+            raise InvalidTransactionError(
+                f"deregistration of {peer_label(tx.peer_id)} is older than its listed record"
+            )
+    elif isinstance(tx, EvidenceTx):
+        if _evidence_key(tx.first) in state.evidence:
+            raise InvalidTransactionError("evidence already recorded")
+        if len(state.evidence) >= policy.max_evidence:
+            raise AdmissionError(f"evidence store full ({policy.max_evidence})")
+
+
+def check_tx(tx: bytes, state: AppState, now_ms: int) -> Tx:
+    """Mempool admission: would ``tx`` apply to ``state`` at ``now_ms`` (unix ms)?
+
+    Cheapest first: size and layout, then signatures and fields, then the state rules and the
+    admission caps (module docstring). The per-block cap on new registrations is applied when
+    a block is built and executed. The same checks run again at execution with the block's
+    time.
+
+    Returns:
+        the decoded transaction.
+
+    Raises:
+        InvalidTransactionError: malformed, over ``limits.max_tx_bytes``, a reserved or unknown
+            kind, a bad signature (a record or deregistration not signed by the peer ID it
+            names), an expired or future record, a record not newer than the listed one, an
+            unlisted peer to deregister, evidence that is not a valid equivocation.
+        AdmissionError: a cap of the admission policy is reached.
+    """
+    decoded = decode_tx(tx, state.genesis.limits.max_tx_bytes)
+    _verify_tx(decoded, state, now_ms)
+    _admit(decoded, state, None)
+    return decoded
+
+
+# ---------------------------------------------------------------------------------- execution
+
+
+@dataclass(frozen=True)
+class TxResult:
+    """The outcome of one transaction of a block: ``error`` None when applied."""
+
+    tx_hash: bytes
+    error: InvalidTransactionError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class BlockResult:
+    """What executing a block did.
+
+    Attributes:
+        height: the block's.
+        tx_results: one per transaction, in block order.
+        changes: peer ID -> its record after the block (None: removed), for every peer whose
+            record was added, renewed, expired or removed by this block (not in a
+            deterministic order: sort by peer ID).
+        expired: peer IDs removed because their record expired by the block's time.
+        app_hash: of the state after the block.
+    """
+
+    height: int
+    tx_results: tuple[TxResult, ...]
+    changes: dict[bytes, NodeRecord | None]
+    expired: tuple[bytes, ...]
+    app_hash: bytes
+
+
+def _apply(tx: Tx, state: AppState) -> None:
+    if isinstance(tx, RegisterTx):
+        state._put(tx.record)
+    elif isinstance(tx, DeregisterTx):
+        state._remove(tx.peer_id)
+    elif isinstance(tx, EvidenceTx):
+        state.evidence[_evidence_key(tx.first)] = (tx.first.validator, tx.first.height)
+        state._aux_root = None
+
+
+def execute_block(state: AppState, block: Block) -> tuple[AppState, BlockResult]:
+    """Execute a committed block on a copy of ``state``; ``state`` is left unchanged.
+
+    First records with ``expires_at_ms <= block time`` are removed (by block time, never a
+    local clock), then each transaction is checked again (:func:`check_tx` with
+    ``now_ms = block time``, plus the per-block cap on new registrations) and applied, or
+    recorded as failed (a failed transaction does not invalidate the block; every validator
+    fails it the same way). Cost: O(records) pointer copies + O(expired + transactions).
+
+    Returns:
+        ``(new_state, result)``: the state at ``block.header.height`` with its app hash.
+
+    Raises:
+        InvalidBlockError: the header does not follow ``state`` (chain ID, height, previous
+            block ID, app hash, time not after the previous block) or the block is over the
+            genesis limits.
+    """
+    h = block.header
+    validate_block(block, state.tip(), limits=state.genesis.limits, now_ms=h.time_ms,
+                   timely=False)
+    if not state.is_validator(h.proposer):
+        raise InvalidBlockError(f"block {h.height} proposed by a non-validator")
+    new = state.copy()
+    changes: dict[bytes, NodeRecord | None] = {}
+    expired = new._expire(h.time_ms)
+    for peer in expired:
+        changes[peer] = None
+    results = []
+    new_peers = 0
+    for raw in block.txs:
+        try:
+            tx = decode_tx(raw, state.genesis.limits.max_tx_bytes)
+            _verify_tx(tx, new, h.time_ms)
+            _admit(tx, new, new_peers)
+        except InvalidTransactionError as exc:
+            results.append(TxResult(tx_hash(raw), exc))
+            continue
+        if isinstance(tx, RegisterTx) and tx.record.peer_id not in new.records:
+            new_peers += 1
+        _apply(tx, new)
+        if isinstance(tx, (RegisterTx, DeregisterTx)):
+            changes[tx.subject] = new.records.get(tx.subject)
+        results.append(TxResult(tx_hash(raw)))
+    new.height = h.height
+    new.block_id = block_id(h)
+    new.time_ms = h.time_ms
+    new.app_hash = app_hash(new)
+    return new, BlockResult(h.height, tuple(results), changes, tuple(expired), new.app_hash)
+
+
+# ---------------------------------------------------------------------------------- mempool
+
+
+class Mempool:
+    """Transactions waiting for a block: FIFO, deduplicated, bounded (sans-I/O).
+
+    Bounds: ``max_txs`` transactions and ``max_bytes`` bytes in all, and ``max_per_subject``
+    pending transactions about one peer ID (the record's, the deregistering node's, or the
+    accused validator's), so one identity cannot fill the pool. Each transaction passes
+    :func:`check_tx` before it enters; after each block :meth:`update` drops the committed ones
+    and re-checks the rest against the new state.
+
+    Args:
+        max_txs: default 5000. max_bytes: default 4 MiB. max_per_subject: default 4.
+    """
+
+    def __init__(self, *, max_txs: int = 5000, max_bytes: int = 4 * 1024 * 1024,
+                 max_per_subject: int = 4) -> None:
+        if max_txs < 1 or max_bytes < 1 or max_per_subject < 1:
+            raise LocalProtocolError("mempool bounds must be >= 1")
+        self.max_txs = max_txs
+        self.max_bytes = max_bytes
+        self.max_per_subject = max_per_subject
+        self._txs: collections.OrderedDict[bytes, tuple[bytes, bytes]] = collections.OrderedDict()
+        self._subjects: collections.Counter[bytes] = collections.Counter()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._txs)
+
+    def __contains__(self, tx_hash_: bytes) -> bool:
+        return tx_hash_ in self._txs
+
+    def txs(self) -> list[bytes]:
+        """The pending transactions, oldest first."""
+        return [tx for tx, _ in self._txs.values()]
+
+    def add(self, tx: bytes, state: AppState, now_ms: int) -> bool:
+        """Check ``tx`` (:func:`check_tx`) and queue it.
+
+        Returns:
+            True if added, False if the same transaction is already pending.
+
+        Raises:
+            InvalidTransactionError: as :func:`check_tx`.
+            AdmissionError: as :func:`check_tx`, or the mempool is full (count, bytes, or
+                ``max_per_subject`` for the transaction's peer ID).
+        """
+        key = tx_hash(bytes(tx))
+        if key in self._txs:
+            return False
+        if len(self._txs) >= self.max_txs or self.bytes + len(tx) > self.max_bytes:
+            raise AdmissionError(
+                f"mempool full ({len(self._txs)} transactions, {self.bytes} bytes)"
+            )
+        decoded = check_tx(tx, state, now_ms)
+        subject = decoded.subject
+        if self._subjects[subject] >= self.max_per_subject:
+            raise AdmissionError(
+                f"{self.max_per_subject} transactions about {peer_label(subject)} already pending"
+            )
+        self._txs[key] = (bytes(tx), subject)
+        self._subjects[subject] += 1
+        self.bytes += len(tx)
+        return True
+
+    def _drop(self, key: bytes) -> None:
+        tx, subject = self._txs.pop(key)
+        self.bytes -= len(tx)
+        self._subjects[subject] -= 1
+        if not self._subjects[subject]:
+            del self._subjects[subject]
+
+    def reap(self, state: AppState, limits: BlockLimits | None = None) -> list[bytes]:
+        """The oldest pending transactions that fit one block on ``state`` (a proposer's
+        choice): within ``limits`` (default: the genesis') in count and bytes, and at most
+        ``max_registrations_per_block`` registrations of new peers."""
+        limits = limits or state.genesis.limits
+        budget = limits.max_block_bytes - 1024  # the header and framing
+        out: list[bytes] = []
+        new_peers: set[bytes] = set()
+        for tx, subject in self._txs.values():
+            if len(out) >= limits.max_txs:
+                break
+            if len(tx) + 4 > budget:
+                continue
+            if tx[len(TX_DOMAIN)] == TxKind.REGISTER and subject not in state.records:
+                if subject not in new_peers and \
+                        len(new_peers) >= state.policy.max_registrations_per_block:
+                    continue
+                new_peers.add(subject)
+            out.append(tx)
+            budget -= len(tx) + 4
+        return out
+
+    def update(self, state: AppState, committed: Iterable[bytes], now_ms: int) -> int:
+        """After a block: drop ``committed`` transactions, re-check the rest on ``state``.
+
+        Returns:
+            how many were dropped by the re-check (no longer valid or over a cap).
+        """
+        for tx in committed:
+            key = tx_hash(bytes(tx))
+            if key in self._txs:
+                self._drop(key)
+        dropped = 0
+        for key, (tx, _) in list(self._txs.items()):
+            try:
+                check_tx(tx, state, now_ms)
+            except InvalidTransactionError:
+                self._drop(key)
+                dropped += 1
+        return dropped
+
+
+def sorted_changes(changes: dict[bytes, NodeRecord | None]) -> list[tuple[bytes, NodeRecord | None]]:
+    """``changes`` by ascending peer ID (the canonical order of deltas)."""
+    return sorted(changes.items(), key=lambda item: item[0])
+
+
+__all__ = [
+    "APP_AUX_DOMAIN",
+    "APP_STATE_DOMAIN",
+    "DEREGISTER_DOMAIN",
+    "TX_DOMAIN",
+    "AdmissionPolicy",
+    "AppState",
+    "BlockResult",
+    "DeregisterTx",
+    "EvidenceTx",
+    "Genesis",
+    "Mempool",
+    "RegisterTx",
+    "ReservedTx",
+    "Tx",
+    "TxKind",
+    "TxResult",
+    "app_hash",
+    "app_state_hash",
+    "check_tx",
+    "decode_record",
+    "decode_tx",
+    "deregister_signing_bytes",
+    "encode_tx",
+    "execute_block",
+    "genesis_state",
+    "sign_deregister",
+    "source_networks",
+    "tx_hash",
+]

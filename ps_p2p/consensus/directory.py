@@ -1,0 +1,435 @@
+"""The committed directory: served as deltas plus a commit, verified by nodes; pure.
+
+What a verifier serves (PlanetServe sec. 3.4, with a quorum certificate): the registry state
+after height T = H - 1, the header of block H (which carries that state's app hash, as in
+Tendermint) and the commit of block H (2f+1 precommits of its block ID). A node that holds the
+view at height S asks for what changed since S and gets pages of one *delta stream*::
+
+    stream = b"planetserve/v1/directory-delta\\x00" || str(chain_id) || u64(since) || u64(T)
+             || u8(reset) || bytes(aux root) || entry*                (entries by ascending peer ID)
+    entry  = u8(1) || bytes(record_signing_bytes(record)) || bytes(signature)   added or renewed
+           | u8(2) || bytes(peer_id)                                            removed
+    page   = u32(index) || u8(last) || bytes(chunk of the stream)
+
+(``bytes``/``str``/``u*`` as in :mod:`ps_p2p.records.canonical`). The stream is cut into chunks,
+so every encoded page is at most ``max_page_bytes`` whatever the number or size of the records
+(a record larger than a page spans pages). ``reset``: the server no longer has the changes since
+S (or S is 0 or unknown): the stream lists every record and the node starts from an empty set.
+
+The node (:func:`verify_directory`) checks, cheapest first: the chain ID, the header's age
+against ``max_age_ms`` and its time against the node's clock, that the height does not go below
+the view it holds (no rollback), the commit (:func:`~ps_p2p.consensus.signing.verify_commit`:
+more than 2/3 of the genesis validators' power), then applies the changes to its view (checking
+each changed record's fields and signature once) and compares the app hash
+(:func:`~ps_p2p.consensus.app.app_state_hash`) of the result with the header's. It verifies only
+what changed: O(changes) record checks and O(changed buckets) hashing, plus 2f+1 signatures.
+The aux root (evidence and, later, reputations and epoch plans) travels as a digest: a node that
+needs those parts fetches them separately.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ps_p2p.consensus.app import AppState, BlockResult, app_state_hash, decode_record
+from ps_p2p.consensus.block import Header, block_id
+from ps_p2p.consensus.encoding import Reader, lp, lps, u8, u32, u64
+from ps_p2p.consensus.signing import VALUE_ID_BYTES, verify_commit
+from ps_p2p.consensus.types import Validator, Vote
+from ps_p2p.errors import (
+    DirectoryRollbackError,
+    ExpiredError,
+    InvalidDirectoryError,
+    InvalidTransactionError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
+from ps_p2p.records.canonical import record_signing_bytes
+from ps_p2p.records.limits import MAX_CLOCK_SKEW_MS, MAX_RECORDS, MINUTE_MS
+from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES
+from ps_p2p.records.recordset import RecordSet
+from ps_p2p.records.types import NodeRecord
+from ps_p2p.records.validation import VerifiedCache
+
+DELTA_DOMAIN = b"planetserve/v1/directory-delta\x00"
+#: u32 index, u8 last, u32 chunk length.
+PAGE_OVERHEAD = 9
+#: Smallest page bound a server accepts.
+MIN_PAGE_BYTES = 64
+#: Default page bound (the directory protocol's response frame is 256 KiB).
+MAX_PAGE_BYTES = 192 * 1024
+#: Default bound of a whole delta stream a node accepts (a reset of 100,000 records of ~0.8 KB).
+MAX_DELTA_BYTES = 128 * 1024 * 1024
+#: Default age beyond which a node refuses a directory (the header's block time).
+MAX_DIRECTORY_AGE_MS = 10 * MINUTE_MS
+#: Most heights of changes a server keeps for deltas.
+MAX_HISTORY_HEIGHTS = 4096
+
+_PUT = 1
+_REMOVE = 2
+
+
+@dataclass(frozen=True)
+class DeltaPage:
+    """One page of a delta stream (module docstring).
+
+    Attributes:
+        index: 0, 1, ... in order.
+        last: the stream ends with this page.
+        data: a chunk of the stream.
+    """
+
+    index: int
+    last: bool
+    data: bytes
+
+    def encode(self) -> bytes:
+        """The page's canonical bytes (``PAGE_OVERHEAD`` + ``len(data)``)."""
+        return u32(self.index) + u8(1 if self.last else 0) + lp(self.data)
+
+    @staticmethod
+    def decode(data: bytes, max_page_bytes: int = MAX_PAGE_BYTES) -> DeltaPage:
+        """Parse :meth:`encode`'s bytes.
+
+        Raises:
+            InvalidDirectoryError: over ``max_page_bytes`` or malformed.
+        """
+        if len(data) > max_page_bytes:
+            raise InvalidDirectoryError(f"page of {len(data)} bytes (max {max_page_bytes})")
+        r = Reader(data, InvalidDirectoryError, "directory page")
+        index = r.u32("index")
+        last = r.u8("last flag")
+        if last not in (0, 1):
+            raise r.fail(f"last flag {last}")
+        chunk = r.lp("data", max_page_bytes)
+        r.done()
+        return DeltaPage(index, bool(last), chunk)
+
+
+# ---------------------------------------------------------------------------------- server
+
+
+class DirectoryHistory:
+    """A verifier's committed states and recent changes, for serving deltas (bounded).
+
+    Holds the latest executed state (height H), the state it serves (height H - 1, covered by
+    the header and commit of block H), and the changes of the last ``max_heights`` blocks, at
+    most ``max_changes`` entries in all (oldest heights dropped first; a node asking from
+    before them gets a reset).
+
+    Args:
+        state: the state to start from (the genesis state, or one restored at startup).
+        max_heights: default :data:`MAX_HISTORY_HEIGHTS`.
+        max_changes: default ``2 * MAX_RECORDS``.
+    """
+
+    def __init__(self, state: AppState, *, max_heights: int = MAX_HISTORY_HEIGHTS,
+                 max_changes: int = 2 * MAX_RECORDS) -> None:
+        if max_heights < 1 or max_changes < 1:
+            raise LocalProtocolError("history bounds must be >= 1")
+        self.latest = state
+        self.served: AppState | None = None
+        self.header: Header | None = None
+        self.commit: tuple[Vote, ...] = ()
+        self.max_heights = max_heights
+        self.max_changes = max_changes
+        self._log: collections.deque[tuple[int, dict[bytes, NodeRecord | None]]] = \
+            collections.deque()
+        self._logged = 0
+        #: The lowest ``since`` still answered by a delta (the state before the oldest
+        #: logged block).
+        self.floor = state.height
+
+    def add_block(self, header: Header, commit: Sequence[Vote], new_state: AppState,
+                  result: BlockResult) -> None:
+        """Record a decided block: ``new_state`` (from :func:`~.app.execute_block` on
+        :attr:`latest`) becomes the latest; the state before it is served with ``header`` and
+        ``commit`` (checked by the caller: they came out of consensus).
+
+        Raises:
+            LocalProtocolError: heights that do not follow.
+        """
+        if not header.height == new_state.height == self.latest.height + 1 == result.height:
+            raise LocalProtocolError(
+                f"block {header.height} does not follow history at height {self.latest.height}"
+            )
+        self.served, self.latest = self.latest, new_state
+        self.header, self.commit = header, tuple(commit)
+        self._log.append((header.height, dict(result.changes)))
+        self._logged += len(result.changes)
+        while self._log and (len(self._log) > self.max_heights or self._logged > self.max_changes):
+            height, changes = self._log.popleft()
+            self._logged -= len(changes)
+            self.floor = height
+
+    def changes_since(self, since: int) -> tuple[bool, list[tuple[bytes, NodeRecord | None]]]:
+        """What changed from height ``since`` to the served state, by ascending peer ID.
+
+        Returns:
+            ``(reset, changes)``; with ``reset`` every record of the served state and no
+            removals. A removal may name a peer the client never had (added and removed
+            after ``since``); the client ignores it.
+
+        Raises:
+            LocalProtocolError: nothing is served yet (no block decided).
+        """
+        served = self.served
+        if served is None:
+            raise LocalProtocolError("no block decided yet: no directory to serve")
+        top = served.height
+        if since <= 0 or since > top or since < self.floor:
+            return True, [(r.peer_id, r) for r in served.records.records()]
+        merged: dict[bytes, NodeRecord | None] = {}
+        for height, changes in self._log:
+            if since < height <= top:
+                merged.update(changes)
+        return False, sorted(merged.items(), key=lambda item: item[0])
+
+
+def iter_delta_pages(history: DirectoryHistory, since_height: int,
+                     max_page_bytes: int = MAX_PAGE_BYTES) -> Iterator[DeltaPage]:
+    """The pages of the delta from ``since_height`` to the served state (module docstring).
+
+    Each page encodes (:meth:`DeltaPage.encode`) to at most ``max_page_bytes`` bytes; memory
+    is one page at a time beyond the sorted change list.
+
+    Raises:
+        LocalProtocolError: ``max_page_bytes`` below :data:`MIN_PAGE_BYTES`, or nothing served.
+    """
+    if max_page_bytes < MIN_PAGE_BYTES:
+        raise LocalProtocolError(f"max_page_bytes must be >= {MIN_PAGE_BYTES}")
+    reset, changes = history.changes_since(since_height)
+    served = history.served
+    assert served is not None  # changes_since raised otherwise
+    chunk = max_page_bytes - PAGE_OVERHEAD
+    buf = bytearray(
+        DELTA_DOMAIN + lps(served.chain_id) + u64(0 if reset else since_height)
+        + u64(served.height) + u8(1 if reset else 0) + lp(served.aux_root())
+    )
+    index = 0
+    for peer, record in changes:
+        if record is None:
+            buf += u8(_REMOVE) + lp(peer)
+        else:
+            buf += u8(_PUT) + lp(record_signing_bytes(record)) + lp(record.signature)
+        while len(buf) > chunk:
+            yield DeltaPage(index, False, bytes(buf[:chunk]))
+            del buf[:chunk]
+            index += 1
+    yield DeltaPage(index, True, bytes(buf))
+
+
+def directory_delta(history: DirectoryHistory, since_height: int,
+                    max_page_bytes: int = MAX_PAGE_BYTES) -> list[DeltaPage]:
+    """All pages of :func:`iter_delta_pages` (each at most ``max_page_bytes`` encoded)."""
+    return list(iter_delta_pages(history, since_height, max_page_bytes))
+
+
+# ---------------------------------------------------------------------------------- node
+
+
+class DirectoryView:
+    """A node's verified copy of the registry's records at a committed height.
+
+    Attributes:
+        chain_id: the chain.
+        height: the state's height (the covering header's height - 1; 0: empty genesis).
+        header: the header whose commit covered it (None for the empty start).
+        app_hash: the state's app hash (the header's ``app_hash``).
+        aux_root: the state's aux root (evidence, later reputations and plans).
+
+    Superseded by the view :func:`verify_directory` returns from it (which takes over its
+    record set without copying): do not use a view passed as ``previous_view`` after a
+    success.
+    """
+
+    def __init__(self, chain_id: str, height: int = 0, header: Header | None = None,
+                 app_hash: bytes = b"", aux_root: bytes = b"",
+                 records: RecordSet | None = None) -> None:
+        self.chain_id = chain_id
+        self.height = height
+        self.header = header
+        self.app_hash = app_hash
+        self.aux_root = aux_root
+        self._records = records if records is not None else RecordSet()
+        self._superseded = False
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, peer_id: bytes) -> NodeRecord | None:
+        """The record of ``peer_id``, or None."""
+        self._check_live()
+        return self._records.get(peer_id)
+
+    def records(self) -> tuple[NodeRecord, ...]:
+        """All records, ascending peer ID."""
+        self._check_live()
+        return self._records.records()
+
+    def _check_live(self) -> None:
+        if self._superseded:
+            raise LocalProtocolError("this directory view was superseded by a newer one")
+
+
+def _join_pages(pages: Sequence[DeltaPage], max_delta_bytes: int) -> bytes:
+    if not pages:
+        raise InvalidDirectoryError("no directory pages")
+    total = 0
+    for i, page in enumerate(pages):
+        if page.index != i:
+            raise InvalidDirectoryError(f"directory page {page.index} where {i} was expected")
+        if page.last != (i == len(pages) - 1):
+            raise InvalidDirectoryError("directory pages do not end with exactly one last page")
+        total += len(page.data)
+        if total > max_delta_bytes:
+            raise InvalidDirectoryError(f"directory delta over {max_delta_bytes} bytes")
+    return b"".join(page.data for page in pages)
+
+
+def verify_directory(
+    genesis_validators: Sequence[Validator],
+    chain_id: str,
+    header: Header,
+    commit: Sequence[Vote],
+    pages: Sequence[DeltaPage],
+    previous_view: DirectoryView | None,
+    now_ms: int,
+    max_age_ms: int = MAX_DIRECTORY_AGE_MS,
+    *,
+    max_delta_bytes: int = MAX_DELTA_BYTES,
+    max_records: int = MAX_RECORDS,
+    cache: VerifiedCache | None = None,
+) -> DirectoryView:
+    """Check a served directory and return the node's new view (module docstring).
+
+    Args:
+        genesis_validators: the validator set of the genesis file.
+        header, commit: block H and its commit; they cover the state at H - 1.
+        pages: the delta pages since ``previous_view.height`` (or a reset), in order.
+        previous_view: the view held (None: none yet). Left unchanged when an error is
+            raised; superseded on success (:class:`DirectoryView`).
+        now_ms: the node's clock (unix ms).
+        max_age_ms: refuse a header whose block time is older than this.
+        max_delta_bytes, max_records: bounds of what a server can make the node hold.
+        cache: verified records (skips re-checking a record already seen).
+
+    Returns:
+        the view at height ``header.height - 1``.
+
+    Raises:
+        ExpiredError: the header is older than ``max_age_ms``, or more than 5 minutes in the
+            future.
+        DirectoryRollbackError: a lower height than ``previous_view``'s.
+        InvalidCommitError: the commit does not carry more than 2/3 of the genesis power of
+            valid precommits for this header's block ID (under-signed, forged, wrong block).
+        InvalidDirectoryError: another chain ID; pages missing, out of order or malformed;
+            a delta from another height than the view's; a record that fails its checks;
+            or a result whose app hash is not the header's (tampered delta).
+        LocalProtocolError: ``previous_view`` already superseded or of another chain.
+    """
+    if previous_view is not None:
+        previous_view._check_live()
+        if previous_view.chain_id != chain_id:
+            raise LocalProtocolError("previous view is of another chain")
+    if header.chain_id != chain_id:
+        raise InvalidDirectoryError(f"directory of chain {header.chain_id!r}, not {chain_id!r}")
+    if header.time_ms > now_ms + MAX_CLOCK_SKEW_MS:
+        raise ExpiredError(f"directory header {header.time_ms - now_ms} ms in the future")
+    if now_ms - header.time_ms > max_age_ms:
+        raise ExpiredError(
+            f"directory header of height {header.height} is {now_ms - header.time_ms} ms old "
+            f"(max {max_age_ms} ms)"
+        )
+    height = header.height - 1
+    if previous_view is not None and height < previous_view.height:
+        raise DirectoryRollbackError(
+            f"directory at height {height} is older than the one held ({previous_view.height})"
+        )
+    verify_commit(chain_id, genesis_validators, header.height, block_id(header), commit)
+
+    r = Reader(_join_pages(pages, max_delta_bytes), InvalidDirectoryError, "directory delta")
+    r.prefix(DELTA_DOMAIN, "delta domain")
+    if r.lps("chain ID", 64) != chain_id:
+        raise InvalidDirectoryError("directory delta of another chain")
+    since = r.u64("since height")
+    if r.u64("height") != height:
+        raise InvalidDirectoryError(f"directory delta does not reach height {height}")
+    reset = r.u8("reset flag")
+    if reset not in (0, 1):
+        raise r.fail(f"reset flag {reset}")
+    aux_root = r.lp("aux root", VALUE_ID_BYTES, exact=VALUE_ID_BYTES)
+    held = previous_view.height if previous_view is not None else 0
+    if not reset and since != held:
+        raise InvalidDirectoryError(
+            f"directory delta from height {since}, but the view is at height {held}"
+        )
+    if reset or previous_view is None:
+        records = RecordSet()
+    else:
+        records = previous_view._records
+    cache = cache if cache is not None else VerifiedCache(0)
+    undo: list[tuple[bytes, NodeRecord | None]] = []
+    try:
+        last_peer = b""
+        while r.remaining:
+            op = r.u8("entry kind")
+            if op == _PUT:
+                try:
+                    record = decode_record(r.lp("record", 1024), r.lp("signature", 64))
+                except InvalidTransactionError as exc:
+                    raise InvalidDirectoryError(str(exc)) from None
+                peer = record.peer_id
+            elif op == _REMOVE:
+                peer = r.lp("peer ID", ED25519_PEER_ID_BYTES)
+                record = None
+            else:
+                raise r.fail(f"entry kind {op}")
+            if peer <= last_peer:
+                raise InvalidDirectoryError("directory delta entries not by ascending peer ID")
+            last_peer = peer
+            if record is not None:
+                try:
+                    cache.check(record)
+                except RemoteProtocolError as exc:
+                    raise InvalidDirectoryError(f"directory record refused: {exc}") from None
+                if peer not in records and len(records) >= max_records:
+                    raise InvalidDirectoryError(f"directory over {max_records} records")
+                undo.append((peer, records.put(record)))
+            elif peer in records:
+                undo.append((peer, records.remove(peer)))
+        computed = app_state_hash(chain_id, height, len(records), records.root(), aux_root)
+        if computed != header.app_hash:
+            raise InvalidDirectoryError(
+                f"directory at height {height} does not have the committed app hash "
+                "(tampered or incomplete delta)"
+            )
+    except BaseException:
+        for peer, old in reversed(undo):  # previous_view unchanged
+            if old is None:
+                records.remove(peer)
+            else:
+                records.put(old)
+        raise
+    if previous_view is not None and records is previous_view._records:
+        previous_view._superseded = True
+    return DirectoryView(chain_id, height, header, header.app_hash, aux_root, records)
+
+
+__all__ = [
+    "DELTA_DOMAIN",
+    "MAX_DELTA_BYTES",
+    "MAX_DIRECTORY_AGE_MS",
+    "MAX_HISTORY_HEIGHTS",
+    "MAX_PAGE_BYTES",
+    "MIN_PAGE_BYTES",
+    "PAGE_OVERHEAD",
+    "DeltaPage",
+    "DirectoryHistory",
+    "DirectoryView",
+    "directory_delta",
+    "iter_delta_pages",
+    "verify_directory",
+]
