@@ -7,6 +7,9 @@ Every error this package raises on purpose derives from :class:`PsError`::
     ├── AddressInUseError           (also an OSError, EADDRINUSE) a listen/API/metrics address
     │                               another socket holds
     ├── LocalProtocolError          we were about to break a protocol (a bug on our side)
+    │   └── DoubleSignError         a validator was about to sign a second value at one
+    │                               (height, round, step): refused, nothing sent
+    ├── StoreError                  a validator's consensus store cannot be read or written
     ├── RemoteProtocolError         a peer broke a protocol: malformed/oversized frame, bad
     │   │                           indices, unknown path ID; costs one stream, never the node
     │   ├── FrameTooLargeError      a length prefix above the protocol's limit
@@ -81,6 +84,16 @@ class AddressInUseError(PsError, OSError):
 
 class LocalProtocolError(PsError):
     """We were about to violate a protocol (a bug on our side)."""
+
+
+class DoubleSignError(LocalProtocolError):
+    """A validator was about to sign a second value at one (height, round, step) (its
+    write-ahead log has the first): refused, nothing is sent."""
+
+
+class StoreError(PsError):
+    """A validator's consensus store (write-ahead log, blocks) cannot be read or written; the
+    validator stops rather than sign from a state it does not know."""
 
 
 class RemoteProtocolError(PsError):

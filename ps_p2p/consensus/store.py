@@ -1,0 +1,216 @@
+"""A validator's durable consensus state: the write-ahead log of its own signed messages and the
+block store (sqlite3, from the standard library).
+
+Why (DESIGN.md "Verifier committee"; CometBFT's private validator state and WAL play the same
+part): a validator that signed a proposal or vote and then crashed must never sign a *different*
+value at the same height, round and step after it restarts, or it equivocates by accident and is
+indistinguishable from a Byzantine one. So every own proposal and vote is written here, and the
+write is durable (``synchronous=FULL``: committed to disk) *before* the message is sent. On
+restart the driver replays :meth:`ConsensusStore.signed_at` to resume its height and round, and
+:meth:`ConsensusStore.record_signed` refuses any second value for a (height, round, step) it
+already signed (signing the same value again is allowed: it returns the first signature's
+message, so a retransmission is byte-identical).
+
+Committed blocks are kept with their commits (the 2f+1 precommits), for block sync and for a
+restarted validator to rebuild its state.
+
+Errors: :class:`~ps_p2p.errors.DoubleSignError` for a second value at one (height, round, step);
+:class:`~ps_p2p.errors.StoreError` for a database that cannot be opened or read (corrupt,
+truncated, another version): a validator must then stop rather than sign from a state it does
+not know.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ps_p2p.errors import DoubleSignError, StoreError
+
+#: Version of the tables below; a database of another version is refused.
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS signed (
+    height INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    value_id BLOB,
+    message BLOB NOT NULL,
+    PRIMARY KEY (height, round, step)
+);
+CREATE TABLE IF NOT EXISTS blocks (
+    height INTEGER PRIMARY KEY,
+    block BLOB NOT NULL,
+    commit_votes BLOB NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class SignedMessage:
+    """One own proposal or vote as written before it was sent.
+
+    Attributes:
+        step: 0 proposal, 1 prevote, 2 precommit (:class:`ps_p2p.consensus.types.Step`).
+        value_id: the value's ID; None for a nil vote.
+        message: the signed message's bytes, as sent.
+    """
+
+    height: int
+    round: int
+    step: int
+    value_id: bytes | None
+    message: bytes
+
+
+class ConsensusStore:
+    """The sqlite3 database of one validator (see the module docstring).
+
+    Args:
+        path: the database file (created with its folder); ``":memory:"`` for tests.
+
+    Raises:
+        StoreError: the file is not a database of this schema (corrupt, truncated, newer).
+    """
+
+    def __init__(self, path: str | pathlib.Path) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            pathlib.Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None)
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA journal_mode=DELETE")
+            self._db.executescript(_SCHEMA)
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif row[0] != str(SCHEMA_VERSION):
+                raise StoreError(
+                    f"consensus store {self.path} has schema {row[0]}, this node reads "
+                    f"{SCHEMA_VERSION}"
+                )
+            self._db.execute("PRAGMA quick_check").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"consensus store {self.path} cannot be read: {exc}") from exc
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"consensus store {self.path}: {exc}") from exc
+
+    # ------------------------------------------------------------------ write-ahead log
+
+    def record_signed(
+        self, height: int, round: int, step: int, value_id: bytes | None, message: bytes
+    ) -> bytes:
+        """Write one own signed message durably, before it is sent.
+
+        Returns:
+            the message to send: ``message``, or the one written earlier for the same
+            (height, round, step) and value (a retransmission after a restart).
+
+        Raises:
+            DoubleSignError: a different value (or nil vs a value) was signed at this
+                (height, round, step) before; nothing is written and nothing may be sent.
+            StoreError: the write failed.
+        """
+        with self._transaction() as db:
+            row = db.execute(
+                "SELECT value_id, message FROM signed WHERE height=? AND round=? AND step=?",
+                (height, round, step),
+            ).fetchone()
+            if row is not None:
+                if row[0] != value_id:
+                    raise DoubleSignError(
+                        f"already signed {_show(row[0])} at height {height}, round {round}, "
+                        f"step {step}; refusing to sign {_show(value_id)}"
+                    )
+                return bytes(row[1])
+            db.execute(
+                "INSERT INTO signed VALUES (?, ?, ?, ?, ?)",
+                (height, round, step, value_id, message),
+            )
+        return message
+
+    def signed_at(self, height: int) -> list[SignedMessage]:
+        """Own messages signed at ``height``, by round and step (what a restart replays)."""
+        rows = self._db.execute(
+            "SELECT height, round, step, value_id, message FROM signed WHERE height=? "
+            "ORDER BY round, step",
+            (height,),
+        ).fetchall()
+        return [SignedMessage(h, r, s, None if v is None else bytes(v), bytes(m))
+                for h, r, s, v, m in rows]
+
+    def last_signed_height(self) -> int | None:
+        """The highest height with an own signed message, or None."""
+        row = self._db.execute("SELECT MAX(height) FROM signed").fetchone()
+        return row[0]
+
+    def prune_signed(self, below_height: int) -> int:
+        """Forget own messages below ``below_height`` (decided heights); returns how many."""
+        with self._transaction() as db:
+            cursor = db.execute("DELETE FROM signed WHERE height < ?", (below_height,))
+        return cursor.rowcount
+
+    # ------------------------------------------------------------------ block store
+
+    def save_block(self, height: int, block: bytes, commit_votes: bytes) -> None:
+        """Keep a committed block and its commit (encoded by the caller).
+
+        Raises:
+            StoreError: another block is already stored at ``height`` (agreement was broken,
+                or the caller is confused), or the write failed.
+        """
+        with self._transaction() as db:
+            row = db.execute("SELECT block FROM blocks WHERE height=?", (height,)).fetchone()
+            if row is not None:
+                if bytes(row[0]) != block:
+                    raise StoreError(f"a different block is already stored at height {height}")
+                return
+            db.execute("INSERT INTO blocks VALUES (?, ?, ?)", (height, block, commit_votes))
+
+    def block(self, height: int) -> tuple[bytes, bytes] | None:
+        """(block, commit) at ``height``, or None."""
+        row = self._db.execute(
+            "SELECT block, commit_votes FROM blocks WHERE height=?", (height,)
+        ).fetchone()
+        return None if row is None else (bytes(row[0]), bytes(row[1]))
+
+    def latest_height(self) -> int:
+        """The highest committed height stored (0: none)."""
+        row = self._db.execute("SELECT MAX(height) FROM blocks").fetchone()
+        return row[0] or 0
+
+    def blocks_from(self, height: int, limit: int) -> list[tuple[int, bytes, bytes]]:
+        """Up to ``limit`` (height, block, commit) from ``height`` on, in order (block sync)."""
+        rows = self._db.execute(
+            "SELECT height, block, commit_votes FROM blocks WHERE height >= ? ORDER BY height "
+            "LIMIT ?",
+            (height, limit),
+        ).fetchall()
+        return [(h, bytes(b), bytes(c)) for h, b, c in rows]
+
+
+def _show(value_id: bytes | None) -> str:
+    return "nil" if value_id is None else value_id.hex()[:16]
+
+
+__all__ = ["ConsensusStore", "SCHEMA_VERSION", "SignedMessage"]
