@@ -1,0 +1,208 @@
+"""``/planetserve/blocksync/1.0.0``: committed blocks with their commits, for a validator or node
+that fell behind (service layer; DESIGN.md "Verifier committee": block sync).
+
+One stream, any number of request/response pairs: the client writes a ``BlockSyncRequest``
+(from height, blocks wanted) as one frame and reads one ``BlockSyncResponse`` frame: consecutive
+blocks from that height (at most :data:`~ps_p2p.protocols.consensus_codec.MAX_SYNC_BLOCKS`, and
+as many as fit :data:`MAX_RESPONSE_BYTES`; always at least one when the server has it) and the
+server's latest committed height. The server only reads its :class:`ConsensusStore`.
+
+The client (:func:`fetch_blocks`) trusts nothing it receives: each block's commit must be a
+quorum certificate (more than 2/3 of the voting power of the validator set from the genesis
+file, :func:`ps_p2p.consensus.signing.verify_commit`) for that height and that block's ID, and
+the blocks must chain (each header names the previous block's ID); only then are they returned
+for the application to execute. A server that sends anything else is a
+:class:`~ps_p2p.errors.RemoteProtocolError` (and the stream is reset).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamEOF, StreamError
+from libp2p.peer.id import ID
+
+from ps_p2p.consensus.block import BlockLimits, block_id, decode_block
+from ps_p2p.consensus.signing import verify_commit
+from ps_p2p.consensus.store import ConsensusStore
+from ps_p2p.consensus.types import Validator
+from ps_p2p.errors import ConsensusError, RemoteProtocolError
+from ps_p2p.protocols import consensus_codec as cc
+from ps_p2p.protocols.framing import encode_frame, read_frame
+from ps_p2p.protocols.handlers import StreamHandlers
+
+log = logging.getLogger(__name__)
+
+BLOCKSYNC_PROTOCOL_ID = TProtocol("/planetserve/blocksync/1.0.0")
+#: Largest request frame.
+MAX_REQUEST_BYTES = 64
+#: Largest response frame: a few blocks of the default 1 MiB limit.
+MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+#: Requests served on one stream before the server closes it.
+MAX_REQUESTS_PER_STREAM = 1024
+
+
+@dataclass(frozen=True)
+class VerifiedBlock:
+    """A block whose commit verified: its height, encoded block, and commit votes."""
+
+    height: int
+    block: bytes
+    commit: tuple
+
+
+class BlockSyncServer:
+    """Serves committed blocks from ``store`` (see the module docstring)."""
+
+    def __init__(self, store: ConsensusStore, *, max_response_bytes: int = MAX_RESPONSE_BYTES) -> None:
+        self.store = store
+        self.max_response_bytes = max_response_bytes
+        #: requests answered, streams reset for bad input
+        self.served = 0
+        self.refused = 0
+
+    def response(self, from_height: int, max_blocks: int) -> bytes:
+        """The response frame body for a request (pure apart from reading the store)."""
+        latest = self.store.latest_height()
+        blocks: list[cc.SyncedBlock] = []
+        size = 64
+        for height, block, commit in self.store.blocks_from(from_height, max_blocks):
+            item = cc.SyncedBlock(height, block, cc.decode_commit(commit))
+            item_size = len(block) + len(commit) + 32
+            if blocks and size + item_size > self.max_response_bytes:
+                break
+            blocks.append(item)
+            size += item_size
+        return cc.encode_sync_response(blocks, latest)
+
+    def register_handlers(self, host: IHost) -> StreamHandlers:
+        """Serve :data:`BLOCKSYNC_PROTOCOL_ID` on ``host`` until the handlers are closed.
+
+        Raises:
+            ConfigError: the host already serves it.
+        """
+        handlers = StreamHandlers(host)
+        handlers.add(BLOCKSYNC_PROTOCOL_ID, self._handle_stream)
+        return handlers
+
+    async def _handle_stream(self, stream: INetStream) -> None:
+        # guarded: an exception escaping a handler kills the py-libp2p host
+        try:
+            for _ in range(MAX_REQUESTS_PER_STREAM):
+                try:
+                    frame = await read_frame(stream, MAX_REQUEST_BYTES)
+                except StreamEOF:
+                    break
+                from_height, max_blocks = cc.decode_sync_request(frame)
+                await stream.write(encode_frame(self.response(from_height, max_blocks)))
+                self.served += 1
+            await stream.close()
+        except RemoteProtocolError as exc:
+            self.refused += 1
+            log.warning("block sync stream reset: %s", exc)
+            await _reset_quietly(stream)
+        except StreamError as exc:
+            log.info("block sync stream failed: %r", exc)
+            await _reset_quietly(stream)
+        except Exception:
+            log.exception("block sync stream: unexpected error")
+            await _reset_quietly(stream)
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception as exc:
+        log.debug("stream reset failed: %r", exc)
+
+
+def verify_synced(
+    blocks: Sequence[cc.SyncedBlock],
+    *,
+    chain_id: str,
+    validators: Sequence[Validator],
+    previous_block_id: bytes | None,
+    limits: BlockLimits,
+) -> list[VerifiedBlock]:
+    """Check synced blocks: each decodes within ``limits``, names the previous block's ID
+    (``previous_block_id`` for the first; None skips that check for it), and carries a
+    commit for its own height and ID by more than 2/3 of ``validators``' power.
+
+    Raises:
+        RemoteProtocolError (a ConsensusError for a bad block or commit): the first block that
+            fails, by height.
+    """
+    out: list[VerifiedBlock] = []
+    previous = previous_block_id
+    for item in blocks:
+        block = decode_block(item.block, limits)
+        header = block.header
+        if header.height != item.height:
+            raise ConsensusError(f"block sent as height {item.height} says {header.height}")
+        if previous is not None and header.prev_block_id != previous:
+            raise ConsensusError(f"block {item.height} does not follow the block before it")
+        this_id = block_id(header)
+        verify_commit(chain_id, validators, item.height, this_id, item.commit)
+        out.append(VerifiedBlock(item.height, item.block, item.commit))
+        previous = this_id
+    return out
+
+
+async def fetch_blocks(
+    host: IHost,
+    peer: bytes,
+    from_height: int,
+    *,
+    chain_id: str,
+    validators: Sequence[Validator],
+    previous_block_id: bytes | None,
+    limits: BlockLimits | None = None,
+    max_blocks: int = cc.MAX_SYNC_BLOCKS,
+    timeout: float = 10.0,
+) -> tuple[list[VerifiedBlock], int]:
+    """Fetch and verify blocks from ``from_height`` on from ``peer`` (one request).
+
+    Returns:
+        (verified blocks in height order, the peer's latest height): ask again from the next
+        height while it is behind the peer's.
+
+    Raises:
+        RemoteProtocolError: the peer sent a malformed response or a block or commit that
+            does not verify (see :func:`verify_synced`).
+        trio.TooSlowError: no answer within ``timeout`` seconds.
+        StreamError, SwarmException: the stream could not be opened or failed.
+    """
+    limits = limits or BlockLimits()
+    with trio.fail_after(timeout):
+        stream = await host.new_stream(ID(peer), [BLOCKSYNC_PROTOCOL_ID])
+        try:
+            await stream.write(encode_frame(cc.encode_sync_request(from_height, max_blocks)))
+            body = await read_frame(stream, MAX_RESPONSE_BYTES)
+            blocks, latest = cc.decode_sync_response(body)
+            if blocks and blocks[0].height != from_height:
+                raise RemoteProtocolError(
+                    f"asked blocks from {from_height}, got from {blocks[0].height}"
+                )
+            verified = verify_synced(
+                blocks, chain_id=chain_id, validators=validators,
+                previous_block_id=previous_block_id, limits=limits,
+            )
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await _reset_quietly(stream)
+            raise
+        try:
+            await stream.close()
+        except Exception as exc:
+            log.debug("closing block sync stream: %r", exc)
+    return verified, latest
+
+
+__all__ = [
+    "BLOCKSYNC_PROTOCOL_ID", "BlockSyncServer", "VerifiedBlock", "fetch_blocks", "verify_synced",
+]
