@@ -376,6 +376,7 @@ class ConsensusCore:
         if not self._keeper.add_proposal(p.round, p.proposer):  # L55 counts it
             return
         self._proposals.setdefault(p.round, {})[vid] = p
+        self._keeper.want(vid)
         if vid not in self._validity and vid not in self._validating:
             self._validating.add(vid)
             out.append(ValidateValue(p.height, p.round, p.value))
@@ -427,6 +428,17 @@ class ConsensusCore:
 
     # ------------------------------------------------------------------ the upon rules
 
+    def _precommit_quorums(self) -> list[tuple[int, bytes]]:
+        """(round, value ID) pairs with 2f+1 precommits for a value (not nil): L49."""
+        k = self._keeper
+        assert k is not None
+        found = []
+        for r in k.rounds_with_quorum(VoteType.PRECOMMIT):
+            _, vid = k.quorum_value(r, VoteType.PRECOMMIT)
+            if vid is not None:
+                found.append((r, vid))
+        return found
+
     def _apply_rule(self, out: list[Output]) -> bool:
         """Fire the first enabled rule; True if one fired (the caller loops until none does).
 
@@ -438,10 +450,7 @@ class ConsensusCore:
         assert self.height is not None and k is not None
         h, r = self.height, self.round
         # L49: <PROPOSAL, h, r', v, *> from proposer(h, r') and 2f+1 <PRECOMMIT, h, r', id(v)>
-        for r2 in k.rounds_with_quorum(VoteType.PRECOMMIT):
-            _, vid = k.quorum_value(r2, VoteType.PRECOMMIT)
-            if vid is None:
-                continue
+        for r2, vid in self._precommit_quorums():
             p = self._proposals.get(r2, {}).get(vid)
             if p is not None and self._validity.get(vid):  # L50: valid(v)
                 commit = k.votes_for(r2, VoteType.PRECOMMIT, vid)

@@ -25,10 +25,18 @@ Contract of :meth:`VoteKeeper.add_vote` (like CometBFT's ``VoteSet.AddVote``):
   ``DUPLICATE``: a vote is counted once, so re-sent messages (gossip, our own loop-back) are
   harmless;
 * a vote that conflicts with the one held (same validator, type, height and round, another value
-  ID) is ``CONFLICT``: only the first counts, and the pair is returned once as
-  :class:`~ps_p2p.consensus.types.Equivocation` evidence (later conflicting votes of that
-  validator for that (type, round) are dropped without new evidence: one pair proves the
-  fault);
+  ID) is ``CONFLICT``. The first conflict of a validator for a (type, round) is returned as
+  :class:`~ps_p2p.consensus.types.Equivocation` evidence (held vote first); later ones give no
+  new evidence (one pair proves the fault). The first vote alone counts for the "any" totals
+  (L34, L47) and for L55. A conflicting vote is also counted for its own value ID, once per
+  validator and value, if that value is *wanted* (:meth:`VoteKeeper.want`: nil, or the value of
+  a proposal the core holds at this height), and dropped otherwise. This is the paper's
+  counting (every message counts; quorum intersection keeps it safe: two 2f+1 sets for two
+  values of one round share a correct validator, who never votes twice), bounded to the values
+  the rules can ask about. Counting only the first vote is not live: an equivocator that sends
+  ``id(v)`` to p and nil to q lets p lock on a polka that q can never see, so q never accepts
+  p's proposal of v (L28) and no other value gets 2f+1 while p stays locked (CometBFT avoids
+  this with its peers' ``VoteSetMaj23`` claims, which we do not have);
 * a vote of a round the keeper will not track (see bounds) is ``ROUND_REFUSED``.
 
 Bounds (votes a Byzantine validator can make us hold): rounds at or below the current round
@@ -37,8 +45,9 @@ or through L55, which needs a correct validator in the higher round, so these ro
 time, not with what faulty validators send. Each validator may open at most
 :data:`MAX_FUTURE_ROUNDS_PER_VALIDATOR` rounds above the current one (CometBFT's
 "catch-up rounds"); messages of a third such round are refused until our round catches up. Rounds
-above :data:`MAX_ROUND` are refused. Hence at most ``(round + 1) + 2 * N`` rounds, each holding at
-most one vote per validator and type (plus one evidence pair), i.e. ``O((round + N) * N)`` votes.
+above :data:`MAX_ROUND` are refused. Hence at most ``(round + 1) + 2 * N`` rounds, each
+holding per validator and type one vote plus at most one conflicting vote per wanted value
+(wanted values: at most two proposals per tracked round, and nil).
 """
 
 from __future__ import annotations
@@ -79,6 +88,8 @@ class _Tally:
     power_by_value: dict[bytes | None, int] = field(default_factory=dict)
     power: int = 0
     accused: set[bytes] = field(default_factory=set)  # validators with evidence already given
+    # validator -> value IDs counted from its conflicting votes (wanted values only)
+    extra: dict[bytes, dict[bytes | None, Vote]] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,6 +134,7 @@ class VoteKeeper:
         self._quorums: dict[tuple[int, VoteType], bytes | None] = {}
         # rounds whose senders reached more than 1/3 of the power (L55 candidates)
         self._one_third_rounds: set[int] = set()
+        self._wanted: set[bytes | None] = {None}
 
     # ------------------------------------------------------------------ thresholds (by power)
 
@@ -201,19 +213,33 @@ class VoteKeeper:
         if held is not None:
             if held.value_id == vote.value_id:
                 return AddVoteResult.DUPLICATE, None
-            if vote.validator in tally.accused:
-                return AddVoteResult.CONFLICT, None
-            tally.accused.add(vote.validator)
-            return AddVoteResult.CONFLICT, Equivocation(first=held, second=vote)
-        power = self._power[vote.validator]
+            evidence = None
+            if vote.validator not in tally.accused:
+                tally.accused.add(vote.validator)
+                evidence = Equivocation(first=held, second=vote)
+            extra = tally.extra.setdefault(vote.validator, {})
+            if vote.value_id in extra:
+                return AddVoteResult.DUPLICATE, evidence
+            if vote.value_id in self._wanted:
+                extra[vote.value_id] = vote
+                self._count_value(tally, vote)
+            return AddVoteResult.CONFLICT, evidence
         tally.by_validator[vote.validator] = vote
-        value_power = tally.power_by_value.get(vote.value_id, 0) + power
-        tally.power_by_value[vote.value_id] = value_power
-        tally.power += power
-        if self.is_quorum(value_power):
-            self._quorums[(vote.round, vote.type)] = vote.value_id
+        tally.power += self._power[vote.validator]
+        self._count_value(tally, vote)
         self._count_sender(rnd, vote.round, vote.validator)
         return AddVoteResult.ADDED, None
+
+    def _count_value(self, tally: _Tally, vote: Vote) -> None:
+        value_power = tally.power_by_value.get(vote.value_id, 0) + self._power[vote.validator]
+        tally.power_by_value[vote.value_id] = value_power
+        if self.is_quorum(value_power):
+            self._quorums[(vote.round, vote.type)] = vote.value_id
+
+    def want(self, value_id: bytes) -> None:
+        """Count conflicting votes for ``value_id`` from now on (the core calls it for the
+        value of every proposal it holds; nil is always wanted). See the module docstring."""
+        self._wanted.add(value_id)
 
     # ------------------------------------------------------------------ queries
 
@@ -221,6 +247,11 @@ class VoteKeeper:
         """Power that voted ``value_id`` (None: nil) with ``vote_type`` in ``round_``."""
         rnd = self._rounds.get(round_)
         return 0 if rnd is None else rnd.tally(vote_type).power_by_value.get(value_id, 0)
+
+    def powers(self, round_: int, vote_type: VoteType) -> dict[bytes | None, int]:
+        """Power per value ID (None: nil) that voted ``vote_type`` in ``round_`` (a copy)."""
+        rnd = self._rounds.get(round_)
+        return {} if rnd is None else dict(rnd.tally(vote_type).power_by_value)
 
     def has_quorum(self, round_: int, vote_type: VoteType, value_id: bytes | None) -> bool:
         """2f+1 ``<vote_type, h, round_, value_id>`` (None: nil): L28, L36, L44, L49."""
@@ -249,12 +280,18 @@ class VoteKeeper:
         return max(higher) if higher else None
 
     def votes_for(self, round_: int, vote_type: VoteType, value_id: bytes | None) -> tuple[Vote, ...]:
-        """The votes held for ``value_id`` in ``round_``, sorted by validator address (e.g. the
-        commit of a decision: the precommits for the decided value)."""
+        """The votes counted for ``value_id`` in ``round_``, one per validator, sorted by
+        address (e.g. the commit of a decision: the precommits for the decided value)."""
         rnd = self._rounds.get(round_)
         if rnd is None:
             return ()
-        votes = [v for v in rnd.tally(vote_type).by_validator.values() if v.value_id == value_id]
+        tally = rnd.tally(vote_type)
+        votes = []
+        for addr, v in tally.by_validator.items():
+            if v.value_id == value_id:
+                votes.append(v)
+            elif value_id in tally.extra.get(addr, {}):
+                votes.append(tally.extra[addr][value_id])
         return tuple(sorted(votes, key=lambda v: v.validator))
 
     def rounds(self) -> list[int]:
