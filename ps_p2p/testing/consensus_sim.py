@@ -43,7 +43,12 @@ forge others' messages):
   sends each validator a vote for its honest choice, nil, or another value of that round;
 * ``random``: votes for a random value of the height (or nil, or an unknown ID), sometimes for
   a future round too;
-* ``invalid``: proposes invalid values and votes for them.
+* ``invalid``: proposes invalid values and votes for them;
+* ``vote-all``: equivocates as a proposer, and whenever it votes, votes for every value proposed
+  in that round and for nil, to everyone (it helps every quorum form: the strongest test of
+  quorum intersection, since the core counts conflicting votes for proposed values);
+* ``split``: per (height, round, type) shows its own core's vote to a random part of the
+  committee and nil to the rest, so that correct validators see different quorums.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ __all__ = [
 ]
 
 #: Byzantine behaviours (see the module docstring).
-BEHAVIOURS = ("silent", "equivocate", "random", "invalid")
+BEHAVIOURS = ("silent", "equivocate", "random", "invalid", "vote-all", "split")
 #: The properties checked on every schedule.
 PROPERTIES = ("agreement", "validity", "no-double-sign", "accountability", "termination")
 
@@ -212,6 +217,7 @@ class _Node:
         self.ticked = False
         self.done = False
         self.seen_values: dict[int, list[bytes]] = {}  # Byzantine: value IDs per height
+        self.seen_round: dict[tuple[int, int], set[bytes]] = {}  # and per (height, round)
 
 
 class _Sim:
@@ -335,6 +341,7 @@ class _Sim:
             nd.proposals[(p.height, p.round, p.value_id)] = p
             if nd.behaviour is not None:
                 nd.seen_values.setdefault(p.height, []).append(p.value_id)
+                nd.seen_round.setdefault((p.height, p.round), set()).add(p.value_id)
             height = p.height
         else:
             height = msg.vote.height
@@ -443,7 +450,7 @@ class _Sim:
             return
         self.send(nd, nd.index, ProposalReceived(p))  # its own core follows its first value
         others = [i for i in range(len(self.nodes)) if i != nd.index]
-        if nd.behaviour == "equivocate":
+        if nd.behaviour in ("equivocate", "vote-all"):
             prefix = b"V" if self.rng.random() < 0.5 else b"X"
             alt = Proposal(p.height, p.round, prefix + self.rng.randbytes(15), p.pol_round, p.proposer)
             self.rng.shuffle(others)
@@ -489,6 +496,16 @@ class _Sim:
                 future = Vote(v.type, v.height, v.round + self.rng.randint(1, 5), vid, v.validator)
                 for i in others:
                     self.send(nd, i, VoteReceived(future))
+        elif nd.behaviour == "split":
+            nil = VoteReceived(Vote(v.type, v.height, v.round, None, v.validator))
+            for i in others:
+                self.send(nd, i, VoteReceived(v) if self.rng.random() < 0.5 else nil)
+        elif nd.behaviour == "vote-all":
+            values = sorted(nd.seen_round.get((v.height, v.round), ())) + [None]
+            self.rng.shuffle(values)
+            for vid in values:
+                for i in others:
+                    self.send(nd, i, VoteReceived(Vote(v.type, v.height, v.round, vid, v.validator)))
         elif nd.behaviour == "invalid":
             seen = nd.seen_values.get(v.height)
             vid = seen[-1] if seen and v.value_id is not None else v.value_id
