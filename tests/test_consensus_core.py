@@ -185,16 +185,28 @@ CASES = [
     ),
     (
         "L28_L30_polka_for_valid_round_prevotes_id_when_locked_round_at_most_vr",
-        lambda: make(C, round_=2, locked=(W, 0), valid=(W, 0), votes=prevotes(1, IV, A, B, D),
-                     validity={IV: True}),
+        lambda: make(
+            C,
+            round_=2,
+            locked=(W, 0),
+            valid=(W, 0),
+            votes=prevotes(1, IV, A, B, D),
+            validity={IV: True},
+        ),
         ProposalReceived(prop(2, V, vr=1)),
         [BroadcastVote(vote(PV, 2, IV, C))],
         st(2, Step.PREVOTE, locked=(W, 0), valid=(W, 0)),
     ),
     (
         "L28_L32_locked_in_a_later_round_on_another_value_prevotes_nil",
-        lambda: make(C, round_=3, locked=(W, 2), valid=(W, 2), votes=prevotes(1, IV, A, B, D),
-                     validity={IV: True}),
+        lambda: make(
+            C,
+            round_=3,
+            locked=(W, 2),
+            valid=(W, 2),
+            votes=prevotes(1, IV, A, B, D),
+            validity={IV: True},
+        ),
         ProposalReceived(prop(3, V, vr=1)),
         [BroadcastVote(vote(PV, 3, None, C))],
         st(3, Step.PREVOTE, locked=(W, 2), valid=(W, 2)),
@@ -215,39 +227,61 @@ CASES = [
     ),
     (
         "L28_the_prevote_completing_the_polka_of_valid_round_fires_it",
-        lambda: make(C, round_=2, proposals=(prop(2, V, vr=1),), votes=prevotes(1, IV, A, B),
-                     validity={IV: True}),
+        lambda: make(
+            C,
+            round_=2,
+            proposals=(prop(2, V, vr=1),),
+            votes=prevotes(1, IV, A, B),
+            validity={IV: True},
+        ),
         VoteReceived(vote(PV, 1, IV, D)),
         [BroadcastVote(vote(PV, 2, IV, C))],
         st(2, Step.PREVOTE),
     ),
     (
         "L34_L35_2f1_prevotes_of_any_values_schedule_timeout_prevote",
-        lambda: make(B, round_=1, step=Step.PREVOTE, votes=prevotes(1, IV, A) + prevotes(1, None, B)),
+        lambda: make(
+            B, round_=1, step=Step.PREVOTE, votes=prevotes(1, IV, A) + prevotes(1, None, B)
+        ),
         VoteReceived(vote(PV, 1, IW, C)),
         [timeout(TimeoutKind.PREVOTE, 1)],
         st(1, Step.PREVOTE),
     ),
     (
         "L36_L41_polka_for_the_proposal_in_prevote_locks_and_precommits",
-        lambda: make(B, step=Step.PREVOTE, proposals=(prop(0),), votes=prevotes(0, IV, A, B),
-                     validity={IV: True}),
+        lambda: make(
+            B,
+            step=Step.PREVOTE,
+            proposals=(prop(0),),
+            votes=prevotes(0, IV, A, B),
+            validity={IV: True},
+        ),
         VoteReceived(vote(PV, 0, IV, C)),
         [BroadcastVote(vote(PC, 0, IV, B))],
         st(0, Step.PRECOMMIT, locked=(V, 0), valid=(V, 0)),
     ),
     (
         "L36_L42_polka_in_precommit_step_sets_valid_value_only",
-        lambda: make(B, step=Step.PRECOMMIT, proposals=(prop(0),), votes=prevotes(0, IV, A, B),
-                     validity={IV: True}),
+        lambda: make(
+            B,
+            step=Step.PRECOMMIT,
+            proposals=(prop(0),),
+            votes=prevotes(0, IV, A, B),
+            validity={IV: True},
+        ),
         VoteReceived(vote(PV, 0, IV, C)),
         [],
         st(0, Step.PRECOMMIT, valid=(V, 0)),
     ),
     (
         "L36_polka_for_an_invalid_value_does_nothing",
-        lambda: make(B, step=Step.PREVOTE, proposals=(prop(0),), votes=prevotes(0, IV, A, B),
-                     validity={IV: False}),
+        lambda: make(
+            B,
+            step=Step.PREVOTE,
+            proposals=(prop(0),),
+            votes=prevotes(0, IV, A, B),
+            validity={IV: False},
+        ),
         VoteReceived(vote(PV, 0, IV, C)),
         [timeout(TimeoutKind.PREVOTE, 0)],  # L34 only
         st(0, Step.PREVOTE),
@@ -268,8 +302,9 @@ CASES = [
     ),
     (
         "L49_L51_proposal_and_2f1_precommits_decide_in_any_round",
-        lambda: make(B, round_=2, proposals=(prop(1),), votes=precommits(1, IV, A, C),
-                     validity={IV: True}),
+        lambda: make(
+            B, round_=2, proposals=(prop(1),), votes=precommits(1, IV, A, C), validity={IV: True}
+        ),
         VoteReceived(vote(PC, 1, IV, D)),
         [Decide(0, 1, V, precommits(1, IV, A, C, D))],
         st(2, Step.PROPOSE, decided=V),
@@ -283,8 +318,13 @@ CASES = [
     ),
     (
         "L50_2f1_precommits_for_an_invalid_value_decide_nothing",
-        lambda: make(B, step=Step.PRECOMMIT, proposals=(prop(0),), votes=precommits(0, IV, A, C),
-                     validity={IV: False}),
+        lambda: make(
+            B,
+            step=Step.PRECOMMIT,
+            proposals=(prop(0),),
+            votes=precommits(0, IV, A, C),
+            validity={IV: False},
+        ),
         VoteReceived(vote(PC, 0, IV, D)),
         [timeout(TimeoutKind.PRECOMMIT, 0)],
         st(0, Step.PRECOMMIT),
@@ -355,8 +395,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("core", "inp", "outputs", "state"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("core", "inp", "outputs", "state"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_algorithm_1_line(core, inp, outputs, state):
     c = core()
     assert c.handle(inp, 10.0) == outputs
@@ -365,8 +406,32 @@ def test_algorithm_1_line(core, inp, outputs, state):
 
 def test_table_names_every_acting_line():
     named = {int(part[1:]) for c in CASES for part in c[0].split("_") if part[:1] == "L"}
-    acting = {11, 15, 18, 19, 21, 22, 24, 26, 28, 30, 32, 34, 36, 41, 42, 44, 47, 49, 50, 51,
-              55, 57, 61, 65}
+    acting = {
+        11,
+        15,
+        18,
+        19,
+        21,
+        22,
+        24,
+        26,
+        28,
+        30,
+        32,
+        34,
+        36,
+        41,
+        42,
+        44,
+        47,
+        49,
+        50,
+        51,
+        55,
+        57,
+        61,
+        65,
+    }
     assert acting <= named
 
 

@@ -41,8 +41,15 @@ def test_f_byzantine_validators_of_one_behaviour_break_nothing(behaviour):
     for seed in range(12):
         f = 1 + seed % 3
         params = SimParams(
-            f=f, heights=2, gst=1.5, drop=0.2, pre_gst_delay=0.3, delta=0.05, app_delay=0.01,
-            partitions=(), byzantine={i: behaviour for i in range(0, 3 * f + 1, 3)[:f]},
+            f=f,
+            heights=2,
+            gst=1.5,
+            drop=0.2,
+            pre_gst_delay=0.3,
+            delta=0.05,
+            app_delay=0.01,
+            partitions=(),
+            byzantine={i: behaviour for i in range(0, 3 * f + 1, 3)[:f]},
         )
         result = run_schedule(seed, params=params)
         assert result.ok, (seed, result.violations)
@@ -51,7 +58,12 @@ def test_f_byzantine_validators_of_one_behaviour_break_nothing(behaviour):
 
 def test_the_same_seed_gives_the_same_schedule():
     a, b = run_schedule(77), run_schedule(77)
-    assert (a.rounds, a.deliveries, a.end_time, a.byzantine) == (b.rounds, b.deliveries, b.end_time, b.byzantine)
+    assert (a.rounds, a.deliveries, a.end_time, a.byzantine) == (
+        b.rounds,
+        b.deliveries,
+        b.end_time,
+        b.byzantine,
+    )
     assert run_schedule(78).deliveries != a.deliveries
 
 
@@ -83,8 +95,12 @@ class TimeoutProposeIgnoresStep(ConsensusCore):
     """Broken L58: prevotes nil on timeout propose even after prevoting."""
 
     def _on_timeout(self, inp, out):
-        if (inp.kind == TimeoutKind.PROPOSE and inp.height == self.height
-                and inp.round == self.round and self.decision is None):
+        if (
+            inp.kind == TimeoutKind.PROPOSE
+            and inp.height == self.height
+            and inp.round == self.round
+            and self.decision is None
+        ):
             self._vote(VoteType.PREVOTE, None, out)
             self.step = max(self.step, Step.PREVOTE)
             return
@@ -96,8 +112,8 @@ class TimeoutProposeIgnoresStep(ConsensusCore):
     [
         # seeds chosen where this schedule generator exposes the bug (about 1 in 150 for this one)
         (DecidesOnPrevotes, range(80, 150), "agreement"),
-        (SkipsValidation, range(0, 60), "validity"),
-        (TimeoutProposeIgnoresStep, range(0, 10), "no-double-sign"),
+        (SkipsValidation, range(60), "validity"),
+        (TimeoutProposeIgnoresStep, range(10), "no-double-sign"),
     ],
 )
 def test_checker_catches_a_broken_core(broken, seeds, prop):
@@ -107,9 +123,18 @@ def test_checker_catches_a_broken_core(broken, seeds, prop):
 
 
 def test_checker_reports_non_termination_with_more_than_f_silent_validators():
-    params = SimParams(f=1, heights=1, gst=0.0, drop=0.0, pre_gst_delay=0.1, delta=0.05,
-                       app_delay=0.0, partitions=(), byzantine={0: "silent", 1: "silent"},
-                       max_time=20.0)
+    params = SimParams(
+        f=1,
+        heights=1,
+        gst=0.0,
+        drop=0.0,
+        pre_gst_delay=0.1,
+        delta=0.05,
+        app_delay=0.0,
+        partitions=(),
+        byzantine={0: "silent", 1: "silent"},
+        max_time=20.0,
+    )
     result = run_schedule(1, params=params)
     assert list(result.violations) == ["termination"]
     assert result.heights_decided == 0

@@ -85,7 +85,7 @@ from ps_p2p.consensus.types import (
     VoteType,
     value_id,
 )
-from ps_p2p.consensus.votes import MAX_ROUND, AddVoteResult, VoteKeeper
+from ps_p2p.consensus.votes import MAX_ROUND, VoteKeeper
 from ps_p2p.errors import LocalProtocolError
 
 __all__ = [
@@ -322,7 +322,9 @@ class ConsensusCore:
         h = self.height
         if self.proposer(h, round_) == self.address:  # L14
             if self.valid_value is not None:  # L15
-                proposal = Proposal(h, round_, self.valid_value, self.valid_round, self.address)  # L16
+                proposal = Proposal(
+                    h, round_, self.valid_value, self.valid_round, self.address
+                )  # L16
                 out.append(BroadcastProposal(proposal))  # L19
             else:  # L17-18: getValue(), answered by ProposeValue
                 self._awaiting_value = (h, round_)
@@ -389,10 +391,9 @@ class ConsensusCore:
             return
         if v.height != self.height or self.decision is not None:
             return
-        result, evidence = self._keeper.add_vote(v)
+        _, evidence = self._keeper.add_vote(v)
         if evidence is not None:
             out.append(evidence)
-        del result  # refused or duplicate votes change nothing
 
     def _on_propose_value(self, inp: ProposeValue, out: list[Output]) -> None:
         """L18-19: the application's value; broadcast it as our proposal."""
@@ -469,12 +470,16 @@ class ConsensusCore:
                 if valid is None:
                     continue  # valid(v) not known yet
                 if p.pol_round == NIL_ROUND:  # L22
-                    ok = valid and (self.locked_round == NIL_ROUND or self.locked_value == p.value)  # L23
+                    ok = valid and (
+                        self.locked_round == NIL_ROUND or self.locked_value == p.value
+                    )  # L23
                     self._vote(VoteType.PREVOTE, vid if ok else None, out)  # L24 / L26
                     self.step = Step.PREVOTE  # L27
                     return True
                 if k.has_quorum(p.pol_round, VoteType.PREVOTE, vid):  # L28 (0 <= vr < r)
-                    ok = valid and (self.locked_round <= p.pol_round or self.locked_value == p.value)  # L29
+                    ok = valid and (
+                        self.locked_round <= p.pol_round or self.locked_value == p.value
+                    )  # L29
                     self._vote(VoteType.PREVOTE, vid if ok else None, out)  # L30 / L32
                     self.step = Step.PREVOTE  # L33
                     return True

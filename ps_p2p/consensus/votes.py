@@ -279,7 +279,9 @@ class VoteKeeper:
         higher = [r for r in self._one_third_rounds if r > above]
         return max(higher) if higher else None
 
-    def votes_for(self, round_: int, vote_type: VoteType, value_id: bytes | None) -> tuple[Vote, ...]:
+    def votes_for(
+        self, round_: int, vote_type: VoteType, value_id: bytes | None
+    ) -> tuple[Vote, ...]:
         """The votes counted for ``value_id`` in ``round_``, one per validator, sorted by
         address (e.g. the commit of a decision: the precommits for the decided value)."""
         rnd = self._rounds.get(round_)

@@ -364,7 +364,9 @@ class _Sim:
     def execute(self, nd: _Node, out: object) -> None:
         if isinstance(out, BroadcastProposal):
             if nd.behaviour is None:
-                self.check_sign(nd, ("proposal", out.proposal.height, out.proposal.round), out.proposal)
+                self.check_sign(
+                    nd, ("proposal", out.proposal.height, out.proposal.round), out.proposal
+                )
                 self.broadcast(nd, ProposalReceived(out.proposal))
             else:
                 self.byzantine_proposal(nd, out.proposal)
@@ -376,14 +378,24 @@ class _Sim:
             else:
                 self.byzantine_vote(nd, v)
         elif isinstance(out, ScheduleTimeout):
-            self.push(self.now + out.duration, _TIMEOUT, nd.index, TimeoutFired(out.kind, out.height, out.round))
+            self.push(
+                self.now + out.duration,
+                _TIMEOUT,
+                nd.index,
+                TimeoutFired(out.kind, out.height, out.round),
+            )
         elif isinstance(out, GetValue):
             if nd.behaviour == "invalid":
                 value = b"X" + self.rng.randbytes(15)
             else:
                 value = b"V" + self.rng.randbytes(15)
             nd.own_values.add(value_id(value))
-            self.push(self.now + self.p.app_delay, _APP, nd.index, ProposeValue(out.height, out.round, value))
+            self.push(
+                self.now + self.p.app_delay,
+                _APP,
+                nd.index,
+                ProposeValue(out.height, out.round, value),
+            )
         elif isinstance(out, ValidateValue):
             ok = is_valid(out.value)
             if nd.behaviour == "invalid":
@@ -452,7 +464,9 @@ class _Sim:
         others = [i for i in range(len(self.nodes)) if i != nd.index]
         if nd.behaviour in ("equivocate", "vote-all"):
             prefix = b"V" if self.rng.random() < 0.5 else b"X"
-            alt = Proposal(p.height, p.round, prefix + self.rng.randbytes(15), p.pol_round, p.proposer)
+            alt = Proposal(
+                p.height, p.round, prefix + self.rng.randbytes(15), p.pol_round, p.proposer
+            )
             self.rng.shuffle(others)
             half = len(others) // 2
             for i in others[:half]:
@@ -460,7 +474,9 @@ class _Sim:
             for i in others[half:]:
                 self.send(nd, i, ProposalReceived(alt))
         elif nd.behaviour == "invalid":
-            bad = Proposal(p.height, p.round, b"X" + self.rng.randbytes(15), p.pol_round, p.proposer)
+            bad = Proposal(
+                p.height, p.round, b"X" + self.rng.randbytes(15), p.pol_round, p.proposer
+            )
             nd.seen_values.setdefault(p.height, []).append(bad.value_id)
             for i in others:
                 self.send(nd, i, ProposalReceived(bad))
@@ -505,7 +521,9 @@ class _Sim:
             self.rng.shuffle(values)
             for vid in values:
                 for i in others:
-                    self.send(nd, i, VoteReceived(Vote(v.type, v.height, v.round, vid, v.validator)))
+                    self.send(
+                        nd, i, VoteReceived(Vote(v.type, v.height, v.round, vid, v.validator))
+                    )
         elif nd.behaviour == "invalid":
             seen = nd.seen_values.get(v.height)
             vid = seen[-1] if seen and v.value_id is not None else v.value_id
@@ -529,7 +547,9 @@ class _Sim:
                     self.violate("termination", f"height {h} decided in round {top} > {bound}")
             else:
                 missing = [nd.address for nd, d in zip(self.correct, ds) if d is None]
-                self.violate("termination", f"height {h} undecided by {missing} at {self.max_time:.1f} s")
+                self.violate(
+                    "termination", f"height {h} undecided by {missing} at {self.max_time:.1f} s"
+                )
                 break
         return ScheduleResult(
             seed=seed,
