@@ -676,3 +676,20 @@ def test_keeper_rejects_bad_validator_sets():
         VoteKeeper(0, (Validator(A), Validator(A)))
     with pytest.raises(ValueError):
         VoteKeeper(0, (Validator(A, 0),))
+
+
+def test_refused_second_proposal_still_makes_conflicting_votes_for_it_count():
+    # D equivocated: C counted D's precommit for V first; the committee committed W
+    core = make(
+        C,
+        round_=1,
+        proposals=(prop(0, V),),
+        votes=precommits(0, IV, D),
+        validity={IV: True, IW: True},
+    )
+    assert core.handle(ProposalReceived(prop(0, W)), 0.0) == []  # no quorum for W yet
+    for who in (A, B, D):
+        core.handle(VoteReceived(vote(PC, 0, IW, who)), 0.0)
+    assert core.keeper.power_for(0, PC, IW) == 3  # D's conflicting vote counts: W is wanted
+    out = core.handle(ProposalReceived(prop(0, W)), 0.0)  # sent again
+    assert out == [Decide(0, 0, W, precommits(0, IW, A, B, D))]

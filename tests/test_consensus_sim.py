@@ -147,3 +147,9 @@ def test_summary_counts_rounds_and_violations_by_property():
     assert sum(s["rounds_per_height"].values()) == s["heights_decided"] == 10
     assert set(s["violations"]) == set(PROPERTIES)
     assert termination_rounds(4) == 6
+
+
+def test_a_validator_that_saw_an_equivocators_other_value_still_catches_up():
+    # seed 5012: a Byzantine proposer showed val-05 another value; it must count the commit
+    result = run_schedule(5012)
+    assert result.ok, result.violations

@@ -44,11 +44,19 @@ Deviations from the paper, each harmless to safety:
   prevote for it (L22 needs -1, L28 needs ``vr < round``).
 * One proposal per round is kept from the proposer, plus one other value of the same round if
   2f+1 prevotes or precommits of that round are already held for it (a Byzantine proposer may
-  send different proposals; the one the committee voted for is needed by L36 and L49).
+  send different proposals; the one the committee voted for is needed by L36 and L49). The
+  values of the first :data:`MAX_WANTED_PER_ROUND` proposals of a round, kept or not, are
+  *wanted* by the vote keeper (their conflicting votes count, see
+  :mod:`ps_p2p.consensus.votes`), so a validator that first saw another value can still count
+  the committee's commit when it is sent again (simulation seed 5012 got stuck without it).
+  Limitation: a Byzantine proposer that sends a validator more than that many values of one
+  round first can keep it from counting an equivocator's vote for the committee's value; a
+  commit-certificate input (block sync) would close this.
 
 Bounds (what faulty validators can make us hold): votes as in
 :mod:`ps_p2p.consensus.votes` (rounds up to ours, plus two future rounds per validator);
-proposals at most two per tracked round; validation requests one per kept proposal; messages of
+proposals at most two per tracked round (wanted values four); validation requests one per kept
+proposal; messages of
 the next height (``h + 1``) are buffered, at most
 :attr:`ConsensusConfig.next_height_buffer` per validator of the current set, and replayed by
 ``StartHeight(h + 1)``: a validator that decides a little later than the others would otherwise
@@ -95,6 +103,10 @@ __all__ = [
     "RoundState",
     "proposer_cycle",
 ]
+
+#: Values of one round's proposer whose conflicting votes the vote keeper counts (its
+#: ``want``), at most: one honest value, and room for a Byzantine proposer's equivocation.
+MAX_WANTED_PER_ROUND = 4
 
 #: Slots of one proposer cycle at most (``total_power / gcd(powers)``); larger sets are refused.
 MAX_PROPOSER_CYCLE = 1 << 16
@@ -197,6 +209,8 @@ class ConsensusCore:
         self._keeper: VoteKeeper | None = None
         # round -> value ID -> proposal (at most two per round, see the module docstring)
         self._proposals: dict[int, dict[bytes, Proposal]] = {}
+        # round -> value IDs of the proposer's proposals whose conflicting votes count
+        self._wanted: dict[int, set[bytes]] = {}
         self._validity: dict[bytes, bool] = {}  # value ID -> valid(v)
         self._validating: set[bytes] = set()  # ValidateValue sent, no answer yet
         self._awaiting_value: tuple[int, int] | None = None  # GetValue sent for (h, r)
@@ -300,6 +314,7 @@ class ConsensusCore:
         self.valid_value, self.valid_round = None, NIL_ROUND
         self.decision = None
         self._proposals = {}
+        self._wanted = {}
         self._validity = {}
         self._validating = set()
         self._awaiting_value = None
@@ -364,6 +379,13 @@ class ConsensusCore:
         if p.proposer != self.proposer(p.height, p.round):
             return  # L22, L28, L36, L49: only "from proposer(h_p, r)" counts
         vid = p.value_id
+        wanted = self._wanted.setdefault(p.round, set())
+        if vid not in wanted and len(wanted) < MAX_WANTED_PER_ROUND:
+            # conflicting votes for it count from now on, even if this proposal is not kept:
+            # a lagging validator that holds another value of a Byzantine proposer can then
+            # still count the commit of the committee's value when it is sent again
+            wanted.add(vid)
+            self._keeper.want(vid)
         held = self._proposals.get(p.round)
         if held is not None:
             if vid in held or len(held) >= 2:
@@ -378,7 +400,6 @@ class ConsensusCore:
         if not self._keeper.add_proposal(p.round, p.proposer):  # L55 counts it
             return
         self._proposals.setdefault(p.round, {})[vid] = p
-        self._keeper.want(vid)
         if vid not in self._validity and vid not in self._validating:
             self._validating.add(vid)
             out.append(ValidateValue(p.height, p.round, p.value))

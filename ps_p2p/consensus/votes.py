@@ -30,7 +30,8 @@ Contract of :meth:`VoteKeeper.add_vote` (like CometBFT's ``VoteSet.AddVote``):
   new evidence (one pair proves the fault). The first vote alone counts for the "any" totals
   (L34, L47) and for L55. A conflicting vote is also counted for its own value ID, once per
   validator and value, if that value is *wanted* (:meth:`VoteKeeper.want`: nil, or the value of
-  a proposal the core holds at this height), and dropped otherwise. This is the paper's
+  one of the first proposals the core received per round at this height), and dropped
+  otherwise. This is the paper's
   counting (every message counts; quorum intersection keeps it safe: two 2f+1 sets for two
   values of one round share a correct validator, who never votes twice), bounded to the values
   the rules can ask about. Counting only the first vote is not live: an equivocator that sends
@@ -47,7 +48,8 @@ time, not with what faulty validators send. Each validator may open at most
 "catch-up rounds"); messages of a third such round are refused until our round catches up. Rounds
 above :data:`MAX_ROUND` are refused. Hence at most ``(round + 1) + 2 * N`` rounds, each
 holding per validator and type one vote plus at most one conflicting vote per wanted value
-(wanted values: at most two proposals per tracked round, and nil).
+(wanted values: nil and at most four per tracked round, see
+:data:`ps_p2p.consensus.core.MAX_WANTED_PER_ROUND`).
 """
 
 from __future__ import annotations
