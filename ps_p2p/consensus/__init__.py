@@ -1,12 +1,26 @@
 """The verifier committee's Tendermint-style consensus (Buchman, Kwon, Milosevic, "The latest
-gossip on BFT consensus"; PlanetServe sec. 3.4), pure cores driven by
-:class:`ps_p2p.protocols.driver.CoreDriver` like the overlay. ``docs/consensus.md`` has the formats.
+gossip on BFT consensus", arXiv 1807.04938; PlanetServe sec. 3.4). ``docs/consensus.md`` has the
+formats and the design.
 
-    types      messages, inputs and outputs of the consensus core
+Pure cores (no I/O, clock or randomness; DESIGN.md "Layers"):
+
+    types      proposals, votes, the core's inputs and outputs
+    votes      VoteKeeper: votes of one height counted by voting power into the thresholds of
+               Algorithm 1 (2f+1 for a value, 2f+1 of anything, f+1 of a higher round) and
+               equivocation evidence
+    core       ConsensusCore: Algorithm 1's round state machine of one validator
+               (``handle(input, now) -> outputs``); ``# Lnn`` comments cite the paper's lines
+               (11-21 StartRound, 22-54 the upon rules, 55-56 round skipping, 57-67 timeouts)
     encoding   strict reading of canonical byte strings
     signing    signing bytes of proposals and votes, sign/verify, verify_commit (quorum certificate)
     block      block header, canonical encoding, block ID, limits, validate_block
     app        the registry state machine: transactions, sybil admission policy, check_tx,
                execute_block (expiry by block time), app_hash, Mempool
     directory  the committed directory as paged deltas plus a commit; verify_directory (node side)
+
+Durable state: ``store`` (sqlite3: the write-ahead log of own signed messages, the block store).
+Wire: ``ps_p2p.protocols.consensus_codec`` and ``ps_p2p.protocols.blocksync``.
+:mod:`ps_p2p.testing.consensus_sim` drives N = 3f+1 cores through a seeded faulty network with
+Byzantine validators and checks agreement, validity, no double-signing and termination. The
+driver that runs a core over libp2p (signing, WAL, timers) is not built yet.
 """
