@@ -693,3 +693,37 @@ def test_refused_second_proposal_still_makes_conflicting_votes_for_it_count():
     assert core.keeper.power_for(0, PC, IW) == 3  # D's conflicting vote counts: W is wanted
     out = core.handle(ProposalReceived(prop(0, W)), 0.0)  # sent again
     assert out == [Decide(0, 0, W, precommits(0, IW, A, B, D))]
+
+
+def test_votes_carry_the_configured_value_id_the_block_id_for_registry_blocks():
+    """With ``ConsensusConfig.value_id`` = the registry's block-ID function, a validator
+    prevotes for the block ID (a hash of the header only), which is what a commit must cover
+    for a node that checks it from the header alone."""
+    import dataclasses
+
+    from ps_p2p.consensus.block import BlockLimits, block_id, consensus_value_id, encode_block, make_block
+    from ps_p2p.consensus.types import BroadcastVote, ValidateValue
+    from ps_p2p.keys import NodeKeys
+
+    limits = BlockLimits()
+    keys = [bytes([i]) * 38 for i in range(4)]
+    block = make_block(chain_id="c", height=1, time_ms=1, prev_block_id=bytes(32),
+                       app_hash=bytes(32), proposer=NodeKeys.generate().identity.peer_id)
+    value = encode_block(block)
+    config = dataclasses.replace(CFG, value_id=consensus_value_id(limits))
+    validators = tuple(Validator(k) for k in keys)
+    from ps_p2p.consensus.core import proposer_cycle
+
+    cycle = proposer_cycle(validators)
+    proposer = cycle[1 % len(cycle)]  # proposer(h=1, r=0)
+    core = ConsensusCore(next(k for k in keys if k != proposer), config)
+    core.handle(StartHeight(1, validators), 0.0)
+    out = core.handle(ProposalReceived(Proposal(1, 0, value, NIL_ROUND, proposer)), 0.1)
+    (ask,) = [o for o in out if isinstance(o, ValidateValue)]
+    assert consensus_value_id(limits)(ask.value) == block_id(block.header)
+    out = core.handle(ValueValidated(1, 0, block_id(block.header), True), 0.2)
+    (prevote,) = [o.vote for o in out if isinstance(o, BroadcastVote)]
+    assert prevote.type == PV and prevote.value_id == block_id(block.header) != value_id(value)
+    # an undecodable value still gets an ID (and never one of a real block)
+    junk_id = consensus_value_id(limits)(b"\xff" * 10)
+    assert len(junk_id) == 32 and junk_id != value_id(b"\xff" * 10)

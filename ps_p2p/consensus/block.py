@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ps_p2p.consensus.encoding import Reader, lp, lps, u32, u64
@@ -218,6 +218,24 @@ def value_block_id(value: bytes, limits: BlockLimits) -> bytes:
     return block_id(decode_block(value, limits).header)
 
 
+_UNDECODABLE_DOMAIN = b"planetserve/v1/undecodable-value\x00"
+
+
+def consensus_value_id(limits: BlockLimits) -> Callable[[bytes], bytes]:
+    """The value-ID function the consensus core uses for registry blocks
+    (``ConsensusConfig.value_id``): the block ID of a value that decodes within ``limits``;
+    for one that does not, a domain-separated hash of its bytes (it fails validation anyway,
+    and no block ID can equal it without a SHA-256 collision)."""
+
+    def value_id_of(value: bytes) -> bytes:
+        try:
+            return value_block_id(value, limits)
+        except (RemoteProtocolError, LocalProtocolError, ValueError, struct.error):
+            return hashlib.sha256(_UNDECODABLE_DOMAIN + value).digest()
+
+    return value_id_of
+
+
 def check_block_body(block: Block, limits: BlockLimits) -> None:
     """Check a block's transactions against its header and ``limits``.
 
@@ -326,6 +344,7 @@ __all__ = [
     "ZERO_ID",
     "Block",
     "BlockLimits",
+    "consensus_value_id",
     "ChainTip",
     "Header",
     "block_id",

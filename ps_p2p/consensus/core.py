@@ -67,6 +67,7 @@ gossip re-sending are the driver's: a validator that far behind needs the commit
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ps_p2p.consensus.types import (
@@ -129,6 +130,12 @@ class ConsensusConfig:
     timeout_precommit_delta: float = 0.5
     #: messages of height h + 1 buffered per validator of the current set
     next_height_buffer: int = 16
+    #: the ID votes carry for a value (``id(v)`` of Algorithm 1): SHA-256 of the value by
+    #: default; the registry passes ps_p2p.consensus.block.consensus_value_id (the block ID,
+    #: a hash of the header only, so a node checks a commit from the header alone). It must be
+    #: deterministic, collision-resistant and total (never raise: an undecodable value still
+    #: gets an ID, and fails validation).
+    value_id: Callable[[bytes], bytes] = value_id
 
     def timeout(self, kind: TimeoutKind, round_: int) -> float:
         """Duration (seconds) of the ``kind`` timeout in round ``round_`` (>= 0)."""
@@ -378,7 +385,7 @@ class ConsensusCore:
             return  # malformed (module docstring)
         if p.proposer != self.proposer(p.height, p.round):
             return  # L22, L28, L36, L49: only "from proposer(h_p, r)" counts
-        vid = p.value_id
+        vid = self.config.value_id(p.value)
         wanted = self._wanted.setdefault(p.round, set())
         if vid not in wanted and len(wanted) < MAX_WANTED_PER_ROUND:
             # conflicting votes for it count from now on, even if this proposal is not kept:
@@ -421,7 +428,7 @@ class ConsensusCore:
         if self._awaiting_value != (inp.height, inp.round) or self.decision is not None:
             return
         self._awaiting_value = None
-        self._validity[value_id(inp.value)] = True
+        self._validity[self.config.value_id(inp.value)] = True
         proposal = Proposal(inp.height, inp.round, inp.value, self.valid_round, self.address)
         out.append(BroadcastProposal(proposal))  # L19
 
