@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import pathlib
+import time
 import signal
 import sys
 from typing import Any
@@ -70,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     keygen = sub.add_parser("keygen", help="create a key file and print its peer ID")
     keygen.add_argument("--key-file", required=True, help="where to write the keys (mode 0600)")
+
+    testnet = sub.add_parser(
+        "testnet", help="write a committee's genesis file and one home (keys, config) per verifier"
+    )
+    testnet.add_argument("--verifiers", type=int, default=4,
+                         help="committee size N = 3f+1 (default 4: f = 1)")
+    testnet.add_argument("--out", required=True, metavar="DIR",
+                         help="folder to create (genesis.json, verifier<i>/node.key, config.toml)")
+    testnet.add_argument("--chain-id", default="planetserve-testnet", help="the chain's ID")
+    testnet.add_argument("--host", default="127.0.0.1", help="IP address the verifiers listen on")
+    testnet.add_argument("--base-port", type=int, default=26656,
+                         help="verifier i listens on base-port + i (default 26656)")
 
     run = sub.add_parser("run", help="run one node until interrupted")
     run.add_argument("--role", action="append", choices=["user", "model", "verifier"],
@@ -167,6 +180,60 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
         raise ConfigError(f"{path} exists; refusing to overwrite a key file")
     keys = load_or_create_keys(path)
     print(keys.identity.peer_id_str)
+    return 0
+
+
+def _cmd_testnet(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    from ps_p2p.consensus.app import Genesis
+    from ps_p2p.consensus.core import ConsensusConfig
+    from ps_p2p.consensus.genesis import genesis_hash, genesis_json
+    from ps_p2p.consensus.types import Validator
+    from ps_p2p.keys import load_or_create_keys
+
+    if not 1 <= args.verifiers <= 128:
+        raise ConfigError("--verifiers must be in 1..128")
+    if args.verifiers % 3 != 1:
+        print(f"ps-node: note: {args.verifiers} verifiers tolerate no more faults than "
+              f"{args.verifiers - (args.verifiers - 1) % 3}; N = 3f+1 uses every one",
+              file=sys.stderr)
+    try:
+        version = ipaddress.ip_address(args.host).version
+    except ValueError as exc:
+        raise ConfigError(f"--host {args.host}: not an IP address") from exc
+    if not 1 <= args.base_port <= 65535 - args.verifiers:
+        raise ConfigError("--base-port leaves no room for the verifiers' ports")
+    out = pathlib.Path(args.out).expanduser().resolve()
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; refusing to overwrite a testnet")
+    names = [f"verifier{i}" for i in range(args.verifiers)]
+    keys = [load_or_create_keys(out / name / "node.key") for name in names]
+    addrs = [
+        f"/ip{version}/{args.host}/tcp/{args.base_port + i}/p2p/{k.identity.peer_id_str}"
+        for i, k in enumerate(keys)
+    ]
+    genesis = Genesis(
+        args.chain_id, int(time.time() * 1000),
+        tuple(Validator(k.identity.peer_id) for k in keys),
+    )
+    text = genesis_json(genesis, ConsensusConfig(), names)
+    (out / "genesis.json").write_text(text)
+    for i, name in enumerate(names):
+        others = [a for j, a in enumerate(addrs) if j != i]
+        listen = addrs[i].rsplit("/p2p/", 1)[0]
+        (out / name / "config.toml").write_text(
+            f"# {name} of chain {args.chain_id!r}; genesis: {out / 'genesis.json'}\n"
+            f"roles = [\"verifier\"]\n"
+            f"name = {json.dumps(name)}\n"
+            f"home = {json.dumps(str(out / name))}\n"
+            f"listen = {json.dumps(listen)}\n"
+            f"bootstrap = {json.dumps(others)}\n"
+        )
+    print(f"chain {args.chain_id}: {args.verifiers} verifiers, genesis {out / 'genesis.json'} "
+          f"(sha256 {genesis_hash(text)[:16]})")
+    for name, addr in zip(names, addrs):
+        print(f"  {name}: {addr}  (ps-node run --config {out / name / 'config.toml'})")
     return 0
 
 
@@ -499,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "keygen":
             return _cmd_keygen(args)
+        if args.command == "testnet":
+            return _cmd_testnet(args)
         if args.command == "run":
             return _cmd_run(args)
         if args.command == "ask":

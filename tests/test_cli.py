@@ -262,7 +262,7 @@ def test_help_lists_every_flag_the_readme_documents(command, capsys):
     assert not missing, f"README documents {sorted(missing)} but `{command} --help` lacks them"
 
 
-@pytest.mark.parametrize("command", [None, "keygen", "run", "devnet", "ask"])
+@pytest.mark.parametrize("command", [None, "keygen", "testnet", "run", "devnet", "ask"])
 def test_readme_documents_every_flag_of_the_parser(command, capsys):
     undocumented = _help_flags(command, capsys) - _readme_flags()[command]
 

@@ -1,0 +1,178 @@
+"""The genesis file of a committee: what every node of one chain starts from (JSON).
+
+Like CometBFT's ``genesis.json``: the chain ID (part of every consensus signature), the genesis
+time, the validators (peer IDs in base58 and voting powers), the consensus timeouts, and the
+committed rules of the registry (the sybil admission policy and the block limits). Every
+validator runs the chain from it, and every node checks directories against its validator set
+(:func:`ps_p2p.consensus.directory.verify_directory`), so it must be the same file everywhere:
+:func:`genesis_hash` names it in logs and status.
+
+Format (all keys required except ``consensus``, ``admission`` and ``block_limits``, whose
+missing fields take the defaults of :class:`~ps_p2p.consensus.core.ConsensusConfig`,
+:class:`~ps_p2p.consensus.app.AdmissionPolicy` and :class:`~ps_p2p.consensus.block.BlockLimits`)::
+
+    {
+      "chain_id": "planetserve-testnet",
+      "genesis_time_ms": 1795000000000,
+      "validators": [{"peer_id": "12D3KooW...", "power": 1, "name": "verifier0"}, ...],
+      "consensus": {"timeout_propose": 3.0, "timeout_propose_delta": 0.5, ...},
+      "admission": {"max_records_per_network": 32, ...},
+      "block_limits": {"max_block_bytes": 1048576, "max_txs": 1000, "max_tx_bytes": 8192}
+    }
+
+Errors: :class:`~ps_p2p.errors.ConfigError` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from libp2p.peer.id import ID
+
+from ps_p2p.consensus.app import AdmissionPolicy, Genesis
+from ps_p2p.consensus.block import BlockLimits
+from ps_p2p.consensus.core import ConsensusConfig
+from ps_p2p.consensus.types import Validator
+from ps_p2p.errors import ConfigError, PsError
+
+#: Largest genesis file read (bytes): 128 validators with names fit many times over.
+MAX_GENESIS_BYTES = 1024 * 1024
+_CONSENSUS_FIELDS = (
+    "timeout_propose", "timeout_propose_delta", "timeout_prevote", "timeout_prevote_delta",
+    "timeout_precommit", "timeout_precommit_delta",
+)
+
+
+@dataclass(frozen=True)
+class GenesisFile:
+    """A parsed genesis file.
+
+    Attributes:
+        genesis: the chain's committed start (:class:`~ps_p2p.consensus.app.Genesis`).
+        consensus: the consensus timeouts every validator uses.
+        names: validator peer ID -> its name in the file ("" when none).
+    """
+
+    genesis: Genesis
+    consensus: ConsensusConfig
+    names: dict[bytes, str]
+
+
+def genesis_json(
+    genesis: Genesis, consensus: ConsensusConfig, names: Sequence[str] = ()
+) -> str:
+    """The genesis file's text (indented JSON, keys in a fixed order)."""
+    validators = []
+    for i, v in enumerate(genesis.validators):
+        entry: dict[str, Any] = {"peer_id": ID(v.address).to_base58(), "power": v.power}
+        if i < len(names) and names[i]:
+            entry["name"] = names[i]
+        validators.append(entry)
+    data = {
+        "chain_id": genesis.chain_id,
+        "genesis_time_ms": genesis.time_ms,
+        "validators": validators,
+        "consensus": {f: getattr(consensus, f) for f in _CONSENSUS_FIELDS},
+        "admission": dataclasses.asdict(genesis.policy),
+        "block_limits": dataclasses.asdict(genesis.limits),
+    }
+    return json.dumps(data, indent=2) + "\n"
+
+
+def genesis_hash(text: str | bytes) -> str:
+    """SHA-256 of the genesis file's bytes, hex (to compare files between nodes)."""
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_genesis(path: str | pathlib.Path) -> GenesisFile:
+    """Read and check a genesis file.
+
+    Raises:
+        ConfigError: unreadable, too large, not JSON, a missing or mistyped field, an unknown
+            key, a bad peer ID, or a validator set or chain ID that the consensus refuses.
+    """
+    p = pathlib.Path(path).expanduser()
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read genesis file {p}: {exc}") from exc
+    if len(raw) > MAX_GENESIS_BYTES:
+        raise ConfigError(f"genesis file {p} is over {MAX_GENESIS_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"genesis file {p} is not JSON: {exc}") from exc
+    return parse_genesis(data, source=str(p))
+
+
+def parse_genesis(data: Any, *, source: str = "genesis") -> GenesisFile:
+    """:func:`load_genesis` on already-parsed JSON. Raises ConfigError."""
+    def fail(message: str) -> ConfigError:
+        return ConfigError(f"{source}: {message}")
+
+    if not isinstance(data, dict):
+        raise fail("not a JSON object")
+    unknown = set(data) - {"chain_id", "genesis_time_ms", "validators", "consensus",
+                           "admission", "block_limits"}
+    if unknown:
+        raise fail(f"unknown key(s) {sorted(unknown)}")
+    chain_id = data.get("chain_id")
+    if not isinstance(chain_id, str) or not chain_id:
+        raise fail("'chain_id' must be a non-empty string")
+    time_ms = data.get("genesis_time_ms")
+    if not isinstance(time_ms, int) or isinstance(time_ms, bool) or time_ms < 0:
+        raise fail("'genesis_time_ms' must be a non-negative integer (unix ms)")
+    entries = data.get("validators")
+    if not isinstance(entries, list) or not entries:
+        raise fail("'validators' must be a non-empty list")
+    validators: list[Validator] = []
+    names: dict[bytes, str] = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or set(entry) - {"peer_id", "power", "name"}:
+            raise fail(f"validators[{i}] must be an object with peer_id, power and name")
+        try:
+            peer = ID.from_base58(str(entry.get("peer_id", ""))).to_bytes()
+        except Exception as exc:
+            raise fail(f"validators[{i}].peer_id is not a peer ID: {exc}") from exc
+        power = entry.get("power", 1)
+        if not isinstance(power, int) or isinstance(power, bool) or power < 1:
+            raise fail(f"validators[{i}].power must be an integer >= 1")
+        validators.append(Validator(peer, power))
+        names[peer] = str(entry.get("name", ""))
+    consensus = _section(data, "consensus", ConsensusConfig, _CONSENSUS_FIELDS, fail)
+    policy = _section(data, "admission", AdmissionPolicy,
+                      tuple(f.name for f in dataclasses.fields(AdmissionPolicy)), fail)
+    limits = _section(data, "block_limits", BlockLimits,
+                      tuple(f.name for f in dataclasses.fields(BlockLimits)), fail)
+    try:
+        genesis = Genesis(chain_id, time_ms, tuple(validators), policy, limits)
+    except PsError as exc:
+        raise fail(str(exc)) from exc
+    return GenesisFile(genesis, consensus, names)
+
+
+def _section(data: dict[str, Any], key: str, cls: type, fields: Sequence[str], fail: Any) -> Any:
+    section = data.get(key, {})
+    if not isinstance(section, dict):
+        raise fail(f"'{key}' must be an object")
+    unknown = set(section) - set(fields)
+    if unknown:
+        raise fail(f"unknown key(s) in '{key}': {sorted(unknown)}")
+    for name, value in section.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise fail(f"'{key}.{name}' must be a non-negative number")
+    try:
+        return cls(**section)
+    except (PsError, TypeError, ValueError) as exc:
+        raise fail(f"'{key}': {exc}") from exc
+
+
+__all__ = ["GenesisFile", "MAX_GENESIS_BYTES", "genesis_hash", "genesis_json", "load_genesis",
+           "parse_genesis"]

@@ -1,0 +1,92 @@
+"""The committee's genesis file (ps_p2p.consensus.genesis) and ``ps-node testnet``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ps_p2p import cli
+from ps_p2p.config import load_config
+from ps_p2p.consensus.app import AdmissionPolicy, Genesis
+from ps_p2p.consensus.block import BlockLimits
+from ps_p2p.consensus.core import ConsensusConfig
+from ps_p2p.consensus.genesis import genesis_hash, genesis_json, load_genesis
+from ps_p2p.consensus.types import Validator
+from ps_p2p.errors import ConfigError
+from ps_p2p.keys import NodeKeys, load_or_create_keys
+
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+
+def _genesis(n=4) -> Genesis:
+    keys = [NodeKeys.generate().identity for _ in range(n)]
+    return Genesis("chain-x", 1_700_000_000_000, tuple(Validator(k.peer_id, 1 + i % 2) for i, k in enumerate(keys)),
+                   AdmissionPolicy(max_records_per_network=7), BlockLimits(max_txs=50))
+
+
+def test_a_genesis_file_round_trips_every_committed_field(tmp_path):
+    genesis = _genesis()
+    consensus = ConsensusConfig(timeout_propose=0.5, timeout_prevote_delta=0.1)
+    path = tmp_path / "genesis.json"
+    path.write_text(genesis_json(genesis, consensus, ["v0", "v1", "v2", "v3"]))
+    loaded = load_genesis(path)
+    assert loaded.genesis == genesis
+    assert (loaded.consensus.timeout_propose, loaded.consensus.timeout_prevote_delta) == (0.5, 0.1)
+    assert list(loaded.names.values()) == ["v0", "v1", "v2", "v3"]
+    assert genesis_hash(path.read_bytes()) == genesis_hash(path.read_text())
+
+
+def _edit(tmp_path, change):
+    data = json.loads(genesis_json(_genesis(), ConsensusConfig()))
+    change(data)
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("chain_id"), "chain_id"),
+    (lambda d: d.update(genesis_time_ms=-1), "genesis_time_ms"),
+    (lambda d: d.update(validators=[]), "validators"),
+    (lambda d: d["validators"][0].update(peer_id="not-a-peer"), r"validators\[0\].peer_id"),
+    (lambda d: d["validators"][1].update(power=0), r"validators\[1\].power"),
+    (lambda d: d.update(extra=1), "unknown key"),
+    (lambda d: d["consensus"].update(timeout_propose="soon"), "consensus.timeout_propose"),
+    (lambda d: d["admission"].update(bogus=1), "unknown key"),
+    (lambda d: d["block_limits"].update(max_block_bytes=10), "block_limits"),
+    (lambda d: d["validators"].append(dict(d["validators"][0])), "listed twice"),
+])
+def test_a_bad_genesis_file_is_refused_naming_the_field(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        load_genesis(_edit(tmp_path, change))
+
+
+def test_unreadable_and_non_json_files_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_genesis(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not JSON"):
+        load_genesis(tmp_path / "bad.json")
+
+
+def test_testnet_writes_a_genesis_and_a_home_per_verifier_that_ps_node_run_reads(tmp_path, capsys):
+    out = tmp_path / "net"
+    assert cli.main(["testnet", "--verifiers", "4", "--out", str(out), "--base-port", "30000"]) == 0
+    genesis = load_genesis(out / "genesis.json")
+    assert len(genesis.genesis.validators) == 4
+    for i in range(4):
+        home = out / f"verifier{i}"
+        keys = load_or_create_keys(home / "node.key")  # the key file written, not a new one
+        assert genesis.genesis.validators[i].address == keys.identity.peer_id
+        config = load_config(home / "config.toml")
+        config.validate()
+        assert config.roles == ["verifier"] and config.listen == f"/ip4/127.0.0.1/tcp/{30000 + i}"
+        assert len(config.bootstrap) == 3 and all(
+            keys.identity.peer_id_str not in b for b in config.bootstrap
+        )
+    printed = capsys.readouterr().out
+    assert "4 verifiers" in printed and printed.count("ps-node run --config") == 4
+    # a second run never overwrites keys
+    assert cli.main(["testnet", "--verifiers", "4", "--out", str(out)]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
