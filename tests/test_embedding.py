@@ -13,7 +13,6 @@ import multiaddr
 import pytest
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost
 from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
 from libp2p.crypto.secp256k1 import create_new_key_pair as secp256k1_key_pair
 from libp2p.custom_types import TProtocol
@@ -48,18 +47,11 @@ def _example():  # type: ignore[no-untyped-def]
 EXAMPLE = _example()
 app_host = EXAMPLE.build_app_host
 echo = EXAMPLE.echo
-ECHO_PROTOCOL_ID = TProtocol("/myapp/echo/1.0.0")
+ECHO_PROTOCOL_ID = EXAMPLE.ECHO
+echo_round_trip = EXAMPLE.call_echo  # connect (if needed), send, read the echo back
 OVERLAY_PROTOCOL_IDS = {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
 
 
-async def echo_round_trip(client: IHost, server: IHost, message: bytes) -> bytes:
-    stream = await client.new_stream(server.get_id(), [ECHO_PROTOCOL_ID])
-    await stream.write(message)
-    received = b""
-    while len(received) < len(message):
-        received += await stream.read(len(message) - len(received))
-    await stream.close()
-    return received
 
 
 def user_config(boot: str) -> NodeConfig:
