@@ -88,7 +88,6 @@ async def test_four_validators_commit_a_registration_and_agree(tmp_path):
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.slow
 async def test_a_killed_validator_restarts_from_its_store_syncs_and_signs_again(tmp_path):
     async with trio.open_nursery() as nursery:
         committee = LocalCommittee(nursery, tmp_path, 4,

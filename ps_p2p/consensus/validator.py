@@ -23,7 +23,7 @@ which only moves bytes:
   due ones as ``TimeoutFired``.
 * ``Decide`` -> the commit is verified (:func:`~ps_p2p.consensus.signing.verify_commit`), the
   block executed, block and commit saved, the directory history and mempool updated, the WAL
-  below the next height pruned, then :class:`Committed` and the next height (below).
+  below the next height pruned (every :data:`PRUNE_EVERY` heights), then :class:`Committed` and the next height (below).
 * ``Equivocation`` -> an EVIDENCE transaction into the mempool (relayed).
 
 The next height starts (``StartHeight(h + 1)``) at once when transactions are pending or a
@@ -117,6 +117,9 @@ EMPTY_BLOCK_INTERVAL = 1.0
 MAX_POL_ENTRIES = 64
 #: Executed candidate blocks kept per height (proposed or validated, reused at Decide).
 MAX_EXECUTED = 8
+#: The WAL is pruned of decided heights every this many heights (one write less per height;
+#: a restart replays only the height after the last stored block).
+PRUNE_EVERY = 16
 
 
 def unix_ms() -> int:
@@ -550,7 +553,8 @@ class Validator:
         new, result = executed if executed is not None else execute_block(self.state, block)
         self._commit(block, d.value, d.commit, new, result, actions, synced=False)
         self.mempool.update(self.state, block.txs, self.unix_ms())
-        self.store.prune_signed(self.height)
+        if d.height % PRUNE_EVERY == 0:
+            self.store.prune_signed(self.height)
         self._pending_start = self.height
         if len(self.mempool) or self._seen_next:
             self._start_next(now, actions)
