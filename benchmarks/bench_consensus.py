@@ -30,13 +30,13 @@ import trio
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from ps_p2p.consensus import app  # noqa: E402
-from ps_p2p.crypto.onion import OnionKeyPair  # noqa: E402
-from ps_p2p.keys import Identity  # noqa: E402
-from ps_p2p.protocols.consensus import ConsensusServiceConfig  # noqa: E402
-from ps_p2p.records import NodeRecord, Role, sign_record  # noqa: E402
-from ps_p2p.testing.committee import LocalCommittee  # noqa: E402
-from ps_p2p.testing.consensus_sim import run_schedule  # noqa: E402
+from ps_p2p.consensus import app
+from ps_p2p.crypto.onion import OnionKeyPair
+from ps_p2p.keys import Identity
+from ps_p2p.protocols.consensus import ConsensusServiceConfig
+from ps_p2p.records import NodeRecord, Role, sign_record
+from ps_p2p.testing.committee import LocalCommittee
+from ps_p2p.testing.consensus_sim import run_schedule
 
 ONION = OnionKeyPair.from_private_bytes(b"\x07" * 32).public
 POLICY = app.AdmissionPolicy(max_records_per_network=100_000, max_registrations_per_block=1000,
@@ -71,7 +71,7 @@ def register_txs(count: int, salt: bytes) -> list[bytes]:
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 async def latency(n: int, rounds: int, warmup: int = 5) -> list[float]:
@@ -168,7 +168,7 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     print(f"machine: {machine()}")
-    print(f"consensus timeouts 0.2 s (+0.1 s a round); loopback, all validators in one process")
+    print("consensus timeouts 0.2 s (+0.1 s a round); loopback, all validators in one process")
     for n in (int(s) for s in args.sizes.split(",")):
         samples = trio.run(latency, n, args.rounds)
         print(f"commit latency, {n:2d} validators: p50 {pct(samples, 50) * 1000:6.1f} ms  "

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import hashlib
 
-import pytest
 import trio
 from libp2p.peer.id import ID
 
 from ps_p2p.consensus import app
-from ps_p2p.consensus.block import BlockLimits, block_id, decode_block, encode_block, make_block
+from ps_p2p.consensus.block import (
+    block_id,
+    decode_block,
+    encode_block,
+    make_block,
+)
 from ps_p2p.consensus.core import proposer_cycle
 from ps_p2p.consensus.signing import sign_proposal, sign_vote, verify_commit
 from ps_p2p.consensus.types import Proposal, Vote, VoteType

@@ -13,7 +13,8 @@ from ps_p2p.consensus.block import block_id, decode_block
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.signing import verify_commit
 from ps_p2p.consensus.store import ConsensusStore
-from ps_p2p.consensus.types import Validator as Member, Vote, VoteType
+from ps_p2p.consensus.types import Validator as Member
+from ps_p2p.consensus.types import Vote, VoteType
 from ps_p2p.consensus.validator import Committed, RelayTx, SendMessage, Validator
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.errors import DoubleSignError, InvalidTransactionError, LocalProtocolError
