@@ -19,8 +19,11 @@ Pure cores (no I/O, clock or randomness; DESIGN.md "Layers"):
     directory  the committed directory as paged deltas plus a commit; verify_directory (node side)
 
 Durable state: ``store`` (sqlite3: the write-ahead log of own signed messages, the block store).
-Wire: ``ps_p2p.protocols.consensus_codec`` and ``ps_p2p.protocols.blocksync``.
+Glue: ``validator`` (Validator: the core, the application, mempool, directory history and store
+of one validator; signing, WAL, timers, restart; no libp2p).
+Wire: ``ps_p2p.protocols.consensus_codec`` and ``ps_p2p.protocols.blocksync``; the service that
+runs a validator among real hosts is ``ps_p2p.protocols.consensus``.
 :mod:`ps_p2p.testing.consensus_sim` drives N = 3f+1 cores through a seeded faulty network with
-Byzantine validators and checks agreement, validity, no double-signing and termination. The
-driver that runs a core over libp2p (signing, WAL, timers) is not built yet.
+Byzantine validators and checks agreement, validity, no double-signing and termination;
+:mod:`ps_p2p.testing.committee` runs a committee of services on loopback.
 """

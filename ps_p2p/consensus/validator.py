@@ -1,0 +1,593 @@
+"""One validator of the verifier committee: the consensus core, the registry application, the
+mempool, the directory history and the store, glued together (no libp2p, no trio).
+
+:class:`Validator` turns the outputs of :class:`~ps_p2p.consensus.core.ConsensusCore` into the
+application's answers and into *actions* for the service (:mod:`ps_p2p.protocols.consensus`),
+which only moves bytes:
+
+* ``GetValue`` -> a block built from the mempool (height, time ``max(now_ms, previous block
+  time + 1)``, previous block ID, app hash after the previous block, this validator as
+  proposer, the transactions :meth:`~ps_p2p.consensus.app.Mempool.reap` gives that execute
+  without error) -> ``ProposeValue``. After a restart, a proposal already signed at that
+  (height, round) in the write-ahead log is proposed again instead.
+* ``ValidateValue`` -> decode, :func:`~ps_p2p.consensus.block.validate_block` against the chain
+  tip (a fresh proposal, POL round -1, must name the round's proposer and carry a timely time),
+  a proposer of the validator set, and every transaction applies
+  (:func:`~ps_p2p.consensus.app.execute_block` reports no failed one) -> ``ValueValidated``.
+* ``BroadcastProposal`` / ``BroadcastVote`` -> signed with the identity key, written to the WAL
+  (:meth:`~ps_p2p.consensus.store.ConsensusStore.record_signed`, durable before anything is
+  sent), then :class:`SendMessage` (to every other validator) and looped back into the core. A
+  :class:`~ps_p2p.errors.DoubleSignError` stops that message: nothing is sent or looped back,
+  it is logged at ERROR and counted (``stats.double_sign_refused``).
+* ``ScheduleTimeout`` -> a timer heap on the caller's clock (seconds); :meth:`tick` fires the
+  due ones as ``TimeoutFired``.
+* ``Decide`` -> the commit is verified (:func:`~ps_p2p.consensus.signing.verify_commit`), the
+  block executed, block and commit saved, the directory history and mempool updated, the WAL
+  below the next height pruned (every :data:`PRUNE_EVERY` heights), then :class:`Committed` and the next height (below).
+* ``Equivocation`` -> an EVIDENCE transaction into the mempool (relayed).
+
+The next height starts (``StartHeight(h + 1)``) at once when transactions are pending or a
+message of that height already came from another validator; otherwise after
+``empty_block_interval`` seconds (an idle chain still makes a block that often, so that the
+directory's commit stays fresh), or as soon as a transaction or such a message arrives
+(CometBFT's ``create_empty_blocks_interval``). A transaction then waits one consensus instance,
+not an empty block's.
+
+Restart (:meth:`start`): the state is rebuilt by executing the stored blocks from the genesis
+(the state is derived data: nothing else to keep consistent or version on disk; cost
+O(blocks x records copied), ~14 ms a block at 100,000 records, see ``docs/consensus.md``), the
+core starts at the stored height + 1, and the own messages of that height found in the WAL are
+sent again and looped back, in (round, step) order, so a restarted validator counts what it
+signed and never signs a different value there (the WAL refuses it anyway).
+
+Time: every method takes ``now`` (seconds, the caller's monotonic clock: trio's in the
+service) for timers; block times use ``unix_ms()`` (injected; wall-clock milliseconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ps_p2p.consensus.app import (
+    AppState,
+    BlockResult,
+    EvidenceTx,
+    Genesis,
+    Mempool,
+    encode_tx,
+    execute_block,
+    genesis_state,
+)
+from ps_p2p.consensus.block import (
+    Block,
+    block_id,
+    consensus_value_id,
+    decode_block,
+    encode_block,
+    make_block,
+    validate_block,
+)
+from ps_p2p.consensus.core import ConsensusConfig, ConsensusCore
+from ps_p2p.consensus.directory import DirectoryHistory
+from ps_p2p.consensus.signing import sign_proposal, sign_vote, verify_commit
+from ps_p2p.consensus.store import ConsensusStore
+from ps_p2p.consensus.types import (
+    NIL_ROUND,
+    BroadcastProposal,
+    BroadcastVote,
+    Decide,
+    Equivocation,
+    GetValue,
+    Input,
+    Proposal,
+    ProposalReceived,
+    ProposeValue,
+    ScheduleTimeout,
+    StartHeight,
+    Step,
+    TimeoutFired,
+    ValidateValue,
+    ValueValidated,
+    Vote,
+    VoteReceived,
+)
+from ps_p2p.errors import (
+    DoubleSignError,
+    InvalidBlockError,
+    LocalProtocolError,
+    PsError,
+    RemoteProtocolError,
+    StoreError,
+)
+from ps_p2p.records.peer_ids import peer_label
+from ps_p2p.records.types import Signer
+
+log = logging.getLogger(__name__)
+
+#: Default seconds an idle chain waits before an empty block.
+EMPTY_BLOCK_INTERVAL = 1.0
+#: POL rounds remembered per height (what ``ValidateValue`` needs to know whether a value is a
+#: fresh proposal); beyond it a value is checked as fresh (the stricter rule).
+MAX_POL_ENTRIES = 64
+#: Executed candidate blocks kept per height (proposed or validated, reused at Decide).
+MAX_EXECUTED = 8
+#: The WAL is pruned of decided heights every this many heights (one write less per height;
+#: a restart replays only the height after the last stored block).
+PRUNE_EVERY = 16
+
+
+def unix_ms() -> int:
+    """Wall-clock time in unix milliseconds (the default ``unix_ms`` of :class:`Validator`)."""
+    return time.time_ns() // 1_000_000
+
+
+# ------------------------------------------------------------------------------------ actions
+
+
+@dataclass(frozen=True)
+class SendMessage:
+    """Send ``message`` (signed, already in the WAL) to every other validator."""
+
+    message: Proposal | Vote
+
+
+@dataclass(frozen=True)
+class RelayTx:
+    """Send transaction ``tx`` to every other validator but ``exclude`` (its sender)."""
+
+    tx: bytes
+    exclude: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Committed:
+    """Height ``height`` was committed (decided here, or fetched by block sync)."""
+
+    height: int
+    block: Block
+    commit: tuple[Vote, ...]
+    result: BlockResult
+    synced: bool = False
+
+
+Action = SendMessage | RelayTx | Committed
+
+
+@dataclass(frozen=True)
+class WireCodec:
+    """How own messages and commits are stored (the service's wire form, injected so that this
+    module needs no protobuf): ``encode_message``/``decode_message`` for the WAL (a decode error
+    is a RemoteProtocolError), ``encode_commit`` for the block store."""
+
+    encode_message: Callable[[Proposal | Vote], bytes]
+    decode_message: Callable[[bytes], object]
+    encode_commit: Callable[[Sequence[Vote]], bytes]
+    decode_commit: Callable[[bytes], tuple[Vote, ...]]
+
+
+@dataclass
+class ValidatorStats:
+    """Counters of one validator (for logs, metrics and tests)."""
+
+    heights_committed: int = 0
+    blocks_synced: int = 0
+    proposals_signed: int = 0
+    votes_signed: int = 0
+    double_sign_refused: int = 0
+    values_refused: int = 0
+    wal_replayed: int = 0
+    evidence_seen: int = 0
+    #: last reason a proposed value was refused
+    last_refusal: str = ""
+
+
+@dataclass(order=True)
+class _Timer:
+    at: float
+    seq: int
+    inp: object = field(compare=False)  # TimeoutFired, or an int: the height to start
+
+
+class Validator:
+    """The consensus core plus the registry application of one validator (module docstring).
+
+    Args:
+        identity: the validator's Ed25519 identity (its peer ID is its address).
+        genesis: the chain's genesis (validators, chain ID, policy, block limits).
+        store: the validator's own :class:`ConsensusStore` (WAL and blocks).
+        wire: how messages and commits are encoded in the store (:class:`WireCodec`).
+        config: the core's timeouts; its ``value_id`` is replaced by the block ID
+            (:func:`~ps_p2p.consensus.block.consensus_value_id`).
+        mempool: default ``Mempool()``.
+        empty_block_interval: seconds an idle chain waits before an empty block.
+        unix_ms: wall clock in unix milliseconds (block times, mempool checks).
+
+    Raises:
+        LocalProtocolError: ``identity`` is not a validator of ``genesis``.
+    """
+
+    def __init__(
+        self,
+        identity: Signer,
+        genesis: Genesis,
+        store: ConsensusStore,
+        wire: WireCodec,
+        config: ConsensusConfig | None = None,
+        *,
+        mempool: Mempool | None = None,
+        empty_block_interval: float = EMPTY_BLOCK_INTERVAL,
+        unix_ms: Callable[[], int] = unix_ms,
+    ) -> None:
+        if all(v.address != identity.peer_id for v in genesis.validators):
+            raise LocalProtocolError(
+                f"{peer_label(identity.peer_id)} is not a validator of chain {genesis.chain_id!r}"
+            )
+        self.identity = identity
+        self.address = identity.peer_id
+        self.genesis = genesis
+        self.validators = genesis.validators
+        self.store = store
+        self.wire = wire
+        config = config or ConsensusConfig()
+        self.config = dataclasses.replace(config, value_id=consensus_value_id(genesis.limits))
+        self.core = ConsensusCore(self.address, self.config)
+        self.mempool = mempool or Mempool()
+        self.empty_block_interval = empty_block_interval
+        self.unix_ms = unix_ms
+        self.state: AppState = genesis_state(genesis)
+        self.history = DirectoryHistory(self.state)
+        self.stats = ValidatorStats()
+        self._timers: list[_Timer] = []
+        self._seq = itertools.count()
+        self._pending_start: int | None = None  # decided; this height starts on a trigger
+        self._seen_next = False  # a message of core.height + 1 came in
+        self._own: list[Proposal | Vote] = []  # own signed messages of the current height
+        self._pol: dict[tuple[int, bytes], int] = {}  # (round, value ID) -> POL round
+        self._executed: dict[bytes, tuple[AppState, BlockResult]] = {}
+        self._started = False
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def height(self) -> int:
+        """The height being decided (the committed height + 1 while it runs)."""
+        return self.state.height + 1
+
+    @property
+    def committed_height(self) -> int:
+        return self.state.height
+
+    def is_validator(self, peer_id: bytes) -> bool:
+        return self.state.is_validator(peer_id)
+
+    def own_messages(self, rounds: int = 2) -> list[Proposal | Vote]:
+        """Own signed messages of the current height in the last ``rounds`` rounds the core
+        reached (what a periodic re-broadcast sends again)."""
+        low = self.core.round - rounds + 1
+        return [m for m in self._own if m.round >= low]
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` is next due (``now`` seconds), or None."""
+        return self._timers[0].at if self._timers else None
+
+    # ------------------------------------------------------------------ inputs
+
+    def start(self, now: float) -> list[Action]:
+        """Rebuild the state from the store, start the next height, replay the WAL there.
+
+        Raises:
+            StoreError: the store cannot be read, or a stored block does not execute on the
+                state before it (the store does not belong to this chain, or is corrupt).
+            LocalProtocolError: called twice.
+        """
+        if self._started:
+            raise LocalProtocolError("validator already started")
+        self._started = True
+        latest = self.store.latest_height()
+        height = 1
+        while height <= latest:
+            rows = self.store.blocks_from(height, 64)
+            if not rows or rows[0][0] != height:
+                raise StoreError(f"the store lacks block {height} (latest {latest})")
+            for h, raw, commit_raw in rows:
+                try:
+                    block = decode_block(raw, self.genesis.limits)
+                    commit = self.wire.decode_commit(commit_raw)
+                    new, result = execute_block(self.state, block)
+                except (PsError, ValueError) as exc:
+                    raise StoreError(f"stored block {h} does not apply: {exc}") from exc
+                if h != height:
+                    raise StoreError(f"the store lacks block {height} (latest {latest})")
+                self.history.add_block(block.header, commit, new, result)
+                self.state = new
+                height = h + 1
+        if latest:
+            log.info("validator %s restored %d block(s) from its store",
+                     peer_label(self.address), latest)
+        actions: list[Action] = []
+        self._run([StartHeight(self.height, self.validators)], now, actions)
+        replay: list[Input] = []
+        for signed in self.store.signed_at(self.height):
+            try:
+                message = self.wire.decode_message(signed.message)
+            except RemoteProtocolError as exc:
+                raise StoreError(f"WAL message at height {signed.height} unreadable: {exc}")
+            if not isinstance(message, (Proposal, Vote)):
+                raise StoreError(f"WAL holds a {type(message).__name__} at {signed.height}")
+            self._remember_own(message)
+            actions.append(SendMessage(message))
+            replay.append(ProposalReceived(message) if isinstance(message, Proposal)
+                          else VoteReceived(message))
+            self.stats.wal_replayed += 1
+        self._run(replay, now, actions)
+        return actions
+
+    def receive(self, message: Proposal | Vote, now: float) -> list[Action]:
+        """A peer's proposal or vote, its signer a validator and its signature checked by the
+        caller (:func:`~ps_p2p.consensus.signing.verify_proposal` / ``verify_vote``)."""
+        actions: list[Action] = []
+        if self.core.height is not None and message.height == self.core.height + 1:
+            self._seen_next = True
+            if self._pending_start is not None:
+                self._start_next(now, actions)
+        inp = ProposalReceived(message) if isinstance(message, Proposal) else VoteReceived(message)
+        self._run([inp], now, actions)
+        return actions
+
+    def add_tx(self, tx: bytes, now: float, sender: bytes | None = None) -> list[Action]:
+        """Check ``tx`` against the state (:meth:`Mempool.add`) and queue it; a new one is
+        relayed (:class:`RelayTx`) to the validators other than ``sender``.
+
+        Raises:
+            InvalidTransactionError, AdmissionError: as :func:`~ps_p2p.consensus.app.check_tx`,
+                or the mempool is full.
+        """
+        actions: list[Action] = []
+        if self.mempool.add(tx, self.state, self.unix_ms()):
+            actions.append(RelayTx(bytes(tx), sender))
+            if self._pending_start is not None:
+                self._start_next(now, actions)
+        return actions
+
+    def tick(self, now: float) -> list[Action]:
+        """Fire the timers due at ``now``."""
+        actions: list[Action] = []
+        while self._timers and self._timers[0].at <= now:
+            timer = heapq.heappop(self._timers)
+            if isinstance(timer.inp, int):
+                if self._pending_start == timer.inp:
+                    self._start_next(now, actions)
+            else:
+                self._run([timer.inp], now, actions)  # type: ignore[list-item]
+        return actions
+
+    def apply_synced(
+        self, blocks: Sequence[tuple[int, bytes, Sequence[Vote]]], now: float
+    ) -> list[Action]:
+        """Commit blocks fetched by block sync: (height, encoded block, commit) in height order.
+
+        Blocks at or below the committed height are skipped; each other one must carry a
+        commit of the genesis validators (checked here again) and follow the state (checked by
+        execution). Then the core jumps to the height after the last one.
+
+        Raises:
+            ConsensusError (InvalidCommitError, InvalidBlockError): the first block that fails;
+                the blocks before it stay committed.
+        """
+        actions: list[Action] = []
+        applied = False
+        committed_txs: list[bytes] = []
+        try:
+            for height, raw, commit in blocks:
+                if height <= self.state.height:
+                    continue
+                block = decode_block(raw, self.genesis.limits)
+                if block.header.height != height:
+                    raise InvalidBlockError(f"synced block {height} says {block.header.height}")
+                verify_commit(self.genesis.chain_id, self.validators, height,
+                              block_id(block.header), commit)
+                new, result = execute_block(self.state, block)
+                self._commit(block, raw, tuple(commit), new, result, actions, synced=True)
+                committed_txs.extend(block.txs)
+                applied = True
+        finally:
+            if applied:
+                self.mempool.update(self.state, committed_txs, self.unix_ms())
+                self.store.prune_signed(self.height)
+                if self.core.height is None or self.core.height < self.height:
+                    self._pending_start = None
+                    self._timers = [t for t in self._timers if not isinstance(t.inp, int)]
+                    heapq.heapify(self._timers)
+                    self._run([StartHeight(self.height, self.validators)], now, actions)
+        return actions
+
+    # ------------------------------------------------------------------ the core's outputs
+
+    def _run(self, inputs: list[Input], now: float, actions: list[Action]) -> None:
+        queue = list(inputs)
+        while queue:
+            inp = queue.pop(0)
+            if isinstance(inp, StartHeight):
+                self._own = []
+                self._pol = {}
+                self._executed = {}
+                self._seen_next = False
+                self._pending_start = None
+            elif isinstance(inp, ProposalReceived):
+                self._note_pol(inp.proposal)
+            for out in self.core.handle(inp, now):
+                self._execute(out, now, queue, actions)
+
+    def _execute(self, out: object, now: float, queue: list[Input], actions: list[Action]) -> None:
+        if isinstance(out, BroadcastProposal):
+            proposal = sign_proposal(self.identity, self.genesis.chain_id, out.proposal)
+            sent = self._record(proposal, Step.PROPOSE, self.config.value_id(proposal.value))
+            if isinstance(sent, Proposal):
+                self.stats.proposals_signed += 1
+                actions.append(SendMessage(sent))
+                queue.append(ProposalReceived(sent))
+        elif isinstance(out, BroadcastVote):
+            vote = sign_vote(self.identity, self.genesis.chain_id, out.vote)
+            sent = self._record(vote, Step(int(vote.type)), vote.value_id)
+            if isinstance(sent, Vote):
+                self.stats.votes_signed += 1
+                actions.append(SendMessage(sent))
+                queue.append(VoteReceived(sent))
+        elif isinstance(out, ScheduleTimeout):
+            inp = TimeoutFired(out.kind, out.height, out.round)
+            heapq.heappush(self._timers, _Timer(now + out.duration, next(self._seq), inp))
+        elif isinstance(out, GetValue):
+            queue.append(ProposeValue(out.height, out.round, self._get_value(out)))
+        elif isinstance(out, ValidateValue):
+            vid = self.config.value_id(out.value)
+            queue.append(ValueValidated(out.height, out.round, vid, self._validate(out, vid)))
+        elif isinstance(out, Decide):
+            self._decide(out, now, actions)
+        elif isinstance(out, Equivocation):
+            self.stats.evidence_seen += 1
+            log.warning("validator %s equivocated at height %d round %d",
+                        peer_label(out.first.validator), out.first.height, out.first.round)
+            try:
+                tx = encode_tx(EvidenceTx(out.first, out.second))
+                if self.mempool.add(tx, self.state, self.unix_ms()):
+                    actions.append(RelayTx(tx))
+            except PsError as exc:
+                log.info("equivocation evidence not queued: %s", exc)
+
+    def _record(self, signed: Proposal | Vote, step: Step, vid: bytes | None
+                ) -> Proposal | Vote | None:
+        """Write an own message to the WAL; returns the message to send (the one stored
+        earlier for the same value, after a restart), or None (logged, counted) when it would
+        double-sign."""
+        encoded = self.wire.encode_message(signed)
+        try:
+            stored = self.store.record_signed(signed.height, signed.round, int(step), vid, encoded)
+        except DoubleSignError as exc:
+            self.stats.double_sign_refused += 1
+            log.error("REFUSED TO DOUBLE-SIGN (nothing sent): %s", exc)
+            return None
+        if stored != encoded:  # signed before a restart: send the bytes sent then
+            message = self.wire.decode_message(stored)
+            if isinstance(message, type(signed)):
+                signed = message
+        self._remember_own(signed)
+        return signed
+
+    def _remember_own(self, message: Proposal | Vote) -> None:
+        if message not in self._own:
+            self._own.append(message)
+
+    def _note_pol(self, p: Proposal) -> None:
+        if p.height != self.core.height or len(self._pol) >= MAX_POL_ENTRIES:
+            return
+        key = (p.round, self.config.value_id(p.value))
+        self._pol.setdefault(key, p.pol_round)
+
+    # ------------------------------------------------------------------ the application
+
+    def _get_value(self, out: GetValue) -> bytes:
+        for signed in self.store.signed_at(out.height):
+            if signed.round == out.round and signed.step == Step.PROPOSE:
+                message = self.wire.decode_message(signed.message)
+                if isinstance(message, Proposal):
+                    return message.value  # signed before a restart: never a second value
+        state = self.state
+        txs = self.mempool.reap(state)
+        for _ in range(2):  # drop what would fail (e.g. expired by the block's time), once
+            block = make_block(
+                chain_id=state.chain_id, height=out.height,
+                time_ms=max(self.unix_ms(), state.time_ms + 1),
+                prev_block_id=state.block_id, app_hash=state.app_hash, proposer=self.address,
+                txs=txs,
+            )
+            new, result = execute_block(state, block)
+            if all(r.ok for r in result.tx_results):
+                break
+            txs = [tx for tx, r in zip(txs, result.tx_results) if r.ok]
+        self._keep_executed(block_id(block.header), new, result)
+        return encode_block(block)
+
+    def _validate(self, out: ValidateValue, vid: bytes) -> bool:
+        if out.height != self.height:
+            return False
+        try:
+            block = decode_block(out.value, self.genesis.limits)
+            timely = self._pol.get((out.round, vid), NIL_ROUND) == NIL_ROUND
+            validate_block(
+                block, self.state.tip(), limits=self.genesis.limits, now_ms=self.unix_ms(),
+                timely=timely,
+                proposer=self.core.proposer(out.height, out.round) if timely else None,
+            )
+            new, result = execute_block(self.state, block)
+            failed = [r for r in result.tx_results if not r.ok]
+            if failed:
+                raise InvalidBlockError(
+                    f"block {out.height} holds {len(failed)} failing transaction(s): "
+                    f"{failed[0].error}"
+                )
+        except PsError as exc:
+            self.stats.values_refused += 1
+            self.stats.last_refusal = str(exc)
+            log.warning("refused the value proposed at height %d round %d: %s",
+                        out.height, out.round, exc)
+            return False
+        self._keep_executed(vid, new, result)
+        return True
+
+    def _keep_executed(self, vid: bytes, new: AppState, result: BlockResult) -> None:
+        if len(self._executed) >= MAX_EXECUTED:
+            self._executed.pop(next(iter(self._executed)))
+        self._executed[vid] = (new, result)
+
+    def _decide(self, d: Decide, now: float, actions: list[Action]) -> None:
+        block = decode_block(d.value, self.genesis.limits)  # valid: it was validated
+        bid = block_id(block.header)
+        verify_commit(self.genesis.chain_id, self.validators, d.height, bid, d.commit)
+        executed = self._executed.get(bid)
+        new, result = executed if executed is not None else execute_block(self.state, block)
+        self._commit(block, d.value, d.commit, new, result, actions, synced=False)
+        self.mempool.update(self.state, block.txs, self.unix_ms())
+        if d.height % PRUNE_EVERY == 0:
+            self.store.prune_signed(self.height)
+        self._pending_start = self.height
+        if len(self.mempool) or self._seen_next:
+            self._start_next(now, actions)
+        else:
+            heapq.heappush(self._timers, _Timer(now + self.empty_block_interval,
+                                                next(self._seq), self.height))
+
+    def _commit(self, block: Block, raw: bytes, commit: tuple[Vote, ...], new: AppState,
+                result: BlockResult, actions: list[Action], *, synced: bool) -> None:
+        h = block.header.height
+        self.store.save_block(h, raw, self.wire.encode_commit(commit))
+        self.history.add_block(block.header, commit, new, result)
+        self.state = new
+        if synced:
+            self.stats.blocks_synced += 1
+        else:
+            self.stats.heights_committed += 1
+        actions.append(Committed(h, block, commit, result, synced))
+
+    def _start_next(self, now: float, actions: list[Action]) -> None:
+        if self._pending_start is None:
+            return
+        self._run([StartHeight(self._pending_start, self.validators)], now, actions)
+
+
+__all__ = [
+    "EMPTY_BLOCK_INTERVAL",
+    "Action",
+    "Committed",
+    "RelayTx",
+    "SendMessage",
+    "Validator",
+    "ValidatorStats",
+    "WireCodec",
+    "unix_ms",
+]

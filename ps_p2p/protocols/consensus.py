@@ -1,0 +1,464 @@
+"""``/planetserve/consensus/1.0.0``: a verifier's consensus service, a thin libp2p adapter around
+:class:`ps_p2p.consensus.validator.Validator` (DESIGN.md "Verifier committee", "Layers").
+
+Wire: one-way message links among the committee (:mod:`ps_p2p.protocols.links`): each frame is
+one ``ConsensusMessage`` (:mod:`ps_p2p.protocols.consensus_codec`): a signed proposal, a signed
+vote, or a registry transaction. Direct streams among validators, no GossipSub (it drops
+silently).
+
+Inbound, on the stream handler's task, cheapest first, before the driver sees anything:
+
+1. the sending peer must be a validator (else the stream is reset: nobody else speaks this
+   protocol); at most ``max_inflight_per_peer`` of its inputs wait in the driver's inbox (more
+   are dropped);
+2. the frame decodes within the codec's bounds (frame size: the block limit plus framing);
+3. a proposal's or vote's signer must be a validator, then: heights below the one being
+   decided are dropped (stale, no signature check); the signature must verify
+   (:func:`~ps_p2p.consensus.signing.verify_proposal` / ``verify_vote``; a cache of verified
+   frames spares re-broadcasts a second check); heights above the next one are dropped and
+   start a block sync from that peer.
+
+A frame that fails 1-3 (but for stale or future heights) resets that stream only; every
+refusal is counted by reason in :attr:`ConsensusService.refused`. Transactions go to the
+mempool (:func:`~ps_p2p.consensus.app.check_tx` first) in the driver task and a new one is
+relayed once to the other validators; a refused one is counted, not reset (the sender's state
+may differ).
+
+Outbound: a :class:`~ps_p2p.protocols.links.LinkManager` (bounded per-peer queues, dial
+back-off). Every ``rebroadcast_interval`` seconds (default the core's ``timeout_prevote``) the
+validator sends again its own messages of the current height's last two rounds, so a validator
+that reconnects, or lost a frame with a link, catches up.
+
+Block sync (:mod:`ps_p2p.protocols.blocksync`, served here too): a validator fetches, verifies
+and executes blocks from a peer when a signed message of a height above its next one arrives,
+when a message of its next height has waited ``sync_after`` seconds without its own height
+moving (it missed the commit of its height), and at start from every connected validator (a
+restarted validator that is behind).
+
+A :class:`~ps_p2p.errors.StoreError` (the WAL or block store failed) stops the service: a
+validator must not sign from a state it does not know.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost
+from libp2p.custom_types import TProtocol
+
+from ps_p2p.consensus.app import Genesis, Mempool
+from ps_p2p.consensus.core import ConsensusConfig
+from ps_p2p.consensus.signing import verify_proposal, verify_vote
+from ps_p2p.consensus.store import ConsensusStore
+from ps_p2p.consensus.types import Proposal, Vote
+from ps_p2p.consensus.validator import (
+    EMPTY_BLOCK_INTERVAL,
+    Action,
+    Committed,
+    RelayTx,
+    SendMessage,
+    Validator,
+    WireCodec,
+    unix_ms,
+)
+from ps_p2p.errors import (
+    ConfigError,
+    InvalidSignatureError,
+    PsError,
+    RemoteProtocolError,
+    StoreError,
+)
+from ps_p2p.protocols import consensus_codec as cc
+from ps_p2p.protocols.blocksync import BlockSyncServer, fetch_blocks
+from ps_p2p.protocols.driver import CoreDriver
+from ps_p2p.protocols.handlers import StreamHandlers
+from ps_p2p.protocols.host import is_connected
+from ps_p2p.protocols.links import LinkManager, make_frame_handler
+from ps_p2p.records.peer_ids import peer_label
+from ps_p2p.records.types import Signer
+
+log = logging.getLogger(__name__)
+
+CONSENSUS_PROTOCOL_ID = TProtocol("/planetserve/consensus/1.0.0")
+#: Largest frame: a proposal carrying the largest value plus its fields.
+MAX_FRAME_BYTES = cc.MAX_VALUE_BYTES + 1024
+#: Verified frames remembered (their hashes), so a re-broadcast is not checked twice.
+VERIFIED_CACHE = 4096
+
+#: The wire form the validator stores its own messages and commits in.
+WIRE = WireCodec(
+    encode_message=cc.encode_message,
+    decode_message=cc.decode_message,
+    encode_commit=cc.encode_commit,
+    decode_commit=cc.decode_commit,
+)
+
+
+@dataclass(frozen=True)
+class ConsensusServiceConfig:
+    """Settings of :class:`ConsensusService` (seconds unless said otherwise).
+
+    Attributes:
+        rebroadcast_interval: own messages are sent again this often; None: the core's
+            ``timeout_prevote``.
+        sync_after: a message of the next height waits this long before a block sync; None:
+            the sum of the core's three base timeouts.
+        empty_block_interval: an idle chain makes an empty block this often.
+        queue_frames: frames queued per outbound link.
+        max_inflight_per_peer: inputs of one peer waiting in the driver's inbox.
+        sync_timeout: one block-sync request's deadline.
+        min_sync_interval: between two syncs from one peer.
+    """
+
+    rebroadcast_interval: float | None = None
+    sync_after: float | None = None
+    empty_block_interval: float = EMPTY_BLOCK_INTERVAL
+    queue_frames: int = 1024
+    max_inflight_per_peer: int = 1024
+    sync_timeout: float = 10.0
+    min_sync_interval: float = 0.5
+
+
+class ConsensusService:
+    """One validator on one host (see the module docstring).
+
+    Args:
+        host: a running py-libp2p host whose identity is ``identity``.
+        identity: the validator's Ed25519 identity (signs proposals and votes).
+        genesis: the chain (validators, chain ID, policy, limits).
+        store: the validator's store (WAL, blocks); the caller opens and closes it.
+        consensus: the core's timeouts.
+        config: :class:`ConsensusServiceConfig`.
+        mempool: default ``Mempool()``.
+        on_commit: called (synchronously, in the driver task) with each :class:`Committed`.
+        clock: trio's clock (seconds). unix_ms: wall clock (unix ms) for block times.
+
+    Attributes:
+        validator: the :class:`~ps_p2p.consensus.validator.Validator`.
+        refused: inbound frames refused or dropped, by reason.
+        fatal: the StoreError that stopped the service, if any.
+
+    Raises:
+        ConfigError: ``identity`` is not the host's, or not a validator of ``genesis``.
+    """
+
+    def __init__(
+        self,
+        host: IHost,
+        identity: Signer,
+        genesis: Genesis,
+        store: ConsensusStore,
+        consensus: ConsensusConfig | None = None,
+        config: ConsensusServiceConfig | None = None,
+        *,
+        mempool: Mempool | None = None,
+        on_commit: Callable[[Committed], None] | None = None,
+        clock: Callable[[], float] = trio.current_time,
+        unix_ms: Callable[[], int] = unix_ms,
+    ) -> None:
+        if identity.peer_id != host.get_id().to_bytes():
+            raise ConfigError("the validator identity is not the host's identity")
+        self.host = host
+        self.config = config or ConsensusServiceConfig()
+        try:
+            self.validator = Validator(
+                identity, genesis, store, WIRE, consensus, mempool=mempool,
+                empty_block_interval=self.config.empty_block_interval, unix_ms=unix_ms,
+            )
+        except PsError as exc:
+            raise ConfigError(str(exc)) from exc
+        core = self.validator.config
+        self.rebroadcast_interval = self.config.rebroadcast_interval or core.timeout_prevote
+        self.sync_after = self.config.sync_after or (
+            core.timeout_propose + core.timeout_prevote + core.timeout_precommit)
+        self.address = identity.peer_id
+        self.peers = tuple(v.address for v in genesis.validators if v.address != self.address)
+        self.on_commit = on_commit
+        self._clock = clock
+        self.driver: CoreDriver[Action] = CoreDriver(
+            "consensus", execute=self._execute, tick=self._tick,
+            next_deadline=self._next_deadline, clock=clock,
+        )
+        self.blocksync = BlockSyncServer(store)
+        self.refused: collections.Counter[str] = collections.Counter()
+        self.fatal: StoreError | None = None
+        self._links: LinkManager | None = None
+        self._inflight: collections.Counter[bytes] = collections.Counter()
+        self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._next_rebroadcast = 0.0
+        self._ahead: tuple[int, float, bytes] | None = None  # (our height, since, peer)
+        self._sync_send, self._sync_receive = trio.open_memory_channel[bytes](16)
+        self._last_sync: dict[bytes, float] = {}
+        self._committed = trio.Event()
+        self._cancel: trio.CancelScope | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Restore the validator from its store, serve the consensus and block-sync protocols
+        and take part in consensus until cancelled (or a StoreError: then :attr:`fatal`).
+
+        Raises:
+            ConfigError: the host already serves one of the protocols.
+            StoreError: the store cannot be read at start.
+        """
+        handlers = StreamHandlers(self.host)
+        sync_handlers: StreamHandlers | None = None
+        try:
+            with trio.CancelScope() as self._cancel:
+                async with trio.open_nursery() as nursery:
+                    self._links = LinkManager(
+                        self.host, nursery, CONSENSUS_PROTOCOL_ID,
+                        queue_frames=self.config.queue_frames,
+                    )
+                    await nursery.start(self.driver.run)
+                    now = self._clock()
+                    self._next_rebroadcast = now + self.rebroadcast_interval
+                    self.driver.run_commands(self.validator.start(now))
+                    self.driver.wake()
+                    handlers.add(CONSENSUS_PROTOCOL_ID, make_frame_handler(
+                        CONSENSUS_PROTOCOL_ID, MAX_FRAME_BYTES, self._on_frame))
+                    sync_handlers = self.blocksync.register_handlers(self.host)
+                    nursery.start_soon(self._sync_loop)
+                    for peer in self.peers:  # a restarted validator may be behind
+                        if is_connected(self.host, peer):
+                            self._request_sync(peer)
+                    task_status.started()
+                    try:
+                        await trio.sleep_forever()
+                    finally:
+                        self._links.close_all()
+        finally:
+            await handlers.aclose()
+            if sync_handlers is not None:
+                await sync_handlers.aclose()
+
+    # ------------------------------------------------------------------ local API
+
+    def submit_tx(self, tx: bytes) -> bool:
+        """Queue a registry transaction from this node (checked at once, then relayed).
+
+        Returns:
+            True when new; False when already pending.
+
+        Raises:
+            InvalidTransactionError, AdmissionError: refused (see
+                :func:`~ps_p2p.consensus.app.check_tx`); nothing is relayed.
+        """
+        actions = self.validator.add_tx(tx, self._clock())
+        self.driver.run_commands(actions)
+        self.driver.wake()
+        return bool(actions)
+
+    async def wait_committed(self, height: int) -> None:
+        """Wait until block ``height`` is committed here (wrap it in a deadline)."""
+        while self.validator.committed_height < height:
+            await self._committed.wait()
+
+    def link_stats(self):  # type: ignore[no-untyped-def]
+        """Counters of the outbound links (None before :meth:`run`)."""
+        return None if self._links is None else self._links.stats
+
+    # ------------------------------------------------------------------ inbound
+
+    def _refuse(self, reason: str, peer: bytes, detail: object = "") -> None:
+        self.refused[reason] += 1
+        if self.refused[reason] in (1, 10, 100, 1000) or self.refused[reason] % 10_000 == 0:
+            log.warning("consensus: %s from %s (%d so far) %s", reason, peer_label(peer),
+                        self.refused[reason], detail)
+
+    def _on_frame(self, peer: bytes, data: bytes) -> None:
+        """One inbound frame (handler task); raises RemoteProtocolError to reset the stream."""
+        v = self.validator
+        if not v.is_validator(peer):
+            self._refuse("peer not a validator", peer)
+            raise RemoteProtocolError("the consensus protocol is for validators only")
+        if self._inflight[peer] >= self.config.max_inflight_per_peer:
+            self._refuse("peer inbox full", peer)
+            return
+        try:
+            message = cc.decode_message(data)
+        except RemoteProtocolError as exc:
+            self._refuse("malformed", peer, exc)
+            raise
+        if isinstance(message, cc.Tx):
+            self._submit(peer, functools.partial(self._apply_tx, peer, message.tx))
+            return
+        signer = message.proposer if isinstance(message, Proposal) else message.validator
+        if not v.is_validator(signer):
+            self._refuse("signer not a validator", peer)
+            raise RemoteProtocolError(f"a message signed by {peer_label(signer)}, no validator")
+        if message.height < v.height:
+            self.refused["stale height"] += 1
+            return
+        self._check_signature(peer, data, message)
+        if message.height > v.height + 1:
+            self._refuse("future height", peer, f"(height {message.height}, ours {v.height})")
+            self._request_sync(peer)
+            return
+        if message.height == v.height + 1 and self._ahead is None:
+            self._ahead = (v.height, self._clock(), peer)
+        self._submit(peer, functools.partial(self._apply_message, peer, message))
+
+    def _check_signature(self, peer: bytes, data: bytes, message: Proposal | Vote) -> None:
+        key = hashlib.sha256(data).digest()
+        if key in self._verified:
+            self._verified.move_to_end(key)
+            return
+        try:
+            if isinstance(message, Proposal):
+                verify_proposal(self.validator.genesis.chain_id, message)
+            else:
+                verify_vote(self.validator.genesis.chain_id, message)
+        except InvalidSignatureError as exc:
+            self._refuse("bad signature", peer, exc)
+            raise
+        except RemoteProtocolError as exc:
+            self._refuse("malformed", peer, exc)
+            raise
+        self._verified[key] = None
+        if len(self._verified) > VERIFIED_CACHE:
+            self._verified.popitem(last=False)
+
+    def _submit(self, peer: bytes, event: Callable[[float], Iterable[Action]]) -> None:
+        if self.driver.submit(event):
+            self._inflight[peer] += 1
+        else:
+            self.refused["inbox full"] += 1
+
+    def _apply_message(self, peer: bytes, message: Proposal | Vote, now: float) -> list[Action]:
+        self._done(peer)
+        return self._guard(self.validator.receive, message, now)
+
+    def _apply_tx(self, peer: bytes, tx: bytes, now: float) -> list[Action]:
+        self._done(peer)
+        try:
+            return self._guard(self.validator.add_tx, tx, now, peer)
+        except RemoteProtocolError as exc:  # InvalidTransactionError, AdmissionError
+            self.refused["transaction refused"] += 1
+            log.debug("transaction from %s refused: %s", peer_label(peer), exc)
+            return []
+
+    def _done(self, peer: bytes) -> None:
+        self._inflight[peer] -= 1
+        if self._inflight[peer] <= 0:
+            del self._inflight[peer]
+
+    def _guard(self, call: Callable[..., list[Action]], *args: object) -> list[Action]:
+        try:
+            return call(*args)
+        except StoreError as exc:
+            self._stop(exc)
+            return []
+
+    def _stop(self, exc: StoreError) -> None:
+        log.critical("consensus store failed, validator stops: %s", exc)
+        self.fatal = exc
+        if self._cancel is not None:
+            self._cancel.cancel()
+
+    # ------------------------------------------------------------------ outputs and timers
+
+    def _execute(self, action: Action) -> None:
+        assert self._links is not None
+        if isinstance(action, SendMessage):
+            data = cc.encode_message(action.message)
+            for peer in self.peers:
+                self._links.send(peer, data)
+        elif isinstance(action, RelayTx):
+            data = cc.encode_message(cc.Tx(action.tx))
+            for peer in self.peers:
+                if peer != action.exclude:
+                    self._links.send(peer, data)
+        elif isinstance(action, Committed):
+            self._ahead = None
+            self._committed.set()
+            self._committed = trio.Event()
+            if self.on_commit is not None:
+                self.on_commit(action)
+
+    def _next_deadline(self) -> float:
+        deadline = self.validator.next_deadline()
+        at = self._next_rebroadcast
+        if self._ahead is not None:
+            at = min(at, self._ahead[1] + self.sync_after)
+        return at if deadline is None else min(at, deadline)
+
+    def _tick(self, now: float) -> list[Action]:
+        actions = self._guard(self.validator.tick, now)
+        if now >= self._next_rebroadcast:
+            self._next_rebroadcast = now + self.rebroadcast_interval
+            actions.extend(SendMessage(m) for m in self.validator.own_messages())
+        ahead = self._ahead
+        if ahead is not None:
+            if ahead[0] != self.validator.height:
+                self._ahead = None
+            elif now >= ahead[1] + self.sync_after:
+                self._ahead = None
+                self._request_sync(ahead[2])
+        return actions
+
+    # ------------------------------------------------------------------ block sync
+
+    def _request_sync(self, peer: bytes) -> None:
+        try:
+            self._sync_send.send_nowait(peer)
+        except trio.WouldBlock:
+            pass  # a sync is due anyway
+
+    async def _sync_loop(self) -> None:
+        async with self._sync_receive:
+            async for peer in self._sync_receive:
+                now = self._clock()
+                if now < self._last_sync.get(peer, -1e18) + self.config.min_sync_interval:
+                    continue
+                self._last_sync[peer] = now
+                await self._sync_from(peer)
+
+    async def _sync_from(self, peer: bytes) -> None:
+        v = self.validator
+        while True:
+            start = v.committed_height + 1
+            try:
+                blocks, latest = await fetch_blocks(
+                    self.host, peer, start, chain_id=v.genesis.chain_id,
+                    validators=v.validators, previous_block_id=v.state.block_id,
+                    limits=v.genesis.limits, timeout=self.config.sync_timeout,
+                )
+            except RemoteProtocolError as exc:
+                self._refuse("bad block sync answer", peer, exc)
+                return
+            except trio.Cancelled:
+                raise
+            except Exception as exc:  # dial, stream or deadline: try another time
+                log.info("block sync from %s failed: %r", peer_label(peer), exc)
+                return
+            if not blocks:
+                return
+            try:
+                actions = self._guard(
+                    v.apply_synced, [(b.height, b.block, b.commit) for b in blocks], self._clock())
+            except RemoteProtocolError as exc:
+                self._refuse("bad synced block", peer, exc)
+                return
+            self.driver.run_commands(actions)
+            self.driver.wake()
+            log.info("synced blocks %d-%d from %s", blocks[0].height, blocks[-1].height,
+                     peer_label(peer))
+            if blocks[-1].height >= latest or self.fatal is not None:
+                return
+
+
+__all__ = [
+    "CONSENSUS_PROTOCOL_ID",
+    "MAX_FRAME_BYTES",
+    "WIRE",
+    "ConsensusService",
+    "ConsensusServiceConfig",
+]

@@ -1,0 +1,181 @@
+"""A committee of validators on loopback in one trio run (tests and benchmarks).
+
+:class:`LocalCommittee` makes N validator identities, a genesis, and one
+:class:`~ps_p2p.protocols.consensus.ConsensusService` per member on its own py-libp2p host and
+sqlite store under ``folder``. Each member runs in its own cancel scope, so a test can kill one
+(:meth:`LocalCommittee.kill`: host, links and service stop at once; the store file stays) and
+start it again from its store (:meth:`LocalCommittee.start`), reconnected to the running ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from ps_p2p.consensus import app
+from ps_p2p.consensus.core import ConsensusConfig
+from ps_p2p.consensus.store import ConsensusStore
+from ps_p2p.consensus.types import Validator as CommitteeMember
+from ps_p2p.consensus.validator import Committed
+from ps_p2p.keys import Identity
+from ps_p2p.protocols.consensus import ConsensusService, ConsensusServiceConfig
+from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
+
+#: Small timeouts for loopback committees.
+FAST_CONSENSUS = ConsensusConfig(
+    timeout_propose=0.2, timeout_propose_delta=0.1, timeout_prevote=0.2,
+    timeout_prevote_delta=0.1, timeout_precommit=0.2, timeout_precommit_delta=0.1,
+)
+
+
+@dataclass(eq=False)
+class Member:
+    """One validator of a :class:`LocalCommittee` (host and service exist while it runs)."""
+
+    index: int
+    identity: Identity
+    store_path: pathlib.Path
+    host: object | None = None
+    service: ConsensusService | None = None
+    scope: trio.CancelScope | None = None
+    stopped: trio.Event = field(default_factory=trio.Event)
+    #: every Committed this member saw, over all its runs
+    commits: list[Committed] = field(default_factory=list)
+
+    @property
+    def peer_id(self) -> bytes:
+        return self.identity.peer_id
+
+    @property
+    def running(self) -> bool:
+        return self.service is not None
+
+
+class LocalCommittee:
+    """N validators on 127.0.0.1 (see the module docstring).
+
+    Args:
+        nursery: where members run.
+        folder: their store files.
+        n: committee size.
+        consensus: the core's timeouts (default :data:`FAST_CONSENSUS`).
+        config: the services' settings.
+        genesis_time_ms: default: now.
+        on_commit: called with (member, Committed) for every commit of every member.
+    """
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        folder: pathlib.Path,
+        n: int = 4,
+        *,
+        consensus: ConsensusConfig = FAST_CONSENSUS,
+        config: ConsensusServiceConfig | None = None,
+        genesis_time_ms: int | None = None,
+        policy: app.AdmissionPolicy | None = None,
+        on_commit: Callable[[Member, Committed], None] | None = None,
+    ) -> None:
+        import time
+
+        self.nursery = nursery
+        self.consensus = consensus
+        self.config = config or ConsensusServiceConfig()
+        self.on_commit = on_commit
+        identities = [
+            Identity.from_private_bytes(hashlib.sha256(b"validator %d" % i).digest())
+            for i in range(n)
+        ]
+        self.genesis = app.Genesis(
+            "local-committee",
+            genesis_time_ms if genesis_time_ms is not None else time.time_ns() // 1_000_000 - 1000,
+            tuple(CommitteeMember(k.peer_id) for k in identities),
+            policy or app.AdmissionPolicy(max_records_per_network=10_000),
+        )
+        self.members = [
+            Member(i, k, pathlib.Path(folder) / f"validator-{i}.sqlite")
+            for i, k in enumerate(identities)
+        ]
+
+    async def start_all(self) -> None:
+        """Start every member: hosts first, a full mesh of connections, then the services."""
+        hosts_up = [trio.Event() for _ in self.members]
+        go = trio.Event()
+        started = []
+        for m, up in zip(self.members, hosts_up):
+            started.append(trio.Event())
+            self.nursery.start_soon(self._run, m, up, go, started[-1])
+        for up in hosts_up:
+            await up.wait()
+        for i, a in enumerate(self.members):
+            for b in self.members[i + 1:]:
+                await connect(a.host, listen_multiaddrs(b.host)[0])  # type: ignore[arg-type]
+        go.set()
+        for s in started:
+            await s.wait()
+
+    async def start(self, member: Member) -> None:
+        """(Re)start one member from its store, connected to the running members."""
+        up, go, started = trio.Event(), trio.Event(), trio.Event()
+        self.nursery.start_soon(self._run, member, up, go, started)
+        await up.wait()
+        for other in self.members:
+            if other is not member and other.running:
+                await connect(member.host, listen_multiaddrs(other.host)[0])  # type: ignore[arg-type]
+        go.set()
+        await started.wait()
+
+    async def kill(self, member: Member, *, close_timeout: float = 3.0) -> None:
+        """Stop a member as a crashed process stops and wait until it is gone: its connections
+        and listener close first (peers read EOF at once; a cancelled task alone can leave its
+        sockets open, which peers take for a frozen node), then its nursery is cancelled."""
+        assert member.scope is not None
+        if member.host is not None:
+            with trio.move_on_after(close_timeout):
+                await member.host.get_network().close()  # type: ignore[attr-defined]
+        member.scope.cancel()
+        await member.stopped.wait()
+
+    async def _run(self, m: Member, up: trio.Event, go: trio.Event, started: trio.Event) -> None:
+        m.stopped = trio.Event()
+        store = ConsensusStore(m.store_path)
+        try:
+            with trio.CancelScope() as m.scope:
+                async with open_host(m.identity, ["/ip4/127.0.0.1/tcp/0"]) as host:
+                    m.host = host
+                    up.set()
+                    await go.wait()
+
+                    def commit(c: Committed) -> None:
+                        m.commits.append(c)
+                        if self.on_commit is not None:
+                            self.on_commit(m, c)
+
+                    m.service = ConsensusService(
+                        host, m.identity, self.genesis, store, self.consensus, self.config,
+                        on_commit=commit,
+                    )
+                    async with trio.open_nursery() as inner:
+                        await inner.start(m.service.run)
+                        started.set()
+        finally:
+            m.service = None
+            m.host = None
+            store.close()
+            m.stopped.set()
+
+    def running(self) -> list[Member]:
+        return [m for m in self.members if m.running]
+
+    async def wait_committed(self, height: int, members: list[Member] | None = None) -> None:
+        """Wait until every given (default: running) member committed ``height``."""
+        for m in members or self.running():
+            assert m.service is not None
+            await m.service.wait_committed(height)
+
+
+__all__ = ["FAST_CONSENSUS", "LocalCommittee", "Member"]
