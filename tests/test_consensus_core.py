@@ -727,3 +727,20 @@ def test_votes_carry_the_configured_value_id_the_block_id_for_registry_blocks():
     # an undecodable value still gets an ID (and never one of a real block)
     junk_id = consensus_value_id(limits)(b"\xff" * 10)
     assert len(junk_id) == 32 and junk_id != value_id(b"\xff" * 10)
+
+
+def test_L38_a_lock_restored_after_a_restart_makes_the_validator_prevote_nil_for_another_value():
+    from ps_p2p.consensus.types import BroadcastVote, RestoreLock
+
+    core = make(B, round_=2)
+    core.handle(RestoreLock(0, 1, W), 0.0)
+    state = core.state()
+    assert (state.locked_value, state.locked_round) == (W, 1)
+    assert (state.valid_value, state.valid_round) == (W, 1)
+    core.handle(ProposalReceived(prop(2, V)), 0.1)
+    out = core.handle(ValueValidated(0, 2, IV, True), 0.2)
+    votes = [o.vote for o in out if isinstance(o, BroadcastVote)]
+    assert votes == [vote(PV, 2, None, B)]  # L23: locked on W, so nil for V
+    # an older lock never replaces a newer one
+    core.handle(RestoreLock(0, 0, V), 0.3)
+    assert core.state().locked_value == W

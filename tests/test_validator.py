@@ -174,3 +174,32 @@ def test_a_validator_outside_the_genesis_is_refused():
     with pytest.raises(LocalProtocolError, match="not a validator"):
         Validator(Identity.from_private_bytes(b"\x09" * 32), GENESIS, ConsensusStore(":memory:"),
                   WIRE)
+
+
+def test_a_validator_restarted_after_locking_a_value_keeps_its_lock(tmp_path):
+    """Algorithm 1 locks the value a validator precommits (L36-42); the lock must survive a
+    crash, or the restarted validator could prevote another value later in the height."""
+    from ps_p2p.consensus.types import Step
+
+    stores = [ConsensusStore(tmp_path / f"v{i}.sqlite") for i in range(4)]
+    net = Net(stores)
+    v0 = net.vals[0]
+    height = v0.height
+
+    def precommitted() -> list:
+        return [s for s in v0.store.signed_at(height)
+                if s.step == Step.PRECOMMIT and s.value_id is not None]
+
+    net.run_until(lambda: bool(precommitted()))  # stop right after its precommit is written
+    (signed,) = precommitted()
+    assert signed.locked is not None and v0.config.value_id(signed.locked) == signed.value_id
+    assert v0.core.state().locked_round == signed.round
+    stores[0].close()
+    stores[0] = ConsensusStore(tmp_path / "v0.sqlite")
+    net.stores = stores
+    fresh = net.make(0)
+    fresh.start(net.now)
+    state = fresh.core.state()
+    assert fresh.height == height and fresh.stats.locks_restored == 1
+    assert (state.locked_value, state.locked_round) == (signed.locked, signed.round)
+    assert (state.valid_value, state.valid_round) == (signed.locked, signed.round)

@@ -81,6 +81,7 @@ from ps_p2p.consensus.types import (
     Proposal,
     ProposalReceived,
     ProposeValue,
+    RestoreLock,
     ScheduleTimeout,
     StartHeight,
     Step,
@@ -295,6 +296,8 @@ class ConsensusCore:
             self._on_propose_value(inp, out)
         elif isinstance(inp, ValueValidated):
             self._on_validated(inp)
+        elif isinstance(inp, RestoreLock):
+            self._on_restore_lock(inp)
         else:
             raise LocalProtocolError(f"not a consensus input: {inp!r}")
         while self.decision is None and self.height is not None and self._apply_rule(out):
@@ -431,6 +434,17 @@ class ConsensusCore:
         self._validity[self.config.value_id(inp.value)] = True
         proposal = Proposal(inp.height, inp.round, inp.value, self.valid_round, self.address)
         out.append(BroadcastProposal(proposal))  # L19
+
+    def _on_restore_lock(self, inp: RestoreLock) -> None:
+        """A precommit for ``inp.value`` in ``inp.round`` from before a restart: the state
+        L38-42 set then (a later round's lock wins; the value was valid when we locked it)."""
+        if inp.height != self.height or self.decision is not None:
+            return
+        if inp.round > self.locked_round:
+            self.locked_value, self.locked_round = inp.value, inp.round  # L38-39
+        if inp.round > self.valid_round:
+            self.valid_value, self.valid_round = inp.value, inp.round  # L42-43
+        self._validity[self.config.value_id(inp.value)] = True
 
     def _on_validated(self, inp: ValueValidated) -> None:
         if inp.height == self.height and inp.value_id in self._validating:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from ps_p2p.errors import DoubleSignError, StoreError
 
 #: Version of the tables below; a database of another version is refused.
-SCHEMA_VERSION = 1
+#: 2: own precommits keep the value they lock (``signed.locked``).
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -42,6 +43,7 @@ CREATE TABLE IF NOT EXISTS signed (
     step INTEGER NOT NULL,
     value_id BLOB,
     message BLOB NOT NULL,
+    locked BLOB,
     PRIMARY KEY (height, round, step)
 );
 CREATE TABLE IF NOT EXISTS blocks (
@@ -60,6 +62,8 @@ class SignedMessage:
         step: 0 proposal, 1 prevote, 2 precommit (:class:`ps_p2p.consensus.types.Step`).
         value_id: the value's ID; None for a nil vote.
         message: the signed message's bytes, as sent.
+        locked: for a precommit of a value, the value itself (what the validator locked on,
+            Algorithm 1 L38); else None.
     """
 
     height: int
@@ -67,6 +71,7 @@ class SignedMessage:
     step: int
     value_id: bytes | None
     message: bytes
+    locked: bytes | None = None
 
 
 class ConsensusStore:
@@ -122,9 +127,13 @@ class ConsensusStore:
     # ------------------------------------------------------------------ write-ahead log
 
     def record_signed(
-        self, height: int, round: int, step: int, value_id: bytes | None, message: bytes
+        self, height: int, round: int, step: int, value_id: bytes | None, message: bytes,
+        *, locked: bytes | None = None,
     ) -> bytes:
         """Write one own signed message durably, before it is sent.
+
+        ``locked``: with a precommit for a value, the value (the lock it sets, restored after a
+        restart; a restarted validator that forgot its lock could prevote another value).
 
         Returns:
             the message to send: ``message``, or the one written earlier for the same
@@ -148,20 +157,21 @@ class ConsensusStore:
                     )
                 return bytes(row[1])
             db.execute(
-                "INSERT INTO signed VALUES (?, ?, ?, ?, ?)",
-                (height, round, step, value_id, message),
+                "INSERT INTO signed VALUES (?, ?, ?, ?, ?, ?)",
+                (height, round, step, value_id, message, locked),
             )
         return message
 
     def signed_at(self, height: int) -> list[SignedMessage]:
         """Own messages signed at ``height``, by round and step (what a restart replays)."""
         rows = self._db.execute(
-            "SELECT height, round, step, value_id, message FROM signed WHERE height=? "
+            "SELECT height, round, step, value_id, message, locked FROM signed WHERE height=? "
             "ORDER BY round, step",
             (height,),
         ).fetchall()
-        return [SignedMessage(h, r, s, None if v is None else bytes(v), bytes(m))
-                for h, r, s, v, m in rows]
+        return [SignedMessage(h, r, s, None if v is None else bytes(v), bytes(m),
+                              None if lk is None else bytes(lk))
+                for h, r, s, v, m, lk in rows]
 
     def last_signed_height(self) -> int | None:
         """The highest height with an own signed message, or None."""

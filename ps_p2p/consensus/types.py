@@ -145,7 +145,21 @@ class ValueValidated:
     valid: bool
 
 
-Input = StartHeight | ProposalReceived | VoteReceived | TimeoutFired | ProposeValue | ValueValidated
+@dataclass(frozen=True)
+class RestoreLock:
+    """After a restart: this validator precommitted ``value`` in ``round`` of ``height`` before
+    it stopped (its write-ahead log says so), so Algorithm 1 had set ``lockedValue`` and
+    ``validValue`` to ``value`` and ``lockedRound`` and ``validRound`` to ``round`` (L38-42).
+    Restoring them keeps a restarted validator from prevoting for another value later in the
+    height, which a fresh state would allow."""
+
+    height: int
+    round: int
+    value: bytes
+
+
+Input = (StartHeight | ProposalReceived | VoteReceived | TimeoutFired | ProposeValue
+         | ValueValidated | RestoreLock)
 
 
 # --------------------------------------------------------------------------------- outputs

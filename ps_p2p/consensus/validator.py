@@ -38,7 +38,9 @@ Restart (:meth:`start`): the state is rebuilt by executing the stored blocks fro
 O(blocks x records copied), ~14 ms a block at 100,000 records, see ``docs/consensus.md``), the
 core starts at the stored height + 1, and the own messages of that height found in the WAL are
 sent again and looped back, in (round, step) order, so a restarted validator counts what it
-signed and never signs a different value there (the WAL refuses it anyway).
+signed and never signs a different value there (the WAL refuses it anyway). Before that, the
+value of its highest-round own precommit (stored with it) is restored as its lock
+(:class:`~ps_p2p.consensus.types.RestoreLock`, Algorithm 1 L38-42).
 
 Time: every method takes ``now`` (seconds, the caller's monotonic clock: trio's in the
 service) for timers; block times use ``unix_ms()`` (injected; wall-clock milliseconds).
@@ -88,6 +90,7 @@ from ps_p2p.consensus.types import (
     Proposal,
     ProposalReceived,
     ProposeValue,
+    RestoreLock,
     ScheduleTimeout,
     StartHeight,
     Step,
@@ -96,6 +99,7 @@ from ps_p2p.consensus.types import (
     ValueValidated,
     Vote,
     VoteReceived,
+    VoteType,
 )
 from ps_p2p.errors import (
     DoubleSignError,
@@ -182,6 +186,8 @@ class ValidatorStats:
     double_sign_refused: int = 0
     values_refused: int = 0
     wal_replayed: int = 0
+    #: restarts that restored a lock from the write-ahead log
+    locks_restored: int = 0
     evidence_seen: int = 0
     #: last reason a proposed value was refused
     last_refusal: str = ""
@@ -250,6 +256,9 @@ class Validator:
         self._own: list[Proposal | Vote] = []  # own signed messages of the current height
         self._pol: dict[tuple[int, bytes], int] = {}  # (round, value ID) -> POL round
         self._executed: dict[bytes, tuple[AppState, BlockResult]] = {}
+        # value ID -> value, of the values of this height validated or proposed by us: a
+        # precommit for one stores the value with it (the lock, restored after a restart)
+        self._values: dict[bytes, bytes] = {}
         self._started = False
 
     # ------------------------------------------------------------------ views
@@ -313,7 +322,14 @@ class Validator:
         actions: list[Action] = []
         self._run([StartHeight(self.height, self.validators)], now, actions)
         replay: list[Input] = []
-        for signed in self.store.signed_at(self.height):
+        own = self.store.signed_at(self.height)
+        locks = [s for s in own if s.step == Step.PRECOMMIT and s.locked is not None]
+        if locks:  # the lock of the highest round we precommitted a value in (L38-42)
+            last = max(locks, key=lambda s: s.round)
+            self._remember_value(last.locked)
+            replay.append(RestoreLock(last.height, last.round, last.locked))
+            self.stats.locks_restored += 1
+        for signed in own:
             try:
                 message = self.wire.decode_message(signed.message)
             except RemoteProtocolError as exc:
@@ -417,6 +433,7 @@ class Validator:
                 self._own = []
                 self._pol = {}
                 self._executed = {}
+                self._values = {}
                 self._seen_next = False
                 self._pending_start = None
             elif isinstance(inp, ProposalReceived):
@@ -434,7 +451,10 @@ class Validator:
                 queue.append(ProposalReceived(sent))
         elif isinstance(out, BroadcastVote):
             vote = sign_vote(self.identity, self.genesis.chain_id, out.vote)
-            sent = self._record(vote, Step(int(vote.type)), vote.value_id)
+            locked = None
+            if vote.type == VoteType.PRECOMMIT and vote.value_id is not None:
+                locked = self._values.get(vote.value_id)  # L36-42: precommit = lock
+            sent = self._record(vote, Step(int(vote.type)), vote.value_id, locked)
             if isinstance(sent, Vote):
                 self.stats.votes_signed += 1
                 actions.append(SendMessage(sent))
@@ -443,9 +463,11 @@ class Validator:
             inp = TimeoutFired(out.kind, out.height, out.round)
             heapq.heappush(self._timers, _Timer(now + out.duration, next(self._seq), inp))
         elif isinstance(out, GetValue):
-            queue.append(ProposeValue(out.height, out.round, self._get_value(out)))
+            value = self._get_value(out)
+            self._remember_value(value)
+            queue.append(ProposeValue(out.height, out.round, value))
         elif isinstance(out, ValidateValue):
-            vid = self.config.value_id(out.value)
+            vid = self._remember_value(out.value)
             queue.append(ValueValidated(out.height, out.round, vid, self._validate(out, vid)))
         elif isinstance(out, Decide):
             self._decide(out, now, actions)
@@ -460,14 +482,22 @@ class Validator:
             except PsError as exc:
                 log.info("equivocation evidence not queued: %s", exc)
 
-    def _record(self, signed: Proposal | Vote, step: Step, vid: bytes | None
-                ) -> Proposal | Vote | None:
+    def _remember_value(self, value: bytes) -> bytes:
+        vid = self.config.value_id(value)
+        if vid not in self._values and len(self._values) < MAX_EXECUTED * 4:
+            self._values[vid] = value
+        return vid
+
+    def _record(self, signed: Proposal | Vote, step: Step, vid: bytes | None,
+                locked: bytes | None = None) -> Proposal | Vote | None:
         """Write an own message to the WAL; returns the message to send (the one stored
         earlier for the same value, after a restart), or None (logged, counted) when it would
         double-sign."""
         encoded = self.wire.encode_message(signed)
         try:
-            stored = self.store.record_signed(signed.height, signed.round, int(step), vid, encoded)
+            stored = self.store.record_signed(
+                signed.height, signed.round, int(step), vid, encoded, locked=locked
+            )
         except DoubleSignError as exc:
             self.stats.double_sign_refused += 1
             log.error("REFUSED TO DOUBLE-SIGN (nothing sent): %s", exc)
