@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bootstrap peer (a verifier) with /p2p/<peer ID>; repeatable")
     run.add_argument("--verifier", action="append", dest="verifiers", metavar="PEER_ID",
                      help="trusted verifier peer ID; repeatable (default: the --multiaddr peers)")
+    run.add_argument("--genesis", metavar="FILE",
+                     help="the committee's genesis file (ps-node testnet): trust a directory "
+                          "only with 2f+1 commit signatures of its validators; a verifier must "
+                          "be one of them and runs the consensus")
     run.add_argument("--key-file", help="identity + onion keys, created on first run "
                                         "(default <home>/node.key)")
     run.add_argument("--name", help="node name: its home is <user data dir>/ps_p2p/NAME "
@@ -227,6 +231,7 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
             f"roles = [\"verifier\"]\n"
             f"name = {json.dumps(name)}\n"
             f"home = {json.dumps(str(out / name))}\n"
+            f"genesis = {json.dumps(str(out / 'genesis.json'))}\n"
             f"listen = {json.dumps(listen)}\n"
             f"bootstrap = {json.dumps(others)}\n"
         )
@@ -245,6 +250,7 @@ def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "listen": args.listen,
         "bootstrap": args.bootstrap,
         "verifiers": args.verifiers,
+        "genesis": args.genesis,
         "key_file": args.key_file,
         "name": args.name,
         "home": args.home,
