@@ -84,6 +84,8 @@ REGISTER_BACKOFF_MAX = 30.0
 WITHDRAW_LIFETIME_MS = 1000
 #: Seconds a draining node allows for sending its last answers.
 DRAIN_FLUSH_TIMEOUT = 5.0
+#: Seconds a verifier that failed to answer is tried after the others.
+VERIFIER_SUSPECT_SECONDS = 10.0
 #: Committee verifiers: the consensus store (WAL and blocks) in the node's home.
 CONSENSUS_STORE_FILE = "consensus.sqlite"
 
@@ -192,6 +194,7 @@ class Node:
         self._directory_ready = trio.Event()
         self._directory_changed_at = -1e9
         self._withdrawn = False
+        self._verifier_failed: dict[bytes, float] = {}  # verifier -> suspect until (trio time)
         self._bootstrap: dict[bytes, str] = {}
         for addr in config.bootstrap:
             peer = ID.from_base58(addr.rsplit("/p2p/", 1)[1]).to_bytes()
@@ -681,9 +684,20 @@ class Node:
         return records.sign_record(self.keys.identity, record)
 
     def _verifier_targets(self) -> list[bytes]:
+        """The verifiers to try, in random order, those that failed in the last
+        :data:`VERIFIER_SUSPECT_SECONDS` last (a dead verifier costs a failed dial per round
+        only once the others failed too)."""
         targets = [v for v in self.trusted_verifiers if v != self.peer_id]
         self.rng.shuffle(targets)
+        now = trio.current_time()
+        targets.sort(key=lambda v: self._verifier_failed.get(v, -math.inf) > now)
         return targets
+
+    def _verifier_answered(self, verifier: bytes, ok: bool) -> None:
+        if ok:
+            self._verifier_failed.pop(verifier, None)
+        else:  # keys: trusted verifiers only (bounded by the configuration)
+            self._verifier_failed[verifier] = trio.current_time() + VERIFIER_SUSPECT_SECONDS
 
     async def _directory_loop(self) -> None:
         assert self.host is not None
@@ -752,13 +766,16 @@ class Node:
     async def _register_with(self, verifier: bytes) -> int:
         assert self.host is not None
         if not await self._ensure_connected(verifier):
+            self._verifier_answered(verifier, False)
             return 0
         try:
             await self._client.register(self.host, verifier, self.own_record(_now_ms()), 5.0)
-            return 1
         except _REMOTE_FAILURES as exc:
             log.info("registration with %s failed: %s", ID(verifier).to_base58()[-8:], exc)
+            self._verifier_answered(verifier, False)
             return 0
+        self._verifier_answered(verifier, True)
+        return 1
 
     async def _refresh_directory(self, targets: list[bytes]) -> None:
         assert self.host is not None
@@ -771,16 +788,20 @@ class Node:
             self._install(self.directory_service.signed_directory(_now_ms()))
             return
         source = self._client.preferred()
-        if source in targets:  # the verifier whose heights we hold: a delta, not everything
+        suspect = self._verifier_failed.get(source or b"", -math.inf) > trio.current_time()
+        if source in targets and not suspect:  # whose heights we hold: a delta, not everything
             targets = [source] + [v for v in targets if v != source]
         for verifier in targets:
             if not await self._ensure_connected(verifier):
+                self._verifier_answered(verifier, False)
                 continue
             try:
                 directory, changed = await self._client.fetch(self.host, verifier, 5.0)
             except _REMOTE_FAILURES as exc:
                 log.info("directory from %s refused: %s", ID(verifier).to_base58()[-8:], exc)
+                self._verifier_answered(verifier, False)
                 continue
+            self._verifier_answered(verifier, True)
             self._install(directory, changed)
             return
 

@@ -165,11 +165,21 @@ def test_a_rollback_a_stale_header_and_a_tampered_page_are_refused():
 
 
 class LyingDirectoryService(CommitteeDirectoryService):
-    """Serves the real header and pages with a commit cut to one signature (its own)."""
+    """Serves the real header and pages with a commit cut to one signature, or (``forge``)
+    the real commit over pages that list a record the committee never committed."""
+
+    forge = False
 
     def snapshot(self, since_height):
         header, commit, pages = super().snapshot(since_height)
-        return header, commit[:1], pages
+        if not self.forge:
+            return header, commit[:1], pages
+        data = b"".join(p.data for p in pages)
+        forged = user_record(who(66), "/ip4/10.6.6.6/tcp/4001")
+        from ps_p2p.consensus.encoding import lp, u8
+        from ps_p2p.records.canonical import record_signing_bytes
+        entry = u8(1) + lp(record_signing_bytes(forged)) + lp(forged.signature)
+        return header, commit, iter([DeltaPage(0, True, data + entry)])
 
 
 def user_record(identity: Identity, addr: str) -> NodeRecord:
@@ -185,11 +195,14 @@ async def test_a_node_registers_with_one_verifier_and_every_verifier_serves_it_c
         committee = LocalCommittee(nursery, tmp_path, 4)
         with trio.fail_after(30):
             await committee.start_all()
+            services = []
             for i, m in enumerate(committee.members):
                 cls = LyingDirectoryService if i == 0 else CommitteeDirectoryService
                 service = cls(lambda m=m: m.service.validator.history,
-                              lambda r, m=m: m.service.submit_tx(reg(r)))
+                              lambda r, m=m: m.service.submit_tx(reg(r)),
+                              page_bytes=256)  # many pages even for a few records
                 await nursery.start(service.serve, m.host)
+                services.append(service)
             await committee.wait_committed(1)
             me = Identity.from_private_bytes(b"\x42" * 32)
             async with open_host(me, ["/ip4/127.0.0.1/tcp/0"]) as host:
@@ -217,6 +230,16 @@ async def test_a_node_registers_with_one_verifier_and_every_verifier_serves_it_c
                     await committee.members[3].service.wait_committed(h + 1)
                 assert directory.record(who(7).peer_id) is None
                 assert replica.source == peers[3]
+                assert all(m.service.validator.state.records.get(me.peer_id) is not None
+                           for m in committee.members)  # relayed to every mempool
+                services[0].forge = True  # the real commit over a forged record
+                held = replica.directory
+                await committee.members[0].service.wait_committed(
+                    committee.members[0].service.validator.committed_height + 1)
+                with pytest.raises(InvalidDirectoryError, match="app hash"):
+                    await fetch_committed_directory(host, peers[0], replica,
+                                                    now_ms=lambda: time.time_ns() // 1_000_000)
+                assert replica.directory is held
         nursery.cancel_scope.cancel()
 
 
