@@ -144,9 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds until every user has its paths (default 60 + 1 per node)")
     devnet.add_argument("--json", dest="json_out", metavar="OUT",
                         help="write one JSON object per prompt to OUT (JSON lines)")
-    devnet.add_argument("--perturb", choices=["none", "kill-relay", "tamper-clove"], default="none",
+    devnet.add_argument("--committee", action="store_true",
+                        help="the verifiers run the committee's consensus from a genesis file; "
+                             "users and model nodes trust only 2f+1-signed directories")
+    devnet.add_argument("--perturb", choices=["none", "kill-relay", "tamper-clove", "kill-verifier"],
+                        default="none",
                         help="kill-relay: kill one relay on one path of each user mid-run; "
-                             "tamper-clove: one relay corrupts what it forwards")
+                             "tamper-clove: one relay corrupts what it forwards; "
+                             "kill-verifier: kill one verifier mid-run")
     devnet.add_argument("--limit", type=int, help="send only the first N prompts")
     devnet.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
     devnet.add_argument("--concurrency", type=int, default=4, help="prompts in flight (default 4)")
@@ -560,6 +565,7 @@ def _cmd_devnet(args: argparse.Namespace) -> int:
         engine=args.engine,
         nodes_per_process=args.nodes_per_process,
         start_timeout=args.start_timeout,
+        committee=args.committee,
     )
     return run_devnet(options)
 
