@@ -14,6 +14,8 @@ import time
 
 import pytest
 import trio
+from libp2p.network.stream.exceptions import StreamError
+from libp2p.peer.id import ID
 
 from ps_p2p.config import NodeConfig
 from ps_p2p.consensus import app
@@ -32,12 +34,15 @@ from ps_p2p.errors import (
     RemoteProtocolError,
 )
 from ps_p2p.keys import Identity, NodeKeys
+from ps_p2p.metrics import status_line
 from ps_p2p.node import Node
 from ps_p2p.protocols.committee_directory import (
+    COMMITTEE_DIRECTORY_PROTOCOL_ID,
     CommitteeDirectoryService,
     fetch_committed_directory,
     register_with_committee,
 )
+from ps_p2p.protocols.framing import encode_frame
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 from ps_p2p.records import NodeRecord, Role, sign_record
 from ps_p2p.testing.committee import LocalCommittee
@@ -212,6 +217,11 @@ async def test_a_node_registers_with_one_verifier_and_every_verifier_serves_it_c
                 mine = user_record(me, "/ip4/127.0.0.1/tcp/4001")
                 expires = await register_with_committee(host, peers[1], mine)
                 assert expires == mine.expires_at_ms
+                raw = await host.new_stream(ID(peers[1]), [COMMITTEE_DIRECTORY_PROTOCOL_ID])
+                await raw.write(encode_frame(b"\x0a" * 5000))  # over the 4 KiB request bound
+                with trio.fail_after(5), pytest.raises(StreamError):  # reset: this stream only
+                    await raw.read(1)
+                assert services[1].reset == 1
                 other = user_record(who(7), "/ip4/127.0.0.1/tcp/4002")
                 with pytest.raises(RemoteProtocolError, match="only its own record"):
                     await register_with_committee(host, peers[2], other)
@@ -271,6 +281,7 @@ async def test_users_of_a_committee_network_get_a_verified_directory_and_answers
         for v in net.verifiers:
             assert v.consensus is not None and v.directory_service is None
             assert (v.config.home_path / "consensus.sqlite").is_file()
+            assert "committed height" in status_line(v)
         user = net.users[0]
         directory = user.directory
         assert user.genesis_file is not None and directory.height >= 1
