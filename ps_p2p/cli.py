@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     devnet.add_argument("--committee", action="store_true",
                         help="the verifiers run the committee's consensus from a genesis file; "
                              "users and model nodes trust only 2f+1-signed directories")
-    devnet.add_argument("--perturb", choices=["none", "kill-relay", "tamper-clove", "kill-verifier"],
-                        default="none",
+    devnet.add_argument("--perturb", default="none",
+                        choices=["none", "kill-relay", "tamper-clove", "kill-verifier"],
                         help="kill-relay: kill one relay on one path of each user mid-run; "
                              "tamper-clove: one relay corrupts what it forwards; "
                              "kill-verifier: kill one verifier mid-run")

@@ -200,8 +200,8 @@ async def _open_localnet(
         boot = [v.listen_addrs[0] for v in verifiers]
         model_nodes = []
         for i in range(models):
-            cfg = NodeConfig(roles=["model"], bootstrap=boot, model="fake", **genesis,  # type: ignore[arg-type]
-                             **fast)
+            cfg = NodeConfig(roles=["model"], bootstrap=boot, model="fake",
+                             **genesis, **fast)  # type: ignore[arg-type]
             cfg.model_node.capacity = model_capacity
             cfg.model_node.max_queue = model_max_queue
             model_nodes.append(await start(cfg, engine_factory(i)))
