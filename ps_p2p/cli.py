@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bootstrap peer (a verifier) with /p2p/<peer ID>; repeatable")
     run.add_argument("--verifier", action="append", dest="verifiers", metavar="PEER_ID",
                      help="trusted verifier peer ID; repeatable (default: the --multiaddr peers)")
+    run.add_argument("--genesis", metavar="FILE",
+                     help="the committee's genesis file (ps-node testnet): trust a directory "
+                          "only with 2f+1 commit signatures of its validators; a verifier must "
+                          "be one of them and runs the consensus")
     run.add_argument("--key-file", help="identity + onion keys, created on first run "
                                         "(default <home>/node.key)")
     run.add_argument("--name", help="node name: its home is <user data dir>/ps_p2p/NAME "
@@ -140,9 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds until every user has its paths (default 60 + 1 per node)")
     devnet.add_argument("--json", dest="json_out", metavar="OUT",
                         help="write one JSON object per prompt to OUT (JSON lines)")
-    devnet.add_argument("--perturb", choices=["none", "kill-relay", "tamper-clove"], default="none",
+    devnet.add_argument("--committee", action="store_true",
+                        help="the verifiers run the committee's consensus from a genesis file; "
+                             "users and model nodes trust only 2f+1-signed directories")
+    devnet.add_argument("--perturb", default="none",
+                        choices=["none", "kill-relay", "tamper-clove", "kill-verifier"],
                         help="kill-relay: kill one relay on one path of each user mid-run; "
-                             "tamper-clove: one relay corrupts what it forwards")
+                             "tamper-clove: one relay corrupts what it forwards; "
+                             "kill-verifier: kill one verifier mid-run")
     devnet.add_argument("--limit", type=int, help="send only the first N prompts")
     devnet.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
     devnet.add_argument("--concurrency", type=int, default=4, help="prompts in flight (default 4)")
@@ -227,6 +236,7 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
             f"roles = [\"verifier\"]\n"
             f"name = {json.dumps(name)}\n"
             f"home = {json.dumps(str(out / name))}\n"
+            f"genesis = {json.dumps(str(out / 'genesis.json'))}\n"
             f"listen = {json.dumps(listen)}\n"
             f"bootstrap = {json.dumps(others)}\n"
         )
@@ -245,6 +255,7 @@ def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "listen": args.listen,
         "bootstrap": args.bootstrap,
         "verifiers": args.verifiers,
+        "genesis": args.genesis,
         "key_file": args.key_file,
         "name": args.name,
         "home": args.home,
@@ -554,6 +565,7 @@ def _cmd_devnet(args: argparse.Namespace) -> int:
         engine=args.engine,
         nodes_per_process=args.nodes_per_process,
         start_timeout=args.start_timeout,
+        committee=args.committee,
     )
     return run_devnet(options)
 

@@ -136,7 +136,15 @@ class NodeConfig:
         listen: listen multiaddr (port 0 picks a free port).
         bootstrap: multiaddrs (with /p2p/<peer ID>) dialled at start.
         verifiers: trusted verifier peer IDs (base58); empty = the bootstrap peers.
-        quorum: verifier signatures a directory needs (2f+1 once consensus lands).
+        quorum: verifier signatures a directory needs (single-verifier mode, no ``genesis``).
+        genesis: path of the committee's genesis file (:mod:`ps_p2p.consensus.genesis`);
+            None: the single-verifier mode. With it every node trusts a directory only with a
+            commit of more than 2/3 of the genesis validators (``verifiers`` and ``quorum``
+            are not used), and a verifier must be one of those validators: it runs the
+            consensus (store ``<home>/consensus.sqlite``) and serves the committed directory
+            (docs/consensus.md, "Nodes and the committee").
+        block_interval: committee verifiers: seconds an idle chain waits before an empty
+            block (keeps the directory's commit fresh; default 1).
         name: the node's name, its default home's folder (default: the roles, ``user``).
         home: keys and state (:mod:`ps_p2p.home`); default ``<user data dir>/ps_p2p/<name>``.
         key_file: identity + onion key file, created on first run; default ``<home>/node.key``.
@@ -162,6 +170,8 @@ class NodeConfig:
     bootstrap: list[str] = field(default_factory=list)
     verifiers: list[str] = field(default_factory=list)
     quorum: int = 1
+    genesis: str | None = None
+    block_interval: float = 1 * SECONDS
     name: str | None = None
     home: str | None = None
     key_file: str | None = None
@@ -197,6 +207,9 @@ class NodeConfig:
             raise ConfigError("the model role needs --model PATH (or the served name with --engine vllm)")
         if self.quorum < 1:
             raise ConfigError("quorum must be >= 1")
+        if not (isinstance(self.block_interval, (int, float))
+                and 0 < self.block_interval < math.inf):
+            raise ConfigError(f"block_interval must be > 0 seconds, not {self.block_interval!r}")
         if self.name is not None:
             from ps_p2p.home import check_name
 

@@ -44,6 +44,17 @@ Perturbations (each prompt must still be answered, since n > k):
   node), then its tasks are cancelled; the other nodes of the worker run on.
 * ``tamper-clove``: one user node runs with ``tamper`` and corrupts every cell and clove it relays;
   the proxies' end-to-end check and S-IDA's AEAD reject them and decoding uses other cloves.
+* ``kill-verifier``: after the first third of the prompts, the last verifier is killed while
+  requests are in flight; registrations and directory refreshes go to the others (with
+  ``committee``, the 3f other validators keep committing blocks).
+
+Committee (``committee``, ``ps-node devnet --committee``): the verifiers are the validators of a
+genesis file written to ``<workdir>/genesis.json`` (chain ``devnet``; loopback timeouts; an
+admission policy that lets one /24 hold every node), each listening on a port chosen before the
+start and bootstrapped from the others, with its consensus store in ``<workdir>/homes/<name>``;
+model nodes and users run with that genesis and trust only directories committed by more than
+2/3 of them (docs/consensus.md, "Nodes and the committee"). Without it every verifier signs its
+own directory.
 
 Engines: ``transformers`` loads ``model`` in every model node; ``instant`` answers at once with
 :class:`~ps_p2p.testing.fakes.InstantEngine` (no model load), to measure the overlay itself.
@@ -85,7 +96,7 @@ log = logging.getLogger(__name__)
 #: Prompt files are capped: a devnet is for a look at the system, not a load test.
 MAX_PROMPTS = 10_000
 ENGINES = ("transformers", "instant")
-PERTURBATIONS = ("none", "kill-relay", "tamper-clove")
+PERTURBATIONS = ("none", "kill-relay", "tamper-clove", "kill-verifier")
 #: ready paths a user needs before the network counts as ready (n, the cloves per request)
 READY_PATHS = 4
 #: seconds the workers get to stop after being told to, before SIGKILL
@@ -160,6 +171,7 @@ class DevnetOptions:
         prompts: prompt file (see :func:`load_prompts`); :func:`run_devnet` only.
         engine: ``transformers`` or ``instant`` (fake engine, answers at once).
         nodes_per_process: nodes per worker process (>= 1).
+        committee: the verifiers run consensus from a genesis file (module docstring).
         start_timeout: seconds until the network must be ready; None:
             :func:`default_start_timeout`.
         timeout: seconds per prompt.
@@ -184,6 +196,7 @@ class DevnetOptions:
     start_timeout: float | None = None
     engine: str = "transformers"
     nodes_per_process: int = 1
+    committee: bool = False
 
     @property
     def nodes(self) -> int:
@@ -206,6 +219,9 @@ class DevnetOptions:
             raise ConfigError(f"unknown perturbation {self.perturb!r}")
         if self.nodes_per_process < 1:
             raise ConfigError("--nodes-per-process must be >= 1")
+        if self.perturb == "kill-verifier" and self.verifiers < (4 if self.committee else 2):
+            raise ConfigError("--perturb kill-verifier needs --verifiers >= 2 (>= 4 with "
+                              "--committee: 3f+1 with f >= 1)")
         if self.start_timeout is not None and self.start_timeout <= 0:
             raise ConfigError("--start-timeout must be > 0")
         if self.concurrency < 1:
@@ -360,6 +376,9 @@ class Devnet:
         self.models: list[DevnetNode] = []
         self.users: list[DevnetNode] = []
         self.ready_s: float | None = None
+        #: committee: the genesis file (None without ``committee``)
+        self.genesis_path: pathlib.Path | None = None
+        self._verifier_addrs: list[str] = []
         self.progress = Progress(nodes=opts.nodes, users=opts.users,
                                  directory_nodes=opts.models + opts.users)
         self._changed = trio.Event()
@@ -376,6 +395,7 @@ class Devnet:
         started = self.progress.started_at = trio.current_time()
         deadline = started + opts.start_deadline
         what = f"(--start-timeout {opts.start_deadline:g} s)"
+        self.genesis_path = self._write_genesis() if opts.committee else None
         self.verifiers = await self._spawn_group("verifier", opts.verifiers, [])
         await self._wait(
             self.verifiers, lambda n: None if n.status.get("listen") else "not listening",
@@ -408,13 +428,36 @@ class Devnet:
         self.progress.ready = True
         self.progress.phase = "ready"
 
+    def _write_genesis(self) -> pathlib.Path:
+        """Committee: the verifiers' keys, ports and genesis file, before any starts."""
+        from ps_p2p.consensus.app import AdmissionPolicy, Genesis
+        from ps_p2p.consensus.genesis import genesis_json
+        from ps_p2p.consensus.types import Validator
+        from ps_p2p.keys import load_or_create_keys
+
+        names = [f"verifier{i}" for i in range(self.opts.verifiers)]
+        keys = [load_or_create_keys(self.workdir / "keys" / f"{n}.key") for n in names]
+        ports = _free_ports(len(names))
+        self._verifier_addrs = [
+            f"/ip4/127.0.0.1/tcp/{port}/p2p/{k.identity.peer_id_str}"
+            for port, k in zip(ports, keys)
+        ]
+        genesis = Genesis(
+            "devnet", int(time.time() * 1000) - 1000,
+            tuple(Validator(k.identity.peer_id) for k in keys),
+            AdmissionPolicy(max_records_per_network=max(32, 2 * self.opts.nodes)),
+        )
+        path = self.workdir / "genesis.json"
+        path.write_text(genesis_json(genesis, _devnet_consensus(), names))
+        return path
+
     async def _spawn_group(self, role: str, count: int, boot: list[str]) -> list[DevnetNode]:
         opts = self.opts
         nodes: list[DevnetNode] = []
         specs: list[dict[str, Any]] = []
         for i in range(count):
             name = f"{role}{i}"
-            specs.append({
+            spec: dict[str, Any] = {
                 "name": name,
                 "role": role,
                 "key_file": str(self.workdir / "keys" / f"{name}.key"),
@@ -422,7 +465,15 @@ class Devnet:
                 "bootstrap": boot,
                 "api": role == "user",
                 "tamper": role == "user" and opts.perturb == "tamper-clove" and i == count - 1,
-            })
+            }
+            if self.genesis_path is not None:
+                spec["genesis"] = str(self.genesis_path)
+                if role == "verifier":
+                    addr = self._verifier_addrs[i]
+                    spec["listen"] = addr.rsplit("/p2p/", 1)[0]
+                    spec["bootstrap"] = [a for a in self._verifier_addrs if a != addr]
+                    spec["home"] = str(self.workdir / "homes" / name)
+            specs.append(spec)
         per = opts.nodes_per_process
         for first in range(0, count, per):
             nodes += await self._spawn_worker(specs[first:first + per])
@@ -819,7 +870,8 @@ async def _devnet(opts: DevnetOptions) -> int:
     opts.validate()
     engine = opts.engine + (f" engine, model {opts.model}" if opts.engine == "transformers"
                             else " engine")
-    print(f"devnet: {opts.verifiers} verifiers, {opts.models} model nodes ({engine}), "
+    print(f"devnet: {opts.verifiers} verifiers{' (a committee)' if opts.committee else ''}, "
+          f"{opts.models} model nodes ({engine}), "
           f"{opts.users} users, {opts.nodes_per_process} node(s) per process; "
           f"{len(prompts)} prompts from {opts.prompts}; "
           f"work dir {opts.workdir or 'temporary (removed at exit)'}", flush=True)
@@ -851,12 +903,19 @@ async def _devnet(opts: DevnetOptions) -> int:
             print(f"  perturbation: {users[-1].name} ({users[-1].peer_id}) tampers with "
                   "every cell and clove it relays", flush=True)
         askers = [u for u in users if not (opts.perturb == "tamper-clove" and u is users[-1])]
-        split = len(prompts) if opts.perturb != "kill-relay" else max(1, len(prompts) // 3)
+        killing = opts.perturb in ("kill-relay", "kill-verifier")
+        split = len(prompts) if not killing else max(1, len(prompts) // 3)
         common = dict(concurrency=opts.concurrency, max_tokens=opts.max_tokens,
                       timeout=opts.timeout, on_result=show)
         await net.send_prompts(prompts[:split], askers=askers, **common)  # type: ignore[arg-type]
-        if opts.perturb == "kill-relay":
-            victims, askers = await _plan_kill(net, askers)
+        if killing:
+            if opts.perturb == "kill-relay":
+                victims, askers = await _plan_kill(net, askers)
+            else:
+                victims = [net.verifiers[-1]]
+                print(f"  perturbation: will kill {victims[0].name} "
+                      f"({'a committee validator' if opts.committee else 'a verifier'}) once "
+                      "the next prompts are in flight", flush=True)
 
             async def kill() -> None:
                 how = await net.kill(victims)
@@ -881,6 +940,31 @@ async def _devnet(opts: DevnetOptions) -> int:
     if opts.json_out:
         print(f"results written to {opts.json_out}")
     return 0 if len(ok) == len(prompts) else 1
+
+
+def _devnet_consensus():  # type: ignore[no-untyped-def]
+    """Committee timeouts of a devnet on loopback (seconds; CometBFT's defaults are for WANs)."""
+    from ps_p2p.consensus.core import ConsensusConfig
+
+    return ConsensusConfig(
+        timeout_propose=1.0, timeout_propose_delta=0.5, timeout_prevote=0.5,
+        timeout_prevote_delta=0.25, timeout_precommit=0.5, timeout_precommit_delta=0.25,
+    )
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 now (bound together, then released; a
+    committee's verifiers must know each other's addresses before they start)."""
+    import socket
+
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 async def _plan_kill(
@@ -1116,7 +1200,9 @@ class _WorkerProcess:
                     model = setup.get("model") or "instant"
                 config = NodeConfig(
                     roles=[spec["role"]], bootstrap=spec["bootstrap"], key_file=spec["key_file"],
-                    model=model, tamper=bool(spec.get("tamper")),
+                    model=model, tamper=bool(spec.get("tamper")), genesis=spec.get("genesis"),
+                    home=spec.get("home"),
+                    listen=spec.get("listen", NodeConfig.listen),
                 )
                 async with trio.open_nursery() as nursery:
                     node = await nursery.start(Node(config, keys, engine).run)

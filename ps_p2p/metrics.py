@@ -309,6 +309,11 @@ def status_line(node: Node) -> str:
     if node.directory_service is not None:
         registry = node.directory_service.registry
         parts.append(f"registry height {registry.height} ({len(registry)} records)")
+    consensus = getattr(node, "consensus", None)
+    if consensus is not None:
+        v = consensus.validator
+        parts.append(f"committed height {v.committed_height} ({len(v.state.records)} records, "
+                     f"mempool {len(v.mempool)})")
     d = node.directory
     if d is None:
         parts.append("no directory yet")

@@ -45,11 +45,13 @@ from libp2p.peer.id import ID
 
 from ps_p2p import records
 from ps_p2p.config import NodeConfig
+from ps_p2p.directory_client import CommitteeClient, DirectoryClient, SingleVerifierClient
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import ConfigError, PsError
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import NodeKeys
 from ps_p2p.metrics import NodeMetrics, status_message
+from ps_p2p.protocols import committee_directory as committee_proto
 from ps_p2p.protocols import directory as directory_proto
 from ps_p2p.protocols.handlers import registered_protocols
 from ps_p2p.protocols.host import (
@@ -82,6 +84,10 @@ REGISTER_BACKOFF_MAX = 30.0
 WITHDRAW_LIFETIME_MS = 1000
 #: Seconds a draining node allows for sending its last answers.
 DRAIN_FLUSH_TIMEOUT = 5.0
+#: Seconds a verifier that failed to answer is tried after the others.
+VERIFIER_SUSPECT_SECONDS = 10.0
+#: Committee verifiers: the consensus store (WAL and blocks) in the node's home.
+CONSENSUS_STORE_FILE = "consensus.sqlite"
 
 _ROLE = {"user": Role.USER, "model": Role.MODEL, "verifier": Role.VERIFIER}
 
@@ -188,6 +194,7 @@ class Node:
         self._directory_ready = trio.Event()
         self._directory_changed_at = -1e9
         self._withdrawn = False
+        self._verifier_failed: dict[bytes, float] = {}  # verifier -> suspect until (trio time)
         self._bootstrap: dict[bytes, str] = {}
         for addr in config.bootstrap:
             peer = ID.from_base58(addr.rsplit("/p2p/", 1)[1]).to_bytes()
@@ -200,7 +207,28 @@ class Node:
             trusted = list(self._bootstrap)
         if Role.VERIFIER in self.roles:
             trusted.append(self.peer_id)
-        self.trusted_verifiers = frozenset(trusted)
+        #: the committee's genesis file (committee mode), or None (single-verifier mode)
+        self.genesis_file = None
+        #: committee verifiers: the consensus service and the committed directory's server
+        self.consensus = None
+        self.committee_directory: committee_proto.CommitteeDirectoryService | None = None
+        self._client: DirectoryClient
+        if config.genesis is not None:
+            from ps_p2p.consensus.genesis import load_genesis
+
+            self.genesis_file = load_genesis(config.genesis)
+            genesis = self.genesis_file.genesis
+            self._client = CommitteeClient(genesis)
+            if Role.VERIFIER in self.roles and self.peer_id not in self._client.trusted_verifiers:
+                raise ConfigError(
+                    f"this verifier ({keys.identity.peer_id_str}) is not in the validator set "
+                    f"of genesis {config.genesis} (chain {genesis.chain_id!r}); run it without "
+                    "--genesis, or use the key of one of the genesis validators"
+                )
+            self.trusted_verifiers = self._client.trusted_verifiers
+        else:
+            self.trusted_verifiers = frozenset(trusted)
+            self._client = SingleVerifierClient(self.trusted_verifiers, config.quorum)
         self.metrics = NodeMetrics(self)
         self._ran = False
         self._cancel_scope: trio.CancelScope | None = None
@@ -270,7 +298,13 @@ class Node:
     def protocol_ids(self) -> frozenset[str]:
         """The stream protocol IDs this node's roles serve (registered while it runs)."""
         ids: set[str] = set()
-        if Role.VERIFIER in self.roles:
+        if Role.VERIFIER in self.roles and self.genesis_file is not None:
+            from ps_p2p.protocols.blocksync import BLOCKSYNC_PROTOCOL_ID
+            from ps_p2p.protocols.consensus import CONSENSUS_PROTOCOL_ID
+
+            ids |= {str(committee_proto.COMMITTEE_DIRECTORY_PROTOCOL_ID),
+                    str(CONSENSUS_PROTOCOL_ID), str(BLOCKSYNC_PROTOCOL_ID)}
+        elif Role.VERIFIER in self.roles:
             ids.add(str(directory_proto.DIRECTORY_PROTOCOL_ID))
         if self.roles & {Role.USER, Role.MODEL}:
             ids |= {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
@@ -337,7 +371,11 @@ class Node:
         network = host.get_network()
         try:
             async with trio.open_nursery() as nursery:
-                if Role.VERIFIER in self.roles:
+                if self.genesis_file is not None:
+                    self._learn_bootstrap_addrs(host)
+                if Role.VERIFIER in self.roles and self.genesis_file is not None:
+                    await nursery.start(self._run_committee_member, host)
+                elif Role.VERIFIER in self.roles:
                     self.directory_service = directory_proto.DirectoryService(
                         self.keys.identity,
                         directory_lifetime_ms=int(self.config.directory_lifetime * 1000),
@@ -389,6 +427,98 @@ class Node:
         finally:
             if notifee is not None:
                 _remove_notifee(network, notifee)
+
+    def _learn_bootstrap_addrs(self, host: IHost) -> None:
+        """Put the bootstrap peers' addresses in the peerstore (committee mode: validators dial
+        each other by peer ID, and nodes fetch from any validator)."""
+        store = host.get_peerstore()
+        for peer, addr in self._bootstrap.items():
+            if peer == self.peer_id:
+                continue
+            try:
+                store.add_addrs(ID(peer), [multiaddr.Multiaddr(addr.rsplit("/p2p/", 1)[0])], 0)
+            except Exception as exc:  # a malformed address was refused by validate()
+                log.debug("bootstrap address %s not usable: %r", addr, exc)
+
+    async def _run_committee_member(
+        self, host: IHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Committee mode, verifier role: the consensus service (store
+        ``<home>/consensus.sqlite``) and the committed directory's server, until cancelled.
+
+        Raises:
+            ConfigError: the home cannot be created, or a protocol is already served.
+            StoreError: the store cannot be opened or read, or failed while running (a
+                validator must not sign from a state it does not know).
+        """
+        from ps_p2p.consensus.store import ConsensusStore
+        from ps_p2p.protocols.consensus import ConsensusService, ConsensusServiceConfig
+
+        assert self.genesis_file is not None
+        home = self.config.home_path
+        try:
+            home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot use home directory {home}: {exc}") from exc
+        store = ConsensusStore(home / CONSENSUS_STORE_FILE)
+        try:
+            consensus = ConsensusService(
+                host, self.keys.identity, self.genesis_file.genesis, store,
+                self.genesis_file.consensus,
+                ConsensusServiceConfig(empty_block_interval=self.config.block_interval),
+            )
+            self.consensus = consensus
+            self.committee_directory = committee_proto.CommitteeDirectoryService(
+                lambda: consensus.validator.history, self._submit_record,
+            )
+
+            async def run_consensus(*, task_status: trio.TaskStatus[None]) -> None:
+                await consensus.run(task_status=task_status)
+                if consensus.fatal is not None:
+                    raise consensus.fatal
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(run_consensus)
+                await nursery.start(self.committee_directory.serve, host)
+                log.info(
+                    "committee member of chain %r (%d validators), store %s",
+                    self.genesis_file.genesis.chain_id, len(self.genesis_file.genesis.validators),
+                    home / CONSENSUS_STORE_FILE,
+                )
+                task_status.started()
+        finally:
+            store.close()
+
+    def _submit_record(self, record: NodeRecord) -> bool:
+        """Committee verifiers: a node's own record into the mempool as a REGISTER transaction.
+
+        Raises:
+            InvalidTransactionError, AdmissionError: refused by ``check_tx`` or a full mempool.
+        """
+        from ps_p2p.consensus.app import RegisterTx, encode_tx
+        from ps_p2p.errors import InvalidTransactionError, LocalProtocolError
+
+        assert self.consensus is not None
+        try:
+            tx = encode_tx(RegisterTx(record))
+        except LocalProtocolError as exc:
+            raise InvalidTransactionError(f"record cannot be a transaction: {exc}") from None
+        return self.consensus.submit_tx(tx)
+
+    def _committed_directory(self) -> Directory | None:
+        """Committee verifiers: the directory this verifier serves (its own committed state
+        at H - 1, covered by block H's commit), or None before the first block."""
+        assert self.consensus is not None and isinstance(self._client, CommitteeClient)
+        history = self.consensus.validator.history
+        served, header = history.served, history.header
+        if served is None or header is None:
+            return None
+        old = self.directory
+        if old is not None and old.height == served.height:
+            return old
+        return Directory(served.height, header.time_ms,
+                         header.time_ms + self._client.replica.max_age_ms,
+                         served.records.records())
 
     def _needs_inbound(self) -> bool:
         """Whether other nodes must be able to dial this one (verifier, model node, relay)."""
@@ -497,12 +627,17 @@ class Node:
                 self.directory_service.registry.register(record, now_ms)
             except PsError as exc:
                 log.info("own registry refused the withdrawal: %s", exc)
+        if self.consensus is not None:
+            try:
+                self._submit_record(record)
+            except PsError as exc:
+                log.info("own mempool refused the withdrawal: %s", exc)
         taken = 0
 
         async def one(verifier: bytes) -> None:
             nonlocal taken
             try:
-                await directory_proto.register(self.host, verifier, record, timeout=timeout)
+                await self._client.register(self.host, verifier, record, timeout)
                 taken += 1
             except _REMOTE_FAILURES as exc:
                 log.info("withdrawal from %s failed: %s", ID(verifier).to_base58()[-8:], exc)
@@ -549,15 +684,23 @@ class Node:
         return records.sign_record(self.keys.identity, record)
 
     def _verifier_targets(self) -> list[bytes]:
+        """The verifiers to try, in random order, those that failed in the last
+        :data:`VERIFIER_SUSPECT_SECONDS` last (a dead verifier costs a failed dial per round
+        only once the others failed too)."""
         targets = [v for v in self.trusted_verifiers if v != self.peer_id]
         self.rng.shuffle(targets)
+        now = trio.current_time()
+        targets.sort(key=lambda v: self._verifier_failed.get(v, -math.inf) > now)
         return targets
+
+    def _verifier_answered(self, verifier: bytes, ok: bool) -> None:
+        if ok:
+            self._verifier_failed.pop(verifier, None)
+        else:  # keys: trusted verifiers only (bounded by the configuration)
+            self._verifier_failed[verifier] = trio.current_time() + VERIFIER_SUSPECT_SECONDS
 
     async def _directory_loop(self) -> None:
         assert self.host is not None
-        self._replica = records.DirectoryReplica(
-            trusted_verifiers=self.trusted_verifiers, quorum=self.config.quorum
-        )
         self._quiet_refreshes = 0
         next_register = 0.0
         register_failures = 0
@@ -570,10 +713,19 @@ class Node:
             if self.directory_service is not None and now >= next_register:
                 self.directory_service.registry.register(self.own_record(_now_ms()), _now_ms())
             targets = self._verifier_targets()
+            if self.consensus is not None and now >= next_register:
+                try:  # a committee member lists itself through its own mempool
+                    self._submit_record(self.own_record(_now_ms()))
+                    next_register = now + self.config.register_interval
+                    targets = []
+                except PsError as exc:
+                    log.info("own mempool refused this verifier's record: %s", exc)
             if now >= next_register and self.config.register:
                 ok = 0
                 for verifier in targets:
                     ok += await self._register_with(verifier)
+                    if ok >= self._client.registrations_needed:
+                        break
                 if ok or not targets:
                     next_register = now + self.config.register_interval
                     register_failures = 0
@@ -614,41 +766,43 @@ class Node:
     async def _register_with(self, verifier: bytes) -> int:
         assert self.host is not None
         if not await self._ensure_connected(verifier):
+            self._verifier_answered(verifier, False)
             return 0
         try:
-            await directory_proto.register(
-                self.host, verifier, self.own_record(_now_ms()), timeout=5.0
-            )
-            return 1
+            await self._client.register(self.host, verifier, self.own_record(_now_ms()), 5.0)
         except _REMOTE_FAILURES as exc:
             log.info("registration with %s failed: %s", ID(verifier).to_base58()[-8:], exc)
+            self._verifier_answered(verifier, False)
             return 0
+        self._verifier_answered(verifier, True)
+        return 1
 
     async def _refresh_directory(self, targets: list[bytes]) -> None:
         assert self.host is not None
+        if self.consensus is not None:  # a committee member serves its own committed state
+            committed = self._committed_directory()
+            if committed is not None:
+                self._install(committed)
+            return
         if self.directory_service is not None and not targets:
             self._install(self.directory_service.signed_directory(_now_ms()))
             return
-        source = self._replica.source
-        if source in targets:  # the verifier whose heights we hold: a delta, not everything
+        source = self._client.preferred()
+        suspect = self._verifier_failed.get(source or b"", -math.inf) > trio.current_time()
+        if source in targets and not suspect:  # whose heights we hold: a delta, not everything
             targets = [source] + [v for v in targets if v != source]
         for verifier in targets:
             if not await self._ensure_connected(verifier):
+                self._verifier_answered(verifier, False)
                 continue
             try:
-                directory = await directory_proto.fetch_directory(
-                    self.host,
-                    verifier,
-                    trusted_verifiers=self.trusted_verifiers,
-                    quorum=self.config.quorum,
-                    now_ms=_now_ms(),
-                    timeout=5.0,
-                    replica=self._replica,
-                )
+                directory, changed = await self._client.fetch(self.host, verifier, 5.0)
             except _REMOTE_FAILURES as exc:
                 log.info("directory from %s refused: %s", ID(verifier).to_base58()[-8:], exc)
+                self._verifier_answered(verifier, False)
                 continue
-            self._install(directory, self._replica.last_changed)
+            self._verifier_answered(verifier, True)
+            self._install(directory, changed)
             return
 
     def _install(self, directory: Directory, changed: tuple[NodeRecord, ...] | None = None) -> None:

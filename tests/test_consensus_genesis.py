@@ -82,6 +82,7 @@ def test_testnet_writes_a_genesis_and_a_home_per_verifier_that_ps_node_run_reads
         config = load_config(home / "config.toml")
         config.validate()
         assert config.roles == ["verifier"] and config.listen == f"/ip4/127.0.0.1/tcp/{30000 + i}"
+        assert config.genesis == str(out / "genesis.json")
         assert len(config.bootstrap) == 3 and all(
             keys.identity.peer_id_str not in b for b in config.bootstrap
         )

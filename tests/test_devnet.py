@@ -163,6 +163,35 @@ def test_transformers_engine_without_a_model_is_a_usage_error(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_committee_devnet_answers_every_prompt_while_a_validator_is_killed(tmp_path):
+    out = tmp_path / "results.jsonl"
+    work = tmp_path / "work"
+
+    done = _devnet(
+        tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 6)),
+        "--users", "6", "--models", "1", "--verifiers", "4", "--committee",
+        "--nodes-per-process", "4", "--concurrency", "2", "--timeout", "60",
+        "--perturb", "kill-verifier", "--json", str(out), "--workdir", str(work),
+    )
+
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "4 verifiers (a committee)" in done.stdout
+    assert "answered 6/6 prompts" in done.stdout and "killed verifier3" in done.stdout
+    assert (work / "genesis.json").is_file()
+    assert all((work / "homes" / f"verifier{i}" / "consensus.sqlite").is_file() for i in range(4))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["ok"] and r["signature_valid"] for r in rows), rows
+
+
+def test_kill_verifier_needs_a_committee_of_four(tmp_path):
+    done = _devnet(tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 1)),
+                   "--verifiers", "3", "--committee", "--perturb", "kill-verifier", timeout=60)
+
+    assert done.returncode == 2
+    assert "kill-verifier needs" in done.stderr
+
+
+@pytest.mark.slow
 def test_kill_relay_inside_a_shared_process_still_answers_every_prompt(tmp_path):
     out = tmp_path / "results.jsonl"
 

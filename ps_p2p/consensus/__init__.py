@@ -17,12 +17,16 @@ Pure cores (no I/O, clock or randomness; DESIGN.md "Layers"):
     app        the registry state machine: transactions, sybil admission policy, check_tx,
                execute_block (expiry by block time), app_hash, Mempool
     directory  the committed directory as paged deltas plus a commit; verify_directory (node side)
+    replica    CommitteeReplica: a node's verified view, adopted only with 2f+1 commit signatures
+               of the genesis validators, as the records.Directory the node uses
 
 Durable state: ``store`` (sqlite3: the write-ahead log of own signed messages, the block store).
 Glue: ``validator`` (Validator: the core, the application, mempool, directory history and store
 of one validator; signing, WAL, timers, restart; no libp2p).
 Wire: ``ps_p2p.protocols.consensus_codec`` and ``ps_p2p.protocols.blocksync``; the service that
-runs a validator among real hosts is ``ps_p2p.protocols.consensus``.
+runs a validator among real hosts is ``ps_p2p.protocols.consensus``; nodes register and fetch
+the committed directory over ``ps_p2p.protocols.committee_directory``
+(``/planetserve/directory/2.0.0``), through ``ps_p2p.directory_client``.
 :mod:`ps_p2p.testing.consensus_sim` drives N = 3f+1 cores through a seeded faulty network with
 Byzantine validators and checks agreement, validity, no double-signing and termination;
 :mod:`ps_p2p.testing.committee` runs a committee of services on loopback.

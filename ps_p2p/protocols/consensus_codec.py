@@ -129,6 +129,21 @@ def encode_commit(precommits: Sequence[Vote]) -> bytes:
     return consensus_pb2.Commit(precommits=[vote_to_pb(v) for v in precommits]).SerializeToString()
 
 
+def commit_to_pb(precommits: Sequence[Vote]) -> consensus_pb2.Commit:
+    """A commit's precommits as a ``Commit`` message."""
+    return consensus_pb2.Commit(precommits=[vote_to_pb(v) for v in precommits])
+
+
+def commit_from_pb(m: consensus_pb2.Commit) -> tuple[Vote, ...]:
+    """A decoded ``Commit`` message's votes (as :func:`decode_commit`).
+
+    Raises:
+        RemoteProtocolError: too many votes, a field out of bounds, or a vote that is no
+            precommit.
+    """
+    return _commit_from_pb(m)
+
+
 def _commit_from_pb(m: consensus_pb2.Commit) -> tuple[Vote, ...]:
     if len(m.precommits) > MAX_VALIDATORS:
         raise RemoteProtocolError(f"commit of {len(m.precommits)} votes, over {MAX_VALIDATORS}")
@@ -202,6 +217,6 @@ def decode_sync_response(data: bytes) -> tuple[list[SyncedBlock], int]:
 
 __all__ = [
     "ConsensusMessage", "MAX_SYNC_BLOCKS", "MAX_TX_BYTES", "MAX_VALUE_BYTES", "SyncedBlock", "Tx",
-    "decode_commit", "decode_message", "decode_sync_request", "decode_sync_response",
+    "commit_from_pb", "commit_to_pb", "decode_commit", "decode_message", "decode_sync_request", "decode_sync_response",
     "encode_commit", "encode_message", "encode_sync_request", "encode_sync_response",
 ]

@@ -20,9 +20,11 @@ is too large or not a protobuf resets its stream (logged as a warning); the serv
 registry and the head cache are only touched on the trio thread between awaits, so no lock is
 needed.
 
-Until consensus lands each verifier signs its own registry's head; a user asks one verifier and
-checks the signatures against its trusted verifiers and quorum (:func:`fetch_directory`). Heights
-of different verifiers are unrelated, so a replica restarts from 0 when it changes verifier.
+This is the single-verifier mode (no genesis file): each verifier signs its own registry's
+head; a user asks one verifier and checks the signatures against its trusted verifiers and
+quorum (:func:`fetch_directory`). Heights of different verifiers are unrelated, so a replica
+restarts from 0 when it changes verifier. With a genesis file, nodes use the committee's
+``/planetserve/directory/2.0.0`` (:mod:`ps_p2p.protocols.committee_directory`) instead.
 """
 
 from __future__ import annotations

@@ -1,22 +1,31 @@
 """An in-process PlanetServe network for tests and benchmarks.
 
-:func:`open_localnet` starts one verifier, model nodes and user nodes as real py-libp2p hosts on
-127.0.0.1 inside the calling trio run, waits until every user has a full directory and its paths,
-and yields a :class:`LocalNet`. Each node runs in its own cancel scope so a test can kill one
-(:meth:`LocalNet.kill`) the way a crash would: its host closes and its connections drop.
+:func:`open_localnet` starts one verifier (or, with ``committee=N``, a committee of N verifiers
+running consensus from a genesis file written to a temporary folder), model nodes and user
+nodes as real py-libp2p hosts on 127.0.0.1 inside the calling trio run, waits until every user
+has a full directory and its paths, and yields a :class:`LocalNet`. Each node runs in its own
+cancel scope so a test can kill one (:meth:`LocalNet.kill`) the way a crash would: its host
+closes and its connections drop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import random
-from collections.abc import AsyncIterator, Callable
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import trio
 
 from ps_p2p.config import NodeConfig
+from ps_p2p.consensus import app
+from ps_p2p.consensus.core import ConsensusConfig
+from ps_p2p.consensus.genesis import genesis_json
+from ps_p2p.consensus.types import Validator
 from ps_p2p.engines.base import Engine
 from ps_p2p.keys import NodeKeys
 from ps_p2p.node import Node
@@ -32,9 +41,22 @@ class LocalNet:
     models: list[Node]
     users: list[Node]
     scopes: dict[bytes, trio.CancelScope] = field(default_factory=dict)
+    #: every verifier (the committee with ``committee=N``; else ``[verifier]``)
+    verifiers: list[Node] = field(default_factory=list)
+    #: the genesis file of the committee (None without one)
+    genesis_path: pathlib.Path | None = None
+    _start_user: Callable[[], Awaitable[Node]] | None = None
+
+    async def start_user(self) -> Node:
+        """Start one more user node, configured as the others (it registers and fetches the
+        directory on its own; wait for it with ``wait_directory``)."""
+        assert self._start_user is not None
+        node = await self._start_user()
+        self.users.append(node)
+        return node
 
     def node(self, peer_id: bytes) -> Node:
-        for n in [self.verifier, *self.models, *self.users]:
+        for n in [*(self.verifiers or [self.verifier]), *self.models, *self.users]:
             if n.peer_id == peer_id:
                 return n
         raise KeyError(peer_id.hex())
@@ -76,6 +98,9 @@ async def open_localnet(
     ready_timeout: float = 90.0,
     record_lifetime: float = 120.0,
     metrics: bool = False,
+    committee: int = 0,
+    block_interval: float = 0.25,
+    consensus: ConsensusConfig | None = None,
 ) -> AsyncIterator[LocalNet]:
     """Run a verifier, ``models`` model nodes and ``users`` user nodes in this trio run.
 
@@ -88,15 +113,62 @@ async def open_localnet(
             ``min(2, record_lifetime / 3)`` seconds).
         metrics: every node serves ``/metrics`` on 127.0.0.1, a free port each
             (``node.metrics.url``).
+        committee: 0: one verifier that signs the directory alone (single-verifier mode); N
+            (4 for f = 1): N verifiers in a genesis (chain ``localnet``, loopback timeouts of
+            :data:`~ps_p2p.testing.committee.FAST_CONSENSUS`, an admission policy for one /24),
+            each with its store in a temporary home, and every node with ``genesis`` set: users
+            and model nodes trust only directories committed by 2f+1 of them.
+        block_interval: committee: seconds an idle chain waits before an empty block.
+        consensus: committee: the genesis' timeouts (default ``FAST_CONSENSUS``).
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
     ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
     rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="ps-localnet-") as tmp:
+        async with _open_localnet(
+            tmp=pathlib.Path(tmp), users=users, models=models, engine_factory=engine_factory,
+            ucfg=ucfg, tamper=tamper, model_capacity=model_capacity,
+            model_max_queue=model_max_queue, rng=rng, ready_timeout=ready_timeout,
+            record_lifetime=record_lifetime, metrics=metrics, committee=committee,
+            block_interval=block_interval, consensus=consensus,
+        ) as net:
+            yield net
+
+
+def write_genesis(folder: pathlib.Path, keys: list[NodeKeys],
+                  consensus: ConsensusConfig | None = None) -> pathlib.Path:
+    """Write a genesis file of ``keys`` as equal validators (chain ``localnet``) in ``folder``.
+
+    Loopback settings: the timeouts of ``FAST_CONSENSUS`` (default), and an admission policy
+    that lets one /24 hold 10,000 records (every node listens on 127.0.0.1).
+    """
+    from ps_p2p.testing.committee import FAST_CONSENSUS
+
+    genesis = app.Genesis(
+        "localnet", time.time_ns() // 1_000_000 - 1000,
+        tuple(Validator(k.identity.peer_id) for k in keys),
+        app.AdmissionPolicy(max_records_per_network=10_000),
+    )
+    path = folder / "genesis.json"
+    path.write_text(genesis_json(genesis, consensus or FAST_CONSENSUS,
+                                 [f"verifier{i}" for i in range(len(keys))]))
+    return path
+
+
+@asynccontextmanager
+async def _open_localnet(
+    *, tmp: pathlib.Path, users: int, models: int, engine_factory: Callable[[int], Engine],
+    ucfg: UserConfig, tamper: tuple[int, ...], model_capacity: int, model_max_queue: int,
+    rng: random.Random, ready_timeout: float, record_lifetime: float, metrics: bool,
+    committee: int, block_interval: float, consensus: ConsensusConfig | None,
+) -> AsyncIterator[LocalNet]:
     async with trio.open_nursery() as nursery:
         net_scopes: dict[bytes, trio.CancelScope] = {}
 
-        async def start(config: NodeConfig, engine: Engine | None = None) -> Node:
-            node = Node(config, NodeKeys.generate(), engine, rng=random.Random(rng.random()))
+        async def start(config: NodeConfig, engine: Engine | None = None,
+                        keys: NodeKeys | None = None) -> Node:
+            node = Node(config, keys or NodeKeys.generate(), engine,
+                        rng=random.Random(rng.random()))
             scope = trio.CancelScope()
             net_scopes[node.peer_id] = scope
             return await nursery.start(_run_node, node, scope)
@@ -107,22 +179,45 @@ async def open_localnet(
             record_lifetime=record_lifetime,
             metrics="127.0.0.1:0" if metrics else None,
         )
-        verifier = await start(NodeConfig(roles=["verifier"], **fast))
-        boot = [verifier.listen_addrs[0]]
+        genesis: dict[str, object] = {}
+        genesis_path = None
+        if committee:
+            keys = [NodeKeys.generate() for _ in range(committee)]
+            genesis_path = write_genesis(tmp, keys, consensus)
+            genesis = dict(genesis=str(genesis_path))
+            verifiers: list[Node] = []
+            for i, k in enumerate(keys):
+                cfg = NodeConfig(
+                    roles=["verifier"], home=str(tmp / f"verifier{i}"),
+                    bootstrap=[v.listen_addrs[0] for v in verifiers],
+                    block_interval=block_interval, **genesis, **fast,  # type: ignore[arg-type]
+                )
+                verifiers.append(await start(cfg, keys=k))
+            await _mesh(verifiers)
+        else:
+            verifiers = [await start(NodeConfig(roles=["verifier"], **fast))]
+        verifier = verifiers[0]
+        boot = [v.listen_addrs[0] for v in verifiers]
         model_nodes = []
         for i in range(models):
-            cfg = NodeConfig(roles=["model"], bootstrap=boot, model="fake", **fast)
+            cfg = NodeConfig(roles=["model"], bootstrap=boot, model="fake",
+                             **genesis, **fast)  # type: ignore[arg-type]
             cfg.model_node.capacity = model_capacity
             cfg.model_node.max_queue = model_max_queue
             model_nodes.append(await start(cfg, engine_factory(i)))
         user_nodes = []
-        for i in range(users):
+
+        async def start_user(i: int = -1) -> Node:
             cfg = NodeConfig(
                 roles=["user"], bootstrap=boot, tamper=i in tamper,
-                user=dataclasses.replace(ucfg), **fast,
+                user=dataclasses.replace(ucfg), **genesis, **fast,  # type: ignore[arg-type]
             )
-            user_nodes.append(await start(cfg))
-        net = LocalNet(verifier, model_nodes, user_nodes, net_scopes)
+            return await start(cfg)
+
+        for i in range(users):
+            user_nodes.append(await start_user(i))
+        net = LocalNet(verifier, model_nodes, user_nodes, net_scopes, verifiers, genesis_path,
+                       start_user)
         with trio.fail_after(ready_timeout):
             for node in user_nodes:
                 await node.wait_directory(min_users=users, min_models=models, timeout=ready_timeout)
@@ -133,3 +228,22 @@ async def open_localnet(
             yield net
         finally:
             nursery.cancel_scope.cancel()
+
+
+async def _mesh(nodes: list[Node]) -> None:
+    """Tell every node every other node's address and connect them (a committee)."""
+    import multiaddr
+    from libp2p.peer.id import ID
+
+    from ps_p2p.protocols.host import connect
+
+    for a in nodes:
+        assert a.host is not None
+        store = a.host.get_peerstore()
+        for b in nodes:
+            if b is not a:
+                addr = b.listen_addrs[0].rsplit("/p2p/", 1)[0]
+                store.add_addrs(ID(b.peer_id), [multiaddr.Multiaddr(addr)], 0)
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            await connect(a.host, b.listen_addrs[0])  # type: ignore[arg-type]

@@ -1,0 +1,367 @@
+"""``/planetserve/directory/2.0.0``: registration and the committee's directory (sec. 3.4).
+
+The committee mode of the directory protocol (the single-verifier ``/planetserve/directory/
+1.0.0`` of :mod:`ps_p2p.protocols.directory` stays for nodes without a genesis file). Served by
+every verifier of the genesis validator set; one stream carries any number of requests
+(``CommitteeDirectoryRequest`` frames, at most :data:`MAX_REQUEST_BYTES`):
+
+* ``register``: the node's own signed record. The server checks that the record names the
+  peer ID of the connection (a node registers only itself; the record's signature proves the
+  rest), turns it into a REGISTER transaction and gives it to its consensus service
+  (:meth:`~ps_p2p.protocols.consensus.ConsensusService.submit_tx`: ``check_tx``, mempool,
+  relayed to the other validators). Answer: one frame, ``ack`` (the record's expiry, unix ms:
+  the transaction is in the mempool; it is listed once a block commits it) or ``error``.
+* ``get`` (``since_height`` S): what the verifier serves (:class:`~ps_p2p.consensus.directory.
+  DirectoryHistory`): the header of the last decided block H and its commit in one ``head``
+  frame, then the delta pages from S to the state at H - 1
+  (:func:`~ps_p2p.consensus.directory.iter_delta_pages`) one ``page`` frame each, the last one
+  flagged in the page itself. Every frame is at most :data:`MAX_RESPONSE_BYTES` (pages of at
+  most :data:`PAGE_BYTES`) whatever the directory's size. The pages come from one snapshot
+  taken before the first frame is written, so a block decided while they are sent changes
+  nothing in them. ``error`` with code ``ERROR_UNAVAILABLE`` before the first block.
+
+The client (:func:`fetch_committed_directory`) trusts nothing it reads: it bounds every frame
+and the whole delta, and :class:`~ps_p2p.consensus.replica.CommitteeReplica` verifies the
+commit (2f+1 of the genesis validators), the app hash, freshness and monotonic height before
+anything is used. A frame that is too large or malformed resets that stream only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamEOF, StreamError
+from libp2p.peer.id import ID
+
+from ps_p2p.consensus.block import Header, decode_header, header_bytes
+from ps_p2p.consensus.directory import (
+    MAX_PAGE_BYTES,
+    DeltaPage,
+    DirectoryHistory,
+    iter_delta_pages,
+)
+from ps_p2p.consensus.replica import CommitteeReplica
+from ps_p2p.consensus.types import Vote
+from ps_p2p.errors import LocalProtocolError, PsError, RemoteProtocolError
+from ps_p2p.pb.planetserve.v1 import directory_pb2
+from ps_p2p.protocols import consensus_codec as cc
+from ps_p2p.protocols.directory import (
+    ERROR_BAD_REQUEST,
+    ERROR_REFUSED,
+    ERROR_UNAVAILABLE,
+    record_from_pb,
+    record_to_pb,
+)
+from ps_p2p.protocols.framing import encode_frame, read_frame
+from ps_p2p.protocols.handlers import StreamHandlers
+from ps_p2p.protocols.wire import parse
+from ps_p2p.records.peer_ids import peer_label
+from ps_p2p.records.types import Directory, NodeRecord
+
+log = logging.getLogger(__name__)
+
+COMMITTEE_DIRECTORY_PROTOCOL_ID = TProtocol("/planetserve/directory/2.0.0")
+#: Largest request frame (a signed record is under 1 KiB).
+MAX_REQUEST_BYTES = 4 * 1024
+#: Largest response frame: one page plus its framing, or a head (header <= 512 B, commit of at
+#: most 128 precommits of ~180 B).
+MAX_RESPONSE_BYTES = 256 * 1024
+#: Bound of one encoded page the server sends.
+PAGE_BYTES = MAX_PAGE_BYTES
+#: Requests served on one stream before the server closes it.
+MAX_REQUESTS_PER_STREAM = 1024
+#: A delta larger than this (bytes) is verified in a worker thread.
+THREAD_VERIFY_BYTES = 64 * 1024
+
+#: What a directory snapshot is: block H's header, its commit, and the pages of the state at
+#: H - 1 (a generator whose first page fixes the snapshot).
+Snapshot = tuple[Header, tuple[Vote, ...], Iterator[DeltaPage]]
+
+
+def _response(**kind: object) -> bytes:
+    return encode_frame(directory_pb2.CommitteeDirectoryResponse(**kind).SerializeToString())
+
+
+def _error(code: int, message: str) -> bytes:
+    return _response(error=directory_pb2.ErrorReply(code=code, message=message))
+
+
+# ---------------------------------------------------------------------------------- server
+
+
+class CommitteeDirectoryService:
+    """A committee verifier's handler of :data:`COMMITTEE_DIRECTORY_PROTOCOL_ID`.
+
+    Args:
+        history: returns the validator's :class:`DirectoryHistory` (read at each request).
+        submit_record: takes a node's own record into the committee's mempool; raises
+            :class:`~ps_p2p.errors.InvalidTransactionError` / ``AdmissionError`` (a
+            ``RemoteProtocolError``) to refuse it.
+        page_bytes: bound of one encoded page (default :data:`PAGE_BYTES`).
+
+    Attributes:
+        served: directory answers sent; registered: records taken; refused: registrations
+            refused; reset: streams reset for bad input.
+    """
+
+    def __init__(
+        self,
+        history: Callable[[], DirectoryHistory],
+        submit_record: Callable[[NodeRecord], object],
+        *,
+        page_bytes: int = PAGE_BYTES,
+    ) -> None:
+        if not 64 <= page_bytes <= MAX_RESPONSE_BYTES - 1024:
+            raise LocalProtocolError(f"page_bytes must be in 64..{MAX_RESPONSE_BYTES - 1024}")
+        self._history = history
+        self._submit_record = submit_record
+        self.page_bytes = page_bytes
+        self.served = 0
+        self.registered = 0
+        self.refused = 0
+        self.reset = 0
+
+    def register_handlers(self, host: IHost) -> StreamHandlers:
+        """Serve the protocol on ``host`` until the returned handlers' ``aclose()``.
+
+        Raises:
+            ConfigError: the host already serves it.
+        """
+        handlers = StreamHandlers(host)
+        handlers.add(COMMITTEE_DIRECTORY_PROTOCOL_ID, self._handle_stream)
+        return handlers
+
+    async def serve(
+        self, host: IHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve on ``host`` until cancelled, then remove the handler."""
+        handlers = self.register_handlers(host)
+        try:
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            await handlers.aclose()
+
+    def snapshot(self, since_height: int) -> Snapshot:
+        """The header, commit and pages served now for "changed since ``since_height``".
+
+        Raises:
+            LocalProtocolError: no block decided yet.
+        """
+        history = self._history()
+        header, commit = history.header, history.commit
+        if header is None:
+            raise LocalProtocolError("no block committed yet")
+        pages = iter_delta_pages(history, since_height, self.page_bytes)
+        first = next(pages)  # fixes the snapshot before any await
+
+        def chain() -> Iterator[DeltaPage]:
+            yield first
+            yield from pages
+
+        return header, commit, chain()
+
+    def register(self, record: NodeRecord, sender: bytes | None) -> bytes:
+        """Answer a registration: the encoded response frame (``ack`` or ``error``)."""
+        try:
+            if sender is not None and record.peer_id != sender:
+                raise RemoteProtocolError("a node may register only its own record")
+            self._submit_record(record)
+        except RemoteProtocolError as exc:
+            self.refused += 1
+            return _error(ERROR_REFUSED, f"registration refused: {exc}")
+        self.registered += 1
+        return _response(ack=directory_pb2.RegisterAck(expires_at_ms=record.expires_at_ms))
+
+    async def _answer_get(self, stream: INetStream, since_height: int) -> None:
+        try:
+            header, commit, pages = self.snapshot(since_height)
+        except LocalProtocolError as exc:
+            await stream.write(_error(ERROR_UNAVAILABLE, str(exc)))
+            return
+        await stream.write(_response(head=directory_pb2.CommittedHead(
+            header=header_bytes(header), commit=cc.commit_to_pb(commit))))
+        for page in pages:
+            await stream.write(_response(page=page.encode()))
+        self.served += 1
+
+    async def _handle_stream(self, stream: INetStream) -> None:
+        # guarded: an exception escaping a handler kills the py-libp2p host
+        sender = stream.muxed_conn.peer_id.to_bytes()
+        try:
+            for _ in range(MAX_REQUESTS_PER_STREAM):
+                try:
+                    frame = await read_frame(stream, MAX_REQUEST_BYTES)
+                except StreamEOF:
+                    break
+                request = parse(directory_pb2.CommitteeDirectoryRequest, frame)
+                kind = request.WhichOneof("kind")
+                if kind == "get":
+                    await self._answer_get(stream, request.get.since_height)
+                elif kind == "register":
+                    record = record_from_pb(request.register)
+                    await stream.write(self.register(record, sender))
+                else:
+                    await stream.write(_error(ERROR_BAD_REQUEST, "empty request"))
+            await stream.close()
+        except RemoteProtocolError as exc:
+            self.reset += 1
+            log.warning("directory/2 stream from %s reset: %s", peer_label(sender), exc)
+            await _reset_quietly(stream)
+        except StreamError as exc:
+            log.info("directory/2 stream from %s failed: %r", peer_label(sender), exc)
+            await _reset_quietly(stream)
+        except Exception:
+            log.exception("directory/2 stream from %s: unexpected error", peer_label(sender))
+            await _reset_quietly(stream)
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception as exc:
+        log.debug("stream reset failed: %r", exc)
+
+
+# ---------------------------------------------------------------------------------- client
+
+
+async def _read_response(
+    stream: INetStream, timeout: float
+) -> directory_pb2.CommitteeDirectoryResponse:
+    with trio.fail_after(timeout):
+        try:
+            body = await read_frame(stream, MAX_RESPONSE_BYTES)
+        except StreamError as exc:
+            raise RemoteProtocolError(
+                f"verifier closed the directory stream without answering ({exc!r})"
+            ) from exc
+    return parse(directory_pb2.CommitteeDirectoryResponse, body)
+
+
+def _refusal(verifier: bytes, response: directory_pb2.CommitteeDirectoryResponse) -> PsError:
+    err = response.error
+    return RemoteProtocolError(
+        f"verifier {peer_label(verifier)} answered error {err.code}: {err.message}"
+    )
+
+
+async def _exchange(host: IHost, verifier: bytes, timeout: float, body: Callable) -> object:  # type: ignore[type-arg]
+    with trio.fail_after(timeout):
+        stream = await host.new_stream(ID(verifier), [COMMITTEE_DIRECTORY_PROTOCOL_ID])
+    try:
+        result = await body(stream)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await _reset_quietly(stream)
+        raise
+    try:
+        await stream.close()
+    except Exception as exc:
+        log.debug("closing directory/2 stream: %r", exc)
+    return result
+
+
+async def register_with_committee(
+    host: IHost, verifier: bytes, record: NodeRecord, *, timeout: float = 5.0
+) -> int:
+    """Give a committee verifier this node's own signed record (a REGISTER transaction).
+
+    Returns:
+        the record's expiry (unix ms) once the verifier took it into the committee's mempool
+        (it is listed once a block commits it, typically within a second or two).
+
+    Raises:
+        RemoteProtocolError: refused (the verifier's reason is included) or a malformed answer.
+        trio.TooSlowError: no answer within ``timeout`` seconds (dial, then answer).
+        Exception: py-libp2p's dial and negotiation errors.
+    """
+    async def body(stream: INetStream) -> int:
+        with trio.fail_after(timeout):
+            await stream.write(encode_frame(directory_pb2.CommitteeDirectoryRequest(
+                register=record_to_pb(record)).SerializeToString()))
+        response = await _read_response(stream, timeout)
+        kind = response.WhichOneof("kind")
+        if kind == "ack":
+            return response.ack.expires_at_ms
+        if kind == "error":
+            raise _refusal(verifier, response)
+        raise RemoteProtocolError(f"verifier answered a registration with {kind!r}")
+
+    return await _exchange(host, verifier, timeout, body)  # type: ignore[return-value]
+
+
+async def fetch_committed_directory(
+    host: IHost,
+    verifier: bytes,
+    replica: CommitteeReplica,
+    *,
+    now_ms: Callable[[], int],
+    timeout: float = 5.0,
+) -> Directory:
+    """Bring ``replica`` up to date from one verifier and return the verified directory.
+
+    Asks for the changes since the replica's height (everything the first time), reads the
+    head frame and the page frames (each within ``timeout`` seconds, the whole delta within
+    ``replica.max_delta_bytes``), then :meth:`CommitteeReplica.apply` (in a worker thread
+    beyond :data:`THREAD_VERIFY_BYTES`).
+
+    Args:
+        now_ms: the node's clock (unix ms), read when the answer is verified.
+
+    Raises:
+        InvalidCommitError: the commit is not signed by more than 2/3 of the genesis power.
+        InvalidDirectoryError: the pages do not give the committed app hash, or are malformed.
+        DirectoryRollbackError: an older state than the replica holds (a lagging verifier).
+        ExpiredError: the header is older than ``replica.max_age_ms`` (or in the future).
+        RemoteProtocolError: an error reply, a malformed frame or an unexpected answer.
+        trio.TooSlowError: a frame did not come within ``timeout``.
+        Exception: py-libp2p's dial and negotiation errors.
+    """
+    async def body(stream: INetStream) -> tuple[Header, tuple[Vote, ...], list[DeltaPage]]:
+        with trio.fail_after(timeout):
+            await stream.write(encode_frame(directory_pb2.CommitteeDirectoryRequest(
+                get=directory_pb2.GetCommittedDirectory(since_height=replica.since())
+            ).SerializeToString()))
+        response = await _read_response(stream, timeout)
+        kind = response.WhichOneof("kind")
+        if kind == "error":
+            raise _refusal(verifier, response)
+        if kind != "head":
+            raise RemoteProtocolError(f"verifier answered a directory request with {kind!r}")
+        header = decode_header(response.head.header)
+        commit = cc.commit_from_pb(response.head.commit)
+        pages: list[DeltaPage] = []
+        total = 0
+        while not pages or not pages[-1].last:
+            response = await _read_response(stream, timeout)
+            if response.WhichOneof("kind") != "page":
+                raise RemoteProtocolError("directory answer: a frame that is no page")
+            page = DeltaPage.decode(response.page, MAX_RESPONSE_BYTES)
+            total += len(page.data)
+            if total > replica.max_delta_bytes:
+                raise RemoteProtocolError(f"directory delta over {replica.max_delta_bytes} bytes")
+            pages.append(page)
+        return header, commit, pages
+
+    header, commit, pages = await _exchange(host, verifier, timeout, body)  # type: ignore[misc]
+    if sum(len(p.data) for p in pages) > THREAD_VERIFY_BYTES:
+        return await trio.to_thread.run_sync(
+            lambda: replica.apply(header, commit, pages, now_ms(), verifier))
+    return replica.apply(header, commit, pages, now_ms(), verifier)
+
+
+__all__ = [
+    "COMMITTEE_DIRECTORY_PROTOCOL_ID",
+    "MAX_REQUEST_BYTES",
+    "MAX_RESPONSE_BYTES",
+    "PAGE_BYTES",
+    "CommitteeDirectoryService",
+    "Snapshot",
+    "fetch_committed_directory",
+    "register_with_committee",
+]
