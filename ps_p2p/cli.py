@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     testnet.add_argument("--base-port", type=int, default=26656,
                          help="verifier i listens on base-port + i (default 26656)")
 
+    status = sub.add_parser(
+        "status", help="print a running node's status (peer ID, addresses, directory, consensus)"
+    )
+    status.add_argument("--home", help="the node's home directory (default: the one of --name)")
+    status.add_argument("--name", help="the node's name (default: user)")
+    status.add_argument("--json", action="store_true", help="print the status file as it is")
+
     run = sub.add_parser("run", help="run one node until interrupted")
     run.add_argument("--role", action="append", choices=["user", "model", "verifier"],
                      help="role of this node; repeat for several (default: user)")
@@ -190,6 +197,52 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     keys = load_or_create_keys(path)
     print(keys.identity.peer_id_str)
     return 0
+
+
+#: A status file older than this (seconds) belongs to a node that is not running.
+STATUS_STALE_S = 5.0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from ps_p2p.config import NodeConfig
+    from ps_p2p.home import STATUS_FILE
+
+    config = NodeConfig(name=args.name, home=args.home)
+    path = config.home_path / STATUS_FILE
+    try:
+        status = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no status file at {path}: is a node running with this home?") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    age = time.time() - status.get("written_at_ms", 0) / 1000
+    stale = f"  (STALE: written {age:.0f} s ago; the node is not running)" if age > STATUS_STALE_S else ""
+    print(f"peer ID    {status.get('peer_id')}{stale}")
+    print(f"roles      {', '.join(status.get('roles') or [])}")
+    for addr in status.get("listen") or []:
+        print(f"listening  {addr}")
+    d = status.get("directory")
+    print("directory  " + ("none yet" if not d else
+                           f"height {d['height']}: {d['users']} users, {d['model_nodes']} model nodes"))
+    if "user" in (status.get("roles") or []):
+        print(f"paths      {status.get('ready_paths', 0)} ready" + (
+            f"; API {status['api']}" if status.get("api") else ""))
+    c = status.get("committee")
+    if c:
+        when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["last_commit_time_ms"] / 1000))
+                if c.get("last_commit_time_ms") else "none yet")
+        print(f"consensus  chain {c['chain_id']}: height {c['height']} round {c['round']} "
+              f"({c['step']}); committed {c['committed_height']} at {when}; "
+              f"mempool {c['mempool']}")
+        up = sum(1 for v in c["validators"] if v["connected"])
+        print(f"validators {up} of {len(c['validators'])} connected")
+        for v in c["validators"]:
+            print(f"  {v['peer_id']}  power {v['power']}  "
+                  f"{'connected' if v['connected'] else 'NOT connected'}")
+    return 0 if not stale else 1
 
 
 def _cmd_testnet(args: argparse.Namespace) -> int:
@@ -395,6 +448,8 @@ async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:
                 "height": d.height, "users": len(d.users()), "model_nodes": len(d.model_nodes()),
             },
             "ready_paths": len(node.user.ready_paths()) if node.user else 0,
+            "committee": node.committee_status(),
+            "written_at_ms": int(time.time() * 1000),
         }
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(status))
@@ -580,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_keygen(args)
         if args.command == "testnet":
             return _cmd_testnet(args)
+        if args.command == "status":
+            return _cmd_status(args)
         if args.command == "run":
             return _cmd_run(args)
         if args.command == "ask":

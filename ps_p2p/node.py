@@ -35,6 +35,7 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 from contextlib import asynccontextmanager
 
 import multiaddr
@@ -58,6 +59,7 @@ from ps_p2p.protocols.host import (
     check_foreign_host,
     connect,
     host_identity,
+    is_connected,
     listen_multiaddrs,
     open_host,
 )
@@ -504,6 +506,32 @@ class Node:
         except LocalProtocolError as exc:
             raise InvalidTransactionError(f"record cannot be a transaction: {exc}") from None
         return self.consensus.submit_tx(tx)
+
+    def committee_status(self) -> dict[str, Any] | None:
+        """A committee verifier's consensus at a glance (``ps-node status``), or None for
+        other nodes: chain ID, height being decided and its round and step, last committed
+        height and its block time (unix ms), the validators (base58 peer ID, power, whether
+        connected now), mempool size."""
+        if self.consensus is None:
+            return None
+        validator = self.consensus.validator
+        state = validator.core.state()
+        tip = validator.state.tip()
+        return {
+            "chain_id": validator.genesis.chain_id,
+            "height": validator.height,
+            "round": state.round,
+            "step": state.step.name.lower(),
+            "committed_height": validator.committed_height,
+            "last_commit_time_ms": tip.time_ms if tip.height else None,
+            "validators": [
+                {"peer_id": ID(v.address).to_base58(), "power": v.power,
+                 "connected": v.address == validator.address or (
+                     self.host is not None and is_connected(self.host, v.address))}
+                for v in validator.validators
+            ],
+            "mempool": len(validator.mempool),
+        }
 
     def _committed_directory(self) -> Directory | None:
         """Committee verifiers: the directory this verifier serves (its own committed state

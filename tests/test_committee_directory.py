@@ -282,6 +282,10 @@ async def test_users_of_a_committee_network_get_a_verified_directory_and_answers
             assert v.consensus is not None and v.directory_service is None
             assert (v.config.home_path / "consensus.sqlite").is_file()
             assert "committed height" in status_line(v)
+            status = v.committee_status()  # what `ps-node status` prints
+            assert status["committed_height"] >= 1 and len(status["validators"]) == 4
+            assert sum(x["connected"] for x in status["validators"]) >= 3
+        assert net.users[0].committee_status() is None
         user = net.users[0]
         directory = user.directory
         assert user.genesis_file is not None and directory.height >= 1

@@ -91,3 +91,40 @@ def test_testnet_writes_a_genesis_and_a_home_per_verifier_that_ps_node_run_reads
     # a second run never overwrites keys
     assert cli.main(["testnet", "--verifiers", "4", "--out", str(out)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def _write_status(home, *, age_s: float, committee: bool):
+    import time
+
+    home.mkdir(parents=True, exist_ok=True)
+    status = {
+        "pid": 1, "peer_id": "12D3KooWTest", "roles": ["verifier"],
+        "listen": ["/ip4/127.0.0.1/tcp/26656/p2p/12D3KooWTest"], "api": None,
+        "directory": {"height": 7, "users": 5, "model_nodes": 1}, "ready_paths": 0,
+        "committee": None if not committee else {
+            "chain_id": "c", "height": 9, "round": 1, "step": "prevote", "committed_height": 8,
+            "last_commit_time_ms": int(time.time() * 1000), "mempool": 2,
+            "validators": [{"peer_id": "12D3KooWA", "power": 1, "connected": True},
+                           {"peer_id": "12D3KooWB", "power": 1, "connected": False}],
+        },
+        "written_at_ms": int((time.time() - age_s) * 1000),
+    }
+    (home / "status.json").write_text(json.dumps(status))
+
+
+def test_status_prints_the_consensus_of_a_running_committee_verifier(tmp_path, capsys):
+    _write_status(tmp_path / "v0", age_s=0.5, committee=True)
+    assert cli.main(["status", "--home", str(tmp_path / "v0")]) == 0
+    out = capsys.readouterr().out
+    assert "height 9 round 1 (prevote); committed 8" in out
+    assert "1 of 2 connected" in out and "12D3KooWB  power 1  NOT connected" in out
+    assert "height 7: 5 users, 1 model nodes" in out
+
+
+def test_status_of_a_stopped_node_says_so_and_a_missing_one_is_an_error(tmp_path, capsys):
+    _write_status(tmp_path / "old", age_s=60, committee=False)
+    assert cli.main(["status", "--home", str(tmp_path / "old")]) == 1
+    out = capsys.readouterr().out
+    assert "STALE" in out and "consensus" not in out
+    assert cli.main(["status", "--home", str(tmp_path / "nothing")]) == 2
+    assert "no status file" in capsys.readouterr().err
