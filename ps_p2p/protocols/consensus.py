@@ -37,6 +37,11 @@ restarted validator that is behind).
 
 A :class:`~ps_p2p.errors.StoreError` (the WAL or block store failed) stops the service: a
 validator must not sign from a state it does not know.
+
+TEST ONLY: ``ConsensusServiceConfig(byzantine=True)`` makes this validator equivocate
+(:class:`ByzantineSender`, ``ps-node devnet --committee --perturb byzantine-verifier``): next to
+each own message sent the normal way (through the WAL), it signs and sends a conflicting one to
+half of the other validators, bypassing the WAL. Never set it outside tests.
 """
 
 from __future__ import annotations
@@ -53,8 +58,14 @@ from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 
 from ps_p2p.consensus.app import Genesis, Mempool
+from ps_p2p.consensus.block import decode_block, encode_block, make_block
 from ps_p2p.consensus.core import ConsensusConfig
-from ps_p2p.consensus.signing import verify_proposal, verify_vote
+from ps_p2p.consensus.signing import (
+    sign_proposal,
+    sign_vote,
+    verify_proposal,
+    verify_vote,
+)
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Proposal, Vote
 from ps_p2p.consensus.validator import (
@@ -114,6 +125,7 @@ class ConsensusServiceConfig:
         max_inflight_per_peer: inputs of one peer waiting in the driver's inbox.
         sync_timeout: one block-sync request's deadline.
         min_sync_interval: between two syncs from one peer.
+        byzantine: TEST ONLY: equivocate (:class:`ByzantineSender`); never set by users.
     """
 
     rebroadcast_interval: float | None = None
@@ -123,6 +135,61 @@ class ConsensusServiceConfig:
     max_inflight_per_peer: int = 1024
     sync_timeout: float = 10.0
     min_sync_interval: float = 0.5
+    byzantine: bool = False
+
+
+class ByzantineSender:
+    """TEST ONLY: the equivocations of a Byzantine validator (``ConsensusServiceConfig.byzantine``).
+
+    For each own message the service sends (already in the WAL and sent to everyone), it
+    signs a conflicting one of the same (height, round, step) and returns it with the peers to
+    send it to, half of the other validators (rounded up): a vote for a value gets a nil vote,
+    a nil vote one for another value ID; a proposal gets a second block, the same one with
+    the block time one millisecond later. Once per (height, round, step); never written to the
+    WAL (a correct validator's WAL would refuse it). Correct validators that receive both
+    votes turn them into equivocation evidence (an EVIDENCE transaction).
+    """
+
+    def __init__(self, identity: Signer, genesis: Genesis, peers: tuple[bytes, ...]) -> None:
+        self.identity = identity
+        self.genesis = genesis
+        self.targets = peers[: (len(peers) + 1) // 2]
+        self._done: set[tuple[int, int, int]] = set()
+        self.sent = 0
+
+    def conflicting(self, message: Proposal | Vote) -> Proposal | Vote | None:
+        """The conflicting message for ``message`` (None: already sent, or not ours)."""
+        step = 0 if isinstance(message, Proposal) else int(message.type)
+        key = (message.height, message.round, step)
+        if key in self._done:
+            return None
+        self._done = {k for k in self._done if k[0] >= message.height}
+        self._done.add(key)
+        chain = self.genesis.chain_id
+        if isinstance(message, Vote):
+            if message.validator != self.identity.peer_id:
+                return None
+            other = (None if message.value_id is not None
+                     else hashlib.sha256(b"byzantine" + message.signature).digest())
+            conflict: Proposal | Vote = sign_vote(self.identity, chain, Vote(
+                message.type, message.height, message.round, other, self.identity.peer_id))
+        else:
+            if message.proposer != self.identity.peer_id:
+                return None
+            try:
+                honest = decode_block(message.value, self.genesis.limits)
+            except PsError:
+                return None
+            h = honest.header
+            block = make_block(
+                chain_id=h.chain_id, height=h.height, time_ms=h.time_ms + 1,
+                prev_block_id=h.prev_block_id, app_hash=h.app_hash, proposer=h.proposer,
+                txs=honest.txs)
+            conflict = sign_proposal(self.identity, chain, Proposal(
+                message.height, message.round, encode_block(block), message.pol_round,
+                self.identity.peer_id))
+        self.sent += 1
+        return conflict
 
 
 class ConsensusService:
@@ -197,6 +264,9 @@ class ConsensusService:
         self._last_sync: dict[bytes, float] = {}
         self._committed = trio.Event()
         self._cancel: trio.CancelScope | None = None
+        self.byzantine: ByzantineSender | None = None
+        if self.config.byzantine:
+            self.byzantine = ByzantineSender(identity, genesis, self.peers)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -210,6 +280,10 @@ class ConsensusService:
         """
         handlers = StreamHandlers(self.host)
         sync_handlers: StreamHandlers | None = None
+        if self.byzantine is not None:
+            log.warning("!!! TEST ONLY: validator %s is BYZANTINE: it equivocates (conflicting "
+                        "proposals and votes to %d of %d peers) !!!", peer_label(self.address),
+                        len(self.byzantine.targets), len(self.peers))
         try:
             with trio.CancelScope() as self._cancel:
                 async with trio.open_nursery() as nursery:
@@ -371,6 +445,12 @@ class ConsensusService:
             data = cc.encode_message(action.message)
             for peer in self.peers:
                 self._links.send(peer, data)
+            if self.byzantine is not None:  # TEST ONLY: equivocate, bypassing the WAL
+                conflict = self.byzantine.conflicting(action.message)
+                if conflict is not None:
+                    data = cc.encode_message(conflict)
+                    for peer in self.byzantine.targets:
+                        self._links.send(peer, data)
         elif isinstance(action, RelayTx):
             data = cc.encode_message(cc.Tx(action.tx))
             for peer in self.peers:
@@ -459,6 +539,7 @@ __all__ = [
     "CONSENSUS_PROTOCOL_ID",
     "MAX_FRAME_BYTES",
     "WIRE",
+    "ByzantineSender",
     "ConsensusService",
     "ConsensusServiceConfig",
 ]

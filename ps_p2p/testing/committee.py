@@ -9,6 +9,7 @@ start it again from its store (:meth:`LocalCommittee.start`), reconnected to the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pathlib
 from collections.abc import Callable
@@ -66,6 +67,8 @@ class LocalCommittee:
         config: the services' settings.
         genesis_time_ms: default: now.
         on_commit: called with (member, Committed) for every commit of every member.
+        byzantine: indices of members that equivocate (TEST ONLY,
+            ``ConsensusServiceConfig.byzantine``).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class LocalCommittee:
         genesis_time_ms: int | None = None,
         policy: app.AdmissionPolicy | None = None,
         on_commit: Callable[[Member, Committed], None] | None = None,
+        byzantine: tuple[int, ...] = (),
     ) -> None:
         import time
 
@@ -86,6 +90,7 @@ class LocalCommittee:
         self.consensus = consensus
         self.config = config or ConsensusServiceConfig()
         self.on_commit = on_commit
+        self.byzantine = frozenset(byzantine)
         identities = [
             Identity.from_private_bytes(hashlib.sha256(b"validator %d" % i).digest())
             for i in range(n)
@@ -155,8 +160,11 @@ class LocalCommittee:
                         if self.on_commit is not None:
                             self.on_commit(m, c)
 
+                    config = self.config
+                    if m.index in self.byzantine:
+                        config = dataclasses.replace(config, byzantine=True)
                     m.service = ConsensusService(
-                        host, m.identity, self.genesis, store, self.consensus, self.config,
+                        host, m.identity, self.genesis, store, self.consensus, config,
                         on_commit=commit,
                     )
                     async with trio.open_nursery() as inner:
