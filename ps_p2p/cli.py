@@ -237,6 +237,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"consensus  chain {c['chain_id']}: height {c['height']} round {c['round']} "
               f"({c['step']}); committed {c['committed_height']} at {when}; "
               f"mempool {c['mempool']}")
+        if c.get("evidence"):
+            print(f"evidence   {c['evidence']} equivocation(s) committed against "
+                  + ", ".join(c.get("equivocators") or []))
         up = sum(1 for v in c["validators"] if v["connected"])
         print(f"validators {up} of {len(c['validators'])} connected")
         for v in c["validators"]:

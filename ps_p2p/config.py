@@ -158,6 +158,9 @@ class NodeConfig:
         relay: user nodes relay other users' paths (``ps-node ask`` turns it off).
         register: register this node's record with the verifiers (off for a one-shot ``ask``).
         tamper: TEST ONLY: corrupt relayed cells and cloves (``devnet --perturb tamper-clove``).
+        byzantine: TEST ONLY, never set by users (no flag): a committee verifier that
+            equivocates, sending conflicting proposals and votes to half of the other
+            validators (``devnet --committee --perturb byzantine-verifier``; needs ``genesis``).
         metrics: ``"HOST:PORT"`` (``[HOST]:PORT`` for IPv6; port 0 picks a free one) where this
             node serves Prometheus ``/metrics`` (:mod:`ps_p2p.metrics`); None: not served.
         status_interval: seconds between the node's one-line status logs (INFO); 0: none.
@@ -188,6 +191,7 @@ class NodeConfig:
     relay: bool = True
     register: bool = True
     tamper: bool = False
+    byzantine: bool = False
     metrics: str | None = None
     status_interval: float = 1 * MINUTES
     drain_timeout: float = 30 * SECONDS
@@ -221,6 +225,8 @@ class NodeConfig:
             check_multiaddr(addr, "--multiaddr", peer_id=True)
         for peer in self.verifiers:
             check_peer_id(peer, "--verifier")
+        if self.byzantine and ("verifier" not in self.roles or not self.genesis):
+            raise ConfigError("byzantine (test only) is for a committee verifier (--genesis)")
         if self.metrics is not None:
             parse_host_port(self.metrics, "--metrics")
         if not self.status_interval >= 0:
@@ -357,7 +363,7 @@ def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | Non
     for key, value in (overrides or {}).items():
         if value is not None:
             data[key] = value
-    known = {f.name for f in dataclasses.fields(NodeConfig)}
+    known = {f.name for f in dataclasses.fields(NodeConfig)} - {"byzantine"}  # test only
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in known:

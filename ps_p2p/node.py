@@ -467,7 +467,8 @@ class Node:
             consensus = ConsensusService(
                 host, self.keys.identity, self.genesis_file.genesis, store,
                 self.genesis_file.consensus,
-                ConsensusServiceConfig(empty_block_interval=self.config.block_interval),
+                ConsensusServiceConfig(empty_block_interval=self.config.block_interval,
+                                       byzantine=self.config.byzantine),
             )
             self.consensus = consensus
             self.committee_directory = committee_proto.CommitteeDirectoryService(
@@ -511,7 +512,8 @@ class Node:
         """A committee verifier's consensus at a glance (``ps-node status``), or None for
         other nodes: chain ID, height being decided and its round and step, last committed
         height and its block time (unix ms), the validators (base58 peer ID, power, whether
-        connected now), mempool size."""
+        connected now), mempool size, the equivocation evidence committed (``evidence``: how
+        many; ``equivocators``: base58 peer IDs of the validators it names)."""
         if self.consensus is None:
             return None
         validator = self.consensus.validator
@@ -531,6 +533,9 @@ class Node:
                 for v in validator.validators
             ],
             "mempool": len(validator.mempool),
+            "evidence": len(validator.state.evidence),
+            "equivocators": sorted({ID(who).to_base58()
+                                    for who, _ in validator.state.evidence.values()}),
         }
 
     def _committed_directory(self) -> Directory | None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 import trio
+from libp2p.peer.id import ID
 
+from ps_p2p.config import NodeConfig, load_config
 from ps_p2p.consensus import app
 from ps_p2p.consensus.block import block_id, make_block
 from ps_p2p.consensus.directory import (
@@ -17,10 +19,11 @@ from ps_p2p.consensus.directory import (
 )
 from ps_p2p.consensus.signing import sign_vote
 from ps_p2p.consensus.types import Proposal, Validator, Vote, VoteType
-from ps_p2p.errors import InvalidCommitError
+from ps_p2p.errors import ConfigError, InvalidCommitError
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.consensus import ByzantineSender
 from ps_p2p.testing.committee import LocalCommittee
+from ps_p2p.testing.localnet import open_localnet
 
 CHAIN = "byzantine-test"
 T0 = 1_700_000_000_000
@@ -138,3 +141,40 @@ def test_a_node_refuses_a_directory_the_byzantine_verifier_signed_alone(case):
     with pytest.raises(InvalidCommitError, match="more than 2/3"):
         verify_directory(GENESIS.validators, CHAIN, header,
                          [mine, mine, precommit(KEYS[0], header)], pages, None, now)
+
+
+# ---------------------------------------------------------------------------- a whole network
+
+
+async def test_users_get_verified_directories_and_answers_beside_a_byzantine_verifier():
+    async with open_localnet(users=6, committee=4, byzantine=(3,)) as net:
+        byz = net.verifiers[3]
+        honest = net.verifiers[:3]
+        assert byz.consensus.byzantine is not None
+        with trio.fail_after(30):
+            for v in honest:  # evidence naming it, committed on every correct verifier
+                while byz.peer_id not in evidence_against(v.consensus):
+                    await v.consensus.wait_committed(v.consensus.validator.committed_height + 1)
+        for v in honest:
+            status = v.committee_status()  # what `ps-node status` prints
+            assert status["evidence"] >= 1
+            assert status["equivocators"] == [ID(byz.peer_id).to_base58()]
+        user = net.users[0]
+        assert user._client.replica.view.header is not None  # verified against a commit
+        assert len(user.directory.users()) == 6 and len(user.directory.model_nodes()) == 1
+        answer = await user.user.ask("Once upon a time there was a fox", timeout=30)
+        assert answer.ok, answer.error
+        assert answer.text == "xof a saw ereht emit a nopu ecnO"
+        height = user.directory.height
+        with trio.fail_after(10):  # the committee keeps committing, the users keep adopting
+            while user.directory.height <= height + 2:
+                await user.wait_directory_update()
+
+
+def test_byzantine_is_for_committee_verifiers_and_never_read_from_a_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="committee verifier"):
+        NodeConfig(roles=["verifier"], byzantine=True).validate()
+    path = tmp_path / "node.toml"
+    path.write_text('roles = ["verifier"]\nbyzantine = true\n')
+    with pytest.raises(ConfigError, match="unknown config key 'byzantine'"):
+        load_config(str(path), {})

@@ -101,6 +101,7 @@ async def open_localnet(
     committee: int = 0,
     block_interval: float = 0.25,
     consensus: ConsensusConfig | None = None,
+    byzantine: tuple[int, ...] = (),
 ) -> AsyncIterator[LocalNet]:
     """Run a verifier, ``models`` model nodes and ``users`` user nodes in this trio run.
 
@@ -120,6 +121,8 @@ async def open_localnet(
             and model nodes trust only directories committed by 2f+1 of them.
         block_interval: committee: seconds an idle chain waits before an empty block.
         consensus: committee: the genesis' timeouts (default ``FAST_CONSENSUS``).
+        byzantine: committee: indices of verifiers that equivocate (TEST ONLY
+            ``NodeConfig.byzantine``).
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
     ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
@@ -130,7 +133,7 @@ async def open_localnet(
             ucfg=ucfg, tamper=tamper, model_capacity=model_capacity,
             model_max_queue=model_max_queue, rng=rng, ready_timeout=ready_timeout,
             record_lifetime=record_lifetime, metrics=metrics, committee=committee,
-            block_interval=block_interval, consensus=consensus,
+            block_interval=block_interval, consensus=consensus, byzantine=byzantine,
         ) as net:
             yield net
 
@@ -161,6 +164,7 @@ async def _open_localnet(
     ucfg: UserConfig, tamper: tuple[int, ...], model_capacity: int, model_max_queue: int,
     rng: random.Random, ready_timeout: float, record_lifetime: float, metrics: bool,
     committee: int, block_interval: float, consensus: ConsensusConfig | None,
+    byzantine: tuple[int, ...],
 ) -> AsyncIterator[LocalNet]:
     async with trio.open_nursery() as nursery:
         net_scopes: dict[bytes, trio.CancelScope] = {}
@@ -190,7 +194,8 @@ async def _open_localnet(
                 cfg = NodeConfig(
                     roles=["verifier"], home=str(tmp / f"verifier{i}"),
                     bootstrap=[v.listen_addrs[0] for v in verifiers],
-                    block_interval=block_interval, **genesis, **fast,  # type: ignore[arg-type]
+                    block_interval=block_interval, byzantine=i in byzantine,
+                    **genesis, **fast,  # type: ignore[arg-type]
                 )
                 verifiers.append(await start(cfg, keys=k))
             await _mesh(verifiers)
