@@ -155,10 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the verifiers run the committee's consensus from a genesis file; "
                              "users and model nodes trust only 2f+1-signed directories")
     devnet.add_argument("--perturb", default="none",
-                        choices=["none", "kill-relay", "tamper-clove", "kill-verifier"],
+                        choices=["none", "kill-relay", "tamper-clove", "kill-verifier",
+                                 "byzantine-verifier"],
                         help="kill-relay: kill one relay on one path of each user mid-run; "
                              "tamper-clove: one relay corrupts what it forwards; "
-                             "kill-verifier: kill one verifier mid-run")
+                             "kill-verifier: kill one verifier mid-run; "
+                             "byzantine-verifier (--committee): one validator equivocates")
     devnet.add_argument("--limit", type=int, help="send only the first N prompts")
     devnet.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
     devnet.add_argument("--concurrency", type=int, default=4, help="prompts in flight (default 4)")

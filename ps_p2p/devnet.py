@@ -47,6 +47,11 @@ Perturbations (each prompt must still be answered, since n > k):
 * ``kill-verifier``: after the first third of the prompts, the last verifier is killed while
   requests are in flight; registrations and directory refreshes go to the others (with
   ``committee``, the 3f other validators keep committing blocks).
+* ``byzantine-verifier`` (``committee`` and at least 4 verifiers): the last verifier runs from the
+  start with the TEST ONLY ``byzantine`` flag: next to each own proposal and vote it signs and
+  sends a conflicting one to half of the other validators. The others keep committing, turn its
+  conflicting votes into equivocation evidence and commit it; the summary line says how much
+  evidence a correct verifier's state holds (its status line's ``committee.evidence``).
 
 Committee (``committee``, ``ps-node devnet --committee``): the verifiers are the validators of a
 genesis file written to ``<workdir>/genesis.json`` (chain ``devnet``; loopback timeouts; an
@@ -96,7 +101,7 @@ log = logging.getLogger(__name__)
 #: Prompt files are capped: a devnet is for a look at the system, not a load test.
 MAX_PROMPTS = 10_000
 ENGINES = ("transformers", "instant")
-PERTURBATIONS = ("none", "kill-relay", "tamper-clove", "kill-verifier")
+PERTURBATIONS = ("none", "kill-relay", "tamper-clove", "kill-verifier", "byzantine-verifier")
 #: ready paths a user needs before the network counts as ready (n, the cloves per request)
 READY_PATHS = 4
 #: seconds the workers get to stop after being told to, before SIGKILL
@@ -222,6 +227,9 @@ class DevnetOptions:
         if self.perturb == "kill-verifier" and self.verifiers < (4 if self.committee else 2):
             raise ConfigError("--perturb kill-verifier needs --verifiers >= 2 (>= 4 with "
                               "--committee: 3f+1 with f >= 1)")
+        if self.perturb == "byzantine-verifier" and (not self.committee or self.verifiers < 4):
+            raise ConfigError("--perturb byzantine-verifier needs --committee and --verifiers >= 4 "
+                              "(3f+1 with f >= 1)")
         if self.start_timeout is not None and self.start_timeout <= 0:
             raise ConfigError("--start-timeout must be > 0")
         if self.concurrency < 1:
@@ -465,6 +473,8 @@ class Devnet:
                 "bootstrap": boot,
                 "api": role == "user",
                 "tamper": role == "user" and opts.perturb == "tamper-clove" and i == count - 1,
+                "byzantine": (role == "verifier" and opts.perturb == "byzantine-verifier"
+                              and i == count - 1),
             }
             if self.genesis_path is not None:
                 spec["genesis"] = str(self.genesis_path)
@@ -902,6 +912,10 @@ async def _devnet(opts: DevnetOptions) -> int:
         if opts.perturb == "tamper-clove":
             print(f"  perturbation: {users[-1].name} ({users[-1].peer_id}) tampers with "
                   "every cell and clove it relays", flush=True)
+        if opts.perturb == "byzantine-verifier":
+            byz = net.verifiers[-1]
+            print(f"  perturbation: {byz.name} ({byz.peer_id}) is a byzantine validator: it "
+                  "equivocates as proposer and as voter", flush=True)
         askers = [u for u in users if not (opts.perturb == "tamper-clove" and u is users[-1])]
         killing = opts.perturb in ("kill-relay", "kill-verifier")
         split = len(prompts) if not killing else max(1, len(prompts) // 3)
@@ -923,6 +937,7 @@ async def _devnet(opts: DevnetOptions) -> int:
 
             await net.send_prompts(prompts[split:], askers=askers, offset=split,
                                    on_first_dispatch=kill, **common)  # type: ignore[arg-type]
+        evidence = _evidence_summary(net) if opts.committee else ""
     if opts.json_out:
         with open(opts.json_out, "w", encoding="utf-8") as fh:
             for r in sorted(results, key=lambda r: r["_index"]):
@@ -935,11 +950,26 @@ async def _devnet(opts: DevnetOptions) -> int:
         summary += (f"; latency median {stats['median']:.0f} ms, p95 {stats['p95']:.0f} ms, "
                     f"p99 {stats['p99']:.0f} ms")
     valid = sum(1 for r in ok if r["signature_valid"])
-    summary += f"; {valid} valid signatures; total {time.monotonic() - started:.1f} s"
+    summary += f"; {valid} valid signatures{evidence}; total {time.monotonic() - started:.1f} s"
     print(summary, flush=True)
     if opts.json_out:
         print(f"results written to {opts.json_out}")
     return 0 if len(ok) == len(prompts) else 1
+
+
+def _evidence_summary(net: Devnet) -> str:
+    """``"; N equivocation evidence committed (against NAMES)"`` from the correct verifiers'
+    latest status lines (the most any holds), for the summary line."""
+    byzantine = net.opts.perturb == "byzantine-verifier"
+    honest = [v for v in net.verifiers if not (byzantine and v is net.verifiers[-1])]
+    views = [v.status["committee"] for v in honest if v.status.get("committee")]
+    if not views:
+        return "; evidence committed: unknown (no verifier status)"
+    best = max(views, key=lambda c: c["evidence"])
+    names = {v.peer_id: v.name for v in net.verifiers}
+    against = ", ".join(names.get(p, p) for p in best["equivocators"])
+    return f"; {best['evidence']} equivocation evidence committed" + (
+        f" (against {against})" if against else "")
 
 
 def _devnet_consensus():  # type: ignore[no-untyped-def]
@@ -1201,6 +1231,7 @@ class _WorkerProcess:
                 config = NodeConfig(
                     roles=[spec["role"]], bootstrap=spec["bootstrap"], key_file=spec["key_file"],
                     model=model, tamper=bool(spec.get("tamper")), genesis=spec.get("genesis"),
+                    byzantine=bool(spec.get("byzantine")),
                     home=spec.get("home"),
                     listen=spec.get("listen", NodeConfig.listen),
                 )
@@ -1247,6 +1278,9 @@ class _WorkerProcess:
                 },
                 "ready_paths": len(node.user.ready_paths()) if node.user else 0,
             }
+            committee = node.committee_status()
+            if committee is not None:  # a committee verifier: the evidence it committed
+                status["committee"] = {k: committee[k] for k in ("evidence", "equivocators")}
             if status != last:
                 self._emit(status)
                 last = status

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -189,6 +190,40 @@ def test_kill_verifier_needs_a_committee_of_four(tmp_path):
 
     assert done.returncode == 2
     assert "kill-verifier needs" in done.stderr
+
+
+@pytest.mark.parametrize("args", [["--verifiers", "4"], ["--verifiers", "3", "--committee"]])
+def test_byzantine_verifier_needs_a_committee_of_four(tmp_path, args):
+    done = _devnet(tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 1)),
+                   *args, "--perturb", "byzantine-verifier", timeout=60)
+
+    assert done.returncode == 2
+    assert "byzantine-verifier needs --committee" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_a_committee_devnet_with_a_byzantine_verifier_answers_and_commits_evidence(tmp_path):
+    out = tmp_path / "results.jsonl"
+    work = tmp_path / "work"
+
+    done = _devnet(
+        tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 6)),
+        "--users", "6", "--models", "1", "--verifiers", "4", "--committee",
+        "--nodes-per-process", "4", "--concurrency", "2", "--timeout", "60",
+        "--perturb", "byzantine-verifier", "--json", str(out), "--workdir", str(work),
+    )
+
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "verifier3" in done.stdout and "is a byzantine validator" in done.stdout
+    summary = re.search(r"answered 6/6 prompts.*; (\d+) equivocation evidence committed "
+                        r"\(against verifier3\)", done.stdout)
+    assert summary and int(summary.group(1)) > 0, done.stdout[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["ok"] and r["signature_valid"] for r in rows), rows
+    honest = json.loads((work / "status" / "verifier0.json").read_text())["committee"]
+    assert honest["evidence"] > 0 and len(honest["equivocators"]) == 1
+    assert "BYZANTINE" in (work / "logs" / "verifier3.log").read_text()
 
 
 @pytest.mark.slow
