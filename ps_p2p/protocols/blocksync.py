@@ -34,7 +34,7 @@ from ps_p2p.consensus.types import Validator
 from ps_p2p.errors import ConsensusError, RemoteProtocolError
 from ps_p2p.protocols import consensus_codec as cc
 from ps_p2p.protocols.framing import encode_frame, read_frame
-from ps_p2p.protocols.handlers import StreamHandlers
+from ps_p2p.protocols.handlers import StreamHandlers, reset_quietly
 
 log = logging.getLogger(__name__)
 
@@ -105,20 +105,13 @@ class BlockSyncServer:
         except RemoteProtocolError as exc:
             self.refused += 1
             log.warning("block sync stream reset: %s", exc)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         except StreamError as exc:
             log.info("block sync stream failed: %r", exc)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         except Exception:
             log.exception("block sync stream: unexpected error")
-            await _reset_quietly(stream)
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception as exc:
-        log.debug("stream reset failed: %r", exc)
+            await reset_quietly(stream)
 
 
 def verify_synced(
@@ -194,7 +187,7 @@ async def fetch_blocks(
             )
         except BaseException:
             with trio.CancelScope(shield=True):
-                await _reset_quietly(stream)
+                await reset_quietly(stream)
             raise
         try:
             await stream.close()

@@ -57,7 +57,7 @@ from ps_p2p.protocols.directory import (
     record_to_pb,
 )
 from ps_p2p.protocols.framing import encode_frame, read_frame
-from ps_p2p.protocols.handlers import StreamHandlers
+from ps_p2p.protocols.handlers import StreamHandlers, reset_quietly
 from ps_p2p.protocols.wire import parse
 from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.records.types import Directory, NodeRecord
@@ -211,20 +211,13 @@ class CommitteeDirectoryService:
         except RemoteProtocolError as exc:
             self.reset += 1
             log.warning("directory/2 stream from %s reset: %s", peer_label(sender), exc)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         except StreamError as exc:
             log.info("directory/2 stream from %s failed: %r", peer_label(sender), exc)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         except Exception:
             log.exception("directory/2 stream from %s: unexpected error", peer_label(sender))
-            await _reset_quietly(stream)
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception as exc:
-        log.debug("stream reset failed: %r", exc)
+            await reset_quietly(stream)
 
 
 # ---------------------------------------------------------------------------------- client
@@ -257,7 +250,7 @@ async def _exchange(host: IHost, verifier: bytes, timeout: float, body: Callable
         result = await body(stream)
     except BaseException:
         with trio.CancelScope(shield=True):
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
         raise
     try:
         await stream.close()

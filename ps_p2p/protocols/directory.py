@@ -49,7 +49,7 @@ from ps_p2p.errors import (
 )
 from ps_p2p.pb.planetserve.v1 import directory_pb2, records_pb2
 from ps_p2p.protocols.framing import encode_frame, encode_varint, read_frame
-from ps_p2p.protocols.handlers import StreamHandlers
+from ps_p2p.protocols.handlers import StreamHandlers, reset_quietly
 from ps_p2p.records import (
     Directory,
     DirectoryHead,
@@ -446,27 +446,20 @@ class DirectoryService:
                 await stream.write(self.handle_request(request, self._clock_ms(), sender))
         except RemoteProtocolError as exc:
             log.warning("directory stream from %s reset: %s", peer, exc)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
             return
         except StreamError as exc:
             log.info("directory stream from %s failed: %r", peer, exc)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
             return
         except Exception:
             log.exception("directory stream from %s: unexpected error", peer)
-            await _reset_quietly(stream)
+            await reset_quietly(stream)
             return
         try:
             await stream.close()
         except Exception as exc:
             log.debug("closing directory stream from %s: %r", peer, exc)
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    try:
-        await stream.reset()
-    except Exception as exc:
-        log.debug("stream reset failed: %r", exc)
 
 
 # ---------------------------------------------------------------------------------- client
@@ -507,7 +500,7 @@ class _Session:
         assert self.stream is not None
         if exc_type is not None:
             with trio.CancelScope(shield=True):
-                await _reset_quietly(self.stream)
+                await reset_quietly(self.stream)
             return
         try:
             await self.stream.close()

@@ -74,7 +74,7 @@ class StreamHandlers:
 
         async def tracked(stream: INetStream) -> None:
             if self._closed:  # negotiated just before the handler was removed
-                await _reset_quietly(stream)
+                await reset_quietly(stream)
                 return
             # the handler runs in a task of the host; aclose() stops it through this scope
             with trio.CancelScope() as scope:
@@ -107,15 +107,19 @@ class StreamHandlers:
             scope.cancel()
         with trio.CancelScope(shield=True), trio.move_on_after(RESET_TIMEOUT):
             for stream in streams:
-                await _reset_quietly(stream)
+                await reset_quietly(stream)
         log.debug("reset %d inbound stream(s) of removed handlers", len(streams))
 
 
-async def _reset_quietly(stream: INetStream) -> None:
+async def reset_quietly(stream: INetStream) -> None:
+    """Reset ``stream``, ignoring a stream that is already closed or reset (for handlers that
+    drop a peer's stream after bad input)."""
     try:
         await stream.reset()
     except Exception as exc:  # already closed or reset: nothing more to do
         log.debug("stream reset failed: %r", exc)
 
 
-__all__ = ["RESET_TIMEOUT", "StreamHandler", "StreamHandlers", "registered_protocols"]
+__all__ = [
+    "RESET_TIMEOUT", "StreamHandler", "StreamHandlers", "registered_protocols", "reset_quietly",
+]
