@@ -192,7 +192,8 @@ def test_kill_verifier_needs_a_committee_of_four(tmp_path):
     assert "kill-verifier needs" in done.stderr
 
 
-@pytest.mark.parametrize("args", [["--verifiers", "4"], ["--verifiers", "3", "--committee"]])
+@pytest.mark.parametrize("args", [["--verifiers", "4", "--no-committee"],
+                                  ["--verifiers", "3", "--committee"]])
 def test_byzantine_verifier_needs_a_committee_of_four(tmp_path, args):
     done = _devnet(tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 1)),
                    *args, "--perturb", "byzantine-verifier", timeout=60)
@@ -204,17 +205,19 @@ def test_byzantine_verifier_needs_a_committee_of_four(tmp_path, args):
 
 @pytest.mark.slow
 def test_a_committee_devnet_with_a_byzantine_verifier_answers_and_commits_evidence(tmp_path):
+    """Four verifiers are a committee by default (no --committee given)."""
     out = tmp_path / "results.jsonl"
     work = tmp_path / "work"
 
     done = _devnet(
         tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 6)),
-        "--users", "6", "--models", "1", "--verifiers", "4", "--committee",
+        "--users", "6", "--models", "1", "--verifiers", "4",
         "--nodes-per-process", "4", "--concurrency", "2", "--timeout", "60",
         "--perturb", "byzantine-verifier", "--json", str(out), "--workdir", str(work),
     )
 
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "4 verifiers (a committee)" in done.stdout
     assert "verifier3" in done.stdout and "is a byzantine validator" in done.stdout
     summary = re.search(r"answered 6/6 prompts.*; (\d+) equivocation evidence committed "
                         r"\(against verifier3\)", done.stdout)
