@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,7 +27,9 @@ import time
 import trio
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from bench_devnet import machine  # noqa: E402
 from ps_p2p.consensus import app
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import Identity
@@ -41,19 +41,6 @@ from ps_p2p.testing.consensus_sim import run_schedule
 ONION = OnionKeyPair.from_private_bytes(b"\x07" * 32).public
 POLICY = app.AdmissionPolicy(max_records_per_network=100_000, max_registrations_per_block=1000,
                              max_records_without_address=100_000)
-
-
-def machine() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{platform.system()} {platform.release()} {platform.machine()}, {cpu}, "
-            f"{os.cpu_count()} cores, CPython {platform.python_version()}")
 
 
 def register_txs(count: int, salt: bytes) -> list[bytes]:

@@ -257,7 +257,7 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
 
     from ps_p2p.consensus.app import Genesis
     from ps_p2p.consensus.core import ConsensusConfig
-    from ps_p2p.consensus.genesis import genesis_hash, genesis_json
+    from ps_p2p.genesis import genesis_hash, genesis_json
     from ps_p2p.consensus.types import Validator
     from ps_p2p.keys import load_or_create_keys
 

@@ -137,7 +137,7 @@ class NodeConfig:
         bootstrap: multiaddrs (with /p2p/<peer ID>) dialled at start.
         verifiers: trusted verifier peer IDs (base58); empty = the bootstrap peers.
         quorum: verifier signatures a directory needs (single-verifier mode, no ``genesis``).
-        genesis: path of the committee's genesis file (:mod:`ps_p2p.consensus.genesis`);
+        genesis: path of the committee's genesis file (:mod:`ps_p2p.genesis`);
             None: the single-verifier mode. With it every node trusts a directory only with a
             commit of more than 2/3 of the genesis validators (``verifiers`` and ``quorum``
             are not used), and a verifier must be one of those validators: it runs the

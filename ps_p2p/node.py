@@ -216,7 +216,7 @@ class Node:
         self.committee_directory: committee_proto.CommitteeDirectoryService | None = None
         self._client: DirectoryClient
         if config.genesis is not None:
-            from ps_p2p.consensus.genesis import load_genesis
+            from ps_p2p.genesis import load_genesis
 
             self.genesis_file = load_genesis(config.genesis)
             genesis = self.genesis_file.genesis

@@ -156,16 +156,14 @@ async def test_a_draining_model_node_withdraws_its_record_from_the_verifier():
 
 
 @pytest.mark.slow
-def test_sigterm_drains_a_model_node_process_withdraws_it_and_exits_0(tmp_path):
+def test_sigterm_drains_a_model_node_process_withdraws_it_and_exits_0(shared, tmp_path):
     import signal
     import subprocess
     import sys
 
-    from ps_p2p.devnet import SHARED_MODEL, shared_dir
+    from ps_p2p.devnet import SHARED_MODEL
 
-    model = shared_dir() / SHARED_MODEL
-    if not model.is_dir():
-        pytest.skip(f"needs the TinyStories model at {model}")
+    model = shared / SHARED_MODEL  # the `shared` fixture skips with a reason when it is absent
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     base = [sys.executable, "-m", "ps_p2p.cli", "run"]
     verifier = subprocess.Popen(

@@ -57,11 +57,15 @@ MIN_THRESHOLD = dispatch.MIN_THRESHOLD
 
 class _Flusher:
     """Coalesces streamed text: ``send`` gets the first piece at once, then what accumulated,
-    at most once per ``interval`` seconds and at most ``interval`` after it was added."""
+    at most once per ``interval`` seconds and at most ``interval`` after it was added.
+    ``clock`` is the service's (trio's clock, or a test's), in seconds."""
 
-    def __init__(self, send: Callable[[str], None], interval: float) -> None:
+    def __init__(
+        self, send: Callable[[str], None], interval: float, clock: Callable[[], float]
+    ) -> None:
         self._send = send
         self._interval = interval
+        self._clock = clock
         self._pending: list[str] = []
         self._next_at = -math.inf
         self._wake = trio.Event()
@@ -70,7 +74,7 @@ class _Flusher:
         if not text:
             return
         self._pending.append(text)
-        if trio.current_time() >= self._next_at:
+        if self._clock() >= self._next_at:
             self.flush()
         else:
             self._wake.set()
@@ -78,14 +82,14 @@ class _Flusher:
     def flush(self) -> None:
         if self._pending:
             text, self._pending = "".join(self._pending), []
-            self._next_at = trio.current_time() + self._interval
+            self._next_at = self._clock() + self._interval
             self._send(text)
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
-            await trio.sleep_until(self._next_at)
+            await trio.sleep(max(0.0, self._next_at - self._clock()))  # the coalescing timer
             self.flush()
 
 
@@ -269,6 +273,7 @@ class ModelNodeService:
                 functools.partial(self.dispatcher.job_progress, key, text)
             ),
             self.config.stream_interval,
+            self._clock,
         )
         async with trio.open_nursery() as nursery:
             if query.stream:

@@ -24,7 +24,7 @@ import trio
 from ps_p2p.config import NodeConfig
 from ps_p2p.consensus import app
 from ps_p2p.consensus.core import ConsensusConfig
-from ps_p2p.consensus.genesis import genesis_json
+from ps_p2p.genesis import genesis_json
 from ps_p2p.consensus.types import Validator
 from ps_p2p.engines.base import Engine
 from ps_p2p.keys import NodeKeys

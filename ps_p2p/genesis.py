@@ -5,7 +5,9 @@ time, the validators (peer IDs in base58 and voting powers), the consensus timeo
 committed rules of the registry (the sybil admission policy and the block limits). Every
 validator runs the chain from it, and every node checks directories against its validator set
 (:func:`ps_p2p.consensus.directory.verify_directory`), so it must be the same file everywhere:
-:func:`genesis_hash` names it in logs and status.
+:func:`genesis_hash` names it in logs and status. This module reads and writes the file (the
+service layer, beside :mod:`ps_p2p.config`); the pure consensus package only sees the parsed
+:class:`~ps_p2p.consensus.app.Genesis`.
 
 Format (all keys required except ``consensus``, ``admission`` and ``block_limits``, whose
 missing fields take the defaults of :class:`~ps_p2p.consensus.core.ConsensusConfig`,

@@ -1,4 +1,4 @@
-"""The committee's genesis file (ps_p2p.consensus.genesis) and ``ps-node testnet``."""
+"""The committee's genesis file (ps_p2p.genesis) and ``ps-node testnet``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ps_p2p.config import load_config
 from ps_p2p.consensus.app import AdmissionPolicy, Genesis
 from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
-from ps_p2p.consensus.genesis import genesis_hash, genesis_json, load_genesis
+from ps_p2p.genesis import genesis_hash, genesis_json, load_genesis
 from ps_p2p.consensus.types import Validator
 from ps_p2p.errors import ConfigError
 from ps_p2p.keys import NodeKeys, load_or_create_keys
