@@ -151,18 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds until every user has its paths (default 60 + 1 per node)")
     devnet.add_argument("--json", dest="json_out", metavar="OUT",
                         help="write one JSON object per prompt to OUT (JSON lines)")
-    devnet.add_argument("--committee", action=argparse.BooleanOptionalAction, default=None,
-                        help="the verifiers run the committee's consensus from a genesis file; "
-                             "users and model nodes trust only 2f+1-signed directories "
-                             "(default: on with 4 or more verifiers, N = 3f+1 with f >= 1; "
-                             "--no-committee: every verifier signs alone)")
     devnet.add_argument("--perturb", default="none",
                         choices=["none", "kill-relay", "tamper-clove", "kill-verifier",
                                  "byzantine-verifier"],
                         help="kill-relay: kill one relay on one path of each user mid-run; "
                              "tamper-clove: one relay corrupts what it forwards; "
                              "kill-verifier: kill one verifier mid-run; "
-                             "byzantine-verifier (--committee): one validator equivocates")
+                             "byzantine-verifier: one validator equivocates "
+                             "(both verifier perturbations need --verifiers >= 4)")
     devnet.add_argument("--limit", type=int, help="send only the first N prompts")
     devnet.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
     devnet.add_argument("--concurrency", type=int, default=4, help="prompts in flight (default 4)")
@@ -627,7 +623,6 @@ def _cmd_devnet(args: argparse.Namespace) -> int:
         engine=args.engine,
         nodes_per_process=args.nodes_per_process,
         start_timeout=args.start_timeout,
-        committee=args.verifiers >= 4 if args.committee is None else args.committee,
     )
     return run_devnet(options)
 

@@ -127,6 +127,13 @@ SECONDS = 1.0
 MINUTES = 60 * SECONDS
 
 
+#: Keys of earlier versions, with what replaced them.
+_REMOVED = {
+    "quorum": "every directory is committed by a committee; its genesis sets the quorum (2f+1)",
+    "directory_lifetime": "a directory's age is its commit's block time",
+}
+
+
 @dataclass
 class NodeConfig:
     """Everything one ``ps-node run`` needs.
@@ -135,14 +142,16 @@ class NodeConfig:
         roles: any of "user", "model", "verifier".
         listen: listen multiaddr (port 0 picks a free port).
         bootstrap: multiaddrs (with /p2p/<peer ID>) dialled at start.
-        verifiers: trusted verifier peer IDs (base58); empty = the bootstrap peers.
-        quorum: verifier signatures a directory needs (single-verifier mode, no ``genesis``).
-        genesis: path of the committee's genesis file (:mod:`ps_p2p.genesis`);
-            None: the single-verifier mode. With it every node trusts a directory only with a
-            commit of more than 2/3 of the genesis validators (``verifiers`` and ``quorum``
-            are not used), and a verifier must be one of those validators: it runs the
-            consensus (store ``<home>/consensus.sqlite``) and serves the committed directory
-            (docs/consensus.md, "Nodes and the committee").
+        verifiers: trusted verifier peer IDs (base58); empty = the bootstrap peers. Without
+            ``genesis``, a node follows the genesis one of them serves only when every
+            validator it names is one of these (:mod:`ps_p2p.directory_client`).
+        genesis: path of the committee's genesis file (:mod:`ps_p2p.genesis`). Every node
+            trusts a directory only with a commit of more than 2/3 of the genesis validators;
+            a verifier must be one of those validators: it runs the consensus (store
+            ``<home>/consensus.sqlite``) and serves the committed directory
+            (docs/consensus.md, "Nodes and the committee"). None: a verifier runs a committee
+            of one from ``<home>/genesis.json`` (made on first run); other nodes learn the
+            genesis from ``verifiers``.
         block_interval: committee verifiers: seconds an idle chain waits before an empty
             block (keeps the directory's commit fresh; default 1).
         name: the node's name, its default home's folder (default: the roles, ``user``).
@@ -154,13 +163,12 @@ class NodeConfig:
         register_interval: seconds between re-registrations with the verifiers.
         record_lifetime: seconds a node record stays valid.
         directory_refresh: seconds between directory fetches.
-        directory_lifetime: seconds a directory signed by this verifier stays valid.
         relay: user nodes relay other users' paths (``ps-node ask`` turns it off).
         register: register this node's record with the verifiers (off for a one-shot ``ask``).
         tamper: TEST ONLY: corrupt relayed cells and cloves (``devnet --perturb tamper-clove``).
         byzantine: TEST ONLY, never set by users (no flag): a committee verifier that
             equivocates, sending conflicting proposals and votes to half of the other
-            validators (``devnet --committee --perturb byzantine-verifier``; needs ``genesis``).
+            validators (``devnet --perturb byzantine-verifier``).
         metrics: ``"HOST:PORT"`` (``[HOST]:PORT`` for IPv6; port 0 picks a free one) where this
             node serves Prometheus ``/metrics`` (:mod:`ps_p2p.metrics`); None: not served.
         status_interval: seconds between the node's one-line status logs (INFO); 0: none.
@@ -172,7 +180,6 @@ class NodeConfig:
     listen: str = "/ip4/127.0.0.1/tcp/0"
     bootstrap: list[str] = field(default_factory=list)
     verifiers: list[str] = field(default_factory=list)
-    quorum: int = 1
     genesis: str | None = None
     block_interval: float = 1 * SECONDS
     name: str | None = None
@@ -187,7 +194,6 @@ class NodeConfig:
     register_interval: float = 30 * SECONDS
     record_lifetime: float = 2 * MINUTES
     directory_refresh: float = 5 * SECONDS
-    directory_lifetime: float = 2 * MINUTES
     relay: bool = True
     register: bool = True
     tamper: bool = False
@@ -209,8 +215,6 @@ class NodeConfig:
             raise ConfigError(f"unknown engine {self.engine!r}; choose from {', '.join(ENGINES)}")
         if "model" in self.roles and not self.model:
             raise ConfigError("the model role needs --model PATH (or the served name with --engine vllm)")
-        if self.quorum < 1:
-            raise ConfigError("quorum must be >= 1")
         if not (isinstance(self.block_interval, (int, float))
                 and 0 < self.block_interval < math.inf):
             raise ConfigError(f"block_interval must be > 0 seconds, not {self.block_interval!r}")
@@ -225,8 +229,8 @@ class NodeConfig:
             check_multiaddr(addr, "--multiaddr", peer_id=True)
         for peer in self.verifiers:
             check_peer_id(peer, "--verifier")
-        if self.byzantine and ("verifier" not in self.roles or not self.genesis):
-            raise ConfigError("byzantine (test only) is for a committee verifier (--genesis)")
+        if self.byzantine and "verifier" not in self.roles:
+            raise ConfigError("byzantine (test only) is for a verifier")
         if self.metrics is not None:
             parse_host_port(self.metrics, "--metrics")
         if not self.status_interval >= 0:
@@ -366,6 +370,8 @@ def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | Non
     known = {f.name for f in dataclasses.fields(NodeConfig)} - {"byzantine"}  # test only
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        if key in _REMOVED:
+            raise ConfigError(f"config key {key!r} was removed: {_REMOVED[key]}")
         if key not in known:
             raise ConfigError(f"unknown config key {key!r}")
         if key in _NESTED:

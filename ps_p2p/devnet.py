@@ -46,20 +46,19 @@ Perturbations (each prompt must still be answered, since n > k):
   the proxies' end-to-end check and S-IDA's AEAD reject them and decoding uses other cloves.
 * ``kill-verifier``: after the first third of the prompts, the last verifier is killed while
   requests are in flight; registrations and directory refreshes go to the others (with
-  ``committee``, the 3f other validators keep committing blocks).
-* ``byzantine-verifier`` (``committee`` and at least 4 verifiers): the last verifier runs from the
+  the 3f other validators keep committing blocks; needs at least 4 verifiers).
+* ``byzantine-verifier`` (at least 4 verifiers): the last verifier runs from the
   start with the TEST ONLY ``byzantine`` flag: next to each own proposal and vote it signs and
   sends a conflicting one to half of the other validators. The others keep committing, turn its
   conflicting votes into equivocation evidence and commit it; the summary line says how much
   evidence a correct verifier's state holds (its status line's ``committee.evidence``).
 
-Committee (``committee``, ``ps-node devnet --committee``): the verifiers are the validators of a
+Committee: the verifiers are the validators of a
 genesis file written to ``<workdir>/genesis.json`` (chain ``devnet``; loopback timeouts; an
 admission policy that lets one /24 hold every node), each listening on a port chosen before the
 start and bootstrapped from the others, with its consensus store in ``<workdir>/homes/<name>``;
 model nodes and users run with that genesis and trust only directories committed by more than
-2/3 of them (docs/consensus.md, "Nodes and the committee"). Without it every verifier signs its
-own directory.
+2/3 of them (docs/consensus.md, "Nodes and the committee"). One verifier is a committee of one.
 
 Engines: ``transformers`` loads ``model`` in every model node; ``instant`` answers at once with
 :class:`~ps_p2p.testing.fakes.InstantEngine` (no model load), to measure the overlay itself.
@@ -176,7 +175,6 @@ class DevnetOptions:
         prompts: prompt file (see :func:`load_prompts`); :func:`run_devnet` only.
         engine: ``transformers`` or ``instant`` (fake engine, answers at once).
         nodes_per_process: nodes per worker process (>= 1).
-        committee: the verifiers run consensus from a genesis file (module docstring).
         start_timeout: seconds until the network must be ready; None:
             :func:`default_start_timeout`.
         timeout: seconds per prompt.
@@ -201,7 +199,6 @@ class DevnetOptions:
     start_timeout: float | None = None
     engine: str = "transformers"
     nodes_per_process: int = 1
-    committee: bool = False
 
     @property
     def nodes(self) -> int:
@@ -224,12 +221,9 @@ class DevnetOptions:
             raise ConfigError(f"unknown perturbation {self.perturb!r}")
         if self.nodes_per_process < 1:
             raise ConfigError("--nodes-per-process must be >= 1")
-        if self.perturb == "kill-verifier" and self.verifiers < (4 if self.committee else 2):
-            raise ConfigError("--perturb kill-verifier needs --verifiers >= 2 (>= 4 with "
-                              "--committee: 3f+1 with f >= 1)")
-        if self.perturb == "byzantine-verifier" and (not self.committee or self.verifiers < 4):
-            raise ConfigError("--perturb byzantine-verifier needs --committee and --verifiers >= 4 "
-                              "(3f+1 with f >= 1)")
+        if self.perturb in ("kill-verifier", "byzantine-verifier") and self.verifiers < 4:
+            raise ConfigError(f"--perturb {self.perturb} needs --verifiers >= 4 (a committee "
+                              "of 3f+1 with f >= 1 commits without one of them)")
         if self.start_timeout is not None and self.start_timeout <= 0:
             raise ConfigError("--start-timeout must be > 0")
         if self.concurrency < 1:
@@ -384,7 +378,7 @@ class Devnet:
         self.models: list[DevnetNode] = []
         self.users: list[DevnetNode] = []
         self.ready_s: float | None = None
-        #: committee: the genesis file (None without ``committee``)
+        #: the committee's genesis file (written at the start)
         self.genesis_path: pathlib.Path | None = None
         self._verifier_addrs: list[str] = []
         self.progress = Progress(nodes=opts.nodes, users=opts.users,
@@ -403,7 +397,7 @@ class Devnet:
         started = self.progress.started_at = trio.current_time()
         deadline = started + opts.start_deadline
         what = f"(--start-timeout {opts.start_deadline:g} s)"
-        self.genesis_path = self._write_genesis() if opts.committee else None
+        self.genesis_path = self._write_genesis()
         self.verifiers = await self._spawn_group("verifier", opts.verifiers, [])
         await self._wait(
             self.verifiers, lambda n: None if n.status.get("listen") else "not listening",
@@ -880,7 +874,7 @@ async def _devnet(opts: DevnetOptions) -> int:
     opts.validate()
     engine = opts.engine + (f" engine, model {opts.model}" if opts.engine == "transformers"
                             else " engine")
-    print(f"devnet: {opts.verifiers} verifiers{' (a committee)' if opts.committee else ''}, "
+    print(f"devnet: a committee of {opts.verifiers} verifier(s), "
           f"{opts.models} model nodes ({engine}), "
           f"{opts.users} users, {opts.nodes_per_process} node(s) per process; "
           f"{len(prompts)} prompts from {opts.prompts}; "
@@ -928,7 +922,7 @@ async def _devnet(opts: DevnetOptions) -> int:
             else:
                 victims = [net.verifiers[-1]]
                 print(f"  perturbation: will kill {victims[0].name} "
-                      f"({'a committee validator' if opts.committee else 'a verifier'}) once "
+                      "(a committee validator) once "
                       "the next prompts are in flight", flush=True)
 
             async def kill() -> None:
@@ -937,7 +931,7 @@ async def _devnet(opts: DevnetOptions) -> int:
 
             await net.send_prompts(prompts[split:], askers=askers, offset=split,
                                    on_first_dispatch=kill, **common)  # type: ignore[arg-type]
-        evidence = _evidence_summary(net) if opts.committee else ""
+        evidence = _evidence_summary(net)
     if opts.json_out:
         with open(opts.json_out, "w", encoding="utf-8") as fh:
             for r in sorted(results, key=lambda r: r["_index"]):

@@ -22,8 +22,11 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │       ├── InvalidTransactionError  a registry transaction refused (mempool or execution)
     │       │   └── AdmissionError  refused by the committed sybil admission policy or a full
     │       │                       mempool (a cap, not a fault of the transaction itself)
-    │       └── InvalidDirectoryError  (also a DirectoryError) directory deltas that do not
-    │                               rebuild the committed app hash
+    │       ├── InvalidDirectoryError  (also a DirectoryError) directory deltas that do not
+    │       │                       rebuild the committed app hash
+    │       └── UntrustedGenesisError  (also a DirectoryError) a verifier serves a genesis
+    │                               naming validators the node was not told to trust, or
+    │                               another chain than the one it follows
     ├── DecodeError                 S-IDA: no k-subset of the cloves decodes (tampered/too few)
     ├── CryptoError                 onion layer or AEAD check failed
     ├── DirectoryError              no valid, unexpired directory; not enough nodes to build paths
@@ -155,6 +158,11 @@ class DirectoryRollbackError(DirectoryError):
 class InvalidDirectoryError(ConsensusError, DirectoryError):
     """Directory deltas that, applied to the node's view, do not give the app hash the
     committed header carries (tampered, missing or reordered pages)."""
+
+
+class UntrustedGenesisError(ConsensusError, DirectoryError):
+    """A verifier served a genesis whose validators are not all verifiers this node trusts,
+    or another chain than the one the node follows (``ps_p2p.directory_client``)."""
 
 
 class PathError(PsError):

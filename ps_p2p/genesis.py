@@ -59,11 +59,22 @@ class GenesisFile:
         genesis: the chain's committed start (:class:`~ps_p2p.consensus.app.Genesis`).
         consensus: the consensus timeouts every validator uses.
         names: validator peer ID -> its name in the file ("" when none).
+        text: the file's bytes as read (what a verifier serves to nodes that ask for its
+            genesis, and what :func:`genesis_hash` names); empty when built in memory.
     """
 
     genesis: Genesis
     consensus: ConsensusConfig
     names: dict[bytes, str]
+    text: bytes = b""
+
+    @property
+    def hash(self) -> str:
+        """:func:`genesis_hash` of :attr:`text` (or of the canonical JSON when built in
+        memory)."""
+        return genesis_hash(self.text or genesis_json(
+            self.genesis, self.consensus, [self.names.get(v.address, "")
+                                           for v in self.genesis.validators]))
 
 
 def genesis_json(
@@ -105,13 +116,48 @@ def load_genesis(path: str | pathlib.Path) -> GenesisFile:
         raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read genesis file {p}: {exc}") from exc
+    return parse_genesis_text(raw, source=f"genesis file {p}")
+
+
+def parse_genesis_text(raw: bytes, *, source: str = "genesis") -> GenesisFile:
+    """Parse and check a genesis file's bytes (as :func:`load_genesis`; also what a verifier
+    answers to a genesis request).
+
+    Raises:
+        ConfigError: too large, not UTF-8 JSON, or as :func:`parse_genesis`.
+    """
     if len(raw) > MAX_GENESIS_BYTES:
-        raise ConfigError(f"genesis file {p} is over {MAX_GENESIS_BYTES} bytes")
+        raise ConfigError(f"{source} is over {MAX_GENESIS_BYTES} bytes")
     try:
         data = json.loads(raw)
     except ValueError as exc:
-        raise ConfigError(f"genesis file {p} is not JSON: {exc}") from exc
-    return parse_genesis(data, source=str(p))
+        raise ConfigError(f"{source} is not JSON: {exc}") from exc
+    return dataclasses.replace(parse_genesis(data, source=source), text=bytes(raw))
+
+
+def init_genesis(path: pathlib.Path, validator: bytes, *, now_ms: int) -> GenesisFile:
+    """The genesis of a committee of one (``ps-node run --role verifier`` without
+    ``--genesis``, like ``cometbft init``): read ``path`` when it exists, else write a genesis
+    whose only validator is ``validator`` (chain ``planetserve-<last 8 characters of its peer
+    ID>``, genesis time ``now_ms``, default timeouts, admission policy and block limits) and
+    read it back. The file must survive restarts: the validator's store belongs to its chain.
+
+    Raises:
+        ConfigError: the file exists but is invalid, or cannot be written.
+    """
+    if path.exists():
+        return load_genesis(path)
+    peer = ID(validator).to_base58()
+    genesis = Genesis(f"planetserve-{peer[-8:]}", now_ms, (Validator(validator),))
+    text = genesis_json(genesis, ConsensusConfig(), ["verifier"])
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write genesis file {path}: {exc}") from exc
+    return load_genesis(path)
 
 
 def parse_genesis(data: Any, *, source: str = "genesis") -> GenesisFile:
@@ -176,5 +222,5 @@ def _section(data: dict[str, Any], key: str, cls: type, fields: Sequence[str], f
         raise fail(f"'{key}': {exc}") from exc
 
 
-__all__ = ["GenesisFile", "MAX_GENESIS_BYTES", "genesis_hash", "genesis_json", "load_genesis",
-           "parse_genesis"]
+__all__ = ["GenesisFile", "MAX_GENESIS_BYTES", "genesis_hash", "genesis_json", "init_genesis",
+           "load_genesis", "parse_genesis", "parse_genesis_text"]

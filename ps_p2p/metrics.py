@@ -88,9 +88,20 @@ model nodes
                                                             duplicate_proxy, proxy_share
 ``planetserve_answers_sent_total{status}``                  signed answers sent, by status (ok,
                                                             overloaded, engine_error...)
-verifiers
-``planetserve_registry_height``                             height of this verifier's registry
-``planetserve_registry_records``                            records it holds
+verifiers (committee members)
+``planetserve_consensus_height``                            last committed height
+``planetserve_consensus_round``                             round of the height being decided
+``planetserve_consensus_validators``                        validators in the genesis
+``planetserve_consensus_validators_connected``              other validators connected now
+``planetserve_registry_records``                            records in the committed registry
+``planetserve_mempool_txs``                                 transactions waiting for a block
+``planetserve_consensus_evidence``                          equivocation evidence committed
+``planetserve_consensus_heights_total``                     heights committed by this validator
+``planetserve_consensus_blocks_synced_total``               blocks applied from block sync
+``planetserve_consensus_signed_total{kind}``                proposals and votes signed
+``planetserve_consensus_double_sign_refused_total``         signatures refused (double sign)
+``planetserve_consensus_values_refused_total``              proposed values refused as invalid
+``planetserve_consensus_messages_refused_total{reason}``    peers' messages refused, by reason
 ==========================================================  ======================================
 
 Time to first token: ``planetserve_time_to_first_token_seconds`` observes, per answered request,
@@ -115,6 +126,7 @@ from prometheus_client.core import (
 )
 
 from ps_p2p.config import parse_host_port
+from ps_p2p.protocols.host import is_connected
 from ps_p2p.records import Role
 from ps_p2p.records import short_peer_id as _short
 
@@ -194,12 +206,9 @@ class NodeCollector:
             out += _user_families(node.user)
         if node.model is not None:
             out += _model_families(node.model)
-        if node.directory_service is not None:
-            registry = node.directory_service.registry
-            out.append(_gauge("planetserve_registry_height",
-                              "Height of this verifier's registry.", registry.height))
-            out.append(_gauge("planetserve_registry_records",
-                              "Records this verifier's registry holds.", len(registry)))
+        consensus = getattr(node, "consensus", None)
+        if consensus is not None:
+            out += _committee_families(node, consensus)
         return out
 
 
@@ -306,9 +315,6 @@ def status_line(node: Node) -> str:
             f"engine queue {load.queued}, {load.in_service}/{load.capacity} running, "
             f"{load.served} served, {model.dispatcher.requests.get('overloaded', 0)} overloaded"
         )
-    if node.directory_service is not None:
-        registry = node.directory_service.registry
-        parts.append(f"registry height {registry.height} ({len(registry)} records)")
     consensus = getattr(node, "consensus", None)
     if consensus is not None:
         v = consensus.validator
@@ -464,6 +470,43 @@ def _model_families(model: Any) -> list[Metric]:
         out.append(_gauge("planetserve_engine_latency_ewma_seconds",
                           "Service time EWMA (L of F_LB, alpha 1/8).", load.latency_ewma))
     return out
+
+
+def _committee_families(node: Any, consensus: Any) -> list[Metric]:
+    """A verifier's consensus: heights, round, registry, mempool, evidence, peers, refusals."""
+    v = consensus.validator
+    stats = v.stats
+    connected = sum(1 for peer in consensus.peers
+                    if node.host is not None and is_connected(node.host, peer))
+    return [
+        _gauge("planetserve_consensus_height", "Last committed height.", v.committed_height),
+        _gauge("planetserve_consensus_round", "Round of the height being decided.",
+               v.core.round),
+        _gauge("planetserve_consensus_validators", "Validators in the genesis.",
+               len(v.validators)),
+        _gauge("planetserve_consensus_validators_connected",
+               "Other validators this one is connected to.", connected),
+        _gauge("planetserve_registry_records", "Records in the committed registry.",
+               len(v.state.records)),
+        _gauge("planetserve_mempool_txs", "Transactions waiting for a block.", len(v.mempool)),
+        _gauge("planetserve_consensus_evidence", "Equivocation evidence committed.",
+               len(v.state.evidence)),
+        _counter("planetserve_consensus_heights", "Heights this validator committed.",
+                 value=stats.heights_committed),
+        _counter("planetserve_consensus_blocks_synced", "Blocks applied from block sync.",
+                 value=stats.blocks_synced),
+        _counter("planetserve_consensus_signed", "Proposals and votes this validator signed.",
+                 ["kind"], {("proposal",): stats.proposals_signed,
+                            ("vote",): stats.votes_signed}),
+        _counter("planetserve_consensus_double_sign_refused",
+                 "Signatures refused because they would sign a second value.",
+                 value=stats.double_sign_refused),
+        _counter("planetserve_consensus_values_refused", "Proposed values refused as invalid.",
+                 value=stats.values_refused),
+        _counter("planetserve_consensus_messages_refused",
+                 "Consensus messages from peers refused, by reason.", ["reason"],
+                 {(reason,): n for reason, n in consensus.refused.items()}),
+    ]
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

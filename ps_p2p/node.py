@@ -46,14 +46,14 @@ from libp2p.peer.id import ID
 
 from ps_p2p import records
 from ps_p2p.config import NodeConfig
-from ps_p2p.directory_client import CommitteeClient, DirectoryClient, SingleVerifierClient
+from ps_p2p.directory_client import CommitteeClient
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import ConfigError, PsError
+from ps_p2p.genesis import GenesisFile, init_genesis, load_genesis
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import NodeKeys
 from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import committee_directory as committee_proto
-from ps_p2p.protocols import directory as directory_proto
 from ps_p2p.protocols.handlers import registered_protocols
 from ps_p2p.protocols.host import (
     check_foreign_host,
@@ -90,6 +90,8 @@ DRAIN_FLUSH_TIMEOUT = 5.0
 VERIFIER_SUSPECT_SECONDS = 10.0
 #: Committee verifiers: the consensus store (WAL and blocks) in the node's home.
 CONSENSUS_STORE_FILE = "consensus.sqlite"
+#: A verifier's genesis when none is given: ``<home>/genesis.json`` (a committee of one).
+GENESIS_FILE = "genesis.json"
 
 _ROLE = {"user": Role.USER, "model": Role.MODEL, "verifier": Role.VERIFIER}
 
@@ -190,12 +192,12 @@ class Node:
         self.overlay: OverlayService | None = None
         self.user: UserClient | None = None
         self.model: ModelNodeService | None = None
-        self.directory_service: directory_proto.DirectoryService | None = None
         self.directory: Directory | None = None
         self.listen_addrs: list[str] = []
         self._directory_ready = trio.Event()
         self._directory_changed_at = -1e9
         self._withdrawn = False
+        self._last_issued_ms = 0
         self._verifier_failed: dict[bytes, float] = {}  # verifier -> suspect until (trio time)
         self._bootstrap: dict[bytes, str] = {}
         for addr in config.bootstrap:
@@ -207,30 +209,33 @@ class Node:
             raise ConfigError(f"bad --verifier peer ID: {exc}") from exc
         if not trusted:
             trusted = list(self._bootstrap)
-        if Role.VERIFIER in self.roles:
-            trusted.append(self.peer_id)
-        #: the committee's genesis file (committee mode), or None (single-verifier mode)
-        self.genesis_file = None
-        #: committee verifiers: the consensus service and the committed directory's server
+        #: the genesis file of the committee: ``config.genesis``; for a verifier without one,
+        #: ``<home>/genesis.json``, made on first run (a committee of one); None for other
+        #: nodes without one (they learn it from a trusted verifier: ``directory_client``)
+        self.genesis_file: GenesisFile | None = None
+        #: verifiers: the consensus service and the committed directory's server
         self.consensus = None
         self.committee_directory: committee_proto.CommitteeDirectoryService | None = None
-        self._client: DirectoryClient
         if config.genesis is not None:
-            from ps_p2p.genesis import load_genesis
-
             self.genesis_file = load_genesis(config.genesis)
-            genesis = self.genesis_file.genesis
-            self._client = CommitteeClient(genesis)
-            if Role.VERIFIER in self.roles and self.peer_id not in self._client.trusted_verifiers:
-                raise ConfigError(
-                    f"this verifier ({keys.identity.peer_id_str}) is not in the validator set "
-                    f"of genesis {config.genesis} (chain {genesis.chain_id!r}); run it without "
-                    "--genesis, or use the key of one of the genesis validators"
-                )
-            self.trusted_verifiers = self._client.trusted_verifiers
-        else:
-            self.trusted_verifiers = frozenset(trusted)
-            self._client = SingleVerifierClient(self.trusted_verifiers, config.quorum)
+        elif Role.VERIFIER in self.roles:
+            if trusted and set(trusted) != {self.peer_id}:
+                log.warning(
+                    "verifier without --genesis: it runs a committee of one of its own and "
+                    "does not sync with the other verifiers it was given; give every verifier "
+                    "the same genesis (ps-node testnet) to run a committee")
+            self.genesis_file = init_genesis(config.home_path / GENESIS_FILE, self.peer_id,
+                                             now_ms=_now_ms())
+        genesis = None if self.genesis_file is None else self.genesis_file.genesis
+        self._client = CommitteeClient(genesis, frozenset(trusted))
+        if (genesis is not None and Role.VERIFIER in self.roles
+                and self.peer_id not in self._client.trusted_verifiers):
+            where = config.genesis or config.home_path / GENESIS_FILE
+            raise ConfigError(
+                f"this verifier ({keys.identity.peer_id_str}) is not in the validator set "
+                f"of genesis {where} (chain {genesis.chain_id!r}); use the key of one of its "
+                "validators, or another genesis (or home)"
+            )
         self.metrics = NodeMetrics(self)
         self._ran = False
         self._cancel_scope: trio.CancelScope | None = None
@@ -300,14 +305,12 @@ class Node:
     def protocol_ids(self) -> frozenset[str]:
         """The stream protocol IDs this node's roles serve (registered while it runs)."""
         ids: set[str] = set()
-        if Role.VERIFIER in self.roles and self.genesis_file is not None:
+        if Role.VERIFIER in self.roles:
             from ps_p2p.protocols.blocksync import BLOCKSYNC_PROTOCOL_ID
             from ps_p2p.protocols.consensus import CONSENSUS_PROTOCOL_ID
 
             ids |= {str(committee_proto.COMMITTEE_DIRECTORY_PROTOCOL_ID),
                     str(CONSENSUS_PROTOCOL_ID), str(BLOCKSYNC_PROTOCOL_ID)}
-        elif Role.VERIFIER in self.roles:
-            ids.add(str(directory_proto.DIRECTORY_PROTOCOL_ID))
         if self.roles & {Role.USER, Role.MODEL}:
             ids |= {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
         return frozenset(ids)
@@ -373,16 +376,9 @@ class Node:
         network = host.get_network()
         try:
             async with trio.open_nursery() as nursery:
-                if self.genesis_file is not None:
-                    self._learn_bootstrap_addrs(host)
-                if Role.VERIFIER in self.roles and self.genesis_file is not None:
+                self._learn_bootstrap_addrs(host)
+                if Role.VERIFIER in self.roles:
                     await nursery.start(self._run_committee_member, host)
-                elif Role.VERIFIER in self.roles:
-                    self.directory_service = directory_proto.DirectoryService(
-                        self.keys.identity,
-                        directory_lifetime_ms=int(self.config.directory_lifetime * 1000),
-                    )
-                    await nursery.start(self.directory_service.serve, host)
                 if self.roles & {Role.USER, Role.MODEL}:
                     self.overlay = OverlayService(
                         host,
@@ -431,8 +427,8 @@ class Node:
                 _remove_notifee(network, notifee)
 
     def _learn_bootstrap_addrs(self, host: IHost) -> None:
-        """Put the bootstrap peers' addresses in the peerstore (committee mode: validators dial
-        each other by peer ID, and nodes fetch from any validator)."""
+        """Put the bootstrap peers' addresses in the peerstore (validators dial each other by
+        peer ID, and nodes fetch from any validator)."""
         store = host.get_peerstore()
         for peer, addr in self._bootstrap.items():
             if peer == self.peer_id:
@@ -445,7 +441,7 @@ class Node:
     async def _run_committee_member(
         self, host: IHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Committee mode, verifier role: the consensus service (store
+        """Verifier role: the consensus service (store
         ``<home>/consensus.sqlite``) and the committed directory's server, until cancelled.
 
         Raises:
@@ -472,7 +468,8 @@ class Node:
             )
             self.consensus = consensus
             self.committee_directory = committee_proto.CommitteeDirectoryService(
-                lambda: consensus.validator.history, self._submit_record,
+                lambda: consensus.validator.history, self._submit_tx,
+                genesis_text=self.genesis_file.text,
             )
 
             async def run_consensus(*, task_status: trio.TaskStatus[None]) -> None:
@@ -484,29 +481,35 @@ class Node:
                 await nursery.start(run_consensus)
                 await nursery.start(self.committee_directory.serve, host)
                 log.info(
-                    "committee member of chain %r (%d validators), store %s",
+                    "committee member of chain %r (%d validators, genesis %s), store %s",
                     self.genesis_file.genesis.chain_id, len(self.genesis_file.genesis.validators),
-                    home / CONSENSUS_STORE_FILE,
+                    self.genesis_file.hash[:12], home / CONSENSUS_STORE_FILE,
                 )
                 task_status.started()
         finally:
             store.close()
 
-    def _submit_record(self, record: NodeRecord) -> bool:
-        """Committee verifiers: a node's own record into the mempool as a REGISTER transaction.
+    def _submit_tx(self, tx: Any) -> bool:
+        """Verifiers: a node's own REGISTER or DEREGISTER transaction into the mempool.
 
         Raises:
             InvalidTransactionError, AdmissionError: refused by ``check_tx`` or a full mempool.
         """
-        from ps_p2p.consensus.app import RegisterTx, encode_tx
+        from ps_p2p.consensus.app import encode_tx
         from ps_p2p.errors import InvalidTransactionError, LocalProtocolError
 
         assert self.consensus is not None
         try:
-            tx = encode_tx(RegisterTx(record))
+            raw = encode_tx(tx)
         except LocalProtocolError as exc:
-            raise InvalidTransactionError(f"record cannot be a transaction: {exc}") from None
-        return self.consensus.submit_tx(tx)
+            raise InvalidTransactionError(f"not a valid transaction: {exc}") from None
+        return self.consensus.submit_tx(raw)
+
+    def _submit_record(self, record: NodeRecord) -> bool:
+        """Verifiers: this node's own record into the mempool (a REGISTER transaction)."""
+        from ps_p2p.consensus.app import RegisterTx
+
+        return self._submit_tx(RegisterTx(record))
 
     def committee_status(self) -> dict[str, Any] | None:
         """A committee verifier's consensus at a glance (``ps-node status``), or None for
@@ -541,7 +544,7 @@ class Node:
     def _committed_directory(self) -> Directory | None:
         """Committee verifiers: the directory this verifier serves (its own committed state
         at H - 1, covered by block H's commit), or None before the first block."""
-        assert self.consensus is not None and isinstance(self._client, CommitteeClient)
+        assert self.consensus is not None and self._client.replica is not None
         history = self.consensus.validator.history
         served, header = history.served, history.header
         if served is None or header is None:
@@ -636,44 +639,53 @@ class Node:
         return report
 
     async def withdraw(self, timeout: float = 5.0) -> int:
-        """Deregister: stop renewing this node's record and register, with every trusted
-        verifier, the same record valid for :data:`WITHDRAW_LIFETIME_MS` only. A verifier
-        takes a newer record of a peer (same content: as a renewal, which sets how long the
-        peer stays listed), so it drops the node within that time, and users' next directory
-        refresh (a few seconds) no longer lists it. There is no delete message in the
-        directory protocol: a record signed by the node itself, that expires, is the
-        deregistration.
+        """Deregister: stop renewing this node's record and give every trusted verifier a
+        DEREGISTER transaction signed by this node, so the committee drops the record at its
+        next block (about a second) and users' next directory refresh no longer lists it. A
+        verifier that refuses it (e.g. the record is not committed yet) gets instead the same
+        record valid for :data:`WITHDRAW_LIFETIME_MS` only, which drops the node within that
+        time.
 
         Args:
             timeout: seconds for each verifier's exchange (they run in parallel).
 
         Returns:
-            verifiers that took the withdrawal.
+            verifiers that took the deregistration (or the short-lived record).
         """
+        from ps_p2p.consensus.app import sign_deregister
+
         self._withdrawn = True
         if self.host is None:
             return 0
-        now_ms = _now_ms()
-        record = self.own_record(now_ms, lifetime_ms=WITHDRAW_LIFETIME_MS)
-        if self.directory_service is not None:
-            try:
-                self.directory_service.registry.register(record, now_ms)
-            except PsError as exc:
-                log.info("own registry refused the withdrawal: %s", exc)
         if self.consensus is not None:
+            assert self.genesis_file is not None
+            tx = sign_deregister(self.keys.identity, self.genesis_file.genesis.chain_id,
+                                 _now_ms())
             try:
-                self._submit_record(record)
+                self._submit_tx(tx)
             except PsError as exc:
-                log.info("own mempool refused the withdrawal: %s", exc)
+                log.info("own mempool refused the deregistration (%s); short-lived record", exc)
+                try:
+                    self._submit_record(self.own_record(_now_ms(),
+                                                        lifetime_ms=WITHDRAW_LIFETIME_MS))
+                except PsError as exc:
+                    log.info("own mempool refused the withdrawal: %s", exc)
         taken = 0
 
         async def one(verifier: bytes) -> None:
             nonlocal taken
+            label = ID(verifier).to_base58()[-8:]
             try:
-                await self._client.register(self.host, verifier, record, timeout)
+                try:
+                    await self._client.deregister(self.host, verifier, self.keys.identity,
+                                                  timeout)
+                except PsError as exc:
+                    log.info("deregistration refused by %s (%s); short-lived record", label, exc)
+                    record = self.own_record(_now_ms(), lifetime_ms=WITHDRAW_LIFETIME_MS)
+                    await self._client.register(self.host, verifier, record, timeout)
                 taken += 1
             except _REMOTE_FAILURES as exc:
-                log.info("withdrawal from %s failed: %s", ID(verifier).to_base58()[-8:], exc)
+                log.info("withdrawal from %s failed: %s", label, exc)
 
         async with trio.open_nursery() as nursery:
             for verifier in self._verifier_targets():
@@ -689,6 +701,8 @@ class Node:
         (binary form of at most :data:`~ps_p2p.records.MAX_ADDR_BYTES` bytes).
         """
         cfg = self.config
+        # each record issued later than the last (a renewal must be newer than the listed one)
+        now_ms = self._last_issued_ms = max(now_ms, self._last_issued_ms + 1)
         addrs: list[bytes] = []
         for text in self.listen_addrs:
             try:
@@ -715,6 +729,12 @@ class Node:
             ),
         )
         return records.sign_record(self.keys.identity, record)
+
+    @property
+    def trusted_verifiers(self) -> frozenset[bytes]:
+        """The verifiers this node registers with and fetches from: the genesis validators,
+        or the configured verifiers until a genesis is learnt from one of them."""
+        return self._client.trusted_verifiers
 
     def _verifier_targets(self) -> list[bytes]:
         """The verifiers to try, in random order, those that failed in the last
@@ -743,8 +763,6 @@ class Node:
             self.listen_addrs = listen_multiaddrs(self.host)
             if self._withdrawn:
                 next_register = math.inf  # deregistered: the record is left to expire
-            if self.directory_service is not None and now >= next_register:
-                self.directory_service.registry.register(self.own_record(_now_ms()), _now_ms())
             targets = self._verifier_targets()
             if self.consensus is not None and now >= next_register:
                 try:  # a committee member lists itself through its own mempool
@@ -816,9 +834,6 @@ class Node:
             committed = self._committed_directory()
             if committed is not None:
                 self._install(committed)
-            return
-        if self.directory_service is not None and not targets:
-            self._install(self.directory_service.signed_directory(_now_ms()))
             return
         source = self._client.preferred()
         suspect = self._verifier_failed.get(source or b"", -math.inf) > trio.current_time()

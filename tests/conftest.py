@@ -19,11 +19,11 @@ def shared_dir() -> pathlib.Path:
     return devnet.shared_dir(os.environ, REPO)
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def _user_data_dir(tmp_path_factory):
     """Point the user data directory (``XDG_DATA_HOME``, where ``ps-node run`` keeps node homes
-    by default) at a temporary folder: no test writes into the real one. Subprocesses inherit
-    it."""
+    by default) at a temporary folder of each test: no test writes into the real one, and no
+    test sees another's node homes (a verifier's ``genesis.json``). Subprocesses inherit it."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
         yield

@@ -204,7 +204,7 @@ async def test_a_node_registers_with_one_verifier_and_every_verifier_serves_it_c
             for i, m in enumerate(committee.members):
                 cls = LyingDirectoryService if i == 0 else CommitteeDirectoryService
                 service = cls(lambda m=m: m.service.validator.history,
-                              lambda r, m=m: m.service.submit_tx(reg(r)),
+                              lambda tx, m=m: m.service.submit_tx(app.encode_tx(tx)),
                               page_bytes=256)  # many pages even for a few records
                 await nursery.start(service.serve, m.host)
                 services.append(service)
@@ -279,7 +279,7 @@ async def test_users_of_a_committee_network_get_a_verified_directory_and_answers
     async with open_localnet(users=6, committee=4) as net:
         assert len(net.verifiers) == 4
         for v in net.verifiers:
-            assert v.consensus is not None and v.directory_service is None
+            assert v.consensus is not None and v.committee_directory is not None
             assert (v.config.home_path / "consensus.sqlite").is_file()
             assert "committed height" in status_line(v)
             status = v.committee_status()  # what `ps-node status` prints

@@ -284,6 +284,33 @@ def test_app_hash_is_deterministic_and_execution_leaves_the_old_state_unchanged(
     assert len(genesis.records) == 0 and genesis.app_hash == app.genesis_state(GENESIS).app_hash
 
 
+def test_a_record_older_than_the_deregistration_cannot_list_the_node_again(genesis):
+    old = record(A)
+    first, _, _ = run(genesis, [reg(old)])
+    left, r, _ = run(first, [dereg(A, issued=T0 + 2 * SECOND)], T0 + 3 * SECOND)
+    assert errors(r) == [None] and A.peer_id not in left.records
+    assert left.departed == {A.peer_id: T0 + 2 * SECOND}
+    with pytest.raises(InvalidTransactionError, match="not newer than its deregistration"):
+        app.check_tx(reg(old), left, T0 + 4 * SECOND)
+    replayed, r, _ = run(left, [reg(old)], T0 + 4 * SECOND)
+    assert errors(r) == ["InvalidTransactionError"] and A.peer_id not in replayed.records
+    # a newer record lists the node again and drops the tombstone
+    back, r, _ = run(left, [reg(record(A, issued=T0 + 3 * SECOND))], T0 + 4 * SECOND)
+    assert errors(r) == [None] and A.peer_id in back.records and not back.departed
+    assert len({left.app_hash, back.app_hash, first.app_hash}) == 3
+
+
+def test_a_tombstone_is_dropped_once_no_older_record_can_still_be_valid(genesis):
+    from ps_p2p.records.limits import MAX_RECORD_LIFETIME_MS
+
+    first, _, _ = run(genesis, [reg(record(A))])
+    left, _, _ = run(first, [dereg(A, issued=T0 + 2 * SECOND)], T0 + 3 * SECOND)
+    kept, _, _ = run(left, [], T0 + 2 * SECOND + MAX_RECORD_LIFETIME_MS)
+    assert kept.departed == {A.peer_id: T0 + 2 * SECOND}
+    gone, _, _ = run(kept, [], T0 + 2 * SECOND + MAX_RECORD_LIFETIME_MS + 1)
+    assert gone.departed == {} and gone.app_hash != kept.app_hash
+
+
 def test_app_hash_is_sensitive_to_transaction_order(genesis):
     first, _, _ = run(genesis, [reg(record(A))])
     a, ra, _ = run(first, [dereg(A), reg(record(A, issued=T0 + 2 * SECOND))], T0 + 3 * SECOND)
@@ -291,7 +318,7 @@ def test_app_hash_is_sensitive_to_transaction_order(genesis):
     assert errors(ra) == [None, None] and A.peer_id in a.records
     assert errors(rb) == [None, "InvalidTransactionError"] and A.peer_id in b.records
     c, _, _ = run(first, [dereg(A, issued=T0 + 2 * SECOND),
-                          reg(record(A, issued=T0 + 2 * SECOND))], T0 + 3 * SECOND)
+                          reg(record(A, issued=T0 + 2 * SECOND + 1))], T0 + 3 * SECOND)
     d, _, _ = run(first, [reg(record(A, issued=T0 + 2 * SECOND)),
                           dereg(A, issued=T0 + 2 * SECOND)], T0 + 3 * SECOND)
     assert A.peer_id in c.records and A.peer_id not in d.records

@@ -25,7 +25,7 @@ import ps_p2p
 from ps_p2p.config import NodeConfig
 from ps_p2p.errors import ConfigError
 from ps_p2p.node import Node, attach
-from ps_p2p.protocols.directory import DIRECTORY_PROTOCOL_ID
+from ps_p2p.protocols.committee_directory import COMMITTEE_DIRECTORY_PROTOCOL_ID
 from ps_p2p.protocols.handlers import registered_protocols
 from ps_p2p.protocols.overlay import CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID, ONION_PROTOCOL_ID
 from ps_p2p.roles.user import UserConfig
@@ -118,11 +118,13 @@ async def test_a_verifier_attached_in_the_callers_nursery_stops_with_node_stop()
         async with trio.open_nursery() as nursery:
             started = await nursery.start(node.serve, host)
             assert started is node
-            assert str(DIRECTORY_PROTOCOL_ID) in registered_protocols(host)
-            directory = await node.wait_directory()  # its own registry, signed by itself
-            assert directory.record(node.peer_id) is not None
+            assert str(COMMITTEE_DIRECTORY_PROTOCOL_ID) in registered_protocols(host)
+            with trio.fail_after(30):  # a committee of one commits its own record
+                while (node.directory is None
+                       or node.directory.record(node.peer_id) is None):
+                    await node.wait_directory_update()
             await node.stop()
-        assert str(DIRECTORY_PROTOCOL_ID) not in registered_protocols(host)
+        assert str(COMMITTEE_DIRECTORY_PROTOCOL_ID) not in registered_protocols(host)
         assert host.get_transport_addrs()  # the application's host still listens
 
 

@@ -162,7 +162,7 @@ async def test_the_status_line_is_logged_every_status_interval(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("status of ")]
     line = lines[0]
     assert re.fullmatch(
-        r"status of \S+: registry height \d+ \(\d+ records\), "
+        r"status of \S+: committed height \d+ \(\d+ records, mempool \d+\), "
         r"(no directory yet|directory height \d+ \(\d+ records\))",
         line,
     ), line

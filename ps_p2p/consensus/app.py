@@ -53,9 +53,15 @@ The state's app hash (what block h+1 carries, and what a directory's commit cove
     app hash      = SHA-256(b"planetserve/v1/app-state\\x00" || str(chain_id) || u64(height)
                             || u32(#records) || bytes(records root) || bytes(aux root))
     records root  = :meth:`~ps_p2p.records.RecordSet.root` (two-level, 256 buckets)
-    aux root      = SHA-256(b"planetserve/v1/app-aux\\x00" || u32(#evidence) || key*)
+    aux root      = SHA-256(b"planetserve/v1/app-aux\\x00" || u32(#evidence) || key*
+                            || u32(#departed) || (bytes(peer_id) || u64(deregistered_at_ms))*)
 
-(evidence keys ascending). Cost after a block of k changes: the k changed buckets (~1/256 of the
+(evidence keys and departed peer IDs ascending). *Departed* peers are tombstones: a DEREGISTER
+leaves (peer ID, its ``issued_at_ms``), and a REGISTER of that peer issued no later is refused,
+so nobody can replay a node's older record (directories are public) to list it again after it
+left. A tombstone is dropped once no record issued before it can still be valid (block time
+past ``issued_at_ms + MAX_RECORD_LIFETIME_MS``) or when the peer registers a newer record; at
+most ``max_records`` are held. Cost after a block of k changes: the k changed buckets (~1/256 of the
 set each), 8 KiB of bucket digests, and the evidence keys when evidence changed (bounded by
 ``max_evidence``). :func:`execute_block` copies the state first (O(records) pointer copies,
 ~14 ms at 100,000 records) so the old state stays valid for the directory being served.
@@ -103,6 +109,7 @@ from ps_p2p.records.limits import (
     MAX_CLOCK_SKEW_MS,
     MAX_MODEL_ID_BYTES,
     MAX_ORGANIZATION_BYTES,
+    MAX_RECORD_LIFETIME_MS,
     MAX_RECORDS,
     ONION_KEY_BYTES,
     RECORD_DOMAIN,
@@ -455,6 +462,8 @@ class AppState:
         app_hash: :func:`app_hash` of this state (block ``height + 1`` carries it).
         records: the listed records (a :class:`RecordSet`, one per peer ID).
         evidence: evidence key -> (validator, height) of recorded equivocations.
+        departed: peer ID -> ``issued_at_ms`` of its deregistration (tombstones, module
+            docstring).
 
     Not thread-safe; never mutate a state another holder uses: :func:`execute_block` returns a
     new one.
@@ -467,6 +476,7 @@ class AppState:
         self.time_ms = genesis.time_ms
         self.records = RecordSet()
         self.evidence: dict[bytes, tuple[bytes, int]] = {}
+        self.departed: dict[bytes, int] = {}
         self._validators = {v.address for v in genesis.validators}
         self._expiry: list[tuple[int, bytes]] = []  # heap of (expires_at_ms, peer ID), lazy
         self._networks: collections.Counter[str] = collections.Counter()
@@ -498,11 +508,14 @@ class AppState:
         return self._orgs[organization]
 
     def aux_root(self) -> bytes:
-        """The aux root (module docstring), cached until evidence changes."""
+        """The aux root (module docstring), cached until evidence or tombstones change."""
         if self._aux_root is None:
             keys = sorted(self.evidence)
+            departed = b"".join(lp(peer) + u64(self.departed[peer])
+                                for peer in sorted(self.departed))
             self._aux_root = hashlib.sha256(
                 APP_AUX_DOMAIN + u32(len(keys)) + b"".join(keys)
+                + u32(len(self.departed)) + departed
             ).digest()
         return self._aux_root
 
@@ -512,6 +525,7 @@ class AppState:
         new.__dict__.update(self.__dict__)
         new.records = self.records.copy()
         new.evidence = dict(self.evidence)
+        new.departed = dict(self.departed)
         new._expiry = list(self._expiry)
         new._networks = collections.Counter(self._networks)
         new._orgs = collections.Counter(self._orgs)
@@ -553,7 +567,15 @@ class AppState:
                 del self._orgs[record.organization]
 
     def _expire(self, time_ms: int) -> list[bytes]:
-        """Remove records with ``expires_at_ms <= time_ms``; amortized O(expired log n)."""
+        """Remove records with ``expires_at_ms <= time_ms``, and tombstones no record issued
+        before them can outlive; amortized O(expired log n) (+ O(tombstones) when some are
+        held)."""
+        if self.departed:
+            gone = [p for p, t in self.departed.items() if t + MAX_RECORD_LIFETIME_MS < time_ms]
+            for peer in gone:
+                del self.departed[peer]
+            if gone:
+                self._aux_root = None
         removed = []
         heap = self._expiry
         while heap and heap[0][0] <= time_ms:
@@ -645,6 +667,12 @@ def _admit(tx: Tx, state: AppState, new_in_block: int | None) -> None:
     if isinstance(tx, RegisterTx):
         record = tx.record
         held = state.records.get(record.peer_id)
+        left_at = state.departed.get(record.peer_id)
+        if left_at is not None and record.issued_at_ms <= left_at:
+            raise InvalidTransactionError(
+                f"record of {peer_label(record.peer_id)} issued at {record.issued_at_ms} is not "
+                f"newer than its deregistration ({left_at})"
+            )
         if held is not None:
             if held == record:
                 raise InvalidTransactionError(
@@ -685,6 +713,8 @@ def _admit(tx: Tx, state: AppState, new_in_block: int | None) -> None:
             raise InvalidTransactionError(
                 f"deregistration of {peer_label(tx.peer_id)} is older than its listed record"
             )
+        if len(state.departed) >= policy.max_records:
+            raise AdmissionError(f"tombstones full ({policy.max_records})")
     elif isinstance(tx, EvidenceTx):
         if _evidence_key(tx.first) in state.evidence:
             raise InvalidTransactionError("evidence already recorded")
@@ -755,8 +785,12 @@ class BlockResult:
 def _apply(tx: Tx, state: AppState) -> None:
     if isinstance(tx, RegisterTx):
         state._put(tx.record)
+        if state.departed.pop(tx.record.peer_id, None) is not None:
+            state._aux_root = None
     elif isinstance(tx, DeregisterTx):
         state._remove(tx.peer_id)
+        state.departed[tx.peer_id] = tx.issued_at_ms
+        state._aux_root = None
     elif isinstance(tx, EvidenceTx):
         state.evidence[_evidence_key(tx.first)] = (tx.first.validator, tx.first.height)
         state._aux_root = None

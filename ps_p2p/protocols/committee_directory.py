@@ -19,6 +19,15 @@ every verifier of the genesis validator set; one stream carries any number of re
   most :data:`PAGE_BYTES`) whatever the directory's size. The pages come from one snapshot
   taken before the first frame is written, so a block decided while they are sent changes
   nothing in them. ``error`` with code ``ERROR_UNAVAILABLE`` before the first block.
+* ``deregister``: a DEREGISTER transaction (:mod:`ps_p2p.consensus.app` canonical bytes) of
+  the node on the other end of the connection, signed by it (a draining model node leaves the
+  directory at the next block instead of when its record expires). Answer: ``ack`` (expiry 0)
+  or ``error``.
+* ``genesis``: the chain's genesis file (JSON, :mod:`ps_p2p.genesis`) in one ``genesis`` frame.
+  A node started without a genesis file asks one of the verifiers it was configured with
+  (:func:`fetch_genesis`) and accepts the answer only when every validator it names is one of
+  those verifiers (:class:`~ps_p2p.directory_client.CommitteeClient`): it then trusts exactly
+  whom it was told to trust, and a committee of one is the old single verifier.
 
 The client (:func:`fetch_committed_directory`) trusts nothing it reads: it bounds every frame
 and the whole delta, and :class:`~ps_p2p.consensus.replica.CommitteeReplica` verifies the
@@ -37,6 +46,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
 from libp2p.peer.id import ID
 
+from ps_p2p.consensus.app import DeregisterTx, RegisterTx, decode_tx, encode_tx
 from ps_p2p.consensus.block import Header, decode_header, header_bytes
 from ps_p2p.consensus.directory import (
     MAX_PAGE_BYTES,
@@ -74,6 +84,8 @@ MAX_RESPONSE_BYTES = 256 * 1024
 PAGE_BYTES = MAX_PAGE_BYTES
 #: Requests served on one stream before the server closes it.
 MAX_REQUESTS_PER_STREAM = 1024
+#: Largest genesis answer (bytes): a genesis of 128 validators with names is ~20 KiB.
+MAX_GENESIS_FRAME_BYTES = MAX_RESPONSE_BYTES - 1024
 #: A delta larger than this (bytes) is verified in a worker thread.
 THREAD_VERIFY_BYTES = 64 * 1024
 
@@ -98,10 +110,13 @@ class CommitteeDirectoryService:
 
     Args:
         history: returns the validator's :class:`DirectoryHistory` (read at each request).
-        submit_record: takes a node's own record into the committee's mempool; raises
+        submit_tx: takes a node's own REGISTER or DEREGISTER transaction into the committee's
+            mempool; raises
             :class:`~ps_p2p.errors.InvalidTransactionError` / ``AdmissionError`` (a
             ``RemoteProtocolError``) to refuse it.
         page_bytes: bound of one encoded page (default :data:`PAGE_BYTES`).
+        genesis_text: the genesis file served to ``genesis`` requests (UTF-8 JSON, at most
+            :data:`MAX_GENESIS_FRAME_BYTES`); empty: such requests get ``ERROR_UNAVAILABLE``.
 
     Attributes:
         served: directory answers sent; registered: records taken; refused: registrations
@@ -111,14 +126,18 @@ class CommitteeDirectoryService:
     def __init__(
         self,
         history: Callable[[], DirectoryHistory],
-        submit_record: Callable[[NodeRecord], object],
+        submit_tx: Callable[[RegisterTx | DeregisterTx], object],
         *,
         page_bytes: int = PAGE_BYTES,
+        genesis_text: bytes = b"",
     ) -> None:
         if not 64 <= page_bytes <= MAX_RESPONSE_BYTES - 1024:
             raise LocalProtocolError(f"page_bytes must be in 64..{MAX_RESPONSE_BYTES - 1024}")
+        if len(genesis_text) > MAX_GENESIS_FRAME_BYTES:
+            raise LocalProtocolError(f"genesis over {MAX_GENESIS_FRAME_BYTES} bytes")
+        self.genesis_text = genesis_text
         self._history = history
-        self._submit_record = submit_record
+        self._submit_tx = submit_tx
         self.page_bytes = page_bytes
         self.served = 0
         self.registered = 0
@@ -170,12 +189,28 @@ class CommitteeDirectoryService:
         try:
             if sender is not None and record.peer_id != sender:
                 raise RemoteProtocolError("a node may register only its own record")
-            self._submit_record(record)
+            self._submit_tx(RegisterTx(record))
         except RemoteProtocolError as exc:
             self.refused += 1
             return _error(ERROR_REFUSED, f"registration refused: {exc}")
         self.registered += 1
         return _response(ack=directory_pb2.RegisterAck(expires_at_ms=record.expires_at_ms))
+
+    def deregister(self, raw: bytes, sender: bytes | None) -> bytes:
+        """Answer a deregistration (canonical DEREGISTER transaction bytes): the encoded
+        response frame (``ack`` with expiry 0, or ``error``)."""
+        try:
+            tx = decode_tx(raw, MAX_REQUEST_BYTES)
+            if not isinstance(tx, DeregisterTx):
+                raise RemoteProtocolError("not a DEREGISTER transaction")
+            if sender is not None and tx.peer_id != sender:
+                raise RemoteProtocolError("a node may deregister only itself")
+            self._submit_tx(tx)
+        except RemoteProtocolError as exc:
+            self.refused += 1
+            return _error(ERROR_REFUSED, f"deregistration refused: {exc}")
+        self.registered += 1
+        return _response(ack=directory_pb2.RegisterAck(expires_at_ms=0))
 
     async def _answer_get(self, stream: INetStream, since_height: int) -> None:
         try:
@@ -205,6 +240,12 @@ class CommitteeDirectoryService:
                 elif kind == "register":
                     record = record_from_pb(request.register)
                     await stream.write(self.register(record, sender))
+                elif kind == "deregister":
+                    await stream.write(self.deregister(request.deregister, sender))
+                elif kind == "genesis":
+                    await stream.write(
+                        _response(genesis=self.genesis_text) if self.genesis_text
+                        else _error(ERROR_UNAVAILABLE, "this verifier serves no genesis"))
                 else:
                     await stream.write(_error(ERROR_BAD_REQUEST, "empty request"))
             await stream.close()
@@ -288,6 +329,60 @@ async def register_with_committee(
     return await _exchange(host, verifier, timeout, body)  # type: ignore[return-value]
 
 
+async def deregister_from_committee(
+    host: IHost, verifier: bytes, tx: DeregisterTx, *, timeout: float = 5.0
+) -> None:
+    """Give a committee verifier this node's own signed DEREGISTER transaction
+    (:func:`~ps_p2p.consensus.app.sign_deregister`); returns once it is in the mempool (the
+    node leaves the directory when a block commits it).
+
+    Raises:
+        RemoteProtocolError: refused (the verifier's reason is included) or a malformed answer.
+        trio.TooSlowError: no answer within ``timeout`` seconds (dial, then answer).
+        Exception: py-libp2p's dial and negotiation errors.
+    """
+    async def body(stream: INetStream) -> None:
+        with trio.fail_after(timeout):
+            await stream.write(encode_frame(directory_pb2.CommitteeDirectoryRequest(
+                deregister=encode_tx(tx)).SerializeToString()))
+        response = await _read_response(stream, timeout)
+        kind = response.WhichOneof("kind")
+        if kind == "error":
+            raise _refusal(verifier, response)
+        if kind != "ack":
+            raise RemoteProtocolError(f"verifier answered a deregistration with {kind!r}")
+
+    await _exchange(host, verifier, timeout, body)
+
+
+async def fetch_genesis(host: IHost, verifier: bytes, *, timeout: float = 5.0) -> bytes:
+    """Ask a verifier for its chain's genesis file.
+
+    Returns:
+        the genesis file's text (UTF-8 JSON, at most :data:`MAX_GENESIS_FRAME_BYTES`), not yet
+        parsed or trusted: :func:`ps_p2p.genesis.parse_genesis_text` parses it, and the caller
+        decides whether to trust its validators.
+
+    Raises:
+        RemoteProtocolError: an error reply, a malformed frame or an unexpected answer.
+        trio.TooSlowError: no answer within ``timeout`` seconds (dial, then answer).
+        Exception: py-libp2p's dial and negotiation errors.
+    """
+    async def body(stream: INetStream) -> bytes:
+        with trio.fail_after(timeout):
+            await stream.write(encode_frame(directory_pb2.CommitteeDirectoryRequest(
+                genesis=directory_pb2.GetGenesis()).SerializeToString()))
+        response = await _read_response(stream, timeout)
+        kind = response.WhichOneof("kind")
+        if kind == "error":
+            raise _refusal(verifier, response)
+        if kind != "genesis":
+            raise RemoteProtocolError(f"verifier answered a genesis request with {kind!r}")
+        return response.genesis
+
+    return await _exchange(host, verifier, timeout, body)  # type: ignore[return-value]
+
+
 async def fetch_committed_directory(
     host: IHost,
     verifier: bytes,
@@ -350,11 +445,14 @@ async def fetch_committed_directory(
 
 __all__ = [
     "COMMITTEE_DIRECTORY_PROTOCOL_ID",
+    "MAX_GENESIS_FRAME_BYTES",
     "MAX_REQUEST_BYTES",
     "MAX_RESPONSE_BYTES",
     "PAGE_BYTES",
     "CommitteeDirectoryService",
+    "deregister_from_committee",
     "Snapshot",
     "fetch_committed_directory",
+    "fetch_genesis",
     "register_with_committee",
 ]

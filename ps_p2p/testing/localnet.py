@@ -41,9 +41,9 @@ class LocalNet:
     models: list[Node]
     users: list[Node]
     scopes: dict[bytes, trio.CancelScope] = field(default_factory=dict)
-    #: every verifier (the committee with ``committee=N``; else ``[verifier]``)
+    #: every verifier of the committee
     verifiers: list[Node] = field(default_factory=list)
-    #: the genesis file of the committee (None without one)
+    #: the genesis file of the committee
     genesis_path: pathlib.Path | None = None
     _start_user: Callable[[], Awaitable[Node]] | None = None
 
@@ -98,7 +98,7 @@ async def open_localnet(
     ready_timeout: float = 90.0,
     record_lifetime: float = 120.0,
     metrics: bool = False,
-    committee: int = 0,
+    committee: int = 1,
     block_interval: float = 0.25,
     consensus: ConsensusConfig | None = None,
     byzantine: tuple[int, ...] = (),
@@ -114,11 +114,11 @@ async def open_localnet(
             ``min(2, record_lifetime / 3)`` seconds).
         metrics: every node serves ``/metrics`` on 127.0.0.1, a free port each
             (``node.metrics.url``).
-        committee: 0: one verifier that signs the directory alone (single-verifier mode); N
-            (4 for f = 1): N verifiers in a genesis (chain ``localnet``, loopback timeouts of
-            :data:`~ps_p2p.testing.committee.FAST_CONSENSUS`, an admission policy for one /24),
-            each with its store in a temporary home, and every node with ``genesis`` set: users
-            and model nodes trust only directories committed by 2f+1 of them.
+        committee: N >= 1 verifiers (1: a committee of one; 4 for f = 1) in a genesis (chain
+            ``localnet``, loopback timeouts of :data:`~ps_p2p.testing.committee.
+            FAST_CONSENSUS`, an admission policy for one /24), each with its store in a
+            temporary home, and every node with ``genesis`` set: users and model nodes trust
+            only directories committed by 2f+1 of them.
         block_interval: committee: seconds an idle chain waits before an empty block.
         consensus: committee: the genesis' timeouts (default ``FAST_CONSENSUS``).
         byzantine: committee: indices of verifiers that equivocate (TEST ONLY
@@ -183,24 +183,21 @@ async def _open_localnet(
             record_lifetime=record_lifetime,
             metrics="127.0.0.1:0" if metrics else None,
         )
-        genesis: dict[str, object] = {}
-        genesis_path = None
-        if committee:
-            keys = [NodeKeys.generate() for _ in range(committee)]
-            genesis_path = write_genesis(tmp, keys, consensus)
-            genesis = dict(genesis=str(genesis_path))
-            verifiers: list[Node] = []
-            for i, k in enumerate(keys):
-                cfg = NodeConfig(
-                    roles=["verifier"], home=str(tmp / f"verifier{i}"),
-                    bootstrap=[v.listen_addrs[0] for v in verifiers],
-                    block_interval=block_interval, byzantine=i in byzantine,
-                    **genesis, **fast,  # type: ignore[arg-type]
-                )
-                verifiers.append(await start(cfg, keys=k))
-            await _mesh(verifiers)
-        else:
-            verifiers = [await start(NodeConfig(roles=["verifier"], **fast))]
+        if committee < 1:
+            raise ValueError("a localnet needs a committee of at least one verifier")
+        keys = [NodeKeys.generate() for _ in range(committee)]
+        genesis_path = write_genesis(tmp, keys, consensus)
+        genesis: dict[str, object] = dict(genesis=str(genesis_path))
+        verifiers: list[Node] = []
+        for i, k in enumerate(keys):
+            cfg = NodeConfig(
+                roles=["verifier"], home=str(tmp / f"verifier{i}"),
+                bootstrap=[v.listen_addrs[0] for v in verifiers],
+                block_interval=block_interval, byzantine=i in byzantine,
+                **genesis, **fast,  # type: ignore[arg-type]
+            )
+            verifiers.append(await start(cfg, keys=k))
+        await _mesh(verifiers)
         verifier = verifiers[0]
         boot = [v.listen_addrs[0] for v in verifiers]
         model_nodes = []
