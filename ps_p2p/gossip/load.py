@@ -1,19 +1,124 @@
-"""Load factor of a model node (PlanetServe sec. 3.3, Algorithm 2), pure.
+"""Load factor of a model node and the load its peers report (PlanetServe sec. 3.3), pure.
 
 F_LB = L * (Q / C), where L is an exponentially weighted moving average of service latency
 (alpha = 1/8, as TCP's SRTT estimator, RFC 6298), Q the requests queued or running and C the
-node's concurrent capacity. The HR-tree forwarding of a later issue compares peers by F_LB; this
-issue's model node uses the same tracker for admission and for its logs.
+node's concurrent capacity (PlanetServe sec. 3.3, "Load balancing"). Three pieces:
+
+* :class:`LoadTracker`: this node's own L, Q and C (admission, logs, metrics);
+* :class:`LoadReport`: what a node gossips of its load to its model group ("each node
+  periodically broadcasts its LB factor"), with a canonical byte form that is signed;
+* :class:`LoadBook`: the latest report of each peer of the group, as one node sees it, plus the
+  requests this node forwarded to a peer since that peer's last report (:class:`PeerLoad`).
+
+Load report, byte layout (integers big-endian; :func:`encode_report` / :func:`decode_report`)::
+
+    LOAD_REPORT_DOMAIN ("planetserve/v1/load-report\\x00", 27 bytes)
+    || u8(len(peer_id)) || peer_id          reporter, 1..MAX_PEER_ID_BYTES (64)
+    || u8(len(model_id)) || model_id         UTF-8, 1..MAX_MODEL_ID_BYTES (64)
+    || u64(seq)                              strictly increasing per reporter
+    || u32(capacity)                         C, 1..MAX_CAPACITY
+    || u32(queued) || u32(in_service)        waiting, 0..MAX_QUEUED; running, 0..capacity
+    || u32(latency_us)                       L in microseconds, 0..MAX_LATENCY_US, or
+                                             NO_LATENCY_SAMPLE (0xFFFFFFFF) before the first
+
+At most :data:`MAX_REPORT_BYTES` (181) bytes. The gossip service signs exactly these bytes with
+the reporter's identity key (DESIGN.md "Wire": a domain-separated canonical byte string, never a
+re-serialized protobuf); the model ID binds a report to one group's topic.
+
+Staleness (DESIGN.md "Model nodes": a 5 s-old view of peers' load made every entry node pile
+onto the same "idle" node): a peer whose latest report was received more than ``max_age``
+seconds ago, or that never reported, has an *unknown* load, and unknown is never read as idle:
+:meth:`LoadBook.fresh` answers None for it, and the forwarding policy
+(:mod:`ps_p2p.gossip.forwarding`) excludes it from the candidates (a request is then served by a
+node whose load is known, the receiving node itself at worst).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
-from ps_p2p.errors import ConfigError
+from ps_p2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from ps_p2p.records.limits import MAX_MODEL_ID_BYTES
+
+__all__ = [
+    "DEFAULT_MAX_AGE",
+    "DEFAULT_MAX_PEERS",
+    "DEFAULT_UNKNOWN_LATENCY",
+    "EWMA_ALPHA",
+    "LOAD_REPORT_DOMAIN",
+    "MAX_CAPACITY",
+    "MAX_LATENCY_US",
+    "MAX_PEER_ID_BYTES",
+    "MAX_QUEUED",
+    "MAX_REPORT_BYTES",
+    "MAX_SEQ",
+    "NO_LATENCY_SAMPLE",
+    "LoadBook",
+    "LoadReport",
+    "LoadTracker",
+    "PeerLoad",
+    "ReportOutcome",
+    "decode_report",
+    "encode_report",
+    "load_factor",
+]
 
 #: EWMA weight of a new latency sample (paper sec. 3.3).
 EWMA_ALPHA = 1.0 / 8.0
+
+LOAD_REPORT_DOMAIN = b"planetserve/v1/load-report\x00"
+"""Prefix of every load report's bytes, so a signature over one never verifies as another kind."""
+
+MAX_PEER_ID_BYTES = 64
+"""Longest reporter peer ID (an Ed25519 identity multihash is 38 bytes)."""
+MAX_CAPACITY = 4096
+"""Largest C a report may claim (vLLM's ``--max-num-seqs`` defaults to 256 to 1024)."""
+MAX_QUEUED = 1 << 20
+"""Most waiting requests a report may claim (a dispatcher's queue is bounded far below)."""
+MAX_LATENCY_US = 3600 * 1_000_000
+"""Largest L a report carries, 1 hour in microseconds (a longer EWMA is clamped to it)."""
+NO_LATENCY_SAMPLE = 0xFFFF_FFFF
+"""``latency_us`` on the wire of a node that has not finished a request yet."""
+MAX_SEQ = 2**64 - 1
+"""Largest sequence number (u64)."""
+MAX_REPORT_BYTES = len(LOAD_REPORT_DOMAIN) + 1 + MAX_PEER_ID_BYTES + 1 + MAX_MODEL_ID_BYTES + 24
+"""Longest encoded report (181 bytes)."""
+
+DEFAULT_MAX_AGE = 3.0
+"""Seconds after which a peer's latest report no longer counts: three missed reports at the
+publishing period of about one second (DESIGN.md "Model nodes")."""
+DEFAULT_MAX_PEERS = 256
+"""Peers whose reports a book keeps; GenTorrent splits a group above 50 model nodes (sec. 3.3)."""
+DEFAULT_UNKNOWN_LATENCY = 1.0
+"""L in seconds assumed for a node that has no latency sample yet (see :func:`load_factor`)."""
+
+_FIXED = struct.Struct(">QIIII")  # seq, capacity, queued, in_service, latency_us
+
+
+def load_factor(
+    latency: float | None, requests: int, capacity: int, unknown_latency: float
+) -> float:
+    """F_LB = L * (Q / C) (PlanetServe sec. 3.3), for comparing nodes.
+
+    Args:
+        latency: L, the service latency EWMA in seconds; None before the node's first sample.
+        requests: Q, requests queued or running (plus those forwarded to it since it reported).
+        capacity: C, requests served concurrently (>= 1).
+        unknown_latency: L assumed when ``latency`` is None. The paper's formula gives such a node
+            F_LB = 0 whatever its queue, so a node that just started would attract every request
+            until its first one finished; with a prior L its F_LB grows with Q like the others'.
+
+    Returns:
+        F_LB in seconds (0.0 for an empty queue).
+    """
+    l_value = unknown_latency if latency is None else latency
+    return l_value * (requests / capacity)
+
+
+# ---------------------------------------------------------------------------------- own load
 
 
 @dataclass
@@ -42,6 +147,11 @@ class LoadTracker:
         if self.max_queue < 0:
             raise ConfigError("max_queue must be >= 0")
 
+    @property
+    def requests(self) -> int:
+        """Q: requests queued or in service."""
+        return self.queued + self.in_service
+
     def try_admit(self) -> bool:
         """Admit one request into the queue; False (and counted as refused) when full."""
         if self.queued >= self.max_queue + max(0, self.capacity - self.in_service):
@@ -69,3 +179,345 @@ class LoadTracker:
         if self.latency_ewma is None:
             return 0.0
         return self.latency_ewma * ((self.queued + self.in_service) / self.capacity)
+
+    def report(self, peer_id: bytes, model_id: str, seq: int) -> LoadReport:
+        """This node's load as a report to gossip (values beyond the wire limits are clamped).
+
+        Args:
+            peer_id: this node's peer ID.
+            model_id: the model (group) it serves.
+            seq: strictly greater than any ``seq`` this node reported before, restarts included
+                (peers refuse a lower one): e.g. seeded from the unix time in milliseconds at
+                start, then incremented.
+
+        Raises:
+            LocalProtocolError: ``peer_id``, ``model_id`` or ``seq`` out of the wire limits.
+        """
+        capacity = min(self.capacity, MAX_CAPACITY)
+        if self.latency_ewma is None:
+            latency_us = None
+        else:
+            latency_us = min(max(round(self.latency_ewma * 1_000_000), 0), MAX_LATENCY_US)
+        return LoadReport(
+            peer_id=peer_id,
+            model_id=model_id,
+            seq=seq,
+            capacity=capacity,
+            queued=min(max(self.queued, 0), MAX_QUEUED),
+            in_service=min(max(self.in_service, 0), capacity),
+            latency_us=latency_us,
+        )
+
+
+# ---------------------------------------------------------------------------------- reports
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One node's load as it gossips it to its group (see the module docstring for the bytes).
+
+    Attributes:
+        peer_id: the reporter.
+        model_id: the model of the group it reports to.
+        seq: sequence number, strictly increasing per reporter (replays are refused).
+        capacity: C.
+        queued: requests waiting for a slot.
+        in_service: requests running (<= capacity).
+        latency_us: L in microseconds; None before the reporter's first finished request.
+
+    Raises:
+        LocalProtocolError: a field out of its wire limits (on construction).
+    """
+
+    peer_id: bytes
+    model_id: str
+    seq: int
+    capacity: int
+    queued: int
+    in_service: int
+    latency_us: int | None
+
+    def __post_init__(self) -> None:
+        problem = _report_problem(self)
+        if problem is not None:
+            raise LocalProtocolError(f"load report: {problem}")
+
+    @property
+    def requests(self) -> int:
+        """Q: requests queued or in service."""
+        return self.queued + self.in_service
+
+    @property
+    def latency(self) -> float | None:
+        """L in seconds; None before the first sample."""
+        return None if self.latency_us is None else self.latency_us / 1_000_000
+
+
+def _report_problem(r: LoadReport) -> str | None:
+    """Why ``r`` breaks the wire limits, or None."""
+    if not isinstance(r.peer_id, bytes) or not 1 <= len(r.peer_id) <= MAX_PEER_ID_BYTES:
+        return f"peer ID must be 1..{MAX_PEER_ID_BYTES} bytes"
+    try:
+        model_len = len(r.model_id.encode("utf-8"))
+    except (UnicodeEncodeError, AttributeError):
+        return "model ID is not encodable as UTF-8"
+    if not 1 <= model_len <= MAX_MODEL_ID_BYTES:
+        return f"model ID must be 1..{MAX_MODEL_ID_BYTES} bytes of UTF-8"
+    if not 0 <= r.seq <= MAX_SEQ:
+        return "seq out of u64"
+    if not 1 <= r.capacity <= MAX_CAPACITY:
+        return f"capacity must be 1..{MAX_CAPACITY}"
+    if not 0 <= r.queued <= MAX_QUEUED:
+        return f"queued must be 0..{MAX_QUEUED}"
+    if not 0 <= r.in_service <= r.capacity:
+        return "in_service must be 0..capacity"
+    if r.latency_us is not None and not 0 <= r.latency_us <= MAX_LATENCY_US:
+        return f"latency must be 0..{MAX_LATENCY_US} us"
+    return None
+
+
+def encode_report(report: LoadReport) -> bytes:
+    """The canonical bytes of ``report`` (the module docstring's layout); what is signed."""
+    model = report.model_id.encode("utf-8")
+    latency_us = NO_LATENCY_SAMPLE if report.latency_us is None else report.latency_us
+    return b"".join((
+        LOAD_REPORT_DOMAIN,
+        bytes((len(report.peer_id),)), report.peer_id,
+        bytes((len(model),)), model,
+        _FIXED.pack(report.seq, report.capacity, report.queued, report.in_service, latency_us),
+    ))
+
+
+def decode_report(data: bytes) -> LoadReport:
+    """Parse the canonical bytes of a load report.
+
+    Args:
+        data: at most :data:`MAX_REPORT_BYTES` bytes, starting with :data:`LOAD_REPORT_DOMAIN`.
+
+    Returns:
+        The report; ``encode_report(decode_report(data)) == data``.
+
+    Raises:
+        RemoteProtocolError: too long, truncated, trailing bytes, wrong domain, invalid UTF-8,
+            or a field out of its limits.
+    """
+    if len(data) > MAX_REPORT_BYTES:
+        raise RemoteProtocolError(f"load report of {len(data)} bytes > {MAX_REPORT_BYTES}")
+    view = memoryview(bytes(data))
+    if bytes(view[: len(LOAD_REPORT_DOMAIN)]) != LOAD_REPORT_DOMAIN:
+        raise RemoteProtocolError("not a load report (domain prefix)")
+    pos = len(LOAD_REPORT_DOMAIN)
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if pos + n > len(view):
+            raise RemoteProtocolError("load report truncated")
+        chunk = bytes(view[pos: pos + n])
+        pos += n
+        return chunk
+
+    peer_id = take(take(1)[0])
+    model_bytes = take(take(1)[0])
+    seq, capacity, queued, in_service, latency_us = _FIXED.unpack(take(_FIXED.size))
+    if pos != len(view):
+        raise RemoteProtocolError(f"load report has {len(view) - pos} trailing bytes")
+    try:
+        model_id = model_bytes.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RemoteProtocolError("load report: model ID is not UTF-8") from exc
+    try:
+        return LoadReport(
+            peer_id=peer_id,
+            model_id=model_id,
+            seq=seq,
+            capacity=capacity,
+            queued=queued,
+            in_service=in_service,
+            latency_us=None if latency_us == NO_LATENCY_SAMPLE else latency_us,
+        )
+    except LocalProtocolError as exc:
+        raise RemoteProtocolError(str(exc)) from exc
+
+
+# ---------------------------------------------------------------------------------- the book
+
+
+class ReportOutcome(enum.Enum):
+    """What :meth:`LoadBook.receive` did with a report (only ACCEPTED changes the book)."""
+
+    ACCEPTED = "accepted"
+    REPLAYED = "replayed"  # seq not above the peer's latest: a replay, duplicate or reordering
+    NOT_MEMBER = "not_member"  # the reporter is not a (trusted) member of the group
+    SELF = "self"  # our own report, come back over gossip
+    WRONG_GROUP = "wrong_group"  # a report for another model
+    FULL = "full"  # the book already holds max_peers peers
+
+
+@dataclass(frozen=True)
+class PeerLoad:
+    """A peer's load as this node sees it: its latest report and what we sent it since.
+
+    Attributes:
+        peer_id: the peer.
+        latency_ewma: L in seconds as reported; None before its first finished request.
+        reported_requests: Q as reported (queued + in service).
+        capacity: C as reported.
+        received_at: local time (the ``now`` of :meth:`LoadBook.receive`) the report arrived;
+            ages are measured on this node's clock, never the reporter's.
+        seq: the report's sequence number.
+        forwarded: requests this node forwarded to the peer since that report.
+    """
+
+    peer_id: bytes
+    latency_ewma: float | None
+    reported_requests: int
+    capacity: int
+    received_at: float
+    seq: int
+    forwarded: int = 0
+
+    @property
+    def requests(self) -> int:
+        """Q as this node estimates it: reported plus forwarded since the report."""
+        return self.reported_requests + self.forwarded
+
+    def age(self, now: float) -> float:
+        """Seconds since the report arrived (0.0 if ``now`` is earlier)."""
+        return max(0.0, now - self.received_at)
+
+    def load_factor(self, unknown_latency: float = DEFAULT_UNKNOWN_LATENCY) -> float:
+        """F_LB of the peer with :attr:`requests` as Q (see :func:`load_factor`)."""
+        return load_factor(self.latency_ewma, self.requests, self.capacity, unknown_latency)
+
+
+class LoadBook:
+    """The latest load report of each peer of one model group, as one node sees it (pure).
+
+    Contract:
+
+    * a report is kept only from a member of the group (:meth:`set_members`: the trusted model
+      nodes of this model per the verified directory), never from this node itself, only for
+      this model, and only when its ``seq`` is above the peer's latest (a replay, duplicate or
+      reordered older report changes nothing);
+    * :meth:`note_forwarded` counts the requests this node forwarded to a peer; they add to the
+      peer's Q until its next accepted report, which resets the count to 0. A report may miss
+      requests still in flight when it was made; with reports about every second the error is
+      at most one round trip's worth of our forwards, and it errs towards "idle" only then;
+    * a report older than ``max_age`` seconds is stale: :meth:`fresh` answers None, as for a
+      peer that never reported, and the forwarding policy never picks such a peer;
+    * at most ``max_peers`` peers are kept; a member removed from the group is forgotten with
+      its sequence number.
+
+    Args:
+        self_id: this node's peer ID.
+        model_id: the model of the group.
+        members: peer IDs of the group's trusted model nodes (this node may be among them).
+        max_age: seconds after which a report is stale (> 0).
+        max_peers: most peers kept (>= 1).
+        unknown_latency: L in seconds assumed for a node with no latency sample (>= 0).
+
+    Raises:
+        ConfigError: a bound out of range.
+    """
+
+    def __init__(
+        self,
+        self_id: bytes,
+        model_id: str,
+        members: Iterable[bytes] = (),
+        *,
+        max_age: float = DEFAULT_MAX_AGE,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        unknown_latency: float = DEFAULT_UNKNOWN_LATENCY,
+    ) -> None:
+        if not max_age > 0:
+            raise ConfigError("max_age must be > 0 seconds")
+        if max_peers < 1:
+            raise ConfigError("max_peers must be >= 1")
+        if not unknown_latency >= 0:
+            raise ConfigError("unknown_latency must be >= 0 seconds")
+        self.self_id = self_id
+        self.model_id = model_id
+        self.max_age = max_age
+        self.max_peers = max_peers
+        self.unknown_latency = unknown_latency
+        self._members: frozenset[bytes] = frozenset()
+        self._loads: dict[bytes, PeerLoad] = {}
+        self.set_members(members)
+
+    @property
+    def members(self) -> frozenset[bytes]:
+        """The group's trusted model nodes (this node included when the directory lists it)."""
+        return self._members
+
+    def set_members(self, members: Iterable[bytes]) -> None:
+        """Replace the group (a new verified directory); forgets peers no longer in it."""
+        self._members = frozenset(members)
+        for peer_id in [p for p in self._loads if p not in self._members]:
+            del self._loads[peer_id]
+
+    def receive(self, report: LoadReport, now: float) -> ReportOutcome:
+        """Take one peer's report (its signature already checked by the gossip service).
+
+        Args:
+            report: a decoded report (:func:`decode_report`).
+            now: local time in seconds; the report's age is measured from it.
+
+        Returns:
+            ACCEPTED when it became the peer's latest (and reset its forwarded count); else why
+            it was ignored (see :class:`ReportOutcome`).
+        """
+        peer_id = report.peer_id
+        if peer_id == self.self_id:
+            return ReportOutcome.SELF
+        if report.model_id != self.model_id:
+            return ReportOutcome.WRONG_GROUP
+        if peer_id not in self._members:
+            return ReportOutcome.NOT_MEMBER
+        last = self._loads.get(peer_id)
+        if last is None and len(self._loads) >= self.max_peers:
+            return ReportOutcome.FULL
+        if last is not None and report.seq <= last.seq:
+            return ReportOutcome.REPLAYED
+        self._loads[peer_id] = PeerLoad(
+            peer_id=peer_id,
+            latency_ewma=report.latency,
+            reported_requests=report.requests,
+            capacity=report.capacity,
+            received_at=now,
+            seq=report.seq,
+        )
+        return ReportOutcome.ACCEPTED
+
+    def note_forwarded(self, peer_id: bytes, count: int = 1) -> None:
+        """This node forwarded ``count`` requests to ``peer_id``: they add to its Q until its
+        next report. Ignored for a peer with no report (its load is unknown anyway).
+
+        Raises:
+            LocalProtocolError: ``count`` < 0.
+        """
+        if count < 0:
+            raise LocalProtocolError("forwarded count must be >= 0")
+        last = self._loads.get(peer_id)
+        if last is not None:
+            self._loads[peer_id] = replace(last, forwarded=last.forwarded + count)
+
+    def get(self, peer_id: bytes) -> PeerLoad | None:
+        """The peer's latest load however old, or None when it never reported (for logs)."""
+        return self._loads.get(peer_id)
+
+    def fresh(self, peer_id: bytes, now: float) -> PeerLoad | None:
+        """The peer's latest load if at most ``max_age`` seconds old, else None (unknown)."""
+        last = self._loads.get(peer_id)
+        if last is None or last.age(now) > self.max_age:
+            return None
+        return last
+
+    def fresh_loads(self, now: float) -> dict[bytes, PeerLoad]:
+        """Every peer whose load is known (not stale) at ``now``, by peer ID."""
+        return {
+            p: load for p, load in self._loads.items() if load.age(now) <= self.max_age
+        }
+
+    def __len__(self) -> int:
+        return len(self._loads)

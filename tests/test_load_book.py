@@ -1,0 +1,286 @@
+"""Load reports and the LoadBook (ps_p2p.gossip.load): what peers gossip of their F_LB and how
+a model node keeps it (PlanetServe sec. 3.3; DESIGN.md "Model nodes")."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_p2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from ps_p2p.gossip.load import (
+    LOAD_REPORT_DOMAIN,
+    MAX_CAPACITY,
+    MAX_LATENCY_US,
+    MAX_PEER_ID_BYTES,
+    MAX_QUEUED,
+    MAX_REPORT_BYTES,
+    NO_LATENCY_SAMPLE,
+    LoadBook,
+    LoadReport,
+    LoadTracker,
+    ReportOutcome,
+    decode_report,
+    encode_report,
+    load_factor,
+)
+
+MODEL = "stories260K"
+SELF = b"\x00" * 38
+A = b"\x0a" * 38
+B = b"\x0b" * 38
+OUTSIDER = b"\x0f" * 38
+
+
+def report(peer=A, seq=1, queued=0, in_service=0, capacity=2, latency_us=500_000, model=MODEL):
+    return LoadReport(peer, model, seq, capacity, queued, in_service, latency_us)
+
+
+def book(**kwargs) -> LoadBook:
+    return LoadBook(SELF, MODEL, {SELF, A, B}, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- the book
+
+
+def test_accepted_report_gives_the_peers_load_factor():
+    b = book()
+    assert b.receive(report(queued=2, in_service=1, capacity=2, latency_us=500_000), 10.0) \
+        == ReportOutcome.ACCEPTED
+    load = b.fresh(A, 10.0)
+    assert (load.requests, load.capacity, load.seq, load.received_at) == (3, 2, 1, 10.0)
+    assert load.load_factor() == pytest.approx(0.5 * 3 / 2)
+
+
+@pytest.mark.parametrize("replayed_seq", [5, 4, 0])
+def test_replayed_or_older_report_is_refused_and_changes_nothing(replayed_seq):
+    b = book()
+    b.receive(report(seq=5, queued=1), 1.0)
+    assert b.receive(report(seq=replayed_seq, queued=9), 2.0) == ReportOutcome.REPLAYED
+    assert (b.get(A).seq, b.get(A).requests, b.get(A).received_at) == (5, 1, 1.0)
+
+
+def test_forwarded_requests_add_to_q_until_the_next_report():
+    b = book()
+    b.receive(report(seq=1, queued=1, capacity=1, latency_us=1_000_000), 0.0)
+    b.note_forwarded(A)
+    b.note_forwarded(A, 2)
+    assert b.fresh(A, 0.5).requests == 1 + 3
+    assert b.fresh(A, 0.5).load_factor() == pytest.approx(4.0)
+    b.receive(report(seq=2, queued=2, capacity=1, latency_us=1_000_000), 1.0)
+    assert (b.fresh(A, 1.0).forwarded, b.fresh(A, 1.0).requests) == (0, 2)
+
+
+def test_a_replayed_report_does_not_reset_the_forwarded_count():
+    b = book()
+    b.receive(report(seq=3), 0.0)
+    b.note_forwarded(A, 2)
+    b.receive(report(seq=3), 0.5)
+    assert b.get(A).forwarded == 2
+
+
+def test_forwarding_to_a_peer_without_report_is_not_recorded():
+    b = book()
+    b.note_forwarded(A)
+    assert b.get(A) is None and len(b) == 0
+
+
+def test_negative_forwarded_count_is_refused():
+    b = book()
+    b.receive(report(), 0.0)
+    with pytest.raises(LocalProtocolError):
+        b.note_forwarded(A, -1)
+
+
+def test_report_is_stale_after_max_age_and_unknown_then():
+    b = book(max_age=3.0)
+    b.receive(report(queued=0), 10.0)
+    assert b.fresh(A, 13.0) is not None  # exactly max_age old: still counts
+    assert b.fresh(A, 13.001) is None
+    assert A not in b.fresh_loads(13.001)
+    assert b.get(A).received_at == 10.0  # kept for logs and for its seq
+    assert b.receive(report(seq=1), 20.0) == ReportOutcome.REPLAYED
+    assert b.receive(report(seq=2), 20.0) == ReportOutcome.ACCEPTED
+    assert b.fresh(A, 20.0) is not None
+
+
+@pytest.mark.parametrize(
+    "r,outcome",
+    [
+        (report(peer=OUTSIDER), ReportOutcome.NOT_MEMBER),
+        (report(peer=SELF), ReportOutcome.SELF),
+        (report(model="another/model"), ReportOutcome.WRONG_GROUP),
+    ],
+    ids=["not a member", "own report", "another model"],
+)
+def test_reports_from_outside_the_group_are_refused(r, outcome):
+    b = book()
+    assert b.receive(r, 0.0) == outcome
+    assert len(b) == 0
+
+
+def test_a_peer_leaving_the_group_is_forgotten():
+    b = book()
+    b.receive(report(peer=A), 0.0)
+    b.receive(report(peer=B), 0.0)
+    b.set_members({SELF, B})
+    assert (b.get(A), b.fresh(A, 0.0)) == (None, None)
+    assert set(b.fresh_loads(0.0)) == {B}
+    assert b.receive(report(peer=A, seq=2), 1.0) == ReportOutcome.NOT_MEMBER
+
+
+def test_book_holds_at_most_max_peers():
+    b = LoadBook(SELF, MODEL, {A, B}, max_peers=1)
+    assert b.receive(report(peer=A), 0.0) == ReportOutcome.ACCEPTED
+    assert b.receive(report(peer=B), 0.0) == ReportOutcome.FULL
+    assert b.receive(report(peer=A, seq=2), 1.0) == ReportOutcome.ACCEPTED  # known peer: updates
+    assert len(b) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_age": 0.0}, {"max_peers": 0}, {"unknown_latency": -1.0}]
+)
+def test_bad_book_settings_are_refused(kwargs):
+    with pytest.raises(ConfigError):
+        book(**kwargs)
+
+
+def test_unknown_latency_prior_makes_a_busy_new_node_look_busy():
+    b = book(unknown_latency=2.0)
+    b.receive(report(queued=3, in_service=1, capacity=2, latency_us=None), 0.0)
+    assert b.fresh(A, 0.0).latency_ewma is None
+    assert b.fresh(A, 0.0).load_factor(b.unknown_latency) == pytest.approx(2.0 * 4 / 2)
+    assert load_factor(None, 0, 4, 2.0) == 0.0
+
+
+# ---------------------------------------------------------------------------------- tracker
+
+
+def test_tracker_report_carries_its_load():
+    t = LoadTracker(capacity=2, max_queue=4)
+    t.try_admit()
+    t.start()
+    t.finish(0.25)
+    t.try_admit()
+    t.try_admit()
+    t.start()
+    r = t.report(A, MODEL, seq=7)
+    assert (r.queued, r.in_service, r.capacity, r.latency_us, r.seq) == (1, 1, 2, 250_000, 7)
+    assert t.requests == r.requests == 2
+
+
+def test_tracker_report_before_any_sample_has_no_latency():
+    r = LoadTracker(capacity=1, max_queue=0).report(A, MODEL, seq=0)
+    assert r.latency_us is None
+    assert encode_report(r).endswith(NO_LATENCY_SAMPLE.to_bytes(4, "big"))
+    assert decode_report(encode_report(r)).latency is None
+
+
+def test_tracker_report_clamps_values_beyond_the_wire_limits():
+    t = LoadTracker(capacity=MAX_CAPACITY + 10, max_queue=0, latency_ewma=10_000.0)
+    r = t.report(A, MODEL, seq=1)
+    assert (r.capacity, r.latency_us) == (MAX_CAPACITY, MAX_LATENCY_US)
+
+
+# ---------------------------------------------------------------------------------- bytes
+
+
+def test_encoded_report_starts_with_its_domain_and_roundtrips():
+    r = report(queued=4, in_service=2, capacity=8, latency_us=123_456, seq=2**40)
+    data = encode_report(r)
+    assert data.startswith(LOAD_REPORT_DOMAIN)
+    assert len(data) == len(LOAD_REPORT_DOMAIN) + 1 + 38 + 1 + len(MODEL) + 24
+    assert decode_report(data) == r
+
+
+def test_every_truncation_of_a_report_is_refused():
+    data = encode_report(report())
+    for cut in range(len(data)):
+        with pytest.raises(RemoteProtocolError):
+            decode_report(data[:cut])
+
+
+def _replace_fixed(data: bytes, offset_from_end: int, value: int, width: int = 4) -> bytes:
+    start = len(data) - offset_from_end
+    return data[:start] + value.to_bytes(width, "big") + data[start + width:]
+
+
+GOOD = encode_report(report(capacity=2))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        GOOD + b"\x00",
+        b"planetserve/v1/node-record\x00" + GOOD[len(LOAD_REPORT_DOMAIN):],
+        b"x" * (MAX_REPORT_BYTES + 1),
+        LOAD_REPORT_DOMAIN + b"\x00" + GOOD[len(LOAD_REPORT_DOMAIN) + 1 + 38:],  # empty peer ID
+        _replace_fixed(GOOD, 16, 0),  # capacity 0
+        _replace_fixed(GOOD, 8, 3),  # in_service 3 > capacity 2
+        _replace_fixed(GOOD, 12, MAX_QUEUED + 1),  # queued over its limit
+        _replace_fixed(GOOD, 4, MAX_LATENCY_US + 1),  # latency over its limit, not the sentinel
+    ],
+    ids=["trailing byte", "other domain", "oversized", "empty peer ID", "capacity 0",
+         "in_service > capacity", "queued too large", "latency too large"],
+)
+def test_malformed_report_is_refused(data):
+    with pytest.raises(RemoteProtocolError):
+        decode_report(data)
+
+
+def test_model_id_that_is_not_utf8_is_refused():
+    head = LOAD_REPORT_DOMAIN + bytes([38]) + A
+    with pytest.raises(RemoteProtocolError, match="UTF-8"):
+        decode_report(head + b"\x02\xff\xfe" + GOOD[-24:])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"peer_id": b""},
+        {"peer_id": b"x" * (MAX_PEER_ID_BYTES + 1)},
+        {"model": ""},
+        {"model": "m" * 65},
+        {"seq": -1},
+        {"seq": 2**64},
+        {"capacity": MAX_CAPACITY + 1},
+        {"latency_us": -1},
+    ],
+)
+def test_report_out_of_wire_limits_cannot_be_built(fields):
+    kwargs = {"peer": A, "seq": 1, "capacity": 2, "latency_us": 1, "model": MODEL}
+    kwargs.update({("peer" if k == "peer_id" else k): v for k, v in fields.items()})
+    with pytest.raises(LocalProtocolError):
+        report(**kwargs)
+
+
+reports = st.builds(
+    lambda peer, model, seq, capacity, queued, in_service, latency: LoadReport(
+        peer, model, seq, capacity, queued, min(in_service, capacity), latency
+    ),
+    peer=st.binary(min_size=1, max_size=MAX_PEER_ID_BYTES),
+    model=st.text(min_size=1, max_size=16),
+    seq=st.integers(0, 2**64 - 1),
+    capacity=st.integers(1, MAX_CAPACITY),
+    queued=st.integers(0, MAX_QUEUED),
+    in_service=st.integers(0, MAX_CAPACITY),
+    latency=st.none() | st.integers(0, MAX_LATENCY_US),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(reports)
+def test_any_report_roundtrips_through_its_bytes(r):
+    data = encode_report(r)
+    assert len(data) <= MAX_REPORT_BYTES
+    assert decode_report(data) == r
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=MAX_REPORT_BYTES + 8))
+def test_arbitrary_bytes_decode_or_raise_remote_protocol_error(data):
+    try:
+        r = decode_report(LOAD_REPORT_DOMAIN + data)
+    except RemoteProtocolError:
+        return
+    assert encode_report(r) == LOAD_REPORT_DOMAIN + data
