@@ -572,9 +572,11 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         from libp2p.peer.id import ID
 
         served_by = ID(answer.served_by).to_base58() if answer.served_by else ""
+        forwarded_by = ID(answer.forwarded_by).to_base58() if answer.forwarded_by else None
         if args.json:
             print(json.dumps({
                 "ok": answer.ok, "response": answer.text, "served_by": served_by,
+                "forwarded_by": forwarded_by,
                 "signature_valid": answer.signature_valid, "cloves_received": answer.cloves_received,
                 "latency_ms": round(answer.latency_ms, 1), "error": answer.error or None,
                 # the typed outcome: a class of ps_p2p.errors (e.g. RequestTimeoutError)
@@ -584,7 +586,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
             if not args.stream:
                 print(answer.text)
             print(
-                f"-- served by {served_by}, signature valid, {answer.cloves_received} cloves, "
+                f"-- served by {served_by}"
+                f"{f' (forwarded by {forwarded_by})' if forwarded_by else ''}, signature valid, {answer.cloves_received} cloves, "
                 f"{answer.latency_ms:.0f} ms",
                 file=sys.stderr,
             )

@@ -663,8 +663,9 @@ class Devnet:
 
         Returns:
             one record per prompt (in completion order): ``prompt_id``, ``ok``, ``response``,
-            ``served_by``, ``signature_valid``, ``cloves_received``, ``latency_ms`` (the user's
-            measure, else the HTTP round trip), ``error``, ``user``, ``_index``.
+            ``served_by``, ``forwarded_by``, ``signature_valid``, ``cloves_received``,
+            ``latency_ms`` (the user's measure, else the HTTP round trip), ``error``, ``user``,
+            ``_index``.
         """
         import httpx
 
@@ -683,7 +684,7 @@ class Devnet:
                 t0 = time.monotonic()
                 record: dict[str, Any] = {
                     "prompt_id": prompt.prompt_id, "ok": False, "response": None,
-                    "served_by": None, "signature_valid": False, "cloves_received": 0,
+                    "served_by": None, "forwarded_by": None, "signature_valid": False, "cloves_received": 0,
                     "latency_ms": None, "error": None, "user": user.name, "_index": index,
                 }
                 try:
@@ -696,6 +697,7 @@ class Devnet:
                     meta = body.get("planetserve", {})
                     record.update(
                         served_by=meta.get("served_by") or None,
+                        forwarded_by=meta.get("forwarded_by") or None,
                         signature_valid=bool(meta.get("signature_valid")),
                         cloves_received=int(meta.get("cloves_received", 0)),
                         latency_ms=meta.get("latency_ms"),

@@ -68,6 +68,9 @@ class InferenceQuery:
         reply_proxies: one per clove, in clove order.
         stream: answer in segments as the text is generated (docs/streaming.md).
         messages: a chat, rendered by the model node with its model's chat template.
+        preferred_model_node: session affinity (sec. 3.3): the model node that served the
+            previous prompt of this conversation (the model node asked forwards there unless
+            that node is overloaded); empty: none.
     """
 
     request_id: bytes
@@ -88,7 +91,10 @@ class InferenceReply:
         status: a :class:`ResponseStatus` value (other values may come from newer nodes).
         request_hash: SHA-256 of Q's bytes as the model node decoded them.
         signed_at_ms: signing time (Unix ms).
-        model_node: peer ID of the signer.
+        model_node: peer ID of the signer (the node that served).
+        forwarded_by: the model node the user asked, when it forwarded the request to
+            ``model_node`` (sec. 3.3); empty otherwise.
+        forward_signature: ``forwarded_by``'s voucher (:func:`~ps_p2p.responses.sign_forward`).
     """
 
     request_id: bytes
@@ -103,6 +109,8 @@ class InferenceReply:
     model_node: bytes
     signature: bytes
     finish_reason: str = ""
+    forwarded_by: bytes = b""
+    forward_signature: bytes = b""
 
     def content(self) -> responses.ResponseContent:
         """The part of the reply the signature's response hash covers."""

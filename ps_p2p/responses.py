@@ -4,6 +4,14 @@ A model node signs (request ID, SHA-256 of the decoded request Q, SHA-256 of the
 content, signing time, its peer ID) with its identity key, over the domain-separated byte string
 of :func:`ps_p2p.records.response_signing_bytes`. The response content digest here is a canonical
 encoding of the fields a user relies on, never a re-serialized protobuf.
+
+Forwarding (sec. 3.3): a model node A that hands a request to another model node B of its group
+(``/planetserve/forward/1.0.0``) relays B's signed response to the reply proxies itself (they
+accept cloves only from the node they delivered to) and adds a *forward voucher*: A's signature
+over ``b"planetserve/v1/forward\x00" || bytes(request_id) || bytes(request hash) ||
+bytes(B's peer ID)`` (``bytes`` = u32 length || data). The user then sees who served (B, whose
+signature covers the answer) and who forwarded (A, the node it asked), and accepts B's answer
+only with A's voucher (:func:`verify_forward`).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from dataclasses import dataclass
 from ps_p2p import records
 
 _CONTENT_PREFIX = b"planetserve/v1/response-content\x00"
+FORWARD_DOMAIN = b"planetserve/v1/forward\x00"
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,32 @@ def sign_response(
 ) -> bytes:
     """A model node's signature over one response (:func:`signing_bytes`, its own peer ID)."""
     return signer.sign(signing_bytes(request_id, req_hash, content, signed_at_ms, signer.peer_id))
+
+
+def forward_signing_bytes(request_id: bytes, req_hash: bytes, served_by: bytes) -> bytes:
+    """What a forwarding model node signs (module docstring)."""
+    def lp(data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + data
+
+    return FORWARD_DOMAIN + lp(request_id) + lp(req_hash) + lp(served_by)
+
+
+def sign_forward(signer: records.Signer, request_id: bytes, req_hash: bytes,
+                 served_by: bytes) -> bytes:
+    """The forward voucher of ``signer`` (the node the user asked) for ``served_by``."""
+    return signer.sign(forward_signing_bytes(request_id, req_hash, served_by))
+
+
+def verify_forward(forwarded_by: bytes, request_id: bytes, req_hash: bytes, served_by: bytes,
+                   signature: bytes) -> None:
+    """Check a forward voucher.
+
+    Raises:
+        InvalidSignatureError: it does not verify under ``forwarded_by``'s key.
+        RemoteProtocolError: ``forwarded_by`` is not an Ed25519 peer ID.
+    """
+    records.verify_signature(forwarded_by, forward_signing_bytes(request_id, req_hash, served_by),
+                             signature)
 
 
 def sign_clove(signer: records.Signer, message_id: bytes, clove: bytes) -> bytes:

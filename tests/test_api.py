@@ -102,6 +102,7 @@ async def test_completion_carries_planetserve_metadata_of_the_signing_model_node
     assert r.json()["planetserve"] == {
         "request_id": answer.request_id.hex(),
         "served_by": b58(api.node.model_record.peer_id),
+        "forwarded_by": None,
         "signature_valid": True,
         "cloves_received": 3,
         "latency_ms": 25.0,

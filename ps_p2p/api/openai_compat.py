@@ -13,8 +13,9 @@ Endpoints (bind to loopback: anyone who can reach it can spend the user's anonym
   Parameters we cannot honour (``logprobs``, ``echo``, ``suffix``, ``best_of`` > 1,
   ``logit_bias``, non-zero penalties, tools) are refused with a 400 naming the field, as is
   any value out of range; nothing is silently ignored. Every answer has an extra
-  ``planetserve`` member: ``served_by`` (peer ID), ``signature_valid``, ``cloves_received``,
-  ``latency_ms``, ``attempts``.
+  ``planetserve`` member: ``served_by`` (peer ID), ``forwarded_by`` (the model node asked,
+  when it forwarded the request to ``served_by``; else null), ``signature_valid``,
+  ``cloves_received``, ``latency_ms``, ``attempts``.
 * ``GET /v1/models`` and ``GET /v1/models/{id}`` — the model IDs of the directory's model nodes.
 * ``GET /status`` — peer ID, directory size, ready paths and ``ready`` (what a script waits for).
 
@@ -261,6 +262,7 @@ def _meta(answer: Answer) -> dict[str, Any]:
     return {
         "request_id": answer.request_id.hex(),
         "served_by": _b58(answer.served_by),
+        "forwarded_by": _b58(answer.forwarded_by) if answer.forwarded_by else None,
         "signature_valid": answer.signature_valid,
         "cloves_received": answer.cloves_received,
         "latency_ms": round(answer.latency_ms, 1),

@@ -823,7 +823,20 @@ class RequestCore:
             raise InvalidSignatureError(
                 "response signed by a node that is no model node of the directory"
             )
-        if reply.model_node != spec.destination:
+        if reply.forwarded_by or reply.forward_signature:
+            # forwarded (sec. 3.3): served by another model node of the group, vouched for by
+            # the one asked (which relays the cloves: their signatures are its own)
+            if reply.forwarded_by != spec.destination:
+                raise RemoteProtocolError("response forwarded by another node than the one asked")
+            if reply.model_node == reply.forwarded_by:
+                raise RemoteProtocolError("response forwarded by its own signer")
+            if reply.model_node not in self._model_nodes(spec.model_id):
+                raise RemoteProtocolError(
+                    f"response served by a node the directory does not list for {spec.model_id!r}"
+                )
+            responses.verify_forward(reply.forwarded_by, reply.request_id, reply.request_hash,
+                                     reply.model_node, reply.forward_signature)
+        elif reply.model_node != spec.destination:
             raise RemoteProtocolError("response signed by another model node than the one asked")
         if reply.status == ResponseStatus.OK and reply.model_id != spec.model_id:
             raise RemoteProtocolError(

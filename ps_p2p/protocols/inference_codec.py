@@ -76,6 +76,8 @@ def _reply_pb(reply: InferenceReply) -> inference_pb2.InferenceResponse:
         model_node=reply.model_node,
         signature=reply.signature,
         finish_reason=reply.finish_reason,
+        forwarded_by=reply.forwarded_by,
+        forward_signature=reply.forward_signature,
     )
 
 
@@ -93,6 +95,8 @@ def _reply_from_pb(m: inference_pb2.InferenceResponse) -> InferenceReply:
         model_node=m.model_node,
         signature=m.signature,
         finish_reason=m.finish_reason,
+        forwarded_by=m.forwarded_by,
+        forward_signature=m.forward_signature,
     )
 
 

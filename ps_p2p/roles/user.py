@@ -107,6 +107,8 @@ class Answer:
         ok: True when a valid, signed, status-OK response decoded.
         text: the generated text ('' on error).
         served_by: peer ID (bytes) of the model node that signed the response.
+        forwarded_by: the model node asked, when it forwarded the request to ``served_by``
+            (sec. 3.3; its voucher checked); b"" when the node asked served it.
         signature_valid: the response signature checked out (False when none decoded).
         cloves_received: response cloves that arrived before decoding finished.
         latency_ms: from sending to decoding.
@@ -126,6 +128,7 @@ class Answer:
     ok: bool
     text: str = ""
     served_by: bytes = b""
+    forwarded_by: bytes = b""
     signature_valid: bool = False
     cloves_received: int = 0
     latency_ms: float = 0.0
@@ -190,6 +193,7 @@ def answer_from_outcome(outcome: Outcome) -> Answer:
     )
     if reply is not None:
         answer.served_by = reply.model_node
+        answer.forwarded_by = reply.forwarded_by
         answer.signature_valid = True
         answer.status = reply.status
         answer.model_id = reply.model_id
