@@ -45,6 +45,7 @@ from ps_p2p.overlay.requests import (
 
 MODEL = b"model-node-M"
 OTHER_MODEL = b"model-node-N"
+THIRD = b"model-node-T"  # a model node of another model
 
 
 @dataclass(frozen=True)
@@ -77,15 +78,19 @@ def _verify_clove(model_node, message_id, raw, signature):
 def _verify_reply(reply):
     if reply.signature != b"good":
         raise InvalidSignatureError("bad response signature")
+    if (reply.forwarded_by or reply.forward_signature) and \
+            reply.forward_signature != b"vouched by " + reply.forwarded_by:
+        raise InvalidSignatureError("bad forward voucher")
 
 
 def _core(**overrides) -> RequestCore:
     fields = dict(total=4, threshold=3, attempt_timeout=8.0, token_time=0.05)
     fields.update(overrides)
     return RequestCore(
-        RequestConfig(**fields), PickleCodec(), lambda peer: peer in (MODEL, OTHER_MODEL),
+        RequestConfig(**fields), PickleCodec(), lambda peer: peer in (MODEL, OTHER_MODEL, THIRD),
         rng=random.Random(3), random_bytes=random.Random(5).randbytes,
         verify_clove=_verify_clove, verify_reply=_verify_reply,
+        model_nodes=lambda model_id: (MODEL, OTHER_MODEL) if model_id == "fake-model" else (),
     )
 
 
@@ -99,7 +104,8 @@ def _of(commands, kind):
 
 
 def _serve(sent: list[SendClove], *, status=ResponseStatus.OK, text="yrots a", signer=MODEL,
-           signature=b"good", model_id="fake-model") -> list[ResponseClove]:
+           signature=b"good", model_id="fake-model", forwarded_by=b"",
+           forward_signature=b"") -> list[ResponseClove]:
     """What the model node asked sends back for one attempt (one clove per path, each clove
     signed by it); the reply inside may claim another ``signer``."""
     q_bytes = sida.decode_subset([c.clove for c in sent[:3]])
@@ -108,7 +114,8 @@ def _serve(sent: list[SendClove], *, status=ResponseStatus.OK, text="yrots a", s
     reply = InferenceReply(
         request_id=query.request_id, status=status, text=text, error="" if status == 0 else "why",
         model_id=model_id, prompt_tokens=4, completion_tokens=7, request_hash=req_hash,
-        signed_at_ms=1, model_node=signer, signature=signature,
+        signed_at_ms=1, model_node=signer, signature=signature, forwarded_by=forwarded_by,
+        forward_signature=forward_signature,
     )
     cloves = sida.encode(pickle.dumps(reply), total=len(sent), threshold=3,
                          message_id=responses.response_message_id(query.request_id, req_hash))
@@ -300,6 +307,16 @@ def test_a_cancelled_request_is_forgotten_without_an_outcome():
         (dict(signer=OTHER_MODEL), "another model node"),
         (dict(signer=b"not-a-model-node"), "no model node"),
         (dict(model_id="other-model"), "response from model"),
+        # forwarded: only by the node asked, with its voucher, to a node of the same model
+        (dict(signer=OTHER_MODEL, forwarded_by=OTHER_MODEL,
+              forward_signature=b"vouched by " + OTHER_MODEL), "another node than the one asked"),
+        (dict(signer=OTHER_MODEL, forwarded_by=MODEL, forward_signature=b"forged"),
+         "bad forward voucher"),
+        (dict(signer=MODEL, forwarded_by=MODEL, forward_signature=b"vouched by " + MODEL),
+         "its own signer"),
+        (dict(signer=THIRD, forwarded_by=MODEL, forward_signature=b"vouched by " + MODEL),
+         "does not list for"),
+        (dict(signer=OTHER_MODEL, forward_signature=b"vouched by "), "another node than"),
     ],
 )
 def test_a_reply_that_fails_its_checks_is_rejected_and_the_request_goes_on(serve, reason, caplog):
@@ -309,6 +326,30 @@ def test_a_reply_that_fails_its_checks_is_rejected_and_the_request_goes_on(serve
     assert _of(_feed(core, cloves, 1.0), RequestDone) == []
     assert reason in caplog.text
     assert b"r" * 16 in core
+
+
+def test_an_answer_forwarded_by_the_node_asked_with_its_voucher_is_accepted():
+    core = _core()
+    sent = _of(core.start(_spec(), 0.0, READY), SendClove)
+    cloves = _serve(sent, signer=OTHER_MODEL, forwarded_by=MODEL,
+                    forward_signature=b"vouched by " + MODEL)
+    outcome = _done(_feed(core, cloves, 1.0))
+    assert outcome.ok and outcome.reply.model_node == OTHER_MODEL
+    assert outcome.reply.forwarded_by == MODEL
+
+
+def test_the_forward_voucher_signs_request_and_server_and_nothing_else_verifies():
+    from ps_p2p.keys import Identity
+
+    asked, server = Identity.generate(), Identity.generate()
+    voucher = responses.sign_forward(asked, b"r" * 16, b"h" * 32, server.peer_id)
+    responses.verify_forward(asked.peer_id, b"r" * 16, b"h" * 32, server.peer_id, voucher)
+    for args in [(server.peer_id, b"r" * 16, b"h" * 32, server.peer_id),  # another signer
+                 (asked.peer_id, b"x" * 16, b"h" * 32, server.peer_id),  # another request
+                 (asked.peer_id, b"r" * 16, b"h" * 31 + b"!", server.peer_id),
+                 (asked.peer_id, b"r" * 16, b"h" * 32, asked.peer_id)]:  # another server
+        with pytest.raises(InvalidSignatureError):
+            responses.verify_forward(*args, voucher)
 
 
 # ------------------------------------------------------------------ conviction

@@ -151,7 +151,8 @@ def verify_clove_signature(model_node: bytes, message_id: bytes, raw: bytes, sig
 
 
 def verify_reply_signature(reply: InferenceReply) -> None:
-    """The default :data:`ReplyVerifier` (:func:`ps_p2p.responses.verify_response`)."""
+    """The default :data:`ReplyVerifier` (:func:`ps_p2p.responses.verify_response`, and
+    :func:`ps_p2p.responses.verify_forward` for a forwarded reply)."""
     responses.verify_response(
         request_id=reply.request_id,
         req_hash=reply.request_hash,
@@ -160,6 +161,9 @@ def verify_reply_signature(reply: InferenceReply) -> None:
         model_node=reply.model_node,
         signature=reply.signature,
     )
+    if reply.forwarded_by or reply.forward_signature:
+        responses.verify_forward(reply.forwarded_by, reply.request_id, reply.request_hash,
+                                 reply.model_node, reply.forward_signature)
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -833,9 +837,7 @@ class RequestCore:
             if reply.model_node not in self._model_nodes(spec.model_id):
                 raise RemoteProtocolError(
                     f"response served by a node the directory does not list for {spec.model_id!r}"
-                )
-            responses.verify_forward(reply.forwarded_by, reply.request_id, reply.request_hash,
-                                     reply.model_node, reply.forward_signature)
+                )  # the voucher's signature: self._verify_reply
         elif reply.model_node != spec.destination:
             raise RemoteProtocolError("response signed by another model node than the one asked")
         if reply.status == ResponseStatus.OK and reply.model_id != spec.model_id:
