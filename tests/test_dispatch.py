@@ -241,3 +241,78 @@ def test_bad_chats_and_stop_strings_are_answered_at_once(changes, message):
     (answer,) = _deliver(d, dataclasses.replace(_query(), **changes))
     assert isinstance(answer, SendAnswer)
     assert answer.content.status == ResponseStatus.BAD_REQUEST and message in answer.content.error
+
+
+# ------------------------------------------------------------------ forwarding (sec. 3.3)
+
+PEER = b"\x07" * 38
+
+
+def test_a_forwarded_job_gives_its_slot_back_and_the_peers_signed_answer_reaches_every_waiter():
+    d = _dispatcher(capacity=1, max_queue=0)
+    q = _query()
+    (start,) = _deliver(d, q)
+    assert not start.local and start.q_bytes == encode_query(q)
+    assert d.load.queued == 1
+    assert d.job_forwarded(start.key, PEER, now=0.1) == []
+    assert d.load.queued == 0 and d.requests["forwarded"] == 1
+    (other,) = _deliver(d, _query("another"), now=0.2)  # the slot is free again
+    assert isinstance(other, StartJob)
+    signed = object()  # the serving node's signed reply, opaque to the core
+    (answer,) = d.job_finished(start.key, OK, now=1.0, signed=signed)
+    assert answer.signed is signed and answer.content == OK
+    assert d.load.served == 0  # served elsewhere: no latency sample of ours
+    resend = dataclasses.replace(q, reply_proxies=tuple(ReplyProxy(p, b"z" * 16) for p in PROXIES))
+    (cached,) = _deliver(d, resend, now=2.0)
+    assert cached.signed is signed  # a resent request gets the same signed answer
+
+
+def test_a_forward_that_fails_before_any_text_is_served_here():
+    d = _dispatcher()
+    q = _query()
+    (start,) = _deliver(d, q)
+    d.job_forwarded(start.key, PEER, now=0.0)
+    (again,) = d.forward_failed(start.key, now=0.5)
+    assert isinstance(again, StartJob) and again.local and again.key == start.key
+    assert d.load.queued == 1
+    assert d.forward_failed(start.key, now=0.6) == []  # not forwarded any more: no effect
+
+
+def test_a_forward_that_fails_with_no_room_here_is_answered_overloaded():
+    d = _dispatcher(capacity=1, max_queue=0)
+    q = _query()
+    (start,) = _deliver(d, q)
+    d.job_forwarded(start.key, PEER, now=0.0)
+    _deliver(d, _query("fills the only slot"), now=0.1)
+    (answer,) = d.forward_failed(start.key, now=0.5)
+    assert isinstance(answer, SendAnswer)
+    assert answer.content.status == ResponseStatus.OVERLOADED and answer.signed is None
+
+
+def test_a_streamed_forward_that_breaks_after_text_ends_with_an_error_over_that_text():
+    d = _dispatcher()
+    q = _query(tag=b"s")
+    q = dataclasses.replace(q, stream=True)
+    (start,) = _deliver(d, q)
+    d.job_forwarded(start.key, PEER, now=0.0)
+    (segment,) = d.job_progress(start.key, "Once", now=0.1)
+    (answer,) = d.forward_failed(start.key, now=0.2)
+    assert answer.content.status == ResponseStatus.ENGINE_ERROR and answer.content.text == "Once"
+
+
+def test_a_request_forwarded_to_us_is_served_here_and_answered_on_its_channel():
+    d = _dispatcher()
+    q = dataclasses.replace(_query(), reply_proxies=())  # a forward carries Q as decoded
+    (start,) = d.receive_forwarded(5, encode_query(q), now=0.0)
+    assert isinstance(start, StartJob) and start.local  # one hop: never forwarded again
+    d.job_started(start.key, now=0.0)
+    (answer,) = d.job_finished(start.key, OK, now=1.0)
+    assert answer.waiter.channel == 5 and answer.signed is None
+
+
+def test_a_request_forwarded_to_us_past_capacity_is_answered_overloaded_on_its_channel():
+    d = _dispatcher(capacity=1, max_queue=0)
+    _deliver(d, _query("first"))
+    (answer,) = d.receive_forwarded(9, encode_query(_query("second")), now=0.0)
+    assert isinstance(answer, SendAnswer) and answer.waiter.channel == 9
+    assert answer.content.status == ResponseStatus.OVERLOADED

@@ -160,6 +160,11 @@ class LoadTracker:
         self.queued += 1
         return True
 
+    def cancel(self) -> None:
+        """A queued request left without being served here (forwarded to another node)."""
+        if self.queued > 0:
+            self.queued -= 1
+
     def start(self) -> None:
         """A queued request got a service slot."""
         self.queued -= 1

@@ -25,6 +25,16 @@ job progress (streamed Q)      the new text goes to every waiter as a segment (a
                                the last one
 job started / finished         load tracking (F_LB); the answer goes to every waiter (the last
                                segment of a streamed Q), an OK one is cached ``cache_ttl`` s
+job forwarded to peer P        (sec. 3.3; the model node's router chose P) the job's admission
+                               slot is given back (P's load counts it); its progress and its
+                               answer come from P, signed by P (``signed``), and go to the
+                               waiters as usual
+forward failed                 nothing was streamed yet: the job is admitted again here and
+                               served locally (``StartJob(local=True)``); else it ends with
+                               ENGINE_ERROR over the text streamed so far
+request forwarded to us        (``receive_forwarded``) Q from another model node of the group:
+                               validated and admitted like a request from proxies, served here
+                               (one hop only), answered to ``channel`` instead of proxies
 tick                           expiry of incomplete requests and cached answers (both in order)
 =============================  ==================================================================
 """
@@ -89,6 +99,7 @@ REQUEST_OVERLOADED = "overloaded"
 REQUEST_INVALID = "invalid"
 REQUEST_DROPPED = "dropped"
 REQUEST_EXPIRED = "expired"
+REQUEST_FORWARDED = "forwarded"  # handed to another model node of the group (sec. 3.3)
 
 
 @dataclass
@@ -125,11 +136,14 @@ class DispatchConfig:
 @dataclass(frozen=True)
 class Waiter:
     """One sending of a request, to be answered: its Q bytes (the answer signs their hash), Q
-    and the threshold k its cloves used (the answer uses the same)."""
+    and the threshold k its cloves used (the answer uses the same). ``channel``: a request
+    another model node forwarded to us (sec. 3.3) is answered on that node's forward stream
+    (the service's handle of it), not through reply proxies."""
 
     q_bytes: bytes
     query: InferenceQuery
     threshold: int
+    channel: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +153,10 @@ class StartJob:
 
     key: bytes
     query: InferenceQuery
+    #: serve it here whatever the router says (forwarded to us, or its forward failed)
+    local: bool = False
+    #: Q's bytes (what a forward hands on; the answer signs their hash)
+    q_bytes: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,9 @@ class SendAnswer:
     content: ResponseContent
     seq: int = 0
     offset: int = 0
+    #: the response as the model node that served it signed it (forwarded jobs): sent as it is
+    #: (the service adds its forward voucher) instead of signing ``content``
+    signed: object | None = None
 
 
 @dataclass(frozen=True)
@@ -175,12 +196,14 @@ class _Job:
     pieces: list[str] = field(default_factory=list)  # text streamed so far
     # per waiter (same order): next segment number, UTF-8 bytes sent in segments
     sent: list[list[int]] = field(default_factory=list)
+    forwarded_to: bytes | None = None  # the model node serving it for us
 
 
 @dataclass
 class _Cached:
     content: ResponseContent
     expires_at: float
+    signed: object | None = None
 
 
 def retry_key(query: InferenceQuery) -> bytes:
@@ -317,7 +340,8 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ requests
 
-    def _on_request(self, q_bytes: bytes, threshold: int, now: float) -> list[Command]:
+    def _on_request(self, q_bytes: bytes, threshold: int, now: float,
+                    channel: int | None = None) -> list[Command]:
         try:
             query = self._decode_query(q_bytes)
         except RemoteProtocolError as exc:
@@ -325,17 +349,17 @@ class Dispatcher:
             log.warning("undecodable request dropped: %s", exc)
             return []
         n_proxies = len(query.reply_proxies)
-        if n_proxies < threshold or n_proxies > MAX_REPLY_PROXIES:
+        if channel is None and (n_proxies < threshold or n_proxies > MAX_REPLY_PROXIES):
             self._count(REQUEST_DROPPED)
             log.warning("request %s names %d reply proxies for threshold %d; cannot answer",
                         query.request_id.hex()[:8], n_proxies, threshold)
             return []
-        waiter = Waiter(q_bytes, query, threshold)
+        waiter = Waiter(q_bytes, query, threshold, channel)
         key = retry_key(query)
         cached = self._cache.get(key)
         if cached is not None and cached.expires_at > now:
             self._count(REQUEST_CACHED)
-            return [SendAnswer(waiter, cached.content)]
+            return [SendAnswer(waiter, cached.content, signed=cached.signed)]
         job = self._jobs.get(key)
         if job is not None:
             if len(job.waiters) < self.config.max_waiters:
@@ -364,7 +388,14 @@ class Dispatcher:
             ))]
         self._count(REQUEST_ADMITTED)
         self._jobs[key] = _Job(query, [waiter], sent=[[0, 0]])
-        return [StartJob(key, query)]
+        return [StartJob(key, query, local=waiter.channel is not None, q_bytes=q_bytes)]
+
+    def receive_forwarded(self, channel: int, q_bytes: bytes, now: float) -> list[Command]:
+        """Q forwarded to us by another model node of the group (the service checked it is
+        one), to be answered on its forward stream ``channel`` (sec. 3.3). Served here: a
+        forwarded request is never forwarded again (one hop). Threshold 2 stands for the S-IDA
+        threshold (no cloves are sent for it)."""
+        return self._on_request(q_bytes, MIN_THRESHOLD, now, channel=channel)
 
     def validate(self, query: InferenceQuery) -> tuple[int, str] | None:
         """(status, message) when ``query`` cannot be served, else None."""
@@ -430,11 +461,37 @@ class Dispatcher:
         sent[1] += len(text.encode("utf-8", "surrogatepass"))
         return [SendSegment(job.waiters[index], seq, offset, text)]
 
-    def job_finished(self, key: bytes, content: ResponseContent, now: float) -> list[Command]:
+    def job_forwarded(self, key: bytes, peer: bytes, now: float) -> list[Command]:
+        """The router handed the job ``key`` to model node ``peer`` (sec. 3.3): its admission
+        slot here is given back; its progress and answer come from ``peer``."""
+        job = self._jobs.get(key)
+        if job is not None and job.forwarded_to is None and job.started_at is None:
+            job.forwarded_to = peer
+            self.load.cancel()
+            self._count(REQUEST_FORWARDED)
+        return []
+
+    def forward_failed(self, key: bytes, now: float) -> list[Command]:
+        """The forward of job ``key`` failed (unreachable peer, refused, broken stream, an
+        answer that did not verify, or OVERLOADED): served here when nothing was streamed yet
+        and there is room; else it ends with an error (over the text streamed so far)."""
+        job = self._jobs.get(key)
+        if job is None or job.forwarded_to is None:
+            return []
+        job.forwarded_to = None
+        if not job.pieces and self.load.try_admit():
+            return [StartJob(key, job.query, local=True, q_bytes=job.waiters[0].q_bytes)]
+        status = ResponseStatus.ENGINE_ERROR if job.pieces else ResponseStatus.OVERLOADED
+        return self.job_finished(key, self.error_content(
+            status, "the model node this request was forwarded to failed"), now)
+
+    def job_finished(self, key: bytes, content: ResponseContent, now: float,
+                     signed: object | None = None) -> list[Command]:
         """The job ``key`` ended with ``content``: every waiter gets it; OK answers are cached.
 
         For a streamed Q whose job failed after streaming text, the answer signs the text
-        streamed so far (what the user already holds)."""
+        streamed so far (what the user already holds). ``signed``: the response as the model
+        node a forwarded job went to signed it (sent as it is)."""
         job = self._jobs.pop(key, None)
         if job is None:
             return []
@@ -442,12 +499,13 @@ class Dispatcher:
             self.load.finish(now - job.started_at)
         if content.status == ResponseStatus.OK:
             self._cache.pop(key, None)
-            self._cache[key] = _Cached(content, now + self.config.cache_ttl)
+            self._cache[key] = _Cached(content, now + self.config.cache_ttl, signed)
             while len(self._cache) > self.config.max_cached:
                 self._cache.popitem(last=False)
-        elif job.pieces:
+        elif job.pieces and signed is None:
             content = dataclasses.replace(content, text="".join(job.pieces))
-        return [SendAnswer(w, content, *job.sent[i]) for i, w in enumerate(job.waiters)]
+        return [SendAnswer(w, content, *job.sent[i], signed=signed)
+                for i, w in enumerate(job.waiters)]
 
     # ------------------------------------------------------------------ timers
 
@@ -476,7 +534,7 @@ class Dispatcher:
 __all__ = [
     "Command", "DROP_DUPLICATE_PROXY", "DROP_LOW_THRESHOLD", "DROP_PROXY_SHARE",
     "DispatchConfig", "Dispatcher", "REQUEST_ADMITTED", "REQUEST_CACHED", "REQUEST_DROPPED",
-    "MAX_SEGMENTS", "REQUEST_EXPIRED", "REQUEST_INVALID", "REQUEST_JOINED", "REQUEST_OVERLOADED",
+    "MAX_SEGMENTS", "REQUEST_EXPIRED", "REQUEST_FORWARDED", "REQUEST_INVALID", "REQUEST_JOINED", "REQUEST_OVERLOADED",
     "SendAnswer", "SendSegment",
     "StartJob", "Waiter", "retry_key",
 ]
