@@ -62,7 +62,8 @@ def decode_query(data: bytes) -> InferenceQuery:
     )
 
 
-def _reply_pb(reply: InferenceReply) -> inference_pb2.InferenceResponse:
+def reply_to_pb(reply: InferenceReply) -> inference_pb2.InferenceResponse:
+    """A reply as its ``InferenceResponse`` message."""
     return inference_pb2.InferenceResponse(
         request_id=reply.request_id,
         status=reply.status,
@@ -81,7 +82,9 @@ def _reply_pb(reply: InferenceReply) -> inference_pb2.InferenceResponse:
     )
 
 
-def _reply_from_pb(m: inference_pb2.InferenceResponse) -> InferenceReply:
+def reply_from_pb(m: inference_pb2.InferenceResponse) -> InferenceReply:
+    """A reply from its ``InferenceResponse`` message (fields unchecked: the caller verifies
+    the signature)."""
     return InferenceReply(
         request_id=m.request_id,
         status=m.status,
@@ -101,12 +104,12 @@ def _reply_from_pb(m: inference_pb2.InferenceResponse) -> InferenceReply:
 
 
 def encode_reply(reply: InferenceReply) -> bytes:
-    return _reply_pb(reply).SerializeToString()
+    return reply_to_pb(reply).SerializeToString()
 
 
 def decode_reply(data: bytes) -> InferenceReply:
     """Raises RemoteProtocolError: not an ``InferenceResponse``."""
-    return _reply_from_pb(parse(inference_pb2.InferenceResponse, data))
+    return reply_from_pb(parse(inference_pb2.InferenceResponse, data))
 
 
 def encode_segment(segment: ResponseSegment, pad_to: int = SEGMENT_PAD_BYTES) -> bytes:
@@ -116,7 +119,7 @@ def encode_segment(segment: ResponseSegment, pad_to: int = SEGMENT_PAD_BYTES) ->
         request_id=segment.request_id, seq=segment.seq, offset=segment.offset, text=segment.text
     )
     if segment.final is not None:
-        m.final.CopyFrom(_reply_pb(segment.final))
+        m.final.CopyFrom(reply_to_pb(segment.final))
     size = m.ByteSize()
     if pad_to > 1:
         # field 6 costs a tag byte and a length varint (1 or 2 bytes here) before the zeros
@@ -136,11 +139,11 @@ def decode_segment(data: bytes) -> ResponseSegment:
         seq=m.seq,
         offset=m.offset,
         text=m.text,
-        final=_reply_from_pb(m.final) if m.HasField("final") else None,
+        final=reply_from_pb(m.final) if m.HasField("final") else None,
     )
 
 
 __all__ = [
     "SEGMENT_PAD_BYTES", "decode_query", "decode_reply", "decode_segment", "encode_query",
-    "encode_reply", "encode_segment",
+    "encode_reply", "encode_segment", "reply_from_pb", "reply_to_pb",
 ]

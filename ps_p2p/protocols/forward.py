@@ -1,0 +1,213 @@
+"""``/planetserve/forward/1.0.0``: a model node hands a request to another of its group (sec. 3.3).
+
+The model node a user asked (A) decodes Q from the cloves; its router may pick another model
+node of the same model group (B) that holds Q's prefix in its KV cache or is less loaded
+(:mod:`ps_p2p.gossip.forwarding`). A opens one stream to B and writes one ``ForwardRequest``
+frame (Q's bytes exactly as A decoded them); B serves Q itself (one hop: a forwarded request is
+never forwarded again) and answers on the same stream: zero or more ``text`` frames (a streamed
+request's text as it is generated), then one ``reply`` frame, its response signed by B over the
+hash of those Q bytes, and closes.
+
+A relays B's answer to the user through the request's reply proxies itself, adding its forward
+voucher (:func:`ps_p2p.responses.sign_forward`): the proxies accept cloves only from the node
+they delivered to, so they need no change, and the user sees who served and who forwarded
+(:mod:`ps_p2p.overlay.requests`).
+
+Threats, and what bounds them:
+
+* B learns Q (prompt, reply proxies and tags) and A learns the answer: both are model nodes of
+  the group, which see prompts and answers anyway; neither learns who the user is.
+* A cannot alter B's answer (B's signature covers it, and the user checks it) nor claim B served
+  what it did not; B cannot answer for A (the user takes B's answer only with A's voucher).
+* A malicious A could forward everything (its own node idle): the user and the verifiers see
+  ``forwarded_by``, so answers are credited to B, who did the work.
+* B accepts a forward only from a model node of its own model listed in its verified directory
+  (the service's ``accept`` callback); anything else resets the stream. Every frame is bounded
+  (:data:`MAX_REQUEST_BYTES`, :data:`MAX_FRAME_BYTES`) and so are the text frames of one answer
+  (:data:`MAX_TEXT_FRAMES`); a malformed frame resets that stream only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamEOF, StreamError
+from libp2p.peer.id import ID
+
+from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.inference import InferenceReply
+from ps_p2p.pb.planetserve.v1 import forward_pb2
+from ps_p2p.protocols.framing import encode_frame, read_frame
+from ps_p2p.protocols.handlers import StreamHandlers, reset_quietly
+from ps_p2p.protocols.inference_codec import reply_from_pb, reply_to_pb
+from ps_p2p.protocols.wire import parse
+from ps_p2p.records.peer_ids import peer_label
+
+log = logging.getLogger(__name__)
+
+FORWARD_PROTOCOL_ID = TProtocol("/planetserve/forward/1.0.0")
+#: Largest ForwardRequest frame (a prompt of 512 Ki characters is at most 2 MiB of UTF-8).
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+#: Largest answer frame (a text piece, or the signed response with the whole text).
+MAX_FRAME_BYTES = 1024 * 1024
+#: Text frames of one answer at most (the dispatch core sends at most 127 segments per answer).
+MAX_TEXT_FRAMES = 4096
+
+#: What the serving side hands the handler for one forwarded request: text pieces, then the
+#: signed reply (last).
+AnswerItem = str | InferenceReply
+#: ``accept(sender, q_bytes) -> items``: refuses (raises RemoteProtocolError) a sender that may
+#: not forward to us, else starts serving and returns where the answer's items arrive.
+Accept = Callable[[bytes, bytes], Awaitable[trio.MemoryReceiveChannel[AnswerItem]]]
+
+
+def _text_frame(text: str) -> bytes:
+    return encode_frame(forward_pb2.ForwardFrame(text=text).SerializeToString())
+
+
+def _reply_frame(reply: InferenceReply) -> bytes:
+    return encode_frame(forward_pb2.ForwardFrame(reply=reply_to_pb(reply)).SerializeToString())
+
+
+class ForwardService:
+    """The serving side of :data:`FORWARD_PROTOCOL_ID` (handlers only decode and hand over).
+
+    Args:
+        accept: see :data:`Accept`.
+        answer_timeout: seconds the answer may take in all before the stream is reset.
+
+    Attributes:
+        served: forwarded requests answered; refused: streams reset for bad input or a sender
+            that may not forward to us.
+    """
+
+    def __init__(self, accept: Accept, *, answer_timeout: float = 600.0) -> None:
+        self._accept = accept
+        self.answer_timeout = answer_timeout
+        self.served = 0
+        self.refused = 0
+
+    def register_handlers(self, host: IHost) -> StreamHandlers:
+        """Serve the protocol on ``host`` until the returned handlers' ``aclose()``.
+
+        Raises:
+            ConfigError: the host already serves it.
+        """
+        handlers = StreamHandlers(host)
+        handlers.add(FORWARD_PROTOCOL_ID, self._handle_stream)
+        return handlers
+
+    async def serve(
+        self, host: IHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve on ``host`` until cancelled, then remove the handler."""
+        handlers = self.register_handlers(host)
+        try:
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            await handlers.aclose()
+
+    async def _handle_stream(self, stream: INetStream) -> None:
+        # guarded: an exception escaping a handler kills the py-libp2p host
+        sender = stream.muxed_conn.peer_id.to_bytes()
+        try:
+            frame = await read_frame(stream, MAX_REQUEST_BYTES)
+            request = parse(forward_pb2.ForwardRequest, frame)
+            items = await self._accept(sender, bytes(request.query))
+            with trio.fail_after(self.answer_timeout):
+                async with items:
+                    async for item in items:
+                        if isinstance(item, InferenceReply):
+                            await stream.write(_reply_frame(item))
+                            break
+                        await stream.write(_text_frame(item))
+            await stream.close()
+            self.served += 1
+        except RemoteProtocolError as exc:
+            self.refused += 1
+            log.warning("forward from %s refused: %s", peer_label(sender), exc)
+            await reset_quietly(stream)
+        except (StreamError, trio.TooSlowError) as exc:
+            log.info("forward stream from %s failed: %r", peer_label(sender), exc)
+            await reset_quietly(stream)
+        except Exception:
+            log.exception("forward stream from %s: unexpected error", peer_label(sender))
+            await reset_quietly(stream)
+
+
+async def forward_request(
+    host: IHost,
+    peer: bytes,
+    q_bytes: bytes,
+    on_text: Callable[[str], None],
+    *,
+    connect_timeout: float = 5.0,
+    idle_timeout: float = 120.0,
+) -> InferenceReply:
+    """Hand Q to model node ``peer`` and wait for its signed answer.
+
+    Args:
+        q_bytes: Q as this node decoded it (the answer signs their hash).
+        on_text: called with each text piece of a streamed answer, in order.
+        connect_timeout: seconds for the dial, negotiation and the request's write.
+        idle_timeout: seconds allowed between two frames of the answer.
+
+    Returns:
+        the reply frame as ``peer`` sent it; the caller checks its signature and request hash.
+
+    Raises:
+        RemoteProtocolError: a malformed or oversized frame, too many text frames, or the
+            stream ended before the reply.
+        trio.TooSlowError: the dial or a frame took too long.
+        Exception: py-libp2p's dial and negotiation errors.
+    """
+    with trio.fail_after(connect_timeout):
+        stream = await host.new_stream(ID(peer), [FORWARD_PROTOCOL_ID])
+        try:
+            await stream.write(encode_frame(
+                forward_pb2.ForwardRequest(query=q_bytes).SerializeToString()))
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await reset_quietly(stream)
+            raise
+    try:
+        for _ in range(MAX_TEXT_FRAMES + 1):
+            with trio.fail_after(idle_timeout):
+                try:
+                    body = await read_frame(stream, MAX_FRAME_BYTES)
+                except StreamEOF:
+                    raise RemoteProtocolError("forward stream ended before the reply") from None
+            frame = parse(forward_pb2.ForwardFrame, body)
+            kind = frame.WhichOneof("kind")
+            if kind == "reply":
+                reply = reply_from_pb(frame.reply)
+                break
+            if kind != "text":
+                raise RemoteProtocolError(f"forward answer frame of kind {kind!r}")
+            on_text(frame.text)
+        else:
+            raise RemoteProtocolError(f"more than {MAX_TEXT_FRAMES} text frames")
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await reset_quietly(stream)
+        raise
+    try:
+        await stream.close()
+    except Exception as exc:
+        log.debug("closing forward stream: %r", exc)
+    return reply
+
+
+__all__ = [
+    "FORWARD_PROTOCOL_ID",
+    "MAX_FRAME_BYTES",
+    "MAX_REQUEST_BYTES",
+    "MAX_TEXT_FRAMES",
+    "ForwardService",
+    "forward_request",
+]
