@@ -11,6 +11,13 @@ never learn the request ID and two sendings' answers never mix), each clove sign
 
 One :class:`~ps_p2p.protocols.driver.CoreDriver` task owns the dispatcher: deliveries and job
 reports are submitted to it, and it executes the commands (queue a job, sign and send an answer).
+
+Forwarding (sec. 3.3, :meth:`ModelNodeService.enable_forwarding`): a job the dispatcher admits
+goes through the router first (an async ``route(query) -> peer or None``: the HR-tree search and
+Algorithm 2, :mod:`ps_p2p.roles.forwarding`); a job routed to another model node of the group
+is handed over ``/planetserve/forward/1.0.0`` (:mod:`ps_p2p.protocols.forward`), that node's
+text and signed answer come back on the stream, and this node relays them to the reply proxies
+with its forward voucher. A request forwarded to us is served here and answered on its stream.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -39,6 +46,7 @@ from ps_p2p.inference import InferenceQuery, InferenceReply, ResponseSegment, Re
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
 from ps_p2p.protocols.driver import CoreDriver
+from ps_p2p.protocols.forward import AnswerItem, ForwardService, forward_request
 from ps_p2p.protocols.inference_codec import decode_query, encode_reply, encode_segment
 from ps_p2p.records import short_peer_id as _short
 from ps_p2p.serving import dispatch
@@ -135,6 +143,20 @@ class ModelNodeService:
         #: answers sent (one per sending of a request), by status name in lower case
         #: (``ok``, ``overloaded``, ``engine_error``...)
         self.answers: dict[str, int] = {}
+        # forwarding (enable_forwarding): router, forward streams served, forwards sent
+        self._route: Callable[[InferenceQuery], Awaitable[bytes | None]] | None = None
+        self._may_forward_to_us: Callable[[bytes], bool] = lambda peer: False
+        self._host = None
+        self._route_in, self._route_out = trio.open_memory_channel[StartJob](
+            self.config.capacity + self.config.max_queue + 1
+        )
+        self._channels: dict[int, trio.MemorySendChannel[AnswerItem]] = {}
+        self._next_channel = 0
+        self._nursery: trio.Nursery | None = None
+        self.forward_service = ForwardService(self._accept_forward)
+        #: forwards: ``sent`` (handed to a peer), ``answered`` (its verified answer relayed),
+        #: ``failed`` (served here or refused instead), ``received`` (served for a peer)
+        self.forwards: dict[str, int] = {"sent": 0, "answered": 0, "failed": 0, "received": 0}
 
     @property
     def load(self):  # type: ignore[no-untyped-def]
@@ -151,12 +173,37 @@ class ModelNodeService:
         self.overlay = overlay
         overlay.on_delivery = self.on_delivery
 
+    def enable_forwarding(
+        self,
+        host,  # type: ignore[no-untyped-def]
+        route: Callable[[InferenceQuery], Awaitable[bytes | None]],
+        may_forward_to_us: Callable[[bytes], bool],
+    ) -> None:
+        """Turn on forwarding (sec. 3.3), before :meth:`run`.
+
+        Args:
+            host: the node's py-libp2p host (forwards are sent from it; :meth:`run` serves
+                ``/planetserve/forward/1.0.0`` on it).
+            route: ``await route(query)``: the model node to hand the query to, or None to serve
+                it here; must not raise for a bad query (serve it here instead).
+            may_forward_to_us: whether a peer is a trusted model node of our model group in the
+                verified directory (others' forwards are refused).
+        """
+        self._host = host
+        self._route = route
+        self._may_forward_to_us = may_forward_to_us
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the dispatch driver and ``capacity`` workers until cancelled."""
+        """Run the dispatch driver and ``capacity`` workers (and, with forwarding, the router
+        and the forward protocol's handler) until cancelled."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             await nursery.start(self.driver.run)
             for i in range(self.config.capacity):
                 nursery.start_soon(self._worker, i)
+            if self._route is not None:
+                nursery.start_soon(self._router)
+                await nursery.start(self.forward_service.serve, self._host)
             task_status.started()
 
     async def drain(self, grace: float) -> DrainReport:
@@ -201,7 +248,10 @@ class ModelNodeService:
 
     def _execute(self, command: dispatch.Command) -> None:
         if isinstance(command, StartJob):
-            self._jobs_in.send_nowait(command)
+            if command.local or self._route is None:
+                self._jobs_in.send_nowait(command)
+            else:
+                self._route_in.send_nowait(command)
         elif isinstance(command, SendAnswer):
             self._send_answer(command)
         elif isinstance(command, SendSegment):
@@ -296,9 +346,98 @@ class ModelNodeService:
 
     # ------------------------------------------------------------------ cloves out
 
+    # ------------------------------------------------------------------ forwarding
+
+    async def _router(self) -> None:
+        """Route each admitted job: here (a worker) or to another model node (a forward)."""
+        assert self._route is not None and self._nursery is not None
+        async for job in self._route_out:
+            try:
+                peer = await self._route(job.query)
+            except Exception:  # a router bug must not strand the job
+                log.exception("routing %s failed; served here", job.query.request_id.hex()[:8])
+                peer = None
+            if peer is None or peer == self.identity.peer_id:
+                self._jobs_in.send_nowait(job)
+                continue
+            self.driver.submit(functools.partial(self.dispatcher.job_forwarded, job.key, peer))
+            self._nursery.start_soon(self._forward, job, peer)
+
+    async def _forward(self, job: StartJob, peer: bytes) -> None:
+        """Hand ``job`` to ``peer`` and relay its text and verified answer (module docstring);
+        any failure goes back to the dispatcher (served here if nothing was streamed yet)."""
+        self.forwards["sent"] += 1
+        rid = job.query.request_id.hex()[:8]
+        req_hash = responses.request_hash(job.q_bytes)
+
+        def on_text(text: str) -> None:
+            self.driver.submit(functools.partial(self.dispatcher.job_progress, job.key, text))
+
+        try:
+            reply = await forward_request(self._host, peer, job.q_bytes, on_text)
+            if reply.model_node != peer or reply.request_hash != req_hash \
+                    or reply.request_id != job.query.request_id:
+                raise RemoteProtocolError("answer for another request or from another node")
+            responses.verify_response(
+                request_id=reply.request_id, req_hash=reply.request_hash,
+                content=reply.content(), signed_at_ms=reply.signed_at_ms,
+                model_node=reply.model_node, signature=reply.signature)
+            if reply.status == ResponseStatus.OVERLOADED:
+                raise RemoteProtocolError("it answered OVERLOADED")
+        except (PsError, trio.TooSlowError, Exception) as exc:
+            self.forwards["failed"] += 1
+            log.info("forward of %s to %s failed (%s); serving it here", rid, _short(peer), exc)
+            self.driver.submit(functools.partial(self.dispatcher.forward_failed, job.key))
+            return
+        self.forwards["answered"] += 1
+        vouched = dataclasses.replace(
+            reply, forwarded_by=self.identity.peer_id,
+            forward_signature=responses.sign_forward(
+                self.identity, reply.request_id, reply.request_hash, peer))
+        log.info("forwarded %s served by %s", rid, _short(peer))
+        self.driver.submit(functools.partial(
+            self.dispatcher.job_finished, job.key, reply.content(), signed=vouched))
+
+    async def _accept_forward(
+        self, sender: bytes, q_bytes: bytes
+    ) -> trio.MemoryReceiveChannel[AnswerItem]:
+        """A forward from ``sender`` (:data:`~ps_p2p.protocols.forward.Accept`).
+
+        Raises:
+            RemoteProtocolError: ``sender`` is no trusted model node of our group.
+        """
+        if not self._may_forward_to_us(sender):
+            raise RemoteProtocolError("not a trusted model node of this model group")
+        self.forwards["received"] += 1
+        channel = self._next_channel
+        self._next_channel += 1
+        # a streamed answer is at most MAX_SEGMENTS segments, then the reply
+        send, receive = trio.open_memory_channel[AnswerItem](dispatch.MAX_SEGMENTS + 1)
+        self._channels[channel] = send
+        self.driver.submit(functools.partial(self.dispatcher.receive_forwarded, channel, q_bytes))
+        return receive
+
+    def _to_channel(self, channel: int, item: AnswerItem) -> None:
+        send = self._channels.get(channel)
+        if send is None:
+            return
+        try:
+            send.send_nowait(item)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            log.warning("forward stream %d cannot take more; dropped", channel)
+            self._channels.pop(channel, None)
+            send.close()
+            return
+        if isinstance(item, InferenceReply):
+            self._channels.pop(channel, None)
+            send.close()
+
+    # ------------------------------------------------------------------ cloves out
+
     def _send_answer(self, command: SendAnswer) -> None:
         """Sign, encode and send one answer through the waiter's reply proxies (for a streamed
-        Q, as its last segment)."""
+        Q, as its last segment); a forwarded job's answer is the serving node's, vouched for;
+        a request forwarded to us is answered on its stream."""
         assert self.overlay is not None, "attach() the overlay first"
         waiter, content = command.waiter, command.content
         try:
@@ -308,23 +447,29 @@ class ModelNodeService:
         self.answers[status] = self.answers.get(status, 0) + 1
         query = waiter.query
         req_hash = responses.request_hash(waiter.q_bytes)
-        signed_at = self._wall_ms()
-        reply = InferenceReply(
-            request_id=query.request_id,
-            status=content.status,
-            text=content.text,
-            error=content.error,
-            model_id=content.model_id,
-            prompt_tokens=content.prompt_tokens,
-            completion_tokens=content.completion_tokens,
-            request_hash=req_hash,
-            signed_at_ms=signed_at,
-            model_node=self.identity.peer_id,
-            signature=responses.sign_response(
-                self.identity, query.request_id, req_hash, content, signed_at
-            ),
-            finish_reason=content.finish_reason,
-        )
+        if isinstance(command.signed, InferenceReply):
+            reply = command.signed
+        else:
+            signed_at = self._wall_ms()
+            reply = InferenceReply(
+                request_id=query.request_id,
+                status=content.status,
+                text=content.text,
+                error=content.error,
+                model_id=content.model_id,
+                prompt_tokens=content.prompt_tokens,
+                completion_tokens=content.completion_tokens,
+                request_hash=req_hash,
+                signed_at_ms=signed_at,
+                model_node=self.identity.peer_id,
+                signature=responses.sign_response(
+                    self.identity, query.request_id, req_hash, content, signed_at
+                ),
+                finish_reason=content.finish_reason,
+            )
+        if waiter.channel is not None:
+            self._to_channel(waiter.channel, reply)
+            return
         if not query.stream:
             self._send_message(waiter, encode_reply(reply), responses.response_message_id(
                 query.request_id, req_hash
@@ -340,7 +485,11 @@ class ModelNodeService:
         ))
 
     def _send_segment(self, command: SendSegment) -> None:
-        """Send one text segment of a streamed answer through the waiter's reply proxies."""
+        """Send one text segment of a streamed answer through the waiter's reply proxies (or on
+        the forward stream of a request forwarded to us)."""
+        if command.waiter.channel is not None:
+            self._to_channel(command.waiter.channel, command.text)
+            return
         query = command.waiter.query
         req_hash = responses.request_hash(command.waiter.q_bytes)
         segment = ResponseSegment(query.request_id, command.seq, command.offset, command.text)
