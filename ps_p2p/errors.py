@@ -14,6 +14,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │   │                           indices, unknown path ID; costs one stream, never the node
     │   ├── FrameTooLargeError      a length prefix above the protocol's limit
     │   ├── InvalidSignatureError   a record, directory or response whose signature fails
+    │   ├── KVEventDecodeError      a KV-cache event message of the engine (vLLM's ZMQ
+    │   │                           publisher) malformed or over a limit: that message dropped
     │   └── ConsensusError          a proposal, vote, commit, block or transaction of the
     │       │                       verifier committee breaks the consensus or registry rules
     │       ├── InvalidCommitError  not > 2/3 of the voting power signed valid precommits for
@@ -109,6 +111,12 @@ class FrameTooLargeError(RemoteProtocolError):
 
 class InvalidSignatureError(RemoteProtocolError):
     """A signature over a record, directory or response does not verify."""
+
+
+class KVEventDecodeError(RemoteProtocolError):
+    """A KV-cache event message from the engine (vLLM's ZMQ publisher,
+    :mod:`ps_p2p.engines.vllm_kv_events`) is malformed or over a limit: bad frames, not msgpack,
+    a field of the wrong type or range. Costs that message only; it is counted and logged."""
 
 
 class ConsensusError(RemoteProtocolError):

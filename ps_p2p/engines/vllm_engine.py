@@ -65,6 +65,25 @@ Mapping of errors:
   :class:`~ps_p2p.errors.EngineError` naming the server and the cause.
 
 The same mapping applies to an error event inside a stream (its ``code`` is the status).
+
+KV-cache events (optional): with ``kv_events_endpoint`` set, the engine subscribes to the
+server's ZMQ publisher (``vllm serve ... --kv-events-config '{"enable_kv_cache_events": true,
+"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic":
+"kv"}'``) with a :class:`KVEventSubscriber`; wire format, gaps and replay are in
+:mod:`ps_p2p.engines.vllm_kv_events`. The subscriber is a task the owner of the engine runs in
+its nursery, beside the engine's users, and cancels when it stops::
+
+    engine = VLLMEngine(url, model, kv_events_endpoint="tcp://127.0.0.1:5557",
+                        kv_events_replay_endpoint="tcp://127.0.0.1:5558")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.serve_kv_events)   # sockets open and connected
+        ...
+        events = engine.drain_kv_events()              # e.g. once a gossip round
+        nursery.cancel_scope.cancel()
+    await engine.aclose()
+
+:meth:`VLLMEngine.serve_kv_events` returns at once when no endpoint is configured, so a node can
+always start it; :meth:`VLLMEngine.aclose` does not stop it (cancelling its nursery does).
 """
 
 from __future__ import annotations
@@ -77,6 +96,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
+import trio
+import zmq
 
 from ps_p2p.engines.base import (
     FINISH_STOP,
@@ -89,7 +110,27 @@ from ps_p2p.engines.base import (
     check_messages,
     default_chat_prompt,
 )
-from ps_p2p.errors import EngineError, EngineParameterError, PromptTooLongError
+from ps_p2p.engines.kv_events import KVCacheEvent
+from ps_p2p.engines.vllm_kv_events import (
+    DEFAULT_LIMITS,
+    DEFAULT_MAX_BUFFERED_WEIGHT,
+    EventBuffer,
+    EventsDecoded,
+    KVEventLimits,
+    KVEventStats,
+    KVEventStream,
+    MessageRejected,
+    Output,
+    Resynced,
+    endpoint_for_rank,
+    replay_request,
+)
+from ps_p2p.errors import (
+    ConfigError,
+    EngineError,
+    EngineParameterError,
+    PromptTooLongError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +143,8 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 LOGPROB_FLOOR = -9999.0
 #: finish reason of a request the server gave up (vLLM)
 FINISH_ABORT = "abort"
+#: seconds a whole replay of KV-cache events may take before it counts as failed (a resnapshot)
+DEFAULT_REPLAY_TIMEOUT = 10.0
 
 _CONTEXT_ERROR_HINTS = (
     "maximum context length",
@@ -141,6 +184,19 @@ class VLLMEngine(Engine):
         timeout: seconds to wait for each read from the server (default 600 s).
         connect_timeout: seconds to wait for a connection (default 10 s).
         transport: an httpx transport to use instead of TCP (tests).
+        kv_events_endpoint: the server's KV-cache event publisher to connect to, e.g.
+            ``tcp://127.0.0.1:5557`` (the host of vLLM's ``"endpoint": "tcp://*:5557"``); None
+            (default): no KV-cache events, :meth:`drain_kv_events` returns [].
+        kv_events_replay_endpoint: its replay endpoint, e.g. ``tcp://127.0.0.1:5558``; without
+            one, lost batches reset the view instead of being replayed.
+        kv_events_topic: the topic vLLM publishes under (``"topic"`` of its config), matched
+            exactly; None (default) accepts any.
+        kv_events_data_parallel_size: data-parallel ranks of the server; rank r is read at the
+            endpoints' ports + r (default 1).
+
+    Raises:
+        ConfigError: a KV events endpoint that cannot be connected to, a replay endpoint
+            without an endpoint, or a data-parallel size < 1.
     """
 
     def __init__(
@@ -152,6 +208,10 @@ class VLLMEngine(Engine):
         timeout: float = DEFAULT_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         transport: httpx.AsyncBaseTransport | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay_endpoint: str | None = None,
+        kv_events_topic: str | None = None,
+        kv_events_data_parallel_size: int = 1,
     ) -> None:
         base = base_url.rstrip("/")
         if base.endswith("/v1"):
@@ -160,6 +220,17 @@ class VLLMEngine(Engine):
         self.model = model
         self.model_id = model_id or model
         self.max_context = 0
+        if kv_events_endpoint is None and kv_events_replay_endpoint is not None:
+            raise ConfigError("a KV events replay endpoint needs kv_events_endpoint too")
+        #: the KV-cache event subscriber, None without ``kv_events_endpoint``
+        self.kv_events: KVEventSubscriber | None = None
+        if kv_events_endpoint is not None:
+            self.kv_events = KVEventSubscriber(
+                kv_events_endpoint,
+                replay_endpoint=kv_events_replay_endpoint,
+                topic=kv_events_topic,
+                data_parallel_size=kv_events_data_parallel_size,
+            )
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self._client = httpx.AsyncClient(timeout=self._timeout, transport=transport)
         self._special_prefix: list[int] | None = None  # what /tokenize puts before any text
@@ -363,6 +434,34 @@ class VLLMEngine(Engine):
     async def aclose(self) -> None:
         await self._client.aclose()
 
+    # -- KV-cache events ------------------------------------------------------------------
+
+    async def serve_kv_events(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the KV-cache event subscriber until cancelled (start it with ``nursery.start``).
+
+        Returns at once (after ``task_status.started()``) when the engine has no
+        ``kv_events_endpoint``. See :meth:`KVEventSubscriber.serve`.
+        """
+        if self.kv_events is None:
+            task_status.started()
+            return
+        await self.kv_events.serve(task_status=task_status)
+
+    def drain_kv_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events received since the last call, oldest first ([] without a
+        subscriber). A reset (lost batches, a server restart, an undrained backlog) appears as
+        an ``AllBlocksCleared`` at its place in the list."""
+        if self.kv_events is None:
+            return []
+        return self.kv_events.drain()
+
+    @property
+    def kv_block_size(self) -> int | None:
+        """Tokens per KV-cache block, from the last ``BlockStored`` event; None before one."""
+        return None if self.kv_events is None else self.kv_events.block_size
+
     # -- token-level API ------------------------------------------------------------------
 
     async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -546,3 +645,226 @@ def _logprob(value: Any) -> float:
 def _is_context_error(message: str) -> bool:
     lowered = message.lower()
     return any(hint in lowered for hint in _CONTEXT_ERROR_HINTS)
+
+
+# -- KV-cache events: the trio adapter of vllm_kv_events.KVEventStream ------------------------
+
+
+class KVEventSubscriber:
+    """Subscribes to a vLLM server's KV-cache events over ZMQ; buffers them for :meth:`drain`.
+
+    One SUB socket per data-parallel rank, each read by its own task that owns the rank's
+    :class:`~ps_p2p.engines.vllm_kv_events.KVEventStream` (the pure core: seq tracking, replay
+    decisions, decoding); a replay uses a fresh DEALER socket to the rank's replay endpoint and
+    ends at the end marker or after ``replay_timeout`` seconds (then it counts as failed and the
+    view resets). While a rank replays, its live messages wait in the SUB socket's queue (ZMQ's
+    receive high-water mark, 1000 messages; beyond it ZMQ drops them, which the next live batch
+    shows as a gap). Events of all ranks go to one :class:`EventBuffer` in arrival order; a reset
+    of one rank (``AllBlocksCleared``) clears the consumer's whole view, which then under-reports
+    the other ranks' blocks until they are stored again.
+
+    Reading ZMQ from trio: each socket is used non-blocking (``zmq.NOBLOCK``) and the task waits
+    with ``trio.lowlevel.wait_readable`` on the socket's ``zmq.FD``. That descriptor is
+    edge-triggered and only says "``zmq.EVENTS`` may have changed", so :func:`zmq_recv_multipart`
+    checks ``zmq.EVENTS`` before every wait and reads every queued message before waiting again.
+    No thread is involved, and cancellation is immediate (no blocking ``recv`` with a poll
+    timeout in a worker thread).
+
+    Args:
+        endpoint: the publisher to connect to, ``tcp://HOST:PORT`` (rank r at PORT + r).
+        replay_endpoint: its replay ROUTER (rank r at its port + r); None: no replay.
+        topic: the topic expected exactly (the SUB subscribes to it); None: any.
+        data_parallel_size: ranks to subscribe to, >= 1.
+        replay_timeout: seconds a whole replay may take.
+        limits: see :class:`~ps_p2p.engines.vllm_kv_events.KVEventLimits`.
+        max_buffered_weight: bound of the undrained events (see :class:`EventBuffer`).
+
+    Raises:
+        ConfigError: an endpoint that cannot be connected to, or ``data_parallel_size`` < 1.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str | None = None,
+        data_parallel_size: int = 1,
+        replay_timeout: float = DEFAULT_REPLAY_TIMEOUT,
+        limits: KVEventLimits = DEFAULT_LIMITS,
+        max_buffered_weight: int = DEFAULT_MAX_BUFFERED_WEIGHT,
+    ) -> None:
+        if data_parallel_size < 1:
+            raise ConfigError(f"data-parallel size must be >= 1, not {data_parallel_size}")
+        ranks = range(data_parallel_size)
+        self.endpoints = [endpoint_for_rank(endpoint, rank) for rank in ranks]
+        self.replay_endpoints = (
+            None if replay_endpoint is None
+            else [endpoint_for_rank(replay_endpoint, rank) for rank in ranks]
+        )
+        topic_bytes = None if topic is None else topic.encode("utf-8")
+        self._topic = topic_bytes
+        self._streams = [
+            KVEventStream(
+                topic=topic_bytes, rank=rank, replay=replay_endpoint is not None, limits=limits
+            )
+            for rank in ranks
+        ]
+        self._limits = limits
+        self._replay_timeout = replay_timeout
+        self._buffer = EventBuffer(max_buffered_weight)
+        self._changed = trio.Event()
+        self._warned_types: set[str] = set()
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per block from the last ``BlockStored`` of any rank; None before one."""
+        sizes = [s.block_size for s in self._streams if s.block_size is not None]
+        return sizes[-1] if sizes else None
+
+    @property
+    def stats(self) -> KVEventStats:
+        """The counters of all ranks, summed (a copy)."""
+        total = KVEventStats()
+        for stream in self._streams:
+            total.add(stream.stats)
+        return total
+
+    @property
+    def overflows(self) -> int:
+        """Times the undrained events exceeded their bound and were replaced by a reset."""
+        return self._buffer.overflows
+
+    def drain(self) -> list[KVCacheEvent]:
+        """All events received and not drained yet, oldest first."""
+        return self._buffer.drain()
+
+    async def wait_changed(self) -> None:
+        """Wait until the next message (live or replayed) or replay failure was handled,
+        whatever came of it; for callers waiting on a condition of :attr:`stats` or the
+        buffer."""
+        await self._changed.wait()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Connect to every rank, then read until cancelled.
+
+        ``task_status.started()`` comes once the sockets are connecting (ZMQ connects in the
+        background and reconnects by itself; a subscription takes effect some milliseconds
+        later, and messages published before it are lost to us and recovered by a replay). At
+        start, each rank asks for a replay from seq 0 (when a replay endpoint is configured),
+        which brings what the server still buffers of its past.
+
+        Raises:
+            EngineError: a ZMQ socket failed (not a bad message: those are dropped and
+                counted); from a rank's task, inside trio's exception group.
+        """
+        context = zmq.Context()
+        sockets: list[zmq.Socket[bytes]] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                for rank, stream in enumerate(self._streams):
+                    sub = self._socket(context, zmq.SUB)
+                    sockets.append(sub)
+                    try:
+                        sub.setsockopt(zmq.SUBSCRIBE, self._topic or b"")
+                        sub.connect(self.endpoints[rank])
+                    except zmq.ZMQError as exc:
+                        raise EngineError(f"KV events {self.endpoints[rank]}: {exc}") from exc
+                    nursery.start_soon(self._serve_rank, context, rank, stream, sub)
+                task_status.started()
+        finally:
+            for sock in sockets:
+                _close(sock)
+            context.destroy(linger=0)
+
+    def _socket(self, context: zmq.Context[zmq.Socket[bytes]], kind: int) -> zmq.Socket[bytes]:
+        sock = context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        # a larger frame drops the connection before it is read (ZMQ checks it per frame)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_payload_bytes)
+        return sock
+
+    async def _serve_rank(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        rank: int,
+        stream: KVEventStream,
+        sub: zmq.Socket[bytes],
+    ) -> None:
+        self._handle(rank, stream.start())
+        while True:
+            if stream.replaying:
+                await self._replay(context, rank, stream)
+                continue
+            try:
+                frames = await zmq_recv_multipart(sub)
+            except zmq.ZMQError as exc:
+                raise EngineError(f"KV events {self.endpoints[rank]}: {exc}") from exc
+            self._handle(rank, stream.receive_live(frames))
+
+    async def _replay(
+        self, context: zmq.Context[zmq.Socket[bytes]], rank: int, stream: KVEventStream
+    ) -> None:
+        assert self.replay_endpoints is not None
+        endpoint = self.replay_endpoints[rank]
+        log.debug("KV events rank %d: replay from seq %d at %s", rank, stream.next_seq, endpoint)
+        dealer = self._socket(context, zmq.DEALER)
+        try:
+            dealer.connect(endpoint)
+            # a connecting DEALER queues the request until the connection is up
+            dealer.send_multipart(replay_request(stream.next_seq), zmq.NOBLOCK)
+            with trio.move_on_after(self._replay_timeout):
+                while stream.replaying:
+                    self._handle(rank, stream.receive_replay(await zmq_recv_multipart(dealer)))
+                return
+            reason = f"no end marker from {endpoint} within {self._replay_timeout:g} s"
+        except zmq.ZMQError as exc:
+            reason = f"{endpoint}: {exc}"
+        finally:
+            _close(dealer)
+        self._handle(rank, stream.replay_failed(reason))
+
+    def _handle(self, rank: int, outputs: list[Output]) -> None:
+        for out in outputs:
+            if isinstance(out, EventsDecoded):
+                self._buffer.extend(out.events)
+                for kind in out.skipped_types:
+                    if kind not in self._warned_types and len(self._warned_types) < 64:
+                        self._warned_types.add(kind)
+                        log.warning("KV events rank %d: skipping events of unknown type %r "
+                                    "(counted in stats.skipped_events)", rank, kind)
+            elif isinstance(out, Resynced):
+                log.warning("KV events rank %d: view reset (%s): %s", rank, out.reason, out.detail)
+            elif isinstance(out, MessageRejected):
+                log.warning("KV events rank %d: dropped message (seq %s): %s", rank, out.seq,
+                            out.error)
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+
+
+async def zmq_recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """Receive one multipart message from a pyzmq socket without blocking trio.
+
+    Checks ``zmq.EVENTS`` before each wait on the socket's (edge-triggered) ``zmq.FD``, so a
+    message already queued is never left waiting for a wake-up that will not come. A
+    cancellation point before a message is taken; never cancelled after one is taken (nothing
+    is lost to a cancellation). One task per socket.
+    """
+    fd = sock.getsockopt(zmq.FD)
+    await trio.lowlevel.checkpoint_if_cancelled()
+    while True:
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return frames
+        await trio.lowlevel.wait_readable(fd)
+
+
+def _close(sock: zmq.Socket[bytes]) -> None:
+    if not sock.closed:
+        trio.lowlevel.notify_closing(sock.getsockopt(zmq.FD))
+        sock.close(linger=0)
