@@ -54,7 +54,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ps_p2p.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from ps_p2p.engines.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from ps_p2p.errors import ConfigError, EngineParameterError
 
 __all__ = [
