@@ -108,14 +108,14 @@ class SimEngine(Engine):
                 vocabulary (:data:`~ps_p2p.engines.sim_cost.MAX_TOKEN_ID`).
         """
         self._check_open()
-        ids = self._check_ids(prompt_ids)
-        if not ids:
+        if not prompt_ids:
             raise EngineError("the sim engine needs at least one prompt token")
-        if len(ids) + params.max_tokens > self.max_context:
+        if len(prompt_ids) + params.max_tokens > self.max_context:  # first: bounds the work below
             raise PromptTooLongError(
-                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds the context "
-                f"of {self.max_context} tokens of {self.model_id}"
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+                f"context of {self.max_context} tokens of {self.model_id}"
             )
+        ids = self._check_ids(prompt_ids)
         seed = 0 if params.greedy or params.seed is None else params.seed
         pieces = sim_cost.dummy_text(ids, params.max_tokens, seed)
         self.waiting += 1
