@@ -110,8 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--home", metavar="DIR", help="keys and state of this node (default "
                                                    "<user data dir>/ps_p2p/<name>)")
     run.add_argument("--model", help="model role: HF folder or .gguf (transformers), "
-                                     "or the served model name (vllm)")
-    run.add_argument("--engine", choices=["transformers", "vllm"], help="default transformers")
+                                     "the served model name (vllm), or any name (sim)")
+    run.add_argument("--engine", choices=["transformers", "vllm", "sim"],
+                     help="default transformers; sim: no model, a GPU's modelled latencies and "
+                          "dummy text (parameters: the config's [sim] table)")
     run.add_argument("--vllm-url", help="vllm serve base URL (default http://127.0.0.1:8000)")
     run.add_argument("--device", help="transformers device: cpu, cuda, cuda:1 (default cpu)")
     run.add_argument("--model-id", help="model ID announced (default: the model folder name)")
@@ -135,9 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     devnet = sub.add_parser("devnet", help="run a local network of OS processes and send prompts through it")
     devnet.add_argument("--model", help="model for the model nodes (HF folder or .gguf; "
                                         "default ../shared/models/stories260K if present)")
-    devnet.add_argument("--engine", choices=["transformers", "instant"], default="transformers",
-                        help="model nodes' engine: transformers (loads --model) or instant "
-                             "(a fake that answers at once, to measure the overlay; no --model)")
+    devnet.add_argument("--engine", choices=["transformers", "instant", "sim"],
+                        default="transformers",
+                        help="model nodes' engine: transformers (loads --model), instant "
+                             "(a fake that answers at once, to measure the overlay; no --model) "
+                             "or sim (no model: an 8B model's modelled latencies on one GPU, "
+                             "with a prefix cache; no --model)")
     devnet.add_argument("--prompts",
                         help="prompts: a text file (one per line) or ../shared/data JSON/JSONL "
                              "(default ../shared/data/mtbench/question.jsonl if present)")
@@ -348,6 +353,7 @@ def make_engine(config):  # type: ignore[no-untyped-def]
         device=config.device,
         base_url=config.vllm_url,
         model_id=config.model_id,
+        sim=config.sim,
     )
 
 

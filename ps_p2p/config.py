@@ -1,7 +1,7 @@
 """Node configuration: defaults, a TOML file, then command-line overrides.
 
 Times are in seconds, sizes in bytes. A TOML file holds the same keys as :class:`NodeConfig`
-(``[user]`` and ``[model_node]`` tables for the nested settings), e.g.::
+(``[user]``, ``[model_node]`` and ``[sim]`` tables for the nested settings), e.g.::
 
     roles = ["user"]
     listen = "/ip4/0.0.0.0/tcp/4001"
@@ -28,6 +28,7 @@ from typing import Any
 import multiaddr
 
 from ps_p2p.crypto import onion, sida
+from ps_p2p.engines.sim_cost import SimParams
 from ps_p2p.errors import ConfigError
 from ps_p2p.overlay.path_pool import PoolConfig
 from ps_p2p.overlay.requests import RequestConfig
@@ -122,7 +123,7 @@ class UserConfig:
 
 
 ROLES = ("user", "model", "verifier")
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "sim")
 SECONDS = 1.0
 MINUTES = 60 * SECONDS
 
@@ -158,8 +159,11 @@ class NodeConfig:
         home: keys and state (:mod:`ps_p2p.home`); default ``<user data dir>/ps_p2p/<name>``.
         key_file: identity + onion key file, created on first run; default ``<home>/node.key``.
         organization: shown in the node record.
-        model: model path (HF folder or .gguf) or, with engine "vllm", the served model name.
+        model: model path (HF folder or .gguf) or, with engine "vllm", the served model name;
+            with engine "sim", only a name (no weights are loaded).
         engine, vllm_url, device, model_id: inference engine settings (model role).
+        sim: the parameters of engine "sim" (table ``[sim]``: cost model, batch, prefix cache;
+            :class:`~ps_p2p.engines.sim_cost.SimParams`).
         register_interval: seconds between re-registrations with the verifiers.
         record_lifetime: seconds a node record stays valid.
         directory_refresh: seconds between directory fetches.
@@ -203,6 +207,7 @@ class NodeConfig:
     drain_timeout: float = 30 * SECONDS
     user: UserConfig = field(default_factory=UserConfig)
     model_node: ModelNodeConfig = field(default_factory=ModelNodeConfig)
+    sim: SimParams = field(default_factory=SimParams)
 
     def validate(self) -> None:
         """Raise ConfigError on an impossible combination."""
@@ -214,7 +219,8 @@ class NodeConfig:
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; choose from {', '.join(ENGINES)}")
         if "model" in self.roles and not self.model:
-            raise ConfigError("the model role needs --model PATH (or the served name with --engine vllm)")
+            raise ConfigError("the model role needs --model PATH (or the served name with "
+                              "--engine vllm, any name with --engine sim)")
         if not (isinstance(self.block_interval, (int, float))
                 and 0 < self.block_interval < math.inf):
             raise ConfigError(f"block_interval must be > 0 seconds, not {self.block_interval!r}")
@@ -344,7 +350,7 @@ def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
     return host, int(port)
 
 
-_NESTED = {"user": UserConfig, "model_node": ModelNodeConfig}
+_NESTED = {"user": UserConfig, "model_node": ModelNodeConfig, "sim": SimParams}
 
 
 def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:

@@ -61,7 +61,9 @@ model nodes and users run with that genesis and trust only directories committed
 2/3 of them (docs/consensus.md, "Nodes and the committee"). One verifier is a committee of one.
 
 Engines: ``transformers`` loads ``model`` in every model node; ``instant`` answers at once with
-:class:`~ps_p2p.testing.fakes.InstantEngine` (no model load), to measure the overlay itself.
+:class:`~ps_p2p.testing.fakes.InstantEngine` (no model load), to measure the overlay itself;
+``sim`` spends a modelled GPU's time with a prefix cache (:mod:`ps_p2p.engines.sim_engine`,
+default parameters), no model load either.
 
 Use it from another trio program (``benchmarks/bench_devnet.py`` does)::
 
@@ -99,7 +101,7 @@ log = logging.getLogger(__name__)
 
 #: Prompt files are capped: a devnet is for a look at the system, not a load test.
 MAX_PROMPTS = 10_000
-ENGINES = ("transformers", "instant")
+ENGINES = ("transformers", "instant", "sim")
 PERTURBATIONS = ("none", "kill-relay", "tamper-clove", "kill-verifier", "byzantine-verifier")
 #: ready paths a user needs before the network counts as ready (n, the cloves per request)
 READY_PATHS = 4
@@ -173,7 +175,8 @@ class DevnetOptions:
     Attributes:
         model: model folder or ``.gguf`` of the model nodes (engine ``transformers`` only).
         prompts: prompt file (see :func:`load_prompts`); :func:`run_devnet` only.
-        engine: ``transformers`` or ``instant`` (fake engine, answers at once).
+        engine: ``transformers``, ``instant`` (fake engine, answers at once) or ``sim``
+            (modelled latencies, :mod:`ps_p2p.engines.sim_engine`).
         nodes_per_process: nodes per worker process (>= 1).
         start_timeout: seconds until the network must be ready; None:
             :func:`default_start_timeout`.
@@ -1223,7 +1226,7 @@ class _WorkerProcess:
                 model = None
                 if spec["role"] == "model":
                     engine = await self._engine(setup)
-                    model = setup.get("model") or "instant"
+                    model = setup.get("model") or setup.get("engine") or "instant"
                 config = NodeConfig(
                     roles=[spec["role"]], bootstrap=spec["bootstrap"], key_file=spec["key_file"],
                     model=model, tamper=bool(spec.get("tamper")), genesis=spec.get("genesis"),
@@ -1252,6 +1255,10 @@ class _WorkerProcess:
             from ps_p2p.testing.fakes import InstantEngine
 
             return InstantEngine("instant")
+        if setup.get("engine") == "sim":
+            from ps_p2p.engines.sim_engine import SimEngine
+
+            return SimEngine("sim")
         from ps_p2p.engines import load_engine
 
         return await trio.to_thread.run_sync(

@@ -1,4 +1,5 @@
-"""Inference engines of model nodes: one interface, in-process transformers or a vLLM server.
+"""Inference engines of model nodes: one interface, in-process transformers, a vLLM server, or
+a simulated GPU.
 
 Public face::
 
@@ -8,8 +9,10 @@ Public face::
     completion = await engine.complete("Once upon a time", SamplingParams(max_tokens=32))
     scores = await engine.score("Once upon a time", completion.text)   # scores.perplexity
 
-See :mod:`ps_p2p.engines.base` for the interface, :mod:`ps_p2p.engines.transformers_engine` and
-:mod:`ps_p2p.engines.vllm_engine` for the two implementations.
+See :mod:`ps_p2p.engines.base` for the interface, :mod:`ps_p2p.engines.transformers_engine`,
+:mod:`ps_p2p.engines.vllm_engine` and :mod:`ps_p2p.engines.sim_engine` (no model: a cost model's
+latencies and dummy text) for the implementations, :mod:`ps_p2p.engines.prefix_cache` for the
+prefix-cache index whose KV-cache events (:mod:`ps_p2p.engines.kv_events`) engines report.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import pathlib
 
 from ps_p2p.engines.base import Completion, Engine, SamplingParams, StreamChunk, TokenScores
+from ps_p2p.engines.sim_cost import SimParams
 from ps_p2p.errors import ConfigError, EngineError
 
 __all__ = [
@@ -24,13 +28,14 @@ __all__ = [
     "Completion",
     "Engine",
     "SamplingParams",
+    "SimParams",
     "StreamChunk",
     "TokenScores",
     "default_model_id",
     "load_engine",
 ]
 
-ENGINE_KINDS = ("transformers", "vllm")
+ENGINE_KINDS = ("transformers", "vllm", "sim")
 
 
 def default_model_id(model: str) -> str:
@@ -53,17 +58,23 @@ def load_engine(
     device: str = "cpu",
     base_url: str = "http://127.0.0.1:8000",
     model_id: str | None = None,
+    prefix_cache_blocks: int | None = None,
+    sim: SimParams | None = None,
 ) -> Engine:
     """A ready engine (blocking: loading a model takes seconds to minutes).
 
     Args:
         kind: ``"transformers"`` (``model`` is a local model folder or ``.gguf`` file, run on
-            ``device``) or ``"vllm"`` (``model`` is the name the vLLM server at ``base_url``
-            serves; the server is asked for its context window now).
+            ``device``), ``"vllm"`` (``model`` is the name the vLLM server at ``base_url``
+            serves; the server is asked for its context window now) or ``"sim"`` (``model`` is
+            only a name: no weights; :mod:`ps_p2p.engines.sim_engine`).
         model: see ``kind``.
         device: torch device of the transformers engine (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         base_url: the vLLM server.
         model_id: announced model ID; defaults to :func:`default_model_id` of ``model``.
+        prefix_cache_blocks: transformers: blocks of its prefix cache (0: none); None: the
+            engine's default.
+        sim: sim: its parameters; None: :class:`SimParams` defaults.
 
     Raises:
         ConfigError: unknown ``kind``; no ``model``; for transformers, no file or folder at
@@ -87,7 +98,13 @@ def load_engine(
                 f"the transformers engine needs torch and transformers "
                 f"(pip install 'ps_p2p[transformers]'): {exc}"
             ) from exc
-        return TransformersEngine.load(path, device=device, model_id=model_id)
+        options = {} if prefix_cache_blocks is None else {"prefix_cache_blocks": prefix_cache_blocks}
+        return TransformersEngine.load(path, device=device, model_id=model_id, **options)
+
+    if kind == "sim":
+        from ps_p2p.engines.sim_engine import SimEngine
+
+        return SimEngine(model_id, sim)
 
     from ps_p2p.engines.vllm_engine import VLLMEngine
 

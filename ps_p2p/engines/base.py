@@ -22,6 +22,11 @@ prompt that leaves no room: see :mod:`~ps_p2p.engines.vllm_engine`);
 refuses whatever the prompt, such as ``max_tokens`` above the whole context window;
 :class:`~ps_p2p.errors.EngineError` for every other failure of the engine.
 
+KV-cache state: an engine with a prefix cache reports which prompt-prefix blocks it holds as
+KV-cache events (:mod:`ps_p2p.engines.kv_events`), drained with :meth:`Engine.drain_kv_events`,
+for the model node's HR-tree (PlanetServe sec. 3.3); :attr:`Engine.kv_block_size` is then its
+tokens per block. The defaults here say "no prefix cache".
+
 Chats: :meth:`Engine.chat_prompt` turns :class:`ChatMessage` lists into a prompt with the model's
 chat template, or :func:`default_chat_prompt` for a model without one.
 """
@@ -34,6 +39,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from ps_p2p.engines.kv_events import KVCacheEvent
 from ps_p2p.errors import EngineError
 from ps_p2p.inference import ChatMessage  # noqa: F401  (re-exported: engines render chats)
 
@@ -345,6 +351,24 @@ class Engine(abc.ABC):
         fake vLLM server reads it to answer chat requests as a server without a template would.
         """
         return None
+
+    # -- optional KV-cache state -----------------------------------------------------------
+
+    @property
+    def kv_block_size(self) -> int | None:
+        """Tokens per block of this engine's prefix cache; None when it has none (this default)."""
+        return None
+
+    def drain_kv_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call, oldest first; [] when there are none.
+
+        Applied in order to an empty view, the events of all calls since the engine started give
+        the blocks its prefix cache holds now (an engine whose event buffer overflowed sends
+        ``AllBlocksCleared`` and its whole contents again: :mod:`~ps_p2p.engines.prefix_cache`).
+        Non-blocking; safe to call from the trio thread while requests run. This default: an
+        engine without a prefix cache, always [].
+        """
+        return []
 
     # -- optional token-level API ---------------------------------------------------------
 

@@ -13,7 +13,18 @@ tokenizer files; local files only, never the hub) or a single ``.gguf`` file, an
   their leading spaces and never split a multi-byte character;
 * :meth:`~TransformersEngine.score` is one forward pass over prompt + continuation tokens;
 * :meth:`~TransformersEngine.chat_prompt` renders the tokenizer's chat template (or the default
-  chat prompt when it has none).
+  chat prompt when it has none);
+* a prefix cache (:mod:`~ps_p2p.engines.prefix_cache`) keeps the key/value tensors of recent
+  prompts' full blocks of ``block_size`` tokens: a prompt that starts with cached blocks reuses
+  their key/values and prefills only the rest (at least its last token, whose logits pick the
+  first generated token), then caches its own new full blocks. Each block's payload is, per
+  layer, the ``(key, value)`` slices of its positions (``[1, kv_heads, block_size, head_dim]``
+  each, on the model's device): ``2 * layers * kv_heads * head_dim * block_size`` numbers a block
+  (stories260K, float32: 10 KiB; an 8B Llama in float16: 2 MiB). The cache changes are reported
+  as KV-cache events (:meth:`~TransformersEngine.drain_kv_events`). Only prompt tokens are cached,
+  not generated ones; :meth:`~TransformersEngine.score` does not use the cache (as vLLM skips it
+  for ``prompt_logprobs``). Models whose cache is not a plain per-layer key/value cache (sliding
+  windows, linear attention) run without it.
 
 Cancellation: a cancelled stream stops before its next token; a cancelled ``complete`` sets a
 flag that the worker thread checks between tokens, and is waited for (at most one token).
@@ -59,6 +70,8 @@ from ps_p2p.engines.base import (  # noqa: E402
     check_messages,
     default_chat_prompt,
 )
+from ps_p2p.engines.kv_events import KVCacheEvent  # noqa: E402
+from ps_p2p.engines.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCacheIndex  # noqa: E402
 from ps_p2p.errors import EngineError, PromptTooLongError  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -71,6 +84,11 @@ DETOKENIZE_CONTEXT_TOKENS = 5
 SCORE_CHUNK_POSITIONS = 512
 #: the context window assumed when a model's config names none
 DEFAULT_CONTEXT = 2048
+#: blocks the prefix cache holds by default (4,096 tokens of 16; an 8B Llama in float16: 512 MiB)
+DEFAULT_PREFIX_CACHE_BLOCKS = 256
+
+#: one block's payload: per layer, (key, value) of the block's positions
+_BlockKV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 _CONTEXT_KEYS = (
     "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
@@ -85,14 +103,30 @@ class TransformersEngine(Engine):
         tokenizer: its tokenizer (a fast tokenizer).
         model_id: announced model ID.
         max_context: context window in tokens (prompt + generated).
+        prefix_cache_blocks: blocks of the prefix cache (module docstring), >= 0; 0 disables it.
+        block_size: tokens per cached block.
 
     Attributes:
         model, tokenizer: the loaded model and tokenizer (tests compare against them).
         device: the torch device the model runs on.
         tokens_generated: tokens generated since loading (all requests).
+        prompt_tokens_prefilled: prompt tokens run through the model since loading.
+        prompt_tokens_cached: prompt tokens whose key/values came from the prefix cache instead.
+
+    Raises:
+        ConfigError: ``prefix_cache_blocks`` or ``block_size`` out of range.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, model_id: str, max_context: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_id: str,
+        max_context: int,
+        prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -101,8 +135,22 @@ class TransformersEngine(Engine):
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.tokens_generated = 0
+        self.prompt_tokens_prefilled = 0
+        self.prompt_tokens_cached = 0
         self._lock = trio.Lock()
         self._closed = False
+        if prefix_cache_blocks and not _plain_kv_cache(model):
+            log.warning(
+                "%s: the model's KV cache is not a plain per-layer key/value cache; "
+                "running without a prefix cache", model_id,
+            )
+            prefix_cache_blocks = 0
+        # the index is touched by the worker thread (lookup, store) and by the trio thread
+        # (drain, clear): every use holds _cache_lock, briefly
+        self._cache_lock = threading.Lock()
+        self._prefix: PrefixCacheIndex[_BlockKV] = PrefixCacheIndex(
+            prefix_cache_blocks, block_size
+        )
         try:
             params = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
@@ -120,6 +168,8 @@ class TransformersEngine(Engine):
         model_id: str | None = None,
         dtype: str | torch.dtype | None = None,
         cpu_threads: int | None = None,
+        prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> TransformersEngine:
         """Load a model folder or ``.gguf`` file onto ``device`` (blocking: seconds to minutes).
 
@@ -134,9 +184,12 @@ class TransformersEngine(Engine):
                 otherwise: the node's own event loop (relaying, signing, S-IDA) needs a core,
                 and torch's threads spinning on every core slowed streamed answers 40-fold on a
                 2-core machine (benchmarks/README.md, "API").
+            prefix_cache_blocks: blocks of the prefix cache (0: none); see the module docstring.
+            block_size: tokens per cached block.
 
         Raises:
             EngineError: no model at ``path``, unknown or unavailable device, or loading failed.
+            ConfigError: ``prefix_cache_blocks`` or ``block_size`` out of range.
         """
         p = pathlib.Path(path)
         torch_device = _torch_device(device)
@@ -167,6 +220,8 @@ class TransformersEngine(Engine):
             tokenizer,
             model_id=model_id or default_id,
             max_context=_context_window(model.config),
+            prefix_cache_blocks=prefix_cache_blocks,
+            block_size=block_size,
         )
         log.info(
             "loaded %s from %s on %s (%d parameters, context %d)",
@@ -183,9 +238,13 @@ class TransformersEngine(Engine):
         device: str = "cpu",
         model_id: str | None = None,
         dtype: str | torch.dtype | None = None,
+        prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
     ) -> TransformersEngine:
         """:meth:`load` in a worker thread, so the trio loop keeps running meanwhile."""
-        load = functools.partial(cls.load, path, device=device, model_id=model_id, dtype=dtype)
+        load = functools.partial(
+            cls.load, path, device=device, model_id=model_id, dtype=dtype,
+            prefix_cache_blocks=prefix_cache_blocks,
+        )
         return await trio.to_thread.run_sync(load)
 
     # -- text-level API -------------------------------------------------------------------
@@ -319,15 +378,76 @@ class TransformersEngine(Engine):
         return text
 
     async def aclose(self) -> None:
-        """Free the model (waits for a forward pass in progress); later calls raise EngineError."""
+        """Free the model and the prefix cache (waits for a forward pass in progress); later
+        calls raise EngineError. The cache's ``AllBlocksCleared`` can still be drained."""
         if self._closed:
             return
         async with self._lock:
             self._closed = True
             on_cuda = self.device.type == "cuda"
             self.model = None
+            self.reset_prefix_cache()
             if on_cuda:
                 torch.cuda.empty_cache()
+
+    # -- prefix cache ---------------------------------------------------------------------
+
+    @property
+    def kv_block_size(self) -> int | None:
+        """Tokens per prefix-cache block; None when the cache is disabled."""
+        return self._prefix.block_size if self._prefix.capacity else None
+
+    @property
+    def prefix_cache_blocks(self) -> int:
+        """Capacity of the prefix cache in blocks (0: disabled)."""
+        return self._prefix.capacity
+
+    def drain_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's events since the last call (see :meth:`Engine.drain_kv_events`
+        and :mod:`~ps_p2p.engines.prefix_cache`); safe while a generation runs."""
+        with self._cache_lock:
+            return self._prefix.drain_events()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block (emits ``AllBlocksCleared``); generations in progress keep
+        their own key/values."""
+        with self._cache_lock:
+            self._prefix.clear()
+
+    def _cached_prefix(self, prompt_ids: list[int]) -> tuple[Any, int]:
+        """``(past_key_values, cached tokens)`` of the longest cached block prefix of the prompt,
+        leaving at least its last token to compute; ``(None, 0)`` on a miss. Worker thread."""
+        if not self._prefix.capacity:
+            return None, 0
+        with self._cache_lock:
+            match = self._prefix.lookup(
+                prompt_ids, max_blocks=(len(prompt_ids) - 1) // self._prefix.block_size
+            )
+        if not match.blocks:
+            return None, 0
+        layers = [
+            (
+                torch.cat([block[i][0] for block in match.payloads], dim=-2),
+                torch.cat([block[i][1] for block in match.payloads], dim=-2),
+            )
+            for i in range(len(match.payloads[0]))
+        ]
+        return _cache_from_layers(self.model, layers), match.tokens
+
+    def _store_prefix(self, prompt_ids: list[int], past: Any) -> None:
+        """Cache the prompt's full blocks from the key/values after its prefill. Worker thread."""
+        size = self._prefix.block_size
+        if not self._prefix.capacity or len(prompt_ids) < size:
+            return
+        layers = _cache_layers(past)
+
+        def payload(i: int) -> _BlockKV:
+            lo, hi = i * size, (i + 1) * size
+            # clones: a view would keep the whole prompt's tensors alive
+            return tuple((k[..., lo:hi, :].clone(), v[..., lo:hi, :].clone()) for k, v in layers)
+
+        with self._cache_lock:
+            self._prefix.store(prompt_ids, payload)
 
     # -- token-level API ------------------------------------------------------------------
 
@@ -472,8 +592,12 @@ class _Generation:
         self.params = params
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self._prompt_ids = prompt_ids
         self._pending: list[int] = prompt_ids  # tokens the next forward pass reads
         self._past: Any = None
+        self._prefilled = False
+        #: logits of the last position of the last forward pass (None before the first)
+        self.last_logits: torch.Tensor | None = None
         self._detokenizer = _Detokenizer(engine.tokenizer, prompt_ids[-DETOKENIZE_CONTEXT_TOKENS:])
         self._generator: torch.Generator | None = None
         if not params.greedy:
@@ -485,13 +609,24 @@ class _Generation:
 
     def step(self) -> str:
         """One forward pass and one token; returns the new text (may be "")."""
-        model = self.engine.model
+        engine = self.engine
+        model = engine.model
         assert model is not None and self.finish_reason is None
-        input_ids = torch.tensor([self._pending], device=self.engine.device)
+        prefill = not self._prefilled
         with torch.inference_mode():
+            if prefill:
+                self._past, cached = engine._cached_prefix(self._prompt_ids)
+                self._pending = self._prompt_ids[cached:]
+                engine.prompt_tokens_cached += cached
+                engine.prompt_tokens_prefilled += len(self._pending)
+            input_ids = torch.tensor([self._pending], device=engine.device)
             out = model(input_ids=input_ids, past_key_values=self._past, use_cache=True)
             self._past = out.past_key_values
-            token = self._pick(out.logits[0, -1])
+            if prefill:
+                self._prefilled = True
+                engine._store_prefix(self._prompt_ids, self._past)
+            self.last_logits = out.logits[0, -1]
+            token = self._pick(self.last_logits)
         if token in self.engine.eos_token_ids:
             self.finish_reason = FINISH_STOP
             return self._detokenizer.flush()
@@ -563,6 +698,46 @@ class _Detokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+
+
+# -- KV caches ------------------------------------------------------------------------------
+
+
+def _plain_kv_cache(model: Any) -> bool:
+    """True when the model's KV cache is one growing (key, value) pair per layer, which the
+    prefix cache can cut into blocks and join again."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # transformers 4.x: no per-layer types; refuse sliding windows
+        return getattr(model.config, "sliding_window", None) is None
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return getattr(model.config, "sliding_window", None) is None
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _cache_layers(past: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the ``(key, value)`` tensors ``[batch, kv_heads, positions, head_dim]``."""
+    layers = getattr(past, "layers", None)
+    if layers is not None:  # transformers >= 4.56
+        return [(layer.keys, layer.values) for layer in layers]
+    if hasattr(past, "key_cache"):
+        return list(zip(past.key_cache, past.value_cache))
+    return [(k, v) for k, v in past]  # legacy tuple of tuples
+
+
+def _cache_from_layers(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A ``DynamicCache`` holding ``layers`` (see :func:`_cache_layers`), for ``model``."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(ddp_cache_data=layers, config=model.config)
+    except TypeError:  # transformers 4.x
+        return DynamicCache.from_legacy_cache(tuple(layers))
 
 
 # -- loading --------------------------------------------------------------------------------
