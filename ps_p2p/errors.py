@@ -14,6 +14,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │   │                           indices, unknown path ID; costs one stream, never the node
     │   ├── FrameTooLargeError      a length prefix above the protocol's limit
     │   ├── InvalidSignatureError   a record, directory or response whose signature fails
+    │   ├── SubtreeSyncError        an HR-subtree delta or snapshot that is malformed, over its
+    │   │                           limits, or for another chunk-length version
     │   └── ConsensusError          a proposal, vote, commit, block or transaction of the
     │       │                       verifier committee breaks the consensus or registry rules
     │       ├── InvalidCommitError  not > 2/3 of the voting power signed valid precommits for
@@ -24,6 +26,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │       │                       mempool (a cap, not a fault of the transaction itself)
     │       └── InvalidDirectoryError  (also a DirectoryError) directory deltas that do not
     │                               rebuild the committed app hash
+    ├── HRTreeFullError             an HR-tree insert over the entries or peers allowed
+    │                               (per peer or in total): refused, the tree unchanged
     ├── DecodeError                 S-IDA: no k-subset of the cloves decodes (tampered/too few)
     ├── CryptoError                 onion layer or AEAD check failed
     ├── DirectoryError              no valid, unexpired directory; not enough nodes to build paths
@@ -108,6 +112,12 @@ class InvalidSignatureError(RemoteProtocolError):
     """A signature over a record, directory or response does not verify."""
 
 
+class SubtreeSyncError(RemoteProtocolError):
+    """A peer's HR-subtree delta or snapshot (:mod:`ps_p2p.gossip.hr_tree`) is malformed,
+    oversized, non-canonical, or for another chunk-length (L) version: refused, the peer's
+    replica unchanged."""
+
+
 class ConsensusError(RemoteProtocolError):
     """A proposal, vote, commit, block or registry transaction breaks the rules of the verifier
     committee (:mod:`ps_p2p.consensus`). Raised on what a peer sent: costs that message."""
@@ -130,6 +140,11 @@ class InvalidTransactionError(ConsensusError):
 class AdmissionError(InvalidTransactionError):
     """A well-formed transaction refused by the committed admission policy (per-network,
     per-organization or per-block caps against sybils) or by a full mempool."""
+
+
+class HRTreeFullError(PsError):
+    """An HR-tree insert would exceed the entries allowed for one peer or in total, or the
+    peers a tree tracks (:class:`ps_p2p.gossip.hr_tree.HRTree`): refused, the tree unchanged."""
 
 
 class DecodeError(PsError):
