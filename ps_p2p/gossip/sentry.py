@@ -10,13 +10,15 @@ The Sentry proposes L from the prompts a node serves (Appendix A3):
 1. **Detect S**, the lengths of the distinct common prefixes (system prompts, tool schemas,
    shared documents) of a sample of prompts (:func:`common_prefix_lengths`). The sample is sorted
    (token-wise lexicographic order), so prompts that share a prefix are neighbours, and is walked
-   as a compressed token trie: every trie node is a range of the sorted sample and the length of
-   the range's longest common prefix. A node's length is a common prefix length when at least
-   ``min_count`` prompts of the sample *leave* the shared path there (they end, or go on with a
-   token that fewer prompts share than the node's biggest branch), and it is at least
-   ``min_prefix_tokens`` long (a prefix shorter than one engine block, 16 tokens in vLLM, is never
-   cached). "Leave" rather than "reach" is what makes a system prompt of 40 tokens count as 40 and
-   not as every length from 1 to 40.
+   as a compressed token trie: every trie node is a range of the sorted sample and the length s
+   of the range's longest common prefix. s is a common prefix length when the range holds at
+   least ``min_count`` prompts, s is at least ``min_prefix_tokens`` (a prefix shorter than one
+   engine block, 16 tokens in vLLM, is never cached), and either the shared path *ends* at s (no
+   ``min_count`` of the prompts go on with the same next token) or it *branches* there (at least
+   ``min_count`` prompts do not go on with the most common next token: two tool schemas after
+   one system prompt, or a system prompt that most prompts leave while some go on with a shared
+   document). Looking at ends and branches rather than at every shared length is what makes a
+   system prompt of 40 tokens count as 40 and not as every length from 1 to 40.
 2. **Build L from S** and a small fixed separator length delta (:func:`lengths_from_prefixes`),
    Appendix A3, eqs. (1)-(3)::
 
@@ -90,7 +92,7 @@ DEFAULT_MAX_PREFIX_TOKENS = 4096
 """Tokens kept of each sampled prompt; longer common prefixes are seen as this long. With
 :data:`DEFAULT_MAX_SAMPLES` the sample is at most 8 MiB (4 bytes a token)."""
 DEFAULT_MIN_FRACTION = 0.1
-"""A common prefix must be left by at least this fraction of the sample (and ``min_count``)."""
+"""A common prefix must be shared by at least this fraction of the sample (and ``min_count``)."""
 DEFAULT_MIN_PREFIX_TOKENS = 16
 """Shortest common prefix reported: one vLLM block; a shorter shared prefix is never cached."""
 MAX_COMMON_PREFIXES = 16
@@ -242,7 +244,7 @@ def _detect(
     packed: list[bytes], min_count: int, min_prefix_tokens: int, max_prefixes: int
 ) -> tuple[int, ...]:
     """S from a sorted sample of packed prompts (see the module docstring, step 1)."""
-    found: list[tuple[int, int]] = []  # (prompts leaving, length)
+    found: list[tuple[int, int]] = []  # (prompts off the most common branch, length)
     stack = [(0, len(packed), 0)] if len(packed) >= min_count else []
     while stack:
         lo, hi, known = stack.pop()
@@ -263,8 +265,8 @@ def _detect(
                 stack.append((k, j, depth + 1))
             k = j
         leaving = (hi - lo) - biggest
-        if depth >= min_prefix_tokens and leaving >= min_count:
-            found.append((leaving, depth))
+        if depth >= min_prefix_tokens and (biggest < min_count or leaving >= min_count):
+            found.append((leaving, depth))  # the shared path ends or branches here
     found.sort(key=lambda item: (-item[0], item[1]))
     return tuple(sorted({length for _, length in found[:max_prefixes]}))
 
@@ -279,15 +281,15 @@ def common_prefix_lengths(
 ) -> tuple[int, ...]:
     """S: the distinct common prefix lengths of a sample of prompts, ascending (Appendix A3).
 
-    A length s is reported when some token prefix of length s is shared by a range of the
-    sample and at least ``min_count`` of those prompts leave it at s (end there, or go on with
-    another token than the biggest branch); see the module docstring. When more than
-    ``max_prefixes`` qualify, the ones most prompts leave at are kept (ties: the shorter).
+    A length s is reported when at least ``min_count`` prompts share a prefix of length s and
+    their shared path ends or branches at s (module docstring, step 1). When more than
+    ``max_prefixes`` qualify, the ones the most prompts leave at (those that do not go on with
+    the most common next token) are kept, ties to the shorter.
 
     Args:
         prompts: token-ID sequences (each ID in [0, 2**32)); each is cut to
             ``max_prefix_tokens`` first.
-        min_count: >= 2, prompts that must leave a shared path at s.
+        min_count: >= 2, prompts that must share a prefix (and leave it, at a branch).
         min_prefix_tokens: shortest s reported (>= 1).
         max_prefixes: most lengths reported.
         max_prefix_tokens: tokens kept of each prompt.
@@ -351,8 +353,9 @@ class Sentry:
         refresh_requests: requests between proposals (>= 1).
         max_samples: prompts kept (>= 2).
         max_prefix_tokens: tokens kept of each prompt (>= 1).
-        min_fraction: a length must be left by at least this fraction of the sample ...
-        min_count: ... and by at least this many prompts (>= 2).
+        min_fraction: ``min_count`` of :func:`common_prefix_lengths` is this fraction of the
+            sample ...
+        min_count: ... or this many prompts, whichever is more (>= 2).
         min_prefix_tokens: shortest common prefix reported.
         max_prefixes: most common prefix lengths in S.
 
