@@ -80,6 +80,20 @@ def test_removing_a_block_evicts_from_the_first_chunk_it_held_up():
     assert view.apply(BlockRemoved(ev.block_hashes[2:])) == []  # descendants: gone already
 
 
+def test_many_prompts_after_one_system_prompt_come_and_go():
+    view = CacheView(L, KEY)
+    prompts = [SYSTEM + list(range(5000 + 100 * i, 5040 + 100 * i)) for i in range(20)]
+    events = [store(None, p) for p in prompts]
+    for ev in events:
+        view.apply(ev)
+    assert len(view) == 2 + 20 * 3  # blocks [0, 16) and [16, 32) are shared
+    for i, ev in enumerate(events):
+        ops = view.apply(BlockRemoved((ev.block_hashes[2],)))
+        chain = tuple(chunk_hashes(prompts[i], L, KEY))
+        assert ops == [Op(OpKind.EVICT, chain if i < 19 else chain[:1])]
+    assert len(view) == 2
+
+
 def test_a_block_whose_parent_is_unknown_is_dropped():
     view = CacheView(L, KEY)
     ev = store(None, A)

@@ -23,10 +23,11 @@ The ops go to the node's :class:`~ps_p2p.gossip.hr_tree.SubtreePublisher`. When 
 a new L, :meth:`CacheView.rechunk` recomputes every chunk and returns the inserts that build the
 subtree of the new version from scratch.
 
-Bounded: at most ``max_blocks`` blocks (about 250 bytes each plus 4 bytes a token); a
-``BlockStored`` beyond, or one whose parent the view does not hold (events missed), is dropped
-and counted in ``dropped_blocks``: the subtree then lacks those prefixes, which costs cache hits,
-never correctness. Block tokens are kept as big-endian u32 bytes, the form chunk hashes cover.
+Bounded: at most ``max_blocks`` blocks (about 360 bytes each for 16-token blocks, chunk
+bookkeeping included, measured with tracemalloc over 1k-token prompts); a ``BlockStored`` beyond,
+or one whose parent the view does not hold (events missed), is dropped and counted in
+``dropped_blocks``: the subtree then lacks those prefixes, which costs cache hits, never
+correctness. Block tokens are kept as big-endian u32 bytes, the form chunk hashes cover.
 
 This module is a pure core: no trio, libp2p, protobuf, clock or randomness.
 """
@@ -36,26 +37,34 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from ps_p2p.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from ps_p2p.engines.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from ps_p2p.errors import ConfigError, EngineError
 from ps_p2p.gossip.hr_tree import MAX_DEPTH, Chain, ChunkHasher, Op, OpKind, pack_tokens
 from ps_p2p.gossip.sentry import ChunkLengths
 
 __all__ = ["DEFAULT_MAX_BLOCKS", "CacheView"]
 
-DEFAULT_MAX_BLOCKS = 1 << 18
-"""Blocks a view holds: 262,144 (4M tokens at 16 a block, beyond the KV cache of one GPU), about
-80 MiB at most."""
+DEFAULT_MAX_BLOCKS = 1 << 17
+"""Blocks a view holds: 131,072 (2M tokens at 16 a block, beyond the KV cache of one 80 GB GPU
+serving a 1B model, ~120k blocks), about 45 MiB at the measured ~360 bytes a block."""
+_FEW_CHILDREN = 8
 
 
 class _Block:
-    __slots__ = ("parent", "packed", "end", "children", "chunks", "hashes", "last")
+    __slots__ = ("children", "chunks", "end", "hashes", "last", "packed", "parent")
 
     def __init__(self, parent: int | None, packed: bytes, end: int) -> None:
         self.parent = parent
         self.packed = packed  # this block's tokens, big-endian u32
         self.end = end  # token position just after the block
-        self.children: set[int] | None = None
+        # Most blocks have 0 or 1 child: a tuple is 4x smaller than a set; a set past
+        # _FEW_CHILDREN (the last block of a system prompt may have thousands).
+        self.children: tuple[int, ...] | set[int] = ()
         self.chunks = 0  # complete chunks in the prefix up to `end`
         self.hashes: tuple[bytes, ...] = ()  # hashes of the chunks that complete in this block
         self.last: bytes | None = None  # last complete chunk's hash up to `end`
@@ -192,10 +201,12 @@ class CacheView:
         self._blocks[h] = block
         if up is None:
             self._roots.add(h)
-        else:
-            if up.children is None:
-                up.children = set()
+        elif isinstance(up.children, set):
             up.children.add(h)
+        elif len(up.children) < _FEW_CHILDREN:
+            up.children += (h,)
+        else:
+            up.children = {*up.children, h}
         return block
 
     def _chunk(self, block: _Block, up: _Block | None) -> None:
@@ -254,11 +265,11 @@ class CacheView:
         if top.parent is None:
             self._roots.discard(h)
         else:
-            siblings = self._blocks[top.parent].children
-            assert siblings is not None
-            siblings.discard(h)
-            if not siblings:
-                self._blocks[top.parent].children = None
+            up = self._blocks[top.parent]
+            if isinstance(up.children, set):
+                up.children.discard(h)
+            else:
+                up.children = tuple(c for c in up.children if c != h)
         for b in order:
             del self._blocks[b]
 

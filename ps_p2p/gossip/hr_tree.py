@@ -65,7 +65,7 @@ import functools
 import hashlib
 import heapq
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -110,7 +110,6 @@ __all__ = [
     "SyncOutcome",
     "chunk_hash",
     "chunk_hashes",
-    "iter_chains",
     "pack_tokens",
 ]
 
@@ -290,6 +289,7 @@ class SearchResult:
 
     @property
     def hit(self) -> bool:
+        """A match of at least tau_c chunks (Algorithm 2's "cache hit")."""
         return bool(self.peers)
 
 
@@ -599,10 +599,11 @@ class HRTree:
             LocalProtocolError: ``leaves`` not canonically front-coded.
         """
         new = _check_front_coded(leaves, LocalProtocolError)
+        if not new:
+            self.remove_peer(peer)
+            return 0
         self._reserve(peer, new, replacing=self._count.get(peer, 0))
         self.remove_peer(peer)
-        if not new:
-            return 0
         bit = 1 << self._register(peer)
         path = [self._root]
         for shared, hashes in leaves:
@@ -1076,11 +1077,14 @@ class SubtreeReplica:
             incarnation; :class:`NeedSnapshot` for a gap (the delta is kept for later).
 
         Raises:
-            SubtreeSyncError: ``delta.version`` is not the tree's.
+            SubtreeSyncError: ``delta.version`` is not the tree's, or its sequence numbers do
+                not count its ops (a value :meth:`Delta.decode` would refuse).
             HRTreeFullError: the peer's subtree went over the tree's limits; the replica dropped
                 the peer's entries and needs a snapshot.
         """
         self._check_version(delta.version, "delta")
+        if delta.seq_to - delta.seq_from != len(delta.ops) or not delta.ops:
+            raise SubtreeSyncError("a delta has one op per sequence number, at least one")
         if self.incarnation is None or delta.incarnation > self.incarnation:
             self._reset(delta.incarnation, 0)  # a new run starts empty at seq 0
         elif delta.incarnation < self.incarnation:
@@ -1154,12 +1158,3 @@ class SubtreeReplica:
                 delta = self._pending.pop(s)
                 if delta.seq_to > self.seq:
                     self._apply_ops(delta)
-
-
-def iter_chains(leaves: FrontCoded) -> Iterator[Chain]:
-    """The leaves of a front-coded subtree as full chains (each costs its depth)."""
-    path: list[bytes] = []
-    for shared, hashes in leaves:
-        del path[shared:]
-        path.extend(hashes)
-        yield tuple(path)

@@ -200,7 +200,9 @@ class ChunkLengths:
                 :data:`MAX_CHUNK_LENGTHS`, or a length out of range.
         """
         if len(data) > _MAX_ENCODED_BYTES:
-            raise RemoteProtocolError(f"chunk lengths of {len(data)} bytes (max {_MAX_ENCODED_BYTES})")
+            raise RemoteProtocolError(
+                f"chunk lengths of {len(data)} bytes (max {_MAX_ENCODED_BYTES})"
+            )
         r = Reader(data, RemoteProtocolError, "chunk lengths")
         r.prefix(CHUNK_LENGTHS_DOMAIN, "domain")
         version = r.u64("version")
