@@ -15,7 +15,7 @@ is that of real prompts but hashing is not part of the tree timings). Measures:
    state (32 inserts of 32-chunk chains, 32 evictions of the oldest), its ``Delta.decode``, and
    a whole peer's snapshot (12.5k entries): encode, decode, apply;
 5. ``CacheView.apply`` of a ``BlockStored`` of one 16-token block after a 4k-token prefix (one
-   decode step) and of a 1k-token prompt (64 blocks).
+   decode step) and of a 1k-token prompt (64 blocks), and the view's memory per block.
 
 Run: ``python benchmarks/bench_hr_tree.py [--quick] [--entries 100000]``. Single-threaded;
 times with ``time.perf_counter_ns``; median and p99 per call.
@@ -180,6 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     pit = iter(prompt_events)
     print(summary("CacheView, a 1k-token prompt (64 blocks)",
                   sample(lambda: view.apply(next(pit)), iterations // 3)))
+    fresh = CacheView(LENGTHS, KEY)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for ev in prompt_events:
+        fresh.apply(ev)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    print(f"CacheView memory: {used / len(fresh):.0f} B per 16-token block "
+          f"({len(fresh):,} blocks of 1k-token prompts)")
     return 0
 
 
