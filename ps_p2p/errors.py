@@ -16,6 +16,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │   ├── InvalidSignatureError   a record, directory or response whose signature fails
     │   ├── KVEventDecodeError      a KV-cache event message of the engine (vLLM's ZMQ
     │   │                           publisher) malformed or over a limit: that message dropped
+    │   ├── SubtreeSyncError        an HR-subtree delta or snapshot that is malformed, over its
+    │   │                           limits, or for another chunk-length version
     │   └── ConsensusError          a proposal, vote, commit, block or transaction of the
     │       │                       verifier committee breaks the consensus or registry rules
     │       ├── InvalidCommitError  not > 2/3 of the voting power signed valid precommits for
@@ -29,6 +31,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │       └── UntrustedGenesisError  (also a DirectoryError) a verifier serves a genesis
     │                               naming validators the node was not told to trust, or
     │                               another chain than the one it follows
+    ├── HRTreeFullError             an HR-tree insert over the entries or peers allowed
+    │                               (per peer or in total): refused, the tree unchanged
     ├── DecodeError                 S-IDA: no k-subset of the cloves decodes (tampered/too few)
     ├── CryptoError                 onion layer or AEAD check failed
     ├── DirectoryError              no valid, unexpired directory; not enough nodes to build paths
@@ -119,6 +123,12 @@ class KVEventDecodeError(RemoteProtocolError):
     a field of the wrong type or range. Costs that message only; it is counted and logged."""
 
 
+class SubtreeSyncError(RemoteProtocolError):
+    """A peer's HR-subtree delta or snapshot (:mod:`ps_p2p.gossip.hr_tree`) is malformed,
+    oversized, non-canonical, or for another chunk-length (L) version: refused, the peer's
+    replica unchanged."""
+
+
 class ConsensusError(RemoteProtocolError):
     """A proposal, vote, commit, block or registry transaction breaks the rules of the verifier
     committee (:mod:`ps_p2p.consensus`). Raised on what a peer sent: costs that message."""
@@ -141,6 +151,11 @@ class InvalidTransactionError(ConsensusError):
 class AdmissionError(InvalidTransactionError):
     """A well-formed transaction refused by the committed admission policy (per-network,
     per-organization or per-block caps against sybils) or by a full mempool."""
+
+
+class HRTreeFullError(PsError):
+    """An HR-tree insert would exceed the entries allowed for one peer or in total, or the
+    peers a tree tracks (:class:`ps_p2p.gossip.hr_tree.HRTree`): refused, the tree unchanged."""
 
 
 class DecodeError(PsError):
