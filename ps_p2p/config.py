@@ -18,6 +18,7 @@ Unknown keys are an error (a typo should not silently fall back to a default).
 
 from __future__ import annotations
 
+import hashlib
 import dataclasses
 import math
 import pathlib
@@ -29,7 +30,7 @@ import multiaddr
 
 from ps_p2p.crypto import onion, sida
 from ps_p2p.engines.sim_cost import SimParams
-from ps_p2p.errors import ConfigError
+from ps_p2p.errors import ConfigError, PsError
 from ps_p2p.overlay.path_pool import PoolConfig
 from ps_p2p.overlay.requests import RequestConfig
 from ps_p2p.serving.dispatch import DispatchConfig
@@ -44,6 +45,81 @@ class ModelNodeConfig(DispatchConfig):
 
     default_max_tokens: int = 128
     stream_interval: float = 0.05
+
+
+_GROUP_KEY_DOMAIN = b"planetserve/v1/hrtree-group-key\x00"
+
+
+@dataclass
+class ForwardingConfig:
+    """Forwarding settings of a model node (``[forwarding]`` in the config file); seconds.
+
+    Attributes:
+        enabled: route requests within the model group (off: serve every request here).
+        group_key: the model group's HR-tree key, hex (16-64 bytes); "" derives a public one
+            from the model ID (module docstring).
+        chunk_lengths, chunk_default, chunk_version: the group's L (Appendix A3; the Sentry's
+            output, ``ps_p2p.gossip.sentry``): the first chunks' lengths in tokens, the length
+            of every later chunk, and L's version (all nodes of a group must agree).
+        tau_c: chunks a prompt must match to count as a cache hit (Algorithm 2's threshold).
+        overload_threshold: F_LB above which a cache holder is passed over (seconds).
+        load_interval: seconds between load reports (about 1 s: stale load is the enemy).
+        delta_interval: seconds between subtree deltas (the paper syncs every 5 s).
+        load_max_age: a peer's load report older than this is unknown (not idle).
+        max_peers: group members connected and followed at most.
+    """
+
+    enabled: bool = True
+    group_key: str = ""
+    chunk_lengths: list[int] = field(default_factory=list)
+    chunk_default: int = 16
+    chunk_version: int = 0
+    tau_c: int = 1
+    overload_threshold: float = 5.0
+    load_interval: float = 1.0
+    delta_interval: float = 2.0
+    load_max_age: float = 3.0
+    max_peers: int = 64
+
+    def validate(self) -> None:
+        """Raise ConfigError on a bad key, chunk lengths or interval."""
+        self.key_bytes("")
+        self.lengths()
+        for name in ("load_interval", "delta_interval", "load_max_age", "overload_threshold"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ConfigError(f"forwarding.{name} must be > 0, not {value!r}")
+        if self.tau_c < 1 or self.max_peers < 1:
+            raise ConfigError("forwarding.tau_c and forwarding.max_peers must be >= 1")
+
+    def key_bytes(self, model_id: str) -> bytes:
+        """The group key (module docstring).
+
+        Raises:
+            ConfigError: ``group_key`` is not hex of 16-64 bytes.
+        """
+        from ps_p2p.gossip import hr_tree
+
+        if not self.group_key:
+            return hashlib.sha256(_GROUP_KEY_DOMAIN + model_id.encode()).digest()
+        try:
+            key = bytes.fromhex(self.group_key)
+        except ValueError:
+            raise ConfigError("forwarding.group_key must be hex") from None
+        if not hr_tree.MIN_KEY_BYTES <= len(key) <= hr_tree.MAX_KEY_BYTES:
+            raise ConfigError(f"forwarding.group_key must be {hr_tree.MIN_KEY_BYTES}-"
+                              f"{hr_tree.MAX_KEY_BYTES} bytes")
+        return key
+
+    def lengths(self):  # type: ignore[no-untyped-def]
+        """The group's L (:class:`~ps_p2p.gossip.sentry.ChunkLengths`). Raises ConfigError on
+        values out of range."""
+        from ps_p2p.gossip.sentry import ChunkLengths
+
+        try:
+            return ChunkLengths(self.chunk_version, tuple(self.chunk_lengths), self.chunk_default)
+        except PsError as exc:
+            raise ConfigError(f"forwarding chunk lengths: {exc}") from None
 
 
 @dataclass
@@ -178,6 +254,8 @@ class NodeConfig:
         status_interval: seconds between the node's one-line status logs (INFO); 0: none.
         drain_timeout: model role: seconds a node stopped by SIGTERM waits for the requests in
             service (:mod:`ps_p2p.serving.drain`); new ones are refused meanwhile.
+        forwarding: model role: :class:`ForwardingConfig` (``[forwarding]``): HR-tree
+            forwarding within the model group (:mod:`ps_p2p.roles.forwarding`).
     """
 
     roles: list[str] = field(default_factory=lambda: ["user"])
@@ -208,6 +286,7 @@ class NodeConfig:
     user: UserConfig = field(default_factory=UserConfig)
     model_node: ModelNodeConfig = field(default_factory=ModelNodeConfig)
     sim: SimParams = field(default_factory=SimParams)
+    forwarding: ForwardingConfig = field(default_factory=ForwardingConfig)
 
     def validate(self) -> None:
         """Raise ConfigError on an impossible combination."""
@@ -243,6 +322,8 @@ class NodeConfig:
             raise ConfigError("status_interval must be >= 0 seconds")
         if not (isinstance(self.drain_timeout, (int, float)) and 0 <= self.drain_timeout < math.inf):
             raise ConfigError(f"--drain-timeout must be >= 0 seconds, not {self.drain_timeout!r}")
+        if "model" in self.roles and self.forwarding.enabled:
+            self.forwarding.validate()
 
     @property
     def home_path(self) -> pathlib.Path:
@@ -350,7 +431,8 @@ def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
     return host, int(port)
 
 
-_NESTED = {"user": UserConfig, "model_node": ModelNodeConfig, "sim": SimParams}
+_NESTED = {"user": UserConfig, "model_node": ModelNodeConfig, "sim": SimParams,
+           "forwarding": ForwardingConfig}
 
 
 def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:

@@ -36,7 +36,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import multiaddr
 import trio
@@ -71,6 +71,9 @@ from ps_p2p.protocols.overlay import (
     OverlayService,
 )
 from ps_p2p.records import Directory, NodeRecord, Role
+from ps_p2p.protocols.forward import FORWARD_PROTOCOL_ID
+from ps_p2p.protocols.hrtree_gossip import HRTREE_SYNC_PROTOCOL_ID, running_pubsub
+from ps_p2p.roles.forwarding import GroupForwarding
 from ps_p2p.roles.model import ModelNodeService
 from ps_p2p.roles.user import UserClient
 from ps_p2p.serving.drain import DrainReport
@@ -192,12 +195,15 @@ class Node:
         self.overlay: OverlayService | None = None
         self.user: UserClient | None = None
         self.model: ModelNodeService | None = None
+        #: model role with forwarding: the group's HR-tree, peers' load and gossip
+        self.forwarding: GroupForwarding | None = None
         self.directory: Directory | None = None
         self.listen_addrs: list[str] = []
         self._directory_ready = trio.Event()
         self._directory_changed_at = -1e9
         self._withdrawn = False
         self._last_issued_ms = 0
+        self._notifee: _DisconnectNotifee | None = None
         self._verifier_failed: dict[bytes, float] = {}  # verifier -> suspect until (trio time)
         self._bootstrap: dict[bytes, str] = {}
         for addr in config.bootstrap:
@@ -313,6 +319,8 @@ class Node:
                     str(CONSENSUS_PROTOCOL_ID), str(BLOCKSYNC_PROTOCOL_ID)}
         if self.roles & {Role.USER, Role.MODEL}:
             ids |= {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
+        if Role.MODEL in self.roles and self.config.forwarding.enabled:
+            ids |= {str(FORWARD_PROTOCOL_ID), str(HRTREE_SYNC_PROTOCOL_ID)}
         return frozenset(ids)
 
     def check_host(self, host: IHost) -> None:
@@ -372,59 +380,77 @@ class Node:
         """The services of the node's roles on ``host`` (both :meth:`run` and :meth:`serve`)."""
         self.host = host
         self.listen_addrs = listen_multiaddrs(host)
-        notifee: _DisconnectNotifee | None = None
         network = host.get_network()
+        forwarding = Role.MODEL in self.roles and self.config.forwarding.enabled
         try:
-            async with trio.open_nursery() as nursery:
-                self._learn_bootstrap_addrs(host)
-                if Role.VERIFIER in self.roles:
-                    await nursery.start(self._run_committee_member, host)
-                if self.roles & {Role.USER, Role.MODEL}:
-                    self.overlay = OverlayService(
-                        host,
-                        self.keys.onion,
-                        OverlayConfig(
-                            relay=Role.USER in self.roles and self.config.relay,
-                            tamper=self.config.tamper,
-                        ),
-                        directory=lambda: self.directory,
-                    )
-                    await nursery.start(self.overlay.run)
-                    notifee = _DisconnectNotifee(self.overlay.peer_disconnected)
-                    network.register_notifee(notifee)
-                if Role.MODEL in self.roles:
-                    assert self.engine is not None and self.overlay is not None
-                    self.model = ModelNodeService(
-                        self.keys.identity, self.engine, self.config.model_node
-                    )
-                    self.model.attach(self.overlay)
-                    await nursery.start(self.model.run)
-                if Role.USER in self.roles:
-                    assert self.overlay is not None
-                    self.user = UserClient(
-                        self.overlay, lambda: self.directory, self.config.user, rng=self.rng,
-                        on_request_done=self.metrics.observe_request,
-                        on_first_token=self.metrics.time_to_first_token.observe,
-                    )
-                    await nursery.start(self.user.run)
-                nursery.start_soon(self._directory_loop)
-                if self.config.status_interval > 0:
-                    nursery.start_soon(self._status_loop, self.config.status_interval)
-                if not self.listen_addrs and self._needs_inbound():
-                    log.warning(
-                        "the host listens on no address: peers cannot dial this %s node",
-                        "+".join(self.config.roles),
-                    )
-                log.info(
-                    "node %s up: roles %s, listening on %s",
-                    self.keys.identity.peer_id_str,
-                    ",".join(self.config.roles),
-                    " ".join(self.listen_addrs) or "nothing",
-                )
-                task_status.started(self)
+            async with AsyncExitStack() as stack:
+                # GossipSub before any connection (an early pubsub stream crashes the host)
+                pubsub = await stack.enter_async_context(running_pubsub(host)) \
+                    if forwarding else None
+                await self._serve_roles(host, pubsub, task_status)
         finally:
-            if notifee is not None:
-                _remove_notifee(network, notifee)
+            if self._notifee is not None:
+                _remove_notifee(network, self._notifee)
+
+    async def _serve_roles(self, host: IHost, pubsub: Any,
+                           task_status: trio.TaskStatus["Node"]) -> None:
+        """The services of the node's roles (``pubsub``: running, for forwarding, or None)."""
+        network = host.get_network()
+        async with trio.open_nursery() as nursery:
+            self._learn_bootstrap_addrs(host)
+            if Role.VERIFIER in self.roles:
+                await nursery.start(self._run_committee_member, host)
+            if self.roles & {Role.USER, Role.MODEL}:
+                self.overlay = OverlayService(
+                    host,
+                    self.keys.onion,
+                    OverlayConfig(
+                        relay=Role.USER in self.roles and self.config.relay,
+                        tamper=self.config.tamper,
+                    ),
+                    directory=lambda: self.directory,
+                )
+                await nursery.start(self.overlay.run)
+                self._notifee = _DisconnectNotifee(self.overlay.peer_disconnected)
+                network.register_notifee(self._notifee)
+            if Role.MODEL in self.roles:
+                assert self.engine is not None and self.overlay is not None
+                self.model = ModelNodeService(
+                    self.keys.identity, self.engine, self.config.model_node
+                )
+                self.model.attach(self.overlay)
+                if pubsub is not None:
+                    self.forwarding = GroupForwarding(
+                        self.keys.identity, self.engine, self.model.load,
+                        self.config.forwarding)
+                    self.forwarding.set_directory(self.directory)
+                    self.model.enable_forwarding(host, self.forwarding.route,
+                                                 self.forwarding.is_member)
+                    await nursery.start(self.forwarding.run, host, pubsub)
+                await nursery.start(self.model.run)
+            if Role.USER in self.roles:
+                assert self.overlay is not None
+                self.user = UserClient(
+                    self.overlay, lambda: self.directory, self.config.user, rng=self.rng,
+                    on_request_done=self.metrics.observe_request,
+                    on_first_token=self.metrics.time_to_first_token.observe,
+                )
+                await nursery.start(self.user.run)
+            nursery.start_soon(self._directory_loop)
+            if self.config.status_interval > 0:
+                nursery.start_soon(self._status_loop, self.config.status_interval)
+            if not self.listen_addrs and self._needs_inbound():
+                log.warning(
+                    "the host listens on no address: peers cannot dial this %s node",
+                    "+".join(self.config.roles),
+                )
+            log.info(
+                "node %s up: roles %s, listening on %s",
+                self.keys.identity.peer_id_str,
+                ",".join(self.config.roles),
+                " ".join(self.listen_addrs) or "nothing",
+            )
+            task_status.started(self)
 
     def _learn_bootstrap_addrs(self, host: IHost) -> None:
         """Put the bootstrap peers' addresses in the peerstore (validators dial each other by
@@ -861,6 +887,8 @@ class Node:
         if old is not None and directory.height < old.height and directory.issued_at_ms <= old.issued_at_ms:
             return
         self.directory = directory
+        if self.forwarding is not None:
+            self.forwarding.set_directory(directory)
         if changed is None:
             unchanged = old is not None and directory.records is old.records
             changed = () if unchanged else directory.records

@@ -1,0 +1,297 @@
+"""A model node's forwarding: its group's HR-tree, peers' load, and the gossip that keeps both.
+
+PlanetServe sec. 3.3 (Algorithms 1-2; A6): every model node of a group (the model nodes of one
+model ID in the verified directory, trusted ones only) keeps
+
+* the group's HR-tree (:class:`~ps_p2p.gossip.hr_tree.HRTree`): its own subtree, built from its
+  engine's KV-cache events (:class:`~ps_p2p.gossip.cache_view.CacheView` ->
+  :class:`~ps_p2p.gossip.hr_tree.SubtreePublisher`), and a replica of every peer's subtree
+  (:class:`~ps_p2p.gossip.hr_tree.SubtreeReplica`) fed by their signed deltas, with a snapshot
+  over ``/planetserve/hrtree-sync/1.0.0`` when a gap shows;
+* the peers' load (:class:`~ps_p2p.gossip.load.LoadBook`), fed by their signed load reports
+  about every second (DESIGN.md: a stale view of load loses most of the gain), with the
+  requests this node forwarded to a peer counted against it until its next report;
+
+and routes each admitted request (:meth:`GroupForwarding.route`): its prompt's chunk hashes
+(the group key, and the group's chunk lengths L) are searched in the tree and
+:class:`~ps_p2p.gossip.forwarding.HRTreeForwarding` (Algorithm 2, one hop, session affinity)
+picks this node or a peer. The gossip goes over GossipSub (:mod:`ps_p2p.protocols.hrtree_gossip`).
+
+The group key: ``group_key`` of :class:`ForwardingConfig` (hex), shared by the operators of a
+group; without one it is derived from the model ID, which anyone can do, so then an observer of
+the gossip can test guessed prompts against the tree (logged as a warning at start).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from ps_p2p.config import ForwardingConfig
+from ps_p2p.engines.base import Engine
+from ps_p2p.errors import PsError, RemoteProtocolError
+from ps_p2p.gossip import hr_tree
+from ps_p2p.gossip.cache_view import CacheView
+from ps_p2p.gossip.forwarding import ForwardingConfig as PolicyConfig
+from ps_p2p.gossip.forwarding import HRTreeForwarding, RequestContext
+from ps_p2p.gossip.hr_tree import Delta, HRTree, NeedSnapshot, Snapshot, SubtreePublisher, SubtreeReplica
+from ps_p2p.gossip.load import LoadBook, LoadTracker, decode_report, encode_report
+from ps_p2p.inference import InferenceQuery
+from ps_p2p.keys import Identity
+from ps_p2p.protocols import hrtree_gossip as wire
+from ps_p2p.records import Directory, Role
+from ps_p2p.records.peer_ids import peer_label
+
+log = logging.getLogger(__name__)
+
+class GroupForwarding:
+    """The forwarding state and gossip of one model node (module docstring).
+
+    Args:
+        identity: the node's identity (signs gossip).
+        engine: tokenizes prompts; its KV-cache events (``drain_kv_events``) build the node's
+            own subtree.
+        load: the node's own :class:`LoadTracker` (its load reports, and F_LB of itself).
+        config: :class:`ForwardingConfig`.
+        clock: trio time.
+
+    Attributes:
+        dropped: gossip messages dropped, by reason.
+        decisions: routing decisions, by :class:`~ps_p2p.gossip.forwarding.Reason` value.
+    """
+
+    def __init__(self, identity: Identity, engine: Engine, load: LoadTracker,
+                 config: ForwardingConfig | None = None, *,
+                 clock: Callable[[], float] = trio.current_time) -> None:
+        self.identity = identity
+        self.me = identity.peer_id
+        self.engine = engine
+        self.model_id = engine.model_id
+        self.config = config or ForwardingConfig()
+        self._key = self.config.key_bytes(self.model_id)
+        if not self.config.group_key:
+            log.warning("forwarding: no group_key configured; the HR-tree key is derived from "
+                        "the model ID, so gossip observers can test guessed prompts")
+        self.lengths = self.config.lengths()
+        self._clock = clock
+        self.tree = HRTree(version=self.lengths.version)
+        self.publisher = SubtreePublisher(self.tree, self.me, incarnation=time.time_ns())
+        self.view = CacheView(self.lengths, self._key)
+        self.replicas: dict[bytes, SubtreeReplica] = {}
+        self.book = LoadBook(self.me, self.model_id, (), max_age=self.config.load_max_age,
+                             max_peers=self.config.max_peers)
+        self.load = load
+        self.policy = HRTreeForwarding(
+            self.me, load, self.book,
+            PolicyConfig(tau_c=self.config.tau_c,
+                         overload_threshold=self.config.overload_threshold))
+        self.members: frozenset[bytes] = frozenset()
+        self._load_seq = time.time_ns()  # increasing across restarts
+        self._need_snapshot: set[bytes] = set()
+        self._snapshot_wanted = trio.Event()
+        self.dropped: dict[str, int] = {}
+        self.decisions: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ membership
+
+    def set_directory(self, directory: Directory | None) -> None:
+        """Follow the group of a newly verified directory: model nodes of our model ID (others'
+        subtrees and load are dropped)."""
+        if directory is None:
+            return
+        members = frozenset(
+            r.peer_id for r in directory.model_nodes()
+            if r.model_id == self.model_id and r.peer_id != self.me and Role.MODEL in r.roles
+        )
+        if len(members) > self.config.max_peers:
+            members = frozenset(sorted(members)[: self.config.max_peers])
+        if members == self.members:
+            return
+        for gone in self.members - members:
+            replica = self.replicas.pop(gone, None)
+            if replica is not None:
+                replica.drop()
+        self.members = members
+        self.book.set_members(members)
+
+    def is_member(self, peer: bytes) -> bool:
+        """Whether ``peer`` is a model node of our group in the verified directory."""
+        return peer in self.members
+
+    # ------------------------------------------------------------------ routing
+
+    async def route(self, query: InferenceQuery) -> bytes | None:
+        """Where to serve ``query``: a peer of the group, or None for here (Algorithms 1-2)."""
+        if not self.config.enabled or not self.members:
+            return None
+        try:
+            prompt = query.prompt or await self.engine.chat_prompt(query.messages)
+            ids = await self.engine.encode(prompt)
+            chain = hr_tree.chunk_hashes(ids, self.lengths, self._key)
+        except PsError as exc:
+            log.info("routing %s: cannot hash the prompt (%s); served here",
+                     query.request_id.hex()[:8], exc)
+            return None
+        found = self.tree.search(chain, self.config.tau_c)
+        previous = query.preferred_model_node or None
+        if previous is not None and previous != self.me and previous not in self.members:
+            previous = None
+        decision = self.policy.decide(
+            RequestContext.from_search(found, previous_node=previous), self._clock())
+        reason = decision.reason.value
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        if decision.forward_to is not None:
+            self.book.note_forwarded(decision.forward_to)
+            log.info("request %s -> %s (%s, %d of %d chunks cached there)",
+                     query.request_id.hex()[:8], peer_label(decision.forward_to), reason,
+                     found.depth, len(chain))
+        return decision.forward_to
+
+    # ------------------------------------------------------------------ own state out
+
+    def absorb_engine_events(self) -> int:
+        """Turn the engine's new KV-cache events into subtree operations; returns how many."""
+        ops = 0
+        for event in self.engine.drain_kv_events():
+            try:
+                for op in self.view.apply(event):
+                    ops += self.publisher.apply(op)
+            except PsError as exc:
+                self._drop("engine_event")
+                log.warning("KV-cache event not applied: %s", exc)
+        return ops
+
+    def load_envelope(self) -> bytes:
+        """This node's signed load report, now."""
+        self._load_seq += 1
+        report = self.load.report(self.me, self.model_id, self._load_seq)
+        return wire.seal(self.identity, wire.KIND_LOAD, encode_report(report))
+
+    def delta_envelopes(self) -> list[bytes]:
+        """The subtree operations not yet published, as signed delta envelopes."""
+        return [wire.seal(self.identity, wire.KIND_DELTA, d.encode())
+                for d in self.publisher.take_deltas()]
+
+    def snapshot_envelope(self) -> bytes:
+        """This node's whole subtree, signed (the sync protocol's answer)."""
+        return wire.seal(self.identity, wire.KIND_SNAPSHOT, self.publisher.snapshot().encode())
+
+    # ------------------------------------------------------------------ peers' state in
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def receive(self, publisher: bytes, data: bytes) -> None:
+        """A gossip message ``publisher`` published (pubsub's authenticated ``from_id``):
+        checked, then applied; a bad one is dropped and counted (never raises)."""
+        if publisher == self.me:
+            return
+        if publisher not in self.members:
+            self._drop("not_member")
+            return
+        try:
+            kind, body = wire.open_envelope(data, publisher)
+            if kind == wire.KIND_LOAD:
+                report = decode_report(body)
+                if report.peer_id != publisher:
+                    raise RemoteProtocolError("load report of another node")
+                self.book.receive(report, self._clock())
+            elif kind == wire.KIND_DELTA:
+                self._apply_delta(publisher, Delta.decode(body))
+            else:
+                raise RemoteProtocolError("a snapshot is not gossiped")
+        except PsError as exc:
+            self._drop(type(exc).__name__)
+            log.debug("gossip from %s dropped: %s", peer_label(publisher), exc)
+
+    def _replica(self, peer: bytes) -> SubtreeReplica:
+        replica = self.replicas.get(peer)
+        if replica is None:
+            replica = self.replicas[peer] = SubtreeReplica(self.tree, peer)
+        return replica
+
+    def _apply_delta(self, peer: bytes, delta: Delta) -> None:
+        outcome = self._replica(peer).apply_delta(delta)
+        if isinstance(outcome, NeedSnapshot) and peer not in self._need_snapshot:
+            self._need_snapshot.add(peer)
+            self._snapshot_wanted.set()
+
+    def apply_snapshot(self, peer: bytes, data: bytes) -> None:
+        """A sealed snapshot ``peer`` answered to our sync request.
+
+        Raises:
+            RemoteProtocolError: malformed, badly signed, or not applicable.
+        """
+        kind, body = wire.open_envelope(data, peer, wire.MAX_SNAPSHOT_ENVELOPE_BYTES)
+        if kind != wire.KIND_SNAPSHOT:
+            raise RemoteProtocolError("sync answer is not a snapshot")
+        if peer in self.members:
+            self._replica(peer).apply_snapshot(Snapshot.decode(body))
+
+    # ------------------------------------------------------------------ the service
+
+    async def run(self, host: Any, pubsub: Any, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Gossip on the group's topic, answer snapshot requests and fetch snapshots, until
+        cancelled. ``pubsub``: a running Pubsub (:func:`~ps_p2p.protocols.hrtree_gossip.
+        running_pubsub`) on ``host``."""
+        topic = wire.topic_for(self.model_id)
+        subscription = await pubsub.subscribe(topic)
+        server = wire.SnapshotServer(self.snapshot_envelope, self.is_member)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve, host)
+            nursery.start_soon(self._receive_loop, subscription)
+            nursery.start_soon(self._publish_loop, pubsub, topic)
+            nursery.start_soon(self._sync_loop, host)
+            nursery.start_soon(self._connect_loop, host)
+            task_status.started()
+
+    async def _receive_loop(self, subscription: Any) -> None:
+        async for message in subscription:
+            self.receive(bytes(message.from_id), bytes(message.data))
+
+    async def _publish_loop(self, pubsub: Any, topic: str) -> None:
+        next_delta = 0.0
+        while True:
+            now = self._clock()
+            try:
+                self.absorb_engine_events()
+                await pubsub.publish(topic, self.load_envelope())
+                if now >= next_delta:
+                    next_delta = now + self.config.delta_interval
+                    for envelope in self.delta_envelopes():
+                        await pubsub.publish(topic, envelope)
+            except Exception as exc:  # gossip must never stop the node
+                log.warning("forwarding gossip: publish failed: %r", exc)
+            await trio.sleep(self.config.load_interval)
+
+    async def _sync_loop(self, host: Any) -> None:
+        while True:
+            await self._snapshot_wanted.wait()
+            self._snapshot_wanted = trio.Event()
+            for peer in sorted(self._need_snapshot):
+                self._need_snapshot.discard(peer)
+                try:
+                    self.apply_snapshot(peer, await wire.fetch_snapshot(host, peer))
+                except (PsError, trio.TooSlowError, Exception) as exc:
+                    log.info("snapshot of %s failed: %r", peer_label(peer), exc)
+
+    async def _connect_loop(self, host: Any) -> None:
+        """Keep connections to the group's members (GossipSub meshes over connections)."""
+        while True:
+            for peer in sorted(self.members):
+                if not host.get_network().get_connections(ID(peer)):
+                    try:
+                        with trio.move_on_after(5):
+                            await host.connect(host.get_peerstore().peer_info(ID(peer)))
+                    except Exception as exc:
+                        log.debug("cannot connect to group member %s: %r", peer_label(peer), exc)
+            await trio.sleep(max(1.0, self.config.delta_interval))
+
+
+__all__ = ["ForwardingConfig", "GroupForwarding"]
