@@ -30,13 +30,14 @@ A6000 (48 GB), the paper's model node (sec. 5), not measurements:
 * ``max_context = 8192`` (Llama 3), ``max_batch = 32``, ``block_size = 16`` (vLLM's default).
 
 Tokenizer (:func:`encode`, :func:`decode`): text's UTF-8 bytes, cut into groups of
-:data:`BYTES_PER_TOKEN` (4: about what a BPE tokenizer averages on English); a group ``g`` is the
-token ID ``int.from_bytes(b"\\x01" + g, "big")`` (the leading 1 keeps the group's length), so
-IDs of text are in [256, 2**33) and decode back exactly; IDs below 256 are special
+:data:`BYTES_PER_TOKEN` (3: BPE tokenizers average about 4 on English, but real token IDs fit
+in 32 bits, as the HR-tree's chunk hashes require); a group ``g`` is the token ID
+``int.from_bytes(b"\\x01" + g, "big")`` (the leading 1 keeps the group's length), so IDs of text
+are in [256, 2**25) and decode back exactly; IDs below 256 are special
 (:data:`BOS_ID` = 1, added first when ``add_special_tokens``). Any UTF-8 text round-trips. A
-prompt that shares its first ``4 * k`` bytes with another shares its first ``k`` text tokens.
+prompt that shares its first ``3 * k`` bytes with another shares its first ``k`` text tokens.
 
-Dummy text (:func:`dummy_text`): ``max_tokens`` words of exactly 4 ASCII bytes (one token each),
+Dummy text (:func:`dummy_text`): ``max_tokens`` words of exactly 3 ASCII bytes (one token each),
 taken in turn from :data:`WORDS` from an offset that a hash of the prompt's tokens (and the seed)
 picks: the same prompt always gets the same answer.
 """
@@ -64,17 +65,17 @@ __all__ = [
 ]
 
 #: UTF-8 bytes per text token
-BYTES_PER_TOKEN = 4
+BYTES_PER_TOKEN = 3
 #: beginning of sequence, added first to a prompt
 BOS_ID = 1
 #: token IDs are in [0, MAX_TOKEN_ID]
-MAX_TOKEN_ID = 2**33 - 1  # int.from_bytes(b"\x01\xff\xff\xff\xff", "big")
+MAX_TOKEN_ID = 2**25 - 1  # int.from_bytes(b"\x01\xff\xff\xff", "big")
 _FIRST_TEXT_ID = 256
 
 #: the dummy answer's words, each exactly BYTES_PER_TOKEN ASCII bytes (one token)
 WORDS = (
-    " the", " cat", " sat", " on ", " a  ", " mat", " and", " ran", " far", " sun",
-    " was", " hot", " dog", " saw", " it.", " Tom",
+    " to", " me", " we", " an", " be", " so", " go", " up", " it", " is", " no", " on",
+    " do", " he", " by", " or",
 )
 
 

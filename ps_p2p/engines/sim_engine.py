@@ -21,7 +21,7 @@ Scoring: :meth:`SimEngine.score` raises :class:`~ps_p2p.errors.EngineError`: a m
 would let a verifier rate a model node with no model behind it; the sim engine is for model
 nodes only.
 
-Tokens: :func:`~ps_p2p.engines.sim_cost.encode` (4 UTF-8 bytes a token, BOS first); token-ID
+Tokens: :func:`~ps_p2p.engines.sim_cost.encode` (3 UTF-8 bytes a token, BOS first); token-ID
 prompts go to :meth:`SimEngine.stream_ids`.
 """
 

@@ -40,7 +40,13 @@ from ps_p2p.gossip.cache_view import CacheView
 from ps_p2p.gossip.forwarding import ForwardingConfig as PolicyConfig
 from ps_p2p.gossip.forwarding import HRTreeForwarding, RequestContext
 from ps_p2p.gossip.hr_tree import Delta, HRTree, NeedSnapshot, Snapshot, SubtreePublisher, SubtreeReplica
-from ps_p2p.gossip.load import LoadBook, LoadTracker, decode_report, encode_report
+from ps_p2p.gossip.load import (
+    LoadBook,
+    LoadTracker,
+    ReportOutcome,
+    decode_report,
+    encode_report,
+)
 from ps_p2p.inference import InferenceQuery
 from ps_p2p.keys import Identity
 from ps_p2p.protocols import hrtree_gossip as wire
@@ -96,6 +102,7 @@ class GroupForwarding:
         self._snapshot_wanted = trio.Event()
         self.dropped: dict[str, int] = {}
         self.decisions: dict[str, int] = {}
+        self._changed = trio.Event()
 
     # ------------------------------------------------------------------ membership
 
@@ -118,6 +125,14 @@ class GroupForwarding:
                 replica.drop()
         self.members = members
         self.book.set_members(members)
+
+    async def wait_changed(self) -> None:
+        """Wait until the next gossip message or snapshot from a peer is applied."""
+        await self._changed.wait()
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
     def is_member(self, peer: bytes) -> bool:
         """Whether ``peer`` is a model node of our group in the verified directory."""
@@ -200,11 +215,15 @@ class GroupForwarding:
                 report = decode_report(body)
                 if report.peer_id != publisher:
                     raise RemoteProtocolError("load report of another node")
-                self.book.receive(report, self._clock())
+                outcome = self.book.receive(report, self._clock())
+                if outcome is not ReportOutcome.ACCEPTED:
+                    self._drop(f"load_{outcome.value}")
+                    return
             elif kind == wire.KIND_DELTA:
                 self._apply_delta(publisher, Delta.decode(body))
             else:
                 raise RemoteProtocolError("a snapshot is not gossiped")
+            self._signal()
         except PsError as exc:
             self._drop(type(exc).__name__)
             log.debug("gossip from %s dropped: %s", peer_label(publisher), exc)
@@ -232,6 +251,7 @@ class GroupForwarding:
             raise RemoteProtocolError("sync answer is not a snapshot")
         if peer in self.members:
             self._replica(peer).apply_snapshot(Snapshot.decode(body))
+            self._signal()
 
     # ------------------------------------------------------------------ the service
 

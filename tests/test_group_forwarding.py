@@ -1,0 +1,132 @@
+"""A model node's forwarding service (ps_p2p.roles.forwarding) and its gossip wire
+(ps_p2p.protocols.hrtree_gossip): checks of what peers send, and routing on the real cores."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import trio
+
+from ps_p2p.config import ForwardingConfig
+from ps_p2p.engines.sim_cost import SimParams
+from ps_p2p.engines.base import SamplingParams as EngineParams
+from ps_p2p.engines.sim_engine import SimEngine
+from ps_p2p.errors import ConfigError, InvalidSignatureError, RemoteProtocolError
+from ps_p2p.gossip.load import LoadTracker
+from ps_p2p.inference import InferenceQuery, SamplingParams
+from ps_p2p.keys import Identity
+from ps_p2p.protocols import hrtree_gossip as wire
+from ps_p2p.records import Directory, NodeRecord, Role
+
+FAST = SimParams(prefill_tokens_per_s=1e9, step_time=1e-6)
+CONFIG = ForwardingConfig(group_key="11" * 32, chunk_default=4, load_max_age=1e9)
+
+
+def _node(identity: Identity, model_id: str = "sim") -> NodeRecord:
+    return NodeRecord(identity.peer_id, (), frozenset({Role.MODEL}), b"\x00" * 32,
+                      model_id=model_id, capacity=2, issued_at_ms=0, expires_at_ms=10**13)
+
+
+def _directory(*nodes: NodeRecord) -> Directory:
+    return Directory(1, 0, 10**13, tuple(sorted(nodes, key=lambda r: r.peer_id)))
+
+
+def _forwarding(identity: Identity, clock=lambda: 0.0):
+    from ps_p2p.roles.forwarding import GroupForwarding
+
+    engine = SimEngine("sim", FAST)
+    return GroupForwarding(identity, engine, LoadTracker(2, 8), CONFIG, clock=clock), engine
+
+
+def _query(prompt: str, preferred: bytes = b"") -> InferenceQuery:
+    return InferenceQuery(b"r" * 16, "sim", prompt, SamplingParams(max_tokens=2), (),
+                          preferred_model_node=preferred)
+
+
+A, B, C, OUTSIDER = (Identity.generate() for _ in range(4))
+
+
+def test_an_envelope_opens_only_under_its_publishers_key_and_unchanged():
+    sealed = wire.seal(A, wire.KIND_LOAD, b"body")
+    assert wire.open_envelope(sealed, A.peer_id) == (wire.KIND_LOAD, b"body")
+    with pytest.raises(InvalidSignatureError):
+        wire.open_envelope(sealed, B.peer_id)
+    flipped = bytearray(sealed)
+    flipped[-66] ^= 1  # inside the body
+    with pytest.raises(InvalidSignatureError):
+        wire.open_envelope(bytes(flipped), A.peer_id)
+    for bad in (sealed[:-1], sealed + b"x", b"nonsense", sealed.replace(b"body", b"bodies")):
+        with pytest.raises(RemoteProtocolError):
+            wire.open_envelope(bad, A.peer_id)
+    with pytest.raises(RemoteProtocolError, match="max"):
+        wire.open_envelope(sealed, A.peer_id, max_bytes=len(sealed) - 1)
+
+
+async def test_gossip_from_a_non_member_or_forged_or_replayed_is_dropped():
+    me, _ = _forwarding(A)
+    peer, _ = _forwarding(B)
+    outsider, _ = _forwarding(OUTSIDER)
+    me.set_directory(_directory(_node(A), _node(B), _node(OUTSIDER, "another-model")))
+    assert me.members == {B.peer_id}  # a model node of another model is no member
+    me.receive(OUTSIDER.peer_id, outsider.load_envelope())
+    assert me.dropped == {"not_member": 1}
+    me.receive(B.peer_id, wire.seal(OUTSIDER, wire.KIND_LOAD, b"x"))  # not signed by B
+    assert me.dropped["InvalidSignatureError"] == 1
+    report = peer.load_envelope()
+    me.receive(B.peer_id, report)
+    assert me.book.get(B.peer_id) is not None
+    me.receive(B.peer_id, report)  # the same report again: a replay
+    assert me.dropped["load_replayed"] == 1
+    me.receive(B.peer_id, outsider.load_envelope())  # B relaying another node's report
+    assert me.book.get(B.peer_id).seq != 0 and sum(me.dropped.values()) == 4
+
+
+async def test_a_prompt_cached_on_a_peer_is_routed_there_once_its_delta_and_load_arrive():
+    me, _ = _forwarding(A)
+    peer, engine = _forwarding(B)
+    directory = _directory(_node(A), _node(B))
+    me.set_directory(directory)
+    peer.set_directory(directory)
+    prefix = "system prompt shared by the tools, " * 8
+    await engine.complete(prefix + "first question", EngineParams(max_tokens=2))
+    assert peer.absorb_engine_events() > 0
+    assert await me.route(_query(prefix + "second question")) is None  # nothing known yet
+    for envelope in [peer.load_envelope(), *peer.delta_envelopes()]:
+        me.receive(B.peer_id, envelope)
+    assert await me.route(_query(prefix + "second question")) == B.peer_id
+    assert me.decisions["cache_hit"] == 1
+    assert me.book.get(B.peer_id).forwarded == 1  # counted against B until its next report
+    assert await me.route(_query("an unrelated prompt, nothing cached anywhere")) is None
+
+
+async def test_a_gap_in_a_peers_deltas_is_closed_by_its_snapshot():
+    me, _ = _forwarding(A)
+    peer, engine = _forwarding(B)
+    directory = _directory(_node(A), _node(B))
+    me.set_directory(directory)
+    peer.set_directory(directory)
+    await engine.complete("one prompt that fills some blocks " * 4, EngineParams(max_tokens=2))
+    peer.absorb_engine_events()
+    lost = peer.delta_envelopes()  # never delivered
+    await engine.complete("another prompt with other blocks " * 4, EngineParams(max_tokens=2))
+    peer.absorb_engine_events()
+    for envelope in peer.delta_envelopes():
+        me.receive(B.peer_id, envelope)
+    assert lost and B.peer_id in me._need_snapshot
+    me.apply_snapshot(B.peer_id, peer.snapshot_envelope())
+    assert me.tree.prefixes(B.peer_id) == peer.tree.prefixes(B.peer_id)
+    with pytest.raises(RemoteProtocolError):
+        me.apply_snapshot(B.peer_id, peer.load_envelope())  # not a snapshot
+
+
+def test_bad_forwarding_settings_are_config_errors():
+    with pytest.raises(ConfigError, match="hex"):
+        ForwardingConfig(group_key="zz").validate()
+    with pytest.raises(ConfigError, match="bytes"):
+        ForwardingConfig(group_key="11").validate()
+    with pytest.raises(ConfigError, match="load_interval"):
+        dataclasses.replace(CONFIG, load_interval=0).validate()
+    with pytest.raises(ConfigError, match="chunk lengths"):
+        dataclasses.replace(CONFIG, chunk_lengths=[0]).validate()
+    assert ForwardingConfig().key_bytes("m") != ForwardingConfig().key_bytes("n")
