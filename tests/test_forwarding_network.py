@@ -1,0 +1,47 @@
+"""Forwarding on real hosts (sec. 3.3): two model nodes of one group gossip their HR-subtrees and
+load over GossipSub, and a prompt whose prefix B caches, entering at A, is served by B."""
+
+from __future__ import annotations
+
+import trio
+
+from ps_p2p.engines.sim_cost import SimParams
+from ps_p2p.engines.sim_engine import SimEngine
+from ps_p2p.gossip import hr_tree
+from ps_p2p.testing.localnet import open_localnet
+
+FAST = SimParams(prefill_tokens_per_s=1e6, step_time=0.001)
+PREFIX = "You are a tool-using assistant. Tools: " + "search(query), calc(expr); " * 12
+
+
+async def _until(node_forwarding, condition, timeout: float = 30.0) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await node_forwarding.wait_changed()
+
+
+async def test_a_prompt_cached_on_b_entering_at_a_is_served_by_b_with_as_voucher():
+    async with open_localnet(users=6, models=2,
+                             engine_factory=lambda i: SimEngine("sim", FAST)) as net:
+        a, b = net.models
+        fa, fb = a.forwarding, b.forwarding
+        assert fa is not None and fb is not None
+        user = net.users[0].user
+        first = await user.ask(PREFIX + "What is 2+2?", model_node=b.peer_id, max_tokens=4,
+                               timeout=30)
+        assert first.ok and first.served_by == b.peer_id and not first.forwarded_by
+        ids = await a.engine.encode(PREFIX + "What is 3+3?")
+        chain = hr_tree.chunk_hashes(ids, fa.lengths, fa._key)
+        await _until(fa, lambda: b.peer_id in fa.tree.search(chain, 1).peers
+                     and fa.book.fresh(b.peer_id, trio.current_time()))
+        second = await user.ask(PREFIX + "What is 3+3?", model_node=a.peer_id, max_tokens=4,
+                                timeout=30)
+        assert second.ok, second.error
+        assert second.served_by == b.peer_id and second.forwarded_by == a.peer_id
+        assert a.model.forwards["answered"] == 1 and b.model.forwards["received"] == 1
+        assert fa.decisions.get("cache_hit") == 1
+        # streamed through the forward: the text arrives in pieces and matches the answer
+        pieces: list[str] = []
+        third = await user.ask(PREFIX + "What is 4+4?", model_node=a.peer_id, max_tokens=6,
+                               timeout=30, on_text=pieces.append)
+        assert third.ok and third.served_by == b.peer_id and "".join(pieces) == third.text
