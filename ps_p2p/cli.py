@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "byzantine-verifier: one validator equivocates "
                              "(both verifier perturbations need --verifiers >= 4)")
     devnet.add_argument("--limit", type=int, help="send only the first N prompts")
+    devnet.add_argument("--shared-prefix", type=int, default=0, metavar="CHARS",
+                        help="put the same CHARS-character prefix (the first prompt repeated) "
+                             "before every prompt, like a long shared system prompt: model "
+                             "nodes forward to the one that caches it (default 0: none)")
     devnet.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
     devnet.add_argument("--concurrency", type=int, default=4, help="prompts in flight (default 4)")
     devnet.add_argument("--timeout", type=float, default=120.0, help="deadline per prompt, s (default 120)")
@@ -354,6 +358,8 @@ def make_engine(config):  # type: ignore[no-untyped-def]
         base_url=config.vllm_url,
         model_id=config.model_id,
         sim=config.sim,
+        kv_events_endpoint=config.kv_events_endpoint,
+        kv_events_replay_endpoint=config.kv_events_replay_endpoint,
     )
 
 
@@ -631,6 +637,7 @@ def _cmd_devnet(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         engine=args.engine,
         nodes_per_process=args.nodes_per_process,
+        shared_prefix=args.shared_prefix,
         start_timeout=args.start_timeout,
     )
     return run_devnet(options)

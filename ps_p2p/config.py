@@ -238,6 +238,9 @@ class NodeConfig:
         model: model path (HF folder or .gguf) or, with engine "vllm", the served model name;
             with engine "sim", only a name (no weights are loaded).
         engine, vllm_url, device, model_id: inference engine settings (model role).
+        kv_events_endpoint, kv_events_replay_endpoint: vLLM engine: the server's KV-cache event
+            publisher and replay endpoints (ZMQ, e.g. ``tcp://127.0.0.1:5557`` / ``:5558``), so
+            the node's HR-subtree follows the server's prefix cache (forwarding, sec. 3.3).
         sim: the parameters of engine "sim" (table ``[sim]``: cost model, batch, prefix cache;
             :class:`~ps_p2p.engines.sim_cost.SimParams`).
         register_interval: seconds between re-registrations with the verifiers.
@@ -271,6 +274,8 @@ class NodeConfig:
     model: str | None = None
     engine: str = "transformers"
     vllm_url: str = "http://127.0.0.1:8000"
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     device: str = "cpu"
     model_id: str | None = None
     register_interval: float = 30 * SECONDS

@@ -178,6 +178,10 @@ class DevnetOptions:
         engine: ``transformers``, ``instant`` (fake engine, answers at once) or ``sim``
             (modelled latencies, :mod:`ps_p2p.engines.sim_engine`).
         nodes_per_process: nodes per worker process (>= 1).
+        shared_prefix: characters of a shared prefix put before every prompt (0: none): the
+            prompt set's first prompt repeated up to that length, like a long system prompt or
+            document every request shares, so model nodes forward requests to the node that
+            holds its KV cache (sec. 3.3; the JSON report's ``served_by`` / ``forwarded_by``).
         start_timeout: seconds until the network must be ready; None:
             :func:`default_start_timeout`.
         timeout: seconds per prompt.
@@ -202,6 +206,7 @@ class DevnetOptions:
     start_timeout: float | None = None
     engine: str = "transformers"
     nodes_per_process: int = 1
+    shared_prefix: int = 0
 
     @property
     def nodes(self) -> int:
@@ -231,6 +236,8 @@ class DevnetOptions:
             raise ConfigError("--start-timeout must be > 0")
         if self.concurrency < 1:
             raise ConfigError("--concurrency must be >= 1")
+        if not 0 <= self.shared_prefix <= 100_000:
+            raise ConfigError("--shared-prefix must be in 0..100000 characters")
         if self.engine == "transformers":
             if not self.model:
                 raise ConfigError(
@@ -247,6 +254,14 @@ class Prompt:
 
 
 # ---------------------------------------------------------------------- prompts
+
+
+def with_shared_prefix(prompts: list[Prompt], chars: int) -> list[Prompt]:
+    """``prompts`` each preceded by the same ``chars`` characters: the first prompt's text
+    repeated up to that length, then a blank line (``--shared-prefix``)."""
+    seed = prompts[0].text.strip() + " "
+    prefix = (seed * (chars // len(seed) + 1))[:chars]
+    return [Prompt(p.prompt_id, f"{prefix}\n\n{p.text}") for p in prompts]
 
 
 def load_prompts(path: str | os.PathLike[str], limit: int | None = None) -> list[Prompt]:
@@ -877,6 +892,8 @@ async def _devnet(opts: DevnetOptions) -> int:
     assert opts.prompts is not None
     prompts = load_prompts(opts.prompts, opts.limit)
     opts.validate()
+    if opts.shared_prefix:
+        prompts = with_shared_prefix(prompts, opts.shared_prefix)
     engine = opts.engine + (f" engine, model {opts.model}" if opts.engine == "transformers"
                             else " engine")
     print(f"devnet: a committee of {opts.verifiers} verifier(s), "
@@ -949,7 +966,9 @@ async def _devnet(opts: DevnetOptions) -> int:
         summary += (f"; latency median {stats['median']:.0f} ms, p95 {stats['p95']:.0f} ms, "
                     f"p99 {stats['p99']:.0f} ms")
     valid = sum(1 for r in ok if r["signature_valid"])
-    summary += f"; {valid} valid signatures{evidence}; total {time.monotonic() - started:.1f} s"
+    forwarded = sum(1 for r in ok if r.get("forwarded_by"))
+    summary += (f"; {valid} valid signatures; {forwarded} forwarded within the model group"
+                f"{evidence}; total {time.monotonic() - started:.1f} s")
     print(summary, flush=True)
     if opts.json_out:
         print(f"results written to {opts.json_out}")

@@ -427,6 +427,9 @@ class Node:
                     self.model.enable_forwarding(host, self.forwarding.route,
                                                  self.forwarding.is_member)
                     await nursery.start(self.forwarding.run, host, pubsub)
+                serve_kv_events = getattr(self.engine, "serve_kv_events", None)
+                if serve_kv_events is not None:  # vLLM: the server's KV-cache events
+                    await nursery.start(serve_kv_events)
                 await nursery.start(self.model.run)
             if Role.USER in self.roles:
                 assert self.overlay is not None

@@ -60,6 +60,8 @@ def load_engine(
     model_id: str | None = None,
     prefix_cache_blocks: int | None = None,
     sim: SimParams | None = None,
+    kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
 ) -> Engine:
     """A ready engine (blocking: loading a model takes seconds to minutes).
 
@@ -75,6 +77,10 @@ def load_engine(
         prefix_cache_blocks: transformers: blocks of its prefix cache (0: none); None: the
             engine's default.
         sim: sim: its parameters; None: :class:`SimParams` defaults.
+        kv_events_endpoint, kv_events_replay_endpoint: vLLM: where the server publishes its
+            KV-cache events (``--kv-events-config``; DESIGN.md "vLLM 0.33"), e.g.
+            ``tcp://127.0.0.1:5557`` and ``tcp://127.0.0.1:5558``; None: not subscribed (the
+            node's HR-subtree then stays empty and it forwards by load only).
 
     Raises:
         ConfigError: unknown ``kind``; no ``model``; for transformers, no file or folder at
@@ -108,7 +114,9 @@ def load_engine(
 
     from ps_p2p.engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(base_url, model, model_id=model_id)
+    engine = VLLMEngine(base_url, model, model_id=model_id,
+                        kv_events_endpoint=kv_events_endpoint,
+                        kv_events_replay_endpoint=kv_events_replay_endpoint)
     served = engine.served_models_blocking()
     if model not in served:
         raise ConfigError(

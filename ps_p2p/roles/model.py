@@ -367,6 +367,7 @@ class ModelNodeService:
         """Hand ``job`` to ``peer`` and relay its text and verified answer (module docstring);
         any failure goes back to the dispatcher (served here if nothing was streamed yet)."""
         self.forwards["sent"] += 1
+        started = self._clock()
         rid = job.query.request_id.hex()[:8]
         req_hash = responses.request_hash(job.q_bytes)
 
@@ -394,7 +395,8 @@ class ModelNodeService:
             reply, forwarded_by=self.identity.peer_id,
             forward_signature=responses.sign_forward(
                 self.identity, reply.request_id, reply.request_hash, peer))
-        log.info("forwarded %s served by %s", rid, _short(peer))
+        log.info("forwarded %s served by %s in %.0f ms", rid, _short(peer),
+                 (self._clock() - started) * 1000)
         self.driver.submit(functools.partial(
             self.dispatcher.job_finished, job.key, reply.content(), signed=vouched))
 
