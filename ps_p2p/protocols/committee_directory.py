@@ -2,8 +2,9 @@
 
 Every directory is committed by the verifier committee (a lone verifier is a committee of one;
 ``/planetserve/directory/1.0.0``, where each verifier signed its own directory, is gone). Served
-by every verifier of the genesis validator set; one stream carries any number of requests
-(``CommitteeDirectoryRequest`` frames, at most :data:`MAX_REQUEST_BYTES`):
+by every verifier of the genesis validator set; one stream carries up to
+:data:`MAX_REQUESTS_PER_STREAM` requests (``CommitteeDirectoryRequest`` frames, at most
+:data:`MAX_REQUEST_BYTES` each):
 
 * ``register``: the node's own signed record. The server checks that the record names the
   peer ID of the connection (a node registers only itself; the record's signature proves the
