@@ -20,12 +20,12 @@ _DNS_100 = "/dns4/" + "a" * 63 + "." + "b" * 31 + "/tcp/1"  # 100 bytes in binar
 
 
 def make_record(**fields) -> NodeRecord:
-    base = dict(
-        peer_id=ALICE.peer_id, addrs=("/ip4/127.0.0.1/tcp/4001",), roles=frozenset({Role.USER}),
-        onion_key=ONION, issued_at_ms=NOW, expires_at_ms=NOW + 10 * MINUTE,
-    )
-    base.update(fields)
-    return records.sign_record(ALICE, NodeRecord(**base))
+    base = {
+        "peer_id": ALICE.peer_id, "addrs": ("/ip4/127.0.0.1/tcp/4001",),
+        "roles": frozenset({Role.USER}), "onion_key": ONION, "issued_at_ms": NOW,
+        "expires_at_ms": NOW + 10 * MINUTE,
+    }
+    return records.sign_record(ALICE, NodeRecord(**(base | fields)))
 
 
 def wire(pb: records_pb2.NodeRecord) -> records_pb2.NodeRecord:
