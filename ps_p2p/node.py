@@ -2,13 +2,17 @@
 
 :class:`Node` assembles, for the roles in its :class:`~ps_p2p.config.NodeConfig`:
 
-* every role: the host (TCP + Noise + Yamux), the directory client (register the signed node record
-  with the verifiers every ``register_interval`` seconds, fetch and verify the directory every
-  ``directory_refresh`` seconds, feed the records' addresses to the peerstore);
+* every role: the host (TCP + Noise + Yamux), the directory client
+  (:class:`~ps_p2p.directory_client.CommitteeClient`: register the signed node record with the
+  verifier committee every ``register_interval`` seconds, fetch the committed directory and
+  verify its commit every ``directory_refresh`` seconds, feed the records' addresses to the
+  peerstore);
 * user: the overlay service as relay and proxy, and the :class:`~ps_p2p.roles.user.UserClient`;
 * model: the overlay service (as clove destination) and the
   :class:`~ps_p2p.roles.model.ModelNodeService` with its engine;
-* verifier: the :class:`~ps_p2p.protocols.directory.DirectoryService`;
+* verifier: the committee's :class:`~ps_p2p.protocols.consensus.ConsensusService` and the
+  :class:`~ps_p2p.protocols.committee_directory.CommitteeDirectoryService` (without a genesis
+  file, a committee of one: ``<home>/genesis.json`` is written on the first run);
 * observability: :class:`~ps_p2p.metrics.NodeMetrics` (its own Prometheus registry, served on
   ``config.metrics``) and a one-line status log every ``config.status_interval`` seconds.
 
@@ -110,7 +114,7 @@ def directory_refresh_delay(
 
     0.5 s until a directory with peers arrived; 1 s after a refresh that brought a change (a
     network that is changing, or starting up); then doubling with each refresh that brought
-    nothing (1, 2, 4... s) up to ``configured``; never more than half the held head's
+    nothing (1, 2, 4... s) up to ``configured``; never more than half the held directory's
     remaining validity ``head_ttl`` (seconds), nor less than 0.1 s.
     """
     if not has_peers:

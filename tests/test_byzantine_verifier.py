@@ -171,9 +171,11 @@ async def test_users_get_verified_directories_and_answers_beside_a_byzantine_ver
                 await user.wait_directory_update()
 
 
-def test_byzantine_is_for_committee_verifiers_and_never_read_from_a_config_file(tmp_path):
-    with pytest.raises(ConfigError, match="committee verifier"):
-        NodeConfig(roles=["verifier"], byzantine=True).validate()
+def test_byzantine_is_for_verifiers_and_never_read_from_a_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="is for a verifier"):
+        NodeConfig(roles=["user"], bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + KEYS[0].peer_id_str],
+                   byzantine=True).validate()
+    NodeConfig(roles=["verifier"], byzantine=True).validate()  # every verifier is in a committee
     path = tmp_path / "node.toml"
     path.write_text('roles = ["verifier"]\nbyzantine = true\n')
     with pytest.raises(ConfigError, match="unknown config key 'byzantine'"):

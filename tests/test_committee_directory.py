@@ -3,14 +3,21 @@
 signatures of the genesis validators.
 
 The replica core (ps_p2p.consensus.replica) is tested without hosts; the protocol with a local
-committee of real hosts (ps_p2p.testing.committee) and a lying verifier; the whole network
+committee of real hosts (ps_p2p.testing.committee) and a lying verifier, with a committee of one
+and bad peers (malformed, oversized and cut-short frames, forged records, other nodes' records
+and deregistrations), and with blocks executed by hand served from a real host (2000 records of
+the largest size in pages, deltas, a block decided while pages are sent); the whole network
 (4 committee verifiers, a model node, 6 users) with ps_p2p.testing.localnet.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
 import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -33,24 +40,40 @@ from ps_p2p.errors import (
     InvalidDirectoryError,
     RemoteProtocolError,
 )
+from ps_p2p.genesis import genesis_json, parse_genesis_text
 from ps_p2p.keys import Identity, NodeKeys
 from ps_p2p.metrics import status_line
-from ps_p2p.node import Node
+from ps_p2p.node import Node, directory_refresh_delay
+from ps_p2p.pb.planetserve.v1 import directory_pb2
 from ps_p2p.protocols.committee_directory import (
     COMMITTEE_DIRECTORY_PROTOCOL_ID,
+    ERROR_BAD_REQUEST,
+    MAX_REQUEST_BYTES,
+    MAX_RESPONSE_BYTES,
     CommitteeDirectoryService,
+    deregister_from_committee,
     fetch_committed_directory,
     register_with_committee,
 )
-from ps_p2p.protocols.framing import encode_frame
+from ps_p2p.protocols.consensus import ConsensusServiceConfig
+from ps_p2p.protocols.framing import encode_frame, encode_varint, read_frame
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
-from ps_p2p.records import NodeRecord, Role, sign_record
-from ps_p2p.testing.committee import LocalCommittee
+from ps_p2p.protocols.record_codec import record_to_pb
+from ps_p2p.records import (
+    MAX_MODEL_ID_BYTES,
+    MAX_ORGANIZATION_BYTES,
+    NodeRecord,
+    Role,
+    sign_record,
+)
+from ps_p2p.testing.committee import FAST_CONSENSUS, LocalCommittee
 from ps_p2p.testing.localnet import open_localnet, write_genesis
 
 CHAIN = "committee-test"
 T0 = 1_700_000_000_000
 SECOND = 1000
+HOUR = 3600 * SECOND
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 KEYS = [Identity.from_private_bytes(bytes([i]) * 32) for i in range(1, 5)]
 GENESIS = app.Genesis(CHAIN, T0, tuple(Validator(k.peer_id) for k in KEYS),
                       app.AdmissionPolicy(max_records_per_network=100))
@@ -80,8 +103,8 @@ def commit_for(header, signers=KEYS[:3]) -> list[Vote]:
 class Chain:
     """Blocks executed by hand, with their commits, in a verifier's history."""
 
-    def __init__(self) -> None:
-        self.state = app.genesis_state(GENESIS)
+    def __init__(self, genesis: app.Genesis = GENESIS) -> None:
+        self.state = app.genesis_state(genesis)
         self.history = DirectoryHistory(self.state)
 
     def block(self, txs=()):
@@ -253,6 +276,286 @@ async def test_a_node_registers_with_one_verifier_and_every_verifier_serves_it_c
         nursery.cancel_scope.cancel()
 
 
+# ---------------------------------------------------------------------------- bad peers
+
+
+@dataclasses.dataclass
+class One:
+    """A committee of one serving the protocol (as ``Node`` wires it), and a client host."""
+
+    committee: LocalCommittee
+    service: CommitteeDirectoryService
+    host: object
+    me: Identity
+
+    @property
+    def verifier(self) -> bytes:
+        return self.committee.members[0].peer_id
+
+    async def open(self):
+        return await self.host.new_stream(ID(self.verifier), [COMMITTEE_DIRECTORY_PROTOCOL_ID])
+
+    async def fetch_until(self, replica: CommitteeReplica, listed):
+        """Fetch until ``listed(directory)`` holds (a block commits every 0.25 s when idle)."""
+        validator = self.committee.members[0].service
+        with trio.fail_after(20):
+            while True:
+                directory = await fetch_committed_directory(
+                    self.host, self.verifier, replica, now_ms=lambda: time.time_ns() // 1_000_000)
+                if listed(directory):
+                    return directory
+                await validator.wait_committed(validator.validator.committed_height + 1)
+
+
+@pytest.fixture
+async def one(tmp_path):
+    async with trio.open_nursery() as nursery:
+        committee = LocalCommittee(nursery, tmp_path, 1,
+                                   config=ConsensusServiceConfig(empty_block_interval=0.25))
+        with trio.fail_after(30):
+            await committee.start_all()
+            member = committee.members[0]
+            service = CommitteeDirectoryService(
+                lambda: member.service.validator.history,
+                lambda tx: member.service.submit_tx(app.encode_tx(tx)),
+                genesis_text=genesis_json(committee.genesis, FAST_CONSENSUS).encode())
+            await nursery.start(service.serve, member.host)
+            await committee.wait_committed(1)
+        me = Identity.from_private_bytes(b"\x43" * 32)
+        async with open_host(me, [LOOPBACK]) as host:
+            await connect(host, listen_multiaddrs(member.host)[0])
+            yield One(committee, service, host, me)
+        nursery.cancel_scope.cancel()
+
+
+def request(**kind) -> bytes:
+    return encode_frame(directory_pb2.CommitteeDirectoryRequest(**kind).SerializeToString())
+
+
+async def reply(stream) -> directory_pb2.CommitteeDirectoryResponse:
+    with trio.fail_after(5):
+        return directory_pb2.CommitteeDirectoryResponse.FromString(
+            await read_frame(stream, MAX_RESPONSE_BYTES))
+
+
+async def assert_reset(stream) -> None:
+    # py-libp2p's Yamux reports a reset by the remote as the end of the stream
+    with trio.fail_after(5), pytest.raises(StreamError):
+        await stream.read(1)
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_one_stream_serves_several_requests(one):
+    stream = await one.open()
+    mine = user_record(one.me, "/ip4/127.0.0.1/tcp/4001")
+    await stream.write(request(register=record_to_pb(mine)))
+    assert (await reply(stream)).ack.expires_at_ms == mine.expires_at_ms
+    await stream.write(request(genesis=directory_pb2.GetGenesis()))
+    assert parse_genesis_text((await reply(stream)).genesis).genesis == one.committee.genesis
+    await stream.write(request(get=directory_pb2.GetCommittedDirectory(since_height=0)))
+    assert (await reply(stream)).WhichOneof("kind") == "head"
+    assert DeltaPage.decode((await reply(stream)).page, MAX_RESPONSE_BYTES).last
+    await stream.close()
+    assert (one.service.registered, one.service.served, one.service.reset) == (1, 1, 0)
+
+
+async def test_an_empty_request_gets_an_error_reply_and_the_stream_goes_on(one):
+    stream = await one.open()
+    await stream.write(encode_frame(b""))
+    answer = await reply(stream)
+    assert answer.WhichOneof("kind") == "error" and answer.error.code == ERROR_BAD_REQUEST
+    await stream.write(request(genesis=directory_pb2.GetGenesis()))
+    assert (await reply(stream)).WhichOneof("kind") == "genesis"
+    await stream.close()
+
+
+async def test_a_malformed_frame_resets_one_stream_and_the_host_keeps_serving(one, caplog):
+    good, bad = await one.open(), await one.open()
+    with caplog.at_level(logging.WARNING, logger="ps_p2p.protocols.committee_directory"):
+        await bad.write(encode_frame(b"\xff\xff\xff\xff"))
+        await assert_reset(bad)
+    assert any("malformed CommitteeDirectoryRequest" in m for m in warnings(caplog))
+    assert one.service.reset == 1
+    await good.write(request(get=directory_pb2.GetCommittedDirectory(since_height=0)))
+    assert (await reply(good)).WhichOneof("kind") == "head"
+    directory = await fetch_committed_directory(  # a new stream is served and verifies
+        one.host, one.verifier, CommitteeReplica(one.committee.genesis),
+        now_ms=lambda: time.time_ns() // 1_000_000)
+    assert directory.records == ()
+
+
+async def test_an_oversized_length_prefix_resets_the_stream_unread(one, caplog):
+    bad = await one.open()
+    with caplog.at_level(logging.WARNING, logger="ps_p2p.protocols.committee_directory"):
+        await bad.write(encode_varint(MAX_REQUEST_BYTES + 1))  # the body never comes
+        await assert_reset(bad)
+    assert any(f"exceeds the {MAX_REQUEST_BYTES}-byte limit" in m for m in warnings(caplog))
+    mine = user_record(one.me, "/ip4/127.0.0.1/tcp/4001")
+    assert await register_with_committee(one.host, one.verifier, mine) == mine.expires_at_ms
+
+
+async def test_a_frame_cut_short_resets_the_stream(one, caplog):
+    bad = await one.open()
+    with caplog.at_level(logging.WARNING, logger="ps_p2p.protocols.committee_directory"):
+        await bad.write(encode_varint(100) + b"\x12\x00")
+        await bad.close()  # half-close: the stream ends inside the frame
+        await assert_reset(bad)
+    assert any("inside a frame" in m for m in warnings(caplog))
+    assert one.service.reset == 1
+
+
+async def test_a_forged_record_is_refused_with_a_clear_error_and_the_service_keeps_serving(one):
+    mine = user_record(one.me, "/ip4/127.0.0.1/tcp/4001")
+    forged = dataclasses.replace(mine, organization="forged")  # the signature no longer covers it
+    with pytest.raises(RemoteProtocolError, match="registration refused.*not signed by that peer"):
+        await register_with_committee(one.host, one.verifier, forged)
+    assert (one.service.refused, one.service.registered) == (1, 0)
+    await register_with_committee(one.host, one.verifier, mine)
+    directory = await one.fetch_until(CommitteeReplica(one.committee.genesis),
+                                      lambda d: d.record(one.me.peer_id) is not None)
+    assert directory.record(one.me.peer_id) == mine
+
+
+async def test_a_node_deregisters_only_itself(one):
+    mine = user_record(one.me, "/ip4/127.0.0.1/tcp/4001")
+    await register_with_committee(one.host, one.verifier, mine)
+    replica = CommitteeReplica(one.committee.genesis)
+    await one.fetch_until(replica, lambda d: d.record(one.me.peer_id) is not None)
+    chain = one.committee.genesis.chain_id
+    now = time.time_ns() // 1_000_000
+    theirs = app.sign_deregister(who(9), chain, now)  # validly signed, but not by this node
+    with pytest.raises(RemoteProtocolError, match="deregistration refused.*only itself"):
+        await deregister_from_committee(one.host, one.verifier, theirs)
+    await deregister_from_committee(one.host, one.verifier, app.sign_deregister(one.me, chain, now))
+    await one.fetch_until(replica, lambda d: d.record(one.me.peer_id) is None)
+    assert one.service.refused == 1
+
+
+# ---------------------------------------------------------------------------- pages and deltas
+
+
+_DNS_100 = "/dns4/" + "a" * 63 + "." + "b" * 31 + "/tcp/1"  # 100 bytes in binary form
+BIG = app.Genesis(CHAIN, T0, GENESIS.validators, app.AdmissionPolicy(
+    max_records_per_network=10_000, max_records_per_organization=10_000,
+    max_registrations_per_block=500))
+
+
+def max_record(i: int) -> NodeRecord:
+    """A record with every field at its limit (a verifier role is for validators only)."""
+    ident = who(i)
+    return sign_record(ident, NodeRecord(
+        ident.peer_id, tuple(_DNS_100.replace("/tcp/1", f"/tcp/{p}") for p in range(1, 5)),
+        frozenset({Role.USER, Role.MODEL}), ONION, model_id="m" * MAX_MODEL_ID_BYTES,
+        organization="o" * MAX_ORGANIZATION_BYTES, capacity=2**32 - 1,
+        issued_at_ms=T0, expires_at_ms=T0 + HOUR))
+
+
+class SpyService(CommitteeDirectoryService):
+    """Keeps every page it sends; ``between_pages`` runs after the first page of an answer."""
+
+    between_pages = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent: list[DeltaPage] = []
+
+    def snapshot(self, since_height):
+        header, commit, pages = super().snapshot(since_height)
+
+        def tee() -> Iterator[DeltaPage]:
+            for i, page in enumerate(pages):
+                self.sent.append(page)
+                yield page
+                if i == 0 and self.between_pages is not None:
+                    self.between_pages()
+
+        return header, commit, tee()
+
+
+@asynccontextmanager
+async def serving(chain: Chain, **kwargs) -> AsyncIterator[tuple[SpyService, object, bytes]]:
+    """``chain``'s history served from a real host (no consensus), and a client host."""
+    service = SpyService(lambda: chain.history, lambda tx: None, **kwargs)
+    server, client = Identity.from_private_bytes(b"\x51" * 32), Identity.from_private_bytes(
+        b"\x52" * 32)
+    async with open_host(server, [LOOPBACK]) as vhost, open_host(client, [LOOPBACK]) as chost:
+        handlers = service.register_handlers(vhost)
+        await connect(chost, listen_multiaddrs(vhost)[0])
+        try:
+            yield service, chost, server.peer_id
+        finally:
+            await handlers.aclose()
+
+
+def fetch(host, verifier, replica, chain: Chain):
+    return fetch_committed_directory(
+        host, verifier, replica, now_ms=lambda: chain.history.header.time_ms + SECOND)
+
+
+async def test_2000_records_of_the_largest_size_are_fetched_in_pages_under_the_frame_limit():
+    chain = Chain(BIG)
+    for start in range(0, 2000, 500):
+        chain.block([reg(max_record(i)) for i in range(start, start + 500)])
+    chain.block()
+    replica = CommitteeReplica(BIG)
+    async with serving(chain) as (service, host, verifier):
+        directory = await fetch(host, verifier, replica, chain)
+    assert len(directory.records) == 2000 and directory.height == 4
+    assert directory.records == chain.history.served.records.records()
+    frames = [encode_frame(directory_pb2.CommitteeDirectoryResponse(page=p.encode())
+                           .SerializeToString()) for p in service.sent]
+    assert all(len(f) <= MAX_RESPONSE_BYTES for f in frames)
+    whole = sum(len(record_to_pb(r).SerializeToString()) for r in directory.records)
+    assert whole > 5 * MAX_RESPONSE_BYTES  # one frame could never hold it
+    assert len(frames) > whole // MAX_RESPONSE_BYTES
+
+
+async def test_a_delta_fetch_carries_and_verifies_only_what_changed():
+    chain = Chain()
+    chain.block([reg(record(i)) for i in range(1, 21)])
+    chain.block()
+    replica = CommitteeReplica(GENESIS)
+    async with serving(chain) as (service, host, verifier):
+        await fetch(host, verifier, replica, chain)
+        checks = replica.cache.checks
+        renewed, added = record(3, issued=T0 + 1), record(21)
+        chain.block([reg(renewed), reg(added),
+                     app.encode_tx(app.sign_deregister(who(5), CHAIN, T0 + SECOND))])
+        chain.block()
+        service.sent.clear()
+        directory = await fetch(host, verifier, replica, chain)
+    assert replica.cache.checks == checks + 2  # only the two new records were verified
+    assert set(replica.last_changed) == {renewed, added}
+    assert directory.record(who(5).peer_id) is None and len(directory.records) == 20
+    delta = b"".join(p.data for p in service.sent)
+    assert [r for r in directory.records if r.signature in delta] == sorted(
+        [renewed, added], key=lambda r: r.peer_id)
+
+
+async def test_a_block_decided_while_pages_are_sent_changes_nothing_in_them():
+    chain = Chain()
+    chain.block([reg(record(i)) for i in range(1, 41)])
+    chain.block()
+    replica = CommitteeReplica(GENESIS)
+    async with serving(chain, page_bytes=256) as (service, host, verifier):
+        def decide() -> None:  # one record added, one removed, between the first page and the rest
+            service.between_pages = None
+            chain.block([reg(record(41)),
+                         app.encode_tx(app.sign_deregister(who(1), CHAIN, T0 + SECOND))])
+            chain.block()
+
+        service.between_pages = decide
+        first = await fetch(host, verifier, replica, chain)
+        assert len(service.sent) > 10
+        assert len(first.records) == 40 and first.record(who(41).peer_id) is None
+        second = await fetch(host, verifier, replica, chain)
+    assert second.height == first.height + 2
+    assert second.record(who(41).peer_id) is not None and second.record(who(1).peer_id) is None
+
+
 # ---------------------------------------------------------------------------------- node
 
 
@@ -273,6 +576,16 @@ def test_a_missing_genesis_file_is_a_config_error(tmp_path):
     config = NodeConfig(roles=["verifier"], genesis=str(tmp_path / "nope.json"))
     with pytest.raises(ConfigError, match="cannot read genesis"):
         Node(config, NodeKeys.generate())
+
+
+def test_refresh_backs_off_while_nothing_changes_and_is_fast_after_a_change():
+    def delay(quiet: int, *, has_peers: bool = True, head_ttl: float | None = 120.0) -> float:
+        return directory_refresh_delay(
+            configured=5.0, quiet_refreshes=quiet, has_peers=has_peers, head_ttl=head_ttl)
+
+    assert [delay(q) for q in range(6)] == [1.0, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert delay(0, has_peers=False) == 0.5
+    assert delay(9, head_ttl=3.0) == 1.5  # refresh before the held directory expires
 
 
 async def test_users_of_a_committee_network_get_a_verified_directory_and_answers():

@@ -170,13 +170,13 @@ def test_a_committee_devnet_answers_every_prompt_while_a_validator_is_killed(tmp
 
     done = _devnet(
         tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 6)),
-        "--users", "6", "--models", "1", "--verifiers", "4", "--committee",
+        "--users", "6", "--models", "1", "--verifiers", "4",
         "--nodes-per-process", "4", "--concurrency", "2", "--timeout", "60",
         "--perturb", "kill-verifier", "--json", str(out), "--workdir", str(work),
     )
 
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "4 verifiers (a committee)" in done.stdout
+    assert "a committee of 4 verifier(s)" in done.stdout
     assert "answered 6/6 prompts" in done.stdout and "killed verifier3" in done.stdout
     assert (work / "genesis.json").is_file()
     assert all((work / "homes" / f"verifier{i}" / "consensus.sqlite").is_file() for i in range(4))
@@ -184,28 +184,27 @@ def test_a_committee_devnet_answers_every_prompt_while_a_validator_is_killed(tmp
     assert all(r["ok"] and r["signature_valid"] for r in rows), rows
 
 
-def test_kill_verifier_needs_a_committee_of_four(tmp_path):
+@pytest.mark.parametrize("perturb", ["kill-verifier", "byzantine-verifier"])
+def test_verifier_perturbations_need_a_committee_of_four(tmp_path, perturb):
     done = _devnet(tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 1)),
-                   "--verifiers", "3", "--committee", "--perturb", "kill-verifier", timeout=60)
+                   "--verifiers", "3", "--perturb", perturb, timeout=60)
 
     assert done.returncode == 2
-    assert "kill-verifier needs" in done.stderr
-
-
-@pytest.mark.parametrize("args", [["--verifiers", "4", "--no-committee"],
-                                  ["--verifiers", "3", "--committee"]])
-def test_byzantine_verifier_needs_a_committee_of_four(tmp_path, args):
-    done = _devnet(tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 1)),
-                   *args, "--perturb", "byzantine-verifier", timeout=60)
-
-    assert done.returncode == 2
-    assert "byzantine-verifier needs --committee" in done.stderr
+    assert f"--perturb {perturb} needs --verifiers >= 4" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--committee", "--no-committee"])
+def test_the_verifiers_are_always_a_committee(tmp_path, flag):
+    done = _devnet(tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 1)),
+                   flag, timeout=60)
+
+    assert done.returncode == 2
+    assert f"unrecognized arguments: {flag}" in done.stderr
 
 
 @pytest.mark.slow
 def test_a_committee_devnet_with_a_byzantine_verifier_answers_and_commits_evidence(tmp_path):
-    """Four verifiers are a committee by default (no --committee given)."""
     out = tmp_path / "results.jsonl"
     work = tmp_path / "work"
 
@@ -217,7 +216,7 @@ def test_a_committee_devnet_with_a_byzantine_verifier_answers_and_commits_eviden
     )
 
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "4 verifiers (a committee)" in done.stdout
+    assert "a committee of 4 verifier(s)" in done.stdout
     assert "verifier3" in done.stdout and "is a byzantine validator" in done.stdout
     summary = re.search(r"answered 6/6 prompts.*; (\d+) equivocation evidence committed "
                         r"\(against verifier3\)", done.stdout)

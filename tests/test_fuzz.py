@@ -11,7 +11,9 @@ from ps_p2p.testing.fuzz import FuzzConfig, iter_report_lines, message_classes, 
 def test_root_messages_come_from_the_proto_header_that_names_the_protocol():
     classes = message_classes()
     assert root_messages("/planetserve/onion/1.0.0", classes) == [onion_pb2.OnionFrame]
-    assert root_messages("/planetserve/directory/1.0.0", classes) == [directory_pb2.DirectoryRequest]
+    assert root_messages("/planetserve/directory/2.0.0", classes) == [
+        directory_pb2.CommitteeDirectoryRequest
+    ]
     assert clove_pb2.CloveFrame in root_messages("/planetserve/clove/1.0.0", classes)
     assert root_messages("/planetserve/unheard-of/1.0.0", classes)  # falls back to every message
 

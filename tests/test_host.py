@@ -1,7 +1,6 @@
-"""Hosts as every role runs them (ps_p2p.protocols.host): Yamux, ping and identify, connection
-limits that are released when connections close, and listen addresses that are never shared.
-
-(That a plaintext dialer is refused is in tests/test_directory.py.)
+"""Hosts as every role runs them (ps_p2p.protocols.host): Noise only (a plaintext dialer is
+refused), Yamux, ping and identify, connection limits that are released when connections close,
+and listen addresses that are never shared.
 """
 
 from __future__ import annotations
@@ -13,15 +12,20 @@ import re
 import socket
 from contextlib import AsyncExitStack
 
+import multiaddr
 import pytest
 import trio
+from libp2p import new_host
 from libp2p.abc import INotifee
 from libp2p.custom_types import TProtocol
 from libp2p.host.ping import ID as PING_PROTOCOL_ID
 from libp2p.host.ping import perform_ping_roundtrip
 from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL_ID
+from libp2p.network.config import RetryConfig
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.host import (
@@ -48,6 +52,26 @@ async def test_hosts_connect_over_noise_and_yamux_and_answer_ping():
             rtt_ms = await perform_ping_roundtrip(stream)
         assert rtt_ms >= 0
         assert type(conn.muxed_conn).__name__ == "Yamux"  # never Mplex (5x slower for bulk data)
+        await stream.close()
+
+
+async def test_a_plaintext_only_host_cannot_connect_and_the_host_keeps_serving_noise_peers():
+    server_id, plain_id, noise_id = Identity.generate(), Identity.generate(), Identity.generate()
+    key_pair = plain_id.libp2p_key_pair()
+    plain = new_host(key_pair=key_pair, sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(key_pair)})
+    plain.get_network().retry_config = RetryConfig(max_retries=0)
+    async with open_host(server_id, ["/ip4/127.0.0.1/tcp/0"]) as server, open_host(
+        noise_id, ["/ip4/127.0.0.1/tcp/0"]
+    ) as noise:
+        (addr,) = listen_multiaddrs(server)
+        async with plain.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            with trio.fail_after(10), pytest.raises(Exception, match="unable to connect"):
+                await plain.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
+            assert not server.get_network().get_connections(ID(plain_id.peer_id))
+        with trio.fail_after(10):
+            await connect(noise, addr)
+            stream = await noise.new_stream(ID(server_id.peer_id), [PING_PROTOCOL_ID])
+            assert await perform_ping_roundtrip(stream) >= 0
         await stream.close()
 
 

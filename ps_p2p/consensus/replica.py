@@ -1,14 +1,14 @@
 """A node's verified copy of the committee's directory, brought up to date by deltas; pure.
 
-The committee-mode counterpart of :class:`ps_p2p.records.DirectoryReplica` (PlanetServe
-sec. 3.4): a user or model node holds the registry state at some height S, asks any verifier
+How every user and model node follows the directory (PlanetServe sec. 3.4): it holds the
+registry state at some height S, asks any verifier
 for what changed since S, and adopts the answer only when
 :func:`~ps_p2p.consensus.directory.verify_directory` accepts it against the *genesis*
 validator set: a commit of more than 2/3 of the genesis voting power (2f+1 of N = 3f+1 equal
 validators) over block H's header, whose app hash is that of the state at H - 1 that the pages
 describe (the Tendermint convention: header H+1 carries the app hash after block H). What the
-node then uses is a plain :class:`~ps_p2p.records.Directory`, the same type the
-single-verifier mode produces, so path and model choice do not know which mode verified it.
+node then uses is a plain :class:`~ps_p2p.records.Directory`, so path and model choice know
+nothing of commits.
 
 A lying verifier can only make the node refuse its answer (:class:`InvalidCommitError` for
 fewer than 2f+1 signatures or a forged commit, :class:`InvalidDirectoryError` for pages that do
@@ -52,8 +52,7 @@ class CommitteeReplica:
         view: the last verified :class:`DirectoryView` (None before the first).
         directory: the same records as a :class:`Directory` (height = the state's height,
             ``issued_at_ms`` = the covering header's block time, ``expires_at_ms`` =
-            that + ``max_age_ms``, no verifier signatures: the commit is in ``view.header``'s
-            commit, checked here).
+            that + ``max_age_ms``; the commit over that header was checked here).
         last_changed: records added or changed by the last :meth:`apply` (all after a reset).
         source: the verifier of the last accepted answer (any verifier serves the same chain,
             so it is only a preference for the next fetch).

@@ -9,11 +9,13 @@
 * :mod:`~ps_p2p.protocols.onion_setup`, :mod:`~ps_p2p.protocols.clove_relay`,
   :mod:`~ps_p2p.protocols.delivery` -- the overlay's three protocols, composed by
   :mod:`~ps_p2p.protocols.overlay`;
-* :mod:`~ps_p2p.protocols.directory` -- registration and the paged directory;
+* :mod:`~ps_p2p.protocols.committee_directory` -- registration with the verifier committee and
+  its committed directory in pages;
 * :mod:`~ps_p2p.protocols.consensus` -- a verifier's consensus among the committee (with
   :mod:`~ps_p2p.protocols.consensus_codec` and :mod:`~ps_p2p.protocols.blocksync`);
-* :mod:`~ps_p2p.protocols.inference_codec`, :mod:`~ps_p2p.protocols.clove_codec` -- protobuf
-  conversion of Q, the response and cloves.
+* :mod:`~ps_p2p.protocols.inference_codec`, :mod:`~ps_p2p.protocols.clove_codec`,
+  :mod:`~ps_p2p.protocols.record_codec` -- protobuf conversion of Q, the response, cloves and
+  node records.
 
 A stream handler only decodes a frame (a frame that does not parse resets that one stream) and
 hands the input to the task that owns the core; nothing a peer sends can stop a node.

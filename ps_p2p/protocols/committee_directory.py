@@ -1,9 +1,10 @@
 """``/planetserve/directory/2.0.0``: registration and the committee's directory (sec. 3.4).
 
-The committee mode of the directory protocol (the single-verifier ``/planetserve/directory/
-1.0.0`` of :mod:`ps_p2p.protocols.directory` stays for nodes without a genesis file). Served by
-every verifier of the genesis validator set; one stream carries any number of requests
-(``CommitteeDirectoryRequest`` frames, at most :data:`MAX_REQUEST_BYTES`):
+Every directory is committed by the verifier committee (a lone verifier is a committee of one;
+``/planetserve/directory/1.0.0``, where each verifier signed its own directory, is gone). Served
+by every verifier of the genesis validator set; one stream carries up to
+:data:`MAX_REQUESTS_PER_STREAM` requests (``CommitteeDirectoryRequest`` frames, at most
+:data:`MAX_REQUEST_BYTES` each):
 
 * ``register``: the node's own signed record. The server checks that the record names the
   peer ID of the connection (a node registers only itself; the record's signature proves the
@@ -27,7 +28,11 @@ every verifier of the genesis validator set; one stream carries any number of re
   A node started without a genesis file asks one of the verifiers it was configured with
   (:func:`fetch_genesis`) and accepts the answer only when every validator it names is one of
   those verifiers (:class:`~ps_p2p.directory_client.CommitteeClient`): it then trusts exactly
-  whom it was told to trust, and a committee of one is the old single verifier.
+  whom it was told to trust.
+
+An ``error`` reply carries one of the ``ERROR_*`` codes (``ErrorReply.code``) and a message for
+people. The record itself travels as ``planetserve.v1.NodeRecord``
+(:mod:`ps_p2p.protocols.record_codec`).
 
 The client (:func:`fetch_committed_directory`) trusts nothing it reads: it bounds every frame
 and the whole delta, and :class:`~ps_p2p.consensus.replica.CommitteeReplica` verifies the
@@ -59,15 +64,9 @@ from ps_p2p.consensus.types import Vote
 from ps_p2p.errors import LocalProtocolError, PsError, RemoteProtocolError
 from ps_p2p.pb.planetserve.v1 import directory_pb2
 from ps_p2p.protocols import consensus_codec as cc
-from ps_p2p.protocols.directory import (
-    ERROR_BAD_REQUEST,
-    ERROR_REFUSED,
-    ERROR_UNAVAILABLE,
-    record_from_pb,
-    record_to_pb,
-)
 from ps_p2p.protocols.framing import encode_frame, read_frame
 from ps_p2p.protocols.handlers import StreamHandlers, reset_quietly
+from ps_p2p.protocols.record_codec import record_from_pb, record_to_pb
 from ps_p2p.protocols.wire import parse
 from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.records.types import Directory, NodeRecord
@@ -88,6 +87,16 @@ MAX_REQUESTS_PER_STREAM = 1024
 MAX_GENESIS_FRAME_BYTES = MAX_RESPONSE_BYTES - 1024
 #: A delta larger than this (bytes) is verified in a worker thread.
 THREAD_VERIFY_BYTES = 64 * 1024
+
+# ErrorReply codes (2 and 3 were directory/1.0.0's bad signature and expired record; a
+# refused transaction is ERROR_REFUSED whatever the reason, which its message gives).
+#: An empty request (no ``kind`` set).
+ERROR_BAD_REQUEST = 1
+#: Well-formed but not taken: not the sender's own record or deregistration, or refused by the
+#: committee's ``check_tx`` (bad signature, expired, older than the listed record, a cap...).
+ERROR_REFUSED = 4
+#: The verifier cannot answer now: no block committed yet, or it serves no genesis.
+ERROR_UNAVAILABLE = 5
 
 #: What a directory snapshot is: block H's header, its commit, and the pages of the state at
 #: H - 1 (a generator whose first page fixes the snapshot).
@@ -445,6 +454,9 @@ async def fetch_committed_directory(
 
 __all__ = [
     "COMMITTEE_DIRECTORY_PROTOCOL_ID",
+    "ERROR_BAD_REQUEST",
+    "ERROR_REFUSED",
+    "ERROR_UNAVAILABLE",
     "MAX_GENESIS_FRAME_BYTES",
     "MAX_REQUEST_BYTES",
     "MAX_RESPONSE_BYTES",

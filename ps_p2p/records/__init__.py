@@ -1,13 +1,12 @@
-"""Node records, the directory and the verifiers' registry (PlanetServe sec. 3.2, 3.4), pure.
+"""Node records, record sets and their validation (PlanetServe sec. 3.2, 3.4), pure.
 
 A *node record* is what a node tells the network about itself: peer ID, multiaddrs, roles, the
 X25519 onion key its relays use, model ID, organization, capacity and validity window, signed by
-its identity key (Ed25519, RFC 8032). The *directory* is the set of live records at a registry
-height. Verifiers sign only its *head* (height, validity window, record count and a digest of
-the whole set); the records travel in bounded pages and deltas ("what changed since height H"),
-and a client checks that the set it assembled has the signed digest. Once consensus lands a head
-carries 2f+1 signatures (a quorum certificate) and :func:`verify_head` already takes the quorum
-as a parameter.
+its identity key (Ed25519, RFC 8032). A *record set* holds one record per peer ID with an
+incrementally kept root; the *directory* is the set the verifier committee committed at a
+height. The committee (:mod:`ps_p2p.consensus`) is what commits it: a record is listed when a
+block carrying its REGISTER transaction is decided, and a node trusts a directory only with a
+commit of more than 2/3 of the genesis validators (a lone verifier is a committee of one).
 
 One module per concern, imports pointing down only (each imports only those above it; the
 two marked * name the types for annotations only)::
@@ -15,32 +14,27 @@ two marked * name the types for annotations only)::
     limits       sizes (bytes), times (unix ms), bounds, domain-separation prefixes
     peer_ids     Ed25519 identity-multihash peer IDs: the key inside, the short log form
     multiaddrs   binary multiaddrs: text -> bytes, strict parse of a peer's bytes (memoized)
-    canonical *  the canonical byte strings signatures cover (record, head, response, clove)
+    canonical *  the canonical byte strings signatures cover (record, response, clove)
     recordset *  the record set and its incremental two-level root (256 buckets)
-    types        Role, NodeRecord, VerifierSignature, DirectoryHead, Directory, DirectoryPage
-    signatures   Ed25519 sign_* and verify_signature (libsodium via PyNaCl)
-    validation   check_record*, VerifiedCache, verify_head, verify_directory
-    registry     Registry: a verifier's records, heights and deltas (server side)
-    replica      DirectoryReplica, ReplicaUpdate: a client's verified copy (client side)
+    types        Role, NodeRecord, Directory
+    signatures   Ed25519 sign_record and verify_signature (libsodium via PyNaCl)
+    validation   check_record*, VerifiedCache
 
 Every public name is re-exported here, so ``from ps_p2p.records import NodeRecord`` and
-``records.Registry`` keep working; import from a concern module where that reads clearer.
+``records.check_record`` work; import from a concern module where that reads clearer.
 
 Nothing here does I/O, reads a clock or imports trio, libp2p or the generated protobuf modules:
-times come in as ``now_ms`` (unix milliseconds). The wire forms of these types are in
-:mod:`ps_p2p.protocols.directory`.
+times come in as ``now_ms`` (unix milliseconds). The wire form of a record is in
+:mod:`ps_p2p.protocols.record_codec`.
 """
 
 from ps_p2p.records.canonical import (
     clove_signing_bytes,
-    directory_signing_bytes,
-    head_signing_bytes,
     record_signing_bytes,
     response_signing_bytes,
 )
 from ps_p2p.records.limits import (
     CLOVE_DOMAIN,
-    DIRECTORY_DOMAIN,
     HOUR_MS,
     MAX_ADDR_BYTES,
     MAX_ADDRS,
@@ -55,7 +49,6 @@ from ps_p2p.records.limits import (
     RECORD_DOMAIN,
     RECORD_LEAF_DOMAIN,
     RECORD_SET_DOMAIN,
-    REPUBLISH_AFTER_MS,
     RESPONSE_DOMAIN,
     ROOT_BUCKETS,
     SECOND_MS,
@@ -65,29 +58,12 @@ from ps_p2p.records.limits import (
 from ps_p2p.records.multiaddrs import check_multiaddr, multiaddr_bytes
 from ps_p2p.records.peer_ids import public_key_from_peer_id, short_peer_id
 from ps_p2p.records.recordset import RecordSet, record_leaf, record_set_root
-from ps_p2p.records.registry import Registry
-from ps_p2p.records.replica import DirectoryReplica, ReplicaUpdate
-from ps_p2p.records.signatures import sign_directory, sign_head, sign_record, verify_signature
-from ps_p2p.records.types import (
-    Directory,
-    DirectoryHead,
-    DirectoryPage,
-    NodeRecord,
-    Role,
-    Signer,
-    VerifierSignature,
-)
-from ps_p2p.records.validation import (
-    VerifiedCache,
-    check_record,
-    check_record_fields,
-    verify_directory,
-    verify_head,
-)
+from ps_p2p.records.signatures import sign_record, verify_signature
+from ps_p2p.records.types import Directory, NodeRecord, Role, Signer
+from ps_p2p.records.validation import VerifiedCache, check_record, check_record_fields
 
 __all__ = [
     "CLOVE_DOMAIN",
-    "DIRECTORY_DOMAIN",
     "HOUR_MS",
     "MAX_ADDRS",
     "MAX_ADDR_BYTES",
@@ -102,30 +78,21 @@ __all__ = [
     "RECORD_DOMAIN",
     "RECORD_LEAF_DOMAIN",
     "RECORD_SET_DOMAIN",
-    "REPUBLISH_AFTER_MS",
     "RESPONSE_DOMAIN",
     "ROOT_BUCKETS",
     "SECOND_MS",
     "SIGNATURE_BYTES",
     "VERIFIED_CACHE_ENTRIES",
     "Directory",
-    "DirectoryHead",
-    "DirectoryPage",
-    "DirectoryReplica",
     "NodeRecord",
     "RecordSet",
-    "Registry",
-    "ReplicaUpdate",
     "Role",
     "Signer",
     "VerifiedCache",
-    "VerifierSignature",
     "check_multiaddr",
     "check_record",
     "check_record_fields",
     "clove_signing_bytes",
-    "directory_signing_bytes",
-    "head_signing_bytes",
     "multiaddr_bytes",
     "public_key_from_peer_id",
     "record_leaf",
@@ -133,10 +100,6 @@ __all__ = [
     "record_signing_bytes",
     "response_signing_bytes",
     "short_peer_id",
-    "sign_directory",
-    "sign_head",
     "sign_record",
-    "verify_directory",
-    "verify_head",
     "verify_signature",
 ]

@@ -1,4 +1,4 @@
-"""The canonical byte strings that record, head, response and clove signatures cover, pure.
+"""The canonical byte strings that record, response and clove signatures cover, pure.
 
 Every signature covers a canonical byte string with a domain-separation prefix
 (:mod:`ps_p2p.records.limits`) and length-prefixed fields (DESIGN.md "Wire"), never a
@@ -7,16 +7,15 @@ re-serialized protobuf::
     record    = b"planetserve/v1/node-record\\x00" || bytes(peer_id) || u32(#addrs) || bytes(addr)*
                 || u32(#roles) || u32(role)* (ascending) || bytes(onion_key) || str(model_id)
                 || str(organization) || u64(capacity) || u64(issued_at_ms) || u64(expires_at_ms)
-    head      = b"planetserve/v1/directory-head\\x00" || u64(height) || u64(issued_at_ms)
-                || u64(expires_at_ms) || u32(#records) || bytes(root)
     response  = b"planetserve/v1/response\\x00" || bytes(request_id) || bytes(request hash)
                 || bytes(content digest) || u64(signed_at_ms) || bytes(model node peer ID)
     clove     = b"planetserve/v1/response-clove\\x00" || message_id || SHA-256(clove)
 
 where ``bytes(b) = u32(len(b)) || b``, ``str(s) = bytes(utf8(s))``, integers are big-endian and
-``addr`` is a multiaddr in its binary form (what the record stores and what was validated). The
-``root`` of a head is :func:`~ps_p2p.records.recordset.record_set_root` (32 bytes). Sources:
-PlanetServe sec. 3.2 (node records, signed responses) and sec. 3.4 (the verifiers' directory).
+``addr`` is a multiaddr in its binary form (what the record stores and what was validated).
+Source: PlanetServe sec. 3.2 (node records, signed responses). The committee's own signed bytes
+(votes, transactions, block headers) are in :mod:`ps_p2p.consensus`, built from :func:`lp`,
+:func:`u32` and :func:`u64` here.
 
 Bytes only: the signing and checking (Ed25519, RFC 8032) are in
 :mod:`ps_p2p.records.signatures` and :mod:`ps_p2p.records.validation`.
@@ -31,14 +30,13 @@ from typing import TYPE_CHECKING
 from ps_p2p.errors import LocalProtocolError, RemoteProtocolError
 from ps_p2p.records.limits import (
     CLOVE_DOMAIN,
-    DIRECTORY_DOMAIN,
     RECORD_DOMAIN,
     RESPONSE_DOMAIN,
     UINT64_BOUND,
 )
 
-if TYPE_CHECKING:  # annotations only: types.Directory.head() needs recordset, which needs this
-    from ps_p2p.records.types import Directory, DirectoryHead, NodeRecord
+if TYPE_CHECKING:  # annotations only: types comes after this module (records/__init__.py)
+    from ps_p2p.records.types import NodeRecord
 
 # ---------------------------------------------------------------------------------- encoding
 
@@ -92,36 +90,6 @@ def record_signing_bytes(record: NodeRecord) -> bytes:
     return b"".join(parts)
 
 
-def head_signing_bytes(head: DirectoryHead) -> bytes:
-    """The canonical byte string a verifier signs (module docstring).
-
-    Raises:
-        LocalProtocolError: an integer out of its wire range.
-    """
-    try:
-        return (
-            DIRECTORY_DOMAIN
-            + u64(head.height)
-            + u64(head.issued_at_ms)
-            + u64(head.expires_at_ms)
-            + u32(head.record_count)
-            + lp(bytes(head.root))
-        )
-    except (struct.error, TypeError) as exc:
-        raise LocalProtocolError(f"directory head field out of range: {exc}") from exc
-
-
-def directory_signing_bytes(directory: Directory) -> bytes:
-    """What a verifier signs for a whole directory: :func:`head_signing_bytes` of its head.
-
-    The verifier signatures are not covered, so verifiers sign independently. O(records).
-
-    Raises:
-        LocalProtocolError: an integer out of its wire range.
-    """
-    return head_signing_bytes(directory.head())
-
-
 def clove_signing_bytes(message_id: bytes, clove: bytes) -> bytes:
     """What a model node signs for each response clove it sends: the response's message ID and
     the SHA-256 of the serialized clove. A user then tells a clove its proxy altered (bad
@@ -165,8 +133,6 @@ def response_signing_bytes(
 
 __all__ = [
     "clove_signing_bytes",
-    "directory_signing_bytes",
-    "head_signing_bytes",
     "lp",
     "lps",
     "record_signing_bytes",

@@ -6,8 +6,8 @@ about 720 bytes as a protobuf (:data:`MAX_RECORD_WIRE_BYTES` bounds it at 1 KiB)
     peer ID 38 | multiaddrs 4 x <= 100 (binary) | roles <= 3 | onion key 32 | model ID <= 64
     | organization <= 64 | capacity, issue and expiry times | signature 64
 
-Times are unix milliseconds (``*_MS``); the lifetime, republish and clock-skew bounds are those of
-the registry of PlanetServe sec. 3.4. Every signature covers a byte string that starts with one
+Times are unix milliseconds (``*_MS``); the lifetime and clock-skew bounds are those of the
+registry of PlanetServe sec. 3.4 (:mod:`ps_p2p.consensus.app` applies them). Every signature covers a byte string that starts with one
 of the ``*_DOMAIN`` prefixes (DESIGN.md "Wire"; the layouts are in
 :mod:`ps_p2p.records.canonical` and :mod:`ps_p2p.records.recordset`), so a signature made for one
 kind of message never verifies as another. Integers on the wire are u32 or u64, big-endian:
@@ -39,15 +39,13 @@ ONION_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 #: Longest validity window of a record (expires_at_ms - issued_at_ms).
 MAX_RECORD_LIFETIME_MS = 24 * HOUR_MS
-#: A renewal with unchanged content replaces the published record once that one is this old.
-REPUBLISH_AFTER_MS = 12 * HOUR_MS
 #: How far in the future a record or directory may be issued (clock skew allowance).
 MAX_CLOCK_SKEW_MS = 5 * MINUTE_MS
-#: Default bound of a :class:`~ps_p2p.records.Registry` and of a
-#: :class:`~ps_p2p.records.DirectoryReplica`.
+#: Default bound of the committee's registry (``AdmissionPolicy.max_records``) and of what a
+#: node takes from a verifier.
 MAX_RECORDS = 100_000
-#: Default bound of the verified-record cache of a :class:`~ps_p2p.records.DirectoryReplica`
-#: (~150 bytes each).
+#: Default bound of a :class:`~ps_p2p.records.VerifiedCache` (a node's verified records, ~150
+#: bytes each).
 VERIFIED_CACHE_ENTRIES = 2 * MAX_RECORDS
 #: Number of buckets of the record-set root.
 ROOT_BUCKETS = 256
@@ -60,7 +58,6 @@ UINT64_BOUND = 2**64
 # ---------------------------------------------------------------------------------- domains
 
 RECORD_DOMAIN = b"planetserve/v1/node-record\x00"
-DIRECTORY_DOMAIN = b"planetserve/v1/directory-head\x00"
 RECORD_LEAF_DOMAIN = b"planetserve/v1/record-leaf\x00"
 RECORD_SET_DOMAIN = b"planetserve/v1/record-set\x00"
 RESPONSE_DOMAIN = b"planetserve/v1/response\x00"
@@ -68,7 +65,6 @@ CLOVE_DOMAIN = b"planetserve/v1/response-clove\x00"
 
 __all__ = [
     "CLOVE_DOMAIN",
-    "DIRECTORY_DOMAIN",
     "HOUR_MS",
     "MAX_ADDRS",
     "MAX_ADDR_BYTES",
@@ -83,7 +79,6 @@ __all__ = [
     "RECORD_DOMAIN",
     "RECORD_LEAF_DOMAIN",
     "RECORD_SET_DOMAIN",
-    "REPUBLISH_AFTER_MS",
     "RESPONSE_DOMAIN",
     "ROOT_BUCKETS",
     "SECOND_MS",

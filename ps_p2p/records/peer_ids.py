@@ -7,7 +7,7 @@ Data: 32 bytes}`` (libp2p peer-ids spec), 38 bytes::
 
 so the raw Ed25519 key (RFC 8032) is read out of the peer ID with no lookup, and byte 6 is the
 first byte of the key (the bucket of :mod:`ps_p2p.records.recordset`). Signatures (records,
-heads, responses) are checked only under this kind of peer ID. :func:`short_peer_id` is what
+responses, votes) are checked only under this kind of peer ID. :func:`short_peer_id` is what
 logs and errors show of a peer: the last 8 base58 characters.
 """
 

@@ -1,8 +1,8 @@
 """The record set of a directory and its root, kept up to date incrementally, pure.
 
-Verifiers sign only a directory's head (PlanetServe sec. 3.4); the head commits to the whole set
-of records through its *root*, a two-level hash (a Merkle tree of fixed shape, so one change
-costs one bucket, not the whole set)::
+The committee's app hash commits to the whole set of node records (PlanetServe sec. 3.4;
+:mod:`ps_p2p.consensus.app`) through its *root*, a two-level hash (a Merkle tree of fixed shape,
+so one change costs one bucket, not the whole set)::
 
     leaf(r)   = SHA-256(b"planetserve/v1/record-leaf\\x00" || bytes(record(r)) || bytes(sig(r)))
     bucket(b) = SHA-256(leaf(r) for the records r with peer_id[6] == b, ascending peer ID)
@@ -28,7 +28,7 @@ from ps_p2p.records.canonical import lp, record_signing_bytes, u32
 from ps_p2p.records.limits import RECORD_LEAF_DOMAIN, RECORD_SET_DOMAIN, ROOT_BUCKETS
 from ps_p2p.records.peer_ids import ED25519_PEER_ID_PREFIX
 
-if TYPE_CHECKING:  # annotations only: types.Directory.head() needs this module
+if TYPE_CHECKING:  # annotations only: types comes after this module (records/__init__.py)
     from ps_p2p.records.types import NodeRecord
 
 #: The byte of a peer ID that picks its bucket: the first byte of its Ed25519 key.
@@ -158,8 +158,8 @@ class RecordSet:
 def record_set_root(records: Iterable[NodeRecord]) -> bytes:
     """The root of a list of records (module docstring); O(records).
 
-    A list naming one peer ID twice has the root of the set that keeps the last of them; the
-    count in a head tells the two apart.
+    A list naming one peer ID twice has the root of the set that keeps the last of them (a
+    caller that takes a list from a peer refuses duplicates first).
     """
     return RecordSet(records).root()
 

@@ -1,10 +1,10 @@
-"""Ed25519 signing and checking of records, heads and directories (RFC 8032), pure.
+"""Ed25519 signing of node records and checking of any signature by a peer ID (RFC 8032), pure.
 
-A node signs its own :class:`~ps_p2p.records.types.NodeRecord` (PlanetServe sec. 3.2); a
-verifier adds its :class:`~ps_p2p.records.types.VerifierSignature` to a directory's head (sec.
-3.4), over :func:`~ps_p2p.records.canonical.head_signing_bytes`, which does not cover the other
-verifiers' signatures, so verifiers sign independently. Signatures are 64 bytes, public keys 32
-bytes read out of the signer's peer ID (:func:`~ps_p2p.records.peer_ids.public_key_from_peer_id`).
+A node signs its own :class:`~ps_p2p.records.types.NodeRecord` (PlanetServe sec. 3.2);
+:func:`verify_signature` also checks responses, response cloves and the committee's votes and
+transactions (:mod:`ps_p2p.consensus.signing`, :mod:`ps_p2p.consensus.app`). Signatures are 64
+bytes, public keys 32 bytes read out of the signer's peer ID
+(:func:`~ps_p2p.records.peer_ids.public_key_from_peer_id`).
 
 Verification uses libsodium through PyNaCl (a dependency of py-libp2p; ~55 us per check against
 ~105 us with ``cryptography`` on the 2-core dev machine) and falls back to ``cryptography`` when
@@ -17,14 +17,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ps_p2p.errors import InvalidSignatureError
-from ps_p2p.records.canonical import (
-    directory_signing_bytes,
-    head_signing_bytes,
-    record_signing_bytes,
-)
+from ps_p2p.records.canonical import record_signing_bytes
 from ps_p2p.records.limits import SIGNATURE_BYTES
 from ps_p2p.records.peer_ids import public_key_from_peer_id
-from ps_p2p.records.types import Directory, DirectoryHead, NodeRecord, Signer, VerifierSignature
+from ps_p2p.records.types import NodeRecord, Signer
 
 try:
     from nacl.bindings import crypto_sign_open as _sodium_open
@@ -71,34 +67,4 @@ def sign_record(identity: Signer, record: NodeRecord) -> NodeRecord:
     return replace(record, signature=identity.sign(record_signing_bytes(record)))
 
 
-def _add_signature(
-    signatures: tuple[VerifierSignature, ...], identity: Signer, data: bytes
-) -> tuple[VerifierSignature, ...]:
-    others = tuple(s for s in signatures if s.verifier_id != identity.peer_id)
-    return others + (VerifierSignature(identity.peer_id, identity.sign(data)),)
-
-
-def sign_head(identity: Signer, head: DirectoryHead) -> DirectoryHead:
-    """``head`` with the identity's :class:`VerifierSignature` appended (an earlier one by the
-    same verifier is replaced).
-
-    Raises:
-        LocalProtocolError: a field out of its wire range.
-    """
-    data = head_signing_bytes(head)
-    return replace(head, signatures=_add_signature(head.signatures, identity, data))
-
-
-def sign_directory(identity: Signer, directory: Directory) -> Directory:
-    """``directory`` with the identity's :class:`VerifierSignature` over its head appended.
-
-    An earlier signature by the same verifier is replaced. O(records) (the root is computed).
-
-    Raises:
-        LocalProtocolError: a field out of its wire range.
-    """
-    data = directory_signing_bytes(directory)
-    return replace(directory, signatures=_add_signature(directory.signatures, identity, data))
-
-
-__all__ = ["sign_directory", "sign_head", "sign_record", "verify_signature"]
+__all__ = ["sign_record", "verify_signature"]

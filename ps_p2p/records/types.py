@@ -3,11 +3,9 @@
 A *node record* (:class:`NodeRecord`) is what a node tells the network about itself: peer ID,
 multiaddrs, roles, the X25519 onion key its relays use, model ID, organization, capacity and
 validity window, signed by its identity key (Ed25519, RFC 8032). The *directory*
-(:class:`Directory`) is the set of live records at a registry height. Verifiers sign only its
-*head* (:class:`DirectoryHead`: height, validity window, record count and the root of the whole
-set); the records travel in bounded pages and deltas (:class:`DirectoryPage`), and a client
-checks that the set it assembled has the signed root. Once consensus lands a head carries 2f+1
-:class:`VerifierSignature` (a quorum certificate).
+(:class:`Directory`) is the set of records the verifier committee committed at a height
+(:mod:`ps_p2p.consensus`), as a node's verified view holds it
+(:class:`~ps_p2p.consensus.replica.CommitteeReplica`).
 
 Field sizes (bytes) and times (unix milliseconds) are bounded by :mod:`ps_p2p.records.limits`;
 the bytes each signature covers are in :mod:`ps_p2p.records.canonical`. Frozen dataclasses only:
@@ -24,7 +22,6 @@ from typing import Protocol
 from multiaddr import transforms as _ma
 
 from ps_p2p.records.multiaddrs import multiaddr_bytes
-from ps_p2p.records.recordset import record_set_root
 
 
 class Role(enum.IntEnum):
@@ -36,7 +33,7 @@ class Role(enum.IntEnum):
 
 
 class Signer(Protocol):
-    """What signs records and directories (``ps_p2p.keys.Identity``)."""
+    """What signs records, deregistrations and votes (``ps_p2p.keys.Identity``)."""
 
     @property
     def peer_id(self) -> bytes: ...
@@ -101,52 +98,21 @@ class NodeRecord:
 
 
 @dataclass(frozen=True)
-class VerifierSignature:
-    """A verifier's signature over :func:`head_signing_bytes`."""
-
-    verifier_id: bytes
-    signature: bytes
-
-
-@dataclass(frozen=True)
-class DirectoryHead:
-    """What verifiers sign: a record set's height, validity window, size and root.
-
-    Attributes:
-        height: increases with every change of the record set (a record added, removed or
-            its content changed); renewals that only move times do not count.
-        issued_at_ms, expires_at_ms: unix milliseconds; the records it lists are live until
-            ``expires_at_ms``.
-        record_count: number of records in the set.
-        root: :func:`record_set_root` of the set (32 bytes).
-        signatures: one per verifier (2f+1 of a committee once consensus lands).
-    """
-
-    height: int
-    issued_at_ms: int
-    expires_at_ms: int
-    record_count: int
-    root: bytes
-    signatures: tuple[VerifierSignature, ...] = ()
-
-
-@dataclass(frozen=True)
 class Directory:
-    """The signed set of live node records at a registry height.
+    """The node records the verifier committee committed at a height.
 
     Attributes:
-        height: increases with every change of the record set.
-        issued_at_ms, expires_at_ms: unix milliseconds (the head's).
-        records: sorted by peer ID when built by a :class:`Registry` or a
-            :class:`DirectoryReplica`.
-        signatures: the head's; they cover :func:`directory_signing_bytes`.
+        height: the committed state's height (it grows with every block).
+        issued_at_ms, expires_at_ms: unix milliseconds: the time of the block header that
+            commits the state, and until when a node uses it without a fresher one.
+        records: sorted by peer ID when built by a
+            :class:`~ps_p2p.consensus.replica.CommitteeReplica`.
     """
 
     height: int
     issued_at_ms: int
     expires_at_ms: int
     records: tuple[NodeRecord, ...]
-    signatures: tuple[VerifierSignature, ...] = ()
 
     def users(self) -> list[NodeRecord]:
         """Records with :attr:`Role.USER`, in directory order."""
@@ -160,49 +126,14 @@ class Directory:
         """The record of ``peer_id``, or None (dict lookup, index built on first use)."""
         return self._index.get(peer_id)
 
-    def head(self) -> DirectoryHead:
-        """The head these records make (root computed here: O(records))."""
-        return DirectoryHead(
-            self.height, self.issued_at_ms, self.expires_at_ms, len(self.records),
-            record_set_root(self.records), self.signatures,
-        )
-
     @functools.cached_property
     def _index(self) -> dict[bytes, NodeRecord]:
         return {r.peer_id: r for r in self.records}
 
 
-@dataclass(frozen=True)
-class DirectoryPage:
-    """One answer to "what changed since height ``since_height``" (a bounded page).
-
-    Attributes:
-        head: the signed head of the verifier's current set.
-        since_height: the height the page starts from (0 when ``reset``).
-        reset: the asked height could not be served as a delta (too old, or unknown): the
-            client starts from an empty set.
-        records: records added or changed after ``since_height`` (newest content each).
-        removed: peer IDs removed after ``since_height``.
-        next_height: the height this page brings the client to; equals ``head.height`` when
-            not ``more``.
-        more: ask again with ``since_height = next_height``.
-    """
-
-    head: DirectoryHead
-    since_height: int
-    reset: bool
-    records: tuple[NodeRecord, ...]
-    removed: tuple[bytes, ...]
-    next_height: int
-    more: bool
-
-
 __all__ = [
     "Directory",
-    "DirectoryHead",
-    "DirectoryPage",
     "NodeRecord",
     "Role",
     "Signer",
-    "VerifierSignature",
 ]

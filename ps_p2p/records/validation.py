@@ -1,4 +1,4 @@
-"""Checking node records and signed directories before anything trusts them, pure.
+"""Checking node records before anything trusts them, pure.
 
 What a peer sends is checked cheapest first: field sizes and counts against
 :mod:`ps_p2p.records.limits` (bytes), then the record's Ed25519 signature (RFC 8032, ~55 us,
@@ -8,16 +8,10 @@ memoized, :mod:`ps_p2p.records.multiaddrs`), then the times (unix milliseconds, 
 usable X25519 point (RFC 7748 sec. 6.1). :class:`VerifiedCache` remembers, by leaf (32 bytes), the
 signed records that passed, so a client checks each distinct record once.
 
-A directory head (PlanetServe sec. 3.4) is trusted when it is inside its validity window and at
-least ``quorum`` distinct trusted verifiers signed it (:func:`verify_head`; 2f+1 once consensus
-lands); a whole directory when, in addition, its records are valid and have the signed count and
-root (:func:`verify_directory`).
-
-Liveness is the verifiers' business, content the node's: a renewal that only moves a record's
-issue and expiry times forward keeps the *published* record (same leaf, same height) and only
-extends how long the registry keeps it; so a directory lists records whose own ``expires_at_ms``
-may have passed while their node keeps renewing, and clients trust a record for as long as the
-head that lists it is valid.
+A directory is trusted for its commit, not here: the committee checks every record it lists
+(:func:`check_record`, in :func:`ps_p2p.consensus.app.check_tx`), and a node checks the commit,
+the app hash and each new record of what a verifier serves
+(:func:`ps_p2p.consensus.directory.verify_directory`, with a :class:`VerifiedCache`).
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from ps_p2p.errors import (
     LocalProtocolError,
     RemoteProtocolError,
 )
-from ps_p2p.records.canonical import head_signing_bytes, record_signing_bytes
+from ps_p2p.records.canonical import record_signing_bytes
 from ps_p2p.records.limits import (
     MAX_ADDR_BYTES,
     MAX_ADDRS,
@@ -49,9 +43,9 @@ from ps_p2p.records.limits import (
 )
 from ps_p2p.records.multiaddrs import check_multiaddr
 from ps_p2p.records.peer_ids import peer_label, public_key_from_peer_id
-from ps_p2p.records.recordset import RecordSet, record_leaf
+from ps_p2p.records.recordset import record_leaf
 from ps_p2p.records.signatures import verify_signature
-from ps_p2p.records.types import Directory, DirectoryHead, NodeRecord, Role
+from ps_p2p.records.types import NodeRecord, Role
 
 # ---------------------------------------------------------------------------------- records
 
@@ -230,120 +224,8 @@ class VerifiedCache:
         return leaf
 
 
-# ---------------------------------------------------------------------------------- directory
-
-
-def verify_head(
-    head: DirectoryHead,
-    *,
-    trusted_verifiers: frozenset[bytes],
-    quorum: int,
-    now_ms: int,
-) -> DirectoryHead:
-    """Check a head's validity window and its quorum of trusted signatures; returns it.
-
-    Signatures by verifiers outside ``trusted_verifiers``, repeated ones and bad ones are
-    ignored; at least ``quorum`` distinct trusted verifiers must have signed.
-
-    Raises:
-        LocalProtocolError: ``quorum`` < 1.
-        ExpiredError: ``now_ms >= expires_at_ms``, or issued more than 5 minutes after ``now_ms``.
-        InvalidSignatureError: fewer than ``quorum`` valid trusted signatures.
-        RemoteProtocolError: a field out of its wire range, or a root that is not 32 bytes.
-    """
-    if quorum < 1:
-        raise LocalProtocolError(f"quorum must be >= 1, not {quorum}")
-    if now_ms >= head.expires_at_ms:
-        raise ExpiredError(
-            f"directory at height {head.height} expired {now_ms - head.expires_at_ms} ms ago"
-        )
-    if head.issued_at_ms > now_ms + MAX_CLOCK_SKEW_MS:
-        raise ExpiredError(f"directory issued {head.issued_at_ms - now_ms} ms in the future")
-    if len(head.root) != 32:
-        raise RemoteProtocolError(f"directory root of {len(head.root)} bytes")
-    try:
-        data = head_signing_bytes(head)
-    except LocalProtocolError as exc:
-        raise RemoteProtocolError(f"directory field out of range: {exc}") from exc
-    signers: set[bytes] = set()
-    for sig in head.signatures:
-        if sig.verifier_id in signers or sig.verifier_id not in trusted_verifiers:
-            continue
-        try:
-            verify_signature(sig.verifier_id, data, sig.signature)
-        except RemoteProtocolError:  # InvalidSignatureError included: ignore, count the others
-            continue
-        signers.add(sig.verifier_id)
-        if len(signers) >= quorum:
-            break
-    if len(signers) < quorum:
-        raise InvalidSignatureError(
-            f"directory at height {head.height} has {len(signers)} valid signature(s) by "
-            f"trusted verifiers; {quorum} needed"
-        )
-    return head
-
-
-def verify_directory(
-    directory: Directory,
-    *,
-    trusted_verifiers: frozenset[bytes],
-    quorum: int,
-    now_ms: int,
-    cache: VerifiedCache | None = None,
-) -> Directory:
-    """Check a whole directory: its head (:func:`verify_head`), every record, and the root.
-
-    Records are live while the directory is (module docstring): a listed record whose own
-    ``expires_at_ms`` has passed is kept, since its node renewed it with the verifiers.
-
-    Args:
-        cache: verified records to skip and to remember (None: check every record).
-
-    Returns:
-        ``directory`` itself.
-
-    Raises:
-        LocalProtocolError: ``quorum`` < 1.
-        ExpiredError: the directory is expired or issued more than 5 minutes after ``now_ms``.
-        InvalidSignatureError: fewer than ``quorum`` valid trusted signatures over the head of
-            these records (a record swapped, added or dropped after signing), or a record whose
-            signature does not verify (one bad record invalidates the whole directory).
-        RemoteProtocolError: a record field out of its limits, or two records of one peer ID.
-    """
-    if quorum < 1:
-        raise LocalProtocolError(f"quorum must be >= 1, not {quorum}")
-    if now_ms >= directory.expires_at_ms or directory.issued_at_ms > now_ms + MAX_CLOCK_SKEW_MS:
-        verify_head(  # raises the ExpiredError
-            DirectoryHead(directory.height, directory.issued_at_ms, directory.expires_at_ms,
-                          0, bytes(32)),
-            trusted_verifiers=trusted_verifiers, quorum=quorum, now_ms=now_ms,
-        )
-    cache = cache if cache is not None else VerifiedCache(0)
-    seen: set[bytes] = set()
-    leaves = []
-    for record in directory.records:
-        if record.peer_id in seen:
-            raise RemoteProtocolError(f"directory lists {peer_label(record.peer_id)} twice")
-        seen.add(record.peer_id)
-        leaves.append(_remote_leaf(record))
-    root = RecordSet()
-    for record, leaf in zip(directory.records, leaves):
-        root.put(record, leaf)
-    verify_head(
-        DirectoryHead(directory.height, directory.issued_at_ms, directory.expires_at_ms,
-                      len(directory.records), root.root(), directory.signatures),
-        trusted_verifiers=trusted_verifiers, quorum=quorum, now_ms=now_ms,
-    )
-    for record, leaf in zip(directory.records, leaves):
-        cache.check(record, leaf)
-    return directory
-
-
 __all__ = [
     "VerifiedCache",
     "check_record",
     "check_record_fields",
-    "verify_directory",
-    "verify_head",
 ]

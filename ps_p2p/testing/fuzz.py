@@ -22,10 +22,16 @@ What it sends, one *input* = one frame (or one malformed length prefix):
 * ``burst``: many streams at once to one node;
 * ``sida``: S-IDA cloves of a random (partly valid) inference request, each clove delivered by a
   different sybil host (model nodes count one clove per proxy), so requests reassemble and the
-  model node's request handling and answering are fuzzed too.
+  model node's request handling and answering are fuzzed too;
+* ``directory``: well-formed but hostile ``/planetserve/directory/2.0.0`` requests, several on
+  one stream, that pass the frame and protobuf checks and reach the committee's admission: a
+  record in the sender's name signed by another key (forged), another node's validly signed
+  record, another node's signed deregistration, genesis requests, and directory requests from
+  heights 0 to 2**64 - 1.
 
 While it runs, and after, it checks liveness: every user must complete an anonymous request
-(``node.user.ask`` returns ok) and the verifier must answer a directory fetch, each within
+(``node.user.ask`` returns ok) and the verifier must serve its committed directory
+(``/planetserve/directory/2.0.0``, verified against the localnet's genesis), each within
 ``liveness_timeout`` seconds (a request that does not come back in time is a *hang*). A *crash*
 is any exception leaving the localnet (a node task died: the localnet nursery raises). It also
 samples the RSS of the process (``VmRSS`` of ``/proc/self/status``) and the sizes of the
@@ -38,6 +44,7 @@ is fixed by the seed, how the workers interleave is up to the scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import math
@@ -63,12 +70,20 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from ps_p2p.config import NodeConfig
+from ps_p2p.consensus.app import encode_tx, sign_deregister
+from ps_p2p.consensus.replica import CommitteeReplica
 from ps_p2p.crypto import onion, sida
 from ps_p2p.keys import Identity, NodeKeys
 from ps_p2p.node import Node
-from ps_p2p.protocols import directory as directory_proto
+from ps_p2p.pb.planetserve.v1 import directory_pb2
+from ps_p2p.protocols.committee_directory import (
+    COMMITTEE_DIRECTORY_PROTOCOL_ID,
+    fetch_committed_directory,
+)
 from ps_p2p.protocols.framing import encode_frame, encode_varint
 from ps_p2p.protocols.host import connect, open_host
+from ps_p2p.protocols.record_codec import record_to_pb
+from ps_p2p.records import NodeRecord, Role, sign_record
 from ps_p2p.roles.user import UserConfig
 from ps_p2p.testing.localnet import LocalNet, open_localnet
 
@@ -523,9 +538,9 @@ class FuzzReport:
 def table_sizes(net: LocalNet) -> dict[str, int]:
     """Sizes of the containers the nodes' services hold, summed per role and attribute path.
 
-    Walks ``overlay``, ``user``, ``model`` and ``directory_service`` of every node two levels
-    deep (attributes that are dicts, lists, sets, deques or have ``__len__``), so new tables
-    show up without editing this function.
+    Walks ``overlay``, ``user``, ``model``, ``consensus`` and ``committee_directory`` of every
+    node two levels deep (attributes that are dicts, lists, sets, deques or have ``__len__``),
+    so new tables show up without editing this function.
     """
     out: Counter[str] = Counter()
 
@@ -547,7 +562,7 @@ def table_sizes(net: LocalNet) -> dict[str, int]:
     for role, nodes in (("verifier", [net.verifier]), ("model", net.models), ("user", net.users)):
         for node in nodes:
             seen: set[int] = set()
-            for svc in ("overlay", "user", "model", "directory_service"):
+            for svc in ("overlay", "user", "model", "consensus", "committee_directory"):
                 obj = getattr(node, svc, None)
                 if obj is not None:
                     walk(obj, f"{role}.{svc}", 0, seen)
@@ -616,6 +631,8 @@ class _Fuzzer:
                 for p in protocols:
                     self.targets.append(_Target(node.peer_id, role, p, root_messages(p, self.classes)))
         self.protocols = sorted({t.protocol for t in self.targets})
+        genesis = net.verifier.genesis_file
+        self.chain_id = genesis.genesis.chain_id if genesis is not None else "localnet"
         self.recent: deque[str] = deque(maxlen=32)
         self.deadline = 0.0
         self.done = trio.Event()
@@ -834,13 +851,51 @@ class _Fuzzer:
                     [encode_frame(body)], "close",
                 )
 
+    def _directory_request(self, rng: random.Random, factory: MessageFactory, sender: bytes) -> bytes:
+        """One hostile but well-formed ``CommitteeDirectoryRequest`` (module docstring)."""
+        now = int(time.time() * 1000)
+        other = Identity.from_private_bytes(rng.randbytes(32))
+        request = directory_pb2.CommitteeDirectoryRequest
+        kind = rng.randrange(5)
+        if kind <= 1:
+            record = sign_record(other, NodeRecord(
+                other.peer_id, (f"/ip4/10.{rng.randrange(256)}.{rng.randrange(256)}.1/tcp/4001",),
+                frozenset({Role.USER}), onion.OnionKeyPair.from_private_bytes(rng.randbytes(32)).public,
+                issued_at_ms=now - 1000, expires_at_ms=now + 600_000))
+            if kind == 0:  # in the sender's name (it passes "own record only"), another key's signature
+                record = dataclasses.replace(record, peer_id=sender)
+            return request(register=record_to_pb(record)).SerializeToString()
+        if kind == 2:  # another node's own deregistration, of this chain or of a made-up one
+            chain = self.chain_id if rng.random() < 0.8 else factory.random_text()[:64]
+            return request(deregister=encode_tx(sign_deregister(other, chain, now))).SerializeToString()
+        if kind == 3:
+            return request(genesis=directory_pb2.GetGenesis()).SerializeToString()
+        since = rng.choice((0, 1, 2, 2**32, 2**63, 2**64 - 1))
+        return request(get=directory_pb2.GetCommittedDirectory(since_height=since)).SerializeToString()
+
+    async def _directory_scenario(self, rng: random.Random, factory: MessageFactory) -> None:
+        targets = [t for t in self.targets if t.protocol == COMMITTEE_DIRECTORY_PROTOCOL_ID]
+        if not targets:
+            return await self._frames_scenario(rng, factory)
+        target = rng.choice(targets)
+        host = rng.choice(self.attackers)
+        n = self._take(rng.choice((1, 4, 8, 16, 32)))
+        if not n:
+            return
+        sender = host.get_id().to_bytes()
+        bodies = [self._directory_request(rng, factory, sender) for _ in range(n)]
+        self._count(target, "directory", bodies)
+        await self._session(rng, factory, host, target, [encode_frame(b) for b in bodies],
+                            rng.choice(("close", "reset")))
+
     async def worker(self, index: int) -> None:
         rng = random.Random(f"{self.config.seed}/{index}")
         factory = MessageFactory(rng, self.classes, self.peer_ids)
         scenarios: list[Callable[[random.Random, MessageFactory], Any]] = [
             self._frames_scenario, self._framing_scenario, self._burst_scenario, self._sida_scenario,
+            self._directory_scenario,
         ]
-        weights = (70, 12, 6, 12)
+        weights = (62, 12, 6, 12, 8)
         while not self._out_of_time():
             scenario = rng.choices(scenarios, weights)[0]
             await scenario(rng, factory)
@@ -871,10 +926,12 @@ async def _check_liveness(net: LocalNet, probe: IHost, timeout: float, started: 
 
     async def directory() -> None:
         verifier = net.verifier.peer_id
+        assert net.verifier.genesis_file is not None
+        replica = CommitteeReplica(net.verifier.genesis_file.genesis)  # the whole directory
         try:
-            await directory_proto.fetch_directory(
-                probe, verifier, trusted_verifiers=frozenset([verifier]), quorum=1,
-                now_ms=int(time.time() * 1000), timeout=timeout,
+            await fetch_committed_directory(
+                probe, verifier, replica, now_ms=lambda: int(time.time() * 1000),
+                timeout=timeout,
             )
         except trio.TooSlowError:
             hangs.append(f"verifier: no directory within {timeout:.0f} s")

@@ -27,33 +27,25 @@ from ps_p2p.pb.planetserve.v1 import consensus_pb2 as planetserve_dot_v1_dot_con
 from ps_p2p.pb.planetserve.v1 import records_pb2 as planetserve_dot_v1_dot_records__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eplanetserve/v1/directory.proto\x12\x0eplanetserve.v1\x1a\x1eplanetserve/v1/consensus.proto\x1a\x1cplanetserve/v1/records.proto\"w\n\x10\x44irectoryRequest\x12.\n\x08register\x18\x01 \x01(\x0b\x32\x1a.planetserve.v1.NodeRecordH\x00\x12+\n\x03get\x18\x02 \x01(\x0b\x32\x1c.planetserve.v1.GetDirectoryH\x00\x42\x06\n\x04kind\"$\n\x0cGetDirectory\x12\x14\n\x0csince_height\x18\x01 \x01(\x04\"$\n\x0bRegisterAck\x12\x15\n\rexpires_at_ms\x18\x01 \x01(\x04\"+\n\nErrorReply\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc2\x01\n\rDirectoryPage\x12+\n\x04head\x18\x01 \x01(\x0b\x32\x1d.planetserve.v1.DirectoryHead\x12\x14\n\x0csince_height\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12+\n\x07records\x18\x04 \x03(\x0b\x32\x1a.planetserve.v1.NodeRecord\x12\x0f\n\x07removed\x18\x05 \x03(\x0c\x12\x13\n\x0bnext_height\x18\x06 \x01(\x04\x12\x0c\n\x04more\x18\x07 \x01(\x08\"\xa9\x01\n\x11\x44irectoryResponse\x12*\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x1b.planetserve.v1.RegisterAckH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.planetserve.v1.ErrorReplyH\x00\x12-\n\x04page\x18\x04 \x01(\x0b\x32\x1d.planetserve.v1.DirectoryPageH\x00\x42\x06\n\x04kindJ\x04\x08\x02\x10\x03\"\xce\x01\n\x19\x43ommitteeDirectoryRequest\x12.\n\x08register\x18\x01 \x01(\x0b\x32\x1a.planetserve.v1.NodeRecordH\x00\x12\x34\n\x03get\x18\x02 \x01(\x0b\x32%.planetserve.v1.GetCommittedDirectoryH\x00\x12-\n\x07genesis\x18\x03 \x01(\x0b\x32\x1a.planetserve.v1.GetGenesisH\x00\x12\x14\n\nderegister\x18\x04 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x0c\n\nGetGenesis\"-\n\x15GetCommittedDirectory\x12\x14\n\x0csince_height\x18\x01 \x01(\x04\"G\n\rCommittedHead\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12&\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x16.planetserve.v1.Commit\"\xcf\x01\n\x1a\x43ommitteeDirectoryResponse\x12*\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x1b.planetserve.v1.RegisterAckH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.planetserve.v1.ErrorReplyH\x00\x12-\n\x04head\x18\x03 \x01(\x0b\x32\x1d.planetserve.v1.CommittedHeadH\x00\x12\x0e\n\x04page\x18\x04 \x01(\x0cH\x00\x12\x11\n\x07genesis\x18\x05 \x01(\x0cH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eplanetserve/v1/directory.proto\x12\x0eplanetserve.v1\x1a\x1eplanetserve/v1/consensus.proto\x1a\x1cplanetserve/v1/records.proto\"$\n\x0bRegisterAck\x12\x15\n\rexpires_at_ms\x18\x01 \x01(\x04\"+\n\nErrorReply\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xce\x01\n\x19\x43ommitteeDirectoryRequest\x12.\n\x08register\x18\x01 \x01(\x0b\x32\x1a.planetserve.v1.NodeRecordH\x00\x12\x34\n\x03get\x18\x02 \x01(\x0b\x32%.planetserve.v1.GetCommittedDirectoryH\x00\x12-\n\x07genesis\x18\x03 \x01(\x0b\x32\x1a.planetserve.v1.GetGenesisH\x00\x12\x14\n\nderegister\x18\x04 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x0c\n\nGetGenesis\"-\n\x15GetCommittedDirectory\x12\x14\n\x0csince_height\x18\x01 \x01(\x04\"G\n\rCommittedHead\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12&\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x16.planetserve.v1.Commit\"\xcf\x01\n\x1a\x43ommitteeDirectoryResponse\x12*\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x1b.planetserve.v1.RegisterAckH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.planetserve.v1.ErrorReplyH\x00\x12-\n\x04head\x18\x03 \x01(\x0b\x32\x1d.planetserve.v1.CommittedHeadH\x00\x12\x0e\n\x04page\x18\x04 \x01(\x0cH\x00\x12\x11\n\x07genesis\x18\x05 \x01(\x0cH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'planetserve.v1.directory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DIRECTORYREQUEST']._serialized_start=112
-  _globals['_DIRECTORYREQUEST']._serialized_end=231
-  _globals['_GETDIRECTORY']._serialized_start=233
-  _globals['_GETDIRECTORY']._serialized_end=269
-  _globals['_REGISTERACK']._serialized_start=271
-  _globals['_REGISTERACK']._serialized_end=307
-  _globals['_ERRORREPLY']._serialized_start=309
-  _globals['_ERRORREPLY']._serialized_end=352
-  _globals['_DIRECTORYPAGE']._serialized_start=355
-  _globals['_DIRECTORYPAGE']._serialized_end=549
-  _globals['_DIRECTORYRESPONSE']._serialized_start=552
-  _globals['_DIRECTORYRESPONSE']._serialized_end=721
-  _globals['_COMMITTEEDIRECTORYREQUEST']._serialized_start=724
-  _globals['_COMMITTEEDIRECTORYREQUEST']._serialized_end=930
-  _globals['_GETGENESIS']._serialized_start=932
-  _globals['_GETGENESIS']._serialized_end=944
-  _globals['_GETCOMMITTEDDIRECTORY']._serialized_start=946
-  _globals['_GETCOMMITTEDDIRECTORY']._serialized_end=991
-  _globals['_COMMITTEDHEAD']._serialized_start=993
-  _globals['_COMMITTEDHEAD']._serialized_end=1064
-  _globals['_COMMITTEEDIRECTORYRESPONSE']._serialized_start=1067
-  _globals['_COMMITTEEDIRECTORYRESPONSE']._serialized_end=1274
+  _globals['_REGISTERACK']._serialized_start=112
+  _globals['_REGISTERACK']._serialized_end=148
+  _globals['_ERRORREPLY']._serialized_start=150
+  _globals['_ERRORREPLY']._serialized_end=193
+  _globals['_COMMITTEEDIRECTORYREQUEST']._serialized_start=196
+  _globals['_COMMITTEEDIRECTORYREQUEST']._serialized_end=402
+  _globals['_GETGENESIS']._serialized_start=404
+  _globals['_GETGENESIS']._serialized_end=416
+  _globals['_GETCOMMITTEDDIRECTORY']._serialized_start=418
+  _globals['_GETCOMMITTEDDIRECTORY']._serialized_end=463
+  _globals['_COMMITTEDHEAD']._serialized_start=465
+  _globals['_COMMITTEDHEAD']._serialized_end=536
+  _globals['_COMMITTEEDIRECTORYRESPONSE']._serialized_start=539
+  _globals['_COMMITTEEDIRECTORYRESPONSE']._serialized_end=746
 # @@protoc_insertion_point(module_scope)
