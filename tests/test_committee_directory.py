@@ -628,3 +628,11 @@ async def test_a_killed_verifier_stops_neither_registrations_nor_answers():
         with trio.fail_after(10):  # the three left keep committing
             while net.users[1].directory.height <= height + 2:
                 await net.users[1].wait_directory_update()
+
+
+async def test_a_record_with_a_field_over_its_limit_is_refused_naming_it_on_the_same_stream(one):
+    mine = user_record(one.me, "/ip4/127.0.0.1/tcp/4001")
+    too_long = dataclasses.replace(mine, organization="o" * 65)  # 64 UTF-8 bytes at most
+    with pytest.raises(RemoteProtocolError, match="registration refused.*organization"):
+        await register_with_committee(one.host, one.verifier, too_long)
+    assert (one.service.refused, one.service.reset) == (1, 0)  # an answer, not a reset

@@ -247,7 +247,12 @@ class CommitteeDirectoryService:
                 if kind == "get":
                     await self._answer_get(stream, request.get.since_height)
                 elif kind == "register":
-                    record = record_from_pb(request.register)
+                    try:
+                        record = record_from_pb(request.register)
+                    except RemoteProtocolError as exc:  # a field over its limit: say which
+                        self.refused += 1
+                        await stream.write(_error(ERROR_REFUSED, f"registration refused: {exc}"))
+                        continue
                     await stream.write(self.register(record, sender))
                 elif kind == "deregister":
                     await stream.write(self.deregister(request.deregister, sender))
