@@ -76,7 +76,11 @@ from ps_p2p.protocols.overlay import (
 )
 from ps_p2p.records import Directory, NodeRecord, Role
 from ps_p2p.protocols.forward import FORWARD_PROTOCOL_ID
-from ps_p2p.protocols.hrtree_gossip import HRTREE_SYNC_PROTOCOL_ID, running_pubsub
+from ps_p2p.protocols.hrtree_gossip import (
+    GOSSIPSUB_PROTOCOLS,
+    HRTREE_SYNC_PROTOCOL_ID,
+    running_pubsub,
+)
 from ps_p2p.roles.forwarding import GroupForwarding
 from ps_p2p.roles.model import ModelNodeService
 from ps_p2p.roles.user import UserClient
@@ -324,7 +328,8 @@ class Node:
         if self.roles & {Role.USER, Role.MODEL}:
             ids |= {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
         if Role.MODEL in self.roles and self.config.forwarding.enabled:
-            ids |= {str(FORWARD_PROTOCOL_ID), str(HRTREE_SYNC_PROTOCOL_ID)}
+            ids |= {str(FORWARD_PROTOCOL_ID), str(HRTREE_SYNC_PROTOCOL_ID),
+                    *map(str, GOSSIPSUB_PROTOCOLS)}
         return frozenset(ids)
 
     def check_host(self, host: IHost) -> None:

@@ -71,6 +71,8 @@ class BlockSyncServer:
         latest = self.store.latest_height()
         blocks: list[cc.SyncedBlock] = []
         size = 64
+        if from_height > latest:  # nothing to send (and u64 heights beyond SQLite's int64)
+            return cc.encode_sync_response(blocks, latest)
         for height, block, commit in self.store.blocks_from(from_height, max_blocks):
             item = cc.SyncedBlock(height, block, cc.decode_commit(commit))
             item_size = len(block) + len(commit) + 32

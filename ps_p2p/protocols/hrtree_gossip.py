@@ -114,14 +114,46 @@ def make_pubsub(host: IHost):  # type: ignore[no-untyped-def]
 @asynccontextmanager
 async def running_pubsub(host: IHost) -> AsyncIterator[object]:
     """Run :func:`make_pubsub`'s Pubsub and GossipSub services for the block (start them
-    before the host makes connections: an early pubsub stream otherwise crashes the host)."""
+    before the host makes connections: an early pubsub stream otherwise crashes the host).
+
+    py-libp2p's pubsub stream handler lets a malformed RPC's ``DecodeError`` escape, which
+    kills the host (found by ``ps_p2p.testing.fuzz``): its handlers are replaced by guarded
+    ones that reset that stream only, and removed when the block ends.
+
+    Raises:
+        ConfigError: the host already serves a GossipSub protocol (another pubsub runs on it).
+    """
     from libp2p.tools.anyio_service.context import background_trio_service
 
+    from ps_p2p.errors import ConfigError
+    from ps_p2p.protocols.handlers import registered_protocols
+
+    taken = sorted(set(map(str, GOSSIPSUB_PROTOCOLS)) & registered_protocols(host))
+    if taken:
+        raise ConfigError(f"the host already serves {', '.join(taken)} (another pubsub); "
+                          "turn forwarding off ([forwarding] enabled = false) to attach")
     pubsub, router = make_pubsub(host)
-    async with background_trio_service(pubsub):
-        async with background_trio_service(router):
-            await pubsub.wait_until_ready()
-            yield pubsub
+
+    async def guarded(stream: INetStream) -> None:
+        try:
+            await pubsub.stream_handler(stream)
+        except Exception as exc:  # an escaping exception kills the py-libp2p host
+            log.info("pubsub stream from %s reset: %r",
+                     peer_label(stream.muxed_conn.peer_id.to_bytes()), exc)
+            await reset_quietly(stream)
+
+    for protocol in GOSSIPSUB_PROTOCOLS:
+        host.remove_stream_handler(protocol)
+    handlers = StreamHandlers(host)
+    for protocol in GOSSIPSUB_PROTOCOLS:
+        handlers.add(protocol, guarded)
+    try:
+        async with background_trio_service(pubsub):
+            async with background_trio_service(router):
+                await pubsub.wait_until_ready()
+                yield pubsub
+    finally:
+        await handlers.aclose()
 
 
 class SnapshotServer:
