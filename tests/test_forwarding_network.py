@@ -45,3 +45,24 @@ async def test_a_prompt_cached_on_b_entering_at_a_is_served_by_b_with_as_voucher
         third = await user.ask(PREFIX + "What is 4+4?", model_node=a.peer_id, max_tokens=6,
                                timeout=30, on_text=pieces.append)
         assert third.ok and third.served_by == b.peer_id and "".join(pieces) == third.text
+
+
+async def test_a_forward_from_a_node_outside_the_model_group_is_refused():
+    import pytest
+    from libp2p.network.stream.exceptions import StreamError
+
+    from ps_p2p.errors import RemoteProtocolError
+    from ps_p2p.inference import InferenceQuery, SamplingParams
+    from ps_p2p.protocols.forward import forward_request
+    from ps_p2p.protocols.inference_codec import encode_query
+
+    async with open_localnet(users=6, models=2,
+                             engine_factory=lambda i: SimEngine("sim", FAST)) as net:
+        user, model = net.users[0], net.models[1]
+        q = encode_query(InferenceQuery(b"q" * 16, "sim", "hello", SamplingParams(max_tokens=2),
+                                        ()))
+        # a user node (listed, but not a model node of the group) may not forward to it
+        with pytest.raises((RemoteProtocolError, StreamError)):
+            await forward_request(user.host, model.peer_id, q, lambda text: None)
+        assert model.model.forward_service.refused == 1
+        assert model.model.forwards["received"] == 0
