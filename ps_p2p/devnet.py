@@ -399,6 +399,7 @@ class Devnet:
         #: the committee's genesis file (written at the start)
         self.genesis_path: pathlib.Path | None = None
         self._verifier_addrs: list[str] = []
+        self._specs: dict[str, dict[str, Any]] = {}  # by node name: to restart a node
         self.progress = Progress(nodes=opts.nodes, users=opts.users,
                                  directory_nodes=opts.models + opts.users)
         self._changed = trio.Event()
@@ -496,6 +497,7 @@ class Devnet:
                     spec["bootstrap"] = [a for a in self._verifier_addrs if a != addr]
                     spec["home"] = str(self.workdir / "homes" / name)
             specs.append(spec)
+            self._specs[name] = spec
         per = opts.nodes_per_process
         for first in range(0, count, per):
             nodes += await self._spawn_worker(specs[first:first + per])
@@ -647,6 +649,36 @@ class Devnet:
                 how += [f"{n.name} (stopped inside its process; {len(survivors)} other node(s) "
                         "run on)" for n in mine]
         return how
+
+    async def restart(self, node: DevnetNode, timeout: float = 60.0) -> DevnetNode:
+        """Start a killed node again in a new worker process with the same keys, home and
+        listen address (a verifier resumes from its consensus store and WAL); waits until it
+        is up. Returns its new handle (it replaces ``node`` in the node lists).
+
+        Raises:
+            RuntimeError: ``node`` was not killed.
+            trio.TooSlowError: not up within ``timeout`` seconds.
+        """
+        if not node.killed:
+            raise RuntimeError(f"{node.name} is running; kill it first")
+        spec = self._specs[node.name]
+        if spec.get("listen"):  # a node stopped inside a worker may hold its port a moment
+            await _wait_port_free(spec["listen"], timeout)
+        (fresh,) = await self._spawn_worker([spec])
+        for group in (self.verifiers, self.models, self.users):
+            for i, n in enumerate(group):
+                if n is node:
+                    group[i] = fresh
+        with trio.fail_after(timeout):
+            while fresh.state != "up":
+                if not fresh.running:
+                    raise RuntimeError(f"{fresh.name} failed to start again (see its log)")
+                await self.wait_changed()
+        return fresh
+
+    async def wait_changed(self) -> None:
+        """Wait for the next status line of any node (or a worker's exit)."""
+        await self._changed.wait()
 
     # ------------------------------------------------------------------ measurements
 
@@ -938,7 +970,12 @@ async def _devnet(opts: DevnetOptions) -> int:
         common = dict(concurrency=opts.concurrency, max_tokens=opts.max_tokens,
                       timeout=opts.timeout, on_result=show)
         await net.send_prompts(prompts[:split], askers=askers, **common)  # type: ignore[arg-type]
+        restarted = ""
         if killing:
+            # kill-verifier: killed during the second third, restarted from its home during
+            # the last one (it must catch up by block sync and sign again)
+            end = len(prompts) if opts.perturb == "kill-relay" else \
+                max(split + 1, 2 * len(prompts) // 3)
             if opts.perturb == "kill-relay":
                 victims, askers = await _plan_kill(net, askers)
             else:
@@ -951,9 +988,21 @@ async def _devnet(opts: DevnetOptions) -> int:
                 how = await net.kill(victims)
                 print(f"  perturbation: killed {', '.join(how)}", flush=True)
 
-            await net.send_prompts(prompts[split:], askers=askers, offset=split,
+            await net.send_prompts(prompts[split:end], askers=askers, offset=split,
                                    on_first_dispatch=kill, **common)  # type: ignore[arg-type]
-        evidence = _evidence_summary(net)
+            if opts.perturb == "kill-verifier" and end < len(prompts):
+                state: dict[str, Any] = {}
+
+                async def restart() -> None:
+                    state["at"] = max(_heights(net.verifiers, skip=victims[0]))
+                    state["node"] = await net.restart(victims[0])
+                    print(f"  perturbation: restarted {victims[0].name} from its home "
+                          f"(the others at height {state['at']})", flush=True)
+
+                await net.send_prompts(prompts[end:], askers=askers, offset=end,
+                                       on_first_dispatch=restart, **common)  # type: ignore[arg-type]
+                restarted = await _caught_up(net, state.get("node"))
+        evidence = _evidence_summary(net) + restarted
     if opts.json_out:
         with open(opts.json_out, "w", encoding="utf-8") as fh:
             for r in sorted(results, key=lambda r: r["_index"]):
@@ -972,7 +1021,49 @@ async def _devnet(opts: DevnetOptions) -> int:
     print(summary, flush=True)
     if opts.json_out:
         print(f"results written to {opts.json_out}")
-    return 0 if len(ok) == len(prompts) else 1
+    return 0 if len(ok) == len(prompts) and "NOT catch up" not in evidence else 1
+
+
+async def _wait_port_free(listen: str, timeout: float) -> None:
+    """Wait until the TCP port of multiaddr ``listen`` can be bound on 127.0.0.1 (checked every
+    0.1 s; the process that held it is closing its listener)."""
+    import socket
+
+    port = int(listen.rsplit("/tcp/", 1)[1].split("/")[0])
+    with trio.move_on_after(timeout):
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                    return
+                except OSError:
+                    pass
+            await trio.sleep(0.1)
+
+
+def _heights(verifiers: Sequence[DevnetNode], skip: DevnetNode | None = None) -> list[int]:
+    """The committed heights the verifiers' latest status lines report (0 when unknown)."""
+    return [int((v.status.get("committee") or {}).get("committed_height", 0))
+            for v in verifiers if v is not skip] or [0]
+
+
+async def _caught_up(net: Devnet, node: DevnetNode | None, timeout: float = 60.0) -> str:
+    """``"; NAME restarted: caught up ..."`` once the restarted verifier reports the others'
+    height and has signed again (at most ``timeout`` seconds), for the summary line."""
+    if node is None:
+        return "; the killed verifier was not restarted"
+    with trio.move_on_after(timeout):
+        while True:
+            mine = (node.status.get("committee") or {})
+            target = max(_heights(net.verifiers, skip=node))
+            if mine.get("committed_height", 0) >= target and mine.get("signed", 0) > 0:
+                return (f"; {node.name} restarted from its home caught up to height "
+                        f"{mine['committed_height']} ({mine.get('blocks_synced', 0)} blocks by "
+                        f"block sync) and signed {mine['signed']} proposals/votes again")
+            await net.wait_changed()
+    mine = node.status.get("committee") or {}
+    return (f"; {node.name} restarted but did NOT catch up within {timeout:.0f} s (height "
+            f"{mine.get('committed_height', '?')}, signed {mine.get('signed', '?')})")
 
 
 def _evidence_summary(net: Devnet) -> str:
@@ -1301,8 +1392,9 @@ class _WorkerProcess:
                 "ready_paths": len(node.user.ready_paths()) if node.user else 0,
             }
             committee = node.committee_status()
-            if committee is not None:  # a committee verifier: the evidence it committed
-                status["committee"] = {k: committee[k] for k in ("evidence", "equivocators")}
+            if committee is not None:  # a committee verifier: its height, signatures, evidence
+                status["committee"] = {k: committee[k] for k in (
+                    "evidence", "equivocators", "committed_height", "signed", "blocks_synced")}
             if status != last:
                 self._emit(status)
                 last = status

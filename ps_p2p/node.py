@@ -552,8 +552,9 @@ class Node:
     def committee_status(self) -> dict[str, Any] | None:
         """A committee verifier's consensus at a glance (``ps-node status``), or None for
         other nodes: chain ID, height being decided and its round and step, last committed
-        height and its block time (unix ms), the validators (base58 peer ID, power, whether
-        connected now), mempool size, the equivocation evidence committed (``evidence``: how
+        height and its block time (unix ms), the proposals and votes it signed since it started
+        (``signed``) and the blocks it applied from block sync (``blocks_synced``), the
+        validators (base58 peer ID, power, whether connected now), mempool size, the equivocation evidence committed (``evidence``: how
         many; ``equivocators``: base58 peer IDs of the validators it names)."""
         if self.consensus is None:
             return None
@@ -566,6 +567,8 @@ class Node:
             "round": state.round,
             "step": state.step.name.lower(),
             "committed_height": validator.committed_height,
+            "signed": validator.stats.proposals_signed + validator.stats.votes_signed,
+            "blocks_synced": validator.stats.blocks_synced,
             "last_commit_time_ms": tip.time_ms if tip.height else None,
             "validators": [
                 {"peer_id": ID(v.address).to_base58(), "power": v.power,

@@ -178,6 +178,10 @@ def test_a_committee_devnet_answers_every_prompt_while_a_validator_is_killed(tmp
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "a committee of 4 verifier(s)" in done.stdout
     assert "answered 6/6 prompts" in done.stdout and "killed verifier3" in done.stdout
+    # restarted from its home, it catches up and signs again
+    assert "restarted verifier3 from its home" in done.stdout
+    assert re.search(r"verifier3 restarted from its home caught up to height \d+ .* and "
+                     r"signed [1-9]\d* proposals/votes again", done.stdout), done.stdout[-2000:]
     assert (work / "genesis.json").is_file()
     assert all((work / "homes" / f"verifier{i}" / "consensus.sqlite").is_file() for i in range(4))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
