@@ -411,6 +411,7 @@ class RunResult:
         served: requests served by each node (all requests).
         sim_seconds: simulated time until the last request finished.
         gossip: bytes of gossip (zeros for policies that do not gossip).
+        finish_times: per node, when its last request finished (0.0: it served none).
     """
 
     policy: str
