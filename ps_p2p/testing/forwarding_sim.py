@@ -1,0 +1,907 @@
+"""A deterministic discrete-event simulation of overlay forwarding in one model group.
+
+It drives the project's own cores, not re-implementations of them: every model node has a
+:class:`~ps_p2p.engines.prefix_cache.PrefixCacheIndex` as its KV cache (LRU over 16-token blocks,
+with its KV-cache events), the cost model of :mod:`ps_p2p.engines.sim_cost` for service times, a
+:class:`~ps_p2p.gossip.load.LoadTracker` for its own F_LB, and, for the policies that gossip, a
+:class:`~ps_p2p.gossip.cache_view.CacheView` that turns its cache's events into subtree
+operations for a :class:`~ps_p2p.gossip.hr_tree.SubtreePublisher`, an
+:class:`~ps_p2p.gossip.hr_tree.HRTree` with one :class:`~ps_p2p.gossip.hr_tree.SubtreeReplica` per
+peer, a :class:`~ps_p2p.gossip.load.LoadBook`, and the forwarding policies of
+:mod:`ps_p2p.gossip.forwarding`. Source: PlanetServe sec. 3.3 (forwarding), sec. 5.4 and
+Appendix A6 (its evaluation: latency, TTFT, KV-cache hit rate, delta vs full-broadcast updates).
+
+**Policies** (:data:`POLICIES`), compared on the same trace:
+
+* ``no-forwarding``: every request is served by the node it entered
+  (:class:`~ps_p2p.gossip.forwarding.NoForwarding`);
+* ``least-load``: the entry node forwards to the lowest F_LB of its gossiped view
+  (:class:`~ps_p2p.gossip.forwarding.LeastLoad`), no cache awareness;
+* ``central-radix``: the upper anchor, an SGLang-like central router that sees every node's actual
+  cache (exact longest cached prefix, in blocks, read from each node's index without touching its
+  LRU) and exact current load (F_LB of the node's tracker, counting requests routed to it and
+  still on their way): among the nodes holding the longest cached prefix, the lowest F_LB,
+  unless that F_LB reaches the overload threshold or nothing is cached, then the lowest F_LB of
+  all (Algorithm 2 with perfect information);
+* ``hr-tree``: PlanetServe (:class:`~ps_p2p.gossip.forwarding.HRTreeForwarding`): the entry node
+  searches its gossiped HR-tree (Algorithm 1) and runs Algorithm 2 on its gossiped load view,
+  counting the requests it forwarded to a peer until that peer's next report; one hop;
+* ``hr-tree-stale``: the same with load reported only with the deltas (every
+  ``stale_load_interval`` seconds, 5 s: the paper's sync period) and no counting of one's own
+  forwards, the design DESIGN.md "Model nodes" warns against.
+
+Ties of F_LB (every idle node has F_LB 0) are broken by a seeded draw per node
+(``choose``), so entry nodes do not all pick the same idle peer.
+
+**A node** (cost model of :mod:`ps_p2p.engines.sim_cost`). Requests wait in a FIFO queue for one
+of ``max_batch`` slots (the capacity C). A request with a slot prefills its prompt tokens that
+its node's cache misses (looked up with at most ``(len - 1) // block_size`` blocks, as vLLM and
+:class:`~ps_p2p.engines.sim_engine.SimEngine` do), stores its prompt's full blocks in the cache,
+then decodes ``output_tokens`` tokens, one step each, a step taking
+``step_time * (1 + batch_growth * (batch - 1))`` seconds with ``batch`` the slots held at the
+time (as in SimEngine). Prefill: with ``serial_prefill`` (the default) a node computes one
+prefill at a time, at ``prefill_tokens_per_s`` (the cost model's estimate is the throughput of the
+whole GPU, so two prompts cannot both get it), while its decode steps go on (chunked prefill
+without interference); a prompt looks its prefix up when its prefill starts, so it reuses what
+the prefill before it stored. Without it, every slot prefills at full speed at once, exactly as
+SimEngine schedules (prefill is then nearly free of contention and the cache matters much less).
+Decode is simulated as a fluid: every decoding request of a node advances at
+``1 / step_seconds(batch)`` tokens a second, recomputed whenever ``batch`` changes, so a run
+costs a few events per request, not one per token. TTFT is the prefill's end plus one decode
+step at the batch size of that moment. Latency is from the arrival at the entry node to the last
+token; a forwarded request pays ``hop_delay`` on its way.
+
+**Gossip** (only the policies that use it). Each node, every ``load_interval`` seconds (phases
+spread over the nodes): turns its cache's new events into subtree operations (CacheView ->
+SubtreePublisher on its own union tree, as ``ps_p2p.roles.forwarding`` does) and publishes its
+load report (:func:`~ps_p2p.gossip.load.encode_report`); every ``delta_interval`` seconds its
+subtree deltas (:meth:`~ps_p2p.gossip.hr_tree.Delta.encode`). Every message reaches every other
+node ``gossip_delay`` seconds later, decoded from its bytes once and applied through the
+receiver's :class:`~ps_p2p.gossip.load.LoadBook` or the publisher's
+:class:`~ps_p2p.gossip.hr_tree.SubtreeReplica`, so peers see a stale view, as on a network. Bytes
+counted: the encoded body plus :data:`ENVELOPE_OVERHEAD_BYTES` (the signed gossip envelope of
+:mod:`ps_p2p.protocols.hrtree_gossip`: domain, kind, length, Ed25519 signature), times the
+receivers (N - 1: a broadcast; GossipSub's own framing and mesh duplicates are not counted, for
+either design). *Full broadcast* (Appendix A6, Figs. 19-20: the design that delta updates
+replace) is every node sending its whole subtree, :meth:`~ps_p2p.gossip.hr_tree.Snapshot.encode`
+plus the envelope, to every other node every ``delta_interval``; it is counted, not sent.
+
+**Metrics** are taken over the requests after the first ``warmup_fraction`` of arrivals (cold
+caches): token-level KV-cache hit rate (cached prompt tokens / prompt tokens), mean / p50 / p99
+latency and TTFT (nearest rank), the fraction of requests forwarded, decisions by reason.
+
+Everything random comes from ``random.Random`` seeded from :attr:`ClusterConfig.seed` and the
+trace's seed: the same inputs give the same results (no clock reads; the caller times the run).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from ps_p2p.engines.prefix_cache import PrefixCacheIndex, block_hash
+from ps_p2p.engines.sim_cost import SimCostModel, SimParams
+from ps_p2p.errors import ConfigError
+from ps_p2p.gossip.cache_view import CacheView
+from ps_p2p.gossip.forwarding import (
+    ForwardingConfig,
+    HRTreeForwarding,
+    LeastLoad,
+    NoForwarding,
+    RequestContext,
+)
+from ps_p2p.gossip.hr_tree import (
+    Delta,
+    HRTree,
+    NeedSnapshot,
+    SubtreePublisher,
+    SubtreeReplica,
+    chunk_hashes,
+)
+from ps_p2p.gossip.load import (
+    DEFAULT_UNKNOWN_LATENCY,
+    LoadBook,
+    LoadReport,
+    LoadTracker,
+    decode_report,
+    encode_report,
+    load_factor,
+)
+from ps_p2p.gossip.sentry import ChunkLengths
+
+__all__ = [
+    "CENTRAL_RADIX",
+    "ENVELOPE_OVERHEAD_BYTES",
+    "HR_TREE",
+    "HR_TREE_STALE",
+    "LEAST_LOAD",
+    "NO_FORWARDING",
+    "POLICIES",
+    "ClusterConfig",
+    "GossipBytes",
+    "PreparedPrompts",
+    "Request",
+    "RunResult",
+    "Trace",
+    "flood_trace",
+    "make_trace",
+    "percentile",
+    "saturation_rate",
+    "simulate",
+    "zipf_prompts",
+]
+
+NO_FORWARDING = "no-forwarding"
+LEAST_LOAD = "least-load"
+CENTRAL_RADIX = "central-radix"
+HR_TREE = "hr-tree"
+HR_TREE_STALE = "hr-tree-stale"
+POLICIES = (NO_FORWARDING, LEAST_LOAD, CENTRAL_RADIX, HR_TREE, HR_TREE_STALE)
+
+ENVELOPE_OVERHEAD_BYTES = 29 + 1 + 4 + 64
+"""Bytes a signed gossip envelope adds to its body: ``b"planetserve/v1/hrtree-gossip\\x00"``
+(29), kind (1), body length (4), Ed25519 signature (64); :func:`ps_p2p.protocols.hrtree_gossip.seal`
+(kept as a number here so this module does not import the trio/libp2p service; a test checks it)."""
+
+_PEER_ID_PREFIX = b"\x00\x24\x08\x01\x12\x20"  # an Ed25519 libp2p peer ID (ps_p2p.keys)
+_MODEL_ID = "meta-llama/Meta-Llama-3-8B-Instruct"
+_FLOAT_EPS = 1e-9
+
+
+# ------------------------------------------------------------------------------------ workload
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a trace.
+
+    Attributes:
+        arrival: seconds from the trace's start at which it reaches its entry node.
+        entry: index of the node it enters, in [0, nodes).
+        prompt: index of its prompt in :attr:`Trace.prompts`.
+        output_tokens: tokens it generates (>= 1).
+    """
+
+    arrival: float
+    entry: int
+    prompt: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Prompts (token IDs) and the requests that use them, in arrival order.
+
+    Attributes:
+        prompts: token-ID tuples; each ID in [0, 2**32) (chunk hashes pack them as u32).
+        requests: sorted by arrival.
+        nodes: entry nodes are in [0, nodes).
+        rate: mean arrivals per second (0.0 for a flood).
+    """
+
+    prompts: tuple[tuple[int, ...], ...]
+    requests: tuple[Request, ...]
+    nodes: int
+    rate: float
+
+
+def zipf_prompts(
+    prefixes: Sequence[Sequence[int]],
+    suffixes: Sequence[Sequence[int]],
+    count: int,
+    rng: random.Random,
+    *,
+    exponent: float = 1.1,
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """``count`` prompts, each a shared prefix drawn by a Zipf law then a suffix drawn uniformly.
+
+    The prefix of rank r (its index in ``prefixes``, 0 the most popular) is drawn with
+    probability proportional to ``(r + 1) ** -exponent`` (the paper samples ToolUse with
+    Zipf-1.1, sec. 5.1). Draw order: per prompt, the prefix, then the suffix.
+
+    Args:
+        prefixes: shared prefixes (system prompt + tool schemas), most popular first.
+        suffixes: per-request suffixes (the user's query).
+        count: prompts to draw (>= 0).
+        rng: the source of randomness.
+        exponent: Zipf exponent (> 0).
+
+    Returns:
+        (prompts as token tuples, the prefix index of each).
+
+    Raises:
+        ConfigError: no prefixes or suffixes, or a bad exponent.
+    """
+    if not prefixes or not suffixes or not exponent > 0:
+        raise ConfigError("zipf_prompts needs prefixes, suffixes and an exponent > 0")
+    cum = list(itertools.accumulate((r + 1) ** -exponent for r in range(len(prefixes))))
+    prompts: list[tuple[int, ...]] = []
+    which: list[int] = []
+    for _ in range(count):
+        p = min(bisect.bisect_left(cum, rng.random() * cum[-1]), len(prefixes) - 1)
+        s = rng.randrange(len(suffixes))
+        prompts.append(tuple(prefixes[p]) + tuple(suffixes[s]))
+        which.append(p)
+    return prompts, which
+
+
+def make_trace(
+    prompts: Sequence[Sequence[int]],
+    rate: float,
+    *,
+    nodes: int,
+    output_tokens: int,
+    seed: int,
+) -> Trace:
+    """Poisson arrivals at ``rate`` per second, one per prompt in order, entry nodes uniform.
+
+    The same ``seed`` gives the same unit-rate gaps and entry nodes at every rate (the gaps are
+    divided by ``rate``), so runs at different rates differ only in time scale. Draw order: per
+    request, ``expovariate(1)``, then ``randrange(nodes)``.
+
+    Raises:
+        ConfigError: ``rate`` <= 0, ``nodes`` < 1 or ``output_tokens`` < 1.
+    """
+    if not rate > 0 or nodes < 1 or output_tokens < 1:
+        raise ConfigError("make_trace needs rate > 0, nodes >= 1 and output_tokens >= 1")
+    rng = random.Random(seed)
+    t = 0.0
+    requests = []
+    for i in range(len(prompts)):
+        t += rng.expovariate(1.0) / rate
+        requests.append(Request(t, rng.randrange(nodes), i, output_tokens))
+    return Trace(tuple(tuple(p) for p in prompts), tuple(requests), nodes, rate)
+
+
+def flood_trace(trace: Trace) -> Trace:
+    """The same requests, all arriving at time 0 (for :func:`saturation_rate`)."""
+    return replace(
+        trace, requests=tuple(replace(r, arrival=0.0) for r in trace.requests), rate=0.0
+    )
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The simulated group and its forwarding settings (module docstring); seconds.
+
+    Attributes:
+        nodes: model nodes (>= 1).
+        params: the cost model and the cache (``cache_blocks`` per node, ``max_batch`` = C).
+        serial_prefill: one prefill at a time per node (module docstring).
+        lengths: the group's chunk lengths L (HR-tree chunking).
+        key: the group's HR-tree key (16..64 bytes).
+        tau_c: chunks matched for an HR-tree hit (Algorithm 2).
+        overload_threshold: F_LB in seconds from which a holder is passed over.
+        load_interval: seconds between load reports (and absorbing cache events).
+        delta_interval: seconds between subtree deltas (and full-broadcast snapshots counted).
+        stale_load_interval: load period of ``hr-tree-stale``.
+        load_max_age: a report older than this is unknown (LoadBook's ``max_age``).
+        gossip_delay: network delay of a gossip message.
+        hop_delay: network delay of a forwarded request.
+        warmup_fraction: leading fraction of arrivals left out of the metrics, in [0, 1).
+        seed: tie-break draws.
+    """
+
+    nodes: int = 8
+    params: SimParams = field(default_factory=lambda: SimParams(cache_blocks=2048))
+    serial_prefill: bool = True
+    lengths: ChunkLengths = field(default_factory=lambda: ChunkLengths(0))
+    key: bytes = b"ps-forwarding-sim-group-key-0001"
+    tau_c: int = 1
+    overload_threshold: float = 5.0
+    load_interval: float = 1.0
+    delta_interval: float = 2.0
+    stale_load_interval: float = 5.0
+    load_max_age: float = 3.0
+    gossip_delay: float = 0.05
+    hop_delay: float = 0.02
+    warmup_fraction: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError("nodes must be >= 1")
+        for name in ("load_interval", "delta_interval", "stale_load_interval", "load_max_age"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds")
+        if self.gossip_delay < 0 or self.hop_delay < 0:
+            raise ConfigError("delays must be >= 0 seconds")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ConfigError("warmup_fraction must be in [0, 1)")
+
+
+class PreparedPrompts:
+    """Per-prompt hashes, computed once and shared by the runs over one trace's prompts.
+
+    Args:
+        prompts: the trace's prompts.
+        config: gives L, the key and the block size.
+    """
+
+    def __init__(self, prompts: Sequence[tuple[int, ...]], config: ClusterConfig) -> None:
+        self.prompts = prompts
+        self.lengths = config.lengths
+        self.key = config.key
+        self.block_size = config.params.block_size
+        self._chunks: dict[int, list[bytes]] = {}
+        self._blocks: dict[int, list[int]] = {}
+
+    def compatible(self, config: ClusterConfig) -> bool:
+        return (self.lengths, self.key, self.block_size) == (
+            config.lengths, config.key, config.params.block_size)
+
+    def chunk_chain(self, i: int) -> list[bytes]:
+        """HR-tree chunk hashes of prompt ``i`` (Algorithm 1, lines 2-8)."""
+        chain = self._chunks.get(i)
+        if chain is None:
+            chain = self._chunks[i] = chunk_hashes(self.prompts[i], self.lengths, self.key)
+        return chain
+
+    def block_chain(self, i: int) -> list[int]:
+        """Block hashes of prompt ``i``'s cacheable blocks (``(len - 1) // block_size``)."""
+        chain = self._blocks.get(i)
+        if chain is None:
+            tokens = self.prompts[i]
+            bs = self.block_size
+            chain = []
+            parent = None
+            for b in range((len(tokens) - 1) // bs):
+                parent = block_hash(parent, tokens[b * bs:(b + 1) * bs])
+                chain.append(parent)
+            self._blocks[i] = chain
+        return chain
+
+
+# ------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class GossipBytes:
+    """Gossip sent by all nodes in a run: bytes summed over receivers (module docstring).
+
+    Attributes:
+        delta_bytes, delta_messages: subtree deltas (messages counted once, bytes per receiver).
+        delta_entries: subtree entries (prefixes) the deltas added or removed: any delta format
+            sends at least one chunk hash (8 bytes) per changed entry to each receiver.
+        full_bytes, full_messages: what full broadcast of whole subtrees would have sent.
+        load_bytes, load_messages: load reports.
+        snapshot_syncs: snapshots a replica needed after a gap (0 on this lossless network).
+    """
+
+    delta_bytes: int = 0
+    delta_messages: int = 0
+    delta_entries: int = 0
+    full_bytes: int = 0
+    full_messages: int = 0
+    load_bytes: int = 0
+    load_messages: int = 0
+    snapshot_syncs: int = 0
+
+    @property
+    def delta_fraction(self) -> float | None:
+        """Delta bytes / full-broadcast bytes (HR-tree updates only, Appendix A6)."""
+        return self.delta_bytes / self.full_bytes if self.full_bytes else None
+
+    def delta_floor_bytes(self, receivers: int) -> int:
+        """8 bytes per changed entry per receiver: the least any delta format could send."""
+        return 8 * self.delta_entries * receivers
+
+
+@dataclass
+class RunResult:
+    """Metrics of one (policy, trace) run (module docstring); seconds.
+
+    Attributes:
+        policy, rate, nodes: what ran.
+        requests: requests measured (after the warm-up).
+        prompt_tokens, cached_tokens: over the measured requests; ``hit_rate`` their ratio.
+        latency, ttft: mean, p50, p99 (nearest rank) by name.
+        forwarded: fraction of measured requests served by another node than their entry.
+        decisions: forwarding decisions by reason (all requests).
+        served: requests served by each node (all requests).
+        sim_seconds: simulated time until the last request finished.
+        gossip: bytes of gossip (zeros for policies that do not gossip).
+        finish_times: per node, when its last request finished (0.0: it served none).
+    """
+
+    policy: str
+    rate: float
+    nodes: int
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    latency: dict[str, float]
+    ttft: dict[str, float]
+    forwarded: float
+    decisions: dict[str, int]
+    served: list[int]
+    sim_seconds: float
+    gossip: GossipBytes
+    finish_times: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready summary (without the per-node finish times)."""
+        g = self.gossip
+        return {
+            "policy": self.policy, "rate": self.rate, "nodes": self.nodes,
+            "requests": self.requests, "hit_rate": self.hit_rate,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "latency": self.latency, "ttft": self.ttft, "forwarded": self.forwarded,
+            "decisions": dict(sorted(self.decisions.items())), "served": self.served,
+            "sim_seconds": self.sim_seconds,
+            "gossip": {
+                "delta_bytes": g.delta_bytes, "delta_messages": g.delta_messages,
+                "full_bytes": g.full_bytes, "full_messages": g.full_messages,
+                "load_bytes": g.load_bytes, "load_messages": g.load_messages,
+                "snapshot_syncs": g.snapshot_syncs, "delta_fraction": g.delta_fraction,
+                "delta_entries": g.delta_entries,
+                "delta_floor_bytes": g.delta_floor_bytes(self.nodes - 1),
+            },
+        }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` in [0, 100] of ``values`` (nan when empty)."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(s)))
+    return s[min(rank, len(s)) - 1]
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, "p50": math.nan, "p99": math.nan}
+    return {"mean": sum(values) / len(values), "p50": percentile(values, 50),
+            "p99": percentile(values, 99)}
+
+
+# --------------------------------------------------------------------------------- simulation
+
+# event kinds (heap entries: (time, seq, kind, a, b))
+_ARRIVE, _DELIVER, _PREFILL_DONE, _DECODE_DONE, _LOAD_TICK, _DELTA_TICK, _GOT_LOAD, _GOT_DELTA = (
+    range(8))
+
+
+class _Job:
+    __slots__ = ("cached", "done", "entry", "first_token", "index", "node", "prompt",
+                 "req", "started", "tokens")
+
+    def __init__(self, index: int, req: Request, tokens: tuple[int, ...]) -> None:
+        self.index = index
+        self.req = req
+        self.prompt = req.prompt
+        self.tokens = tokens
+        self.entry = req.entry
+        self.node = req.entry
+        self.cached = 0
+        self.started = 0.0
+        self.first_token = 0.0
+        self.done = 0.0
+
+
+class _Node:
+    """One model node: engine state, own load, and (when gossiping) its forwarding state."""
+
+    def __init__(self, index: int, peer_id: bytes, config: ClusterConfig) -> None:
+        p = config.params
+        self.index = index
+        self.peer_id = peer_id
+        self.cache: PrefixCacheIndex[None] = PrefixCacheIndex(p.cache_blocks, p.block_size)
+        self.tracker = LoadTracker(capacity=p.max_batch, max_queue=1 << 30)
+        self.queue: deque[_Job] = deque()
+        self.running = 0  # slots held (SimEngine's `running`: prefilling and decoding)
+        self.prefill_queue: deque[_Job] = deque()
+        self.prefilling = False
+        self.decoding: list[tuple[float, int, _Job]] = []  # (virtual finish, seq, job)
+        self.progress = 0.0  # decode tokens done by every decoding request since t = 0
+        self.updated = 0.0
+        self.version = 0
+        self.inbound = 0  # requests routed here, on their way (the central router counts them)
+        self.served = 0
+        self.last_finish = 0.0
+        # forwarding state (gossiping policies)
+        self.tree: HRTree | None = None
+        self.publisher: SubtreePublisher | None = None
+        self.view: CacheView | None = None
+        self.replicas: dict[int, SubtreeReplica] = {}
+        self.book: LoadBook | None = None
+        self.policy: NoForwarding | LeastLoad | HRTreeForwarding = NoForwarding()
+        self.load_seq = 0
+
+
+def _peer_id(i: int) -> bytes:
+    return _PEER_ID_PREFIX + hashlib.blake2b(i.to_bytes(4, "big"), digest_size=32).digest()
+
+
+class _Sim:
+    def __init__(self, trace: Trace, policy: str, config: ClusterConfig,
+                 prepared: PreparedPrompts) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+        if trace.nodes != config.nodes:
+            raise ConfigError(f"trace for {trace.nodes} nodes, config for {config.nodes}")
+        self.trace = trace
+        self.policy = policy
+        self.config = config
+        self.prepared = prepared
+        self.cost = SimCostModel(config.params)
+        self.params = config.params
+        self.rng = random.Random(f"forwarding-sim/{config.seed}/{policy}")
+        self.events: list[tuple[float, int, int, object, object]] = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.gossip = GossipBytes()
+        self.decisions: dict[str, int] = {}
+        self.jobs = [_Job(i, r, trace.prompts[r.prompt]) for i, r in enumerate(trace.requests)]
+        self.remaining = len(self.jobs)
+        self.nodes = [_Node(i, _peer_id(i), config) for i in range(config.nodes)]
+        self.gossiping = policy in (LEAST_LOAD, HR_TREE, HR_TREE_STALE)
+        self.trees = policy in (HR_TREE, HR_TREE_STALE)
+        self.stale = policy == HR_TREE_STALE
+        self._setup_nodes()
+
+    # ---- setup
+
+    def _setup_nodes(self) -> None:
+        c = self.config
+        ids = [n.peer_id for n in self.nodes]
+        fwd = ForwardingConfig(tau_c=c.tau_c, overload_threshold=c.overload_threshold)
+        load_interval = c.stale_load_interval if self.stale else c.load_interval
+        max_age = max(c.load_max_age, 3 * load_interval)
+        for node in self.nodes:
+            draw = random.Random(f"{c.seed}/{self.policy}/choose/{node.index}").randrange
+            if not self.gossiping:
+                continue
+            node.book = LoadBook(node.peer_id, _MODEL_ID, [p for p in ids if p != node.peer_id],
+                                 max_age=max_age)
+            if self.policy == LEAST_LOAD:
+                node.policy = LeastLoad(node.peer_id, node.tracker, node.book, draw)
+                continue
+            node.tree = HRTree(version=c.lengths.version)
+            node.publisher = SubtreePublisher(node.tree, node.peer_id, incarnation=1)
+            node.view = CacheView(c.lengths, c.key)
+            node.replicas = {j: SubtreeReplica(node.tree, ids[j])
+                             for j in range(c.nodes) if j != node.index}
+            node.policy = HRTreeForwarding(node.peer_id, node.tracker, node.book, fwd, draw)
+        if self.gossiping:
+            n = c.nodes
+            for node in self.nodes:
+                self._push(node.index * load_interval / n, _LOAD_TICK, node.index, None)
+                if self.trees and not self.stale:  # stale: deltas go with the load reports
+                    self._push(node.index * c.delta_interval / n, _DELTA_TICK, node.index, None)
+
+    # ---- event loop
+
+    def _push(self, at: float, kind: int, a: object, b: object) -> None:
+        heapq.heappush(self.events, (at, next(self.seq), kind, a, b))
+
+    def run(self) -> None:
+        for job in self.jobs:
+            self._push(job.req.arrival, _ARRIVE, job, None)
+        handlers = {
+            _ARRIVE: self._arrive, _DELIVER: self._deliver, _PREFILL_DONE: self._prefill_done,
+            _DECODE_DONE: self._decode_done, _LOAD_TICK: self._load_tick,
+            _DELTA_TICK: self._delta_tick, _GOT_LOAD: self._got_load, _GOT_DELTA: self._got_delta,
+        }
+        events = self.events
+        while events and self.remaining:
+            at, _, kind, a, b = heapq.heappop(events)
+            self.now = at
+            handlers[kind](a, b)
+
+    # ---- routing
+
+    def _arrive(self, job: _Job, _: object) -> None:
+        target = self._route(job)
+        node = self.nodes[target]
+        job.node = target
+        if target == job.entry:
+            self._admit(node, job)
+        else:
+            node.inbound += 1
+            self._push(self.now + self.config.hop_delay, _DELIVER, job, None)
+
+    def _deliver(self, job: _Job, _: object) -> None:
+        node = self.nodes[job.node]
+        node.inbound -= 1
+        if self.gossiping:  # the receiving node runs the policy too: a forwarded request stays
+            decision = node.policy.decide(RequestContext(forwarded=True), self.now)
+            assert decision.serve_locally
+        self._admit(node, job)
+
+    def _count(self, reason: str) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+
+    def _route(self, job: _Job) -> int:
+        entry = self.nodes[job.entry]
+        if self.policy == NO_FORWARDING:
+            self._count("no_forwarding")
+            return entry.index
+        if self.policy == CENTRAL_RADIX:
+            return self._central(job)
+        if self.trees:
+            assert entry.tree is not None
+            found = entry.tree.search(self.prepared.chunk_chain(job.prompt), self.config.tau_c)
+            context = RequestContext.from_search(found)
+        else:
+            context = RequestContext()
+        decision = entry.policy.decide(context, self.now)
+        self._count(decision.reason.value)
+        if decision.forward_to is None:
+            return entry.index
+        assert entry.book is not None
+        if not self.stale:  # count our own forwards until the peer's next report
+            entry.book.note_forwarded(decision.forward_to)
+        return next(n.index for n in self.nodes if n.peer_id == decision.forward_to)
+
+    def _exact_load(self, node: _Node) -> float:
+        t = node.tracker
+        return load_factor(t.latency_ewma, t.requests + node.inbound, t.capacity,
+                           DEFAULT_UNKNOWN_LATENCY)
+
+    def _least(self, candidates: list[int], loads: list[float]) -> int:
+        best = min(loads[i] for i in candidates)
+        tied = [i for i in candidates if loads[i] == best]
+        return tied[0] if len(tied) == 1 else tied[self.rng.randrange(len(tied))]
+
+    def _central(self, job: _Job) -> int:
+        """SGLang-like central router with exact state (module docstring)."""
+        chain = self.prepared.block_chain(job.prompt)
+        matches = []
+        for node in self.nodes:
+            cache = node.cache
+            m = 0
+            for h in chain:
+                if h not in cache:
+                    break
+                m += 1
+            matches.append(m)
+        loads = [self._exact_load(n) for n in self.nodes]
+        everyone = list(range(len(self.nodes)))
+        best = max(matches)
+        if best > 0:
+            holder = self._least([i for i in everyone if matches[i] == best], loads)
+            if loads[holder] < self.config.overload_threshold:
+                self._count("cache_hit")
+                return holder
+            self._count("overloaded_fallback")
+        else:
+            self._count("least_loaded")
+        return self._least(everyone, loads)
+
+    # ---- serving
+
+    def _admit(self, node: _Node, job: _Job) -> None:
+        if not node.tracker.try_admit():  # max_queue is unbounded here
+            raise AssertionError("the simulated queue refused a request")
+        node.queue.append(job)
+        self._fill_slots(node)
+
+    def _fill_slots(self, node: _Node) -> None:
+        started = False
+        while node.queue and node.running < self.params.max_batch:
+            job = node.queue.popleft()
+            node.tracker.start()
+            job.started = self.now
+            if not started:
+                self._advance(node)
+                started = True
+            node.running += 1
+            if self.config.serial_prefill:
+                node.prefill_queue.append(job)
+            else:
+                self._start_prefill(node, job)
+        if started:
+            self._kick_prefill(node)
+            self._schedule_decode(node)
+
+    def _kick_prefill(self, node: _Node) -> None:
+        if self.config.serial_prefill and not node.prefilling and node.prefill_queue:
+            node.prefilling = True
+            self._start_prefill(node, node.prefill_queue.popleft())
+
+    def _start_prefill(self, node: _Node, job: _Job) -> None:
+        bs = self.params.block_size
+        match = node.cache.lookup(job.tokens, max_blocks=(len(job.tokens) - 1) // bs)
+        job.cached = match.tokens
+        seconds = self.cost.prefill_seconds(len(job.tokens) - match.tokens)
+        self._push(self.now + seconds, _PREFILL_DONE, node, job)
+
+    def _prefill_done(self, node: _Node, job: _Job) -> None:
+        node.cache.store(job.tokens, _no_payload)
+        if self.config.serial_prefill:
+            node.prefilling = False
+            self._kick_prefill(node)
+        self._advance(node)
+        heapq.heappush(node.decoding,
+                       (node.progress + job.req.output_tokens, job.index, job))
+        job.first_token = self.now + self.cost.step_seconds(node.running)
+        self._schedule_decode(node)
+
+    def _advance(self, node: _Node) -> None:
+        """Move the node's decode progress to now (the batch was constant since the update)."""
+        if node.decoding:
+            node.progress += (self.now - node.updated) / self.cost.step_seconds(node.running)
+        node.updated = self.now
+
+    def _schedule_decode(self, node: _Node) -> None:
+        node.version += 1
+        if node.decoding:
+            left = node.decoding[0][0] - node.progress
+            at = self.now + max(0.0, left) * self.cost.step_seconds(node.running)
+            self._push(at, _DECODE_DONE, node, node.version)
+
+    def _decode_done(self, node: _Node, version: object) -> None:
+        if version != node.version:
+            return  # the batch changed since: rescheduled
+        self._advance(node)
+        finished = 0
+        while node.decoding and node.decoding[0][0] <= node.progress + _FLOAT_EPS:
+            _, _, job = heapq.heappop(node.decoding)
+            job.done = self.now
+            node.tracker.finish(self.now - job.started)
+            node.served += 1
+            node.last_finish = self.now
+            finished += 1
+            self.remaining -= 1
+        node.running -= finished
+        self._fill_slots(node)
+        self._schedule_decode(node)
+
+    # ---- gossip
+
+    def _absorb(self, node: _Node) -> None:
+        publisher = node.publisher
+        assert node.view is not None and publisher is not None
+        entries = publisher.tree.entries(publisher.peer)
+        for event in node.cache.drain_events():
+            for op in node.view.apply(event):
+                publisher.apply(op)
+                now_entries = publisher.tree.entries(publisher.peer)
+                self.gossip.delta_entries += abs(now_entries - entries)
+                entries = now_entries
+
+    def _load_tick(self, node_index: object, _: object) -> None:
+        node = self.nodes[node_index]  # type: ignore[index]
+        receivers = len(self.nodes) - 1
+        if self.trees:
+            self._absorb(node)
+        node.load_seq += 1
+        data = encode_report(node.tracker.report(node.peer_id, _MODEL_ID, node.load_seq))
+        self.gossip.load_messages += 1
+        self.gossip.load_bytes += (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
+        self._push(self.now + self.config.gossip_delay, _GOT_LOAD, node.index,
+                   decode_report(data))
+        if self.stale:
+            self._publish_deltas(node)
+            self._push(self.now + self.config.stale_load_interval, _LOAD_TICK, node.index, None)
+        else:
+            self._push(self.now + self.config.load_interval, _LOAD_TICK, node.index, None)
+
+    def _delta_tick(self, node_index: object, _: object) -> None:
+        node = self.nodes[node_index]  # type: ignore[index]
+        self._absorb(node)
+        self._publish_deltas(node)
+        self._push(self.now + self.config.delta_interval, _DELTA_TICK, node.index, None)
+
+    def _publish_deltas(self, node: _Node) -> None:
+        """Send the node's new deltas; count what a full broadcast of its subtree would cost."""
+        assert node.publisher is not None
+        receivers = len(self.nodes) - 1
+        for delta in node.publisher.take_deltas():
+            data = delta.encode()
+            self.gossip.delta_messages += 1
+            self.gossip.delta_bytes += (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
+            self._push(self.now + self.config.gossip_delay, _GOT_DELTA, node.index,
+                       Delta.decode(data))
+        snapshot = node.publisher.snapshot().encode()
+        self.gossip.full_messages += 1
+        self.gossip.full_bytes += (len(snapshot) + ENVELOPE_OVERHEAD_BYTES) * receivers
+
+    def _got_load(self, sender: object, report: object) -> None:
+        assert isinstance(report, LoadReport)
+        for node in self.nodes:
+            if node.index != sender:
+                assert node.book is not None
+                node.book.receive(report, self.now)
+
+    def _got_delta(self, sender: object, delta: object) -> None:
+        assert isinstance(delta, Delta)
+        src = self.nodes[sender]  # type: ignore[index]
+        for node in self.nodes:
+            if node.index == sender:
+                continue
+            replica = node.replicas[src.index]
+            if isinstance(replica.apply_delta(delta), NeedSnapshot):
+                assert src.publisher is not None
+                self.gossip.snapshot_syncs += 1
+                replica.apply_snapshot(src.publisher.snapshot())
+
+    # ---- results
+
+    def result(self) -> RunResult:
+        skip = int(len(self.jobs) * self.config.warmup_fraction)
+        measured = self.jobs[skip:]
+        latency = [j.done - j.req.arrival for j in measured]
+        ttft = [j.first_token - j.req.arrival for j in measured]
+        forwarded = sum(1 for j in measured if j.node != j.entry)
+        return RunResult(
+            policy=self.policy,
+            rate=self.trace.rate,
+            nodes=len(self.nodes),
+            requests=len(measured),
+            prompt_tokens=sum(len(j.tokens) for j in measured),
+            cached_tokens=sum(j.cached for j in measured),
+            latency=_stats(latency),
+            ttft=_stats(ttft),
+            forwarded=forwarded / len(measured) if measured else 0.0,
+            decisions=dict(self.decisions),
+            served=[n.served for n in self.nodes],
+            sim_seconds=max((j.done for j in self.jobs), default=0.0),
+            gossip=self.gossip,
+            finish_times=[n.last_finish for n in self.nodes],
+        )
+
+
+def _no_payload(_block: int) -> None:
+    return None
+
+
+def simulate(
+    trace: Trace,
+    policy: str,
+    config: ClusterConfig,
+    prepared: PreparedPrompts | None = None,
+) -> RunResult:
+    """Run ``trace`` under ``policy`` until every request finished.
+
+    Args:
+        trace: the requests (:func:`make_trace`), for ``config.nodes`` nodes.
+        policy: one of :data:`POLICIES`.
+        config: the group.
+        prepared: the prompts' hashes, reused across runs over the same prompts (built here if
+            None or built for another L, key or block size).
+
+    Returns:
+        The run's metrics; equal inputs give equal results.
+
+    Raises:
+        ConfigError: an unknown policy or a trace for another number of nodes.
+    """
+    if prepared is None or prepared.prompts != trace.prompts or not prepared.compatible(config):
+        prepared = PreparedPrompts(trace.prompts, config)
+    sim = _Sim(trace, policy, config, prepared)
+    sim.run()
+    return sim.result()
+
+
+def saturation_rate(
+    trace: Trace, config: ClusterConfig, prepared: PreparedPrompts | None = None
+) -> float:
+    """Requests per second the group serves without forwarding when every node is always busy.
+
+    Every request of ``trace`` arrives at once at its entry node (:func:`flood_trace`); each
+    node's service rate is the requests it served over the time its last one finished, and the
+    group's is their sum: the arrival rate past which the no-forwarding baseline's queues grow
+    without bound (each node sees its share of a Poisson stream with uniform entry nodes).
+
+    Raises:
+        ConfigError: as :func:`simulate`.
+    """
+    result = simulate(flood_trace(trace), NO_FORWARDING, config, prepared)
+    return sum(s / t for s, t in zip(result.served, result.finish_times) if t > 0)

@@ -1,0 +1,257 @@
+"""The forwarding simulator (ps_p2p.testing.forwarding_sim) and its benchmark's quick run.
+
+The simulator drives the real cores; these tests check its node model against hand-computed
+times and against SimEngine under trio's virtual clock, and the properties the benchmark
+reports on a small synthetic shared-prefix workload (no shared data needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import random
+import sys
+
+import pytest
+import trio
+import trio.testing
+
+from ps_p2p.devnet import shared_dir
+from ps_p2p.engines.base import SamplingParams
+from ps_p2p.engines.sim_engine import SimEngine, SimParams
+from ps_p2p.errors import ConfigError
+from ps_p2p.gossip.sentry import ChunkLengths
+from ps_p2p.testing import forwarding_sim as fs
+
+# round numbers, as in test_sim_engine.py
+PARAMS = SimParams(prefill_tokens_per_s=1000.0, step_time=0.02, batch_growth=0.5, max_batch=4,
+                   max_context=4096, block_size=16, cache_blocks=64)
+PROMPT = tuple(range(1000, 1160))  # 160 tokens: 10 blocks, 9 reusable
+
+
+def one_node_trace(arrivals: list[float], prompts: list[tuple[int, ...]], out: int = 10
+                   ) -> fs.Trace:
+    reqs = tuple(fs.Request(t, 0, i, out) for i, t in enumerate(arrivals))
+    return fs.Trace(tuple(prompts), reqs, 1, 1.0)
+
+
+def one_node(serial: bool) -> fs.ClusterConfig:
+    return fs.ClusterConfig(nodes=1, params=PARAMS, serial_prefill=serial, warmup_fraction=0.0)
+
+
+# -- the node model -------------------------------------------------------------------------
+
+
+def test_serial_prefill_reuses_the_prefix_the_previous_prefill_stored():
+    # r1 at 0: prefill 160 tokens (0.16 s), decode 10 steps at batch 2 (0.03 s each): done 0.46.
+    # r2 at 0.05 holds a slot (batch 2) but prefills after r1 (0.16 s), reusing 9 blocks: 16
+    # tokens, 0.016 s; it decodes from 0.176 at 0.03 s a step until r1 leaves at 0.46, then at
+    # 0.02 s a step: 9.4667 tokens done by 0.46, the rest takes 0.010667 s.
+    r = fs.simulate(one_node_trace([0.0, 0.05], [PROMPT, PROMPT]), fs.NO_FORWARDING,
+                    one_node(serial=True))
+    lat1, lat2 = 0.46, 0.176 + (0.46 - 0.176) + (10 - (0.46 - 0.176) / 0.03) * 0.02 - 0.05
+    assert r.latency["mean"] == pytest.approx((lat1 + lat2) / 2)
+    assert r.latency["p99"] == pytest.approx(lat1)
+    assert r.ttft["mean"] == pytest.approx(((0.16 + 0.03) + (0.176 + 0.03 - 0.05)) / 2)
+    assert r.cached_tokens == 144 and r.prompt_tokens == 320
+    assert r.hit_rate == pytest.approx(0.45)
+
+
+def test_parallel_prefill_looks_up_when_the_slot_is_taken():
+    # r2 takes its slot at 0.05, before r1 stored its blocks: no reuse, its own 0.16 s prefill.
+    r = fs.simulate(one_node_trace([0.0, 0.05], [PROMPT, PROMPT]), fs.NO_FORWARDING,
+                    one_node(serial=False))
+    assert r.cached_tokens == 0
+    # r1: 0.16 + 10 steps at batch 2 = 0.46; r2 decodes from 0.21, at 0.03 s a step until 0.46
+    lat2 = 0.21 + 0.25 + (10 - 0.25 / 0.03) * 0.02 - 0.05
+    assert r.latency["mean"] == pytest.approx((0.46 + lat2) / 2)
+
+
+def test_requests_beyond_the_slots_wait_in_fifo_order():
+    prompts = [tuple(range(5000 * i, 5000 * i + 32)) for i in range(6)]
+    r = fs.simulate(one_node_trace([0.0] * 6, prompts, out=1), fs.NO_FORWARDING,
+                    one_node(serial=False))
+    # 4 slots: the first four prefill 32 tokens (0.032 s) and decode one step at batch 4
+    # (0.05 s); the last two start at 0.082 and take 0.032 + 0.03 (batch 2).
+    assert sorted(r.finish_times) == [pytest.approx(0.082 + 0.062)]
+    assert r.latency["p99"] == pytest.approx(0.144)
+    assert r.served == [6]
+
+
+async def _sim_engine_times(arrivals: list[float], prompts: list[tuple[int, ...]], out: int
+                            ) -> list[tuple[float, float]]:
+    engine = SimEngine("sim", PARAMS)
+    times: list[tuple[float, float]] = [(0.0, 0.0)] * len(arrivals)
+
+    async def one(i: int) -> None:
+        await trio.sleep(arrivals[i])
+        first = None
+        async for _ in engine.stream_ids(prompts[i], SamplingParams(max_tokens=out)):
+            first = trio.current_time() if first is None else first
+        times[i] = (first - arrivals[i], trio.current_time() - arrivals[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(arrivals)):
+            nursery.start_soon(one, i)
+    return times
+
+
+def test_parallel_prefill_matches_sim_engine_within_one_decode_step():
+    rng = random.Random(3)
+    base = [rng.randrange(10_000, 20_000) for _ in range(64)]
+    prompts = [tuple(base[: rng.choice((16, 48, 64))] + [rng.randrange(30_000, 40_000)
+                                                          for _ in range(rng.randrange(1, 40))])
+               for _ in range(9)]
+    arrivals = sorted(rng.uniform(0, 0.6) for _ in prompts)
+    expected = trio.run(_sim_engine_times, arrivals, prompts, 12,
+                        clock=trio.testing.MockClock(autojump_threshold=0))
+    got = fs.simulate(one_node_trace(arrivals, prompts, out=12), fs.NO_FORWARDING,
+                      one_node(serial=False))
+    latencies = [t for _, t in expected]
+    ttfts = [t for t, _ in expected]
+    # the fluid decode changes speed mid-step, SimEngine only between steps
+    step = PARAMS.step_time * (1 + PARAMS.batch_growth * (PARAMS.max_batch - 1))
+    assert got.latency["mean"] == pytest.approx(sum(latencies) / len(latencies), abs=step)
+    assert got.latency["p99"] == pytest.approx(max(latencies), abs=step)
+    assert got.ttft["mean"] == pytest.approx(sum(ttfts) / len(ttfts), abs=step)
+    assert got.cached_tokens > 0
+
+
+# -- the policies on a shared-prefix workload --------------------------------------------------
+
+
+def synthetic(nodes: int = 4, requests: int = 500, seed: int = 7, cache_blocks: int = 1024,
+              rate_fraction: float = 0.8) -> tuple[fs.Trace, fs.ClusterConfig]:
+    """A 40-token system prompt, 24 tool-schema-like prefixes (Zipf-1.1), short suffixes."""
+    rng = random.Random(seed)
+    system = [1] + [rng.randrange(100, 50_000) for _ in range(39)]
+    prefixes = [system + [rng.randrange(100, 50_000) for _ in range(rng.randrange(200, 600))]
+                for _ in range(24)]
+    suffixes = [[rng.randrange(100, 50_000) for _ in range(rng.randrange(8, 40))]
+                for _ in range(60)]
+    prompts, _ = fs.zipf_prompts(prefixes, suffixes, requests, rng)
+    params = SimParams(prefill_tokens_per_s=4000.0, step_time=0.025, batch_growth=0.03,
+                       max_batch=8, block_size=16, cache_blocks=cache_blocks)
+    config = fs.ClusterConfig(nodes=nodes, params=params, lengths=ChunkLengths(1, (40, 4), 16),
+                              seed=seed)
+    unit = fs.make_trace(prompts, 1.0, nodes=nodes, output_tokens=20, seed=seed)
+    rate = rate_fraction * fs.saturation_rate(unit, config)
+    return fs.make_trace(prompts, rate, nodes=nodes, output_tokens=20, seed=seed), config
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, fs.RunResult]:
+    trace, config = synthetic()
+    prepared = fs.PreparedPrompts(trace.prompts, config)
+    return {p: fs.simulate(trace, p, config, prepared) for p in fs.POLICIES}
+
+
+def test_every_policy_serves_every_request(runs):
+    for r in runs.values():
+        assert sum(r.served) == 500
+        assert r.requests == 450  # the first 10% are warm-up
+
+
+def test_no_forwarding_serves_at_the_entry_node(runs):
+    assert runs[fs.NO_FORWARDING].forwarded == 0.0
+    assert runs[fs.NO_FORWARDING].gossip == fs.GossipBytes()
+
+
+def test_hr_tree_forwarding_raises_the_hit_rate_over_no_forwarding(runs):
+    assert runs[fs.HR_TREE].hit_rate > runs[fs.NO_FORWARDING].hit_rate + 0.05
+    assert runs[fs.HR_TREE].decisions.get("cache_hit", 0) > 0
+
+
+def test_least_load_ignores_the_cache(runs):
+    assert runs[fs.LEAST_LOAD].hit_rate < runs[fs.HR_TREE].hit_rate
+    assert runs[fs.LEAST_LOAD].gossip.delta_messages == 0
+    assert runs[fs.LEAST_LOAD].gossip.load_messages > 0
+
+
+def test_the_central_router_hits_at_least_as_often_as_the_gossiped_tree(runs):
+    assert runs[fs.CENTRAL_RADIX].hit_rate >= runs[fs.HR_TREE].hit_rate - 0.02
+
+
+def test_deltas_cost_less_than_broadcasting_whole_subtrees(runs):
+    g = runs[fs.HR_TREE].gossip
+    assert g.delta_messages > 0 and g.full_messages > 0
+    assert 0 < g.delta_bytes < g.full_bytes
+    assert g.delta_floor_bytes(3) <= g.delta_bytes
+    assert g.snapshot_syncs == 0  # lossless, in-order gossip never leaves a gap
+
+
+def test_stale_load_sends_fewer_load_reports(runs):
+    fresh, stale = runs[fs.HR_TREE].gossip, runs[fs.HR_TREE_STALE].gossip
+    assert stale.load_messages < fresh.load_messages / 3
+
+
+def test_the_same_seed_gives_the_same_run():
+    trace, config = synthetic(requests=200)
+    a = fs.simulate(trace, fs.HR_TREE, config).as_dict()
+    b = fs.simulate(trace, fs.HR_TREE, config).as_dict()
+    assert a == b
+
+
+def test_make_trace_scales_the_same_draws_by_the_rate():
+    prompts = [(1, 2, 3)] * 50
+    slow = fs.make_trace(prompts, 1.0, nodes=8, output_tokens=5, seed=4)
+    fast = fs.make_trace(prompts, 4.0, nodes=8, output_tokens=5, seed=4)
+    assert [r.entry for r in slow.requests] == [r.entry for r in fast.requests]
+    assert [r.arrival / 4 for r in slow.requests] == pytest.approx(
+        [r.arrival for r in fast.requests])
+    assert {r.entry for r in slow.requests} <= set(range(8))
+
+
+def test_zipf_prompts_favour_the_first_prefixes():
+    prompts, which = fs.zipf_prompts([[i] for i in range(50)], [[7]], 4000, random.Random(1))
+    counts = [which.count(i) for i in range(50)]
+    assert counts[0] > counts[1] > counts[10] and counts[0] > 4000 / 50 * 5
+    assert all(p == (w, 7) for p, w in zip(prompts, which))
+
+
+def test_bad_inputs_are_refused():
+    trace, config = synthetic(requests=20)
+    with pytest.raises(ConfigError):
+        fs.simulate(trace, "random", config)
+    with pytest.raises(ConfigError):
+        fs.simulate(trace, fs.HR_TREE, dataclasses.replace(config, nodes=3))
+    with pytest.raises(ConfigError):
+        fs.ClusterConfig(warmup_fraction=1.0)
+    with pytest.raises(ConfigError):
+        fs.make_trace([(1,)], 0.0, nodes=2, output_tokens=1, seed=0)
+
+
+def test_envelope_overhead_is_what_seal_adds():
+    from ps_p2p.keys import Identity
+    from ps_p2p.protocols.hrtree_gossip import KIND_DELTA, seal
+
+    body = b"x" * 123
+    assert len(seal(Identity.generate(), KIND_DELTA, body)) - len(body) == (
+        fs.ENVELOPE_OVERHEAD_BYTES)
+
+
+def test_percentile_is_nearest_rank():
+    values = list(range(1, 101))
+    assert fs.percentile(values, 99) == 99
+    assert fs.percentile(values, 50) == 50
+    assert fs.percentile([3.0], 99) == 3.0
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+
+
+def test_bench_quick_run_writes_its_results(tmp_path):
+    shared = shared_dir()
+    if not (shared / "data" / "toolbench").is_dir() or not (
+            shared / "tokenizers" / "llama3" / "tokenizer.json").is_file():
+        pytest.skip(f"{shared} has no data/toolbench or tokenizers/llama3 (shared data absent)")
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_forwarding
+
+    out = tmp_path / "fwd.json"
+    assert bench_forwarding.main(["--quick", "--requests", "300", "--rates", "0.8",
+                                  "--shared", str(shared), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    policies = {r["policy"] for r in report["results"]}
+    assert policies == set(fs.POLICIES)
+    assert all(r["latency"]["p99"] >= r["latency"]["p50"] > 0 for r in report["results"])
