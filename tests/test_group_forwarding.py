@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import trio
 
 from ps_p2p.config import ForwardingConfig
 from ps_p2p.engines.sim_cost import SimParams

@@ -49,7 +49,6 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
-from libp2p.peer.id import ID
 
 from ps_p2p.consensus.app import DeregisterTx, RegisterTx, decode_tx, encode_tx
 from ps_p2p.consensus.block import Header, decode_header, header_bytes
@@ -65,7 +64,7 @@ from ps_p2p.errors import LocalProtocolError, PsError, RemoteProtocolError
 from ps_p2p.pb.planetserve.v1 import directory_pb2
 from ps_p2p.protocols import consensus_codec as cc
 from ps_p2p.protocols.framing import encode_frame, read_frame
-from ps_p2p.protocols.handlers import StreamHandlers, reset_quietly
+from ps_p2p.protocols.handlers import StreamHandlers, exchange, reset_quietly, serve_handlers
 from ps_p2p.protocols.record_codec import record_from_pb, record_to_pb
 from ps_p2p.protocols.wire import parse
 from ps_p2p.records.peer_ids import peer_label
@@ -167,12 +166,8 @@ class CommitteeDirectoryService:
         self, host: IHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve on ``host`` until cancelled, then remove the handler."""
-        handlers = self.register_handlers(host)
-        try:
-            task_status.started()
-            await trio.sleep_forever()
-        finally:
-            await handlers.aclose()
+        await serve_handlers(host, {COMMITTEE_DIRECTORY_PROTOCOL_ID: self._handle_stream},
+                             task_status=task_status)
 
     def snapshot(self, since_height: int) -> Snapshot:
         """The header, commit and pages served now for "changed since ``since_height``".
@@ -299,19 +294,7 @@ def _refusal(verifier: bytes, response: directory_pb2.CommitteeDirectoryResponse
 
 
 async def _exchange(host: IHost, verifier: bytes, timeout: float, body: Callable) -> object:  # type: ignore[type-arg]
-    with trio.fail_after(timeout):
-        stream = await host.new_stream(ID(verifier), [COMMITTEE_DIRECTORY_PROTOCOL_ID])
-    try:
-        result = await body(stream)
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            await reset_quietly(stream)
-        raise
-    try:
-        await stream.close()
-    except Exception as exc:
-        log.debug("closing directory/2 stream: %r", exc)
-    return result
+    return await exchange(host, verifier, COMMITTEE_DIRECTORY_PROTOCOL_ID, body, timeout=timeout)
 
 
 async def register_with_committee(

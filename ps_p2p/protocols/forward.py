@@ -36,13 +36,12 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
-from libp2p.peer.id import ID
 
 from ps_p2p.errors import RemoteProtocolError
 from ps_p2p.inference import InferenceReply
 from ps_p2p.pb.planetserve.v1 import forward_pb2
 from ps_p2p.protocols.framing import encode_frame, read_frame
-from ps_p2p.protocols.handlers import StreamHandlers, reset_quietly
+from ps_p2p.protocols.handlers import StreamHandlers, exchange, reset_quietly, serve_handlers
 from ps_p2p.protocols.inference_codec import reply_from_pb, reply_to_pb
 from ps_p2p.protocols.wire import parse
 from ps_p2p.records.peer_ids import peer_label
@@ -105,12 +104,8 @@ class ForwardService:
         self, host: IHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve on ``host`` until cancelled, then remove the handler."""
-        handlers = self.register_handlers(host)
-        try:
-            task_status.started()
-            await trio.sleep_forever()
-        finally:
-            await handlers.aclose()
+        await serve_handlers(host, {FORWARD_PROTOCOL_ID: self._handle_stream},
+                             task_status=task_status)
 
     async def _handle_stream(self, stream: INetStream) -> None:
         # guarded: an exception escaping a handler kills the py-libp2p host
@@ -166,41 +161,26 @@ async def forward_request(
         trio.TooSlowError: the dial or a frame took too long.
         Exception: py-libp2p's dial and negotiation errors.
     """
-    with trio.fail_after(connect_timeout):
-        stream = await host.new_stream(ID(peer), [FORWARD_PROTOCOL_ID])
-        try:
+    async def body(stream: INetStream) -> InferenceReply:
+        with trio.fail_after(connect_timeout):
             await stream.write(encode_frame(
                 forward_pb2.ForwardRequest(query=q_bytes).SerializeToString()))
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await reset_quietly(stream)
-            raise
-    try:
         for _ in range(MAX_TEXT_FRAMES + 1):
             with trio.fail_after(idle_timeout):
                 try:
-                    body = await read_frame(stream, MAX_FRAME_BYTES)
+                    data = await read_frame(stream, MAX_FRAME_BYTES)
                 except StreamEOF:
                     raise RemoteProtocolError("forward stream ended before the reply") from None
-            frame = parse(forward_pb2.ForwardFrame, body)
+            frame = parse(forward_pb2.ForwardFrame, data)
             kind = frame.WhichOneof("kind")
             if kind == "reply":
-                reply = reply_from_pb(frame.reply)
-                break
+                return reply_from_pb(frame.reply)
             if kind != "text":
                 raise RemoteProtocolError(f"forward answer frame of kind {kind!r}")
             on_text(frame.text)
-        else:
-            raise RemoteProtocolError(f"more than {MAX_TEXT_FRAMES} text frames")
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            await reset_quietly(stream)
-        raise
-    try:
-        await stream.close()
-    except Exception as exc:
-        log.debug("closing forward stream: %r", exc)
-    return reply
+        raise RemoteProtocolError(f"more than {MAX_TEXT_FRAMES} text frames")
+
+    return await exchange(host, peer, FORWARD_PROTOCOL_ID, body, timeout=connect_timeout)
 
 
 __all__ = [

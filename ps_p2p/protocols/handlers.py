@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -25,6 +26,7 @@ from ps_p2p.errors import ConfigError
 log = logging.getLogger(__name__)
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
+T = TypeVar("T")
 
 #: Seconds allowed for resetting the open streams when the handlers are removed.
 RESET_TIMEOUT = 1.0
@@ -111,6 +113,54 @@ class StreamHandlers:
         log.debug("reset %d inbound stream(s) of removed handlers", len(streams))
 
 
+async def serve_handlers(
+    host: IHost, handlers: dict[str, StreamHandler], *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``handlers`` (protocol ID -> handler) on ``host`` until cancelled, then remove them
+    (a service's ``serve``; ``task_status.started()`` once registered).
+
+    Raises:
+        ConfigError: the host already serves one of them.
+    """
+    registered = StreamHandlers(host)
+    try:
+        for protocol_id, handler in handlers.items():
+            registered.add(protocol_id, handler)
+        task_status.started()
+        await trio.sleep_forever()
+    finally:
+        await registered.aclose()
+
+
+async def exchange(
+    host: IHost, peer: bytes, protocol_id: str, body: Callable[[INetStream], Awaitable[T]], *,
+    timeout: float,
+) -> T:
+    """Open a stream to ``peer`` (within ``timeout`` seconds), run ``body`` on it and close it;
+    if ``body`` raises (or is cancelled) the stream is reset instead (a client's request).
+
+    Raises:
+        trio.TooSlowError: no stream within ``timeout``; what ``body`` raises; py-libp2p's dial
+            and negotiation errors.
+    """
+    from libp2p.peer.id import ID
+
+    with trio.fail_after(timeout):
+        stream = await host.new_stream(ID(peer), [TProtocol(protocol_id)])
+    try:
+        result = await body(stream)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await reset_quietly(stream)
+        raise
+    try:
+        await stream.close()
+    except Exception as exc:
+        log.debug("closing %s stream: %r", protocol_id, exc)
+    return result
+
+
 async def reset_quietly(stream: INetStream) -> None:
     """Reset ``stream``, ignoring a stream that is already closed or reset (for handlers that
     drop a peer's stream after bad input)."""
@@ -121,5 +171,6 @@ async def reset_quietly(stream: INetStream) -> None:
 
 
 __all__ = [
-    "RESET_TIMEOUT", "StreamHandler", "StreamHandlers", "registered_protocols", "reset_quietly",
+    "RESET_TIMEOUT", "StreamHandler", "StreamHandlers", "exchange", "registered_protocols",
+    "reset_quietly", "serve_handlers",
 ]

@@ -36,12 +36,11 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
-from libp2p.peer.id import ID
 
 from ps_p2p.errors import RemoteProtocolError
 from ps_p2p.gossip.hr_tree import MAX_DELTA_BYTES, MAX_SNAPSHOT_BYTES
 from ps_p2p.protocols.framing import encode_frame, read_frame
-from ps_p2p.protocols.handlers import StreamHandlers, reset_quietly
+from ps_p2p.protocols.handlers import StreamHandlers, exchange, reset_quietly, serve_handlers
 from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.records.signatures import verify_signature
 from ps_p2p.records.types import Signer
@@ -177,13 +176,8 @@ class SnapshotServer:
     async def serve(self, host: IHost, *,
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve on ``host`` until cancelled, then remove the handler."""
-        handlers = StreamHandlers(host)
-        handlers.add(HRTREE_SYNC_PROTOCOL_ID, self._handle)
-        try:
-            task_status.started()
-            await trio.sleep_forever()
-        finally:
-            await handlers.aclose()
+        await serve_handlers(host, {HRTREE_SYNC_PROTOCOL_ID: self._handle},
+                             task_status=task_status)
 
     async def _handle(self, stream: INetStream) -> None:
         sender = stream.muxed_conn.peer_id.to_bytes()
@@ -221,23 +215,15 @@ async def fetch_snapshot(host: IHost, peer: bytes, *, timeout: float = 10.0) -> 
         trio.TooSlowError: not within ``timeout`` seconds.
         Exception: py-libp2p's dial and negotiation errors.
     """
-    with trio.fail_after(timeout):
-        stream = await host.new_stream(ID(peer), [HRTREE_SYNC_PROTOCOL_ID])
-        try:
+    async def body(stream: INetStream) -> bytes:
+        with trio.fail_after(timeout):
             await stream.write(encode_frame(SYNC_REQUEST))
             try:
-                data = await read_frame(stream, MAX_SNAPSHOT_ENVELOPE_BYTES)
+                return await read_frame(stream, MAX_SNAPSHOT_ENVELOPE_BYTES)
             except StreamEOF:
                 raise RemoteProtocolError("snapshot stream closed without an answer") from None
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await reset_quietly(stream)
-            raise
-    try:
-        await stream.close()
-    except Exception as exc:
-        log.debug("closing snapshot stream: %r", exc)
-    return data
+
+    return await exchange(host, peer, HRTREE_SYNC_PROTOCOL_ID, body, timeout=timeout)
 
 
 __all__ = [
