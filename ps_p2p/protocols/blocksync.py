@@ -25,7 +25,6 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
-from libp2p.peer.id import ID
 
 from ps_p2p.consensus.block import BlockLimits, block_id, decode_block
 from ps_p2p.consensus.signing import verify_commit
@@ -34,7 +33,7 @@ from ps_p2p.consensus.types import Validator
 from ps_p2p.errors import ConsensusError, RemoteProtocolError
 from ps_p2p.protocols import consensus_codec as cc
 from ps_p2p.protocols.framing import encode_frame, read_frame
-from ps_p2p.protocols.handlers import StreamHandlers, reset_quietly
+from ps_p2p.protocols.handlers import StreamHandlers, exchange, reset_quietly
 
 log = logging.getLogger(__name__)
 
@@ -173,29 +172,23 @@ async def fetch_blocks(
         StreamError, SwarmException: the stream could not be opened or failed.
     """
     limits = limits or BlockLimits()
-    with trio.fail_after(timeout):
-        stream = await host.new_stream(ID(peer), [BLOCKSYNC_PROTOCOL_ID])
-        try:
+
+    async def body(stream: INetStream) -> tuple[list[VerifiedBlock], int]:
+        with trio.fail_after(timeout):
             await stream.write(encode_frame(cc.encode_sync_request(from_height, max_blocks)))
-            body = await read_frame(stream, MAX_RESPONSE_BYTES)
-            blocks, latest = cc.decode_sync_response(body)
-            if blocks and blocks[0].height != from_height:
-                raise RemoteProtocolError(
-                    f"asked blocks from {from_height}, got from {blocks[0].height}"
-                )
-            verified = verify_synced(
-                blocks, chain_id=chain_id, validators=validators,
-                previous_block_id=previous_block_id, limits=limits,
+            data = await read_frame(stream, MAX_RESPONSE_BYTES)
+        blocks, latest = cc.decode_sync_response(data)
+        if blocks and blocks[0].height != from_height:
+            raise RemoteProtocolError(
+                f"asked blocks from {from_height}, got from {blocks[0].height}"
             )
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await reset_quietly(stream)
-            raise
-        try:
-            await stream.close()
-        except Exception as exc:
-            log.debug("closing block sync stream: %r", exc)
-    return verified, latest
+        verified = verify_synced(
+            blocks, chain_id=chain_id, validators=validators,
+            previous_block_id=previous_block_id, limits=limits,
+        )
+        return verified, latest
+
+    return await exchange(host, peer, BLOCKSYNC_PROTOCOL_ID, body, timeout=timeout)
 
 
 __all__ = [
