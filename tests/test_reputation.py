@@ -223,3 +223,19 @@ def test_forget_drops_a_subject():
     book.forget(b"absent")
     assert len(book) == 0
     assert book.reputation(b"s1") == PARAMS.initial
+
+
+@given(st.floats(min_value=0.0, max_value=1.0),
+       st.lists(st.floats(min_value=0.0, max_value=0.4999), min_size=3, max_size=3))
+def test_a_node_scoring_below_tau_is_untrusted_within_three_epochs(initial, credibilities):
+    # even from a perfect reputation (R = 1): 0.69994, 0.45641, 0.3189 at C = 0.4999
+    states = run(credibilities, ReputationParams(initial=initial))
+    assert not is_trusted(states[-1], PARAMS)
+
+
+@given(st.floats(min_value=0.4, max_value=1.0),
+       st.lists(st.floats(min_value=0.5, max_value=1.0), min_size=1, max_size=30))
+def test_a_node_never_scoring_below_tau_stays_trusted(initial, credibilities):
+    # no abnormal value: R(T) >= 0.4 * 0.4 + 0.6 * 0.5 = 0.46
+    for state in run(credibilities, ReputationParams(initial=initial)):
+        assert is_trusted(state, PARAMS)

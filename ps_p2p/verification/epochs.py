@@ -32,7 +32,8 @@ SHA-256)::
 
     leader draw  = SHA-256(LEADER_DOMAIN || u64(e) || u32(a) || bytes(h)) as a big-endian
                    integer, mod the total power, walked over the validators in ascending
-                   address order (bias of the reduction < 2**-196 for the total power <= 2**60)
+                   address order (bias of the reduction < 2**-196 for the total power <= 2**60;
+                   no chain ID: the block ID h already covers it)
     plan draws   = SHA-256(PLAN_DRAW_DOMAIN || bytes(seed) || u64(k)) for k = 0, 1, ...: each
                    digest gives four u64 words used in order; a word w draws from [0, n) by
                    rejection (w < 2**64 - 2**64 mod n, then w mod n), so draws are exactly uniform
