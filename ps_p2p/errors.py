@@ -28,11 +28,21 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │       │                       mempool (a cap, not a fault of the transaction itself)
     │       ├── InvalidDirectoryError  (also a DirectoryError) directory deltas that do not
     │       │                       rebuild the committed app hash
+    │       ├── VerificationError   a challenge plan, seed reveal, score or miss report of the
+    │       │   │                   model verification (``ps_p2p.verification``) breaks its rules
+    │       │   ├── InvalidPlanError    a challenge plan that is not the one the committed seed
+    │       │   │                   and registry give (a node not in the registry, a prompt
+    │       │   │                   twice, an index out of the pool)
+    │       │   ├── InvalidRevealError  a revealed epoch secret that does not open its commitment
+    │       │   └── InvalidScoreError   a credibility or reputation score that is not a number
+    │       │                       in [0, 1]
     │       └── UntrustedGenesisError  (also a DirectoryError) a verifier serves a genesis
     │                               naming validators the node was not told to trust, or
     │                               another chain than the one it follows
     ├── HRTreeFullError             an HR-tree insert over the entries or peers allowed
     │                               (per peer or in total): refused, the tree unchanged
+    ├── ReputationBookFullError     a reputation for one more subject than the book holds:
+    │                               refused, the book unchanged
     ├── DecodeError                 S-IDA: no k-subset of the cloves decodes (tampered/too few)
     ├── CryptoError                 onion layer or AEAD check failed
     ├── DirectoryError              no valid, unexpired directory; not enough nodes to build paths
@@ -151,6 +161,30 @@ class InvalidTransactionError(ConsensusError):
 class AdmissionError(InvalidTransactionError):
     """A well-formed transaction refused by the committed admission policy (per-network,
     per-organization or per-block caps against sybils) or by a full mempool."""
+
+
+class VerificationError(ConsensusError):
+    """A challenge plan, a revealed epoch secret, a score or a miss report breaks the rules of
+    model verification (:mod:`ps_p2p.verification`, PlanetServe sec. 3.4). Raised on what the
+    epoch's leader or another verifier sent: the proposal is refused (prevote nil)."""
+
+
+class InvalidPlanError(VerificationError):
+    """A challenge plan that is not the one the committed seed and registry determine: a model
+    node not in the registry, one named twice, a prompt used twice, an index out of the pool."""
+
+
+class InvalidRevealError(VerificationError):
+    """A revealed epoch secret that does not open the commitment its validator committed."""
+
+
+class InvalidScoreError(VerificationError):
+    """A credibility or reputation score that is not a finite number in [0, 1]."""
+
+
+class ReputationBookFullError(PsError):
+    """A reputation for one more subject than the book may hold
+    (:class:`ps_p2p.verification.reputation.ReputationBook`): refused, the book unchanged."""
 
 
 class HRTreeFullError(PsError):

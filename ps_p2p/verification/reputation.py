@@ -1,0 +1,312 @@
+"""Reputation of model nodes from their per-epoch credibility, pure.
+
+Source: PlanetServe sec. 3.4 ("The reputation score of a model node at time epoch T"). Each epoch
+the committee commits C(T), the mean credibility of a subject's challenge responses in that
+epoch (:mod:`ps_p2p.verification.scoring`), and every verifier updates the subject's reputation
+R identically::
+
+    window(T) = the last W values of C, C(T) included (oldest dropped)
+    c         = #{v in window(T) : v < tau}                 ("abnormal" values)
+    R(T)      = alpha * R(T-1) + beta * C(T)                 if c / W <= gamma
+    R(T)      = alpha * R(T-1) + (W + 1) / (W + c/gamma + 2) * C(T)   if c / W > gamma
+    untrusted   <=> R(T) < untrusted_below
+
+with the paper's alpha = 0.4, beta = 0.6, W = 5, gamma = 1/5 and threshold 0.4. In the punished
+case the paper keeps alpha on R(T-1) and only shrinks the weight on C(T); since c/gamma > W there,
+that weight is below (W+1)/(2W+2) = 1/2 < beta, and the weights sum to less than 1, so R
+decays even when C(T) is high: "the reputation decreases excessively when detecting abnormal
+values", and a steady cheater with C = 0.3 sinks to about 0.09 (the paper's fig. 11c: "below
+0.1 within the first 5 periods"). Choices the paper leaves open, fixed here:
+
+* C(T) enters the window before c is counted, so one abnormal epoch after four normal ones
+  (c/W = 1/5, not above gamma) is not punished, and two within five epochs are.
+* ``c/W > gamma`` is decided exactly (rational arithmetic on the float gamma), so 1/5 > 0.2 is
+  false on every machine; the weights are IEEE-754 double arithmetic (+, *, /), which is
+  deterministic, so every verifier computes the same bits.
+* tau is not given in the paper; the default 0.5 fits the credibility scale of
+  :mod:`~ps_p2p.verification.scoring` for greedy challenges on stories260K, measured over 30
+  prompts (12 MT-Bench, 12 ShareGPT, 6 TinyStories-like; 128 tokens): the right model 0.52-0.91
+  (median 0.75); a copy with 10% weight noise 0.06-0.42; the right model sampling at
+  temperature 0.7 instead of greedy 0.10-0.44, at 1.0 0.02-0.21; an answer cut to 64 tokens
+  0.01. A copy with 5% weight noise (0.30-0.85) overlaps the honest range: a mild degradation
+  is caught only if it is often below tau. tau is a genesis parameter to calibrate per model.
+* A subject starts at ``initial`` (0.5: trusted, but one bad epoch below the threshold). A
+  subject is trusted again once R climbs back over the threshold: it must be challenged to do
+  so (the plan decides whether untrusted nodes are challenged).
+
+Subjects. Reputation is per organization when the node record names one, else per node:
+``subject_of(record)`` is ``b"org\\x00" || utf8(organization)`` or ``b"node\\x00" || peer_id``, so
+an organization's fresh identities inherit its reputation (the paper: "model nodes from the same
+organization share the same reputation score", sec. 3.1) and the two kinds never collide. An
+organization with several nodes challenged in one epoch gets one update, with C(T) the mean of
+all their scores (:meth:`ReputationBook.apply_epoch`). Limit: a dishonest operator can still
+leave an organization name and register under a new one (or none); the admission caps of
+:mod:`ps_p2p.consensus.app` bound how many such identities it can hold, not who it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from ps_p2p.errors import InvalidScoreError, LocalProtocolError, ReputationBookFullError
+from ps_p2p.records.limits import MAX_RECORDS
+
+#: Longest sliding window accepted in a genesis file.
+MAX_WINDOW = 64
+ORG_SUBJECT_PREFIX = b"org\x00"
+NODE_SUBJECT_PREFIX = b"node\x00"
+
+
+@dataclass(frozen=True)
+class ReputationParams:
+    """The reputation rule's parameters (module docstring), committed in the genesis file.
+
+    Attributes:
+        alpha: weight on R(T-1), in [0, 1).
+        beta: weight on C(T) when not punished, in (0, 1]; alpha + beta <= 1 keeps R in [0, 1].
+        window: W, the sliding window of C values, in [1, 64].
+        tau: C values below it are abnormal, in [0, 1].
+        gamma: punishment applies when c/W > gamma, in (0, 1].
+        untrusted_below: R below it is untrusted, in [0, 1].
+        initial: R(0) of a subject never scored, in [0, 1].
+
+    Raises:
+        LocalProtocolError: a value out of its range or of the wrong type (the genesis loader
+            reports it naming the field).
+    """
+
+    alpha: float = 0.4
+    beta: float = 0.6
+    window: int = 5
+    tau: float = 0.5
+    gamma: float = 0.2
+    untrusted_below: float = 0.4
+    initial: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int):
+            raise LocalProtocolError(f"reputation window must be an integer, not {self.window!r}")
+        if not 1 <= self.window <= MAX_WINDOW:
+            raise LocalProtocolError(f"reputation window must be in [1, {MAX_WINDOW}]")
+        for name in ("alpha", "beta", "tau", "gamma", "untrusted_below", "initial"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise LocalProtocolError(f"reputation {name} must be a number, not {value!r}")
+            if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+                raise LocalProtocolError(f"reputation {name} must be in [0, 1], not {value!r}")
+        if self.alpha >= 1.0:
+            raise LocalProtocolError("reputation alpha must be below 1")
+        if self.beta <= 0.0 or self.gamma <= 0.0:
+            raise LocalProtocolError("reputation beta and gamma must be above 0")
+        if Fraction(self.alpha) + Fraction(self.beta) > 1:
+            raise LocalProtocolError("reputation alpha + beta must be at most 1")
+
+    def punished(self, abnormal: int) -> bool:
+        """True when ``abnormal`` values in the window trigger the punishment (c/W > gamma)."""
+        return Fraction(abnormal, self.window) > Fraction(self.gamma)
+
+    def weight(self, abnormal: int) -> float:
+        """The weight on C(T) with ``abnormal`` values in the window: beta, or
+        (W + 1) / (W + c/gamma + 2) when punished."""
+        if not self.punished(abnormal):
+            return float(self.beta)
+        w = self.window
+        return (w + 1) / (w + abnormal / self.gamma + 2)
+
+
+DEFAULT_REPUTATION = ReputationParams()
+
+
+@dataclass(frozen=True)
+class ReputationState:
+    """One subject's reputation after some epochs.
+
+    Attributes:
+        reputation: R, in [0, 1].
+        window: the last (at most W) C values, oldest first.
+        epochs: how many updates it has had.
+    """
+
+    reputation: float
+    window: tuple[float, ...] = ()
+    epochs: int = 0
+
+    @classmethod
+    def fresh(cls, params: ReputationParams = DEFAULT_REPUTATION) -> ReputationState:
+        """R(0) = ``params.initial``, empty window."""
+        return cls(float(params.initial))
+
+
+def check_score(value: float, what: str = "credibility") -> float:
+    """``value`` as a float if it is a finite number in [0, 1].
+
+    Raises:
+        InvalidScoreError: not a number (bools refused), NaN, infinite or outside [0, 1].
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidScoreError(f"{what} {value!r} is not a number")
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise InvalidScoreError(f"{what} {value!r} is not in [0, 1]")
+    return float(value)
+
+
+def update(
+    state: ReputationState, credibility: float, params: ReputationParams = DEFAULT_REPUTATION
+) -> ReputationState:
+    """One epoch of the reputation rule (module docstring); pure.
+
+    Args:
+        state: the subject's state after epoch T-1.
+        credibility: C(T), the epoch's mean credibility, in [0, 1].
+        params: the committed parameters.
+
+    Returns:
+        The state after epoch T.
+
+    Raises:
+        InvalidScoreError: ``credibility`` (or ``state.reputation``) not in [0, 1].
+    """
+    c_t = check_score(credibility)
+    previous = check_score(state.reputation, "reputation")
+    window = (state.window + (c_t,))[-params.window:]
+    abnormal = sum(1 for v in window if v < params.tau)
+    r = params.alpha * previous + params.weight(abnormal) * c_t
+    return ReputationState(min(1.0, max(0.0, r)), window, state.epochs + 1)
+
+
+def is_trusted(state: ReputationState, params: ReputationParams = DEFAULT_REPUTATION) -> bool:
+    """R >= ``params.untrusted_below`` (paper: "below a critical level (like 0.4)", untrusted)."""
+    return state.reputation >= params.untrusted_below
+
+
+def subject_of(peer_id: bytes, organization: str = "") -> bytes:
+    """The reputation subject of a model node (module docstring, "Subjects").
+
+    Args:
+        peer_id: the node's peer ID bytes.
+        organization: its record's organization field ("" for none).
+    """
+    if organization:
+        return ORG_SUBJECT_PREFIX + organization.encode("utf-8")
+    return NODE_SUBJECT_PREFIX + bytes(peer_id)
+
+
+@dataclass
+class ReputationBook:
+    """Reputations of all subjects (the committee's state), bounded; pure.
+
+    Args:
+        params: the committed reputation parameters.
+        max_subjects: most subjects held (default: the registry's record limit, since every
+            subject needs a listed record); one more is refused, never evicted (evicting would
+            let a bad subject start over).
+    """
+
+    params: ReputationParams = DEFAULT_REPUTATION
+    max_subjects: int = MAX_RECORDS
+    _states: dict[bytes, ReputationState] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_subjects, bool) or not isinstance(self.max_subjects, int) \
+                or self.max_subjects < 1:
+            raise LocalProtocolError(
+                f"max_subjects must be an integer >= 1, not {self.max_subjects!r}"
+            )
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, subject: object) -> bool:
+        return subject in self._states
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(sorted(self._states))
+
+    def get(self, subject: bytes) -> ReputationState:
+        """The subject's state; a fresh one (R = initial) when it was never scored."""
+        return self._states.get(subject) or ReputationState.fresh(self.params)
+
+    def reputation(self, subject: bytes) -> float:
+        """R of ``subject`` (``params.initial`` when never scored)."""
+        return self.get(subject).reputation
+
+    def trusted(self, subject: bytes) -> bool:
+        """:func:`is_trusted` for ``subject``."""
+        return is_trusted(self.get(subject), self.params)
+
+    def record(self, subject: bytes, credibility: float) -> ReputationState:
+        """Apply one epoch's C(T) to ``subject``; returns its new state.
+
+        Raises:
+            InvalidScoreError: ``credibility`` not in [0, 1] (the book unchanged).
+            ReputationBookFullError: a new subject while ``max_subjects`` are held.
+        """
+        self._check_room([subject])
+        new = update(self.get(subject), credibility, self.params)
+        self._states[subject] = new
+        return new
+
+    def apply_epoch(
+        self, scores: Mapping[bytes, Sequence[float]]
+    ) -> dict[bytes, ReputationState]:
+        """Apply one epoch: each subject's C(T) is the mean of its challenge scores.
+
+        All-or-nothing: every score is checked and room is made sure of before any state
+        changes. Subjects are updated in ascending byte order (the result does not depend on
+        it, but a replica's log reads the same everywhere).
+
+        Args:
+            scores: subject -> the credibility of each of its challenges this epoch (a
+                confirmed miss counts as 0). A subject with no scores is left unchanged.
+
+        Returns:
+            subject -> new state, for every subject updated.
+
+        Raises:
+            InvalidScoreError: a score not in [0, 1].
+            ReputationBookFullError: more new subjects than room.
+        """
+        means: dict[bytes, float] = {}
+        for subject in sorted(scores):
+            values = [check_score(v) for v in scores[subject]]
+            if values:
+                means[subject] = min(1.0, math.fsum(values) / len(values))
+        self._check_room(list(means))
+        out = {}
+        for subject, c_t in means.items():
+            out[subject] = self._states[subject] = update(self.get(subject), c_t, self.params)
+        return out
+
+    def forget(self, subject: bytes) -> None:
+        """Drop ``subject`` (no error when absent). The caller decides when a subject may go
+        (e.g. no record of it listed for a long time); an untrusted one that comes back starts
+        over at ``initial``."""
+        self._states.pop(subject, None)
+
+    def untrusted(self) -> list[bytes]:
+        """Subjects below the threshold, ascending."""
+        return [s for s in sorted(self._states) if not is_trusted(self._states[s], self.params)]
+
+    def _check_room(self, subjects: Sequence[bytes]) -> None:
+        new = len({s for s in subjects if s not in self._states})
+        if len(self._states) + new > self.max_subjects:
+            raise ReputationBookFullError(
+                f"{new} new reputation subject(s) with {len(self._states)} of "
+                f"{self.max_subjects} held"
+            )
+
+
+__all__ = [
+    "DEFAULT_REPUTATION",
+    "MAX_WINDOW",
+    "ReputationBook",
+    "ReputationParams",
+    "ReputationState",
+    "check_score",
+    "is_trusted",
+    "subject_of",
+    "update",
+]
