@@ -66,3 +66,31 @@ async def test_a_forward_from_a_node_outside_the_model_group_is_refused():
             await forward_request(user.host, model.peer_id, q, lambda text: None)
         assert model.model.forward_service.refused == 1
         assert model.model.forwards["received"] == 0
+
+
+async def test_a_pubsub_message_with_a_garbage_key_from_anyone_costs_that_message_only():
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.id import ID
+    from libp2p.pubsub.pb import rpc_pb2
+    from libp2p.utils import encode_varint_prefixed
+
+    from ps_p2p.keys import Identity
+    from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
+    from ps_p2p.protocols.hrtree_gossip import topic_for
+
+    async with open_localnet(users=6, models=2,
+                             engine_factory=lambda i: SimEngine("sim", FAST)) as net:
+        target = net.models[0]
+        async with open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as outsider:
+            await connect(outsider, listen_multiaddrs(target.host)[0])
+            stream = await outsider.new_stream(ID(target.peer_id), [TProtocol("/meshsub/1.1.0")])
+            bad = rpc_pb2.Message(from_id=b"\x01\x02\x03x", data=b"x", seqno=b"\0" * 8,
+                                  topicIDs=[topic_for("sim")], signature=b"s" * 64,
+                                  key=b"\xff\xffgarbage")  # py-libp2p's validator raises on it
+            for _ in range(3):
+                await stream.write(encode_varint_prefixed(
+                    rpc_pb2.RPC(publish=[bad]).SerializeToString()))
+            answer = await net.users[0].user.ask("still there?", model_node=target.peer_id,
+                                                 max_tokens=2, timeout=30)
+            assert answer.ok, answer.error
+            assert target.forwarding.dropped.get("not_member", 0) == 0  # never reached us

@@ -30,7 +30,7 @@ import logging
 import struct
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -149,10 +149,34 @@ async def running_pubsub(host: IHost) -> AsyncIterator[object]:
     try:
         async with background_trio_service(pubsub):
             async with background_trio_service(router):
+                for service in (pubsub, router):
+                    _guard_tasks(service.manager)
                 await pubsub.wait_until_ready()
                 yield pubsub
     finally:
         await handlers.aclose()
+
+
+def _guard_tasks(manager: Any) -> None:
+    """Make the non-daemon tasks a py-libp2p service manager runs log and drop their exceptions
+    instead of stopping the service (and with it the node): e.g. ``Pubsub.push_msg`` re-raises
+    when a message's public key does not parse, so one message from anyone would stop a model
+    node (found by review; tests/test_group_forwarding.py)."""
+    run_task = manager.run_task
+
+    def guarded_run_task(async_fn: Any, *args: Any, daemon: bool = False, **kwargs: Any) -> Any:
+        if daemon:
+            return run_task(async_fn, *args, daemon=daemon, **kwargs)
+
+        async def guarded(*a: Any) -> None:
+            try:
+                await async_fn(*a)
+            except Exception as exc:  # a peer's bad input must cost its message, not the node
+                log.info("pubsub task %s failed: %r", getattr(async_fn, "__name__", "?"), exc)
+
+        return run_task(guarded, *args, daemon=daemon, **kwargs)
+
+    manager.run_task = guarded_run_task
 
 
 class SnapshotServer:

@@ -261,6 +261,11 @@ class GroupForwarding:
         cancelled. ``pubsub``: a running Pubsub (:func:`~ps_p2p.protocols.hrtree_gossip.
         running_pubsub`) on ``host``."""
         topic = wire.topic_for(self.model_id)
+        # only members' messages are taken, relayed on or queued (GossipSub validates before
+        # it relays); the envelope's own signature is checked in receive()
+        pubsub.set_topic_validator(
+            topic, lambda peer, message: bytes(message.from_id) in self.members
+            or bytes(message.from_id) == self.me, False)
         subscription = await pubsub.subscribe(topic)
         server = wire.SnapshotServer(self.snapshot_envelope, self.is_member)
         async with trio.open_nursery() as nursery:
