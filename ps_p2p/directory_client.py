@@ -8,13 +8,15 @@ validators' power, the committed app hash, a height not below the one held and a
 most ``max_age_ms`` old (:class:`~ps_p2p.consensus.replica.CommitteeReplica`).
 
 Which committee: the genesis file the node was given (``--genesis``), or, without one, the
-genesis that one of its configured verifiers (``--verifier`` peer IDs, else the bootstrap
-peers) serves, accepted only when **every** validator it names is a configured verifier. A node
-then trusts exactly the verifiers it was told to trust, with the committee's 2f+1 rule among
-them; a lone verifier started without a genesis is a committee of one
-(:func:`ps_p2p.genesis.init_genesis`). The first genesis accepted is kept for the life of the
-client: a later answer naming another chain is refused, so a verifier cannot move a node to
-another chain once it follows one.
+genesis its configured verifiers (``--verifier`` peer IDs, else the bootstrap peers) serve. A
+served genesis is followed only when (1) **every** validator it names is a configured verifier
+and (2) more than 2/3 of the configured verifiers served that same genesis (byte for byte): one
+lying verifier cannot move a node onto a chain it alone controls (say, a genesis naming only
+itself, or giving itself most of the power), as long as more than 2/3 of those configured are
+honest, the committee's own assumption. A lone verifier started without a genesis is a committee
+of one (:func:`ps_p2p.genesis.init_genesis`), and a node configured with it alone follows it.
+The first genesis followed is kept for the life of the client: a later answer naming another
+chain is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from libp2p.abc import IHost
 from ps_p2p.consensus.app import Genesis, sign_deregister
 from ps_p2p.consensus.replica import CommitteeReplica
 from ps_p2p.errors import ConfigError, RemoteProtocolError, UntrustedGenesisError
+
+
+class GenesisPendingError(RemoteProtocolError):
+    """Not enough configured verifiers confirmed the genesis yet (the node asks the next one)."""
 from ps_p2p.genesis import GenesisFile, parse_genesis_text
 from ps_p2p.protocols import committee_directory as committee_proto
 from ps_p2p.records import Directory, NodeRecord
@@ -63,6 +69,7 @@ class CommitteeClient:
             raise ConfigError("no verifier to trust: give --genesis, --verifier or --bootstrap")
         self._replica_options = replica_options
         self._configured = trusted
+        self._served: dict[bytes, bytes] = {}  # configured verifier -> genesis it served
         self.genesis: Genesis | None = None
         self.genesis_file: GenesisFile | None = None
         self.replica: CommitteeReplica | None = None
@@ -87,6 +94,7 @@ class CommitteeClient:
         Raises:
             UntrustedGenesisError: a validator that is not a configured verifier, ``verifier``
                 not among its validators, or a chain other than the one already followed.
+            GenesisPendingError: not yet served by more than 2/3 of the configured verifiers.
             RemoteProtocolError: not a valid genesis file.
         """
         try:
@@ -107,6 +115,13 @@ class CommitteeClient:
                 f"{peer_label(verifier)} serves chain {genesis.chain_id!r} whose validators "
                 f"{sorted(peer_label(p) for p in validators)} are not all trusted verifiers "
                 "of this node (give --genesis, or name them with --verifier)")
+        if verifier in self._configured:
+            self._served[verifier] = bytes(text)
+        agreeing = sum(1 for t in self._served.values() if t == text)
+        if 3 * agreeing <= 2 * len(self._configured):
+            raise GenesisPendingError(
+                f"{agreeing} of {len(self._configured)} configured verifiers serve chain "
+                f"{genesis.chain_id!r}; more than 2/3 must agree before it is followed")
         self.genesis_file = served
         self._follow(genesis)
         return served
@@ -157,4 +172,4 @@ class CommitteeClient:
 #: The interface the node uses (one implementation since the single-verifier mode was removed).
 DirectoryClient = CommitteeClient
 
-__all__ = ["CommitteeClient", "DirectoryClient", "UntrustedGenesisError"]
+__all__ = ["CommitteeClient", "DirectoryClient", "GenesisPendingError", "UntrustedGenesisError"]
