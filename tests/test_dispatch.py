@@ -289,7 +289,7 @@ def test_a_forward_that_fails_with_no_room_here_is_answered_overloaded():
     assert answer.content.status == ResponseStatus.OVERLOADED and answer.signed is None
 
 
-def test_a_streamed_forward_that_breaks_after_text_ends_with_an_error_over_that_text():
+def test_a_streamed_forward_that_breaks_after_text_ends_with_an_error_signing_none_of_it():
     d = _dispatcher()
     q = _query(tag=b"s")
     q = dataclasses.replace(q, stream=True)
@@ -297,7 +297,8 @@ def test_a_streamed_forward_that_breaks_after_text_ends_with_an_error_over_that_
     d.job_forwarded(start.key, PEER, now=0.0)
     (segment,) = d.job_progress(start.key, "Once", now=0.1)
     (answer,) = d.forward_failed(start.key, now=0.2)
-    assert answer.content.status == ResponseStatus.ENGINE_ERROR and answer.content.text == "Once"
+    # the other node's text was never verified: this node does not sign it as its own
+    assert answer.content.status == ResponseStatus.ENGINE_ERROR and answer.content.text == ""
 
 
 def test_a_request_forwarded_to_us_is_served_here_and_answered_on_its_channel():
@@ -316,3 +317,23 @@ def test_a_request_forwarded_to_us_past_capacity_is_answered_overloaded_on_its_c
     (answer,) = d.receive_forwarded(9, encode_query(_query("second")), now=0.0)
     assert isinstance(answer, SendAnswer) and answer.waiter.channel == 9
     assert answer.content.status == ResponseStatus.OVERLOADED
+
+
+def test_a_dropped_request_forwarded_to_us_closes_its_channel():
+    from ps_p2p.serving.dispatch import DropChannel
+
+    d = _dispatcher()
+    assert d.receive_forwarded(3, b"not a request", now=0.0) == [DropChannel(3)]
+
+
+def test_a_forward_to_us_is_not_answered_with_another_nodes_answer_we_relayed():
+    from ps_p2p.serving.dispatch import DropChannel
+
+    d = _dispatcher()
+    q = _query()
+    (start,) = _deliver(d, q)
+    d.job_forwarded(start.key, PEER, now=0.0)
+    forwarded_q = dataclasses.replace(q, reply_proxies=())
+    assert d.receive_forwarded(4, encode_query(forwarded_q), now=0.1) == [DropChannel(4)]
+    d.job_finished(start.key, OK, now=1.0, signed=object())  # cached, signed by PEER
+    assert d.receive_forwarded(5, encode_query(forwarded_q), now=2.0) == [DropChannel(5)]

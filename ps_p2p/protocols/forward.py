@@ -56,12 +56,17 @@ MAX_FRAME_BYTES = 1024 * 1024
 #: Text frames of one answer at most (the dispatch core sends at most 127 segments per answer).
 MAX_TEXT_FRAMES = 4096
 
+#: Seconds a forwarding node has to send its request frame once the stream is open.
+REQUEST_READ_TIMEOUT = 10.0
+
 #: What the serving side hands the handler for one forwarded request: text pieces, then the
-#: signed reply (last).
+#: signed reply (last). The send side closed without a reply: the request was dropped.
 AnswerItem = str | InferenceReply
-#: ``accept(sender, q_bytes) -> items``: refuses (raises RemoteProtocolError) a sender that may
-#: not forward to us, else starts serving and returns where the answer's items arrive.
-Accept = Callable[[bytes, bytes], Awaitable[trio.MemoryReceiveChannel[AnswerItem]]]
+#: ``accept(sender, q_bytes) -> (items, release)``: starts serving and returns where the
+#: answer's items arrive, and what the handler calls when it is done with them (whatever
+#: happened); raises RemoteProtocolError to refuse.
+Accept = Callable[[bytes, bytes],
+                  Awaitable[tuple[trio.MemoryReceiveChannel[AnswerItem], Callable[[], None]]]]
 
 
 def _text_frame(text: str) -> bytes:
@@ -77,16 +82,23 @@ class ForwardService:
 
     Args:
         accept: see :data:`Accept`.
+        may_forward: whether a peer may forward to us at all (checked before anything is read:
+            a trusted model node of our group).
         answer_timeout: seconds the answer may take in all before the stream is reset.
+        max_streams: forward streams served at once (more are reset at once).
 
     Attributes:
         served: forwarded requests answered; refused: streams reset for bad input or a sender
             that may not forward to us.
     """
 
-    def __init__(self, accept: Accept, *, answer_timeout: float = 600.0) -> None:
+    def __init__(self, accept: Accept, may_forward: Callable[[bytes], bool] = lambda p: True, *,
+                 answer_timeout: float = 600.0, max_streams: int = 256) -> None:
         self._accept = accept
+        self._may_forward = may_forward
         self.answer_timeout = answer_timeout
+        self.max_streams = max_streams
+        self.open = 0
         self.served = 0
         self.refused = 0
 
@@ -110,17 +122,28 @@ class ForwardService:
     async def _handle_stream(self, stream: INetStream) -> None:
         # guarded: an exception escaping a handler kills the py-libp2p host
         sender = stream.muxed_conn.peer_id.to_bytes()
+        release: Callable[[], None] | None = None
+        self.open += 1
         try:
-            frame = await read_frame(stream, MAX_REQUEST_BYTES)
+            if not self._may_forward(sender):
+                raise RemoteProtocolError("not a trusted model node of this model group")
+            if self.open > self.max_streams:
+                raise RemoteProtocolError(f"over {self.max_streams} forwards in service")
+            with trio.fail_after(REQUEST_READ_TIMEOUT):
+                frame = await read_frame(stream, MAX_REQUEST_BYTES)
             request = parse(forward_pb2.ForwardRequest, frame)
-            items = await self._accept(sender, bytes(request.query))
+            items, release = await self._accept(sender, bytes(request.query))
+            replied = False
             with trio.fail_after(self.answer_timeout):
                 async with items:
                     async for item in items:
                         if isinstance(item, InferenceReply):
                             await stream.write(_reply_frame(item))
+                            replied = True
                             break
                         await stream.write(_text_frame(item))
+            if not replied:
+                raise RemoteProtocolError("the request was dropped (undecodable or a duplicate)")
             await stream.close()
             self.served += 1
         except RemoteProtocolError as exc:
@@ -133,6 +156,10 @@ class ForwardService:
         except Exception:
             log.exception("forward stream from %s: unexpected error", peer_label(sender))
             await reset_quietly(stream)
+        finally:
+            self.open -= 1
+            if release is not None:
+                release()
 
 
 async def forward_request(
@@ -143,6 +170,7 @@ async def forward_request(
     *,
     connect_timeout: float = 5.0,
     idle_timeout: float = 120.0,
+    timeout: float = 600.0,
 ) -> InferenceReply:
     """Hand Q to model node ``peer`` and wait for its signed answer.
 
@@ -151,6 +179,7 @@ async def forward_request(
         on_text: called with each text piece of a streamed answer, in order.
         connect_timeout: seconds for the dial, negotiation and the request's write.
         idle_timeout: seconds allowed between two frames of the answer.
+        timeout: seconds allowed for the whole answer (a slow-drip peer cannot hold it longer).
 
     Returns:
         the reply frame as ``peer`` sent it; the caller checks its signature and request hash.
@@ -158,7 +187,7 @@ async def forward_request(
     Raises:
         RemoteProtocolError: a malformed or oversized frame, too many text frames, or the
             stream ended before the reply.
-        trio.TooSlowError: the dial or a frame took too long.
+        trio.TooSlowError: the dial, a frame or the whole answer took too long.
         Exception: py-libp2p's dial and negotiation errors.
     """
     async def body(stream: INetStream) -> InferenceReply:
@@ -180,7 +209,8 @@ async def forward_request(
             on_text(frame.text)
         raise RemoteProtocolError(f"more than {MAX_TEXT_FRAMES} text frames")
 
-    return await exchange(host, peer, FORWARD_PROTOCOL_ID, body, timeout=connect_timeout)
+    with trio.fail_after(timeout):
+        return await exchange(host, peer, FORWARD_PROTOCOL_ID, body, timeout=connect_timeout)
 
 
 __all__ = [

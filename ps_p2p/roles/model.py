@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 MAX_TOKENS_LIMIT = dispatch.MAX_TOKENS_LIMIT
 MAX_PROMPT_CHARS = dispatch.MAX_PROMPT_CHARS
 MIN_THRESHOLD = dispatch.MIN_THRESHOLD
+#: Seconds a forwarded request's whole answer may take before this node serves it itself.
+FORWARD_TIMEOUT = 300.0
+#: Bytes of text a forwarded request's answer may stream (the user's own bound).
+MAX_STREAM_BYTES = sida.MAX_MESSAGE_BYTES
 
 
 
@@ -153,7 +157,10 @@ class ModelNodeService:
         self._channels: dict[int, trio.MemorySendChannel[AnswerItem]] = {}
         self._next_channel = 0
         self._nursery: trio.Nursery | None = None
-        self.forward_service = ForwardService(self._accept_forward)
+        self.forward_service = ForwardService(
+            self._accept_forward, lambda peer: self._may_forward_to_us(peer),
+            max_streams=self.config.capacity + self.config.max_queue)
+        self._forwarding_now = 0  # our forwards in flight
         #: forwards: ``sent`` (handed to a peer), ``answered`` (its verified answer relayed),
         #: ``failed`` (served here or refused instead), ``received`` (served for a peer)
         self.forwards: dict[str, int] = {"sent": 0, "answered": 0, "failed": 0, "received": 0}
@@ -247,6 +254,11 @@ class ModelNodeService:
     # ------------------------------------------------------------------ commands
 
     def _execute(self, command: dispatch.Command) -> None:
+        if isinstance(command, dispatch.DropChannel):
+            send = self._channels.pop(command.channel, None)
+            if send is not None:
+                send.close()  # its stream ends without a reply: the forwarder serves it itself
+            return
         if isinstance(command, StartJob):
             if command.local or self._route is None:
                 self._jobs_in.send_nowait(command)
@@ -357,10 +369,14 @@ class ModelNodeService:
             except Exception:  # a router bug must not strand the job
                 log.exception("routing %s failed; served here", job.query.request_id.hex()[:8])
                 peer = None
-            if peer is None or peer == self.identity.peer_id:
+            # forwards in flight are bounded like local jobs: past that, serve here
+            if peer is None or peer == self.identity.peer_id or \
+                    self._forwarding_now >= self.config.capacity + self.config.max_queue:
                 self._jobs_in.send_nowait(job)
                 continue
-            self.driver.submit(functools.partial(self.dispatcher.job_forwarded, job.key, peer))
+            self._forwarding_now += 1
+            self.driver.submit(functools.partial(self.dispatcher.job_forwarded, job.key, peer),
+                               essential=True)
             self._nursery.start_soon(self._forward, job, peer)
 
     async def _forward(self, job: StartJob, peer: bytes) -> None:
@@ -370,12 +386,18 @@ class ModelNodeService:
         started = self._clock()
         rid = job.query.request_id.hex()[:8]
         req_hash = responses.request_hash(job.q_bytes)
+        streamed = bytearray()
 
         def on_text(text: str) -> None:
-            self.driver.submit(functools.partial(self.dispatcher.job_progress, job.key, text))
+            streamed.extend(text.encode("utf-8", "surrogatepass"))
+            if len(streamed) > MAX_STREAM_BYTES:
+                raise RemoteProtocolError(f"streamed over {MAX_STREAM_BYTES} bytes")
+            self.driver.submit(functools.partial(self.dispatcher.job_progress, job.key, text),
+                               essential=True)
 
         try:
-            reply = await forward_request(self._host, peer, job.q_bytes, on_text)
+            reply = await forward_request(self._host, peer, job.q_bytes, on_text,
+                                          timeout=FORWARD_TIMEOUT)
             if reply.model_node != peer or reply.request_hash != req_hash \
                     or reply.request_id != job.query.request_id:
                 raise RemoteProtocolError("answer for another request or from another node")
@@ -383,13 +405,21 @@ class ModelNodeService:
                 request_id=reply.request_id, req_hash=reply.request_hash,
                 content=reply.content(), signed_at_ms=reply.signed_at_ms,
                 model_node=reply.model_node, signature=reply.signature)
-            if reply.status == ResponseStatus.OVERLOADED:
-                raise RemoteProtocolError("it answered OVERLOADED")
+            # relay only an answer the user will take: OK, our model, and the very text streamed
+            if reply.status != ResponseStatus.OK:
+                raise RemoteProtocolError(f"it answered status {reply.status}")
+            if reply.model_id != self.engine.model_id:
+                raise RemoteProtocolError(f"it answered for model {reply.model_id!r}")
+            if not reply.text.encode("utf-8", "surrogatepass").startswith(bytes(streamed)):
+                raise RemoteProtocolError("its signed text is not the text it streamed")
         except (PsError, trio.TooSlowError, Exception) as exc:
             self.forwards["failed"] += 1
             log.info("forward of %s to %s failed (%s); serving it here", rid, _short(peer), exc)
-            self.driver.submit(functools.partial(self.dispatcher.forward_failed, job.key))
+            self.driver.submit(functools.partial(self.dispatcher.forward_failed, job.key),
+                               essential=True)
             return
+        finally:
+            self._forwarding_now -= 1
         self.forwards["answered"] += 1
         vouched = dataclasses.replace(
             reply, forwarded_by=self.identity.peer_id,
@@ -398,11 +428,12 @@ class ModelNodeService:
         log.info("forwarded %s served by %s in %.0f ms", rid, _short(peer),
                  (self._clock() - started) * 1000)
         self.driver.submit(functools.partial(
-            self.dispatcher.job_finished, job.key, reply.content(), signed=vouched))
+            self.dispatcher.job_finished, job.key, reply.content(), signed=vouched),
+            essential=True)
 
     async def _accept_forward(
         self, sender: bytes, q_bytes: bytes
-    ) -> trio.MemoryReceiveChannel[AnswerItem]:
+    ) -> tuple[trio.MemoryReceiveChannel[AnswerItem], Callable[[], None]]:
         """A forward from ``sender`` (:data:`~ps_p2p.protocols.forward.Accept`).
 
         Raises:
@@ -416,8 +447,15 @@ class ModelNodeService:
         # a streamed answer is at most MAX_SEGMENTS segments, then the reply
         send, receive = trio.open_memory_channel[AnswerItem](dispatch.MAX_SEGMENTS + 1)
         self._channels[channel] = send
-        self.driver.submit(functools.partial(self.dispatcher.receive_forwarded, channel, q_bytes))
-        return receive
+
+        def release() -> None:  # the stream is done, whatever happened
+            gone = self._channels.pop(channel, None)
+            if gone is not None:
+                gone.close()
+
+        self.driver.submit(functools.partial(self.dispatcher.receive_forwarded, channel, q_bytes),
+                           essential=True)
+        return receive, release
 
     def _to_channel(self, channel: int, item: AnswerItem) -> None:
         send = self._channels.get(channel)

@@ -185,7 +185,15 @@ class SendSegment:
     text: str
 
 
-Command = StartJob | SendAnswer | SendSegment
+@dataclass(frozen=True)
+class DropChannel:
+    """A request forwarded to us on ``channel`` was dropped (undecodable, or one sending too
+    many of a request in service): its stream ends without a reply."""
+
+    channel: int
+
+
+Command = StartJob | SendAnswer | SendSegment | DropChannel
 
 
 @dataclass
@@ -342,12 +350,13 @@ class Dispatcher:
 
     def _on_request(self, q_bytes: bytes, threshold: int, now: float,
                     channel: int | None = None) -> list[Command]:
+        dropped: list[Command] = [] if channel is None else [DropChannel(channel)]
         try:
             query = self._decode_query(q_bytes)
         except RemoteProtocolError as exc:
             self._count(REQUEST_DROPPED)
             log.warning("undecodable request dropped: %s", exc)
-            return []
+            return dropped
         n_proxies = len(query.reply_proxies)
         if channel is None and (n_proxies < threshold or n_proxies > MAX_REPLY_PROXIES):
             self._count(REQUEST_DROPPED)
@@ -357,6 +366,12 @@ class Dispatcher:
         waiter = Waiter(q_bytes, query, threshold, channel)
         key = retry_key(query)
         cached = self._cache.get(key)
+        if channel is not None and (cached is not None and cached.signed is not None or
+                                    key in self._jobs and self._jobs[key].forwarded_to):
+            # a node that forwarded to us is answered only with our own work: not with another
+            # node's answer we relayed (it would refuse it and serve the request itself)
+            self._count(REQUEST_DROPPED)
+            return dropped
         if cached is not None and cached.expires_at > now:
             self._count(REQUEST_CACHED)
             return [SendAnswer(waiter, cached.content, signed=cached.signed)]
@@ -370,6 +385,7 @@ class Dispatcher:
                     return self._segment(job, len(job.waiters) - 1, "".join(job.pieces))
             else:
                 self._count(REQUEST_DROPPED)
+                return dropped
             return []
         problem = self.validate(query)
         if problem is not None:
@@ -482,6 +498,7 @@ class Dispatcher:
         if not job.pieces and self.load.try_admit():
             return [StartJob(key, job.query, local=True, q_bytes=job.waiters[0].q_bytes)]
         status = ResponseStatus.ENGINE_ERROR if job.pieces else ResponseStatus.OVERLOADED
+        job.pieces.clear()  # never sign the other node's unverified text as ours
         return self.job_finished(key, self.error_content(
             status, "the model node this request was forwarded to failed"), now)
 
@@ -536,5 +553,5 @@ __all__ = [
     "DispatchConfig", "Dispatcher", "REQUEST_ADMITTED", "REQUEST_CACHED", "REQUEST_DROPPED",
     "MAX_SEGMENTS", "REQUEST_EXPIRED", "REQUEST_FORWARDED", "REQUEST_INVALID", "REQUEST_JOINED", "REQUEST_OVERLOADED",
     "SendAnswer", "SendSegment",
-    "StartJob", "Waiter", "retry_key",
+    "DropChannel", "StartJob", "Waiter", "retry_key",
 ]

@@ -1,0 +1,144 @@
+"""A model node's side of forwarding (ps_p2p.roles.model) with a scripted serving node B:
+A relays B's answer only when it is exactly what the user will accept, and serves the request
+itself otherwise; its forwards in flight are bounded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+
+from ps_p2p import responses
+from ps_p2p.crypto import sida
+from ps_p2p.inference import InferenceReply, ResponseStatus
+from ps_p2p.keys import Identity
+from ps_p2p.pb.planetserve.v1 import inference_pb2
+from ps_p2p.protocols.clove_codec import clove_to_bytes
+from ps_p2p.protocols.inference_codec import decode_reply, decode_segment
+from ps_p2p.roles import model as model_mod
+from ps_p2p.roles.model import ModelNodeConfig, ModelNodeService
+from ps_p2p.testing.fakes import InstantEngine
+
+PROXIES = [bytes([i]) * 38 for i in range(1, 5)]
+B = Identity.generate()
+
+
+class _Overlay:
+    on_delivery = None
+
+    def send_reply(self, *args) -> bool:
+        return True
+
+
+def _q(prompt: str, stream: bool = False) -> tuple[bytes, bytes]:
+    rid = os.urandom(16)
+    q = inference_pb2.InferenceRequest(
+        request_id=rid, model_id="fake-model", prompt=prompt, stream=stream,
+        params=inference_pb2.SamplingParams(max_tokens=16),
+        reply_proxies=[inference_pb2.ReplyProxy(peer_id=p, reply_tag=bytes([i]) * 16)
+                       for i, p in enumerate(PROXIES)]).SerializeToString()
+    return q, rid
+
+
+def _deliver(service: ModelNodeService, q: bytes) -> None:
+    for sender, clove in zip(PROXIES, sida.encode(q, total=4, threshold=3)):
+        service.on_delivery(sender, clove_to_bytes(clove))
+
+
+def _signed_by_b(q: bytes, rid: bytes, text: str, model_id: str = "fake-model",
+                 status: int = ResponseStatus.OK) -> InferenceReply:
+    content = responses.ResponseContent(status, text, "", model_id, 1, 1, "stop")
+    h = responses.request_hash(q)
+    return InferenceReply(rid, status, text, "", model_id, 1, 1, h, 1, B.peer_id,
+                          responses.sign_response(B, rid, h, content, 1), "stop")
+
+
+async def _service(nursery, monkeypatch, forward, *, capacity=2, max_queue=8):
+    service = ModelNodeService(Identity.generate(), InstantEngine(),
+                               ModelNodeConfig(capacity=capacity, max_queue=max_queue))
+    service.attach(_Overlay())
+    sent: list[bytes] = []
+    service._send_message = lambda waiter, payload, message_id: sent.append(payload)
+
+    async def route(query):
+        return B.peer_id
+
+    async def no_server(host, *, task_status=trio.TASK_STATUS_IGNORED):
+        task_status.started()
+        await trio.sleep_forever()
+
+    service.enable_forwarding(None, route, lambda peer: True)
+    service.forward_service.serve = no_server
+    monkeypatch.setattr(model_mod, "forward_request", forward)
+    await nursery.start(service.run)
+    return service, sent
+
+
+def _final(payload: bytes) -> InferenceReply:
+    try:
+        return decode_reply(payload)
+    except Exception:
+        return decode_segment(payload).final
+
+
+async def _until(service: ModelNodeService, condition) -> None:
+    with trio.fail_after(10):
+        while not condition():
+            await service.driver.wait_processed()
+
+
+@pytest.mark.parametrize("lie", ["streams other text", "another model", "error status"])
+async def test_an_answer_the_user_would_refuse_is_not_relayed_and_a_serves_it_itself(
+        monkeypatch, lie, autojump_clock):
+    async def forward(host, peer, q, on_text, **kwargs):
+        rid = inference_pb2.InferenceRequest.FromString(q).request_id
+        if lie == "streams other text":
+            on_text("EVIL ")
+            return _signed_by_b(q, rid, "honest answer")
+        if lie == "another model":
+            return _signed_by_b(q, rid, "an answer", model_id="some-other-model")
+        return _signed_by_b(q, rid, "", status=ResponseStatus.ENGINE_ERROR)
+
+    async with trio.open_nursery() as nursery:
+        service, sent = await _service(nursery, monkeypatch, forward)
+        q, rid = _q("hello there", stream=(lie == "streams other text"))
+        _deliver(service, q)
+        await _until(service, lambda: any(_final_or_none(p) for p in sent))
+        assert service.forwards["failed"] == 1 and service.forwards["answered"] == 0
+        finals = [r for r in map(_final_or_none, sent) if r is not None]
+        if lie == "streams other text":  # text already streamed: an error that signs none of it
+            assert finals[-1].status == ResponseStatus.ENGINE_ERROR and finals[-1].text == ""
+        else:  # nothing streamed: served here, by this node
+            assert finals[-1].status == ResponseStatus.OK
+        assert all(r.model_node == service.identity.peer_id and not r.forwarded_by
+                   for r in finals)
+        nursery.cancel_scope.cancel()
+
+
+def _final_or_none(payload: bytes) -> InferenceReply | None:
+    try:
+        reply = _final(payload)
+    except Exception:
+        return None
+    return reply if reply is not None and reply.signature else None
+
+
+async def test_forwards_in_flight_are_bounded_like_local_jobs(monkeypatch, autojump_clock):
+    started = []
+
+    async def forward(host, peer, q, on_text, **kwargs):
+        started.append(q)
+        await trio.sleep_forever()  # a serving node that never answers
+
+    async with trio.open_nursery() as nursery:
+        service, sent = await _service(nursery, monkeypatch, forward, capacity=1, max_queue=2)
+        for i in range(3):  # each forward gives its admission slot back...
+            _deliver(service, _q(f"prompt {i}")[0])
+            await _until(service, lambda: len(started) == i + 1)
+        assert service.dispatcher.load.requests == 0
+        for i in range(3, 6):  # ...but forwards in flight stay bounded: these are served here
+            _deliver(service, _q(f"prompt {i}")[0])
+            await _until(service, lambda: len(sent) == i - 2)
+        assert len(started) == 3 and service.answers == {"ok": 3}
+        nursery.cancel_scope.cancel()
