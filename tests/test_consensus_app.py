@@ -294,10 +294,26 @@ def test_a_record_older_than_the_deregistration_cannot_list_the_node_again(genes
         app.check_tx(reg(old), left, T0 + 4 * SECOND)
     replayed, r, _ = run(left, [reg(old)], T0 + 4 * SECOND)
     assert errors(r) == ["InvalidTransactionError"] and A.peer_id not in replayed.records
-    # a newer record lists the node again and drops the tombstone
+    # a newer record lists the node again; the tombstone stays (it expires by time only), so
+    # the old record is still refused once the node leaves again
     back, r, _ = run(left, [reg(record(A, issued=T0 + 3 * SECOND))], T0 + 4 * SECOND)
-    assert errors(r) == [None] and A.peer_id in back.records and not back.departed
+    assert errors(r) == [None] and A.peer_id in back.records
+    assert back.departed == {A.peer_id: T0 + 2 * SECOND}
     assert len({left.app_hash, back.app_hash, first.app_hash}) == 3
+    again, r, _ = run(back, [dereg(A, issued=T0 + 5 * SECOND), reg(old)], T0 + 6 * SECOND)
+    assert errors(r) == [None, "InvalidTransactionError"] and A.peer_id not in again.records
+
+
+def test_at_most_max_records_tombstones_are_held_the_oldest_going_first():
+    small = app.genesis_state(dataclasses.replace(
+        GENESIS, policy=dataclasses.replace(GENESIS.policy, max_records=2)))
+    state, _, _ = run(small, [reg(record(A, net=1)), reg(record(B, net=2))])
+    state, _, _ = run(state, [dereg(A, issued=T0 + 2 * SECOND)], T0 + 3 * SECOND)
+    state, _, _ = run(state, [dereg(B, issued=T0 + 3 * SECOND), reg(record(C, net=3))],
+                      T0 + 4 * SECOND)
+    state, r, _ = run(state, [dereg(C, issued=T0 + 5 * SECOND)], T0 + 6 * SECOND)
+    assert errors(r) == [None]  # never refused for lack of room
+    assert state.departed == {B.peer_id: T0 + 3 * SECOND, C.peer_id: T0 + 5 * SECOND}
 
 
 def test_a_tombstone_is_dropped_once_no_older_record_can_still_be_valid(genesis):

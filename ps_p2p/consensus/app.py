@@ -59,9 +59,11 @@ The state's app hash (what block h+1 carries, and what a directory's commit cove
 (evidence keys and departed peer IDs ascending). *Departed* peers are tombstones: a DEREGISTER
 leaves (peer ID, its ``issued_at_ms``), and a REGISTER of that peer issued no later is refused,
 so nobody can replay a node's older record (directories are public) to list it again after it
-left. A tombstone is dropped once no record issued before it can still be valid (block time
-past ``issued_at_ms + MAX_RECORD_LIFETIME_MS``) or when the peer registers a newer record; at
-most ``max_records`` are held. Cost after a block of k changes: the k changed buckets (~1/256 of the
+left (a newer record of the peer is still taken). A tombstone is dropped once no record issued
+before it can still be valid (block time past ``issued_at_ms + MAX_RECORD_LIFETIME_MS``,
+indexed by a heap); at most ``max_records`` are held, the oldest going first. The aux root
+re-hashes every tombstone when one changes (O(tombstones), bounded by ``max_records``). Cost
+after a block of k changes: the k changed buckets (~1/256 of the
 set each), 8 KiB of bucket digests, and the evidence keys when evidence changed (bounded by
 ``max_evidence``). :func:`execute_block` copies the state first (O(records) pointer copies,
 ~14 ms at 100,000 records) so the old state stays valid for the directory being served.
@@ -477,6 +479,7 @@ class AppState:
         self.records = RecordSet()
         self.evidence: dict[bytes, tuple[bytes, int]] = {}
         self.departed: dict[bytes, int] = {}
+        self._departed_heap: list[tuple[int, bytes]] = []  # (issued_at_ms, peer), lazy
         self._validators = {v.address for v in genesis.validators}
         self._expiry: list[tuple[int, bytes]] = []  # heap of (expires_at_ms, peer ID), lazy
         self._networks: collections.Counter[str] = collections.Counter()
@@ -526,6 +529,7 @@ class AppState:
         new.records = self.records.copy()
         new.evidence = dict(self.evidence)
         new.departed = dict(self.departed)
+        new._departed_heap = list(self._departed_heap)
         new._expiry = list(self._expiry)
         new._networks = collections.Counter(self._networks)
         new._orgs = collections.Counter(self._orgs)
@@ -566,15 +570,29 @@ class AppState:
             if not self._orgs[record.organization]:
                 del self._orgs[record.organization]
 
+    def _depart(self, peer: bytes, issued_at_ms: int) -> None:
+        """Leave a tombstone; at ``max_records`` tombstones the oldest goes first (a sybil
+        that deregisters many identities cannot block honest deregistrations)."""
+        self.departed[peer] = issued_at_ms
+        heapq.heappush(self._departed_heap, (issued_at_ms, peer))
+        while len(self.departed) > self.policy.max_records:
+            issued, old = heapq.heappop(self._departed_heap)
+            if self.departed.get(old) == issued:
+                del self.departed[old]
+        if len(self._departed_heap) > 2 * len(self.departed) + 64:
+            self._departed_heap = [(t, p) for p, t in self.departed.items()]
+            heapq.heapify(self._departed_heap)
+        self._aux_root = None
+
     def _expire(self, time_ms: int) -> list[bytes]:
         """Remove records with ``expires_at_ms <= time_ms``, and tombstones no record issued
         before them can outlive; amortized O(expired log n) (+ O(tombstones) when some are
         held)."""
-        if self.departed:
-            gone = [p for p, t in self.departed.items() if t + MAX_RECORD_LIFETIME_MS < time_ms]
-            for peer in gone:
+        heap = self._departed_heap
+        while heap and heap[0][0] + MAX_RECORD_LIFETIME_MS < time_ms:
+            issued, peer = heapq.heappop(heap)
+            if self.departed.get(peer) == issued:  # else superseded: a stale heap entry
                 del self.departed[peer]
-            if gone:
                 self._aux_root = None
         removed = []
         heap = self._expiry
@@ -713,8 +731,7 @@ def _admit(tx: Tx, state: AppState, new_in_block: int | None) -> None:
             raise InvalidTransactionError(
                 f"deregistration of {peer_label(tx.peer_id)} is older than its listed record"
             )
-        if len(state.departed) >= policy.max_records:
-            raise AdmissionError(f"tombstones full ({policy.max_records})")
+
     elif isinstance(tx, EvidenceTx):
         if _evidence_key(tx.first) in state.evidence:
             raise InvalidTransactionError("evidence already recorded")
@@ -785,12 +802,10 @@ class BlockResult:
 def _apply(tx: Tx, state: AppState) -> None:
     if isinstance(tx, RegisterTx):
         state._put(tx.record)
-        if state.departed.pop(tx.record.peer_id, None) is not None:
-            state._aux_root = None
+
     elif isinstance(tx, DeregisterTx):
         state._remove(tx.peer_id)
-        state.departed[tx.peer_id] = tx.issued_at_ms
-        state._aux_root = None
+        state._depart(tx.peer_id, tx.issued_at_ms)
     elif isinstance(tx, EvidenceTx):
         state.evidence[_evidence_key(tx.first)] = (tx.first.validator, tx.first.height)
         state._aux_root = None

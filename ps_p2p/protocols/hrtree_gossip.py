@@ -59,6 +59,8 @@ _HEADER = len(ENVELOPE_DOMAIN) + 1 + 4
 MAX_ENVELOPE_BYTES = _HEADER + MAX_DELTA_BYTES + SIGNATURE_BYTES
 #: Largest snapshot answer of the sync protocol.
 MAX_SNAPSHOT_ENVELOPE_BYTES = _HEADER + MAX_SNAPSHOT_BYTES + SIGNATURE_BYTES
+#: Seconds a peer has to send its snapshot request once the stream is open.
+SYNC_READ_TIMEOUT = 10.0
 #: The sync request: one fixed frame.
 SYNC_REQUEST = b"planetserve/v1/hrtree-sync\x00"
 
@@ -206,11 +208,12 @@ class SnapshotServer:
     async def _handle(self, stream: INetStream) -> None:
         sender = stream.muxed_conn.peer_id.to_bytes()
         try:
-            if await read_frame(stream, len(SYNC_REQUEST)) != SYNC_REQUEST:
-                raise RemoteProtocolError("not a snapshot request")
-            now = trio.current_time()
-            if not self._may_ask(sender):
+            if not self._may_ask(sender):  # before reading anything
                 raise RemoteProtocolError("not a model node of this group")
+            with trio.fail_after(SYNC_READ_TIMEOUT):
+                if await read_frame(stream, len(SYNC_REQUEST)) != SYNC_REQUEST:
+                    raise RemoteProtocolError("not a snapshot request")
+            now = trio.current_time()
             if now < self._last.get(sender, -1e9) + self.min_interval:
                 raise RemoteProtocolError("snapshot asked again too soon")
             if len(self._last) > 4096:
@@ -223,7 +226,7 @@ class SnapshotServer:
             self.refused += 1
             log.info("snapshot request from %s refused: %s", peer_label(sender), exc)
             await reset_quietly(stream)
-        except (StreamError, StreamEOF) as exc:
+        except (StreamError, StreamEOF, trio.TooSlowError) as exc:
             log.info("snapshot stream from %s failed: %r", peer_label(sender), exc)
             await reset_quietly(stream)
         except Exception:

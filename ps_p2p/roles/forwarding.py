@@ -24,6 +24,7 @@ the gossip can test guessed prompts against the tree (logged as a warning at sta
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -55,6 +56,9 @@ from ps_p2p.records.peer_ids import peer_label
 
 log = logging.getLogger(__name__)
 
+#: Seconds between two snapshot fetches from one peer (twice that after a failure).
+SNAPSHOT_INTERVAL = 10.0
+
 class GroupForwarding:
     """The forwarding state and gossip of one model node (module docstring).
 
@@ -85,7 +89,11 @@ class GroupForwarding:
                         "the model ID, so gossip observers can test guessed prompts")
         self.lengths = self.config.lengths()
         self._clock = clock
-        self.tree = HRTree(version=self.lengths.version)
+        # one peer can never fill the tree for the others (per-peer share of the total)
+        self.tree = HRTree(version=self.lengths.version, max_peers=self.config.max_peers + 1,
+                           max_entries_per_peer=min(hr_tree.DEFAULT_MAX_ENTRIES_PER_PEER,
+                                                    hr_tree.DEFAULT_MAX_ENTRIES
+                                                    // (self.config.max_peers + 1)))
         self.publisher = SubtreePublisher(self.tree, self.me, incarnation=time.time_ns())
         self.view = CacheView(self.lengths, self._key)
         self.replicas: dict[bytes, SubtreeReplica] = {}
@@ -96,7 +104,11 @@ class GroupForwarding:
             self.me, load, self.book,
             PolicyConfig(tau_c=self.config.tau_c,
                          overload_threshold=self.config.overload_threshold))
+        #: the model nodes of our model in the verified directory; ``members``: those (at most
+        #: ``max_peers``) whose gossip we follow
+        self.group: frozenset[bytes] = frozenset()
         self.members: frozenset[bytes] = frozenset()
+        self._next_snapshot: dict[bytes, float] = {}  # peer -> earliest next fetch (pacing)
         self._load_seq = time.time_ns()  # increasing across restarts
         self._need_snapshot: set[bytes] = set()
         self._snapshot_wanted = trio.Event()
@@ -111,12 +123,18 @@ class GroupForwarding:
         subtrees and load are dropped)."""
         if directory is None:
             return
-        members = frozenset(
+        group = frozenset(
             r.peer_id for r in directory.model_nodes()
             if r.model_id == self.model_id and r.peer_id != self.me and Role.MODEL in r.roles
         )
+        self.group = group
+        members = group
         if len(members) > self.config.max_peers:
-            members = frozenset(sorted(members)[: self.config.max_peers])
+            # the peers we follow, by a hash keyed with our own ID: nobody can grind peer IDs
+            # that every node of the group would pick
+            members = frozenset(sorted(members, key=lambda p: hashlib.sha256(
+                b"planetserve/v1/group-sample\x00" + self.me + p).digest())
+                [: self.config.max_peers])
         if members == self.members:
             return
         for gone in self.members - members:
@@ -135,8 +153,9 @@ class GroupForwarding:
         self._changed = trio.Event()
 
     def is_member(self, peer: bytes) -> bool:
-        """Whether ``peer`` is a model node of our group in the verified directory."""
-        return peer in self.members
+        """Whether ``peer`` is a model node of our group in the verified directory (all of
+        them, also beyond the ``max_peers`` whose gossip we follow)."""
+        return peer in self.group
 
     # ------------------------------------------------------------------ routing
 
@@ -296,15 +315,37 @@ class GroupForwarding:
             await trio.sleep(self.config.load_interval)
 
     async def _sync_loop(self, host: Any) -> None:
-        while True:
-            await self._snapshot_wanted.wait()
-            self._snapshot_wanted = trio.Event()
-            for peer in sorted(self._need_snapshot):
-                self._need_snapshot.discard(peer)
+        """Fetch the snapshots gaps asked for: a few peers at a time, each peer at most every
+        :data:`SNAPSHOT_INTERVAL` seconds (doubling after a failure), so a member that sends
+        gapped deltas on purpose cannot make us fetch and apply snapshots all the time."""
+        limit = trio.CapacityLimiter(4)
+
+        async def fetch(peer: bytes) -> None:
+            async with limit:
                 try:
                     self.apply_snapshot(peer, await wire.fetch_snapshot(host, peer))
+                    self._next_snapshot[peer] = self._clock() + SNAPSHOT_INTERVAL
                 except (PsError, trio.TooSlowError, Exception) as exc:
                     log.info("snapshot of %s failed: %r", peer_label(peer), exc)
+                    self._next_snapshot[peer] = self._clock() + 2 * SNAPSHOT_INTERVAL
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                await self._snapshot_wanted.wait()
+                self._snapshot_wanted = trio.Event()
+                now = self._clock()
+                for peer in sorted(self._need_snapshot):
+                    if peer not in self.members:
+                        self._need_snapshot.discard(peer)
+                    elif self._next_snapshot.get(peer, 0.0) <= now:
+                        self._need_snapshot.discard(peer)
+                        self._next_snapshot[peer] = now + SNAPSHOT_INTERVAL  # in flight
+                        nursery.start_soon(fetch, peer)
+                if self._need_snapshot:  # paced ones: look again when the next one is due
+                    due = min(self._next_snapshot.get(p, now) for p in self._need_snapshot)
+                    with trio.move_on_at(due):
+                        await self._snapshot_wanted.wait()
+                    self._snapshot_wanted.set()
 
     async def _connect_loop(self, host: Any) -> None:
         """Keep connections to the group's members (GossipSub meshes over connections)."""
