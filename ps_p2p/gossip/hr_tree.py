@@ -312,8 +312,8 @@ class _Node:
 
     def __init__(self, depth: int) -> None:
         self.children: dict[bytes, _Node] | None = None
-        self.mask = 0
         self.depth = depth
+        self.mask = 0
 
 
 @dataclass(frozen=True)
@@ -556,17 +556,21 @@ class HRTree:
             bit = 1 << index
         named = self._named[index]
         assert named is not None
+        depth, created = node.depth, 0
         for h in chain[have:]:
+            depth += 1
             children = node.children
             if children is None:
                 children = node.children = {}
             child = children.get(h)
             if child is None:
-                child = children[h] = _Node(node.depth + 1)
-                self._nodes += 1
+                child = children[h] = _Node(depth)
+                created += 1
             child.mask |= bit
-            named.setdefault(h, node)
+            if h not in named:
+                named[h] = node
             node = child
+        self._nodes += created
         self._count[peer] = self._count.get(peer, 0) + new
         self._total += new
         return new
