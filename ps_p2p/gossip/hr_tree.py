@@ -160,8 +160,9 @@ DEFAULT_MAX_ENTRIES_PER_PEER = 1 << 16
 """Entries (prefixes) one peer may hold in a tree: 65,536, > the ~30k vLLM blocks of an 8B model
 on an 80 GB GPU; also the snapshot limit, so a tree cannot accept more than a snapshot carries."""
 DEFAULT_MAX_ENTRIES = 1 << 20
-"""Entries in a whole tree (all peers): 1,048,576, about 260 MiB at the measured 266 bytes an
-entry of a tree where every node is held by one peer (``benchmarks/bench_hr_tree.py``)."""
+"""Entries in a whole tree (all peers): 1,048,576, about 320 MiB at the measured 321 bytes an
+entry (47 of them the name index) of a tree where every node is held by one peer
+(``benchmarks/bench_hr_tree.py``)."""
 DEFAULT_MAX_PEERS = 1024
 """Peers a tree tracks (one bit each in every node's peer mask)."""
 MAX_DELTA_OPS = 1024
