@@ -6,14 +6,17 @@ holds them) and go on for 30 chunks of their own (random 8-byte chunk hashes, so
 is that of real prompts but hashing is not part of the tree timings). Measures:
 
 1. memory per entry and per tree node (``tracemalloc``: traced bytes after building the tree
-   minus before, divided by entries and by nodes);
+   minus before, divided by entries and by nodes), and the part of it that is the per-peer name
+   index deltas resolve parents with (``sys.getsizeof`` of its dicts: their keys and values are
+   the tree's own hash and node objects);
 2. ``HRTree.insert`` of one 32-chunk prompt chain into the full tree;
 3. ``HRTree.search`` of a prompt that matches 32 chunks (a hit) and of one that matches only
    its system prompt (tau_c = 3: a miss), and ``chunk_hashes`` of 1k- and 8k-token prompts
    (the part of a lookup that costs);
-4. ``SubtreeReplica.apply_delta`` into the full tree of a 64-op delta of a cache in steady
-   state (32 inserts of 32-chunk chains, 32 evictions of the oldest), its ``Delta.decode``, and
-   a whole peer's snapshot (12.5k entries): encode, decode, apply;
+4. ``SubtreeReplica.apply_delta`` into the full tree of the delta of 64 ops of a cache in
+   steady state (32 inserts of 32-chunk chains under a held system prompt, 32 evictions of the
+   oldest), its ``Delta.decode``, and a whole peer's snapshot (12.5k entries): encode, decode,
+   apply;
 5. ``CacheView.apply`` of a ``BlockStored`` of one 16-token block after a 4k-token prefix (one
    decode step) and of a 1k-token prompt (64 blocks), and the view's memory per block.
 
@@ -24,6 +27,7 @@ times with ``time.perf_counter_ns``; median and p99 per call.
 from __future__ import annotations
 
 import argparse
+import gc
 import pathlib
 import random
 import statistics
@@ -102,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tree: {tree.entries():,} entries, {tree.node_count:,} nodes, {len(PEERS)} peers")
     print(f"memory: {used / 2**20:.1f} MiB traced; {used / tree.entries():.0f} B per entry, "
           f"{used / tree.node_count:.0f} B per node")
+    names = sum(sys.getsizeof(d) for d in tree._named if d is not None)  # the name index
+    print(f"of which the name index: {names / 2**20:.1f} MiB, {names / tree.entries():.0f} B "
+          f"per entry")
 
     # ---- 2. insert
     extra = [(PEERS[i % 8], chain(rng, systems[i % 4])) for i in range(iterations + 20)]
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in pub.take_deltas():
         replica.apply_delta(d)
     deltas: list[Delta] = []
-    for _ in range(iterations + 20):
+    for _ in range(2 * (iterations + 20)):
         for _ in range(32):
             live.append(chain(rng, systems[0]))
             pub.insert(live[-1])
@@ -141,10 +148,20 @@ def main(argv: list[str] | None = None) -> int:
         deltas.extend(pub.take_deltas())
     encoded = [d.encode() for d in deltas]
     dit = iter(deltas)
-    print(f"delta of 32 inserts + 32 evictions: {len(encoded[0]):,} bytes encoded")
+    print(f"delta of 32 inserts + 32 evictions: {len(encoded[0]):,} bytes encoded "
+          f"({len(deltas[0].inserts)} inserts of {len(deltas[0].inserts[0].hashes)} hashes, "
+          f"{len(deltas[0].evicts)} names)")
     print(summary("Delta.decode, 64 ops", sample(lambda: Delta.decode(encoded[0]), iterations)))
     print(summary("apply_delta, 32 inserts + 32 evictions (full tree)",
+                  sample(lambda: replica.apply_delta(next(dit)), iterations, warmup=20)))
+    # The same with the tree's objects out of the cyclic collector's reach (the tail above is
+    # the collector walking them: a delta frees its evicted nodes before it allocates its
+    # inserts', so young objects pile up as they would not in a mixed sequence).
+    gc.collect()
+    gc.freeze()
+    print(summary("apply_delta, same, after gc.freeze()",
                   sample(lambda: replica.apply_delta(next(dit)), iterations, warmup=0)))
+    gc.unfreeze()
     for d in dit:
         replica.apply_delta(d)
     assert replica.tree.prefixes(b"pub") == pub.tree.prefixes(b"pub")

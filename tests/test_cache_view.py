@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from ps_p2p.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from ps_p2p.errors import EngineError
 from ps_p2p.gossip.cache_view import CacheView
-from ps_p2p.gossip.hr_tree import HRTree, Op, OpKind, SubtreePublisher, chunk_hashes
+from ps_p2p.gossip.hr_tree import (
+    HRTree,
+    Op,
+    OpKind,
+    SubtreePublisher,
+    SubtreeReplica,
+    chunk_hashes,
+)
 from ps_p2p.gossip.sentry import ChunkLengths
 
 KEY = b"group-key-for-the-cache-view-test"
@@ -94,6 +101,28 @@ def test_many_prompts_after_one_system_prompt_come_and_go():
     assert len(view) == 2
 
 
+def test_an_lru_that_removes_a_prompt_leaf_first_gives_one_eviction():
+    view = CacheView(L, KEY)
+    long_prompt = SYSTEM + list(range(6000, 6200))  # 240 tokens, 15 blocks, chunks 40, 72, ...
+    ev = store(None, long_prompt)
+    view.apply(ev)
+    view.apply(store(None, B))  # shares blocks 0-1 and the first chunk
+    chain = tuple(chunk_hashes(long_prompt, L, KEY))
+    assert len(chain) == 7
+    ops = view.apply(BlockRemoved(tuple(reversed(ev.block_hashes[2:]))))  # leaf first
+    assert ops == [Op(OpKind.EVICT, chain[:2])]  # not one per chunk: [0, 72) held up first
+
+
+def test_the_evictions_of_one_event_come_sorted():
+    view = CacheView(L, KEY)
+    ea, eb = store(None, A), store(None, B)
+    view.apply(ea)
+    view.apply(eb)
+    ops = view.apply(BlockRemoved((eb.block_hashes[4], ea.block_hashes[3], eb.block_hashes[3])))
+    chains = sorted([tuple(chunk_hashes(A, L, KEY)), tuple(chunk_hashes(B, L, KEY))])
+    assert ops == [Op(OpKind.EVICT, c) for c in chains]
+
+
 def test_a_block_whose_parent_is_unknown_is_dropped():
     view = CacheView(L, KEY)
     ev = store(None, A)
@@ -162,16 +191,17 @@ class FakeEngine:
             p = h
         return ev
 
-    def remove(self, h: int) -> BlockRemoved:
-        gone = {h}
-        changed = True
-        while changed:
-            more = {b for b, (p, _) in self.blocks.items() if p in gone} - gone
-            changed = bool(more)
-            gone |= more
+    def remove(self, h: int, every: bool) -> BlockRemoved:
+        """``h`` and its descendants; the event lists ``h`` alone, or (``every``) all of them
+        leaf first, as an LRU evicts."""
+        gone = [h]
+        i = 0
+        while i < len(gone):
+            gone += [b for b, (p, _) in self.blocks.items() if p == gone[i]]
+            i += 1
         for b in gone:
             self.blocks.pop(b, None)
-        return BlockRemoved((h,))
+        return BlockRemoved(tuple(reversed(gone)) if every else (h,))
 
     def subtree(self, lengths: ChunkLengths) -> frozenset[tuple]:
         out: set[tuple] = set()
@@ -185,7 +215,7 @@ events = st.lists(
         st.tuples(st.just("store"), st.integers(0, 10**6),
                   st.lists(st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2)]), min_size=1,
                            max_size=4).map(lambda blocks: [t for b in blocks for t in b])),
-        st.tuples(st.just("remove"), st.integers(0, 10**6), st.just(None)),
+        st.tuples(st.just("remove"), st.integers(0, 10**6), st.booleans()),
         st.tuples(st.just("clear"), st.just(0), st.just(None)),
     ),
     max_size=25,
@@ -197,6 +227,7 @@ events = st.lists(
 def test_the_subtree_is_the_chunks_of_every_cached_prefix(script):
     engine, view = FakeEngine(), CacheView(SMALL, KEY)
     publisher = SubtreePublisher(HRTree(SMALL.version), b"me", 1)
+    replica = SubtreeReplica(HRTree(SMALL.version), b"me")  # through deltas, each event's ops
     for kind, pick, tokens in script:
         known = sorted(engine.blocks)
         if kind == "store":
@@ -205,13 +236,16 @@ def test_the_subtree_is_the_chunks_of_every_cached_prefix(script):
         elif kind == "remove":
             if not known:
                 continue
-            ev = engine.remove(known[pick % len(known)])
+            ev = engine.remove(known[pick % len(known)], tokens)
         else:
             engine.blocks.clear()
             ev = AllBlocksCleared()
         for op in view.apply(ev):
             publisher.apply(op)
         assert publisher.tree.prefixes(b"me") == engine.subtree(SMALL)
+        for delta in publisher.take_deltas():
+            replica.apply_delta(delta)
+        assert replica.tree.prefixes(b"me") == engine.subtree(SMALL)
         assert len(view) == len(engine.blocks)
         for h in engine.blocks:
             assert list(view.prefix_tokens(h)) == engine.tokens(h)

@@ -1,5 +1,6 @@
 """HR-tree core (ps_p2p.gossip.hr_tree): keyed chained chunk hashes, Algorithm 1 search against a
-dict-of-prefixes model, bounds, subtree replication (deltas, snapshots) and its encodings."""
+dict-of-prefixes model, names (last chunk hashes) resolved per peer, bounds, subtree replication
+(coalesced deltas, snapshots) and its encodings."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_p2p.consensus.encoding import u8, u32, u64
+from ps_p2p.consensus.encoding import u32, u64
 from ps_p2p.errors import (
     ConfigError,
     HRTreeFullError,
@@ -28,11 +29,13 @@ from ps_p2p.gossip.hr_tree import (
     MAX_PENDING_OPS,
     MAX_SNAPSHOT_BYTES,
     MAX_SNAPSHOT_ENTRIES,
+    ROOT_HASH,
     SNAPSHOT_DOMAIN,
     Applied,
     Delta,
     HRTree,
     Ignored,
+    Insert,
     NeedSnapshot,
     Op,
     OpKind,
@@ -54,6 +57,48 @@ PEERS = [b"peer-a", b"peer-b", b"peer-c"]
 chains = st.lists(st.sampled_from(HASHES), max_size=4).map(tuple)
 nonempty_chains = st.lists(st.sampled_from(HASHES), min_size=1, max_size=4).map(tuple)
 peers = st.sampled_from(PEERS)
+
+
+def chained(symbols) -> tuple[bytes, ...]:
+    """Hashes chained like chunk hashes (each names its whole prefix) over small symbols, so
+    that random chains share prefixes; the names deltas use are then unique, as with
+    chunk_hashes."""
+    out, h = [], ROOT_HASH
+    for sym in symbols:
+        h = hashlib.blake2b(h + bytes([sym]), digest_size=HASH_BYTES).digest()
+        out.append(h)
+    return tuple(out)
+
+
+symbols = st.lists(st.integers(1, 3), max_size=4)
+named_chains = symbols.map(chained)
+nonempty_named_chains = st.lists(st.integers(1, 3), min_size=1, max_size=4).map(chained)
+
+
+def held_by(tree: HRTree, peer: bytes) -> dict[bytes, list]:
+    """Chunk hash -> the nodes above ``peer``'s nodes of that hash (tree internals)."""
+    index = tree._bit_of.get(peer)
+    out: dict[bytes, list] = {}
+    if index is None:
+        return out
+    stack = [tree._root]
+    while stack:
+        node = stack.pop()
+        for h, child in (node.children or {}).items():
+            if child.mask >> index & 1:
+                out.setdefault(h, []).append(node)
+                stack.append(child)
+    return out
+
+
+def check_names(tree: HRTree, exact: bool) -> None:
+    """Each peer's names point above nodes it holds; with unique names (``exact``), every node
+    it holds is named."""
+    for peer, index in tree._bit_of.items():
+        named, held = tree._named[index], held_by(tree, peer)
+        assert all(any(up is n for n in held.get(h, ())) for h, up in named.items())
+        if exact:
+            assert set(named) == set(held)
 
 
 def reference_chunk_hash(parent: bytes | None, tokens: list[int], key: bytes) -> bytes:
@@ -207,6 +252,85 @@ def test_tree_answers_like_the_dict_of_prefixes_model(ops):
         assert tree.peers() == frozenset(model.held)
         union = set().union(*model.held.values()) if model.held else set()
         assert tree.node_count == len(union)  # empty nodes are pruned
+        check_names(tree, exact=False)
+
+
+name_operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), peers, symbols, st.just([])),
+        st.tuples(st.just("insert_under"), peers, symbols,
+                  st.lists(st.integers(1, 3), min_size=1, max_size=3)),
+        st.tuples(st.just("evict"), peers, symbols, st.just([])),
+        st.tuples(st.just("evict_named"), peers, symbols, st.just([])),
+    ),
+    max_size=40,
+)
+
+
+@given(name_operations)
+@settings(max_examples=300, deadline=None)
+def test_names_resolve_like_the_model_among_the_peers_own_prefixes(ops):
+    tree = HRTree(3, max_entries_per_peer=9, max_entries=16, max_peers=3)
+    model = Model(9, 16, 3)
+    for kind, peer, syms, extra in ops:
+        chain = chained(syms)
+        name = chain[-1] if chain else ROOT_HASH
+        if kind == "insert_under":
+            full = chained(syms + extra)
+            before = {p: tree.prefixes(p) for p in PEERS}
+            if chain and chain not in model.held.get(peer, ()):
+                with pytest.raises(SubtreeSyncError):
+                    tree.insert_under(peer, name, full[len(chain):])
+                assert {p: tree.prefixes(p) for p in PEERS} == before
+                continue
+            expected = model.insert(peer, full)
+            if expected == "full":
+                with pytest.raises(HRTreeFullError):
+                    tree.insert_under(peer, name, full[len(chain):])
+                assert {p: tree.prefixes(p) for p in PEERS} == before
+            else:
+                assert tree.insert_under(peer, name, full[len(chain):]) == expected
+        elif kind == "insert":
+            expected = model.insert(peer, chain) if chain else 0
+            if expected == "full":
+                with pytest.raises(HRTreeFullError):
+                    tree.insert(peer, chain)
+            else:
+                assert tree.insert(peer, chain) == expected
+        elif kind == "evict":
+            assert tree.evict(peer, chain) == model.evict(peer, chain)
+        else:
+            assert tree.evict_named(peer, name) == model.evict(peer, chain)
+        for p in PEERS:
+            assert tree.prefixes(p) == frozenset(model.held.get(p, ()))
+        assert tree.entries() == sum(map(len, model.held.values()))
+        check_names(tree, exact=True)
+
+
+def test_a_name_resolves_only_among_the_peers_own_prefixes():
+    tree = HRTree()
+    mine = chained([1, 2, 3])
+    planted = (b"\x77" * 8, mine[1])  # another peer's prefix ending in the same hash
+    tree.insert(b"other", planted)
+    with pytest.raises(SubtreeSyncError):
+        tree.insert_under(b"me", mine[1], mine[2:])
+    tree.insert(b"me", mine[:2])
+    assert tree.insert_under(b"me", mine[1], mine[2:]) == 1
+    assert tree.prefixes(b"me") == {mine[:1], mine[:2], mine}
+    assert tree.evict_named(b"me", mine[1]) == 2
+    assert tree.prefixes(b"me") == {mine[:1]}
+    assert tree.prefixes(b"other") == {planted[:1], planted}
+    assert tree.evict_named(b"me", planted[0]) == 0
+
+
+def test_an_insert_under_a_name_keeps_to_max_depth():
+    tree = HRTree()
+    deep = tuple(i.to_bytes(8, "big") for i in range(1, MAX_DEPTH + 1))
+    tree.insert(b"p", deep[:-1])
+    with pytest.raises(SubtreeSyncError):
+        tree.insert_under(b"p", deep[-2], (deep[-1], b"\x01" * 8))
+    assert tree.insert_under(b"p", deep[-2], deep[-1:]) == 1
+    assert tree.entries(b"p") == MAX_DEPTH
 
 
 def test_search_returns_the_peers_of_the_deepest_matched_prefix():
@@ -279,12 +403,12 @@ def test_replace_peer_sets_exactly_the_snapshot(inserts, target):
 
 # ------------------------------------------------------------------------------ replication
 
+subtree_ops = st.one_of(
+    st.tuples(st.just(OpKind.INSERT), nonempty_named_chains),
+    st.tuples(st.just(OpKind.EVICT), named_chains),
+)
 publisher_ops = st.lists(
-    st.one_of(
-        st.tuples(st.just(OpKind.INSERT), nonempty_chains),
-        st.tuples(st.just(OpKind.EVICT), chains),
-        st.tuples(st.just("take"), st.just(())),
-    ),
+    st.one_of(subtree_ops, st.tuples(st.just("take"), st.just(()))),
     max_size=30,
 )
 
@@ -358,16 +482,111 @@ def test_a_gap_is_reported_then_filled_by_a_late_delta():
     assert replica.tree.prefixes(b"pub") == pub.tree.prefixes(b"pub")
 
 
-def test_an_overlapping_delta_applies_only_its_new_ops():
+def test_a_delta_whose_range_holds_the_replica_applies_whole():
+    a, b = chained([1, 2]), chained([2])
     pub = SubtreePublisher(HRTree(), b"pub", 1)
-    pub.insert(HASHES[:1])
-    pub.insert(HASHES[1:2])
-    pub.evict(HASHES[:1])
+    pub.insert(a)
+    middle = pub.snapshot()  # at seq 1, in the middle of the next delta
+    pub.insert(b)
+    pub.evict(a[:1])
     (whole,) = pub.take_deltas()
+    assert (whole.seq_from, whole.seq_to) == (0, 3)
     replica = SubtreeReplica(HRTree(), b"pub")
-    replica.apply_delta(Delta(0, 1, 0, 1, whole.ops[:1]))
+    assert replica.apply_snapshot(middle) == Applied(1)
     assert replica.apply_delta(whole) == Applied(3)
-    assert replica.tree.prefixes(b"pub") == frozenset({HASHES[1:2]})
+    assert replica.tree.prefixes(b"pub") == frozenset({b})
+
+
+@given(st.lists(subtree_ops, max_size=12), st.lists(subtree_ops, min_size=1, max_size=20),
+       st.lists(nonempty_named_chains, max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_a_coalesced_delta_applied_anywhere_in_its_range_gives_the_subtree_after_its_ops(
+        before, batch, others):
+    pub = SubtreePublisher(HRTree(), b"pub", 1)
+    for kind, chain in before:
+        pub.apply(Op(kind, chain))
+    pub.take_deltas()
+    states = [pub.tree.prefixes(b"pub")]
+    added = evictions = 0
+    for kind, chain in batch:
+        entries = pub.tree.entries(b"pub")
+        if pub.apply(Op(kind, chain)):
+            states.append(pub.tree.prefixes(b"pub"))
+            added += max(0, pub.tree.entries(b"pub") - entries)
+            evictions += kind == OpKind.EVICT
+    deltas = pub.take_deltas()
+    if len(states) == 1:
+        assert deltas == []
+        return
+    (delta,) = deltas
+    assert Delta.decode(delta.encode()) == delta
+    assert delta.seq_to - delta.seq_from == len(states) - 1
+    # never more than the ops: a name per eviction at most, each added entry's hash at most once
+    assert len(delta.evicts) <= evictions
+    assert sum(len(i.hashes) for i in delta.inserts) <= added
+    for k, state in enumerate(states[:-1]):
+        tree = HRTree()
+        for chain in others:  # another peer holding the same names: never resolved for pub
+            tree.insert(b"other", chain)
+        replica = SubtreeReplica(tree, b"pub")
+        replica.apply_snapshot(Snapshot.from_prefixes(0, 1, delta.seq_from + k, state))
+        assert replica.apply_delta(delta) == Applied(delta.seq_to)
+        assert tree.prefixes(b"pub") == states[-1]
+        assert tree.prefixes(b"other") == frozenset(p[:i] for p in others
+                                                    for i in range(1, len(p) + 1))
+
+
+def test_a_new_prompt_under_a_held_prefix_sends_only_its_own_chunks():
+    system, prompt = chained([1, 1]), chained([1, 1, 2, 3, 2])
+    pub = SubtreePublisher(HRTree(), b"pub", 1)
+    pub.insert(system)
+    pub.take_deltas()
+    pub.insert(prompt)
+    pub.insert(prompt + chained([1, 1, 2, 3, 2, 1])[-1:])  # the same prompt grew: joined
+    (delta,) = pub.take_deltas()
+    assert delta.evicts == ()
+    assert delta.inserts == (Insert(system[-1], chained([1, 1, 2, 3, 2, 1])[2:]),)
+
+
+def test_evictions_covered_by_a_shorter_one_of_the_batch_are_left_out():
+    prompt = chained([1, 2, 3, 1])
+    pub = SubtreePublisher(HRTree(), b"pub", 1)
+    pub.insert(prompt)
+    pub.insert(chained([3]))
+    pub.take_deltas()
+    for depth in (4, 3, 2):  # an LRU: the leaf chunk first
+        pub.evict(prompt[:depth])
+    pub.evict(chained([3]))
+    (delta,) = pub.take_deltas()
+    assert delta.evicts == tuple(sorted((prompt[1], chained([3])[0])))
+    assert delta.inserts == () and delta.seq_to - delta.seq_from == 4
+
+
+def test_an_insert_that_a_later_eviction_of_the_batch_drops_is_cut():
+    pub = SubtreePublisher(HRTree(), b"pub", 1)
+    pub.insert(chained([1, 2, 3]))
+    pub.evict(chained([1, 2]))
+    pub.insert(chained([2]))
+    pub.clear()
+    pub.insert(chained([3, 3]))
+    (delta,) = pub.take_deltas()
+    assert delta.evicts == (ROOT_HASH,)
+    assert delta.inserts == (Insert(ROOT_HASH, chained([3, 3])),)
+
+
+def test_an_insert_under_a_parent_the_replica_lacks_drops_the_peer_and_asks_for_a_snapshot():
+    pub = SubtreePublisher(HRTree(), b"pub", 1)
+    pub.insert(chained([1, 2]))
+    replica = SubtreeReplica(HRTree(), b"pub")
+    replica.apply_delta(pub.take_deltas()[0])
+    pub.insert(chained([1, 2, 3]))
+    (good,) = pub.take_deltas()
+    lost = Insert(chained([3])[0], good.inserts[0].hashes)  # a parent pub never held
+    assert replica.apply_delta(Delta(0, 1, 1, 2, (), (lost,))) == NeedSnapshot(None)
+    assert replica.tree.entries(b"pub") == 0 and replica.seq is None
+    assert replica.apply_delta(good) == NeedSnapshot(None)  # buffered until a snapshot
+    assert replica.apply_snapshot(pub.snapshot()) == Applied(2)
+    assert replica.tree.prefixes(b"pub") == pub.tree.prefixes(b"pub")
 
 
 def test_a_restarted_publisher_replaces_the_old_run():
@@ -412,8 +631,22 @@ def test_take_deltas_splits_into_limited_batches_with_contiguous_seqs():
     deltas = pub.take_deltas()
     assert [d.seq_from for d in deltas] == [0, 1024, 2048]
     assert deltas[-1].seq_to == pub.seq == 2500
-    assert all(len(d.ops) <= MAX_DELTA_OPS and len(d.encode()) <= MAX_DELTA_BYTES for d in deltas)
+    assert all(len(d.inserts) <= MAX_DELTA_OPS and len(d.encode()) <= MAX_DELTA_BYTES
+               for d in deltas)
     assert pub.take_deltas() == []
+
+
+def test_take_deltas_keeps_each_delta_under_the_byte_limit():
+    pub = SubtreePublisher(HRTree(max_entries_per_peer=MAX_SNAPSHOT_ENTRIES), b"pub", 1)
+    for n in range(32):  # 32 chains of 2,048 new hashes: 16 KiB each, 512 KiB in all
+        pub.insert(tuple((n * MAX_DEPTH + i + 1).to_bytes(8, "big") for i in range(MAX_DEPTH)))
+    deltas = pub.take_deltas()
+    assert [(d.seq_from, d.seq_to) for d in deltas] == [(0, 31), (31, 32)]
+    assert all(len(d.encode()) <= MAX_DELTA_BYTES for d in deltas)
+    replica = SubtreeReplica(HRTree(max_entries_per_peer=MAX_SNAPSHOT_ENTRIES), b"pub")
+    for d in deltas:
+        replica.apply_delta(d)
+    assert replica.tree.prefixes(b"pub") == pub.tree.prefixes(b"pub")
 
 
 def test_a_publisher_over_its_pending_limit_drops_ops_and_replicas_resync():
@@ -447,20 +680,25 @@ def test_a_replica_over_the_tree_limits_drops_the_peer_and_needs_a_snapshot():
 
 # -------------------------------------------------------------------------------- encodings
 
+names = st.one_of(
+    st.lists(st.binary(min_size=HASH_BYTES, max_size=HASH_BYTES).filter(lambda h: h != ROOT_HASH),
+             max_size=4, unique=True).map(lambda hs: tuple(sorted(hs))),
+    st.just((ROOT_HASH,)),
+)
+inserts = st.lists(
+    st.builds(Insert, st.one_of(st.just(ROOT_HASH), st.sampled_from(HASHES)), nonempty_chains),
+    max_size=4,
+).map(tuple)
 deltas = st.builds(
-    lambda version, inc, start, ops: Delta(version, inc, start, start + len(ops), tuple(ops)),
+    lambda version, inc, start, extra, evicts, ins: Delta(
+        version, inc, start, start + len(evicts) + len(ins) + extra, evicts, ins),
     st.integers(0, 2**64 - 1),
     st.integers(0, 2**64 - 1),
     st.integers(0, 2**63),
-    st.lists(
-        st.one_of(
-            st.builds(Op, st.just(OpKind.INSERT), nonempty_chains),
-            st.builds(Op, st.just(OpKind.EVICT), chains),
-        ),
-        min_size=1,
-        max_size=8,
-    ),
-)
+    st.integers(0, 3),
+    names,
+    inserts,
+).filter(lambda d: d.evicts or d.inserts)
 
 
 @given(deltas)
@@ -481,8 +719,15 @@ def test_snapshots_round_trip_through_their_canonical_bytes(prefixes, seq):
 
 
 def small_delta() -> Delta:
-    return Delta(1, 2, 3, 5, (Op(OpKind.INSERT, tuple(HASHES[:2])),
-                              Op(OpKind.EVICT, (HASHES[0], HASHES[2]))))
+    return Delta(1, 2**40, 300, 305, (HASHES[0], HASHES[2]),
+                 (Insert(ROOT_HASH, HASHES[:2]), Insert(HASHES[1], HASHES[2:])))
+
+
+def test_a_delta_encodes_as_documented():
+    assert small_delta().encode() == (
+        DELTA_DOMAIN + b"\x01" + b"\x80\x80\x80\x80\x80\x20" + b"\xac\x02" + b"\x05"
+        + b"\x02" + HASHES[0] + HASHES[2]
+        + b"\x02" + ROOT_HASH + b"\x02" + HASHES[0] + HASHES[1] + HASHES[1] + b"\x01" + HASHES[2])
 
 
 def test_every_truncation_or_extension_of_a_delta_is_refused():
@@ -503,39 +748,53 @@ def test_every_truncation_of_a_snapshot_is_refused():
         Snapshot.decode(data + b"\x00")
 
 
-def delta_bytes(ops_bytes: list[bytes], seq_from=0, seq_to=None, domain=DELTA_DOMAIN) -> bytes:
-    n = len(ops_bytes)
-    return (domain + u64(0) + u64(1) + u64(seq_from) + u64(n if seq_to is None else seq_to)
-            + u32(n) + b"".join(ops_bytes))
+def uv(n: int) -> bytes:
+    """Unsigned LEB128, shortest form."""
+    out = bytearray()
+    while True:
+        out.append(n & 0x7F | (0x80 if n >= 0x80 else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
 
 
-def op_bytes(kind: int, shared: int, hashes) -> bytes:
-    new = b"".join(hashes)
-    return u8(kind) + u32(shared) + u32(len(new)) + new
+def delta_bytes(evicts=(), inserts=(), *, seq_from=0, span=None, domain=DELTA_DOMAIN,
+                header=None) -> bytes:
+    items = len(evicts) + len(inserts)
+    head = header if header is not None else uv(0) + uv(1) + uv(seq_from)
+    return (domain + head + uv(items if span is None else span) + uv(len(evicts))
+            + b"".join(evicts) + uv(len(inserts)) + b"".join(inserts))
+
+
+def insert_bytes(parent: bytes, hashes, count=None) -> bytes:
+    return parent + uv(len(hashes) if count is None else count) + b"".join(hashes)
+
+
+ONE = insert_bytes(ROOT_HASH, HASHES[:1])
+NAMES = [i.to_bytes(8, "big") for i in range(1, MAX_DELTA_OPS + 2)]
 
 
 @pytest.mark.parametrize(
     "data",
     [
-        pytest.param(delta_bytes([op_bytes(1, 0, HASHES[:1])], domain=SNAPSHOT_DOMAIN),
-                     id="wrong domain"),
-        pytest.param(delta_bytes([]), id="no ops"),
-        pytest.param(delta_bytes([op_bytes(1, 0, HASHES[:1])], seq_to=2), id="seq mismatch"),
-        pytest.param(delta_bytes([op_bytes(3, 0, HASHES[:1])]), id="unknown kind"),
-        pytest.param(delta_bytes([op_bytes(1, 0, ())]), id="insert of nothing"),
-        pytest.param(delta_bytes([op_bytes(1, 1, HASHES[:1])]), id="first op shares"),
-        pytest.param(delta_bytes([op_bytes(1, 0, HASHES[:2]), op_bytes(1, 0, HASHES[:1])]),
-                     id="shared count not maximal"),
-        pytest.param(delta_bytes([op_bytes(1, 0, HASHES[:1]), op_bytes(2, 2, ())]),
-                     id="shares more than the previous chain"),
-        pytest.param(delta_bytes([u8(1) + u32(0) + u32(5) + b"12345"]), id="hash width"),
-        pytest.param(delta_bytes([op_bytes(1, 0, HASHES[:1] * (MAX_DEPTH + 1))]),
-                     id="chain over max depth"),
-        pytest.param(
-            delta_bytes([op_bytes(1, 0, HASHES[:1] * MAX_DEPTH)]
-                        + [op_bytes(2, MAX_DEPTH, ())] * (MAX_DELTA_CHAIN_HASHES // MAX_DEPTH)),
-            id="chains over the work limit"),
-        pytest.param(delta_bytes([op_bytes(2, 0, ())] * (MAX_DELTA_OPS + 1)), id="too many ops"),
+        pytest.param(delta_bytes(inserts=[ONE], domain=SNAPSHOT_DOMAIN), id="wrong domain"),
+        pytest.param(delta_bytes(inserts=[ONE], domain=b"planetserve/v1/hrtree-delta\x00"),
+                     id="the first delta encoding"),
+        pytest.param(delta_bytes(), id="no evictions or inserts"),
+        pytest.param(delta_bytes(inserts=[ONE], span=0), id="no op"),
+        pytest.param(delta_bytes([HASHES[0]], [ONE], span=1), id="more items than ops"),
+        pytest.param(delta_bytes(inserts=[ONE], seq_from=2**64 - 1), id="seq past 2**64"),
+        pytest.param(delta_bytes(inserts=[ONE], header=b"\x80\x00" + uv(1) + uv(0)),
+                     id="varint not in its shortest form"),
+        pytest.param(delta_bytes(inserts=[ONE], header=uv(0) + b"\xff" * 9 + b"\x02" + uv(0)),
+                     id="varint over 64 bits"),
+        pytest.param(delta_bytes([HASHES[1], HASHES[0]]), id="names descending"),
+        pytest.param(delta_bytes([HASHES[1], HASHES[1]]), id="a name twice"),
+        pytest.param(delta_bytes([ROOT_HASH, HASHES[0]]), id="everything, not alone"),
+        pytest.param(delta_bytes(inserts=[insert_bytes(ROOT_HASH, (), 0)]), id="insert of nothing"),
+        pytest.param(delta_bytes(inserts=[insert_bytes(ROOT_HASH, HASHES[:1] * (MAX_DEPTH + 1))]),
+                     id="insert over max depth"),
+        pytest.param(delta_bytes(NAMES), id="too many items"),
         pytest.param(b"\x00" * (MAX_DELTA_BYTES + 1), id="oversized"),
     ],
 )
@@ -580,10 +839,41 @@ def test_malformed_snapshots_are_refused(data):
         Snapshot.decode(data)
 
 
+@pytest.mark.parametrize(
+    "delta",
+    [
+        pytest.param(Delta(0, 0, 0, 2), id="no evictions or inserts"),
+        pytest.param(Delta(0, 0, 0, 1, HASHES[:2]), id="more items than ops"),
+        pytest.param(Delta(0, 0, 0, 2, (HASHES[1], HASHES[0])), id="names descending"),
+        pytest.param(Delta(0, 0, 0, 2, (ROOT_HASH, HASHES[0])), id="everything, not alone"),
+        pytest.param(Delta(0, 0, 0, 1, (), (Insert(ROOT_HASH, ()),)), id="insert of nothing"),
+        pytest.param(Delta(0, 0, 0, 1, (), (Insert(b"short", HASHES[:1]),)), id="parent width"),
+        pytest.param(Delta(0, 0, 0, 40, (), tuple(Insert(ROOT_HASH, HASHES[:1] * MAX_DEPTH)
+                                                  for _ in range(MAX_DELTA_CHAIN_HASHES
+                                                                 // MAX_DEPTH + 1))),
+                     id="inserts over the work limit"),
+        pytest.param(Delta(0, 2**64, 0, 1, HASHES[:1]), id="incarnation past u64"),
+    ],
+)
+def test_encoders_refuse_deltas_that_break_a_rule(delta):
+    with pytest.raises(LocalProtocolError):
+        delta.encode()
+
+
 def test_encoders_refuse_values_over_the_limits():
     with pytest.raises(LocalProtocolError):
-        Delta(0, 0, 0, 2, (Op(OpKind.EVICT, ()),)).encode()
-    with pytest.raises(LocalProtocolError):
-        Delta(0, 0, 0, 1, (Op(OpKind.INSERT, ()),)).encode()
-    with pytest.raises(LocalProtocolError):
         Snapshot(0, 0, 0, ((0, HASHES[1:2]), (0, HASHES[:1]))).encode()
+
+
+def test_inserts_are_joined_only_onto_the_same_prefix():
+    # Hashes that repeat at different depths (not chained): joining compares whole chains.
+    a, b, c = HASHES
+    pub = SubtreePublisher(HRTree(), b"pub", 1)
+    pub.insert((b,))
+    pub.insert((a, b))
+    pub.insert((b, c))
+    (delta,) = pub.take_deltas()
+    assert delta.inserts == (Insert(ROOT_HASH, (b,)), Insert(ROOT_HASH, (a, b)), Insert(b, (c,)))
+    replica = SubtreeReplica(HRTree(), b"pub")
+    replica.apply_delta(delta)
+    assert replica.tree.prefixes(b"pub") == pub.tree.prefixes(b"pub")

@@ -11,12 +11,14 @@ it completes in, so:
 
 - ``BlockStored`` that completes a chunk no cached block completed before gives one
   ``Op(INSERT, chain)`` for the deepest stored block (an insert brings every shorter prefix);
-- ``BlockRemoved`` drops the block *and its descendants* from the view (a prefix match cannot
+- ``BlockRemoved`` drops its blocks *and their descendants* from the view (a prefix match cannot
   reach past a missing block; an engine that recomputes them reports them stored again, as vLLM
-  does), and gives one ``Op(EVICT, chain)`` for each chunk no remaining block completes, unless
-  its parent chunk is gone too (evicting a prefix evicts what is under it). A chunk that ends
-  inside a block can complete in several sibling blocks (two prompts that share the system prompt
-  but not the next block): it stays while any of them does;
+  does), and gives one ``Op(EVICT, chain)`` for each shortest chunk chain no remaining block
+  completes: evicting a prefix evicts what is under it, and the evictions of one event commute,
+  so an LRU that removes a prompt's blocks leaf first (one event, many blocks) gives one op for
+  the prompt, not one per chunk. They come sorted. A chunk that ends inside a block can complete
+  in several sibling blocks (two prompts that share the system prompt but not the next block):
+  it stays while any of them does;
 - ``AllBlocksCleared`` gives ``Op(EVICT, ())``.
 
 The ops go to the node's :class:`~ps_p2p.gossip.hr_tree.SubtreePublisher`. When the group adopts
@@ -147,11 +149,15 @@ class CacheView:
         if isinstance(event, BlockStored):
             return self._stored(event)
         if isinstance(event, BlockRemoved):
-            ops: list[Op] = []
+            gone: list[Chain] = []
             for h in event.block_hashes:
                 if h in self._blocks:
-                    self._remove(h, ops)
-            return ops
+                    self._remove(h, gone)
+            shortest: list[Chain] = []
+            for chain in sorted(gone):  # a prefix sorts before what extends it
+                if not shortest or chain[:len(shortest[-1])] != shortest[-1]:
+                    shortest.append(chain)
+            return [Op(OpKind.EVICT, chain) for chain in shortest]
         if isinstance(event, AllBlocksCleared):
             had = bool(self._anchors)
             self._blocks.clear()
@@ -237,8 +243,9 @@ class CacheView:
             chunks += 1
         block.chunks, block.last, block.hashes = chunks, last, tuple(hashes)
 
-    def _remove(self, h: int, ops: list[Op]) -> None:
-        """Drop block ``h`` and its descendants; evict the chunks no block completes now."""
+    def _remove(self, h: int, gone: list[Chain]) -> None:
+        """Drop block ``h`` and its descendants; add to ``gone`` the shortest chains of the
+        chunks no block completes now."""
         order = [h]  # pre-order: a block before its descendants
         i = 0
         while i < len(order):
@@ -259,7 +266,7 @@ class CacheView:
                     # and with it everything under it).
                     if prev is None or prev in self._anchors:
                         chain = self.chain(block.parent) if block.parent is not None else ()
-                        ops.append(Op(OpKind.EVICT, chain + block.hashes[:k + 1]))
+                        gone.append(chain + block.hashes[:k + 1])
                 prev = c
         top = self._blocks[h]
         if top.parent is None:

@@ -34,26 +34,59 @@ gives new hashes, hence a new tree (built again from each node's cache, see
 :mod:`ps_p2p.gossip.cache_view`), and deltas or snapshots of another version are refused.
 
 **Replication.** Each model node publishes its own subtree (:class:`SubtreePublisher`) as
-sequence-numbered operations (insert a prefix, evict a prefix and everything under it) batched
-in :class:`Delta` values, and answers a gap with a :class:`Snapshot` of the whole subtree. A
-node applies each peer's deltas and snapshots to its tree through that peer's
+sequence-numbered operations (insert a prefix, evict a prefix and everything under it), taken
+in batches as :class:`Delta` values, and answers a gap with a :class:`Snapshot` of the whole
+subtree. A node applies each peer's deltas and snapshots to its tree through that peer's
 :class:`SubtreeReplica`, which applies deltas in order, buffers a few that arrive early,
 ignores duplicates and replays, and asks for a snapshot on a gap. ``incarnation`` (chosen by the
 publisher at start, e.g. its start time in ms, increasing across restarts) tells a restarted
-publisher's new sequence from the old one's. No signatures here: the service signs and checks
-the canonical bytes of :meth:`Delta.encode` and :meth:`Snapshot.encode` (big-endian)::
+publisher's new sequence from the old one's.
 
-    delta    = b"planetserve/v1/hrtree-delta\\x00" || u64(version) || u64(incarnation)
-               || u64(seq_from) || u64(seq_to) || u32(#ops) || op*
-    op       = u8(kind) || u32(shared) || bytes(new hashes)
+**Deltas name prefixes by their last chunk hash.** The hashes being chained, the last hash of a
+prefix names it (``h_0``, :data:`ROOT_HASH` = 8 zero bytes, names the empty prefix, the root).
+A delta of ops ``seq_from + 1 .. seq_to`` carries their net effect, coalesced: first the
+*evictions*, each the name of a prefix to drop with everything under it, only those no other
+eviction of the batch covers, sorted (they commute); then the *inserts*, in the publisher's
+order, each ``(parent, hashes)``: the publisher holds the prefix named ``parent`` extended by
+``hashes``, where ``parent`` is the deepest prefix of the chain that the publisher held before
+the op (so a new prompt under a cached system prompt sends only its own chunks); an insert whose
+part a later eviction of the batch drops is cut or left out, and one that continues the chain of
+an earlier insert of the batch is joined to it. Applied to the subtree at *any* sequence number
+``s`` of ``seq_from <= s < seq_to`` this gives the subtree at ``seq_to`` (proof at
+:meth:`SubtreePublisher.take_deltas`), so a replica that took a snapshot in the middle of a
+batch applies the whole delta.
+
+A replica finds a name in the peer's part of the tree through a per-peer index (chunk hash ->
+the tree node above that peer's node of that hash), never through another peer's entries, so a
+peer that holds (or invents) a prefix ending in the same hash cannot redirect another peer's
+deltas. Consequences of the 64-bit names: if two prefixes one peer holds ended in the same hash
+(probability about ``n^2 / 2^65`` for n entries: 1e-10 for 65,536), a name would resolve to
+either of them, and a chunk hash equal to :data:`ROOT_HASH` (2^-64) would name the root; the
+replica's copy of that peer would then be wrong until its next snapshot, which costs cache-hit
+guesses (where a request is sent), never the correctness of what is served: the chosen node
+serves the prompt from its own cache or computes it. A name the peer does not hold in an
+eviction is nothing to do; in an insert (which cannot happen when deltas are applied in order
+from the publisher's state) the replica drops the peer's entries and asks for a snapshot
+(:class:`NeedSnapshot`).
+
+No signatures here: the service signs and checks the canonical bytes of :meth:`Delta.encode` and
+:meth:`Snapshot.encode`::
+
+    delta    = b"planetserve/v1/hrtree-delta-v2\\x00" || uv(version) || uv(incarnation)
+               || uv(seq_from) || uv(seq_to - seq_from) || uv(#evictions) || name*
+               || uv(#inserts) || insert*
+    insert   = parent (8 bytes) || uv(#hashes) || hashes (8 bytes each)
     snapshot = b"planetserve/v1/hrtree-snapshot\\x00" || u64(version) || u64(incarnation)
                || u64(seq) || u32(#leaves) || leaf*
     leaf     = u32(shared) || bytes(new hashes)
 
-where ``bytes(b) = u32(len(b)) || b`` and a chain is front-coded against the previous op's
-(leaf's) chain: its first ``shared`` hashes are the previous one's, then the ``new`` ones, with
-``shared`` the longest common prefix (canonical). A snapshot lists the subtree's leaves (its
-maximal prefixes) in ascending order, so the sum of the ``new`` counts is its number of entries.
+where ``uv`` is an unsigned LEB128 varint of at most 64 bits in its shortest form (canonical),
+``u32``/``u64`` are big-endian, ``bytes(b) = u32(len(b)) || b``, names are strictly ascending
+(:data:`ROOT_HASH` only alone), and a snapshot lists the subtree's leaves (its maximal
+prefixes) in ascending order, each front-coded against the previous one: its first ``shared``
+hashes are the previous leaf's, ``shared`` the longest common prefix, then the ``new`` ones; the
+sum of the ``new`` counts is its number of entries. The first delta encoding (``hrtree-delta``,
+one whole chain per op) is no longer read: its domain differs.
 
 This module is a pure core: no trio, libp2p, protobuf, clock or randomness.
 """
@@ -69,7 +102,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from ps_p2p.consensus.encoding import Reader, u8, u32, u64
+from ps_p2p.consensus.encoding import Reader, u32, u64
 from ps_p2p.errors import (
     ConfigError,
     HRTreeFullError,
@@ -94,12 +127,14 @@ __all__ = [
     "MAX_SNAPSHOT_BYTES",
     "MAX_SNAPSHOT_ENTRIES",
     "MIN_KEY_BYTES",
+    "ROOT_HASH",
     "SNAPSHOT_DOMAIN",
     "Applied",
     "ChunkHasher",
     "Delta",
     "HRTree",
     "Ignored",
+    "Insert",
     "NeedSnapshot",
     "Op",
     "OpKind",
@@ -125,15 +160,17 @@ DEFAULT_MAX_ENTRIES_PER_PEER = 1 << 16
 """Entries (prefixes) one peer may hold in a tree: 65,536, > the ~30k vLLM blocks of an 8B model
 on an 80 GB GPU; also the snapshot limit, so a tree cannot accept more than a snapshot carries."""
 DEFAULT_MAX_ENTRIES = 1 << 20
-"""Entries in a whole tree (all peers): 1,048,576, about 260 MiB at the measured 266 bytes an
-entry of a tree where every node is held by one peer (``benchmarks/bench_hr_tree.py``)."""
+"""Entries in a whole tree (all peers): 1,048,576, about 320 MiB at the measured 321 bytes an
+entry (47 of them the name index) of a tree where every node is held by one peer
+(``benchmarks/bench_hr_tree.py``)."""
 DEFAULT_MAX_PEERS = 1024
 """Peers a tree tracks (one bit each in every node's peer mask)."""
 MAX_DELTA_OPS = 1024
-"""Operations in one delta."""
+"""Evictions plus inserts in one delta; a publisher puts at most this many ops in one delta
+(each gives at most one of them)."""
 MAX_DELTA_CHAIN_HASHES = 1 << 16
-"""Sum of the chain lengths of a delta's operations: bounds the work (tree steps) and memory a
-delta costs, whatever its front coding saves on the wire."""
+"""New chunk hashes summed over a delta's inserts: bounds the work (tree steps) and memory a
+delta costs."""
 MAX_DELTA_BYTES = 512 * 1024
 """Encoded delta: under GossipSub's usual 1 MiB message limit with room for the signature."""
 MAX_SNAPSHOT_ENTRIES = DEFAULT_MAX_ENTRIES_PER_PEER
@@ -146,18 +183,21 @@ MAX_PENDING_DELTAS = 16
 MAX_PENDING_OPS = 8 * MAX_DELTA_OPS
 """Operations a publisher holds between two :meth:`SubtreePublisher.take_deltas`; beyond, it
 drops them (the sequence still advances, so replicas see a gap and take a snapshot)."""
-DELTA_DOMAIN = b"planetserve/v1/hrtree-delta\x00"
-"""Domain-separation prefix of :meth:`Delta.encode`."""
+DELTA_DOMAIN = b"planetserve/v1/hrtree-delta-v2\x00"
+"""Domain-separation prefix of :meth:`Delta.encode` (the second delta encoding: prefixes named by
+their last chunk hash)."""
 SNAPSHOT_DOMAIN = b"planetserve/v1/hrtree-snapshot\x00"
 """Domain-separation prefix of :meth:`Snapshot.encode`."""
 
+ROOT_HASH = bytes(HASH_BYTES)
+"""h_0, the name of the empty prefix (the root) in a :class:`Delta`: an insert under it, or the
+eviction of everything."""
+
 _PERSON = b"ps-hrtree-chunk1"
-_ROOT_PARENT = bytes(HASH_BYTES)
 _UINT64_BOUND = 1 << 64
-_OP_OVERHEAD = 1 + 4 + 4  # kind, shared, length of the new hashes
-_LEAF_OVERHEAD = 4 + 4
-_DELTA_HEADER = len(DELTA_DOMAIN) + 4 * 8 + 4
-_SNAPSHOT_HEADER = len(SNAPSHOT_DOMAIN) + 3 * 8 + 4
+_VARINT_MAX = 10  # bytes of a 64-bit LEB128 varint
+_DELTA_HEADER_MAX = len(DELTA_DOMAIN) + 6 * _VARINT_MAX
+_INSERT_OVERHEAD_MAX = HASH_BYTES + 2  # parent, count (MAX_DEPTH < 2**14: 2 varint bytes)
 
 Chain = tuple[bytes, ...]
 """A prefix: the chunk hashes of its chunks, root first."""
@@ -206,7 +246,7 @@ class ChunkHasher:
         """The hash of the chunk ``packed`` (:func:`pack_tokens`) after chunk hash ``parent``
         (None for the first chunk)."""
         h = self._base.copy()
-        h.update(parent or _ROOT_PARENT)
+        h.update(parent or ROOT_HASH)
         h.update(struct.pack(">I", len(packed) // 4))
         h.update(packed)
         return h.digest()
@@ -266,12 +306,14 @@ def chunk_hashes(token_ids: Sequence[int], lengths: ChunkLengths, key: bytes) ->
 
 
 class _Node:
-    """A prefix: children by chunk hash (None when it has none) and a bit per holding peer."""
+    """A prefix: children by chunk hash (None when it has none), a bit per holding peer, and its
+    depth (chunks), so an insert under a named prefix keeps to :data:`MAX_DEPTH`."""
 
-    __slots__ = ("children", "mask")
+    __slots__ = ("children", "depth", "mask")
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int) -> None:
         self.children: dict[bytes, _Node] | None = None
+        self.depth = depth
         self.mask = 0
 
 
@@ -335,9 +377,13 @@ class HRTree:
         self.max_entries_per_peer = max_entries_per_peer
         self.max_entries = max_entries
         self.max_peers = max_peers
-        self._root = _Node()
+        self._root = _Node(0)
         self._bit_of: dict[bytes, int] = {}
         self._peer_at: list[bytes | None] = []
+        # by bit index: chunk hash -> the node above the peer's node of that hash (names, module
+        # docstring); one entry per entry of the peer (the first, if two of its prefixes ended
+        # in the same hash)
+        self._named: list[dict[bytes, _Node] | None] = []
         self._free: list[int] = []  # heap of released bit indices
         self._count: dict[bytes, int] = {}
         self._total = 0
@@ -410,15 +456,18 @@ class HRTree:
         if self._free:
             index = heapq.heappop(self._free)
             self._peer_at[index] = peer
+            self._named[index] = {}
         else:
             index = len(self._peer_at)
             self._peer_at.append(peer)
+            self._named.append({})
         self._bit_of[peer] = index
         return index
 
     def _release(self, peer: bytes) -> None:
         index = self._bit_of.pop(peer)
         self._peer_at[index] = None
+        self._named[index] = None
         heapq.heappush(self._free, index)
         self._count.pop(peer, None)
 
@@ -452,12 +501,46 @@ class HRTree:
                 the tree is unchanged.
             LocalProtocolError: a malformed chain.
         """
-        chain = _check_chain(chain)
+        return self._grow(peer, self._root, _check_chain(chain))
+
+    def insert_under(self, peer: bytes, parent: bytes, hashes: Sequence[bytes]) -> int:
+        """``peer`` holds its prefix named ``parent`` extended by ``hashes`` (a delta's insert).
+
+        Args:
+            peer: the peer ID.
+            parent: the last chunk hash of a prefix ``peer`` holds, or :data:`ROOT_HASH`;
+                looked up among ``peer``'s own entries only (module docstring).
+            hashes: chunk hashes of :data:`HASH_BYTES` bytes, at most :data:`MAX_DEPTH`.
+
+        Returns:
+            Entries added.
+
+        Raises:
+            SubtreeSyncError: ``peer`` holds no prefix named ``parent``, or the prefix would be
+                longer than :data:`MAX_DEPTH` chunks; the tree is unchanged.
+            HRTreeFullError: over a limit (:meth:`insert`); the tree is unchanged.
+            LocalProtocolError: a malformed hash.
+        """
+        hashes = _check_chain(hashes)
+        if parent == ROOT_HASH:
+            return self._grow(peer, self._root, hashes)
+        index = self._bit_of.get(peer)
+        up = self._named[index].get(parent) if index is not None else None  # type: ignore[union-attr]
+        if up is None:
+            raise SubtreeSyncError(f"insert under {parent.hex()}, a prefix the peer does not hold")
+        node = up.children[parent]  # type: ignore[index]
+        if node.depth + len(hashes) > MAX_DEPTH:
+            raise SubtreeSyncError(
+                f"insert of a prefix of {node.depth + len(hashes)} chunks (max {MAX_DEPTH})"
+            )
+        return self._grow(peer, node, hashes)
+
+    def _grow(self, peer: bytes, node: _Node, chain: Chain) -> int:
+        """``peer`` holds ``node`` (the root, or a node it holds) extended by ``chain``."""
         index = self._bit_of.get(peer)
         bit = 0 if index is None else 1 << index
-        node = self._root
         have = 0
-        if bit:  # the prefixes peer holds already: a path from the root (prefix-closed)
+        if bit:  # the prefixes peer holds already: a path from `node` (prefix-closed)
             for h in chain:
                 children = node.children
                 child = children.get(h) if children else None
@@ -469,18 +552,26 @@ class HRTree:
         if new == 0:
             return 0
         self._reserve(peer, new)
-        if not bit:
-            bit = 1 << self._register(peer)
+        if index is None:
+            index = self._register(peer)
+            bit = 1 << index
+        named = self._named[index]
+        assert named is not None
+        depth, created = node.depth, 0
         for h in chain[have:]:
+            depth += 1
             children = node.children
             if children is None:
                 children = node.children = {}
             child = children.get(h)
             if child is None:
-                child = children[h] = _Node()
-                self._nodes += 1
+                child = children[h] = _Node(depth)
+                created += 1
             child.mask |= bit
+            if h not in named:
+                named[h] = node
             node = child
+        self._nodes += created
         self._count[peer] = self._count.get(peer, 0) + new
         self._total += new
         return new
@@ -505,10 +596,38 @@ class HRTree:
             if child is None or not child.mask & bit:
                 return 0
             parent, node = node, child
+        return self._cut(peer, index, parent, node, chain[-1] if chain else None)
+
+    def evict_named(self, peer: bytes, name: bytes) -> int:
+        """``peer`` no longer holds its prefix named ``name`` nor anything under it (a delta's
+        eviction; :data:`ROOT_HASH`: everything).
+
+        Returns:
+            Entries removed (0 when ``peer`` holds no prefix of that name).
+        """
+        index = self._bit_of.get(peer)
+        if index is None:
+            return 0
+        if name == ROOT_HASH:
+            return self.remove_peer(peer)
+        parent = self._named[index].get(name)  # type: ignore[union-attr]
+        if parent is None:
+            return 0
+        return self._cut(peer, index, parent, parent.children[name], name)  # type: ignore[index]
+
+    def _cut(self, peer: bytes, index: int, parent: _Node | None, node: _Node,
+             key: bytes | None) -> int:
+        """Clear ``peer``'s bit from ``node`` (held, ``parent.children[key]``; the root when
+        ``parent`` is None) and everything under it; prune and unname what goes."""
+        bit = 1 << index
+        # the whole peer goes when parent is None: its names go with it in _release
+        named = self._named[index] if parent is not None else None
         removed = 0
         if parent is not None:
             node.mask ^= bit
             removed += 1
+            if named.get(key) is parent:  # type: ignore[union-attr, arg-type]
+                del named[key]  # type: ignore[union-attr, arg-type]
         stack = [node]
         while stack:  # every node holding the bit under `node` (a subtree from `node`)
             n = stack.pop()
@@ -520,6 +639,8 @@ class HRTree:
                 if child.mask & bit:
                     child.mask ^= bit
                     removed += 1
+                    if named is not None and named.get(h) is n:
+                        del named[h]
                     if not child.mask:
                         dead.append(h)
                         self._nodes -= 1
@@ -529,7 +650,7 @@ class HRTree:
             if not children:
                 n.children = None
         if parent is not None and not node.mask:
-            del parent.children[chain[-1]]  # type: ignore[index]
+            del parent.children[key]  # type: ignore[index, arg-type]
             self._nodes -= 1
             if not parent.children:
                 parent.children = None
@@ -604,7 +725,10 @@ class HRTree:
             return 0
         self._reserve(peer, new, replacing=self._count.get(peer, 0))
         self.remove_peer(peer)
-        bit = 1 << self._register(peer)
+        index = self._register(peer)
+        bit = 1 << index
+        named = self._named[index]
+        assert named is not None
         path = [self._root]
         for shared, hashes in leaves:
             del path[shared + 1:]
@@ -615,9 +739,10 @@ class HRTree:
                     children = node.children = {}
                 child = children.get(h)
                 if child is None:
-                    child = children[h] = _Node()
+                    child = children[h] = _Node(node.depth + 1)
                     self._nodes += 1
                 child.mask |= bit
+                named.setdefault(h, node)
                 path.append(child)
                 node = child
         self._count[peer] = new
@@ -674,61 +799,108 @@ class OpKind(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Op:
-    """One operation; ``chain`` is a prefix (:data:`MAX_DEPTH` hashes at most)."""
+    """One operation on a publisher's subtree (:meth:`SubtreePublisher.apply`, what
+    :class:`~ps_p2p.gossip.cache_view.CacheView` gives); ``chain`` is a prefix
+    (:data:`MAX_DEPTH` hashes at most)."""
 
     kind: OpKind
     chain: Chain
 
 
 @dataclass(frozen=True)
-class Delta:
-    """Operations ``seq_from + 1 .. seq_to`` of a publisher's subtree (sec. 3.3, A6).
-
-    Applied to the subtree at ``seq_from`` it gives the subtree at ``seq_to``; ``seq_to -
-    seq_from == len(ops)``, 1 to :data:`MAX_DELTA_OPS` ops, chains summing to at most
-    :data:`MAX_DELTA_CHAIN_HASHES` hashes, encoding at most :data:`MAX_DELTA_BYTES`.
+class Insert:
+    """An insert of a :class:`Delta`: the publisher holds the prefix named ``parent`` extended by
+    ``hashes`` (and so every prefix of it).
 
     Attributes:
-        version: the ``ChunkLengths.version`` of the chain hashes.
+        parent: the last chunk hash of a prefix the publisher held before the op (or inserted
+            earlier in the same delta), :data:`ROOT_HASH` for the root.
+        hashes: 1 to :data:`MAX_DEPTH` new chunk hashes, root side first.
+    """
+
+    parent: bytes
+    hashes: Chain
+
+
+@dataclass(frozen=True)
+class Delta:
+    """The net effect of a publisher's ops ``seq_from + 1 .. seq_to`` (sec. 3.3, A6), coalesced.
+
+    Applied to the publisher's subtree at any ``s`` with ``seq_from <= s < seq_to`` (first every
+    eviction, then the inserts in order) it gives the subtree at ``seq_to`` (module docstring).
+    1 to :data:`MAX_DELTA_OPS` evictions plus inserts, at most ``seq_to - seq_from`` (one per op
+    at most), inserts summing to at most :data:`MAX_DELTA_CHAIN_HASHES` hashes, encoding at most
+    :data:`MAX_DELTA_BYTES`.
+
+    Attributes:
+        version: the ``ChunkLengths.version`` of the chunk hashes.
         incarnation: the publisher's run (u64, higher for a later run).
         seq_from: the publisher's sequence number before the first op.
-        seq_to: after the last op.
-        ops: the operations, in order.
+        seq_to: after the last op (> ``seq_from``).
+        evicts: names (last chunk hashes) of the prefixes evicted with everything under them,
+            strictly ascending; :data:`ROOT_HASH` (everything) only alone.
+        inserts: the inserts, in the order they apply.
     """
 
     version: int
     incarnation: int
     seq_from: int
     seq_to: int
-    ops: tuple[Op, ...]
+    evicts: tuple[bytes, ...] = ()
+    inserts: tuple[Insert, ...] = ()
+
+    def _check(self, error: Callable[[str], Exception]) -> None:
+        """Every rule of the class docstring that :meth:`encode` / :meth:`decode` enforce."""
+        for name in ("version", "incarnation", "seq_from", "seq_to"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < _UINT64_BOUND:
+                raise error(f"delta {name} {value!r} not in [0, 2**64)")
+        items = len(self.evicts) + len(self.inserts)
+        if not 1 <= items <= MAX_DELTA_OPS:
+            raise error(f"a delta has 1..{MAX_DELTA_OPS} evictions and inserts, not {items}")
+        if not items <= self.seq_to - self.seq_from:
+            raise error(f"{items} evictions and inserts for ops {self.seq_from}..{self.seq_to}")
+        prev = b""
+        for name in self.evicts:
+            if not isinstance(name, bytes) or len(name) != HASH_BYTES:
+                raise error(f"names are {HASH_BYTES}-byte chunk hashes")
+            if not name > prev:
+                raise error("evicted names not strictly ascending")
+            prev = name
+        if ROOT_HASH in self.evicts[:1] and len(self.evicts) > 1:
+            raise error("the eviction of everything comes alone")
+        total = 0
+        for i, ins in enumerate(self.inserts):
+            if not isinstance(ins.parent, bytes) or len(ins.parent) != HASH_BYTES:
+                raise error(f"insert {i}: parents are {HASH_BYTES}-byte chunk hashes")
+            if not 1 <= len(ins.hashes) <= MAX_DEPTH:
+                raise error(f"insert {i} of {len(ins.hashes)} hashes (need 1..{MAX_DEPTH})")
+            for h in ins.hashes:
+                if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+                    raise error(f"insert {i}: chunk hashes are {HASH_BYTES} bytes")
+            total += len(ins.hashes)
+        if total > MAX_DELTA_CHAIN_HASHES:
+            raise error(f"inserts of {total} hashes (max {MAX_DELTA_CHAIN_HASHES})")
 
     def encode(self) -> bytes:
         """The canonical bytes (module docstring), which the service signs.
 
         Raises:
-            LocalProtocolError: the delta breaks a limit or ``seq_to - seq_from != len(ops)``.
+            LocalProtocolError: the delta breaks a rule or limit of the class docstring.
         """
-        if not 1 <= len(self.ops) <= MAX_DELTA_OPS or self.seq_to - self.seq_from != len(self.ops):
-            raise LocalProtocolError("a delta has 1..MAX_DELTA_OPS ops, one per sequence number")
-        if sum(len(op.chain) for op in self.ops) > MAX_DELTA_CHAIN_HASHES:
-            raise LocalProtocolError(f"delta chains over {MAX_DELTA_CHAIN_HASHES} hashes")
+        self._check(LocalProtocolError)
         parts = [
             DELTA_DOMAIN,
-            u64(self.version),
-            u64(self.incarnation),
-            u64(self.seq_from),
-            u64(self.seq_to),
-            u32(len(self.ops)),
+            _uvarint(self.version),
+            _uvarint(self.incarnation),
+            _uvarint(self.seq_from),
+            _uvarint(self.seq_to - self.seq_from),
+            _uvarint(len(self.evicts)),
+            *self.evicts,
+            _uvarint(len(self.inserts)),
         ]
-        prev: Chain = ()
-        for op in self.ops:
-            chain = _check_chain(op.chain)
-            if op.kind == OpKind.INSERT and not chain:
-                raise LocalProtocolError("an insert of the empty prefix")
-            shared = _common(prev, chain)
-            new = b"".join(chain[shared:])
-            parts += [u8(op.kind), u32(shared), u32(len(new)), new]
-            prev = chain
+        for ins in self.inserts:
+            parts += [ins.parent, _uvarint(len(ins.hashes)), *ins.hashes]
         data = b"".join(parts)
         if len(data) > MAX_DELTA_BYTES:
             raise LocalProtocolError(f"delta of {len(data)} bytes (max {MAX_DELTA_BYTES})")
@@ -739,44 +911,74 @@ class Delta:
         """Parse a peer's delta strictly: one canonical form, every limit checked first.
 
         Raises:
-            SubtreeSyncError: oversized, truncated, trailing bytes, wrong domain, bad counts,
-                unknown kind, non-canonical front coding, a chain over :data:`MAX_DEPTH`, or
-                chains over :data:`MAX_DELTA_CHAIN_HASHES`.
+            SubtreeSyncError: oversized, truncated, trailing bytes, wrong domain (the first
+                delta encoding included), a varint not in its shortest form or over 64 bits,
+                bad counts, names not strictly ascending or the root not alone, an insert of
+                no hash or over :data:`MAX_DEPTH`, or inserts over
+                :data:`MAX_DELTA_CHAIN_HASHES` hashes.
         """
         if len(data) > MAX_DELTA_BYTES:
             raise SubtreeSyncError(f"delta of {len(data)} bytes (max {MAX_DELTA_BYTES})")
-        r = Reader(data, SubtreeSyncError, "HR-tree delta")
+        r = _Reader(data, SubtreeSyncError, "HR-tree delta")
         r.prefix(DELTA_DOMAIN, "domain")
-        version, incarnation = r.u64("version"), r.u64("incarnation")
-        seq_from, seq_to = r.u64("seq_from"), r.u64("seq_to")
-        count = r.u32("op count")
-        if not 1 <= count <= MAX_DELTA_OPS:
-            raise r.fail(f"{count} ops (need 1..{MAX_DELTA_OPS})")
-        if seq_to - seq_from != count:
-            raise r.fail(f"seq {seq_from}..{seq_to} for {count} ops")
-        ops = []
-        prev: Chain = ()
+        version, incarnation = _read_uvarint(r, "version"), _read_uvarint(r, "incarnation")
+        seq_from, span = _read_uvarint(r, "seq_from"), _read_uvarint(r, "op count")
+        if span < 1 or seq_from + span >= _UINT64_BOUND:
+            raise r.fail(f"ops {seq_from} + {span} (need >= 1, below 2**64)")
+        n_evicts = _read_uvarint(r, "eviction count")
+        if n_evicts > min(MAX_DELTA_OPS, span):
+            raise r.fail(f"{n_evicts} evictions for {span} ops (max {MAX_DELTA_OPS})")
+        evicts = _split(r.take(HASH_BYTES * n_evicts, "names"), r)
+        n_inserts = _read_uvarint(r, "insert count")
+        if not 1 <= n_evicts + n_inserts <= min(MAX_DELTA_OPS, span):
+            raise r.fail(f"{n_evicts} evictions + {n_inserts} inserts for {span} ops "
+                         f"(need 1..{MAX_DELTA_OPS})")
+        inserts = []
         total = 0
-        for i in range(count):
-            kind = r.u8("kind")
-            if kind not in (OpKind.INSERT, OpKind.EVICT):
-                raise r.fail(f"op {i} of unknown kind {kind}")
-            shared = r.u32("shared")
-            new = _split(r.lp("chunk hashes", MAX_DEPTH * HASH_BYTES), r)
-            if shared > len(prev) or (new and shared < len(prev) and new[0] == prev[shared]):
-                raise r.fail(f"op {i} front coding is not canonical")
-            if shared + len(new) > MAX_DEPTH:
-                raise r.fail(f"op {i} chain of {shared + len(new)} chunks (max {MAX_DEPTH})")
-            total += shared + len(new)
+        for i in range(n_inserts):
+            parent = r.take(HASH_BYTES, "parent")
+            count = _read_uvarint(r, "hash count")
+            if not 1 <= count <= MAX_DEPTH:
+                raise r.fail(f"insert {i} of {count} hashes (need 1..{MAX_DEPTH})")
+            total += count
             if total > MAX_DELTA_CHAIN_HASHES:
-                raise r.fail(f"chains over {MAX_DELTA_CHAIN_HASHES} hashes")
-            chain = prev[:shared] + new
-            if kind == OpKind.INSERT and not chain:
-                raise r.fail(f"op {i} inserts the empty prefix")
-            ops.append(Op(OpKind(kind), chain))
-            prev = chain
+                raise r.fail(f"inserts over {MAX_DELTA_CHAIN_HASHES} hashes")
+            inserts.append(Insert(parent, _split(r.take(HASH_BYTES * count, "hashes"), r)))
         r.done()
-        return cls(version, incarnation, seq_from, seq_to, tuple(ops))
+        delta = cls(version, incarnation, seq_from, seq_from + span, evicts, tuple(inserts))
+        delta._check(r.fail)  # what is left: the order of the names
+        return delta
+
+
+class _Reader(Reader):
+    def take(self, n: int, field: str) -> bytes:
+        """``n`` bytes (``n`` bounded by the caller)."""
+        return self._take(n, field)
+
+
+def _uvarint(n: int) -> bytes:
+    """``n`` in [0, 2**64) as an unsigned LEB128 varint, shortest form."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_uvarint(r: _Reader, field: str) -> int:
+    """An unsigned LEB128 varint of at most 64 bits, refused unless in its shortest form."""
+    n = shift = 0
+    while True:
+        b = r.u8(field)
+        if shift == 63 and b > 1:
+            raise r.fail(f"{field} over 64 bits")
+        n |= (b & 0x7F) << shift
+        if not b & 0x80:
+            if b == 0 and shift:
+                raise r.fail(f"{field} not in its shortest form")
+            return n
+        shift += 7
 
 
 @dataclass(frozen=True)
@@ -923,20 +1125,21 @@ class SubtreePublisher:
         self.incarnation = incarnation
         self.seq = 0
         self.dropped_ops = 0
-        self._pending: list[Op] = []
+        # (kind, chain, chunks of the chain held before the op: inserts only)
+        self._pending: list[tuple[OpKind, Chain, int]] = []
         self._pending_from = 0  # sequence number before the first pending op
 
     @property
     def version(self) -> int:
         return self.tree.version
 
-    def _record(self, op: Op) -> None:
+    def _record(self, kind: OpKind, chain: Chain, held: int) -> None:
         self.seq += 1
         if len(self._pending) >= MAX_PENDING_OPS:
             self.dropped_ops += len(self._pending)
             self._pending.clear()
             self._pending_from = self.seq - 1
-        self._pending.append(op)
+        self._pending.append((kind, chain, held))
 
     def insert(self, chain: Sequence[bytes]) -> bool:
         """Hold ``chain``; True when the subtree changed.
@@ -946,9 +1149,10 @@ class SubtreePublisher:
             LocalProtocolError: a malformed chain.
         """
         chain = _check_chain(chain)
-        if not self.tree.insert(self.peer, chain):
+        added = self.tree.insert(self.peer, chain)
+        if not added:
             return False
-        self._record(Op(OpKind.INSERT, chain))
+        self._record(OpKind.INSERT, chain, len(chain) - added)
         return True
 
     def evict(self, chain: Sequence[bytes]) -> bool:
@@ -956,7 +1160,7 @@ class SubtreePublisher:
         chain = _check_chain(chain)
         if not self.tree.evict(self.peer, chain):
             return False
-        self._record(Op(OpKind.EVICT, chain))
+        self._record(OpKind.EVICT, chain, 0)
         return True
 
     def clear(self) -> bool:
@@ -968,33 +1172,46 @@ class SubtreePublisher:
         return self.insert(op.chain) if op.kind == OpKind.INSERT else self.evict(op.chain)
 
     def take_deltas(self) -> list[Delta]:
-        """The operations not published yet, as deltas within every delta limit, in order."""
+        """The operations not published yet, as deltas within every delta limit, in order.
+
+        Each delta covers at most :data:`MAX_DELTA_OPS` consecutive ops (fewer when their
+        chains could pass a byte or hash limit) and carries their net effect
+        (:func:`_coalesce`).
+
+        Why a delta may be applied whole to the subtree at any ``s`` of its range. Take ops
+        ``o_1 .. o_n`` from subtree ``S``; an op *touches* a prefix x when it is an insert of a
+        chain that extends x or an eviction of a prefix of x. Afterwards x is held iff the last
+        op that touches it is an insert, or none does and x is in S. So the result is
+        ``(S - E) | I`` with E what the evictions cover and I the prefixes whose last toucher is
+        an insert, which are exactly the prefixes of the inserts' chains cut before the first
+        later eviction on their path (what the delta's inserts hold). The subtree ``S_s`` after
+        ``o_1 .. o_s`` has ``S_s - E`` within ``(S - E) | I`` (a prefix it holds that no
+        eviction covers was held before, or last touched by an insert), so ``(S_s - E) | I`` is
+        the same result. And an insert's parent y is there when the insert applies: y was held
+        before its op and no later eviction covers it (it lies on the cut chain), so either an
+        earlier insert of the delta touched it last (and holds it), or no op before did and y is
+        in ``S - E``, within ``S_s - E``.
+        """
         out: list[Delta] = []
-        batch: list[Op] = []
-        start = self._pending_from
-        size = _DELTA_HEADER
-        hashes = 0
-        prev: Chain = ()
-        for op in self._pending:
-            shared = _common(prev, op.chain) if batch else 0
-            op_size = _OP_OVERHEAD + HASH_BYTES * (len(op.chain) - shared)
-            if batch and (
-                len(batch) == MAX_DELTA_OPS
-                or hashes + len(op.chain) > MAX_DELTA_CHAIN_HASHES
-                or size + op_size > MAX_DELTA_BYTES
-            ):
-                out.append(Delta(self.version, self.incarnation, start, start + len(batch),
-                                 tuple(batch)))
-                start += len(batch)
-                batch, size, hashes = [], _DELTA_HEADER, 0
-                op_size = _OP_OVERHEAD + HASH_BYTES * len(op.chain)
-            batch.append(op)
-            size += op_size
-            hashes += len(op.chain)
-            prev = op.chain
-        if batch:
-            out.append(Delta(self.version, self.incarnation, start, start + len(batch),
-                             tuple(batch)))
+        pending = self._pending
+        i = 0
+        while i < len(pending):
+            size, hashes, j = _DELTA_HEADER_MAX, 0, i
+            while j < len(pending) and j - i < MAX_DELTA_OPS:  # upper bounds before coalescing
+                kind, chain, held = pending[j]
+                new = len(chain) - held if kind == OpKind.INSERT else 0
+                grow = _INSERT_OVERHEAD_MAX + HASH_BYTES * new if new else HASH_BYTES
+                if j > i and (size + grow > MAX_DELTA_BYTES
+                              or hashes + new > MAX_DELTA_CHAIN_HASHES):
+                    break
+                size += grow
+                hashes += new
+                j += 1
+            evicts, inserts = _coalesce(pending[i:j])
+            seq_from = self._pending_from + i
+            out.append(Delta(self.version, self.incarnation, seq_from, seq_from + j - i,
+                             evicts, inserts))
+            i = j
         self._pending = []
         self._pending_from = self.seq
         return out
@@ -1002,6 +1219,73 @@ class SubtreePublisher:
     def snapshot(self) -> Snapshot:
         """The whole subtree now, at ``seq``."""
         return Snapshot(self.version, self.incarnation, self.seq, self.tree.leaves(self.peer))
+
+
+def _coalesce(
+    ops: Sequence[tuple[OpKind, Chain, int]],
+) -> tuple[tuple[bytes, ...], tuple[Insert, ...]]:
+    """The net effect of ``ops`` (kind, chain, chunks held before an insert), in a delta's form.
+
+    Evictions: the shortest (no other eviction of the batch covers them), named, sorted.
+    Inserts, in op order: each chain cut before the first later eviction of a prefix of it
+    (exact chain comparison: the publisher knows its chains), then expressed from the deepest
+    prefix held before the op (the cut chain's, if shorter); left out if that adds nothing;
+    joined to an earlier insert whose chain it continues (moving additions earlier keeps every
+    parent in place: the section only adds).
+    """
+    later: dict[bytes, list[Chain]] = {}  # evictions after the current op, by last hash
+    everything_later = False
+    cut: list[tuple[Chain, int] | None] = [None] * len(ops)
+    evicted: set[Chain] = set()
+    for k in range(len(ops) - 1, -1, -1):
+        kind, chain, held = ops[k]
+        if kind == OpKind.EVICT:
+            evicted.add(chain)
+            if chain:
+                later.setdefault(chain[-1], []).append(chain)
+            else:
+                everything_later = True
+            continue
+        if everything_later:
+            continue
+        end = len(chain)
+        if later:
+            for d, h in enumerate(chain):
+                found = later.get(h)
+                if found and any(len(e) == d + 1 and e == chain[:d + 1] for e in found):
+                    end = d
+                    break
+        cut[k] = (chain[:end], min(held, end))
+    if () in evicted:
+        names: tuple[bytes, ...] = (ROOT_HASH,)
+    else:
+        shortest: list[Chain] = []
+        for chain in sorted(evicted):  # a prefix sorts before what extends it
+            if not shortest or chain[:len(shortest[-1])] != shortest[-1]:
+                shortest.append(chain)
+        names = tuple(sorted({chain[-1] for chain in shortest}))
+    parents: list[bytes] = []
+    grown: list[list[bytes]] = []
+    ends: dict[bytes, tuple[int, Chain]] = {}  # last hash of an insert's chain -> (insert, chain)
+    for item in cut:
+        if item is None:
+            continue
+        chain, held = item
+        if held == len(chain):
+            continue
+        joined = ends.pop(chain[held - 1], None) if held else None
+        if joined is not None and joined[1] != chain[:held]:  # another prefix, same last hash
+            ends[chain[held - 1]] = joined
+            joined = None
+        if joined is not None:
+            index = joined[0]
+            grown[index].extend(chain[held:])
+        else:
+            index = len(parents)
+            parents.append(chain[held - 1] if held else ROOT_HASH)
+            grown.append(list(chain[held:]))
+        ends[chain[-1]] = (index, chain)
+    return names, tuple(Insert(p, tuple(g)) for p, g in zip(parents, grown))
 
 
 # ------------------------------------------------------------------------------------ replica
@@ -1072,19 +1356,23 @@ class SubtreeReplica:
     def apply_delta(self, delta: Delta) -> SyncOutcome:
         """Apply ``delta`` if it follows (or overlaps) the replica's state.
 
+        A delta whose range holds the replica's ``seq`` applies whole (:class:`Delta`).
+
         Returns:
             :class:`Applied`; :class:`Ignored` for a duplicate, a replay or an older
-            incarnation; :class:`NeedSnapshot` for a gap (the delta is kept for later).
+            incarnation; :class:`NeedSnapshot` for a gap (the delta is kept for later), or
+            ``NeedSnapshot(None)`` when an insert names a parent the peer does not hold here
+            (module docstring): the replica dropped the peer's entries.
 
         Raises:
-            SubtreeSyncError: ``delta.version`` is not the tree's, or its sequence numbers do
-                not count its ops (a value :meth:`Delta.decode` would refuse).
+            SubtreeSyncError: ``delta.version`` is not the tree's, or it has no eviction or
+                insert, or ``seq_to <= seq_from`` (a value :meth:`Delta.decode` would refuse).
             HRTreeFullError: the peer's subtree went over the tree's limits; the replica dropped
                 the peer's entries and needs a snapshot.
         """
         self._check_version(delta.version, "delta")
-        if delta.seq_to - delta.seq_from != len(delta.ops) or not delta.ops:
-            raise SubtreeSyncError("a delta has one op per sequence number, at least one")
+        if not (delta.evicts or delta.inserts) or delta.seq_to <= delta.seq_from:
+            raise SubtreeSyncError("a delta covers at least one op and changes something")
         if self.incarnation is None or delta.incarnation > self.incarnation:
             self._reset(delta.incarnation, 0)  # a new run starts empty at seq 0
         elif delta.incarnation < self.incarnation:
@@ -1096,14 +1384,15 @@ class SubtreeReplica:
             return NeedSnapshot(self.seq)
         self._apply_ops(delta)
         self._drain()
-        return Applied(self.seq)
+        return NeedSnapshot(None) if self.seq is None else Applied(self.seq)
 
     def apply_snapshot(self, snapshot: Snapshot) -> SyncOutcome:
         """Replace the peer's subtree by ``snapshot`` unless the replica is as new already.
 
         Returns:
             :class:`Applied`, or :class:`Ignored` for an older incarnation or a ``seq`` the
-            replica has reached.
+            replica has reached; ``NeedSnapshot(None)`` if a buffered delta that followed did
+            not apply (:meth:`apply_delta`).
 
         Raises:
             SubtreeSyncError: ``snapshot.version`` is not the tree's, or it is not canonical.
@@ -1128,21 +1417,25 @@ class SubtreeReplica:
         self.incarnation = snapshot.incarnation
         self.seq = snapshot.seq
         self._drain()
-        return Applied(self.seq)
+        return NeedSnapshot(None) if self.seq is None else Applied(self.seq)
 
-    def _apply_ops(self, delta: Delta) -> None:
-        assert self.seq is not None
-        skip = self.seq - delta.seq_from  # ops the replica has applied already
+    def _apply_ops(self, delta: Delta) -> bool:
+        """Apply the whole of ``delta`` (``seq_from <= seq < seq_to``); False (and the peer's
+        entries dropped, ``seq`` None) if an insert's parent is missing."""
+        tree, peer = self.tree, self.peer
         try:
-            for op in delta.ops[skip:]:
-                if op.kind == OpKind.INSERT:
-                    self.tree.insert(self.peer, op.chain)
-                else:
-                    self.tree.evict(self.peer, op.chain)
-                self.seq += 1
+            for name in delta.evicts:
+                tree.evict_named(peer, name)
+            for ins in delta.inserts:
+                tree.insert_under(peer, ins.parent, ins.hashes)
         except HRTreeFullError:
             self._reset(self.incarnation, None)
             raise
+        except SubtreeSyncError:
+            self._reset(self.incarnation, None)
+            return False
+        self.seq = delta.seq_to
+        return True
 
     def _buffer(self, delta: Delta) -> None:
         self._pending[delta.seq_from] = delta
@@ -1156,5 +1449,5 @@ class SubtreeReplica:
                 return
             for s in ready:
                 delta = self._pending.pop(s)
-                if delta.seq_to > self.seq:
-                    self._apply_ops(delta)
+                if delta.seq_to > self.seq and not self._apply_ops(delta):
+                    return

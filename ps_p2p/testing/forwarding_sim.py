@@ -371,8 +371,10 @@ class GossipBytes:
 
     Attributes:
         delta_bytes, delta_messages: subtree deltas (messages counted once, bytes per receiver).
-        delta_entries: subtree entries (prefixes) the deltas added or removed: any delta format
-            sends at least one chunk hash (8 bytes) per changed entry to each receiver.
+        delta_entries: subtree entries (prefixes) the publishers' ops added or removed. Sending
+            each changed entry's chunk hash costs 8 bytes per changed entry and receiver (the
+            benchmark's "floor"); a delta can send less, as an eviction names a whole subtree
+            with one hash and a batch's coalescing drops entries added and removed within it.
         full_bytes, full_messages: what full broadcast of whole subtrees would have sent.
         load_bytes, load_messages: load reports.
         snapshot_syncs: snapshots a replica needed after a gap (0 on this lossless network).
@@ -393,7 +395,7 @@ class GossipBytes:
         return self.delta_bytes / self.full_bytes if self.full_bytes else None
 
     def delta_floor_bytes(self, receivers: int) -> int:
-        """8 bytes per changed entry per receiver: the least any delta format could send."""
+        """8 bytes per changed entry per receiver (one chunk hash each)."""
         return 8 * self.delta_entries * receivers
 
 
