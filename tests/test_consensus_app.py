@@ -150,10 +150,13 @@ def test_only_validators_may_list_the_verifier_role(genesis):
     app.check_tx(reg(record(KEYS[1], roles=frozenset({Role.VERIFIER}))), genesis, T0)
 
 
-@pytest.mark.parametrize("kind", [app.TxKind.EPOCH_PLAN, app.TxKind.REPUTATION_UPDATE])
-def test_reserved_kinds_are_refused_clearly(kind, genesis):
+@pytest.mark.parametrize("tx", [
+    app.ReservedTx(app.TxKind.EPOCH_PLAN, b"later"),
+    app.ReputationUpdateTx(1, ((b"node\x00" + b"p" * 38, 900_000),)),  # well-formed, refused
+])
+def test_reserved_kinds_are_refused_clearly(tx, genesis):
     with pytest.raises(InvalidTransactionError, match="reserved"):
-        app.check_tx(app.encode_tx(app.ReservedTx(kind, b"later")), genesis, T0)
+        app.check_tx(app.encode_tx(tx), genesis, T0)
 
 
 # ---------------------------------------------------------------------------------- time

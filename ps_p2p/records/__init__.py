@@ -59,10 +59,11 @@ from ps_p2p.records.multiaddrs import check_multiaddr, multiaddr_bytes
 from ps_p2p.records.peer_ids import public_key_from_peer_id, short_peer_id
 from ps_p2p.records.recordset import RecordSet, record_leaf, record_set_root
 from ps_p2p.records.signatures import sign_record, verify_signature
-from ps_p2p.records.types import Directory, NodeRecord, Role, Signer
+from ps_p2p.records.types import Directory, NodeRecord, Role, Signer, reputation_subject
 from ps_p2p.records.validation import VerifiedCache, check_record, check_record_fields
 
 __all__ = [
+    "reputation_subject",
     "CLOVE_DOMAIN",
     "HOUR_MS",
     "MAX_ADDRS",

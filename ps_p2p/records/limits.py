@@ -62,6 +62,12 @@ RECORD_LEAF_DOMAIN = b"planetserve/v1/record-leaf\x00"
 RECORD_SET_DOMAIN = b"planetserve/v1/record-set\x00"
 RESPONSE_DOMAIN = b"planetserve/v1/response\x00"
 CLOVE_DOMAIN = b"planetserve/v1/response-clove\x00"
+#: Reputation subjects (:func:`~ps_p2p.records.types.reputation_subject`): an organization's
+#: and a lone node's; the two kinds never collide.
+ORG_SUBJECT_PREFIX = b"org\x00"
+NODE_SUBJECT_PREFIX = b"node\x00"
+#: Longest reputation subject (an organization name of ``MAX_ORGANIZATION_BYTES``).
+MAX_SUBJECT_BYTES = 5 + max(MAX_ORGANIZATION_BYTES, 64)
 
 __all__ = [
     "CLOVE_DOMAIN",
@@ -71,6 +77,9 @@ __all__ = [
     "MAX_CLOCK_SKEW_MS",
     "MAX_MODEL_ID_BYTES",
     "MAX_ORGANIZATION_BYTES",
+    "MAX_SUBJECT_BYTES",
+    "NODE_SUBJECT_PREFIX",
+    "ORG_SUBJECT_PREFIX",
     "MAX_RECORDS",
     "MAX_RECORD_LIFETIME_MS",
     "MAX_RECORD_WIRE_BYTES",
