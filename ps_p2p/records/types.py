@@ -130,6 +130,7 @@ class Directory:
             R in [0, 1] (verified against the app hash like the records; empty when the
             committee scored nobody). Not compared by ``==``.
         untrusted_below: the genesis threshold: R below it is untrusted.
+        initial_reputation: the genesis R(0) of a subject never scored.
     """
 
     height: int
@@ -139,6 +140,7 @@ class Directory:
     reputations: Mapping[bytes, float] = field(default_factory=lambda: _NO_REPUTATIONS,
                                                compare=False)
     untrusted_below: float = 0.4
+    initial_reputation: float = 0.5
 
     def reputation(self, peer_id: bytes) -> float | None:
         """The committed reputation R in [0, 1] of ``peer_id``'s subject (its organization's,
@@ -148,6 +150,11 @@ class Directory:
         if record is None:
             return None
         return self.reputations.get(reputation_subject(peer_id, record.organization))
+
+    def reputation_or_initial(self, peer_id: bytes) -> float:
+        """:meth:`reputation`, or ``initial_reputation`` for a node never scored."""
+        reputation = self.reputation(peer_id)
+        return self.initial_reputation if reputation is None else reputation
 
     def trusted(self, peer_id: bytes) -> bool:
         """False only when ``peer_id``'s committed reputation is below ``untrusted_below``
