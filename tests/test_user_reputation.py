@@ -125,3 +125,62 @@ async def test_the_fake_user_client_follows_the_same_rule():
     answer = await fake.ask("hello")
     assert answer.ok and answer.served_by == A.peer_id  # the best trusted one
     assert B.peer_id not in [r.peer_id for r in fake.model_nodes()]
+
+
+# ---------------------------------------------------------------------------------- model node
+
+
+def test_an_untrusted_model_node_is_told_once_per_change_in_its_log_and_status(tmp_path, caplog):
+    import logging
+
+    from ps_p2p.config import NodeConfig
+    from ps_p2p.keys import NodeKeys
+    from ps_p2p.node import Node
+    from ps_p2p.testing.fakes import InstantEngine
+
+    keys = NodeKeys.generate()
+    node = Node(NodeConfig(roles=["model"], home=str(tmp_path), model="fake",
+                           bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + keys.identity.peer_id_str]),
+                keys,
+                InstantEngine())
+    me = model(keys.identity.peer_id)
+    assert node.reputation_status() == {"reputation": None, "trusted": True,
+                                        "untrusted_below": None}
+
+    def install(reputation: float | None) -> list[str]:
+        caplog.clear()
+        reps = {} if reputation is None else {reputation_subject(me.peer_id): reputation}
+        d = Directory(1, T0, T0 + 1, (me,), reps, untrusted_below=0.4)
+        with caplog.at_level(logging.INFO, logger="ps_p2p.node"):
+            node._note_own_trust(d)
+        node.directory = d
+        return [r.levelname + " " + r.getMessage() for r in caplog.records]
+
+    assert install(None) == []  # never scored: trusted, nothing to say
+    assert install(0.7) == []
+    (warning,) = install(0.3)
+    assert warning.startswith("WARNING") and "UNTRUSTED" in warning and "0.300" in warning
+    assert install(0.25) == []  # still untrusted: told once
+    assert node.reputation_status() == {"reputation": 0.25, "trusted": False,
+                                        "untrusted_below": 0.4}
+    (info,) = install(0.45)
+    assert info.startswith("INFO") and "trusted again" in info
+    assert node.trusted is True
+
+
+def test_ps_node_status_shows_a_model_nodes_trust(tmp_path, capsys):
+    import json
+    import time
+
+    from ps_p2p import cli
+
+    status = {
+        "pid": 1, "peer_id": "12D3KooWTest", "roles": ["model"], "listen": [], "api": None,
+        "directory": {"height": 7, "users": 5, "model_nodes": 2}, "ready_paths": 0,
+        "committee": None, "written_at_ms": int(time.time() * 1000),
+        "reputation": {"reputation": 0.123, "trusted": False, "untrusted_below": 0.4},
+    }
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    assert cli.main(["status", "--home", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reputation 0.123: UNTRUSTED (below 0.4)" in out
