@@ -7,6 +7,8 @@ import dataclasses
 import hashlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ps_p2p.consensus import app
 from ps_p2p.consensus import directory as cdir
@@ -21,11 +23,14 @@ from ps_p2p.errors import (
     InvalidBlockError,
     InvalidCommitError,
     InvalidDirectoryError,
+    InvalidScoreError,
     InvalidTransactionError,
     LocalProtocolError,
 )
 from ps_p2p.keys import Identity
 from ps_p2p.records import RECORD_DOMAIN, NodeRecord, Role, sign_record
+from ps_p2p.verification.reputation import ReputationState, is_trusted, subject_of
+from ps_p2p.verification.reputation import update as reputation_step
 
 CHAIN = "planetserve-test"
 T0 = 1_700_000_000_000  # genesis time, unix ms
@@ -588,17 +593,6 @@ def test_history_is_bounded_and_old_heights_get_a_reset(genesis):
 
 
 # ---------------------------------------------------------------------------------- reputations
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from ps_p2p.errors import InvalidScoreError  # noqa: E402
-from ps_p2p.verification.reputation import (  # noqa: E402
-    ReputationState,
-    is_trusted,
-    subject_of,
-)
-from ps_p2p.verification.reputation import update as reputation_step  # noqa: E402
 
 ORG = subject_of(b"", "acme")
 LONE = subject_of(A.peer_id)

@@ -10,6 +10,9 @@ import random
 
 import pytest
 import trio
+from test_model_node_lost import _spec
+from test_requests import READY, PickleCodec, _of, _verify_clove, _verify_reply
+from test_user_client import FakeOverlay
 
 from ps_p2p.config import UserConfig
 from ps_p2p.errors import NoModelNodeError
@@ -17,9 +20,6 @@ from ps_p2p.overlay.requests import RequestConfig, RequestCore, SendClove
 from ps_p2p.records import Directory, NodeRecord, Role, reputation_subject
 from ps_p2p.roles.user import UserClient, choose_model_node, trusted_model_nodes
 from ps_p2p.testing.fakes import FakeUserClient
-from test_model_node_lost import _spec
-from test_requests import READY, PickleCodec, _of, _verify_clove, _verify_reply
-from test_user_client import FakeOverlay
 
 T0 = 1_700_000_000_000
 

@@ -65,7 +65,12 @@ from ps_p2p.errors import (
     RemoteProtocolError,
 )
 from ps_p2p.records.canonical import record_signing_bytes
-from ps_p2p.records.limits import MAX_CLOCK_SKEW_MS, MAX_RECORDS, MAX_SUBJECT_BYTES, MINUTE_MS
+from ps_p2p.records.limits import (
+    MAX_CLOCK_SKEW_MS,
+    MAX_RECORDS,
+    MAX_SUBJECT_BYTES,
+    MINUTE_MS,
+)
 from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES
 from ps_p2p.records.recordset import RecordSet
 from ps_p2p.records.types import NodeRecord

@@ -63,7 +63,6 @@ from ps_p2p.records.types import Directory, NodeRecord, Role, Signer, reputation
 from ps_p2p.records.validation import VerifiedCache, check_record, check_record_fields
 
 __all__ = [
-    "reputation_subject",
     "CLOVE_DOMAIN",
     "HOUR_MS",
     "MAX_ADDRS",
@@ -99,6 +98,7 @@ __all__ = [
     "record_leaf",
     "record_set_root",
     "record_signing_bytes",
+    "reputation_subject",
     "response_signing_bytes",
     "short_peer_id",
     "sign_record",

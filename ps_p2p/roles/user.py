@@ -844,6 +844,14 @@ class UserClient:
 
 
 __all__ = [
-    "Answer", "OUTCOME_LABELS", "UserClient", "UserConfig", "UserPath", "answer_from_outcome",
-    "choose_model_node", "describe", "outcome_label", "trusted_model_nodes",
+    "OUTCOME_LABELS",
+    "Answer",
+    "UserClient",
+    "UserConfig",
+    "UserPath",
+    "answer_from_outcome",
+    "choose_model_node",
+    "describe",
+    "outcome_label",
+    "trusted_model_nodes",
 ]
