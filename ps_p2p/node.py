@@ -636,9 +636,12 @@ class Node:
         old = self.directory
         if old is not None and old.height == served.height:
             return old
+        params = served.genesis.reputation
         return Directory(served.height, header.time_ms,
                          header.time_ms + self._client.replica.max_age_ms,
-                         served.records.records())
+                         served.records.records(),
+                         {subject: e.value for subject, e in served.reputations.items()},
+                         params.untrusted_below, params.initial)
 
     def _needs_inbound(self) -> bool:
         """Whether other nodes must be able to dial this one (verifier, model node, relay)."""
