@@ -236,6 +236,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     d = status.get("directory")
     print("directory  " + ("none yet" if not d else
                            f"height {d['height']}: {d['users']} users, {d['model_nodes']} model nodes"))
+    rep = status.get("reputation")
+    if rep:
+        value = "not scored" if rep.get("reputation") is None else f"{rep['reputation']:.3f}"
+        print(f"reputation {value}: " + (
+            "trusted" if rep.get("trusted", True) else
+            f"UNTRUSTED (below {rep['untrusted_below']}): users do not send it requests"))
     if "user" in (status.get("roles") or []):
         print(f"paths      {status.get('ready_paths', 0)} ready" + (
             f"; API {status['api']}" if status.get("api") else ""))
@@ -249,6 +255,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if c.get("evidence"):
             print(f"evidence   {c['evidence']} equivocation(s) committed against "
                   + ", ".join(c.get("equivocators") or []))
+        if c.get("reputations"):
+            print(f"reputation {c['reputations']} subject(s) scored, "
+                  f"{c.get('untrusted_subjects', 0)} untrusted")
         up = sum(1 for v in c["validators"] if v["connected"])
         print(f"validators {up} of {len(c['validators'])} connected")
         for v in c["validators"]:
@@ -464,6 +473,7 @@ async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:
             },
             "ready_paths": len(node.user.ready_paths()) if node.user else 0,
             "committee": node.committee_status(),
+            "reputation": node.reputation_status(),
             "written_at_ms": int(time.time() * 1000),
         }
         tmp = path.with_suffix(".tmp")

@@ -2,16 +2,19 @@
 
 Like CometBFT's ``genesis.json``: the chain ID (part of every consensus signature), the genesis
 time, the validators (peer IDs in base58 and voting powers), the consensus timeouts, and the
-committed rules of the registry (the sybil admission policy and the block limits). Every
+committed rules of the registry (the sybil admission policy, the block limits and the
+reputation rule's parameters, paper sec. 3.4). Every
 validator runs the chain from it, and every node checks directories against its validator set
 (:func:`ps_p2p.consensus.directory.verify_directory`), so it must be the same file everywhere:
 :func:`genesis_hash` names it in logs and status. This module reads and writes the file (the
 service layer, beside :mod:`ps_p2p.config`); the pure consensus package only sees the parsed
 :class:`~ps_p2p.consensus.app.Genesis`.
 
-Format (all keys required except ``consensus``, ``admission`` and ``block_limits``, whose
-missing fields take the defaults of :class:`~ps_p2p.consensus.core.ConsensusConfig`,
-:class:`~ps_p2p.consensus.app.AdmissionPolicy` and :class:`~ps_p2p.consensus.block.BlockLimits`)::
+Format (all keys required except ``consensus``, ``admission``, ``block_limits`` and
+``reputation``, whose missing fields take the defaults of
+:class:`~ps_p2p.consensus.core.ConsensusConfig`, :class:`~ps_p2p.consensus.app.AdmissionPolicy`,
+:class:`~ps_p2p.consensus.block.BlockLimits` and
+:class:`~ps_p2p.verification.reputation.ReputationParams`)::
 
     {
       "chain_id": "planetserve-testnet",
@@ -19,7 +22,9 @@ missing fields take the defaults of :class:`~ps_p2p.consensus.core.ConsensusConf
       "validators": [{"peer_id": "12D3KooW...", "power": 1, "name": "verifier0"}, ...],
       "consensus": {"timeout_propose": 3.0, "timeout_propose_delta": 0.5, ...},
       "admission": {"max_records_per_network": 32, ...},
-      "block_limits": {"max_block_bytes": 1048576, "max_txs": 1000, "max_tx_bytes": 8192}
+      "block_limits": {"max_block_bytes": 1048576, "max_txs": 1000, "max_tx_bytes": 8192},
+      "reputation": {"alpha": 0.4, "beta": 0.6, "window": 5, "tau": 0.5, "gamma": 0.2,
+                     "untrusted_below": 0.4, "initial": 0.5}
     }
 
 Errors: :class:`~ps_p2p.errors.ConfigError` naming the file and the field.
@@ -42,6 +47,7 @@ from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.types import Validator
 from ps_p2p.errors import ConfigError, PsError
+from ps_p2p.verification.reputation import ReputationParams
 
 #: Largest genesis file read (bytes): 128 validators with names fit many times over.
 MAX_GENESIS_BYTES = 1024 * 1024
@@ -94,6 +100,7 @@ def genesis_json(
         "consensus": {f: getattr(consensus, f) for f in _CONSENSUS_FIELDS},
         "admission": dataclasses.asdict(genesis.policy),
         "block_limits": dataclasses.asdict(genesis.limits),
+        "reputation": dataclasses.asdict(genesis.reputation),
     }
     return json.dumps(data, indent=2) + "\n"
 
@@ -168,7 +175,7 @@ def parse_genesis(data: Any, *, source: str = "genesis") -> GenesisFile:
     if not isinstance(data, dict):
         raise fail("not a JSON object")
     unknown = set(data) - {"chain_id", "genesis_time_ms", "validators", "consensus",
-                           "admission", "block_limits"}
+                           "admission", "block_limits", "reputation"}
     if unknown:
         raise fail(f"unknown key(s) {sorted(unknown)}")
     chain_id = data.get("chain_id")
@@ -199,8 +206,10 @@ def parse_genesis(data: Any, *, source: str = "genesis") -> GenesisFile:
                       tuple(f.name for f in dataclasses.fields(AdmissionPolicy)), fail)
     limits = _section(data, "block_limits", BlockLimits,
                       tuple(f.name for f in dataclasses.fields(BlockLimits)), fail)
+    reputation = _section(data, "reputation", ReputationParams,
+                          tuple(f.name for f in dataclasses.fields(ReputationParams)), fail)
     try:
-        genesis = Genesis(chain_id, time_ms, tuple(validators), policy, limits)
+        genesis = Genesis(chain_id, time_ms, tuple(validators), policy, limits, reputation)
     except PsError as exc:
         raise fail(str(exc)) from exc
     return GenesisFile(genesis, consensus, names)

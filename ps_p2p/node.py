@@ -206,6 +206,8 @@ class Node:
         #: model role with forwarding: the group's HR-tree, peers' load and gossip
         self.forwarding: GroupForwarding | None = None
         self.directory: Directory | None = None
+        #: model role: whether the last installed directory trusts this node (None: none yet)
+        self.trusted: bool | None = None
         self.listen_addrs: list[str] = []
         self._directory_ready = trio.Event()
         self._directory_changed_at = -1e9
@@ -555,7 +557,9 @@ class Node:
         height and its block time (unix ms), the proposals and votes it signed since it started
         (``signed``) and the blocks it applied from block sync (``blocks_synced``), the
         validators (base58 peer ID, power, whether connected now), mempool size, the equivocation evidence committed (``evidence``: how
-        many; ``equivocators``: base58 peer IDs of the validators it names)."""
+        many; ``equivocators``: base58 peer IDs of the validators it names), and the committed
+        reputations (``reputations``: subjects scored; ``untrusted_subjects``: below the
+        genesis threshold)."""
         if self.consensus is None:
             return None
         validator = self.consensus.validator
@@ -580,7 +584,46 @@ class Node:
             "evidence": len(validator.state.evidence),
             "equivocators": sorted({ID(who).to_base58()
                                     for who, _ in validator.state.evidence.values()}),
+            "reputations": len(validator.state.reputations),
+            "untrusted_subjects": sum(
+                1 for e in validator.state.reputations.values()
+                if e.value < validator.genesis.reputation.untrusted_below),
         }
+
+    def reputation_status(self) -> dict[str, Any] | None:
+        """A model node's committed reputation (``ps-node status``), or None for other nodes:
+        ``reputation`` (R in [0, 1], None when the committee never scored it or no directory
+        yet), ``trusted`` (False: users no longer send to it, paper sec. 3.4) and
+        ``untrusted_below`` (the genesis threshold, None before a directory)."""
+        if Role.MODEL not in self.roles:
+            return None
+        d = self.directory
+        if d is None:
+            return {"reputation": None, "trusted": True, "untrusted_below": None}
+        return {"reputation": d.reputation(self.peer_id), "trusted": d.trusted(self.peer_id),
+                "untrusted_below": d.untrusted_below}
+
+    def _note_own_trust(self, directory: Directory) -> None:
+        """Model nodes: log when the installed directory changes whether this node is trusted
+        (a warning when it becomes untrusted, once per change)."""
+        if Role.MODEL not in self.roles:
+            return
+        trusted = directory.trusted(self.peer_id)
+        if trusted == self.trusted or (self.trusted is None and trusted):
+            self.trusted = trusted
+            return
+        self.trusted = trusted
+        reputation = directory.reputation(self.peer_id)
+        if not trusted:
+            log.warning(
+                "this model node is UNTRUSTED at directory height %d: committed reputation "
+                "%.3f is below %.2f; users will not send it requests until challenges raise it",
+                directory.height, reputation if reputation is not None else float("nan"),
+                directory.untrusted_below,
+            )
+        else:
+            log.info("this model node is trusted again at directory height %d (reputation %s)",
+                     directory.height, "not scored" if reputation is None else f"{reputation:.3f}")
 
     def _committed_directory(self) -> Directory | None:
         """Committee verifiers: the directory this verifier serves (its own committed state
@@ -593,9 +636,12 @@ class Node:
         old = self.directory
         if old is not None and old.height == served.height:
             return old
+        params = served.genesis.reputation
         return Directory(served.height, header.time_ms,
                          header.time_ms + self._client.replica.max_age_ms,
-                         served.records.records())
+                         served.records.records(),
+                         {subject: e.value for subject, e in served.reputations.items()},
+                         params.untrusted_below, params.initial)
 
     def _needs_inbound(self) -> bool:
         """Whether other nodes must be able to dial this one (verifier, model node, relay)."""
@@ -902,6 +948,7 @@ class Node:
         if old is not None and directory.height < old.height and directory.issued_at_ms <= old.issued_at_ms:
             return
         self.directory = directory
+        self._note_own_trust(directory)
         if self.forwarding is not None:
             self.forwarding.set_directory(directory)
         if changed is None:

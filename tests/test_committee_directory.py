@@ -68,6 +68,7 @@ from ps_p2p.records import (
 )
 from ps_p2p.testing.committee import FAST_CONSENSUS, LocalCommittee
 from ps_p2p.testing.localnet import open_localnet, write_genesis
+from ps_p2p.verification.reputation import subject_of
 
 CHAIN = "committee-test"
 T0 = 1_700_000_000_000
@@ -107,13 +108,20 @@ class Chain:
         self.state = app.genesis_state(genesis)
         self.history = DirectoryHistory(self.state)
 
-    def block(self, txs=()):
+    def block(self, txs=(), reputations: app.ReputationUpdateTx | None = None):
+        """Execute a block; ``reputations``: a validated update applied in it (as the epoch
+        service will, :func:`app.apply_reputation_update`)."""
         s = self.state
         block = make_block(chain_id=CHAIN, height=s.height + 1, time_ms=s.time_ms + SECOND,
                            prev_block_id=s.block_id, app_hash=s.app_hash,
                            proposer=KEYS[0].peer_id, txs=txs)
         new, result = app.execute_block(s, block)
         assert all(r.ok for r in result.tx_results)
+        if reputations is not None:
+            changes = app.apply_reputation_update(new, reputations)
+            new.app_hash = app.app_hash(new)
+            result = dataclasses.replace(result, reputation_changes=dict(changes),
+                                         app_hash=new.app_hash)
         self.history.add_block(block.header, commit_for(block.header), new, result)
         self.state = new
         return block.header
@@ -187,6 +195,93 @@ def test_a_rollback_a_stale_header_and_a_tampered_page_are_refused():
         replica.apply(header, commit, [DeltaPage(0, True, data[:-200])], header.time_ms)
     assert replica.since() == 3
     assert replica.apply(header, commit, pages, header.time_ms).height == 5
+
+
+def model_record(i: int, org: str = "") -> NodeRecord:
+    ident = who(i)
+    return sign_record(ident, NodeRecord(
+        ident.peer_id, (f"/ip4/10.0.1.{i}/tcp/4001",), frozenset({Role.MODEL}), ONION,
+        model_id="m", organization=org, issued_at_ms=T0, expires_at_ms=T0 + HOUR))
+
+
+def scores(epoch: int, **by_subject: float) -> app.ReputationUpdateTx:
+    subjects = {"acme": subject_of(b"", "acme"), "lone": subject_of(who(2).peer_id)}
+    return app.ReputationUpdateTx(epoch, tuple(sorted(
+        (subjects[name], app.to_micro(c)) for name, c in by_subject.items())))
+
+
+def test_the_replica_carries_committed_reputations_and_trust_in_deltas_and_resets():
+    chain = Chain()
+    chain.block([reg(model_record(1, org="acme")), reg(model_record(2)), reg(model_record(3))])
+    chain.block(reputations=scores(1, acme=0.9, lone=0.3))
+    header = chain.block()  # its commit covers the state with them
+    replica = CommitteeReplica(GENESIS)
+    d = replica.apply(*chain.serve(0), header.time_ms)
+    m1, m2, m3 = (who(i).peer_id for i in (1, 2, 3))
+    assert d.reputation(m1) == chain.history.served.reputation(subject_of(b"", "acme")).value
+    assert 0.4 <= d.reputation(m1) and d.trusted(m1)
+    assert d.reputation(m3) is None and d.trusted(m3)  # never scored: trusted
+    assert d.reputation(who(99).peer_id) is None
+    lone_before = d.reputation(m2)
+    chain.block(reputations=scores(2, lone=0.2))  # a delta with one reputation
+    header = chain.block()  # its commit covers the state with them
+    d = replica.apply(*chain.serve(replica.since()), header.time_ms)
+    assert d.reputation(m2) < lone_before and not d.trusted(m2)
+    assert d.trusted(m1) and d.trusted(m3)
+    header = chain.block()  # nothing changed: the same mapping is kept
+    again = replica.apply(*chain.serve(replica.since()), header.time_ms)
+    assert again.reputations is d.reputations
+    fresh = CommitteeReplica(GENESIS).apply(*chain.serve(0), header.time_ms)  # a reset
+    assert dict(fresh.reputations) == dict(again.reputations)
+    assert not fresh.trusted(m2)
+
+
+def test_a_page_whose_reputations_differ_from_the_committed_app_hash_is_refused():
+    chain = Chain()
+    chain.block([reg(model_record(1, org="acme")), reg(model_record(2))])
+    chain.block(reputations=scores(1, acme=0.9, lone=0.9))
+    header = chain.block()  # its commit covers the state with them
+    replica = CommitteeReplica(GENESIS)
+    good = replica.apply(*chain.serve(0), header.time_ms)
+    chain.block(reputations=scores(2, lone=0.1))
+    header = chain.block()  # its commit covers the state with them
+    honest = chain.history.served
+    lone = subject_of(who(2).peer_id)
+
+    commit = chain.history.commit
+    pages = chain.serve(replica.since())[2]
+    data = b"".join(p.data for p in pages)
+    entry = honest.reputation(lone)
+    true = b"\x03" + app.lp(lone) + entry.encode()
+    assert data.count(true) == 1
+    raised = b"\x03" + app.lp(lone) + dataclasses.replace(entry, reputation=900_000).encode()
+    liar = honest.copy()  # the served state with an older reputation epoch
+    liar.reputation_epoch = 1
+    liar._reputation_root = None
+    chain.history.served = liar
+    epoch_back = b"".join(p.data for p in chain.serve(replica.since())[2])
+    chain.history.served = honest
+    held = dict(replica.view.reputations)
+    for lie in (data.replace(true, raised),  # the node kept its reputation
+                data.replace(true, b""),  # ... or the change is left out
+                data + b"\x03" + app.lp(subject_of(b"", "zeta"))  # an extra subject
+                + app.ReputationEntry(100_000).encode(),
+                epoch_back):
+        assert lie != data
+        with pytest.raises(InvalidDirectoryError, match="committed app hash"):
+            replica.apply(header, commit, [DeltaPage(0, True, lie)], header.time_ms)
+        assert replica.directory is good and replica.view.reputations == held
+    d = replica.apply(header, commit, chain.serve(replica.since())[2], header.time_ms)
+    assert not d.trusted(who(2).peer_id)
+
+    data = b"".join(p.data for p in chain.serve(0)[2])  # a reset; "node..." < "org..."
+    last = data.index(b"\x03" + app.lp(subject_of(b"", "acme")))
+    for tail, reason in ((data[last:], "ascending subject"),
+                         (b"\x02" + app.lp(who(5).peer_id), "after the reputations"),
+                         (b"\x03" + app.lp(b"who\x00x"), "neither")):
+        with pytest.raises(InvalidDirectoryError, match=reason):
+            CommitteeReplica(GENESIS).apply(header, commit, [DeltaPage(0, True, data + tail)],
+                                            header.time_ms)
 
 
 # ---------------------------------------------------------------------------------- protocol

@@ -7,6 +7,8 @@ import dataclasses
 import hashlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ps_p2p.consensus import app
 from ps_p2p.consensus import directory as cdir
@@ -21,11 +23,14 @@ from ps_p2p.errors import (
     InvalidBlockError,
     InvalidCommitError,
     InvalidDirectoryError,
+    InvalidScoreError,
     InvalidTransactionError,
     LocalProtocolError,
 )
 from ps_p2p.keys import Identity
 from ps_p2p.records import RECORD_DOMAIN, NodeRecord, Role, sign_record
+from ps_p2p.verification.reputation import ReputationState, is_trusted, subject_of
+from ps_p2p.verification.reputation import update as reputation_step
 
 CHAIN = "planetserve-test"
 T0 = 1_700_000_000_000  # genesis time, unix ms
@@ -150,10 +155,13 @@ def test_only_validators_may_list_the_verifier_role(genesis):
     app.check_tx(reg(record(KEYS[1], roles=frozenset({Role.VERIFIER}))), genesis, T0)
 
 
-@pytest.mark.parametrize("kind", [app.TxKind.EPOCH_PLAN, app.TxKind.REPUTATION_UPDATE])
-def test_reserved_kinds_are_refused_clearly(kind, genesis):
+@pytest.mark.parametrize("tx", [
+    app.ReservedTx(app.TxKind.EPOCH_PLAN, b"later"),
+    app.ReputationUpdateTx(1, ((b"node\x00" + b"p" * 38, 900_000),)),  # well-formed, refused
+])
+def test_reserved_kinds_are_refused_clearly(tx, genesis):
     with pytest.raises(InvalidTransactionError, match="reserved"):
-        app.check_tx(app.encode_tx(app.ReservedTx(kind, b"later")), genesis, T0)
+        app.check_tx(app.encode_tx(tx), genesis, T0)
 
 
 # ---------------------------------------------------------------------------------- time
@@ -582,3 +590,143 @@ def test_history_is_bounded_and_old_heights_get_a_reset(genesis):
         c.block([reg(record(node(10 + i), net=10 + i))])
     assert c.history.changes_since(1)[0] is True   # before the floor: reset
     assert c.history.changes_since(3)[0] is False
+
+
+# ---------------------------------------------------------------------------------- reputations
+
+ORG = subject_of(b"", "acme")
+LONE = subject_of(A.peer_id)
+
+
+def rep_update(epoch: int, *scores: tuple[bytes, float]) -> app.ReputationUpdateTx:
+    return app.ReputationUpdateTx(epoch, tuple(sorted((s, app.to_micro(c)) for s, c in scores)))
+
+
+subjects = st.one_of(
+    st.binary(min_size=1, max_size=38).map(lambda b: b"node\x00" + b),
+    st.text(min_size=1, max_size=16).filter(lambda t: len(t.encode()) <= 64)
+    .map(lambda t: b"org\x00" + t.encode()),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(epoch=st.integers(1, 2**64 - 1),
+       scores=st.dictionaries(subjects, st.integers(0, app.MICRO), min_size=1, max_size=20))
+def test_a_reputation_update_round_trips_through_its_canonical_bytes(epoch, scores):
+    tx = app.ReputationUpdateTx(epoch, tuple(sorted(scores.items())))
+    data = app.encode_tx(tx)
+    assert app.decode_tx(data, 64 * 1024) == tx
+    assert app.encode_tx(app.decode_tx(data, 64 * 1024)) == data
+
+
+def _raw_update(epoch: int, scores, *, count: int | None = None, tail: bytes = b"") -> bytes:
+    body = app.u64(epoch) + app.u32(len(scores) if count is None else count) + b"".join(
+        app.lp(s) + app.u32(c) for s, c in scores)
+    return app.TX_DOMAIN + bytes([app.TxKind.REPUTATION_UPDATE]) + body + tail
+
+
+@pytest.mark.parametrize("data, reason", [
+    (_raw_update(1, [(LONE, 1)], tail=b"\x00"), "trailing"),
+    (_raw_update(1, [(LONE, 1)], count=2), "truncated"),
+    (_raw_update(1, []), "0 subjects"),
+    (_raw_update(0, [(LONE, 1)]), "epoch"),
+    (_raw_update(1, [(LONE, app.MICRO + 1)]), "not in"),
+    (_raw_update(1, [(ORG, 1), (LONE, 1)]), "ascending"),   # b"org" > b"node"
+    (_raw_update(1, [(LONE, 1), (LONE, 2)]), "ascending"),  # duplicate
+    (_raw_update(1, [(b"who\x00x", 1)]), "neither"),
+    (_raw_update(1, [(b"org\x00\xff", 1)]), "UTF-8"),
+    (_raw_update(1, [(b"node\x00", 1)]), "wrong length"),
+    (_raw_update(1, [(LONE, 1)], count=app.MAX_REPUTATION_UPDATE_SUBJECTS + 1), "max"),
+])
+def test_a_malformed_reputation_update_is_refused_naming_the_fault(data, reason):
+    with pytest.raises(InvalidTransactionError, match=reason):
+        app.decode_tx(data, 1 << 20)
+
+
+def test_a_well_formed_reputation_update_is_still_refused_at_admission_and_execution(genesis):
+    data = app.encode_tx(rep_update(1, (LONE, 0.9)))
+    with pytest.raises(InvalidTransactionError, match="reserved"):
+        app.check_tx(data, genesis, T0)
+    new, result, _ = run(genesis, [data])
+    assert errors(result) == ["InvalidTransactionError"]
+    assert new.reputations == {} and result.reputation_changes == {}
+
+
+def test_applied_reputations_follow_the_rule_in_micro_units_and_move_the_app_hash(genesis):
+    state = genesis.copy()
+    before = app.app_hash(state)
+    expected = {ORG: ReputationState.fresh(), LONE: ReputationState.fresh()}
+    for epoch, (c_org, c_lone) in enumerate([(0.9, 0.3), (0.8, 0.2), (0.85, 0.25)], 1):
+        changes = app.apply_reputation_update(state, rep_update(epoch, (LONE, c_lone),
+                                                                (ORG, c_org)))
+        expected = {ORG: reputation_step(expected[ORG], c_org),
+                    LONE: reputation_step(expected[LONE], c_lone)}
+        for subject, want in expected.items():
+            got = state.reputation(subject)
+            assert changes[subject] == got
+            assert got.value == pytest.approx(want.reputation, abs=2e-6)
+            assert got.window == tuple(round(v * app.MICRO) for v in want.window)
+            assert got.epochs == epoch
+    assert state.reputation_epoch == 3
+    assert is_trusted(state.reputation(ORG).state())
+    assert not is_trusted(state.reputation(LONE).state())  # 0.3, 0.2, 0.25: punished
+    assert app.app_hash(state) != before
+    assert genesis.reputations == {} and app.app_hash(genesis) == before  # a copy was changed
+
+    other = genesis.copy()  # another replica applying the same updates: the same bits
+    for epoch, (c_org, c_lone) in enumerate([(0.9, 0.3), (0.8, 0.2), (0.85, 0.25)], 1):
+        app.apply_reputation_update(other, rep_update(epoch, (ORG, c_org), (LONE, c_lone)))
+    assert app.app_hash(other) == app.app_hash(state)
+
+
+def test_the_app_hash_commits_every_reputation_field(genesis):
+    base = genesis.copy()
+    app.apply_reputation_update(base, rep_update(1, (LONE, 0.5)))
+    entry = base.reputation(LONE)
+    variants = [
+        dataclasses.replace(entry, reputation=entry.reputation + 1),
+        dataclasses.replace(entry, window=entry.window + (0,)),
+        dataclasses.replace(entry, epochs=entry.epochs + 1),
+    ]
+    hashes = {app.app_hash(base)}
+    for variant in variants:
+        state = base.copy()
+        state.reputations[LONE] = variant
+        state._reputation_root = None
+        hashes.add(app.app_hash(state))
+    epoch = base.copy()
+    epoch.reputation_epoch = 2
+    epoch._reputation_root = None
+    hashes.add(app.app_hash(epoch))
+    assert len(hashes) == 5
+
+
+def test_a_reputation_update_is_refused_whole_for_an_old_epoch_or_a_full_table():
+    small = app.genesis_state(dataclasses.replace(
+        GENESIS, policy=dataclasses.replace(POLICY, max_records=2)))
+    app.apply_reputation_update(small, rep_update(5, (LONE, 0.5)))
+    held = dict(small.reputations)
+    with pytest.raises(InvalidTransactionError, match="epoch 5, not after 5"):
+        app.apply_reputation_update(small, rep_update(5, (LONE, 0.9)))
+    third = subject_of(B.peer_id)
+    with pytest.raises(AdmissionError, match="2 new reputation subject"):
+        app.apply_reputation_update(small, rep_update(6, (LONE, 0.9), (ORG, 0.9), (third, 0.9)))
+    assert small.reputations == held and small.reputation_epoch == 5
+    with pytest.raises(InvalidTransactionError, match="credibility"):
+        app.apply_reputation_update(small, app.ReputationUpdateTx(6, ((LONE, -1),)))
+    with pytest.raises(InvalidScoreError):
+        app.to_micro(1.5)
+
+
+def test_a_reputation_entry_decodes_strictly():
+    from ps_p2p.consensus.encoding import Reader
+    good = app.ReputationEntry(400_000, (1, 2, 3), 7)
+    r = Reader(good.encode(), InvalidTransactionError, "entry")
+    assert app.ReputationEntry.read(r) == good
+    r.done()
+    over = app.u32(app.MICRO + 1) + app.u64(0) + bytes([0])
+    with pytest.raises(InvalidTransactionError, match="over"):
+        app.ReputationEntry.read(Reader(over, InvalidTransactionError, "entry"))
+    long = app.u32(0) + app.u64(0) + bytes([65])
+    with pytest.raises(InvalidTransactionError, match="window of 65"):
+        app.ReputationEntry.read(Reader(long, InvalidTransactionError, "entry"))

@@ -15,6 +15,7 @@ from ps_p2p.genesis import genesis_hash, genesis_json, load_genesis
 from ps_p2p.consensus.types import Validator
 from ps_p2p.errors import ConfigError
 from ps_p2p.keys import NodeKeys, load_or_create_keys
+from ps_p2p.verification.reputation import ReputationParams
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("restore_logging")
 def _genesis(n=4) -> Genesis:
     keys = [NodeKeys.generate().identity for _ in range(n)]
     return Genesis("chain-x", 1_700_000_000_000, tuple(Validator(k.peer_id, 1 + i % 2) for i, k in enumerate(keys)),
-                   AdmissionPolicy(max_records_per_network=7), BlockLimits(max_txs=50))
+                   AdmissionPolicy(max_records_per_network=7), BlockLimits(max_txs=50),
+                   ReputationParams(window=7, untrusted_below=0.35))
 
 
 def test_a_genesis_file_round_trips_every_committed_field(tmp_path):
@@ -32,6 +34,7 @@ def test_a_genesis_file_round_trips_every_committed_field(tmp_path):
     path.write_text(genesis_json(genesis, consensus, ["v0", "v1", "v2", "v3"]))
     loaded = load_genesis(path)
     assert loaded.genesis == genesis
+    assert loaded.genesis.reputation.untrusted_below == 0.35
     assert (loaded.consensus.timeout_propose, loaded.consensus.timeout_prevote_delta) == (0.5, 0.1)
     assert list(loaded.names.values()) == ["v0", "v1", "v2", "v3"]
     assert genesis_hash(path.read_bytes()) == genesis_hash(path.read_text())
@@ -56,6 +59,8 @@ def _edit(tmp_path, change):
     (lambda d: d["admission"].update(bogus=1), "unknown key"),
     (lambda d: d["block_limits"].update(max_block_bytes=10), "block_limits"),
     (lambda d: d["validators"].append(dict(d["validators"][0])), "listed twice"),
+    (lambda d: d["reputation"].update(untrusted_below=1.5), "reputation.*untrusted_below"),
+    (lambda d: d["reputation"].update(window=2.5), "reputation.*window"),
 ])
 def test_a_bad_genesis_file_is_refused_naming_the_field(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):

@@ -122,6 +122,12 @@ class FakeDirectory:
     def record(self, peer: bytes):  # type: ignore[no-untyped-def]
         return self._by_id.get(peer)
 
+    def trusted(self, peer: bytes) -> bool:
+        return True
+
+    def reputation_or_initial(self, peer: bytes) -> float:
+        return 0.5
+
 
 def _client(overlay: FakeOverlay, **config: float) -> UserClient:
     directory = FakeDirectory()

@@ -13,7 +13,10 @@ Transactions (canonical bytes; ``bytes``/``str``/``u*`` as in :mod:`ps_p2p.recor
     DEREGISTER (2): bytes(peer_id) || u64(issued_at_ms) || bytes(signature over
                     b"planetserve/v1/deregister\\x00" || str(chain_id) || bytes(peer_id)
                     || u64(issued_at_ms))
-    EPOCH_PLAN (3), REPUTATION_UPDATE (4): reserved for the epoch issues; refused for now
+    EPOCH_PLAN (3): reserved for the epochs issue; refused
+    REPUTATION_UPDATE (4): u64(epoch) || u32(n) || (bytes(subject) || u32(credibility micro))*n
+                    1 <= n <= 1024 subjects strictly ascending, credibility in [0, 10^6];
+                    decoded strictly, then refused by this version (below)
     EVIDENCE   (5): vote(first) || vote(second), two conflicting signed votes of one validator,
                     vote = u8(type) || u64(height) || u32(round) || u8(0) | u8(1) || bytes(id)
                     || bytes(validator) || bytes(signature)
@@ -48,15 +51,38 @@ that it must keep renewing per slot, and the caps are per-network, so it cannot 
 network as a whole. Everything is deterministic: the same state and transaction give the same
 answer on every verifier.
 
+Reputations (PlanetServe sec. 3.4; the rule is :mod:`ps_p2p.verification.reputation`). The
+state keeps, per reputation subject (:func:`~ps_p2p.records.reputation_subject`: an
+organization, or a node without one), a :class:`ReputationEntry`, and the last epoch applied.
+Everything committed is an integer: R and the window's credibilities are fixed-point *micro
+units* (u32, 10^6 = 1.0), so the bytes hashed are the state itself on every platform. An update
+(:func:`apply_reputation_update`) converts at the boundary: micro / 10^6 as a double, one step of
+:func:`~ps_p2p.verification.reputation.update` (IEEE-754 double +, *, /: the same bits
+everywhere), and back with ``round(x * 10^6)`` (round half to even). R is thus quantized to
+10^-6 after each epoch (an error below 5e-7 per epoch, shrunk by alpha each epoch after). The
+REPUTATION_UPDATE transaction is refused for now: the real validation (the epoch's leader, its
+plan, the signed responses and every validator recomputing the scores) comes with the epoch
+service, which will call :func:`apply_reputation_update` on a validated update during
+execution and report the changes in :attr:`BlockResult.reputation_changes`. There is no
+unvalidated write path until then. At most ``policy.max_records`` subjects are held; an update
+naming more new ones is refused whole.
+
 The state's app hash (what block h+1 carries, and what a directory's commit covers)::
 
     app hash      = SHA-256(b"planetserve/v1/app-state\\x00" || str(chain_id) || u64(height)
                             || u32(#records) || bytes(records root) || bytes(aux root))
     records root  = :meth:`~ps_p2p.records.RecordSet.root` (two-level, 256 buckets)
-    aux root      = SHA-256(b"planetserve/v1/app-aux\\x00" || u32(#evidence) || key*
+    aux root      = SHA-256(b"planetserve/v2/app-aux-root\\x00" || bytes(registry aux)
+                            || bytes(reputation root))
+    registry aux  = SHA-256(b"planetserve/v1/app-aux\\x00" || u32(#evidence) || key*
                             || u32(#departed) || (bytes(peer_id) || u64(deregistered_at_ms))*)
+    reputation root = SHA-256(b"planetserve/v1/reputation-root\\x00" || u64(last epoch)
+                            || u32(#subjects) || (bytes(subject) || entry)*)
+    entry         = u32(R micro) || u64(epochs) || u8(#window) || u32(credibility micro)*
 
-(evidence keys and departed peer IDs ascending). *Departed* peers are tombstones: a DEREGISTER
+(evidence keys, departed peer IDs and subjects ascending). The directory serves the registry
+aux as a digest and the reputation entries themselves, so a node recomputes the reputation root
+and no verifier can lie about a reputation (:mod:`ps_p2p.consensus.directory`). *Departed* peers are tombstones: a DEREGISTER
 leaves (peer ID, its ``issued_at_ms``), and a REGISTER of that peer issued no later is refused,
 so nobody can replay a node's older record (directories are public) to list it again after it
 left (a newer record of the peer is still taken). A tombstone is dropped once no record issued
@@ -113,6 +139,7 @@ from ps_p2p.records.limits import (
     MAX_ORGANIZATION_BYTES,
     MAX_RECORD_LIFETIME_MS,
     MAX_RECORDS,
+    MAX_SUBJECT_BYTES,
     ONION_KEY_BYTES,
     RECORD_DOMAIN,
     SIGNATURE_BYTES,
@@ -123,12 +150,27 @@ from ps_p2p.records.recordset import RecordSet
 from ps_p2p.records.signatures import verify_signature
 from ps_p2p.records.types import NodeRecord, Role, Signer
 from ps_p2p.records.validation import check_record
+from ps_p2p.verification.reputation import (
+    MAX_WINDOW,
+    NODE_SUBJECT_PREFIX,
+    ORG_SUBJECT_PREFIX,
+    ReputationParams,
+    ReputationState,
+    check_score,
+)
+from ps_p2p.verification.reputation import update as reputation_step
 
 TX_DOMAIN = b"planetserve/v1/registry-tx\x00"
 DEREGISTER_DOMAIN = b"planetserve/v1/deregister\x00"
 APP_STATE_DOMAIN = b"planetserve/v1/app-state\x00"
 APP_AUX_DOMAIN = b"planetserve/v1/app-aux\x00"
 EVIDENCE_KEY_DOMAIN = b"planetserve/v1/evidence-key\x00"
+APP_AUX_ROOT_DOMAIN = b"planetserve/v2/app-aux-root\x00"
+REPUTATION_ROOT_DOMAIN = b"planetserve/v1/reputation-root\x00"
+#: Fixed-point scale of committed reputations and credibilities (micro units: 10^6 = 1.0).
+MICRO = 1_000_000
+#: Most subjects one REPUTATION_UPDATE names (also bounded by ``limits.max_tx_bytes``).
+MAX_REPUTATION_UPDATE_SUBJECTS = 1024
 #: Longest canonical record bytes (4 addresses of 100 bytes, 64-byte strings: ~650 bytes).
 MAX_RECORD_SIGNING_BYTES = 1024
 
@@ -145,6 +187,7 @@ class TxKind(enum.IntEnum):
 
 #: Kinds whose format is reserved but which this version refuses.
 RESERVED_KINDS = frozenset({TxKind.EPOCH_PLAN, TxKind.REPUTATION_UPDATE})
+#: (REPUTATION_UPDATE is decoded strictly, then refused like EPOCH_PLAN.)
 
 
 # ---------------------------------------------------------------------------------- policy
@@ -193,6 +236,7 @@ class Genesis:
         time_ms: genesis time (unix ms); block 1 must be later.
         validators: the committee (N = 3f+1), Ed25519 peer IDs and voting powers.
         policy: the admission policy; limits: block bounds.
+        reputation: the reputation rule's parameters (:class:`ReputationParams`).
     """
 
     chain_id: str
@@ -200,6 +244,7 @@ class Genesis:
     validators: tuple[Validator, ...]
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     limits: BlockLimits = field(default_factory=BlockLimits)
+    reputation: ReputationParams = field(default_factory=ReputationParams)
 
     def __post_init__(self) -> None:
         check_validators(self.validators)
@@ -245,6 +290,150 @@ class EvidenceTx:
         return self.first.validator
 
 
+def check_subject(subject: bytes, error: type[RemoteProtocolError] = InvalidTransactionError,
+                  ) -> bytes:
+    """``subject`` if it is a well-formed reputation subject
+    (:func:`~ps_p2p.records.reputation_subject`): ``org\\x00`` + 1 to
+    ``MAX_ORGANIZATION_BYTES`` bytes of UTF-8, or ``node\\x00`` + 1 to
+    ``ED25519_PEER_ID_BYTES`` bytes.
+
+    Raises:
+        error: anything else.
+    """
+    if not isinstance(subject, bytes):
+        raise error(f"reputation subject is a {type(subject).__name__}, not bytes")
+    if subject.startswith(ORG_SUBJECT_PREFIX):
+        name = subject[len(ORG_SUBJECT_PREFIX):]
+        if not 1 <= len(name) <= MAX_ORGANIZATION_BYTES:
+            raise error(f"organization subject of {len(name)} bytes")
+        try:
+            name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise error("organization subject is not UTF-8") from None
+        return subject
+    if subject.startswith(NODE_SUBJECT_PREFIX):
+        if not 1 <= len(subject) - len(NODE_SUBJECT_PREFIX) <= ED25519_PEER_ID_BYTES:
+            raise error("node subject with a peer ID of a wrong length")
+        return subject
+    raise error("reputation subject is neither an organization's nor a node's")
+
+
+def to_micro(value: float) -> int:
+    """A value in [0, 1] as micro units: ``round(value * 10^6)`` (half to even).
+
+    Raises:
+        InvalidScoreError: not a finite number in [0, 1].
+    """
+    return round(check_score(value) * MICRO)
+
+
+@dataclass(frozen=True)
+class ReputationEntry:
+    """One subject's committed reputation, in micro units (module docstring).
+
+    Attributes:
+        reputation: R, in [0, 10^6].
+        window: the last (at most W) credibilities, oldest first, each in [0, 10^6].
+        epochs: updates applied.
+    """
+
+    reputation: int
+    window: tuple[int, ...] = ()
+    epochs: int = 0
+
+    @property
+    def value(self) -> float:
+        """R as a float in [0, 1]."""
+        return self.reputation / MICRO
+
+    def state(self) -> ReputationState:
+        """The float state the reputation rule works on (micro / 10^6, exact per value)."""
+        return ReputationState(self.reputation / MICRO, tuple(v / MICRO for v in self.window),
+                               self.epochs)
+
+    @staticmethod
+    def from_state(state: ReputationState) -> ReputationEntry:
+        """Quantize a state (each float to :func:`to_micro`).
+
+        Raises:
+            InvalidScoreError: a value not in [0, 1].
+        """
+        return ReputationEntry(to_micro(state.reputation),
+                               tuple(to_micro(v) for v in state.window), state.epochs)
+
+    def encode(self) -> bytes:
+        """``u32(R) || u64(epochs) || u8(#window) || u32(value)*`` (module docstring)."""
+        return (u32(self.reputation) + u64(self.epochs) + u8(len(self.window))
+                + b"".join(u32(v) for v in self.window))
+
+    @staticmethod
+    def read(r: Reader) -> ReputationEntry:
+        """Read :meth:`encode`'s bytes strictly (values over 10^6 or a window over
+        ``MAX_WINDOW`` refused with ``r``'s error)."""
+        reputation = r.u32("reputation")
+        epochs = r.u64("epochs")
+        n = r.u8("window length")
+        if n > MAX_WINDOW:
+            raise r.fail(f"window of {n} values (max {MAX_WINDOW})")
+        window = tuple(r.u32("window value") for _ in range(n))
+        if reputation > MICRO or any(v > MICRO for v in window):
+            raise r.fail("reputation value over 10^6 micro units")
+        return ReputationEntry(reputation, window, epochs)
+
+
+def reputation_root(reputations: dict[bytes, ReputationEntry], epoch: int) -> bytes:
+    """The reputation root (module docstring), 32 bytes; O(subjects)."""
+    h = hashlib.sha256(REPUTATION_ROOT_DOMAIN + u64(epoch) + u32(len(reputations)))
+    for subject in sorted(reputations):
+        h.update(lp(subject) + reputations[subject].encode())
+    return h.digest()
+
+
+def aux_root_of(registry_aux: bytes, reputations_root: bytes) -> bytes:
+    """The aux root from the registry aux digest and the reputation root (module docstring)."""
+    return hashlib.sha256(APP_AUX_ROOT_DOMAIN + lp(registry_aux) + lp(reputations_root)).digest()
+
+
+@dataclass(frozen=True)
+class ReputationUpdateTx:
+    """One epoch's committed credibilities (module docstring: refused as a transaction for now;
+    applied with :func:`apply_reputation_update`).
+
+    Attributes:
+        epoch: the epoch number, >= 1; each update's must exceed the last applied.
+        scores: (subject, C(T) in micro units) by strictly ascending subject, 1 to
+            ``MAX_REPUTATION_UPDATE_SUBJECTS`` of them.
+    """
+
+    epoch: int
+    scores: tuple[tuple[bytes, int], ...]
+
+    @property
+    def subject(self) -> bytes:
+        return b""
+
+    def check(self, error: type[RemoteProtocolError] = InvalidTransactionError) -> None:
+        """The field rules above.
+
+        Raises:
+            error: a rule broken.
+        """
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) \
+                or not 1 <= self.epoch < 2**64:
+            raise error(f"reputation update epoch {self.epoch!r} out of range")
+        if not 1 <= len(self.scores) <= MAX_REPUTATION_UPDATE_SUBJECTS:
+            raise error(f"reputation update of {len(self.scores)} subjects (1 to "
+                        f"{MAX_REPUTATION_UPDATE_SUBJECTS})")
+        last = b""
+        for subject, micro in self.scores:
+            check_subject(subject, error)
+            if subject <= last:
+                raise error("reputation update subjects not strictly ascending")
+            last = subject
+            if isinstance(micro, bool) or not isinstance(micro, int) or not 0 <= micro <= MICRO:
+                raise error(f"credibility {micro!r} micro units not in [0, {MICRO}]")
+
+
 @dataclass(frozen=True)
 class ReservedTx:
     """A transaction of a reserved kind (decoded so that it is refused with a clear error)."""
@@ -257,7 +446,7 @@ class ReservedTx:
         return b""
 
 
-Tx = RegisterTx | DeregisterTx | EvidenceTx | ReservedTx
+Tx = RegisterTx | DeregisterTx | EvidenceTx | ReputationUpdateTx | ReservedTx
 
 
 def deregister_signing_bytes(chain_id: str, peer_id: bytes, issued_at_ms: int) -> bytes:
@@ -293,6 +482,11 @@ def encode_tx(tx: Tx) -> bytes:
         elif isinstance(tx, EvidenceTx):
             body = _vote_bytes(tx.first) + _vote_bytes(tx.second)
             kind = TxKind.EVIDENCE
+        elif isinstance(tx, ReputationUpdateTx):
+            tx.check(LocalProtocolError)  # type: ignore[arg-type]
+            body = u64(tx.epoch) + u32(len(tx.scores)) + b"".join(
+                lp(subject) + u32(micro) for subject, micro in tx.scores)
+            kind = TxKind.REPUTATION_UPDATE
         elif isinstance(tx, ReservedTx):
             body, kind = tx.body, tx.kind
         else:
@@ -377,6 +571,17 @@ def decode_tx(data: bytes, max_tx_bytes: int) -> Tx:
         kind = TxKind(raw_kind)
     except ValueError:
         raise InvalidTransactionError(f"unknown transaction kind {raw_kind}") from None
+    if kind == TxKind.REPUTATION_UPDATE:
+        epoch = r.u64("epoch")
+        n = r.u32("subject count")
+        if n > MAX_REPUTATION_UPDATE_SUBJECTS:
+            raise r.fail(f"{n} subjects (max {MAX_REPUTATION_UPDATE_SUBJECTS})")
+        scores = tuple((r.lp("subject", MAX_SUBJECT_BYTES), r.u32("credibility"))
+                       for _ in range(n))
+        r.done()
+        update = ReputationUpdateTx(epoch, scores)
+        update.check(InvalidTransactionError)
+        return update
     if kind in RESERVED_KINDS:
         body = bytes(data[len(TX_DOMAIN) + 1:])
         return ReservedTx(kind, body)
@@ -466,6 +671,8 @@ class AppState:
         evidence: evidence key -> (validator, height) of recorded equivocations.
         departed: peer ID -> ``issued_at_ms`` of its deregistration (tombstones, module
             docstring).
+        reputations: reputation subject -> :class:`ReputationEntry` (module docstring).
+        reputation_epoch: the last epoch whose reputation update was applied (0: none).
 
     Not thread-safe; never mutate a state another holder uses: :func:`execute_block` returns a
     new one.
@@ -484,7 +691,10 @@ class AppState:
         self._expiry: list[tuple[int, bytes]] = []  # heap of (expires_at_ms, peer ID), lazy
         self._networks: collections.Counter[str] = collections.Counter()
         self._orgs: collections.Counter[str] = collections.Counter()
-        self._aux_root: bytes | None = None
+        self.reputations: dict[bytes, ReputationEntry] = {}
+        self.reputation_epoch = 0
+        self._registry_aux: bytes | None = None
+        self._reputation_root: bytes | None = None
         self.app_hash = b""
 
     @property
@@ -511,16 +721,32 @@ class AppState:
         return self._orgs[organization]
 
     def aux_root(self) -> bytes:
-        """The aux root (module docstring), cached until evidence or tombstones change."""
-        if self._aux_root is None:
+        """The aux root (module docstring): :func:`aux_root_of` the registry aux and the
+        reputation root."""
+        return aux_root_of(self.registry_aux(), self.reputation_root())
+
+    def reputation_root(self) -> bytes:
+        """:func:`reputation_root` of this state, cached until a reputation changes."""
+        if self._reputation_root is None:
+            self._reputation_root = reputation_root(self.reputations, self.reputation_epoch)
+        return self._reputation_root
+
+    def reputation(self, subject: bytes) -> ReputationEntry | None:
+        """The committed entry of ``subject``, or None when never scored."""
+        return self.reputations.get(subject)
+
+    def registry_aux(self) -> bytes:
+        """The registry aux digest (module docstring), cached until evidence or tombstones
+        change."""
+        if self._registry_aux is None:
             keys = sorted(self.evidence)
             departed = b"".join(lp(peer) + u64(self.departed[peer])
                                 for peer in sorted(self.departed))
-            self._aux_root = hashlib.sha256(
+            self._registry_aux = hashlib.sha256(
                 APP_AUX_DOMAIN + u32(len(keys)) + b"".join(keys)
                 + u32(len(self.departed)) + departed
             ).digest()
-        return self._aux_root
+        return self._registry_aux
 
     def copy(self) -> AppState:
         """A copy sharing the (immutable) records: O(records) pointer copies."""
@@ -529,6 +755,7 @@ class AppState:
         new.records = self.records.copy()
         new.evidence = dict(self.evidence)
         new.departed = dict(self.departed)
+        new.reputations = dict(self.reputations)
         new._departed_heap = list(self._departed_heap)
         new._expiry = list(self._expiry)
         new._networks = collections.Counter(self._networks)
@@ -582,7 +809,7 @@ class AppState:
         if len(self._departed_heap) > 2 * len(self.departed) + 64:
             self._departed_heap = [(t, p) for p, t in self.departed.items()]
             heapq.heapify(self._departed_heap)
-        self._aux_root = None
+        self._registry_aux = None
 
     def _expire(self, time_ms: int) -> list[bytes]:
         """Remove records with ``expires_at_ms <= time_ms``, and tombstones no record issued
@@ -593,7 +820,7 @@ class AppState:
             issued, peer = heapq.heappop(heap)
             if self.departed.get(peer) == issued:  # else superseded: a stale heap entry
                 del self.departed[peer]
-                self._aux_root = None
+                self._registry_aux = None
         removed = []
         heap = self._expiry
         while heap and heap[0][0] <= time_ms:
@@ -604,6 +831,49 @@ class AppState:
             self._remove(peer)
             removed.append(peer)
         return removed
+
+
+def apply_reputation_update(state: AppState, update: ReputationUpdateTx,
+                            ) -> dict[bytes, ReputationEntry]:
+    """Apply one epoch's validated credibilities to ``state`` in place (module docstring).
+
+    For the epoch service, once the committee has validated the update; it mutates the state
+    being executed (a copy, as in :func:`execute_block`), whose app hash the caller then
+    recomputes. All-or-nothing: every check passes before anything changes. Each subject gets
+    one step of :func:`~ps_p2p.verification.reputation.update` with the genesis parameters
+    from its entry (or ``initial`` when never scored), quantized back to micro units.
+
+    Returns:
+        subject -> its new entry, for every subject of ``update``.
+
+    Raises:
+        InvalidTransactionError: a malformed update (:meth:`ReputationUpdateTx.check`) or an
+            epoch not after ``state.reputation_epoch``.
+        AdmissionError: more new subjects than ``policy.max_records`` leaves room for.
+    """
+    update.check(InvalidTransactionError)
+    if update.epoch <= state.reputation_epoch:
+        raise InvalidTransactionError(
+            f"reputation update of epoch {update.epoch}, not after {state.reputation_epoch}"
+        )
+    new_subjects = sum(1 for subject, _ in update.scores if subject not in state.reputations)
+    if len(state.reputations) + new_subjects > state.policy.max_records:
+        raise AdmissionError(
+            f"{new_subjects} new reputation subject(s) with {len(state.reputations)} of "
+            f"{state.policy.max_records} held"
+        )
+    params = state.genesis.reputation
+    changes: dict[bytes, ReputationEntry] = {}
+    for subject, micro in update.scores:
+        held = state.reputations.get(subject)
+        before = held.state() if held is not None else ReputationState.fresh(params)
+        changes[subject] = ReputationEntry.from_state(
+            reputation_step(before, micro / MICRO, params)
+        )
+    state.reputations.update(changes)
+    state.reputation_epoch = update.epoch
+    state._reputation_root = None
+    return changes
 
 
 def genesis_state(genesis: Genesis) -> AppState:
@@ -627,6 +897,11 @@ def _verify_tx(tx: Tx, state: AppState, now_ms: int) -> None:
     if isinstance(tx, ReservedTx):
         raise InvalidTransactionError(
             f"transaction kind {tx.kind.name} is reserved and not accepted by this version"
+        )
+    if isinstance(tx, ReputationUpdateTx):
+        raise InvalidTransactionError(
+            "transaction kind REPUTATION_UPDATE is reserved and not accepted by this version "
+            "(reputation updates are applied only once the epoch service has validated them)"
         )
     if isinstance(tx, RegisterTx):
         record = tx.record
@@ -790,6 +1065,9 @@ class BlockResult:
             deterministic order: sort by peer ID).
         expired: peer IDs removed because their record expired by the block's time.
         app_hash: of the state after the block.
+        reputation_changes: subject -> its entry after the block (None: forgotten), for
+            every subject whose reputation changed (empty until the epoch service applies
+            updates, :func:`apply_reputation_update`).
     """
 
     height: int
@@ -797,6 +1075,7 @@ class BlockResult:
     changes: dict[bytes, NodeRecord | None]
     expired: tuple[bytes, ...]
     app_hash: bytes
+    reputation_changes: dict[bytes, ReputationEntry | None] = field(default_factory=dict)
 
 
 def _apply(tx: Tx, state: AppState) -> None:
@@ -808,7 +1087,7 @@ def _apply(tx: Tx, state: AppState) -> None:
         state._depart(tx.peer_id, tx.issued_at_ms)
     elif isinstance(tx, EvidenceTx):
         state.evidence[_evidence_key(tx.first)] = (tx.first.validator, tx.first.height)
-        state._aux_root = None
+        state._registry_aux = None
 
 
 def execute_block(state: AppState, block: Block) -> tuple[AppState, BlockResult]:
@@ -983,8 +1262,12 @@ def sorted_changes(changes: dict[bytes, NodeRecord | None]) -> list[tuple[bytes,
 
 __all__ = [
     "APP_AUX_DOMAIN",
+    "APP_AUX_ROOT_DOMAIN",
     "APP_STATE_DOMAIN",
     "DEREGISTER_DOMAIN",
+    "MAX_REPUTATION_UPDATE_SUBJECTS",
+    "MICRO",
+    "REPUTATION_ROOT_DOMAIN",
     "TX_DOMAIN",
     "AdmissionPolicy",
     "AppState",
@@ -994,12 +1277,17 @@ __all__ = [
     "Genesis",
     "Mempool",
     "RegisterTx",
+    "ReputationEntry",
+    "ReputationUpdateTx",
     "ReservedTx",
     "Tx",
     "TxKind",
     "TxResult",
     "app_hash",
     "app_state_hash",
+    "apply_reputation_update",
+    "aux_root_of",
+    "check_subject",
     "check_tx",
     "decode_record",
     "decode_tx",
@@ -1007,7 +1295,9 @@ __all__ = [
     "encode_tx",
     "execute_block",
     "genesis_state",
+    "reputation_root",
     "sign_deregister",
     "source_networks",
+    "to_micro",
     "tx_hash",
 ]

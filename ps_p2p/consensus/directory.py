@@ -5,11 +5,17 @@ after height T = H - 1, the header of block H (which carries that state's app ha
 Tendermint) and the commit of block H (2f+1 precommits of its block ID). A node that holds the
 view at height S asks for what changed since S and gets pages of one *delta stream*::
 
-    stream = b"planetserve/v1/directory-delta\\x00" || str(chain_id) || u64(since) || u64(T)
-             || u8(reset) || bytes(aux root) || entry*                (entries by ascending peer ID)
+    stream = b"planetserve/v2/directory-delta\\x00" || str(chain_id) || u64(since) || u64(T)
+             || u8(reset) || bytes(registry aux) || u64(reputation epoch) || entry* || rep*
     entry  = u8(1) || bytes(record_signing_bytes(record)) || bytes(signature)   added or renewed
            | u8(2) || bytes(peer_id)                                            removed
+    rep    = u8(3) || bytes(subject) || reputation entry                        scored
+           | u8(4) || bytes(subject)                                            forgotten
     page   = u32(index) || u8(last) || bytes(chunk of the stream)
+
+(record entries by ascending peer ID, then reputation entries by ascending subject; a
+reputation entry and the registry aux are as in :mod:`ps_p2p.consensus.app`; version 2 added
+the reputations.)
 
 (``bytes``/``str``/``u*`` as in :mod:`ps_p2p.records.canonical`). The stream is cut into chunks,
 so every encoded page is at most ``max_page_bytes`` whatever the number or size of the records
@@ -20,11 +26,14 @@ The node (:func:`verify_directory`) checks, cheapest first: the chain ID, the he
 against ``max_age_ms`` and its time against the node's clock, that the height does not go below
 the view it holds (no rollback), the commit (:func:`~ps_p2p.consensus.signing.verify_commit`:
 more than 2/3 of the genesis validators' power), then applies the changes to its view (checking
-each changed record's fields and signature once) and compares the app hash
-(:func:`~ps_p2p.consensus.app.app_state_hash`) of the result with the header's. It verifies only
-what changed: O(changes) record checks and O(changed buckets) hashing, plus 2f+1 signatures.
-The aux root (evidence and, later, reputations and epoch plans) travels as a digest: a node that
-needs those parts fetches them separately.
+each changed record's fields and signature once, and each reputation's form) and compares the
+app hash (:func:`~ps_p2p.consensus.app.app_state_hash`) of the result with the header's. The
+registry's evidence and tombstones travel as a digest (the registry aux); the reputations
+travel in full (their changes), and the node recomputes the reputation root from all it holds,
+so the aux root it hashes covers every reputation it uses: a verifier that sends a wrong,
+missing or extra reputation gets its answer refused like a tampered record. It verifies only
+what changed: O(changes) record checks and O(changed buckets) hashing, plus 2f+1 signatures,
+plus O(subjects) hashing when a reputation changed.
 """
 
 from __future__ import annotations
@@ -33,7 +42,16 @@ import collections
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ps_p2p.consensus.app import AppState, BlockResult, app_state_hash, decode_record
+from ps_p2p.consensus.app import (
+    AppState,
+    BlockResult,
+    ReputationEntry,
+    app_state_hash,
+    aux_root_of,
+    check_subject,
+    decode_record,
+    reputation_root,
+)
 from ps_p2p.consensus.block import Header, block_id
 from ps_p2p.consensus.encoding import Reader, lp, lps, u8, u32, u64
 from ps_p2p.consensus.signing import VALUE_ID_BYTES, verify_commit
@@ -47,13 +65,18 @@ from ps_p2p.errors import (
     RemoteProtocolError,
 )
 from ps_p2p.records.canonical import record_signing_bytes
-from ps_p2p.records.limits import MAX_CLOCK_SKEW_MS, MAX_RECORDS, MINUTE_MS
+from ps_p2p.records.limits import (
+    MAX_CLOCK_SKEW_MS,
+    MAX_RECORDS,
+    MAX_SUBJECT_BYTES,
+    MINUTE_MS,
+)
 from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES
 from ps_p2p.records.recordset import RecordSet
 from ps_p2p.records.types import NodeRecord
 from ps_p2p.records.validation import VerifiedCache
 
-DELTA_DOMAIN = b"planetserve/v1/directory-delta\x00"
+DELTA_DOMAIN = b"planetserve/v2/directory-delta\x00"
 #: u32 index, u8 last, u32 chunk length.
 PAGE_OVERHEAD = 9
 #: Smallest page bound a server accepts.
@@ -69,6 +92,8 @@ MAX_HISTORY_HEIGHTS = 4096
 
 _PUT = 1
 _REMOVE = 2
+_REP_PUT = 3
+_REP_FORGET = 4
 
 
 @dataclass(frozen=True)
@@ -135,7 +160,8 @@ class DirectoryHistory:
         self.commit: tuple[Vote, ...] = ()
         self.max_heights = max_heights
         self.max_changes = max_changes
-        self._log: collections.deque[tuple[int, dict[bytes, NodeRecord | None]]] = \
+        self._log: collections.deque[tuple[int, dict[bytes, NodeRecord | None],
+                                           dict[bytes, ReputationEntry | None]]] = \
             collections.deque()
         self._logged = 0
         #: The lowest ``since`` still answered by a delta (the state before the oldest
@@ -157,11 +183,12 @@ class DirectoryHistory:
             )
         self.served, self.latest = self.latest, new_state
         self.header, self.commit = header, tuple(commit)
-        self._log.append((header.height, dict(result.changes)))
-        self._logged += len(result.changes)
+        reputations = dict(result.reputation_changes)
+        self._log.append((header.height, dict(result.changes), reputations))
+        self._logged += len(result.changes) + len(reputations)
         while self._log and (len(self._log) > self.max_heights or self._logged > self.max_changes):
-            height, changes = self._log.popleft()
-            self._logged -= len(changes)
+            height, changes, reputations = self._log.popleft()
+            self._logged -= len(changes) + len(reputations)
             self.floor = height
 
     def changes_since(self, since: int) -> tuple[bool, list[tuple[bytes, NodeRecord | None]]]:
@@ -182,9 +209,30 @@ class DirectoryHistory:
         if since <= 0 or since > top or since < self.floor:
             return True, [(r.peer_id, r) for r in served.records.records()]
         merged: dict[bytes, NodeRecord | None] = {}
-        for height, changes in self._log:
+        for height, changes, _ in self._log:
             if since < height <= top:
                 merged.update(changes)
+        return False, sorted(merged.items(), key=lambda item: item[0])
+
+    def reputation_changes_since(
+        self, since: int,
+    ) -> tuple[bool, list[tuple[bytes, ReputationEntry | None]]]:
+        """Like :meth:`changes_since`, for the reputations: ``(reset, changes)`` by ascending
+        subject (with ``reset``, every subject of the served state).
+
+        Raises:
+            LocalProtocolError: nothing is served yet (no block decided).
+        """
+        served = self.served
+        if served is None:
+            raise LocalProtocolError("no block decided yet: no directory to serve")
+        top = served.height
+        if since <= 0 or since > top or since < self.floor:
+            return True, sorted(served.reputations.items(), key=lambda item: item[0])
+        merged: dict[bytes, ReputationEntry | None] = {}
+        for height, _, reputations in self._log:
+            if since < height <= top:
+                merged.update(reputations)
         return False, sorted(merged.items(), key=lambda item: item[0])
 
 
@@ -201,19 +249,31 @@ def iter_delta_pages(history: DirectoryHistory, since_height: int,
     if max_page_bytes < MIN_PAGE_BYTES:
         raise LocalProtocolError(f"max_page_bytes must be >= {MIN_PAGE_BYTES}")
     reset, changes = history.changes_since(since_height)
+    _, reputations = history.reputation_changes_since(since_height)  # the same reset rule
     served = history.served
     assert served is not None  # changes_since raised otherwise
     chunk = max_page_bytes - PAGE_OVERHEAD
     buf = bytearray(
         DELTA_DOMAIN + lps(served.chain_id) + u64(0 if reset else since_height)
-        + u64(served.height) + u8(1 if reset else 0) + lp(served.aux_root())
+        + u64(served.height) + u8(1 if reset else 0) + lp(served.registry_aux())
+        + u64(served.reputation_epoch)
     )
     index = 0
-    for peer, record in changes:
-        if record is None:
-            buf += u8(_REMOVE) + lp(peer)
-        else:
-            buf += u8(_PUT) + lp(record_signing_bytes(record)) + lp(record.signature)
+
+    def entries() -> Iterator[bytes]:
+        for peer, record in changes:
+            if record is None:
+                yield u8(_REMOVE) + lp(peer)
+            else:
+                yield u8(_PUT) + lp(record_signing_bytes(record)) + lp(record.signature)
+        for subject, entry in reputations:
+            if entry is None:
+                yield u8(_REP_FORGET) + lp(subject)
+            else:
+                yield u8(_REP_PUT) + lp(subject) + entry.encode()
+
+    for data in entries():
+        buf += data
         while len(buf) > chunk:
             yield DeltaPage(index, False, bytes(buf[:chunk]))
             del buf[:chunk]
@@ -238,7 +298,9 @@ class DirectoryView:
         height: the state's height (the covering header's height - 1; 0: empty genesis).
         header: the header whose commit covered it (None for the empty start).
         app_hash: the state's app hash (the header's ``app_hash``).
-        aux_root: the state's aux root (evidence, later reputations and plans).
+        aux_root: the state's aux root (the registry aux and the reputation root).
+        reputation_epoch: the last epoch of the committed reputations.
+        reputations: reputation subject -> committed entry (take it as read-only).
 
     Superseded by the view :func:`verify_directory` returns from it (which takes over its
     record set without copying): do not use a view passed as ``previous_view`` after a
@@ -247,14 +309,26 @@ class DirectoryView:
 
     def __init__(self, chain_id: str, height: int = 0, header: Header | None = None,
                  app_hash: bytes = b"", aux_root: bytes = b"",
-                 records: RecordSet | None = None) -> None:
+                 records: RecordSet | None = None,
+                 reputations: dict[bytes, ReputationEntry] | None = None,
+                 reputation_epoch: int = 0, reputation_root: bytes | None = None) -> None:
         self.chain_id = chain_id
         self.height = height
         self.header = header
         self.app_hash = app_hash
         self.aux_root = aux_root
         self._records = records if records is not None else RecordSet()
+        self.reputations: dict[bytes, ReputationEntry] = \
+            reputations if reputations is not None else {}
+        self.reputation_epoch = reputation_epoch
+        self._reputation_root = reputation_root
         self._superseded = False
+
+    def reputation_root(self) -> bytes:
+        """:func:`~ps_p2p.consensus.app.reputation_root` of the held reputations (cached)."""
+        if self._reputation_root is None:
+            self._reputation_root = reputation_root(self.reputations, self.reputation_epoch)
+        return self._reputation_root
 
     def __len__(self) -> int:
         return len(self._records)
@@ -360,7 +434,8 @@ def verify_directory(
     reset = r.u8("reset flag")
     if reset not in (0, 1):
         raise r.fail(f"reset flag {reset}")
-    aux_root = r.lp("aux root", VALUE_ID_BYTES, exact=VALUE_ID_BYTES)
+    registry_aux = r.lp("registry aux", VALUE_ID_BYTES, exact=VALUE_ID_BYTES)
+    reputation_epoch = r.u64("reputation epoch")
     held = previous_view.height if previous_view is not None else 0
     if not reset and since != held:
         raise InvalidDirectoryError(
@@ -368,14 +443,36 @@ def verify_directory(
         )
     if reset or previous_view is None:
         records = RecordSet()
+        reputations: dict[bytes, ReputationEntry] = {}
     else:
         records = previous_view._records
+        reputations = previous_view.reputations
     cache = cache if cache is not None else VerifiedCache(0)
     undo: list[tuple[bytes, NodeRecord | None]] = []
+    rep_undo: list[tuple[bytes, ReputationEntry | None]] = []
     try:
         last_peer = b""
+        last_subject = b""
         while r.remaining:
             op = r.u8("entry kind")
+            if op in (_REP_PUT, _REP_FORGET):
+                subject = check_subject(r.lp("subject", MAX_SUBJECT_BYTES), InvalidDirectoryError)
+                if subject <= last_subject:
+                    raise InvalidDirectoryError(
+                        "directory reputations not by ascending subject"
+                    )
+                last_subject = subject
+                if op == _REP_PUT:
+                    entry = ReputationEntry.read(r)
+                    if subject not in reputations and len(reputations) >= max_records:
+                        raise InvalidDirectoryError(f"directory over {max_records} reputations")
+                    rep_undo.append((subject, reputations.get(subject)))
+                    reputations[subject] = entry
+                elif subject in reputations:
+                    rep_undo.append((subject, reputations.pop(subject)))
+                continue
+            if last_subject:
+                raise InvalidDirectoryError("directory record entry after the reputations")
             if op == _PUT:
                 try:
                     record = decode_record(r.lp("record", 1024), r.lp("signature", 64))
@@ -400,6 +497,12 @@ def verify_directory(
                 undo.append((peer, records.put(record)))
             elif peer in records:
                 undo.append((peer, records.remove(peer)))
+        if (not rep_undo and not reset and previous_view is not None
+                and previous_view.reputation_epoch == reputation_epoch):
+            rep_root = previous_view.reputation_root()  # unchanged: cached
+        else:
+            rep_root = reputation_root(reputations, reputation_epoch)
+        aux_root = aux_root_of(registry_aux, rep_root)
         computed = app_state_hash(chain_id, height, len(records), records.root(), aux_root)
         if computed != header.app_hash:
             raise InvalidDirectoryError(
@@ -412,10 +515,16 @@ def verify_directory(
                 records.remove(peer)
             else:
                 records.put(old)
+        for subject, old_entry in reversed(rep_undo):
+            if old_entry is None:
+                reputations.pop(subject, None)
+            else:
+                reputations[subject] = old_entry
         raise
     if previous_view is not None and records is previous_view._records:
         previous_view._superseded = True
-    return DirectoryView(chain_id, height, header, header.app_hash, aux_root, records)
+    return DirectoryView(chain_id, height, header, header.app_hash, aux_root, records,
+                         reputations, reputation_epoch, rep_root)
 
 
 __all__ = [

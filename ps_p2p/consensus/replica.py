@@ -22,6 +22,7 @@ Times are unix milliseconds passed in as ``now_ms``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 
 from ps_p2p.consensus.app import Genesis
 from ps_p2p.consensus.block import Header
@@ -52,7 +53,9 @@ class CommitteeReplica:
         view: the last verified :class:`DirectoryView` (None before the first).
         directory: the same records as a :class:`Directory` (height = the state's height,
             ``issued_at_ms`` = the covering header's block time, ``expires_at_ms`` =
-            that + ``max_age_ms``; the commit over that header was checked here).
+            that + ``max_age_ms``; the commit over that header was checked here), with the
+            committed reputations (subject -> R) and the genesis' untrusted threshold, so
+            :meth:`Directory.trusted` answers from what the commit covers.
         last_changed: records added or changed by the last :meth:`apply` (all after a reset).
         source: the verifier of the last accepted answer (any verifier serves the same chain,
             so it is only a preference for the next fetch).
@@ -76,6 +79,7 @@ class CommitteeReplica:
         self.directory: Directory | None = None
         self.last_changed: tuple[NodeRecord, ...] = ()
         self.source: bytes | None = None
+        self._reputation_root: bytes | None = None
 
     def since(self) -> int:
         """The height to ask for changes since (0: everything)."""
@@ -113,9 +117,19 @@ class CommitteeReplica:
             changed = records
         else:
             changed = tuple(r for r in records if old.record(r.peer_id) is not r)
+        root = view.reputation_root()
+        if old is not None and self._reputation_root == root:
+            reputations = old.reputations
+        else:
+            reputations = MappingProxyType(
+                {subject: entry.value for subject, entry in view.reputations.items()}
+            )
         directory = Directory(
             view.height, header.time_ms, header.time_ms + self.max_age_ms, records,
+            reputations, self.genesis.reputation.untrusted_below,
+            self.genesis.reputation.initial,
         )
+        self._reputation_root = root
         if old is not None and records is old.records and "_index" in old.__dict__:
             directory.__dict__["_index"] = old.__dict__["_index"]  # O(1) when unchanged
         self.view = view

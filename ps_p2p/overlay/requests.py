@@ -362,6 +362,8 @@ class RequestCore:
         model_nodes: ``model_nodes(model_id) -> peer IDs`` of the directory's model nodes of
             that model: where a request goes when its model node is lost
             (:meth:`delivery_failed`). Default: none (the request then fails).
+        choose_model_node: picks the replacement among those peer IDs (non-empty); default
+            ``rng.choice`` (a user passes its reputation-weighted choice).
 
     Attributes:
         misrouted_cloves: response cloves dropped without blame (unknown tag, wrong path,
@@ -381,9 +383,11 @@ class RequestCore:
         verify_clove: CloveVerifier = verify_clove_signature,
         verify_reply: ReplyVerifier = verify_reply_signature,
         model_nodes: Callable[[str], Sequence[bytes]] = lambda model_id: (),
+        choose_model_node: Callable[[Sequence[bytes]], bytes] | None = None,
     ) -> None:
         self.config = config
         self._model_nodes = model_nodes
+        self._choose_model_node = choose_model_node
         self._codec = codec
         self._is_model_node = is_model_node
         self._rng = rng
@@ -527,7 +531,8 @@ class RequestCore:
                 f"{len(attempt.path_ids)} proxies lost it)"
             )
             return self._finish(request, None, error, now)
-        target = self._rng.choice(others)
+        target = (self._choose_model_node(others) if self._choose_model_node is not None
+                  else self._rng.choice(others))
         log.warning("request %s: model node %s stopped answering; asking %s",
                     request.spec.request_id.hex()[:8], _short(lost), _short(target))
         request.spec = dataclasses.replace(request.spec, destination=target)

@@ -59,7 +59,7 @@ from ps_p2p.records.multiaddrs import check_multiaddr, multiaddr_bytes
 from ps_p2p.records.peer_ids import public_key_from_peer_id, short_peer_id
 from ps_p2p.records.recordset import RecordSet, record_leaf, record_set_root
 from ps_p2p.records.signatures import sign_record, verify_signature
-from ps_p2p.records.types import Directory, NodeRecord, Role, Signer
+from ps_p2p.records.types import Directory, NodeRecord, Role, Signer, reputation_subject
 from ps_p2p.records.validation import VerifiedCache, check_record, check_record_fields
 
 __all__ = [
@@ -98,6 +98,7 @@ __all__ = [
     "record_leaf",
     "record_set_root",
     "record_signing_bytes",
+    "reputation_subject",
     "response_signing_bytes",
     "short_peer_id",
     "sign_record",

@@ -62,6 +62,12 @@ RECORD_LEAF_DOMAIN = b"planetserve/v1/record-leaf\x00"
 RECORD_SET_DOMAIN = b"planetserve/v1/record-set\x00"
 RESPONSE_DOMAIN = b"planetserve/v1/response\x00"
 CLOVE_DOMAIN = b"planetserve/v1/response-clove\x00"
+#: Reputation subjects (:func:`~ps_p2p.records.types.reputation_subject`): an organization's
+#: and a lone node's; the two kinds never collide.
+ORG_SUBJECT_PREFIX = b"org\x00"
+NODE_SUBJECT_PREFIX = b"node\x00"
+#: Longest reputation subject (an organization name of ``MAX_ORGANIZATION_BYTES``).
+MAX_SUBJECT_BYTES = 5 + max(MAX_ORGANIZATION_BYTES, 64)
 
 __all__ = [
     "CLOVE_DOMAIN",
@@ -74,8 +80,11 @@ __all__ = [
     "MAX_RECORDS",
     "MAX_RECORD_LIFETIME_MS",
     "MAX_RECORD_WIRE_BYTES",
+    "MAX_SUBJECT_BYTES",
     "MINUTE_MS",
+    "NODE_SUBJECT_PREFIX",
     "ONION_KEY_BYTES",
+    "ORG_SUBJECT_PREFIX",
     "RECORD_DOMAIN",
     "RECORD_LEAF_DOMAIN",
     "RECORD_SET_DOMAIN",

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Protocol
 
 from multiaddr import transforms as _ma
 
+from ps_p2p.records.limits import NODE_SUBJECT_PREFIX, ORG_SUBJECT_PREFIX
 from ps_p2p.records.multiaddrs import multiaddr_bytes
+
+_NO_REPUTATIONS: Mapping[bytes, float] = MappingProxyType({})
 
 
 class Role(enum.IntEnum):
@@ -97,6 +102,20 @@ class NodeRecord:
         )
 
 
+def reputation_subject(peer_id: bytes, organization: str = "") -> bytes:
+    """Whose reputation a model node carries (PlanetServe sec. 3.1: "model nodes from the same
+    organization share the same reputation score"): ``b"org\\x00" || utf8(organization)`` when
+    its record names an organization, else ``b"node\\x00" || peer_id``.
+
+    Args:
+        peer_id: the node's peer ID bytes.
+        organization: its record's organization field ("" for none).
+    """
+    if organization:
+        return ORG_SUBJECT_PREFIX + organization.encode("utf-8")
+    return NODE_SUBJECT_PREFIX + bytes(peer_id)
+
+
 @dataclass(frozen=True)
 class Directory:
     """The node records the verifier committee committed at a height.
@@ -107,12 +126,42 @@ class Directory:
             commits the state, and until when a node uses it without a fresher one.
         records: sorted by peer ID when built by a
             :class:`~ps_p2p.consensus.replica.CommitteeReplica`.
+        reputations: reputation subject (:func:`reputation_subject`) -> committed reputation
+            R in [0, 1] (verified against the app hash like the records; empty when the
+            committee scored nobody). Not compared by ``==``.
+        untrusted_below: the genesis threshold: R below it is untrusted.
+        initial_reputation: the genesis R(0) of a subject never scored.
     """
 
     height: int
     issued_at_ms: int
     expires_at_ms: int
     records: tuple[NodeRecord, ...]
+    reputations: Mapping[bytes, float] = field(default_factory=lambda: _NO_REPUTATIONS,
+                                               compare=False)
+    untrusted_below: float = 0.4
+    initial_reputation: float = 0.5
+
+    def reputation(self, peer_id: bytes) -> float | None:
+        """The committed reputation R in [0, 1] of ``peer_id``'s subject (its organization's,
+        or its own: :func:`reputation_subject`), or None when the committee never scored it
+        (or it is not listed)."""
+        record = self.record(peer_id)
+        if record is None:
+            return None
+        return self.reputations.get(reputation_subject(peer_id, record.organization))
+
+    def reputation_or_initial(self, peer_id: bytes) -> float:
+        """:meth:`reputation`, or ``initial_reputation`` for a node never scored."""
+        reputation = self.reputation(peer_id)
+        return self.initial_reputation if reputation is None else reputation
+
+    def trusted(self, peer_id: bytes) -> bool:
+        """False only when ``peer_id``'s committed reputation is below ``untrusted_below``
+        (paper sec. 3.4); a node never scored is trusted (a new subject starts at the genesis'
+        ``initial`` reputation, which is trusted)."""
+        reputation = self.reputation(peer_id)
+        return reputation is None or reputation >= self.untrusted_below
 
     def users(self) -> list[NodeRecord]:
         """Records with :attr:`Role.USER`, in directory order."""
@@ -136,4 +185,5 @@ __all__ = [
     "NodeRecord",
     "Role",
     "Signer",
+    "reputation_subject",
 ]

@@ -249,6 +249,48 @@ class _Waiter:
         self.on_text = on_text
 
 
+def trusted_model_nodes(directory: Directory, model_id: str | None = None) -> list[NodeRecord]:
+    """The directory's model nodes a user may send to (PlanetServe sec. 3.4: "nodes below a
+    threshold are no longer trusted"); pure.
+
+    Args:
+        directory: the verified directory (its committed reputations and threshold).
+        model_id: only nodes serving it (None: any model).
+
+    Returns:
+        The model nodes :meth:`Directory.trusted` accepts (a node never scored is trusted),
+        highest committed reputation first (:meth:`Directory.reputation_or_initial`); equal
+        reputations keep the directory's order.
+    """
+    nodes = [
+        r for r in directory.model_nodes()
+        if (model_id is None or r.model_id == model_id) and directory.trusted(r.peer_id)
+    ]
+    nodes.sort(key=lambda r: -directory.reputation_or_initial(r.peer_id))
+    return nodes
+
+
+def choose_model_node(peers: Sequence[bytes], directory: Directory,
+                      rng: random.Random) -> bytes:
+    """One of ``peers`` (model nodes equal in what the user asked for: same model), preferring
+    higher reputation: drawn with probability proportional to each one's committed reputation
+    (:meth:`Directory.reputation_or_initial`); pure given ``rng``.
+
+    Proportional, not "always the best": honest nodes have similar reputations (their mean
+    credibility), so the load still spreads over all of them, while a node at 0.9 gets twice
+    the requests of one at 0.45. Untrusted nodes are left out before (:func:`trusted_model_nodes`).
+
+    Raises:
+        ValueError: ``peers`` empty.
+    """
+    if not peers:
+        raise ValueError("no model node to choose from")
+    weights = [directory.reputation_or_initial(p) for p in peers]
+    if not math.fsum(weights) > 0.0:
+        return rng.choice(list(peers))
+    return rng.choices(list(peers), weights=weights)[0]
+
+
 class UserClient:
     """Path pool and anonymous requests of one user node: both cores on one
     :class:`~ps_p2p.protocols.driver.CoreDriver` (see the module docstring).
@@ -307,6 +349,7 @@ class UserClient:
             rng=self._rng,
             random_bytes=random_bytes,
             model_nodes=lambda model_id: [r.peer_id for r in self.model_nodes(model_id)],
+            choose_model_node=self._choose_model_node,
         )
         self._handles: dict[int, PathHandle] = {}
         self._path_ids: dict[tuple[bytes, bytes], int] = {}
@@ -396,11 +439,20 @@ class UserClient:
         await self.driver.wait_processed()
 
     def model_nodes(self, model_id: str | None = None) -> list[NodeRecord]:
-        """Model node records of the current directory (optionally serving ``model_id``)."""
+        """The model nodes of the current directory this user may send to (optionally serving
+        ``model_id``): :func:`trusted_model_nodes`, the untrusted ones left out, highest
+        committed reputation first. A request (and its replacement when its model node is
+        lost) goes only to one of them, and a forwarded answer only counts from one of them."""
         directory = self._directory()
         if directory is None:
             return []
-        return [r for r in directory.model_nodes() if model_id is None or r.model_id == model_id]
+        return trusted_model_nodes(directory, model_id)
+
+    def _choose_model_node(self, peers: Sequence[bytes]) -> bytes:
+        directory = self._directory()
+        if directory is None:
+            return self._rng.choice(list(peers))
+        return choose_model_node(peers, directory, self._rng)
 
     async def ask(
         self,
@@ -499,7 +551,8 @@ class UserClient:
                 if model_id else "no model node in the directory"
             )
             return answer_from_outcome(Outcome(request_id, None, error, 0, 0, 0.0))
-        target = self._rng.choice(candidates)
+        chosen = self._choose_model_node([r.peer_id for r in candidates])
+        target = next(r for r in candidates if r.peer_id == chosen)
         spec = RequestSpec(
             request_id=request_id,
             destination=target.peer_id,
@@ -791,6 +844,14 @@ class UserClient:
 
 
 __all__ = [
-    "Answer", "OUTCOME_LABELS", "UserClient", "UserConfig", "UserPath", "answer_from_outcome",
-    "describe", "outcome_label",
+    "OUTCOME_LABELS",
+    "Answer",
+    "UserClient",
+    "UserConfig",
+    "UserPath",
+    "answer_from_outcome",
+    "choose_model_node",
+    "describe",
+    "outcome_label",
+    "trusted_model_nodes",
 ]

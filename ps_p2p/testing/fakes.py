@@ -32,7 +32,7 @@ from ps_p2p.errors import (
 from ps_p2p.keys import Identity, NodeKeys
 from ps_p2p.protocols.overlay import PathHandle
 from ps_p2p.records import Directory, NodeRecord, Role, sign_record
-from ps_p2p.roles.user import Answer, UserPath, describe
+from ps_p2p.roles.user import Answer, UserPath, describe, trusted_model_nodes
 
 
 class InstantEngine(Engine):
@@ -199,11 +199,13 @@ class FakeUserClient:
         return list(self._paths)
 
     def model_nodes(self, model_id: str | None = None) -> list[NodeRecord]:
-        """Model node records of the directory (optionally serving ``model_id``)."""
+        """The trusted model nodes of the directory, highest reputation first (optionally
+        serving ``model_id``), as the real one (:func:`~ps_p2p.roles.user.trusted_model_nodes`);
+        :meth:`ask` sends to the first (the real one draws weighted by reputation)."""
         directory = self._directory()
         if directory is None:
             return []
-        return [r for r in directory.model_nodes() if model_id is None or r.model_id == model_id]
+        return trusted_model_nodes(directory, model_id)
 
     async def ask(
         self,

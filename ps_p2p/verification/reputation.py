@@ -52,12 +52,11 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from ps_p2p.errors import InvalidScoreError, LocalProtocolError, ReputationBookFullError
-from ps_p2p.records.limits import MAX_RECORDS
+from ps_p2p.records.limits import MAX_RECORDS, NODE_SUBJECT_PREFIX, ORG_SUBJECT_PREFIX
+from ps_p2p.records.types import reputation_subject
 
 #: Longest sliding window accepted in a genesis file.
 MAX_WINDOW = 64
-ORG_SUBJECT_PREFIX = b"org\x00"
-NODE_SUBJECT_PREFIX = b"node\x00"
 
 
 @dataclass(frozen=True)
@@ -183,15 +182,14 @@ def is_trusted(state: ReputationState, params: ReputationParams = DEFAULT_REPUTA
 
 
 def subject_of(peer_id: bytes, organization: str = "") -> bytes:
-    """The reputation subject of a model node (module docstring, "Subjects").
+    """The reputation subject of a model node (module docstring, "Subjects"); the same function
+    as :func:`ps_p2p.records.reputation_subject`, which the directory uses.
 
     Args:
         peer_id: the node's peer ID bytes.
         organization: its record's organization field ("" for none).
     """
-    if organization:
-        return ORG_SUBJECT_PREFIX + organization.encode("utf-8")
-    return NODE_SUBJECT_PREFIX + bytes(peer_id)
+    return reputation_subject(peer_id, organization)
 
 
 @dataclass
@@ -302,6 +300,8 @@ class ReputationBook:
 __all__ = [
     "DEFAULT_REPUTATION",
     "MAX_WINDOW",
+    "NODE_SUBJECT_PREFIX",
+    "ORG_SUBJECT_PREFIX",
     "ReputationBook",
     "ReputationParams",
     "ReputationState",

@@ -1,0 +1,186 @@
+"""Users act on the committed reputations (issue 9 part 4): they never send to an untrusted
+model node, neither first nor as the replacement of a lost one, and prefer higher reputation
+among nodes of the same model. Pure helpers, the request core's replacement choice, and the
+user client with a real :class:`Directory` and a fake overlay (no network)."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+import trio
+from test_model_node_lost import _spec
+from test_requests import READY, PickleCodec, _of, _verify_clove, _verify_reply
+from test_user_client import FakeOverlay
+
+from ps_p2p.config import UserConfig
+from ps_p2p.errors import NoModelNodeError
+from ps_p2p.overlay.requests import RequestConfig, RequestCore, SendClove
+from ps_p2p.records import Directory, NodeRecord, Role, reputation_subject
+from ps_p2p.roles.user import UserClient, choose_model_node, trusted_model_nodes
+from ps_p2p.testing.fakes import FakeUserClient
+
+T0 = 1_700_000_000_000
+
+
+def model(name: bytes, model_id: str = "fake-model", org: str = "") -> NodeRecord:
+    return NodeRecord(name, (), frozenset({Role.MODEL}), bytes(32), model_id, org,
+                      issued_at_ms=T0, expires_at_ms=T0 + 1)
+
+
+A, B, C, D = (model(b"model-" + bytes([x])) for x in b"ABCD")
+E = model(b"model-E", org="acme")
+
+
+def directory(*records: NodeRecord, **reputations: float) -> Directory:
+    """``reputations``: by the record's last letter (``acme`` for the organization)."""
+    by_name = {r.peer_id[-1:].decode(): r for r in records}
+    reps = {}
+    for name, value in reputations.items():
+        if name == "acme":
+            reps[reputation_subject(b"", "acme")] = value
+        else:
+            reps[reputation_subject(by_name[name].peer_id)] = value
+    return Directory(1, T0, T0 + 1, tuple(records), reps, untrusted_below=0.4,
+                     initial_reputation=0.5)
+
+
+def test_directory_trust_follows_the_committed_reputation_and_the_threshold():
+    d = directory(A, B, C, E, A=0.39, B=0.4, acme=0.1)
+    assert not d.trusted(A.peer_id) and d.reputation(A.peer_id) == 0.39
+    assert d.trusted(B.peer_id)  # at the threshold: trusted
+    assert d.trusted(C.peer_id) and d.reputation(C.peer_id) is None  # never scored
+    assert d.reputation_or_initial(C.peer_id) == 0.5
+    assert not d.trusted(E.peer_id)  # its organization's reputation
+    assert d.trusted(b"unlisted") and d.reputation(b"unlisted") is None
+
+
+def test_untrusted_model_nodes_are_left_out_and_the_rest_ranked_by_reputation():
+    other = model(b"model-X", model_id="other")
+    d = directory(A, B, C, D, E, other, A=0.2, B=0.6, D=0.9, acme=0.3)
+    assert [r.peer_id for r in trusted_model_nodes(d, "fake-model")] == \
+        [D.peer_id, B.peer_id, C.peer_id]  # 0.9, 0.6, unscored 0.5; A and E untrusted
+    assert [r.peer_id for r in trusted_model_nodes(d)][-1] in (C.peer_id, other.peer_id)
+    assert other.peer_id not in [r.peer_id for r in trusted_model_nodes(d, "fake-model")]
+
+
+def test_the_choice_prefers_higher_reputation_in_proportion():
+    d = directory(A, B, C, A=0.9, B=0.45)
+    rng = random.Random(7)
+    peers = [A.peer_id, B.peer_id, C.peer_id]
+    counts = collections.Counter(choose_model_node(peers, d, rng) for _ in range(6000))
+    # expected shares 0.9 : 0.45 : 0.5 (C unscored, at initial) of 1.85
+    assert counts[A.peer_id] == pytest.approx(6000 * 0.9 / 1.85, rel=0.08)
+    assert counts[B.peer_id] == pytest.approx(6000 * 0.45 / 1.85, rel=0.12)
+    assert counts[A.peer_id] > counts[C.peer_id] > counts[B.peer_id]
+    with pytest.raises(ValueError):
+        choose_model_node([], d, rng)
+
+
+def test_a_lost_model_node_is_replaced_by_the_users_choice_only():
+    chosen: list[list[bytes]] = []
+
+    def choose(peers):
+        chosen.append(list(peers))
+        return peers[-1]
+
+    m1, m2, m3 = b"model-node-M", b"model-node-N", b"model-node-O"
+    core = RequestCore(
+        RequestConfig(total=4, threshold=3), PickleCodec(), lambda p: p in (m1, m2, m3),
+        rng=random.Random(3), random_bytes=random.Random(5).randbytes,
+        verify_clove=_verify_clove, verify_reply=_verify_reply,
+        model_nodes=lambda model_id: [m1, m2, m3], choose_model_node=choose,
+    )
+    sent = _of(core.start(_spec(), 0.0, READY), SendClove)
+    core.delivery_failed(sent[0].reply_tag, sent[0].path_id, 1.0)
+    core.delivery_failed(sent[1].reply_tag, sent[1].path_id, 1.0)
+    resent = _of(core.tick(1.0, READY), SendClove)
+    assert chosen == [[m2, m3]]  # the lost one left out, the rest offered to the user's choice
+    assert {s.destination for s in resent} == {m3}
+
+
+async def test_a_user_never_sends_to_an_untrusted_model_node(autojump_clock):
+    d = directory(A, B, A=0.1, B=0.2)
+    client = UserClient(FakeOverlay(answer_probes=False), lambda: d, UserConfig(),
+                        rng=random.Random(1))  # type: ignore[arg-type]
+    assert client.model_nodes() == []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.run)
+        answer = await client.ask("hello", timeout=5.0)
+        assert not answer.ok and isinstance(answer.exception, NoModelNodeError)
+        named = await client.ask("hello", model_node=A.peer_id, timeout=5.0)  # asked by name
+        assert not named.ok and isinstance(named.exception, NoModelNodeError)
+        nursery.cancel_scope.cancel()
+    d2 = directory(A, B, A=0.1)
+    client2 = UserClient(FakeOverlay(answer_probes=False), lambda: d2, UserConfig(),
+                         rng=random.Random(1))  # type: ignore[arg-type]
+    assert [r.peer_id for r in client2.model_nodes()] == [B.peer_id]
+    assert {client2._choose_model_node([B.peer_id]) for _ in range(5)} == {B.peer_id}
+
+
+async def test_the_fake_user_client_follows_the_same_rule():
+    d = directory(A, B, C, A=0.95, B=0.1, C=0.6)
+    fake = FakeUserClient(lambda: d, [[b"relay-1", b"relay-2", b"proxy"]])
+    answer = await fake.ask("hello")
+    assert answer.ok and answer.served_by == A.peer_id  # the best trusted one
+    assert B.peer_id not in [r.peer_id for r in fake.model_nodes()]
+
+
+# ---------------------------------------------------------------------------------- model node
+
+
+def test_an_untrusted_model_node_is_told_once_per_change_in_its_log_and_status(tmp_path, caplog):
+    import logging
+
+    from ps_p2p.config import NodeConfig
+    from ps_p2p.keys import NodeKeys
+    from ps_p2p.node import Node
+    from ps_p2p.testing.fakes import InstantEngine
+
+    keys = NodeKeys.generate()
+    node = Node(NodeConfig(roles=["model"], home=str(tmp_path), model="fake",
+                           bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + keys.identity.peer_id_str]),
+                keys,
+                InstantEngine())
+    me = model(keys.identity.peer_id)
+    assert node.reputation_status() == {"reputation": None, "trusted": True,
+                                        "untrusted_below": None}
+
+    def install(reputation: float | None) -> list[str]:
+        caplog.clear()
+        reps = {} if reputation is None else {reputation_subject(me.peer_id): reputation}
+        d = Directory(1, T0, T0 + 1, (me,), reps, untrusted_below=0.4)
+        with caplog.at_level(logging.INFO, logger="ps_p2p.node"):
+            node._note_own_trust(d)
+        node.directory = d
+        return [r.levelname + " " + r.getMessage() for r in caplog.records]
+
+    assert install(None) == []  # never scored: trusted, nothing to say
+    assert install(0.7) == []
+    (warning,) = install(0.3)
+    assert warning.startswith("WARNING") and "UNTRUSTED" in warning and "0.300" in warning
+    assert install(0.25) == []  # still untrusted: told once
+    assert node.reputation_status() == {"reputation": 0.25, "trusted": False,
+                                        "untrusted_below": 0.4}
+    (info,) = install(0.45)
+    assert info.startswith("INFO") and "trusted again" in info
+    assert node.trusted is True
+
+
+def test_ps_node_status_shows_a_model_nodes_trust(tmp_path, capsys):
+    import json
+    import time
+
+    from ps_p2p import cli
+
+    status = {
+        "pid": 1, "peer_id": "12D3KooWTest", "roles": ["model"], "listen": [], "api": None,
+        "directory": {"height": 7, "users": 5, "model_nodes": 2}, "ready_paths": 0,
+        "committee": None, "written_at_ms": int(time.time() * 1000),
+        "reputation": {"reputation": 0.123, "trusted": False, "untrusted_below": 0.4},
+    }
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    assert cli.main(["status", "--home", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reputation 0.123: UNTRUSTED (below 0.4)" in out
