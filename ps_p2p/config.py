@@ -62,7 +62,10 @@ class ForwardingConfig:
             output, ``ps_p2p.gossip.sentry``): the first chunks' lengths in tokens, the length
             of every later chunk, and L's version (all nodes of a group must agree).
         tau_c: chunks a prompt must match to count as a cache hit (Algorithm 2's threshold).
-        overload_threshold: F_LB above which a cache holder is passed over (seconds).
+        overload_threshold: F_LB above which a cache holder is passed over (seconds; default
+            10: in the forwarding experiment 5 s made every cache-aware policy fall back to the
+            no-forwarding hit rate just past saturation, 10 s kept it, for ~4% more latency
+            below saturation; benchmarks/README.md, "Overlay forwarding").
         load_interval: seconds between load reports (about 1 s: stale load is the enemy).
         delta_interval: seconds between subtree deltas (the paper syncs every 5 s).
         load_max_age: a peer's load report older than this is unknown (not idle).
@@ -75,7 +78,7 @@ class ForwardingConfig:
     chunk_default: int = 16
     chunk_version: int = 0
     tau_c: int = 1
-    overload_threshold: float = 5.0
+    overload_threshold: float = 10.0
     load_interval: float = 1.0
     delta_interval: float = 2.0
     load_max_age: float = 3.0

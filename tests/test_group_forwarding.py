@@ -129,3 +129,17 @@ def test_bad_forwarding_settings_are_config_errors():
     with pytest.raises(ConfigError, match="chunk lengths"):
         dataclasses.replace(CONFIG, chunk_lengths=[0]).validate()
     assert ForwardingConfig().key_bytes("m") != ForwardingConfig().key_bytes("n")
+
+
+def test_an_untrusted_model_node_is_no_member_of_the_group():
+    from ps_p2p.records.types import reputation_subject
+
+    me, _ = _forwarding(A)
+    directory = _directory(_node(A), _node(B), _node(C))
+    scored = Directory(directory.height, directory.issued_at_ms, directory.expires_at_ms,
+                       directory.records,
+                       reputations={reputation_subject(B.peer_id, ""): 0.1,
+                                    reputation_subject(C.peer_id, ""): 0.9})
+    me.set_directory(scored)
+    assert me.members == {C.peer_id}  # never a forwarding target nor a gossip source
+    assert not me.is_member(B.peer_id)  # and its forwards are refused

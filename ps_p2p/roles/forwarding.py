@@ -123,9 +123,10 @@ class GroupForwarding:
         subtrees and load are dropped)."""
         if directory is None:
             return
-        group = frozenset(
+        group = frozenset(  # trusted ones only (issue 9: the committee's reputation)
             r.peer_id for r in directory.model_nodes()
             if r.model_id == self.model_id and r.peer_id != self.me and Role.MODEL in r.roles
+            and directory.trusted(r.peer_id)
         )
         self.group = group
         members = group
