@@ -969,7 +969,17 @@ async def _devnet(opts: DevnetOptions) -> int:
         split = len(prompts) if not killing else max(1, len(prompts) // 3)
         common = dict(concurrency=opts.concurrency, max_tokens=opts.max_tokens,
                       timeout=opts.timeout, on_result=show)
-        await net.send_prompts(prompts[:split], askers=askers, **common)  # type: ignore[arg-type]
+        first = 0
+        if opts.shared_prefix and len(prompts) > 1 and split > 1:
+            # one model node caches the shared prefix first; once the group has its HR-tree
+            # delta (gossiped every 2 s), prompts entering elsewhere are forwarded to it
+            await net.send_prompts(prompts[:1], askers=askers, **common)  # type: ignore[arg-type]
+            print("  shared prefix cached by one model node; waiting 3 s for the group's "
+                  "HR-tree gossip", flush=True)
+            await trio.sleep(3.0)
+            first = 1
+        await net.send_prompts(prompts[first:split], askers=askers, offset=first,
+                               **common)  # type: ignore[arg-type]
         restarted = ""
         if killing:
             # kill-verifier: killed during the second third, restarted from its home during
