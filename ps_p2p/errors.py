@@ -136,7 +136,8 @@ class KVEventDecodeError(RemoteProtocolError):
 class SubtreeSyncError(RemoteProtocolError):
     """A peer's HR-subtree delta or snapshot (:mod:`ps_p2p.gossip.hr_tree`) is malformed,
     oversized, non-canonical, or for another chunk-length (L) version: refused, the peer's
-    replica unchanged."""
+    replica unchanged. (A well-formed delta whose insert names a prefix the replica does not
+    hold is not this error: the replica drops that peer's entries and asks for a snapshot.)"""
 
 
 class ConsensusError(RemoteProtocolError):
