@@ -49,8 +49,7 @@ async def test_a_prompt_cached_on_b_entering_at_a_is_served_by_b_with_as_voucher
 
 async def test_a_forward_from_a_node_outside_the_model_group_is_refused():
     import pytest
-    from libp2p.network.stream.exceptions import StreamError
-    from libp2p.protocol_muxer.exceptions import MultiselectClientError
+    from libp2p.exceptions import BaseLibp2pError
 
     from ps_p2p.errors import RemoteProtocolError
     from ps_p2p.inference import InferenceQuery, SamplingParams
@@ -63,8 +62,9 @@ async def test_a_forward_from_a_node_outside_the_model_group_is_refused():
         q = encode_query(InferenceQuery(b"q" * 16, "sim", "hello", SamplingParams(max_tokens=2),
                                         ()))
         # a user node (listed, but not a model node of the group) may not forward to it
-        # reset before or after the protocol negotiation completes, as the timing falls
-        with pytest.raises((RemoteProtocolError, StreamError, MultiselectClientError)):
+        # reset before, during or after the protocol negotiation, as the timing falls: one of
+        # py-libp2p's errors (StreamError, MultiselectClientError, StreamFailure) or ours
+        with pytest.raises((RemoteProtocolError, BaseLibp2pError)):
             await forward_request(user.host, model.peer_id, q, lambda text: None)
         assert model.model.forward_service.refused == 1
         assert model.model.forwards["received"] == 0
