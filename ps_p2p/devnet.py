@@ -974,9 +974,9 @@ async def _devnet(opts: DevnetOptions) -> int:
             # one model node caches the shared prefix first; once the group has its HR-tree
             # delta (gossiped every 2 s), prompts entering elsewhere are forwarded to it
             await net.send_prompts(prompts[:1], askers=askers, **common)  # type: ignore[arg-type]
-            print("  shared prefix cached by one model node; waiting 3 s for the group's "
-                  "HR-tree gossip", flush=True)
-            await trio.sleep(3.0)
+            print("  shared prefix cached by one model node; waiting for the group's HR-tree "
+                  "gossip", flush=True)
+            await _until_prefix_gossiped(net)
             first = 1
         await net.send_prompts(prompts[first:split], askers=askers, offset=first,
                                **common)  # type: ignore[arg-type]
@@ -1032,6 +1032,22 @@ async def _devnet(opts: DevnetOptions) -> int:
     if opts.json_out:
         print(f"results written to {opts.json_out}")
     return 0 if len(ok) == len(prompts) and "NOT catch up" not in evidence else 1
+
+
+async def _until_prefix_gossiped(net: Devnet, timeout: float = 30.0) -> None:
+    """Wait until every model node but one (the one that served the first prompt) reports a
+    peer's prefixes in its HR-tree (status ``forwarding.peer_entries``), at most ``timeout``
+    seconds."""
+    def knowing() -> int:
+        return sum(1 for m in net.models
+                   if (m.status.get("forwarding") or {}).get("peer_entries", 0) > 0)
+
+    with trio.move_on_after(timeout):
+        while knowing() < len(net.models) - 1:
+            await net.wait_changed()
+        return
+    print(f"  (only {knowing()} model node(s) heard of the prefix within {timeout:.0f} s)",
+          flush=True)
 
 
 async def _wait_port_free(listen: str, timeout: float) -> None:
@@ -1405,12 +1421,18 @@ class _WorkerProcess:
             if committee is not None:  # a committee verifier: its height, signatures, evidence
                 status["committee"] = {k: committee[k] for k in (
                     "evidence", "equivocators", "committed_height", "signed", "blocks_synced")}
+            if node.forwarding is not None:  # a model node: the peers' prefixes it knows of
+                tree = node.forwarding.tree
+                status["forwarding"] = {"peer_entries": sum(
+                    tree.entries(p) for p in tree.peers() if p != node.peer_id)}
             if status != last:
                 self._emit(status)
                 last = status
             waits = [node.wait_directory_update]
             if node.user is not None:
                 waits.append(node.user.wait_changed)
+            if node.forwarding is not None:
+                waits.append(node.forwarding.wait_changed)
             async with trio.open_nursery() as race:
                 for wait in waits:
                     race.start_soon(_then_cancel, wait, race.cancel_scope)

@@ -169,7 +169,4 @@ class CommitteeClient:
         return directory, self.replica.last_changed
 
 
-#: The interface the node uses (one implementation since the single-verifier mode was removed).
-DirectoryClient = CommitteeClient
-
-__all__ = ["CommitteeClient", "DirectoryClient", "GenesisPendingError", "UntrustedGenesisError"]
+__all__ = ["CommitteeClient", "GenesisPendingError", "UntrustedGenesisError"]

@@ -163,17 +163,23 @@ def test_transformers_engine_without_a_model_is_a_usage_error(tmp_path):
     assert "--engine transformers needs --model" in done.stderr
 
 
-@pytest.mark.slow
-def test_a_committee_devnet_answers_every_prompt_while_a_validator_is_killed(tmp_path):
+def _committee_devnet(tmp_path, perturb: str):
+    """A 4-verifier devnet (instant engine, 6 prompts) under ``perturb``: (result, JSON out,
+    work dir)."""
     out = tmp_path / "results.jsonl"
     work = tmp_path / "work"
-
     done = _devnet(
         tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 6)),
         "--users", "6", "--models", "1", "--verifiers", "4",
         "--nodes-per-process", "4", "--concurrency", "2", "--timeout", "60",
-        "--perturb", "kill-verifier", "--json", str(out), "--workdir", str(work),
+        "--perturb", perturb, "--json", str(out), "--workdir", str(work),
     )
+    return done, out, work
+
+
+@pytest.mark.slow
+def test_a_committee_devnet_answers_every_prompt_while_a_validator_is_killed(tmp_path):
+    done, out, work = _committee_devnet(tmp_path, "kill-verifier")
 
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "a committee of 4 verifier(s)" in done.stdout
@@ -209,15 +215,7 @@ def test_the_verifiers_are_always_a_committee(tmp_path, flag):
 
 @pytest.mark.slow
 def test_a_committee_devnet_with_a_byzantine_verifier_answers_and_commits_evidence(tmp_path):
-    out = tmp_path / "results.jsonl"
-    work = tmp_path / "work"
-
-    done = _devnet(
-        tmp_path, "--engine", "instant", "--prompts", str(_prompt_file(tmp_path, 6)),
-        "--users", "6", "--models", "1", "--verifiers", "4",
-        "--nodes-per-process", "4", "--concurrency", "2", "--timeout", "60",
-        "--perturb", "byzantine-verifier", "--json", str(out), "--workdir", str(work),
-    )
+    done, out, work = _committee_devnet(tmp_path, "byzantine-verifier")
 
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "a committee of 4 verifier(s)" in done.stdout

@@ -41,7 +41,7 @@ from ps_p2p.errors import RemoteProtocolError
 from ps_p2p.inference import InferenceReply
 from ps_p2p.pb.planetserve.v1 import forward_pb2
 from ps_p2p.protocols.framing import encode_frame, read_frame
-from ps_p2p.protocols.handlers import StreamHandlers, exchange, reset_quietly, serve_handlers
+from ps_p2p.protocols.handlers import exchange, reset_quietly, serve_handlers
 from ps_p2p.protocols.inference_codec import reply_from_pb, reply_to_pb
 from ps_p2p.protocols.wire import parse
 from ps_p2p.records.peer_ids import peer_label
@@ -101,16 +101,6 @@ class ForwardService:
         self.open = 0
         self.served = 0
         self.refused = 0
-
-    def register_handlers(self, host: IHost) -> StreamHandlers:
-        """Serve the protocol on ``host`` until the returned handlers' ``aclose()``.
-
-        Raises:
-            ConfigError: the host already serves it.
-        """
-        handlers = StreamHandlers(host)
-        handlers.add(FORWARD_PROTOCOL_ID, self._handle_stream)
-        return handlers
 
     async def serve(
         self, host: IHost, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

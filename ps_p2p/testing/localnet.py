@@ -15,7 +15,6 @@ import logging
 import pathlib
 import random
 import tempfile
-import weakref
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -45,6 +44,8 @@ class LocalNet:
     models: list[Node]
     users: list[Node]
     scopes: dict[bytes, trio.CancelScope] = field(default_factory=dict)
+    #: peer IDs of the nodes stopped by :meth:`crash`
+    crashed: set[bytes] = field(default_factory=set)
     #: every verifier of the committee
     verifiers: list[Node] = field(default_factory=list)
     #: the genesis file of the committee
@@ -77,24 +78,23 @@ class LocalNet:
         Args:
             close_timeout: seconds allowed for closing the connections.
         """
-        _CRASHED.add(node)  # what its host's tasks raise while it dies is not the test's
+        self.crashed.add(node.peer_id)  # what its dying host raises is not the test's
         if node.host is not None:
             with trio.move_on_after(close_timeout):
                 await node.host.get_network().close()
         self.kill(node)
 
 
-#: nodes stopped by LocalNet.crash (their dying hosts may raise, e.g. py-libp2p reading the
-#: address of a listener just closed)
-_CRASHED: "weakref.WeakSet[Node]" = weakref.WeakSet()
-
-
-async def _run_node(node: Node, scope: trio.CancelScope, *, task_status: trio.TaskStatus[Node]) -> None:
+async def _run_node(node: Node, scope: trio.CancelScope, crashed: set[bytes], *,
+                    task_status: trio.TaskStatus[Node]) -> None:
+    """Run ``node`` in ``scope``; once it is in ``crashed`` (LocalNet.crash), what its dying host
+    raises (e.g. py-libp2p reading the address of a listener just closed) is logged, not
+    raised."""
     try:
         with scope:
             await node.run(task_status=task_status)
     except Exception as exc:
-        if node not in _CRASHED:
+        if node.peer_id not in crashed:
             raise
         log.debug("crashed node %s raised while dying: %r", node.keys.identity.peer_id_str, exc)
 
@@ -183,6 +183,7 @@ async def _open_localnet(
 ) -> AsyncIterator[LocalNet]:
     async with trio.open_nursery() as nursery:
         net_scopes: dict[bytes, trio.CancelScope] = {}
+        crashed: set[bytes] = set()
 
         async def start(config: NodeConfig, engine: Engine | None = None,
                         keys: NodeKeys | None = None) -> Node:
@@ -190,7 +191,7 @@ async def _open_localnet(
                         rng=random.Random(rng.random()))
             scope = trio.CancelScope()
             net_scopes[node.peer_id] = scope
-            return await nursery.start(_run_node, node, scope)
+            return await nursery.start(_run_node, node, scope, crashed)
 
         fast = dict(
             directory_refresh=0.5,
@@ -233,8 +234,8 @@ async def _open_localnet(
 
         for i in range(users):
             user_nodes.append(await start_user(i))
-        net = LocalNet(verifier, model_nodes, user_nodes, net_scopes, verifiers, genesis_path,
-                       start_user)
+        net = LocalNet(verifier, model_nodes, user_nodes, net_scopes, crashed=crashed,
+                       verifiers=verifiers, genesis_path=genesis_path, _start_user=start_user)
         with trio.fail_after(ready_timeout):
             for node in user_nodes:
                 await node.wait_directory(min_users=users, min_models=models, timeout=ready_timeout)
