@@ -24,8 +24,16 @@ Format (all keys required except ``consensus``, ``admission``, ``block_limits`` 
       "admission": {"max_records_per_network": 32, ...},
       "block_limits": {"max_block_bytes": 1048576, "max_txs": 1000, "max_tx_bytes": 8192},
       "reputation": {"alpha": 0.4, "beta": 0.6, "window": 5, "tau": 0.5, "gamma": 0.2,
-                     "untrusted_below": 0.4, "initial": 0.5}
+                     "untrusted_below": 0.4, "initial": 0.5},
+      "verification": {"model_id": "stories260K", "pool_sha256": "<64 hex digits>",
+                       "pool_size": 80, "sampling": [{"max_tokens": 64, "temperature": 0.0,
+                       "top_p": 1.0}], "attempt_ms": 60000, ...}
     }
+
+``verification`` (optional: without it the chain runs no challenge epochs) is
+:class:`~ps_p2p.verification.ledger.VerificationParams`: ``model_id``, ``pool_sha256`` (the
+:func:`~ps_p2p.verification.ledger.pool_digest` of the prompt pool every verifier loads) and
+``pool_size`` are required.
 
 Errors: :class:`~ps_p2p.errors.ConfigError` naming the file and the field.
 """
@@ -47,6 +55,7 @@ from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.types import Validator
 from ps_p2p.errors import ConfigError, PsError
+from ps_p2p.verification.ledger import SamplingOption, VerificationParams
 from ps_p2p.verification.reputation import ReputationParams
 
 #: Largest genesis file read (bytes): 128 validators with names fit many times over.
@@ -102,6 +111,8 @@ def genesis_json(
         "block_limits": dataclasses.asdict(genesis.limits),
         "reputation": dataclasses.asdict(genesis.reputation),
     }
+    if genesis.verification is not None:
+        data["verification"] = dataclasses.asdict(genesis.verification)
     return json.dumps(data, indent=2) + "\n"
 
 
@@ -175,7 +186,7 @@ def parse_genesis(data: Any, *, source: str = "genesis") -> GenesisFile:
     if not isinstance(data, dict):
         raise fail("not a JSON object")
     unknown = set(data) - {"chain_id", "genesis_time_ms", "validators", "consensus",
-                           "admission", "block_limits", "reputation"}
+                           "admission", "block_limits", "reputation", "verification"}
     if unknown:
         raise fail(f"unknown key(s) {sorted(unknown)}")
     chain_id = data.get("chain_id")
@@ -208,11 +219,33 @@ def parse_genesis(data: Any, *, source: str = "genesis") -> GenesisFile:
                       tuple(f.name for f in dataclasses.fields(BlockLimits)), fail)
     reputation = _section(data, "reputation", ReputationParams,
                           tuple(f.name for f in dataclasses.fields(ReputationParams)), fail)
+    verification = _verification(data.get("verification"), fail)
     try:
-        genesis = Genesis(chain_id, time_ms, tuple(validators), policy, limits, reputation)
+        genesis = Genesis(chain_id, time_ms, tuple(validators), policy, limits, reputation,
+                          verification)
     except PsError as exc:
         raise fail(str(exc)) from exc
     return GenesisFile(genesis, consensus, names)
+
+
+def _verification(section: Any, fail: Any) -> VerificationParams | None:
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise fail("'verification' must be an object")
+    known = {f.name for f in dataclasses.fields(VerificationParams)}
+    unknown = set(section) - known
+    if unknown:
+        raise fail(f"unknown key(s) in 'verification': {sorted(unknown)}")
+    values = dict(section)
+    try:
+        menu = values.get("sampling", [{}])
+        if not isinstance(menu, list) or not all(isinstance(m, dict) for m in menu):
+            raise TypeError("'sampling' must be a list of objects")
+        values["sampling"] = tuple(SamplingOption(**m) for m in menu)
+        return VerificationParams(**values)
+    except (PsError, TypeError, ValueError) as exc:
+        raise fail(f"'verification': {exc}") from exc
 
 
 def _section(data: dict[str, Any], key: str, cls: type, fields: Sequence[str], fail: Any) -> Any:

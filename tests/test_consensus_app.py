@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps_p2p.consensus import app
+from ps_p2p.verification import ledger
 from ps_p2p.consensus import directory as cdir
 from ps_p2p.consensus.block import ZERO_ID, BlockLimits, block_id, make_block
 from ps_p2p.consensus.signing import sign_vote
@@ -92,7 +93,8 @@ def genesis():
 @pytest.mark.parametrize("tx", [
     app.RegisterTx(record(A, org="Lab")),
     app.sign_deregister(A, CHAIN, T0),
-    app.ReservedTx(app.TxKind.EPOCH_PLAN, b"plan"),
+    ledger.sign_seed_commit(A, CHAIN, 1, b"c" * 32),
+    ledger.sign_miss_report(A, CHAIN, 3, B.peer_id),
 ])
 def test_transactions_round_trip_through_their_canonical_bytes(tx):
     assert app.decode_tx(app.encode_tx(tx), 8192) == tx
@@ -156,11 +158,11 @@ def test_only_validators_may_list_the_verifier_role(genesis):
 
 
 @pytest.mark.parametrize("tx", [
-    app.ReservedTx(app.TxKind.EPOCH_PLAN, b"later"),
-    app.ReputationUpdateTx(1, ((b"node\x00" + b"p" * 38, 900_000),)),  # well-formed, refused
+    ledger.sign_seed_commit(KEYS[0], CHAIN, 1, b"c" * 32),
+    ledger.sign_miss_report(KEYS[0], CHAIN, 1, A.peer_id),
 ])
-def test_reserved_kinds_are_refused_clearly(tx, genesis):
-    with pytest.raises(InvalidTransactionError, match="reserved"):
+def test_epoch_transactions_are_refused_without_a_verification_section(tx, genesis):
+    with pytest.raises(InvalidTransactionError, match="no verification section"):
         app.check_tx(app.encode_tx(tx), genesis, T0)
 
 
@@ -609,47 +611,19 @@ subjects = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(epoch=st.integers(1, 2**64 - 1),
-       scores=st.dictionaries(subjects, st.integers(0, app.MICRO), min_size=1, max_size=20))
-def test_a_reputation_update_round_trips_through_its_canonical_bytes(epoch, scores):
-    tx = app.ReputationUpdateTx(epoch, tuple(sorted(scores.items())))
-    data = app.encode_tx(tx)
-    assert app.decode_tx(data, 64 * 1024) == tx
-    assert app.encode_tx(app.decode_tx(data, 64 * 1024)) == data
-
-
-def _raw_update(epoch: int, scores, *, count: int | None = None, tail: bytes = b"") -> bytes:
-    body = app.u64(epoch) + app.u32(len(scores) if count is None else count) + b"".join(
-        app.lp(s) + app.u32(c) for s, c in scores)
-    return app.TX_DOMAIN + bytes([app.TxKind.REPUTATION_UPDATE]) + body + tail
-
-
-@pytest.mark.parametrize("data, reason", [
-    (_raw_update(1, [(LONE, 1)], tail=b"\x00"), "trailing"),
-    (_raw_update(1, [(LONE, 1)], count=2), "truncated"),
-    (_raw_update(1, []), "0 subjects"),
-    (_raw_update(0, [(LONE, 1)]), "epoch"),
-    (_raw_update(1, [(LONE, app.MICRO + 1)]), "not in"),
-    (_raw_update(1, [(ORG, 1), (LONE, 1)]), "ascending"),   # b"org" > b"node"
-    (_raw_update(1, [(LONE, 1), (LONE, 2)]), "ascending"),  # duplicate
-    (_raw_update(1, [(b"who\x00x", 1)]), "neither"),
-    (_raw_update(1, [(b"org\x00\xff", 1)]), "UTF-8"),
-    (_raw_update(1, [(b"node\x00", 1)]), "wrong length"),
-    (_raw_update(1, [(LONE, 1)], count=app.MAX_REPUTATION_UPDATE_SUBJECTS + 1), "max"),
+@pytest.mark.parametrize("epoch, scores, reason", [
+    (1, [], "0 subjects"),
+    (0, [(LONE, 1)], "epoch"),
+    (1, [(LONE, app.MICRO + 1)], "not in"),
+    (1, [(ORG, 1), (LONE, 1)], "ascending"),   # b"org" > b"node"
+    (1, [(LONE, 1), (LONE, 2)], "ascending"),  # duplicate
+    (1, [(b"who\x00x", 1)], "neither"),
+    (1, [(b"org\x00\xff", 1)], "UTF-8"),
+    (1, [(b"node\x00", 1)], "wrong length"),
 ])
-def test_a_malformed_reputation_update_is_refused_naming_the_fault(data, reason):
+def test_a_malformed_reputation_update_is_refused_naming_the_fault(epoch, scores, reason):
     with pytest.raises(InvalidTransactionError, match=reason):
-        app.decode_tx(data, 1 << 20)
-
-
-def test_a_well_formed_reputation_update_is_still_refused_at_admission_and_execution(genesis):
-    data = app.encode_tx(rep_update(1, (LONE, 0.9)))
-    with pytest.raises(InvalidTransactionError, match="reserved"):
-        app.check_tx(data, genesis, T0)
-    new, result, _ = run(genesis, [data])
-    assert errors(result) == ["InvalidTransactionError"]
-    assert new.reputations == {} and result.reputation_changes == {}
+        app.ReputationUpdateTx(epoch, tuple(scores)).check()
 
 
 def test_applied_reputations_follow_the_rule_in_micro_units_and_move_the_app_hash(genesis):

@@ -13,10 +13,9 @@ Transactions (canonical bytes; ``bytes``/``str``/``u*`` as in :mod:`ps_p2p.recor
     DEREGISTER (2): bytes(peer_id) || u64(issued_at_ms) || bytes(signature over
                     b"planetserve/v1/deregister\\x00" || str(chain_id) || bytes(peer_id)
                     || u64(issued_at_ms))
-    EPOCH_PLAN (3): reserved for the epochs issue; refused
-    REPUTATION_UPDATE (4): u64(epoch) || u32(n) || (bytes(subject) || u32(credibility micro))*n
-                    1 <= n <= 1024 subjects strictly ascending, credibility in [0, 10^6];
-                    decoded strictly, then refused by this version (below)
+    SEED_COMMIT (3), EPOCH_REPORT (4), MISS_REPORT (6): the verification epochs, bodies
+                    and rules in :mod:`ps_p2p.verification.ledger` (refused when the genesis
+                    has no ``verification`` section)
     EVIDENCE   (5): vote(first) || vote(second), two conflicting signed votes of one validator,
                     vote = u8(type) || u64(height) || u32(round) || u8(0) | u8(1) || bytes(id)
                     || bytes(validator) || bytes(signature)
@@ -60,12 +59,11 @@ units* (u32, 10^6 = 1.0), so the bytes hashed are the state itself on every plat
 :func:`~ps_p2p.verification.reputation.update` (IEEE-754 double +, *, /: the same bits
 everywhere), and back with ``round(x * 10^6)`` (round half to even). R is thus quantized to
 10^-6 after each epoch (an error below 5e-7 per epoch, shrunk by alpha each epoch after). The
-REPUTATION_UPDATE transaction is refused for now: the real validation (the epoch's leader, its
-plan, the signed responses and every validator recomputing the scores) comes with the epoch
-service, which will call :func:`apply_reputation_update` on a validated update during
-execution and report the changes in :attr:`BlockResult.reputation_changes`. There is no
-unvalidated write path until then. At most ``policy.max_records`` subjects are held; an update
-naming more new ones is refused whole.
+only write path is an EPOCH_REPORT that passed every check of :mod:`ps_p2p.verification.ledger`
+(the epoch's leader, its revealed seed, the plan, the signed answers; the scores are checked by
+each validator's reference model before it prevotes) or a miss confirmed by more than 1/3 of
+the power; the changes are reported in :attr:`BlockResult.reputation_changes`. At most
+``policy.max_records`` subjects are held; an update naming more new ones is refused whole.
 
 The state's app hash (what block h+1 carries, and what a directory's commit covers)::
 
@@ -75,7 +73,8 @@ The state's app hash (what block h+1 carries, and what a directory's commit cove
     aux root      = SHA-256(b"planetserve/v2/app-aux-root\\x00" || bytes(registry aux)
                             || bytes(reputation root))
     registry aux  = SHA-256(b"planetserve/v1/app-aux\\x00" || u32(#evidence) || key*
-                            || u32(#departed) || (bytes(peer_id) || u64(deregistered_at_ms))*)
+                            || u32(#departed) || (bytes(peer_id) || u64(deregistered_at_ms))*
+                            || SHA-256(epoch ledger bytes))   (:mod:`ps_p2p.verification.ledger`)
     reputation root = SHA-256(b"planetserve/v1/reputation-root\\x00" || u64(last epoch)
                             || u32(#subjects) || (bytes(subject) || entry)*)
     entry         = u32(R micro) || u64(epochs) || u8(#window) || u32(credibility micro)*
@@ -148,7 +147,7 @@ from ps_p2p.records.multiaddrs import check_multiaddr
 from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES, peer_label
 from ps_p2p.records.recordset import RecordSet
 from ps_p2p.records.signatures import verify_signature
-from ps_p2p.records.types import NodeRecord, Role, Signer
+from ps_p2p.records.types import NodeRecord, Role, Signer, reputation_subject
 from ps_p2p.records.validation import check_record
 from ps_p2p.verification.reputation import (
     MAX_WINDOW,
@@ -157,6 +156,21 @@ from ps_p2p.verification.reputation import (
     ReputationParams,
     ReputationState,
     check_score,
+)
+from ps_p2p.verification.ledger import (
+    EpochLedger,
+    EpochReportTx,
+    MissReportTx,
+    SeedCommitTx,
+    VerificationParams,
+    apply_epoch_report,
+    apply_miss_report,
+    apply_seed_commit,
+    check_epoch_report,
+    check_miss_report,
+    check_seed_commit,
+    maybe_start,
+    subject_scores,
 )
 from ps_p2p.verification.reputation import update as reputation_step
 
@@ -180,14 +194,10 @@ class TxKind(enum.IntEnum):
 
     REGISTER = 1
     DEREGISTER = 2
-    EPOCH_PLAN = 3  # reserved: the epochs issue
-    REPUTATION_UPDATE = 4  # reserved: the reputation issue
+    SEED_COMMIT = 3
+    EPOCH_REPORT = 4
     EVIDENCE = 5
-
-
-#: Kinds whose format is reserved but which this version refuses.
-RESERVED_KINDS = frozenset({TxKind.EPOCH_PLAN, TxKind.REPUTATION_UPDATE})
-#: (REPUTATION_UPDATE is decoded strictly, then refused like EPOCH_PLAN.)
+    MISS_REPORT = 6
 
 
 # ---------------------------------------------------------------------------------- policy
@@ -237,6 +247,9 @@ class Genesis:
         validators: the committee (N = 3f+1), Ed25519 peer IDs and voting powers.
         policy: the admission policy; limits: block bounds.
         reputation: the reputation rule's parameters (:class:`ReputationParams`).
+        verification: the challenge epochs' parameters
+            (:class:`~ps_p2p.verification.ledger.VerificationParams`); None: no epochs (their
+            transactions are refused).
     """
 
     chain_id: str
@@ -245,6 +258,7 @@ class Genesis:
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     limits: BlockLimits = field(default_factory=BlockLimits)
     reputation: ReputationParams = field(default_factory=ReputationParams)
+    verification: VerificationParams | None = None
 
     def __post_init__(self) -> None:
         check_validators(self.validators)
@@ -396,8 +410,8 @@ def aux_root_of(registry_aux: bytes, reputations_root: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class ReputationUpdateTx:
-    """One epoch's committed credibilities (module docstring: refused as a transaction for now;
-    applied with :func:`apply_reputation_update`).
+    """One epoch's credibilities by subject, as an executed EPOCH_REPORT (or a confirmed miss)
+    gives them to :func:`apply_reputation_update` (not a transaction of its own).
 
     Attributes:
         epoch: the epoch number, >= 1; each update's must exceed the last applied.
@@ -434,19 +448,7 @@ class ReputationUpdateTx:
                 raise error(f"credibility {micro!r} micro units not in [0, {MICRO}]")
 
 
-@dataclass(frozen=True)
-class ReservedTx:
-    """A transaction of a reserved kind (decoded so that it is refused with a clear error)."""
-
-    kind: TxKind
-    body: bytes
-
-    @property
-    def subject(self) -> bytes:
-        return b""
-
-
-Tx = RegisterTx | DeregisterTx | EvidenceTx | ReputationUpdateTx | ReservedTx
+Tx = RegisterTx | DeregisterTx | EvidenceTx | SeedCommitTx | EpochReportTx | MissReportTx
 
 
 def deregister_signing_bytes(chain_id: str, peer_id: bytes, issued_at_ms: int) -> bytes:
@@ -482,13 +484,12 @@ def encode_tx(tx: Tx) -> bytes:
         elif isinstance(tx, EvidenceTx):
             body = _vote_bytes(tx.first) + _vote_bytes(tx.second)
             kind = TxKind.EVIDENCE
-        elif isinstance(tx, ReputationUpdateTx):
-            tx.check(LocalProtocolError)  # type: ignore[arg-type]
-            body = u64(tx.epoch) + u32(len(tx.scores)) + b"".join(
-                lp(subject) + u32(micro) for subject, micro in tx.scores)
-            kind = TxKind.REPUTATION_UPDATE
-        elif isinstance(tx, ReservedTx):
-            body, kind = tx.body, tx.kind
+        elif isinstance(tx, SeedCommitTx):
+            body, kind = tx.body(), TxKind.SEED_COMMIT
+        elif isinstance(tx, EpochReportTx):
+            body, kind = tx.body(), TxKind.EPOCH_REPORT
+        elif isinstance(tx, MissReportTx):
+            body, kind = tx.body(), TxKind.MISS_REPORT
         else:
             raise LocalProtocolError(f"not a transaction: {type(tx).__name__}")
         return TX_DOMAIN + u8(int(kind)) + body
@@ -571,20 +572,12 @@ def decode_tx(data: bytes, max_tx_bytes: int) -> Tx:
         kind = TxKind(raw_kind)
     except ValueError:
         raise InvalidTransactionError(f"unknown transaction kind {raw_kind}") from None
-    if kind == TxKind.REPUTATION_UPDATE:
-        epoch = r.u64("epoch")
-        n = r.u32("subject count")
-        if n > MAX_REPUTATION_UPDATE_SUBJECTS:
-            raise r.fail(f"{n} subjects (max {MAX_REPUTATION_UPDATE_SUBJECTS})")
-        scores = tuple((r.lp("subject", MAX_SUBJECT_BYTES), r.u32("credibility"))
-                       for _ in range(n))
+    epoch_tx = {TxKind.SEED_COMMIT: SeedCommitTx, TxKind.EPOCH_REPORT: EpochReportTx,
+                TxKind.MISS_REPORT: MissReportTx}.get(kind)
+    if epoch_tx is not None:
+        decoded = epoch_tx.read(r)
         r.done()
-        update = ReputationUpdateTx(epoch, scores)
-        update.check(InvalidTransactionError)
-        return update
-    if kind in RESERVED_KINDS:
-        body = bytes(data[len(TX_DOMAIN) + 1:])
-        return ReservedTx(kind, body)
+        return decoded
     if kind == TxKind.REGISTER:
         record_bytes = r.lp("record", MAX_RECORD_SIGNING_BYTES)
         signature = r.lp("signature", SIGNATURE_BYTES)
@@ -693,6 +686,9 @@ class AppState:
         self._orgs: collections.Counter[str] = collections.Counter()
         self.reputations: dict[bytes, ReputationEntry] = {}
         self.reputation_epoch = 0
+        #: the verification epochs (:class:`~ps_p2p.verification.ledger.EpochLedger`): shared
+        #: with the state it was copied from, so replaced, never mutated
+        self.ledger = EpochLedger()
         self._registry_aux: bytes | None = None
         self._reputation_root: bytes | None = None
         self.app_hash = b""
@@ -744,7 +740,7 @@ class AppState:
                                 for peer in sorted(self.departed))
             self._registry_aux = hashlib.sha256(
                 APP_AUX_DOMAIN + u32(len(keys)) + b"".join(keys)
-                + u32(len(self.departed)) + departed
+                + u32(len(self.departed)) + departed + self.ledger.digest()
             ).digest()
         return self._registry_aux
 
@@ -892,17 +888,11 @@ def app_hash(state: AppState) -> bytes:
 # ---------------------------------------------------------------------------------- checking
 
 
-def _verify_tx(tx: Tx, state: AppState, now_ms: int) -> None:
-    """Signature, field and time checks that need no admission decision."""
-    if isinstance(tx, ReservedTx):
-        raise InvalidTransactionError(
-            f"transaction kind {tx.kind.name} is reserved and not accepted by this version"
-        )
-    if isinstance(tx, ReputationUpdateTx):
-        raise InvalidTransactionError(
-            "transaction kind REPUTATION_UPDATE is reserved and not accepted by this version "
-            "(reputation updates are applied only once the epoch service has validated them)"
-        )
+def _verify_tx(tx: Tx, state: AppState, now_ms: int) -> object:
+    """Signature, field and time checks that need no admission decision; returns what
+    :func:`_apply` needs of them (an EPOCH_REPORT's scores by serving node)."""
+    if isinstance(tx, (SeedCommitTx, EpochReportTx, MissReportTx)):
+        return _verify_epoch_tx(tx, state, now_ms)
     if isinstance(tx, RegisterTx):
         record = tx.record
         try:
@@ -952,6 +942,33 @@ def _verify_tx(tx: Tx, state: AppState, now_ms: int) -> None:
             verify_vote(state.chain_id, vote)
         except RemoteProtocolError as exc:
             raise InvalidTransactionError(f"evidence vote: {exc}") from None
+
+
+def _verify_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: AppState,
+                     now_ms: int) -> object:
+    params = state.genesis.verification
+    if params is None:
+        raise InvalidTransactionError(
+            f"{type(tx).__name__}: this chain's genesis has no verification section")
+    validators = state.genesis.validators
+    if isinstance(tx, SeedCommitTx):
+        check_seed_commit(tx, state.ledger, state.chain_id, validators)
+        return None
+    if isinstance(tx, MissReportTx):
+        check_miss_report(tx, state.ledger, state.chain_id, validators)
+        return None
+    registry = [r.peer_id for r in state.records.records() if Role.MODEL in r.roles]
+    return check_epoch_report(tx, state.ledger, state.chain_id, params, now_ms, registry)
+
+
+def verification_model_nodes(state: AppState) -> list[tuple[bytes, bytes]]:
+    """(peer ID, reputation subject) of the listed model nodes of the verified model."""
+    params = state.genesis.verification
+    if params is None:
+        return []
+    return [(r.peer_id, reputation_subject(r.peer_id, r.organization))
+            for r in state.records.records()
+            if Role.MODEL in r.roles and r.model_id == params.model_id]
 
 
 def _admit(tx: Tx, state: AppState, new_in_block: int | None) -> None:
@@ -1078,9 +1095,12 @@ class BlockResult:
     reputation_changes: dict[bytes, ReputationEntry | None] = field(default_factory=dict)
 
 
-def _apply(tx: Tx, state: AppState) -> None:
+def _apply(tx: Tx, state: AppState, checked: object,
+           reputation_changes: dict[bytes, ReputationEntry | None]) -> None:
     if isinstance(tx, RegisterTx):
         state._put(tx.record)
+    elif isinstance(tx, (SeedCommitTx, EpochReportTx, MissReportTx)):
+        _apply_epoch_tx(tx, state, checked, reputation_changes)
 
     elif isinstance(tx, DeregisterTx):
         state._remove(tx.peer_id)
@@ -1088,6 +1108,36 @@ def _apply(tx: Tx, state: AppState) -> None:
     elif isinstance(tx, EvidenceTx):
         state.evidence[_evidence_key(tx.first)] = (tx.first.validator, tx.first.height)
         state._registry_aux = None
+
+
+def _apply_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: AppState,
+                    checked: object,
+                    reputation_changes: dict[bytes, ReputationEntry | None]) -> None:
+    """All or nothing: the ledger is changed on a copy, kept only when nothing failed (the
+    state's ledger is never mutated in place: states share it after :meth:`AppState.copy`)."""
+    params = state.genesis.verification
+    assert params is not None
+    ledger = state.ledger.copy()
+    scores: dict[bytes, int] = {}
+    if isinstance(tx, SeedCommitTx):
+        apply_seed_commit(tx, ledger)
+    elif isinstance(tx, EpochReportTx):
+        assert isinstance(checked, dict)
+        scores = subject_scores(checked, ledger)
+        apply_epoch_report(tx, ledger, params, checked, to_micro(state.genesis.reputation.tau))
+    elif apply_miss_report(tx, ledger, state.genesis.validators):
+        subject = next((s for n, s in state.ledger.challenged if n == tx.model_node), None)
+        if subject is None:
+            record = state.records.get(tx.model_node)
+            subject = reputation_subject(tx.model_node, record.organization if record else "")
+        scores = {subject: 0}
+    if scores:  # may raise (no room for a new subject): then nothing changed
+        changes = apply_reputation_update(state, ReputationUpdateTx(
+            max(state.reputation_epoch + 1, getattr(tx, "epoch", 0)),
+            tuple(sorted(scores.items()))))
+        reputation_changes.update(changes)
+    state.ledger = ledger
+    state._registry_aux = None
 
 
 def execute_block(state: AppState, block: Block) -> tuple[AppState, BlockResult]:
@@ -1119,25 +1169,35 @@ def execute_block(state: AppState, block: Block) -> tuple[AppState, BlockResult]
         changes[peer] = None
     results = []
     new_peers = 0
+    reputation_changes: dict[bytes, ReputationEntry | None] = {}
     for raw in block.txs:
         try:
             tx = decode_tx(raw, state.genesis.limits.max_tx_bytes)
-            _verify_tx(tx, new, h.time_ms)
+            checked = _verify_tx(tx, new, h.time_ms)
             _admit(tx, new, new_peers)
+            if isinstance(tx, RegisterTx) and tx.record.peer_id not in new.records:
+                new_peers += 1
+            _apply(tx, new, checked, reputation_changes)
         except InvalidTransactionError as exc:
             results.append(TxResult(tx_hash(raw), exc))
             continue
-        if isinstance(tx, RegisterTx) and tx.record.peer_id not in new.records:
-            new_peers += 1
-        _apply(tx, new)
         if isinstance(tx, (RegisterTx, DeregisterTx)):
             changes[tx.subject] = new.records.get(tx.subject)
         results.append(TxResult(tx_hash(raw)))
     new.height = h.height
     new.block_id = block_id(h)
     new.time_ms = h.time_ms
+    params = state.genesis.verification
+    if params is not None and not new.ledger.started:
+        nodes = verification_model_nodes(new)
+        if nodes:
+            ledger = new.ledger.copy()
+            if maybe_start(ledger, state.genesis.validators, nodes, params, new.block_id,
+                           h.time_ms):
+                new.ledger, new._registry_aux = ledger, None
     new.app_hash = app_hash(new)
-    return new, BlockResult(h.height, tuple(results), changes, tuple(expired), new.app_hash)
+    return new, BlockResult(h.height, tuple(results), changes, tuple(expired), new.app_hash,
+                            reputation_changes)
 
 
 # ---------------------------------------------------------------------------------- mempool
@@ -1279,7 +1339,7 @@ __all__ = [
     "RegisterTx",
     "ReputationEntry",
     "ReputationUpdateTx",
-    "ReservedTx",
+    "verification_model_nodes",
     "Tx",
     "TxKind",
     "TxResult",
