@@ -12,8 +12,11 @@ which only moves bytes:
   (height, round) in the write-ahead log is proposed again instead.
 * ``ValidateValue`` -> decode, :func:`~ps_p2p.consensus.block.validate_block` against the chain
   tip (a fresh proposal, POL round -1, must name the round's proposer and carry a timely time),
-  a proposer of the validator set, and every transaction applies
-  (:func:`~ps_p2p.consensus.app.execute_block` reports no failed one) -> ``ValueValidated``.
+  a proposer of the validator set, every transaction applies
+  (:func:`~ps_p2p.consensus.app.execute_block` reports no failed one), and every EPOCH_REPORT
+  passes this validator's own ``value_check`` (its reference model re-scores the answers:
+  :mod:`ps_p2p.verification.service`) -> ``ValueValidated``. A proposer leaves out of its block
+  the reports its own check does not pass (yet).
 * ``BroadcastProposal`` / ``BroadcastVote`` -> signed with the identity key, written to the WAL
   (:meth:`~ps_p2p.consensus.store.ConsensusStore.record_signed`, durable before anything is
   sent), then :class:`SendMessage` (to every other validator) and looped back into the core. A
@@ -62,6 +65,8 @@ from ps_p2p.consensus.app import (
     EvidenceTx,
     Genesis,
     Mempool,
+    TX_DOMAIN,
+    TxKind,
     encode_tx,
     execute_block,
     genesis_state,
@@ -229,6 +234,7 @@ class Validator:
         mempool: Mempool | None = None,
         empty_block_interval: float = EMPTY_BLOCK_INTERVAL,
         unix_ms: Callable[[], int] = unix_ms,
+        value_check: Callable[[bytes], str | None] | None = None,
     ) -> None:
         if all(v.address != identity.peer_id for v in genesis.validators):
             raise LocalProtocolError(
@@ -246,6 +252,10 @@ class Validator:
         self.mempool = mempool or Mempool()
         self.empty_block_interval = empty_block_interval
         self.unix_ms = unix_ms
+        #: ``value_check(tx) -> None | reason``: this validator's own check of an EPOCH_REPORT
+        #: (None: agreed); called on mempool admission (to start the work) and before proposing
+        #: or prevoting a block that holds one. None: no check (nothing to score with).
+        self.value_check = value_check
         self.state: AppState = genesis_state(genesis)
         self.history = DirectoryHistory(self.state)
         self.stats = ValidatorStats()
@@ -367,6 +377,7 @@ class Validator:
         actions: list[Action] = []
         if self.mempool.add(tx, self.state, self.unix_ms()):
             actions.append(RelayTx(bytes(tx), sender))
+            self._own_check(tx)  # starts the re-scoring while the tx waits for a block
             if self._pending_start is not None:
                 self._start_next(now, actions)
         return actions
@@ -528,7 +539,7 @@ class Validator:
                 if isinstance(message, Proposal):
                     return message.value  # signed before a restart: never a second value
         state = self.state
-        txs = self.mempool.reap(state)
+        txs = [tx for tx in self.mempool.reap(state) if self._own_check(tx) is None]
         for _ in range(2):  # drop what would fail (e.g. expired by the block's time), once
             block = make_block(
                 chain_id=state.chain_id, height=out.height,
@@ -561,6 +572,10 @@ class Validator:
                     f"block {out.height} holds {len(failed)} failing transaction(s): "
                     f"{failed[0].error}"
                 )
+            for tx in block.txs:
+                reason = self._own_check(tx)
+                if reason is not None:
+                    raise InvalidBlockError(f"block {out.height}: {reason}")
         except PsError as exc:
             self.stats.values_refused += 1
             self.stats.last_refusal = str(exc)
@@ -569,6 +584,17 @@ class Validator:
             return False
         self._keep_executed(vid, new, result)
         return True
+
+    def _own_check(self, tx: bytes) -> str | None:
+        """``value_check`` for an EPOCH_REPORT (None for any other transaction)."""
+        if self.value_check is None or len(tx) <= len(TX_DOMAIN) \
+                or tx[len(TX_DOMAIN)] != TxKind.EPOCH_REPORT:
+            return None
+        try:
+            return self.value_check(bytes(tx))
+        except Exception as exc:  # a bug in the check must not stop consensus: refuse
+            log.exception("value check failed")
+            return f"value check failed: {exc}"
 
     def _keep_executed(self, vid: bytes, new: AppState, result: BlockResult) -> None:
         if len(self._executed) >= MAX_EXECUTED:

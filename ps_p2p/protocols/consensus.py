@@ -205,6 +205,8 @@ class ConsensusService:
         mempool: default ``Mempool()``.
         on_commit: called (synchronously, in the driver task) with each :class:`Committed`.
         clock: trio's clock (seconds). unix_ms: wall clock (unix ms) for block times.
+        value_check: the validator's own check of an EPOCH_REPORT
+            (:attr:`~ps_p2p.consensus.validator.Validator.value_check`).
 
     Attributes:
         validator: the :class:`~ps_p2p.consensus.validator.Validator`.
@@ -228,6 +230,7 @@ class ConsensusService:
         on_commit: Callable[[Committed], None] | None = None,
         clock: Callable[[], float] = trio.current_time,
         unix_ms: Callable[[], int] = unix_ms,
+        value_check: Callable[[bytes], str | None] | None = None,
     ) -> None:
         if identity.peer_id != host.get_id().to_bytes():
             raise ConfigError("the validator identity is not the host's identity")
@@ -237,6 +240,7 @@ class ConsensusService:
             self.validator = Validator(
                 identity, genesis, store, WIRE, consensus, mempool=mempool,
                 empty_block_interval=self.config.empty_block_interval, unix_ms=unix_ms,
+                value_check=value_check,
             )
         except PsError as exc:
             raise ConfigError(str(exc)) from exc
