@@ -74,7 +74,6 @@ Use it from another trio program (``benchmarks/bench_devnet.py`` does)::
 
 from __future__ import annotations
 
-import ast
 import contextvars
 import json
 import logging
@@ -96,11 +95,11 @@ import trio
 
 from ps_p2p.devnet_progress import Display, PlainDisplay, Progress, choose_display
 from ps_p2p.errors import ConfigError, PsError
+from ps_p2p.prompts import Prompt, load_prompts
 
 log = logging.getLogger(__name__)
 
 #: Prompt files are capped: a devnet is for a look at the system, not a load test.
-MAX_PROMPTS = 10_000
 ENGINES = ("transformers", "instant", "sim")
 PERTURBATIONS = ("none", "kill-relay", "tamper-clove", "kill-verifier", "byzantine-verifier")
 #: ready paths a user needs before the network counts as ready (n, the cloves per request)
@@ -247,12 +246,6 @@ class DevnetOptions:
                 raise ConfigError(f"model {self.model} not found")
 
 
-@dataclass
-class Prompt:
-    prompt_id: str
-    text: str
-
-
 # ---------------------------------------------------------------------- prompts
 
 
@@ -262,67 +255,6 @@ def with_shared_prefix(prompts: list[Prompt], chars: int) -> list[Prompt]:
     seed = prompts[0].text.strip() + " "
     prefix = (seed * (chars // len(seed) + 1))[:chars]
     return [Prompt(p.prompt_id, f"{prefix}\n\n{p.text}") for p in prompts]
-
-
-def load_prompts(path: str | os.PathLike[str], limit: int | None = None) -> list[Prompt]:
-    """Read prompts from a text file (one per line) or a ../shared/data JSON/JSONL file.
-
-    Understood shapes: MT-Bench (``question_id``, ``turns``: first turn), ShareGPT (``id``,
-    ``conversations``: first human turn), ToolBench (``query_id``, ``query``), code sets and other
-    JSONL with ``prompt``/``query``/``question``/``input``/``text``.
-
-    Raises:
-        ConfigError: missing file, unknown shape, or no prompt in it.
-    """
-    p = pathlib.Path(path).expanduser()
-    try:
-        raw = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read prompts from {p}: {exc}") from exc
-    items: list[Any]
-    if p.suffix == ".jsonl":
-        items = [json.loads(line) for line in raw.splitlines() if line.strip()]
-    elif p.suffix == ".json":
-        data = json.loads(raw)
-        items = data if isinstance(data, list) else [data]
-    else:
-        items = [line for line in raw.splitlines() if line.strip()]
-    prompts: list[Prompt] = []
-    for i, item in enumerate(items):
-        prompt = _extract_prompt(item, i)
-        if prompt is not None and prompt.text.strip():
-            prompts.append(prompt)
-        if len(prompts) >= min(limit or MAX_PROMPTS, MAX_PROMPTS):
-            break
-    if not prompts:
-        raise ConfigError(f"no prompts found in {p}")
-    return prompts
-
-
-def _extract_prompt(item: Any, i: int) -> Prompt | None:
-    if isinstance(item, str):
-        return Prompt(str(i + 1), item.strip())
-    if not isinstance(item, dict):
-        return None
-    pid = str(item.get("question_id") or item.get("query_id") or item.get("id")
-              or item.get("task_id") or i + 1)
-    if isinstance(item.get("turns"), list) and item["turns"]:
-        return Prompt(pid, str(item["turns"][0]))
-    if isinstance(item.get("conversations"), list):
-        for turn in item["conversations"]:
-            if isinstance(turn, dict) and turn.get("from") in ("human", "user"):
-                return Prompt(pid, str(turn.get("value", "")))
-        return None
-    for key in ("query", "prompt", "question", "text"):
-        if isinstance(item.get(key), str):
-            return Prompt(pid, item[key])
-    if isinstance(item.get("qa_pairs"), str):
-        try:
-            pairs = ast.literal_eval(item["qa_pairs"])
-            return Prompt(pid, str(pairs[0]["Q"]))
-        except (ValueError, SyntaxError, LookupError, TypeError):
-            return None
-    return None
 
 
 # ---------------------------------------------------------------------- controller side
@@ -452,8 +384,8 @@ class Devnet:
     def _write_genesis(self) -> pathlib.Path:
         """Committee: the verifiers' keys, ports and genesis file, before any starts."""
         from ps_p2p.consensus.app import AdmissionPolicy, Genesis
-        from ps_p2p.genesis import genesis_json
         from ps_p2p.consensus.types import Validator
+        from ps_p2p.genesis import genesis_json
         from ps_p2p.keys import load_or_create_keys
 
         names = [f"verifier{i}" for i in range(self.opts.verifiers)]

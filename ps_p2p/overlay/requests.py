@@ -253,6 +253,8 @@ class Outcome:
         cloves_received: response cloves fed to the request's reassembly.
         attempts: attempts sent.
         latency: seconds from start to the end.
+        request: the bytes of the Q that ``reply`` answers (its request hash is their
+            SHA-256); b"" without a reply.
     """
 
     request_id: bytes
@@ -261,6 +263,7 @@ class Outcome:
     cloves_received: int
     attempts: int
     latency: float
+    request: bytes = b""
 
     @property
     def ok(self) -> bool:
@@ -855,6 +858,8 @@ class RequestCore:
         self, request: _Request, reply: InferenceReply | None, error: PsError | None, now: float
     ) -> list[Command]:
         self._forget(request)
+        answered = b"" if reply is None else next(
+            (a.q_bytes for a in request.attempts if a.req_hash == reply.request_hash), b"")
         outcome = Outcome(
             request_id=request.spec.request_id,
             reply=reply,
@@ -862,6 +867,7 @@ class RequestCore:
             cloves_received=request.cloves_received,
             attempts=len(request.attempts),
             latency=now - request.started_at,
+            request=answered,
         )
         return [RequestDone(outcome)]
 

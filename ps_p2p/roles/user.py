@@ -30,7 +30,7 @@ import os
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import trio
@@ -122,6 +122,9 @@ class Answer:
         model_id: the model that answered; prompt_tokens, completion_tokens: its token counts
             (the prompt as the model saw it: a chat after its template).
         finish_reason: ``"stop"`` or ``"length"`` as the model node signed it ("" on error).
+        reply: the model node's verified signed response (None when none decoded): what a
+            verifier carries to the committee as evidence.
+        request: the bytes of the Q that ``reply`` answers (b"" without one).
     """
 
     request_id: bytes
@@ -140,6 +143,8 @@ class Answer:
     exception: PsError | None = None
     prompt_tokens: int = 0
     finish_reason: str = ""
+    reply: InferenceReply | None = field(default=None, repr=False)
+    request: bytes = field(default=b"", repr=False)
 
     @property
     def error_type(self) -> type[PsError] | None:
@@ -192,6 +197,8 @@ def answer_from_outcome(outcome: Outcome) -> Answer:
         error="" if outcome.error is None else describe(outcome.error),
     )
     if reply is not None:
+        answer.reply = reply
+        answer.request = outcome.request
         answer.served_by = reply.model_node
         answer.forwarded_by = reply.forwarded_by
         answer.signature_valid = True
