@@ -353,8 +353,10 @@ def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def make_engine(config):  # type: ignore[no-untyped-def]
-    """The engine of a model node's config (None without the model role)."""
-    if "model" not in config.roles:
+    """The engine of a model node's config, or a verifier's reference copy of the committee's
+    model when it runs challenge epochs (None otherwise)."""
+    epochs = "verifier" in config.roles and bool(config.verification.pool)
+    if "model" not in config.roles and not epochs:
         return None
     from ps_p2p.engines import load_engine
 

@@ -215,6 +215,33 @@ _REMOVED = {
 
 
 @dataclass
+class VerificationConfig:
+    """A committee verifier's challenge epochs (``[verification]``; paper sec. 3.4).
+
+    They run when the genesis has a ``verification`` section, ``pool`` is set, the node also
+    has the user role (challenges travel through the overlay like any user's request) and
+    ``--model`` names the committee's model (the verifier's reference copy,
+    :mod:`ps_p2p.verification.service`).
+
+    Attributes:
+        pool: prompt files (:func:`ps_p2p.prompts.load_prompts` shapes), read in order; the
+            prompts' digest must be the genesis' ``pool_sha256``.
+        pool_limit: keep only the first this many prompts (0: all).
+        challenge_timeout: seconds one challenge may take.
+    """
+
+    pool: list[str] = field(default_factory=list)
+    pool_limit: int = 0
+    challenge_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool_limit, int) or self.pool_limit < 0:
+            raise ValueError("pool_limit must be an integer >= 0")
+        if not (isinstance(self.challenge_timeout, (int, float)) and self.challenge_timeout > 0):
+            raise ValueError("challenge_timeout must be > 0 seconds")
+
+
+@dataclass
 class NodeConfig:
     """Everything one ``ps-node run`` needs.
 
@@ -262,6 +289,7 @@ class NodeConfig:
             service (:mod:`ps_p2p.serving.drain`); new ones are refused meanwhile.
         forwarding: model role: :class:`ForwardingConfig` (``[forwarding]``): HR-tree
             forwarding within the model group (:mod:`ps_p2p.roles.forwarding`).
+        verification: verifier role: :class:`VerificationConfig` (``[verification]``).
     """
 
     roles: list[str] = field(default_factory=lambda: ["user"])
@@ -295,6 +323,7 @@ class NodeConfig:
     model_node: ModelNodeConfig = field(default_factory=ModelNodeConfig)
     sim: SimParams = field(default_factory=SimParams)
     forwarding: ForwardingConfig = field(default_factory=ForwardingConfig)
+    verification: VerificationConfig = field(default_factory=VerificationConfig)
 
     def validate(self) -> None:
         """Raise ConfigError on an impossible combination."""
@@ -322,6 +351,14 @@ class NodeConfig:
             check_multiaddr(addr, "--multiaddr", peer_id=True)
         for peer in self.verifiers:
             check_peer_id(peer, "--verifier")
+        if self.verification.pool:
+            if "verifier" not in self.roles:
+                raise ConfigError("[verification] pool is for a verifier")
+            if "user" not in self.roles or not self.model:
+                raise ConfigError(
+                    "a verifier running challenge epochs ([verification] pool) also needs the "
+                    "user role (challenges go through the overlay) and --model (its reference "
+                    "copy of the committee's model)")
         if self.byzantine and "verifier" not in self.roles:
             raise ConfigError("byzantine (test only) is for a verifier")
         if self.metrics is not None:
@@ -440,7 +477,7 @@ def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
 
 
 _NESTED = {"user": UserConfig, "model_node": ModelNodeConfig, "sim": SimParams,
-           "forwarding": ForwardingConfig}
+           "forwarding": ForwardingConfig, "verification": VerificationConfig}
 
 
 def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:

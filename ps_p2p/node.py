@@ -12,7 +12,9 @@
   :class:`~ps_p2p.roles.model.ModelNodeService` with its engine;
 * verifier: the committee's :class:`~ps_p2p.protocols.consensus.ConsensusService` and the
   :class:`~ps_p2p.protocols.committee_directory.CommitteeDirectoryService` (without a genesis
-  file, a committee of one: ``<home>/genesis.json`` is written on the first run);
+  file, a committee of one: ``<home>/genesis.json`` is written on the first run); with the
+  user role, a reference engine (``engine``) and ``[verification] pool``, the challenge epochs
+  (:class:`~ps_p2p.verification.service.EpochService`);
 * observability: :class:`~ps_p2p.metrics.NodeMetrics` (its own Prometheus registry, served on
   ``config.metrics``) and a one-line status log every ``config.status_interval`` seconds.
 
@@ -231,6 +233,8 @@ class Node:
         self.genesis_file: GenesisFile | None = None
         #: verifiers: the consensus service and the committed directory's server
         self.consensus = None
+        #: verifiers running challenge epochs (:mod:`ps_p2p.verification.service`)
+        self.epochs = None
         self.committee_directory: committee_proto.CommitteeDirectoryService | None = None
         if config.genesis is not None:
             self.genesis_file = load_genesis(config.genesis)
@@ -450,6 +454,8 @@ class Node:
                     on_first_token=self.metrics.time_to_first_token.observe,
                 )
                 await nursery.start(self.user.run)
+            if self.consensus is not None:
+                await self._start_epochs(nursery)
             nursery.start_soon(self._directory_loop)
             if self.config.status_interval > 0:
                 nursery.start_soon(self._status_loop, self.config.status_interval)
@@ -465,6 +471,49 @@ class Node:
                 " ".join(self.listen_addrs) or "nothing",
             )
             task_status.started(self)
+
+    async def _start_epochs(self, nursery: trio.Nursery) -> None:
+        """Verifier: run the challenge epochs when everything they need is here; otherwise,
+        if the chain runs epochs, refuse every epoch report (this validator cannot re-score
+        them, so it must not vote for them)."""
+        from ps_p2p.verification.service import EpochService, load_pool, master_key
+
+        assert self.consensus is not None and self.genesis_file is not None
+        params = self.genesis_file.genesis.verification
+        if params is None:
+            return
+        validator = self.consensus.validator
+        vcfg = self.config.verification
+        if not vcfg.pool or self.user is None or self.engine is None:
+            log.warning("the chain runs challenge epochs but this verifier has no [verification]"
+                        " pool, user role or reference model: it refuses every epoch report")
+            validator.value_check = lambda tx: "this verifier has no reference model"
+            return
+        user = self.user
+
+        async def ask(prompt: str, node: bytes, option: Any, timeout: float) -> Any:
+            return await user.ask(prompt, model_node=node, model_id=params.model_id,
+                                  max_tokens=option.max_tokens, temperature=option.temperature,
+                                  top_p=option.top_p, timeout=timeout, include_untrusted=True)
+
+        pool = await trio.to_thread.run_sync(load_pool, vcfg.pool, vcfg.pool_limit or None)
+        self.epochs = EpochService(
+            self.keys.identity, params, state=lambda: validator.state,
+            submit=self.consensus.submit_tx, ask=ask, engine=self.engine, pool=pool,
+            master=master_key(self.keys.identity.private_bytes()),
+            challenge_timeout=vcfg.challenge_timeout, unix_ms=validator.unix_ms)
+        validator.value_check = self.epochs.value_check
+        previous = self.consensus.on_commit
+        epochs = self.epochs
+
+        def on_commit(committed: Any) -> None:
+            if previous is not None:
+                previous(committed)
+            epochs.notify()
+
+        self.consensus.on_commit = on_commit
+        await nursery.start(self.epochs.run)
+        log.info("challenge epochs on: model %s, %d pooled prompts", params.model_id, len(pool))
 
     def _learn_bootstrap_addrs(self, host: IHost) -> None:
         """Put the bootstrap peers' addresses in the peerstore (validators dial each other by

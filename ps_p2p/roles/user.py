@@ -475,6 +475,7 @@ class UserClient:
         model_node: bytes | None = None,
         timeout: float | None = None,
         on_text: Callable[[str], None] | None = None,
+        include_untrusted: bool = False,
     ) -> Answer:
         """Send one prompt (or chat: ``messages``) anonymously and wait for the signed answer.
 
@@ -482,6 +483,10 @@ class UserClient:
         ``on_text(piece)`` is called with each new piece of text, in order, as the model node
         generates it (from the driver task: it must not block); the pieces add up to
         ``Answer.text``. Generation ends before the first of the ``stop`` strings.
+
+        ``include_untrusted`` (verifiers' challenges, :mod:`ps_p2p.verification.service`) also
+        lets ``model_node`` be a node the directory lists as untrusted, so that its reputation
+        can be measured again; the request itself is the same.
 
         Never raises for network trouble: a failure comes back as ``Answer(ok=False)`` with a
         typed ``exception`` (see :class:`Answer`) once known, at the latest when the deadline
@@ -508,6 +513,7 @@ class UserClient:
                 prompt, messages=tuple(messages), model_id=model_id, max_tokens=max_tokens,
                 temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop),
                 model_node=model_node, timeout=timeout, on_text=on_text,
+                include_untrusted=include_untrusted,
             )
         except trio.Cancelled:
             self._request_done("cancelled", started)
@@ -545,13 +551,15 @@ class UserClient:
         model_node: bytes | None,
         timeout: float | None,
         on_text: Callable[[str], None] | None,
+        include_untrusted: bool = False,
     ) -> Answer:
         timeout = self.config.request_timeout if timeout is None else timeout
         request_id = self._random_bytes(16)
         started = self._clock()
-        candidates = [
-            r for r in self.model_nodes(model_id) if model_node is None or r.peer_id == model_node
-        ]
+        directory = self._directory()
+        listed = (self.model_nodes(model_id) if not include_untrusted or directory is None else
+                  [r for r in directory.model_nodes() if model_id in (None, r.model_id)])
+        candidates = [r for r in listed if model_node is None or r.peer_id == model_node]
         if not candidates:
             error = NoModelNodeError(
                 f"no model node serving {model_id!r} in the directory"

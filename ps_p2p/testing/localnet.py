@@ -11,19 +11,21 @@ closes and its connections drop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import pathlib
 import random
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import trio
 
-from ps_p2p.config import NodeConfig
+from ps_p2p.config import NodeConfig, VerificationConfig
 from ps_p2p.consensus import app
+from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.genesis import genesis_json
 from ps_p2p.consensus.types import Validator
@@ -32,6 +34,7 @@ from ps_p2p.keys import NodeKeys
 from ps_p2p.node import Node
 from ps_p2p.roles.user import UserConfig
 from ps_p2p.testing.fakes import InstantEngine
+from ps_p2p.verification.ledger import VerificationParams
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,10 @@ async def open_localnet(
     block_interval: float = 0.25,
     consensus: ConsensusConfig | None = None,
     byzantine: tuple[int, ...] = (),
+    verification: VerificationParams | None = None,
+    pool: Sequence[str] = (),
+    verifier_engine: Callable[[int], Engine] | None = None,
+    model_organization: Callable[[int], str] | None = None,
 ) -> AsyncIterator[LocalNet]:
     """Run a verifier, ``models`` model nodes and ``users`` user nodes in this trio run.
 
@@ -138,6 +145,10 @@ async def open_localnet(
         consensus: committee: the genesis' timeouts (default ``FAST_CONSENSUS``).
         byzantine: committee: indices of verifiers that equivocate (TEST ONLY
             ``NodeConfig.byzantine``).
+        verification: the genesis' challenge epochs (None: none); then every verifier also
+            has the user role, the prompt ``pool`` (its digest must be the params') and the
+            reference engine ``verifier_engine(i)``, and the block limits take 1 MiB reports.
+        model_organization: the organization in model node i's record (default none).
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
     ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
@@ -149,12 +160,15 @@ async def open_localnet(
             model_max_queue=model_max_queue, rng=rng, ready_timeout=ready_timeout,
             record_lifetime=record_lifetime, metrics=metrics, committee=committee,
             block_interval=block_interval, consensus=consensus, byzantine=byzantine,
+            verification=verification, pool=pool, verifier_engine=verifier_engine,
+            model_organization=model_organization,
         ) as net:
             yield net
 
 
 def write_genesis(folder: pathlib.Path, keys: list[NodeKeys],
-                  consensus: ConsensusConfig | None = None) -> pathlib.Path:
+                  consensus: ConsensusConfig | None = None,
+                  verification: VerificationParams | None = None) -> pathlib.Path:
     """Write a genesis file of ``keys`` as equal validators (chain ``localnet``) in ``folder``.
 
     Loopback settings: the timeouts of ``FAST_CONSENSUS`` (default), and an admission policy
@@ -166,6 +180,9 @@ def write_genesis(folder: pathlib.Path, keys: list[NodeKeys],
         "localnet", time.time_ns() // 1_000_000 - 1000,
         tuple(Validator(k.identity.peer_id) for k in keys),
         app.AdmissionPolicy(max_records_per_network=10_000),
+        limits=BlockLimits(max_block_bytes=4 << 20, max_tx_bytes=1 << 20)
+        if verification is not None else BlockLimits(),
+        verification=verification,
     )
     path = folder / "genesis.json"
     path.write_text(genesis_json(genesis, consensus or FAST_CONSENSUS,
@@ -179,7 +196,9 @@ async def _open_localnet(
     ucfg: UserConfig, tamper: tuple[int, ...], model_capacity: int, model_max_queue: int,
     rng: random.Random, ready_timeout: float, record_lifetime: float, metrics: bool,
     committee: int, block_interval: float, consensus: ConsensusConfig | None,
-    byzantine: tuple[int, ...],
+    byzantine: tuple[int, ...], verification: VerificationParams | None = None,
+    pool: Sequence[str] = (), verifier_engine: Callable[[int], Engine] | None = None,
+    model_organization: Callable[[int], str] | None = None,
 ) -> AsyncIterator[LocalNet]:
     async with trio.open_nursery() as nursery:
         net_scopes: dict[bytes, trio.CancelScope] = {}
@@ -202,23 +221,33 @@ async def _open_localnet(
         if committee < 1:
             raise ValueError("a localnet needs a committee of at least one verifier")
         keys = [NodeKeys.generate() for _ in range(committee)]
-        genesis_path = write_genesis(tmp, keys, consensus)
+        genesis_path = write_genesis(tmp, keys, consensus, verification)
         genesis: dict[str, object] = dict(genesis=str(genesis_path))
+        epochs: dict[str, object] = {}
+        if verification is not None:
+            pool_path = tmp / "pool.jsonl"
+            pool_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in pool))
+            epochs = dict(verification=VerificationConfig(pool=[str(pool_path)],
+                                                          challenge_timeout=30.0),
+                          model="reference", user=dataclasses.replace(ucfg))
         verifiers: list[Node] = []
         for i, k in enumerate(keys):
             cfg = NodeConfig(
-                roles=["verifier"], home=str(tmp / f"verifier{i}"),
+                roles=["verifier", "user"] if epochs else ["verifier"],
+                home=str(tmp / f"verifier{i}"),
                 bootstrap=[v.listen_addrs[0] for v in verifiers],
                 block_interval=block_interval, byzantine=i in byzantine,
-                **genesis, **fast,  # type: ignore[arg-type]
+                **genesis, **fast, **epochs,  # type: ignore[arg-type]
             )
-            verifiers.append(await start(cfg, keys=k))
+            reference = verifier_engine(i) if verifier_engine is not None and epochs else None
+            verifiers.append(await start(cfg, reference, keys=k))
         await _mesh(verifiers)
         verifier = verifiers[0]
         boot = [v.listen_addrs[0] for v in verifiers]
         model_nodes = []
         for i in range(models):
             cfg = NodeConfig(roles=["model"], bootstrap=boot, model="fake",
+                             organization=model_organization(i) if model_organization else "",
                              **genesis, **fast)  # type: ignore[arg-type]
             cfg.model_node.capacity = model_capacity
             cfg.model_node.max_queue = model_max_queue

@@ -1,0 +1,443 @@
+"""The verification epochs of one committee verifier: commit, lead, re-score, confirm (trio).
+
+PlanetServe sec. 3.4 and Algorithm 3, on the chain rules of :mod:`ps_p2p.verification.ledger`.
+One :class:`EpochService` runs beside the verifier's consensus service and its user role (a
+verifier reaches model nodes the way users do: through the anonymous overlay). After each
+committed block (:meth:`EpochService.notify`) and at each attempt boundary it:
+
+1. **commits** its seed for the current epoch (before it starts) and for the next one: a
+   SEED_COMMIT of ``seed_commitment(chain, e, me, derive_secret(master, chain, e))``, the
+   master key derived from the validator's identity key (a restarted verifier reveals the
+   secret it committed without storing it);
+2. **leads** when the ledger's draw names it for the attempt under way (block time from its own
+   clock): derives the plan from its secret, sends each challenge with
+   :meth:`~ps_p2p.roles.user.UserClient.ask` (the pool's prompt, the menu's max_tokens,
+   temperature and top_p: the same call, so the same bytes, as any user's request; the model
+   node cannot tell them apart), checks and scores each signed answer with its reference engine
+   (:func:`~ps_p2p.verification.scoring.score_response`: one forward pass), and submits the
+   EPOCH_REPORT;
+3. **re-scores** every EPOCH_REPORT that reaches its mempool, off the consensus task: Q decodes,
+   asks the pool's prompt at the menu's parameters, under the committee's model, and each score
+   is within ``params.tolerance`` of its own; the verdict is what :meth:`value_check` answers
+   the validator (until it is known: "not re-scored yet", so the validator neither proposes nor
+   prevotes for that report);
+4. **confirms** each open miss of an epoch it did not lead: one challenge of its own (a pool
+   prompt it draws itself) to the node; a MISS_REPORT only when that goes unanswered too.
+
+A verifier needs the committee's model (``engine``) and the prompt pool (its digest must be the
+genesis' ``pool_sha256``); without them its node runs no epochs and its validator checks no
+reports (so it prevotes nil on them: a committee needs 2f+1 verifiers with the model).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import math
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from ps_p2p.consensus.app import (
+    MICRO,
+    AppState,
+    decode_tx,
+    encode_tx,
+    tx_hash,
+)
+from ps_p2p.engines.base import Engine
+from ps_p2p.errors import ConfigError, InvalidTransactionError, PsError, VerificationError
+from ps_p2p.protocols.inference_codec import decode_query
+from ps_p2p.records import Signer
+from ps_p2p.records.peer_ids import peer_label
+from ps_p2p.verification import epochs
+from ps_p2p.verification.ledger import (
+    ChallengeResult,
+    EpochLedger,
+    EpochReportTx,
+    SamplingOption,
+    SignedAnswer,
+    VerificationParams,
+    pool_digest,
+    sign_epoch_report,
+    sign_miss_report,
+    sign_seed_commit,
+)
+from ps_p2p.verification.scoring import score_response
+
+log = logging.getLogger(__name__)
+
+MASTER_DOMAIN = b"planetserve/v1/epoch-master\x00"
+#: Seconds between two submissions of the same seed commitment while it is not committed.
+RESUBMIT_SECONDS = 5.0
+#: Reports whose verdict is kept (the mempool holds a few at a time).
+MAX_VERDICTS = 256
+#: Reports queued for re-scoring at once; more are refused ("busy") until one is done.
+MAX_PENDING_CHECKS = 8
+#: Challenges of one epoch sent at once.
+MAX_PARALLEL_CHALLENGES = 8
+NOT_YET = "not re-scored yet by this verifier"
+_TEMPERATURE_SLACK = 1e-6  # protobuf carries temperature and top_p as float32
+
+Ask = Callable[[str, bytes, SamplingOption, float], Awaitable[object]]
+"""``ask(prompt, model_node, option, timeout) -> Answer``: one request through the overlay
+(:meth:`~ps_p2p.roles.user.UserClient.ask` with ``include_untrusted=True``)."""
+
+
+def master_key(identity_private: bytes) -> bytes:
+    """The epoch master key of a validator: SHA-256(MASTER_DOMAIN || its identity key's 32
+    private bytes); secret as the identity key is."""
+    return hashlib.sha256(MASTER_DOMAIN + bytes(identity_private)).digest()
+
+
+@dataclass
+class EpochStats:
+    """Counters of one verifier's epochs (``ps-node status``, logs, tests)."""
+
+    commits: int = 0
+    epochs_led: int = 0
+    challenges_sent: int = 0
+    answers_scored: int = 0
+    reports_agreed: int = 0
+    reports_refused: int = 0
+    confirmations: int = 0
+    misses_reported: int = 0
+    last_refusal: str = ""
+
+
+class EpochService:
+    """The epochs of one verifier (module docstring).
+
+    Args:
+        identity: the validator's identity (signs its transactions).
+        params: the genesis' verification parameters.
+        state: the validator's committed state now (``lambda: validator.state``).
+        submit: a transaction into the validator's mempool (raises InvalidTransactionError).
+        ask: :data:`Ask`.
+        engine: the reference engine of ``params.model_id``.
+        pool: the prompt pool; its :func:`~ps_p2p.verification.ledger.pool_digest` must be
+            ``params.pool_sha256``.
+        master: the epoch master key (:func:`master_key`), >= 32 bytes.
+        challenge_timeout: seconds a challenge may take.
+        unix_ms: wall clock (the block times' clock), injected in tests.
+        rng: the draws of confirmation challenges.
+
+    Raises:
+        ConfigError: the pool is not the committed one.
+    """
+
+    def __init__(
+        self, identity: Signer, params: VerificationParams, *,
+        state: Callable[[], AppState], submit: Callable[[bytes], object], ask: Ask,
+        engine: Engine, pool: Sequence[str], master: bytes, challenge_timeout: float = 60.0,
+        unix_ms: Callable[[], int], rng: random.Random | None = None,
+    ) -> None:
+        digest = pool_digest(pool)
+        if digest != params.pool_sha256 or len(pool) != params.pool_size:
+            raise ConfigError(
+                f"the prompt pool ({len(pool)} prompts, digest {digest[:12]}) is not the one "
+                f"the genesis commits ({params.pool_size} prompts, {params.pool_sha256[:12]})")
+        self.identity = identity
+        self.address = identity.peer_id
+        self.params = params
+        self._state = state
+        self._submit = submit
+        self._ask = ask
+        self.engine = engine
+        self.pool = list(pool)
+        self._master = bytes(master)
+        self.challenge_timeout = challenge_timeout
+        self._unix_ms = unix_ms
+        self._rng = rng or random.SystemRandom()
+        self.stats = EpochStats()
+        self._wake = trio.Event()
+        self._verdicts: collections.OrderedDict[bytes, str | None] = collections.OrderedDict()
+        self._checks_send, self._checks_receive = trio.open_memory_channel[bytes](
+            MAX_PENDING_CHECKS)
+        self._checking: set[bytes] = set()
+        self._commit_sent: dict[int, float] = {}
+        self._led: set[tuple[int, int]] = set()
+        self._confirming: set[tuple[int, bytes]] = set()
+        self._nursery: trio.Nursery | None = None
+
+    # ------------------------------------------------------------------ hooks (sync)
+
+    def notify(self) -> None:
+        """A block was committed: look again (called from the consensus task)."""
+        self._wake.set()
+
+    def value_check(self, tx: bytes) -> str | None:
+        """The validator's own check of an EPOCH_REPORT (module docstring, 3): None when this
+        verifier's scores agree; else why not (also while it is still re-scoring)."""
+        key = tx_hash(tx)
+        if key in self._verdicts:
+            return self._verdicts[key]
+        if key not in self._checking:
+            try:
+                self._checks_send.send_nowait(bytes(tx))
+                self._checking.add(key)
+            except trio.WouldBlock:
+                return "busy re-scoring other reports"
+        return NOT_YET
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled (module docstring)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._check_worker)
+            task_status.started()
+            while True:
+                self._wake = trio.Event()
+                delay = self._step()
+                with trio.move_on_after(delay):
+                    await self._wake.wait()
+
+    def _step(self) -> float:
+        """Start what is due now; returns seconds until the next attempt boundary (or 5)."""
+        state = self._state()
+        ledger = state.ledger
+        now = trio.current_time()
+        for e in (ledger.epoch + 1,) if ledger.started else (ledger.epoch, ledger.epoch + 1):
+            if self.address not in ledger.commitments.get(e, {}) \
+                    and now - self._commit_sent.get(e, -math.inf) >= RESUBMIT_SECONDS:
+                self._commit(state, e)
+                self._commit_sent[e] = now
+        for e in [e for e in self._commit_sent if e < ledger.epoch]:
+            del self._commit_sent[e]
+        delay = RESUBMIT_SECONDS
+        if ledger.started:
+            now_ms = self._unix_ms()
+            attempt = ledger.attempt_at(now_ms, self.params)
+            key = (ledger.epoch, attempt)
+            if key not in self._led and ledger.leader(attempt) == self.address \
+                    and not any(e == ledger.epoch for e, _ in self._led):
+                self._led.add(key)
+                assert self._nursery is not None
+                self._nursery.start_soon(self._lead, state, attempt)
+            boundary = ledger.start_ms + (attempt + 1) * self.params.attempt_ms
+            delay = min(delay, max(0.05, (boundary - now_ms) / 1000))
+        for key in ledger.open_misses():
+            if key not in self._confirming and self.address not in ledger.misses[key]:
+                self._confirming.add(key)
+                assert self._nursery is not None
+                self._nursery.start_soon(self._confirm, state, *key)
+        self._confirming &= set(ledger.misses)
+        self._led = {k for k in self._led if k[0] >= ledger.epoch}
+        return delay
+
+    def _commit(self, state: AppState, epoch: int) -> None:
+        secret = epochs.derive_secret(self._master, state.chain_id, epoch)
+        commitment = epochs.seed_commitment(state.chain_id, epoch, self.address, secret)
+        tx = sign_seed_commit(self.identity, state.chain_id, epoch, commitment)
+        if self._try_submit(encode_tx(tx), f"seed commitment for epoch {epoch}"):
+            self.stats.commits += 1
+
+    def _try_submit(self, raw: bytes, what: str) -> bool:
+        try:
+            self._submit(raw)
+        except PsError as exc:
+            log.info("own %s not taken: %s", what, exc)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ leading
+
+    async def _lead(self, state: AppState, attempt: int) -> None:
+        ledger, chain = state.ledger, state.chain_id
+        epoch = ledger.epoch
+        secret = epochs.derive_secret(self._master, chain, epoch)
+        plan = ledger.plan(chain, self.params, attempt, secret)
+        log.info("leading epoch %d (attempt %d): %d challenge(s) to %d model node(s)", epoch,
+                 attempt, len(plan.challenges), len(plan.model_nodes))
+        self.stats.epochs_led += 1
+        results: dict[epochs.Challenge, ChallengeResult] = {}
+        limiter = trio.CapacityLimiter(MAX_PARALLEL_CHALLENGES)
+
+        async def one(challenge: epochs.Challenge) -> None:
+            async with limiter:
+                results[challenge] = await self._challenge(ledger, challenge)
+
+        async with trio.open_nursery() as nursery:
+            for challenge in plan.challenges:
+                nursery.start_soon(one, challenge)
+        ordered = [results[c] for c in plan.challenges]
+        tx = sign_epoch_report(self.identity, chain, epoch, attempt, secret, ordered)
+        raw = encode_tx(tx)
+        limit = state.genesis.limits.max_tx_bytes
+        if len(raw) > limit:
+            log.error("epoch %d report of %d bytes is over the genesis' max_tx_bytes (%d): "
+                      "raise block_limits.max_tx_bytes or lower verification.max_nodes",
+                      epoch, len(raw), limit)
+            return
+        self._remember(tx_hash(raw), None)  # its own scores
+        answered = sum(r.answer is not None for r in ordered)
+        if self._try_submit(raw, f"epoch {epoch} report"):
+            log.info("epoch %d report submitted: %d of %d answered, scores %s", epoch, answered,
+                     len(ordered), " ".join(f"{peer_label(r.challenge.model_node)}="
+                                            f"{r.score / MICRO:.3f}" for r in ordered))
+
+    async def _challenge(self, ledger: EpochLedger,
+                         challenge: epochs.Challenge) -> ChallengeResult:
+        option = self.params.sampling[challenge.sampling]
+        prompt = self.pool[challenge.prompt_index]
+        self.stats.challenges_sent += 1
+        answer = await self._ask(prompt, challenge.model_node, option, self.challenge_timeout)
+        signed = self._signed_answer(answer, ledger, challenge.model_node)
+        if signed is None:
+            return ChallengeResult(challenge, 0, None)
+        try:
+            score = await self._score(prompt, option, signed)
+        except PsError as exc:  # e.g. a prompt the reference cannot take: no verdict
+            log.warning("cannot score the answer of %s: %s", peer_label(challenge.model_node),
+                        exc)
+            return ChallengeResult(challenge, 0, None)
+        return ChallengeResult(challenge, score, signed)
+
+    def _signed_answer(self, answer: object, ledger: EpochLedger,
+                       challenged: bytes) -> SignedAnswer | None:
+        """The evidence of an answer, or None when it would not pass the chain's checks."""
+        reply = getattr(answer, "reply", None)
+        request = getattr(answer, "request", b"")
+        if not getattr(answer, "ok", False) or reply is None or not request:
+            log.info("challenge to %s unanswered: %s", peer_label(challenged),
+                     getattr(answer, "error", "") or "no reply")
+            return None
+        signed = SignedAnswer(
+            request=request, request_id=reply.request_id, status=reply.status, text=reply.text,
+            error=reply.error, model_id=reply.model_id, prompt_tokens=reply.prompt_tokens,
+            completion_tokens=reply.completion_tokens, finish_reason=reply.finish_reason,
+            signed_at_ms=reply.signed_at_ms, model_node=reply.model_node,
+            signature=reply.signature, forwarded_by=reply.forwarded_by,
+            forward_signature=reply.forward_signature)
+        try:
+            server = signed.verify(challenged)
+            if ledger.subject_of(server) is None:
+                raise VerificationError(f"served by {peer_label(server)}, not challenged")
+            epochs.check_response_time(signed.signed_at_ms, ledger.start_ms, self._unix_ms())
+        except VerificationError as exc:
+            log.warning("answer of %s is no evidence: %s", peer_label(challenged), exc)
+            return None
+        return signed
+
+    async def _score(self, prompt: str, option: SamplingOption, answer: SignedAnswer) -> int:
+        score = await score_response(
+            self.engine, prompt, answer.text, temperature=option.temperature,
+            min_tokens=self.params.min_tokens(option, answer.finish_reason))
+        self.stats.answers_scored += 1
+        return round(score * MICRO)
+
+    # ------------------------------------------------------------------ re-scoring
+
+    async def _check_worker(self) -> None:
+        async for raw in self._checks_receive:
+            key = tx_hash(raw)
+            try:
+                reason = await self._check_report(raw)
+            except PsError as exc:
+                reason = str(exc)
+            except Exception as exc:  # a bug here must not take the verifier down
+                log.exception("re-scoring an epoch report failed")
+                reason = f"re-scoring failed: {exc}"
+            self._checking.discard(key)
+            self._remember(key, reason)
+            if reason is None:
+                self.stats.reports_agreed += 1
+            else:
+                self.stats.reports_refused += 1
+                self.stats.last_refusal = reason
+                log.warning("epoch report %s refused by this verifier: %s", key.hex()[:12],
+                            reason)
+            self._wake.set()
+
+    async def _check_report(self, raw: bytes) -> str | None:
+        """This verifier's check of one report: None (agreed) or the reason."""
+        try:
+            tx = decode_tx(raw, 1 << 30)
+        except InvalidTransactionError as exc:
+            return str(exc)
+        if not isinstance(tx, EpochReportTx):
+            return None
+        for res in tx.results:
+            if res.answer is None:
+                continue
+            c = res.challenge
+            if c.sampling >= len(self.params.sampling) or c.prompt_index >= len(self.pool):
+                return f"challenge {c} is outside the pool or the sampling menu"
+            option = self.params.sampling[c.sampling]
+            prompt = self.pool[c.prompt_index]
+            problem = self._request_problem(res.answer, prompt, option)
+            if problem is not None:
+                return f"challenge of {peer_label(c.model_node)}: {problem}"
+            own = await self._score(prompt, option, res.answer)
+            if abs(own - res.score) > self.params.tolerance * MICRO:
+                return (f"score {res.score / MICRO:.4f} for {peer_label(c.model_node)} is off "
+                        f"this verifier's {own / MICRO:.4f} by more than "
+                        f"{self.params.tolerance}")
+        return None
+
+    def _request_problem(self, answer: SignedAnswer, prompt: str,
+                         option: SamplingOption) -> str | None:
+        try:
+            q = decode_query(answer.request)
+        except PsError as exc:
+            return f"the request is not a request: {exc}"
+        if q.request_id != answer.request_id:
+            return "the answer is for another request ID than the request's"
+        if q.messages or q.prompt != prompt:
+            return "the request does not ask the planned prompt"
+        if q.model_id != self.params.model_id:
+            return f"the request asks model {q.model_id!r}"
+        p = q.params
+        if (p.max_tokens != option.max_tokens
+                or abs(p.temperature - option.temperature) > _TEMPERATURE_SLACK
+                or abs(p.top_p - option.top_p) > _TEMPERATURE_SLACK):
+            return "the request's sampling parameters are not the planned ones"
+        return None
+
+    def _remember(self, key: bytes, verdict: str | None) -> None:
+        self._verdicts[key] = verdict
+        self._verdicts.move_to_end(key)
+        while len(self._verdicts) > MAX_VERDICTS:
+            self._verdicts.popitem(last=False)
+
+    # ------------------------------------------------------------------ misses
+
+    async def _confirm(self, state: AppState, epoch: int, node: bytes) -> None:
+        """Challenge an open miss ourselves (a prompt and option of our own drawing); report it
+        only when that fails too."""
+        self.stats.confirmations += 1
+        index = self._rng.randrange(len(self.pool))
+        option = self.params.sampling[self._rng.randrange(len(self.params.sampling))]
+        answer = await self._ask(self.pool[index], node, option, self.challenge_timeout)
+        reply = getattr(answer, "reply", None)
+        if getattr(answer, "ok", False) and reply is not None:
+            log.info("%s answered this verifier's confirmation of its epoch-%d miss",
+                     peer_label(node), epoch)
+            return
+        tx = sign_miss_report(self.identity, state.chain_id, epoch, node)
+        if self._try_submit(encode_tx(tx), f"miss report of {peer_label(node)}"):
+            self.stats.misses_reported += 1
+            log.info("reported %s: no answer to its epoch-%d challenge nor to ours (%s)",
+                     peer_label(node), epoch, getattr(answer, "error", ""))
+
+
+def load_pool(paths: Sequence[str], limit: int | None = None) -> list[str]:
+    """The prompt pool from prompt files (:func:`ps_p2p.prompts.load_prompts`), in order.
+
+    Raises:
+        ConfigError: a file cannot be read or holds no prompt.
+    """
+    from ps_p2p.prompts import load_prompts
+
+    pool: list[str] = []
+    for path in paths:
+        pool += [p.text for p in load_prompts(path)]
+    return pool[:limit] if limit else pool
+
+
+__all__ = ["EpochService", "EpochStats", "load_pool", "master_key"]
