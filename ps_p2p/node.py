@@ -492,6 +492,8 @@ class Node:
         user = self.user
 
         async def ask(prompt: str, node: bytes, option: Any, timeout: float) -> Any:
+            with trio.move_on_after(timeout / 2):  # paths first: a challenge needs the overlay
+                await user.wait_ready(1, timeout=timeout / 2)
             return await user.ask(prompt, model_node=node, model_id=params.model_id,
                                   max_tokens=option.max_tokens, temperature=option.temperature,
                                   top_p=option.top_p, timeout=timeout, include_untrusted=True)

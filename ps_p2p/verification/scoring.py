@@ -55,9 +55,15 @@ empty one; 1 means the reference model was certain of every token. This is the p
   missing tokens count as the floor. Limit: a legitimate early stop cannot be told from a
   truncation without scoring the end-of-sequence token, which :meth:`Engine.score` does not do.
 
-Token alignment: the scored tokens are ``engine.tokenize(prompt)`` (BOS included) followed by
-``engine.encode(response, add_special_tokens=False)``, exactly what :meth:`Engine.score` scores;
-the verifier re-tokenises the response text it received (the signed answer is text).
+Token alignment: the signed answer is text, so the verifier re-tokenises it. The scored tokens
+are those of ``engine.tokenize(prompt + response)`` after the prompt's own tokens (BOS
+included), when the joint encoding starts with them; else ``engine.tokenize(prompt)`` followed
+by ``engine.encode(response, add_special_tokens=False)`` (what :meth:`Engine.score` scores). The
+joint encoding is what the model generated: a SentencePiece tokenizer encodes a text on its own
+with a leading word boundary (``"`` becomes ``▁"``), and that one different first token changes
+the context of every later one. Measured on 60 MT-Bench prompts, greedy 32-token answers of
+stories260K scored by the same model: 22 of 60 below 0.5 (minimum 0.11) encoding the response
+alone; with the joint encoding see :mod:`~ps_p2p.verification.reputation`.
 
 Measured (stories260K, CPU, greedy challenges, 128-token answers, 30 prompts): see
 :mod:`~ps_p2p.verification.reputation` (tau) for honest and dishonest scores. Scoring at
@@ -75,6 +81,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ps_p2p.engines.base import Engine, TokenScores
+from ps_p2p.errors import EngineError
 
 #: Algorithm 3's epsilon as a log-probability: a token the reference model gives less than 1e-4
 #: counts as 1e-4.
@@ -251,8 +258,9 @@ async def score_response(
 ) -> float:
     """Credibility of ``response`` to ``prompt`` under ``engine``'s model, in one forward pass.
 
-    A challenge at T = 1 uses :meth:`Engine.score` (any engine); any other temperature needs the
-    token-level API (``tokenize``/``encode`` and one :meth:`Engine.score_ids` with ``top_k``).
+    One :meth:`Engine.score_ids` (with ``top_k`` below T = 1) over the aligned tokens (module
+    docstring, "Token alignment"); at T = 1 an engine without the token-level API is scored
+    with :meth:`Engine.score` instead.
 
     Args:
         engine: the verifier's reference engine (same model as the challenged node claims).
@@ -271,13 +279,15 @@ async def score_response(
         EngineError: the engine failed, or lacks the token-level API for T < 1.
     """
     t = scoring_temperature(temperature, params)
-    if t == 1.0:
-        scores = await engine.score(prompt, response)
-    else:
+    try:
         ids, start = await _token_ids(engine, prompt, response)
         if start == len(ids):
             return 0.0
-        scores = await engine.score_ids(ids, start, top_k=params.top_k)
+        scores = await engine.score_ids(ids, start, top_k=0 if t == 1.0 else params.top_k)
+    except EngineError:
+        if t != 1.0:
+            raise
+        scores = await engine.score(prompt, response)  # an engine with text-level scoring only
     return credibility(
         tempered_logprobs(scores, t), floor=params.floor_logprob, min_tokens=min_tokens
     )
@@ -359,8 +369,14 @@ def _tempered_one(token: int, lp: float, alternatives: Mapping[int, float], inv:
 
 
 async def _token_ids(engine: Engine, prompt: str, response: str) -> tuple[list[int], int]:
-    """The scored sequence (prompt tokens with BOS, then the response's) and where it starts."""
+    """The scored sequence (prompt tokens with BOS, then the response's) and where it starts
+    (module docstring, "Token alignment")."""
     prompt_ids = list(await engine.tokenize(prompt))
+    if not response:
+        return prompt_ids, len(prompt_ids)
+    joint = list(await engine.tokenize(prompt + response))
+    if len(joint) > len(prompt_ids) and joint[:len(prompt_ids)] == prompt_ids:
+        return joint, len(prompt_ids)
     response_ids = list(await engine.encode(response, add_special_tokens=False))
     return prompt_ids + response_ids, len(prompt_ids)
 

@@ -49,7 +49,14 @@ from ps_p2p.consensus.app import (
     tx_hash,
 )
 from ps_p2p.engines.base import Engine
-from ps_p2p.errors import ConfigError, InvalidTransactionError, PsError, VerificationError
+from ps_p2p.errors import (
+    ConfigError,
+    InvalidTransactionError,
+    ModelNodeLostError,
+    PsError,
+    RequestTimeoutError,
+    VerificationError,
+)
 from ps_p2p.protocols.inference_codec import decode_query
 from ps_p2p.records import Signer
 from ps_p2p.records.peer_ids import peer_label
@@ -80,6 +87,9 @@ MAX_PENDING_CHECKS = 8
 #: Challenges of one epoch sent at once.
 MAX_PARALLEL_CHALLENGES = 8
 NOT_YET = "not re-scored yet by this verifier"
+#: The outcomes of a confirmation challenge that count as the node's miss: sent over ready
+#: paths, and no valid answer came (any other failure may be the verifier's own).
+MISS_ERRORS = (RequestTimeoutError, ModelNodeLostError)
 _TEMPERATURE_SLACK = 1e-6  # protobuf carries temperature and top_p as float32
 
 Ask = Callable[[str, bytes, SamplingOption, float], Awaitable[object]]
@@ -418,6 +428,13 @@ class EpochService:
         if getattr(answer, "ok", False) and reply is not None:
             log.info("%s answered this verifier's confirmation of its epoch-%d miss",
                      peer_label(node), epoch)
+            return
+        error = getattr(answer, "exception", None)
+        if not isinstance(error, MISS_ERRORS):
+            # our side failed (no path, the node not in our directory yet, overloaded: a
+            # signed answer): no evidence against the node
+            log.info("confirmation of %s's epoch-%d miss inconclusive: %s", peer_label(node),
+                     epoch, getattr(answer, "error", "") or "no answer")
             return
         tx = sign_miss_report(self.identity, state.chain_id, epoch, node)
         if self._try_submit(encode_tx(tx), f"miss report of {peer_label(node)}"):
