@@ -124,6 +124,7 @@ async def open_localnet(
     pool: Sequence[str] = (),
     verifier_engine: Callable[[int], Engine] | None = None,
     model_organization: Callable[[int], str] | None = None,
+    forwarding: bool = True,
 ) -> AsyncIterator[LocalNet]:
     """Run a verifier, ``models`` model nodes and ``users`` user nodes in this trio run.
 
@@ -149,6 +150,7 @@ async def open_localnet(
             has the user role, the prompt ``pool`` (its digest must be the params') and the
             reference engine ``verifier_engine(i)``, and the block limits take 1 MiB reports.
         model_organization: the organization in model node i's record (default none).
+        forwarding: model nodes forward within their group (``[forwarding] enabled``).
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
     ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
@@ -161,7 +163,7 @@ async def open_localnet(
             record_lifetime=record_lifetime, metrics=metrics, committee=committee,
             block_interval=block_interval, consensus=consensus, byzantine=byzantine,
             verification=verification, pool=pool, verifier_engine=verifier_engine,
-            model_organization=model_organization,
+            model_organization=model_organization, forwarding=forwarding,
         ) as net:
             yield net
 
@@ -198,7 +200,7 @@ async def _open_localnet(
     committee: int, block_interval: float, consensus: ConsensusConfig | None,
     byzantine: tuple[int, ...], verification: VerificationParams | None = None,
     pool: Sequence[str] = (), verifier_engine: Callable[[int], Engine] | None = None,
-    model_organization: Callable[[int], str] | None = None,
+    model_organization: Callable[[int], str] | None = None, forwarding: bool = True,
 ) -> AsyncIterator[LocalNet]:
     async with trio.open_nursery() as nursery:
         net_scopes: dict[bytes, trio.CancelScope] = {}
@@ -249,6 +251,7 @@ async def _open_localnet(
             cfg = NodeConfig(roles=["model"], bootstrap=boot, model="fake",
                              organization=model_organization(i) if model_organization else "",
                              **genesis, **fast)  # type: ignore[arg-type]
+            cfg.forwarding.enabled = forwarding
             cfg.model_node.capacity = model_capacity
             cfg.model_node.max_queue = model_max_queue
             model_nodes.append(await start(cfg, engine_factory(i)))

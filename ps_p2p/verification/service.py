@@ -296,7 +296,10 @@ class EpochService:
         option = self.params.sampling[challenge.sampling]
         prompt = self.pool[challenge.prompt_index]
         self.stats.challenges_sent += 1
+        started = trio.current_time()
         answer = await self._ask(prompt, challenge.model_node, option, self.challenge_timeout)
+        log.debug("challenge to %s took %.2f s", peer_label(challenge.model_node),
+                  trio.current_time() - started)
         signed = self._signed_answer(answer, ledger, challenge.model_node)
         if signed is None:
             return ChallengeResult(challenge, 0, None)
