@@ -505,6 +505,7 @@ class Node:
             master=master_key(self.keys.identity.private_bytes()),
             challenge_timeout=vcfg.challenge_timeout, unix_ms=validator.unix_ms)
         validator.value_check = self.epochs.value_check
+        self.epochs.on_verdict = self.consensus.revalidate
         previous = self.consensus.on_commit
         epochs = self.epochs
 

@@ -16,7 +16,10 @@ which only moves bytes:
   (:func:`~ps_p2p.consensus.app.execute_block` reports no failed one), and every EPOCH_REPORT
   passes this validator's own ``value_check`` (its reference model re-scores the answers:
   :mod:`ps_p2p.verification.service`) -> ``ValueValidated``. A proposer leaves out of its block
-  the reports its own check does not pass (yet).
+  the reports its own check does not pass (yet). While the check is still running
+  (:data:`VALUE_CHECK_PENDING`) the answer is deferred, not "invalid": :meth:`Validator.
+  revalidate` gives it once the check is done (the core waits for ``ValueValidated``, up to its
+  propose timeout), so a report costs no extra round.
 * ``BroadcastProposal`` / ``BroadcastVote`` -> signed with the identity key, written to the WAL
   (:meth:`~ps_p2p.consensus.store.ConsensusStore.record_signed`, durable before anything is
   sent), then :class:`SendMessage` (to every other validator) and looped back into the core. A
@@ -118,6 +121,11 @@ from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.records.types import Signer
 
 log = logging.getLogger(__name__)
+
+#: What ``value_check`` answers while its check is still running (module docstring).
+VALUE_CHECK_PENDING = "value check pending"
+#: Deferred validations kept (this height's proposals waiting for a value check).
+MAX_DEFERRED = 8
 
 #: Default seconds an idle chain waits before an empty block.
 EMPTY_BLOCK_INTERVAL = 1.0
@@ -269,6 +277,7 @@ class Validator:
         # value ID -> value, of the values of this height validated or proposed by us: a
         # precommit for one stores the value with it (the lock, restored after a restart)
         self._values: dict[bytes, bytes] = {}
+        self._deferred: dict[tuple[int, int, bytes], ValidateValue] = {}
         self._started = False
 
     # ------------------------------------------------------------------ views
@@ -445,6 +454,7 @@ class Validator:
                 self._pol = {}
                 self._executed = {}
                 self._values = {}
+                self._deferred = {}
                 self._seen_next = False
                 self._pending_start = None
             elif isinstance(inp, ProposalReceived):
@@ -479,7 +489,11 @@ class Validator:
             queue.append(ProposeValue(out.height, out.round, value))
         elif isinstance(out, ValidateValue):
             vid = self._remember_value(out.value)
-            queue.append(ValueValidated(out.height, out.round, vid, self._validate(out, vid)))
+            valid = self._validate(out, vid)
+            if valid is None and len(self._deferred) < MAX_DEFERRED:
+                self._deferred[(out.height, out.round, vid)] = out  # revalidate() answers
+            else:
+                queue.append(ValueValidated(out.height, out.round, vid, bool(valid)))
         elif isinstance(out, Decide):
             self._decide(out, now, actions)
         elif isinstance(out, Equivocation):
@@ -554,7 +568,22 @@ class Validator:
         self._keep_executed(block_id(block.header), new, result)
         return encode_block(block)
 
-    def _validate(self, out: ValidateValue, vid: bytes) -> bool:
+    def revalidate(self, now: float) -> list[Action]:
+        """Answer the validations deferred for a pending value check whose check is done
+        (call when ``value_check`` may have changed its mind)."""
+        actions: list[Action] = []
+        for key, out in list(self._deferred.items()):
+            if out.height != self.height:
+                del self._deferred[key]
+                continue
+            valid = self._validate(out, key[2])
+            if valid is not None:
+                del self._deferred[key]
+                self._run([ValueValidated(out.height, out.round, key[2], valid)], now, actions)
+        return actions
+
+    def _validate(self, out: ValidateValue, vid: bytes) -> bool | None:
+        """True/False; None while an EPOCH_REPORT's value check is pending."""
         if out.height != self.height:
             return False
         try:
@@ -574,6 +603,8 @@ class Validator:
                 )
             for tx in block.txs:
                 reason = self._own_check(tx)
+                if reason == VALUE_CHECK_PENDING:
+                    return None
                 if reason is not None:
                     raise InvalidBlockError(f"block {out.height}: {reason}")
         except PsError as exc:
@@ -638,6 +669,7 @@ class Validator:
 
 __all__ = [
     "EMPTY_BLOCK_INTERVAL",
+    "VALUE_CHECK_PENDING",
     "Action",
     "Committed",
     "RelayTx",

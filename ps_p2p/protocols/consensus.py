@@ -334,6 +334,14 @@ class ConsensusService:
         self.driver.wake()
         return bool(actions)
 
+    def revalidate(self) -> None:
+        """The validator's value check may have finished: answer the validations it deferred
+        (:meth:`~ps_p2p.consensus.validator.Validator.revalidate`)."""
+        actions = self.validator.revalidate(self._clock())
+        if actions:
+            self.driver.run_commands(actions)
+            self.driver.wake()
+
     async def wait_committed(self, height: int) -> None:
         """Wait until block ``height`` is committed here (wrap it in a deadline)."""
         while self.validator.committed_height < height:

@@ -48,6 +48,7 @@ from ps_p2p.consensus.app import (
     encode_tx,
     tx_hash,
 )
+from ps_p2p.consensus.validator import VALUE_CHECK_PENDING
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import (
     ConfigError,
@@ -86,7 +87,7 @@ MAX_VERDICTS = 256
 MAX_PENDING_CHECKS = 8
 #: Challenges of one epoch sent at once.
 MAX_PARALLEL_CHALLENGES = 8
-NOT_YET = "not re-scored yet by this verifier"
+NOT_YET = VALUE_CHECK_PENDING  # the validator defers its answer until the verdict
 #: The outcomes of a confirmation challenge that count as the node's miss: sent over ready
 #: paths, and no valid answer came (any other failure may be the verifier's own).
 MISS_ERRORS = (RequestTimeoutError, ModelNodeLostError)
@@ -172,6 +173,8 @@ class EpochService:
         self._led: set[tuple[int, int]] = set()
         self._confirming: set[tuple[int, bytes]] = set()
         self._nursery: trio.Nursery | None = None
+        #: called after each verdict (the node: ``ConsensusService.revalidate``)
+        self.on_verdict: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ hooks (sync)
 
@@ -365,6 +368,8 @@ class EpochService:
                 self.stats.last_refusal = reason
                 log.warning("epoch report %s refused by this verifier: %s", key.hex()[:12],
                             reason)
+            if self.on_verdict is not None:
+                self.on_verdict()
             self._wake.set()
 
     async def _check_report(self, raw: bytes) -> str | None:
