@@ -20,7 +20,7 @@ from ps_p2p.consensus import app
 from ps_p2p.consensus.block import block_id, make_block
 from ps_p2p.consensus.types import Validator
 from ps_p2p.crypto.onion import OnionKeyPair
-from ps_p2p.errors import InvalidTransactionError
+from ps_p2p.errors import InvalidTransactionError, LocalProtocolError
 from ps_p2p.keys import Identity
 from ps_p2p.records import NodeRecord, Role, reputation_subject, sign_record
 from ps_p2p.records.limits import MAX_CLOCK_SKEW_MS
@@ -53,10 +53,11 @@ BY_ADDRESS = {k.peer_id: k for k in KEYS + EXTRA_KEYS}
 MASTERS = {k.peer_id: hashlib.sha256(b"master " + k.peer_id).digest() for k in BY_ADDRESS.values()}
 
 M1, M2, M3 = ident("model node 1"), ident("model node 2"), ident("model node 3")
+M4 = ident("model node 4")  # joins later
 OTHER = ident("a model node of another model")
 OUTSIDER = ident("never registered")
-NODES = {n.peer_id: n for n in (M1, M2, M3, OTHER, OUTSIDER)}
-ORG = {M1.peer_id: "Lab", M2.peer_id: "Lab", M3.peer_id: "", OTHER.peer_id: ""}
+NODES = {n.peer_id: n for n in (M1, M2, M3, M4, OTHER, OUTSIDER)}
+ORG = {M1.peer_id: "Lab", M2.peer_id: "Lab", M3.peer_id: "", M4.peer_id: "", OTHER.peer_id: ""}
 
 POOL = [f"challenge prompt {i}" for i in range(40)]
 MENU = (SamplingOption(), SamplingOption(max_tokens=32, temperature=0.7, top_p=0.9))
@@ -703,10 +704,10 @@ def test_a_counted_miss_is_forgotten_with_its_epoch(missed):
 # ---------------------------------------------------------------------------- recent prompts
 
 
-def _tight_genesis(pool: int, recent: int) -> app.Genesis:
+def _tight_genesis(pool: int, recent: int, max_nodes: int = 4) -> app.Genesis:
     prompts = [f"p{i}" for i in range(pool)]
     params = VerificationParams(model_id="m", pool_sha256=pool_digest(prompts), pool_size=pool,
-                                challenges_per_node=1, max_nodes=8, recent_epochs=recent,
+                                challenges_per_node=1, max_nodes=max_nodes, recent_epochs=recent,
                                 attempt_ms=ATTEMPT_MS)
     return app.Genesis(CHAIN, T0, VALIDATORS, verification=params)
 
@@ -732,11 +733,75 @@ def test_prompts_of_the_last_recent_epochs_are_not_asked_again():
 
 def test_without_recent_epochs_a_prompt_may_come_back_at_once():
     # 3 prompts, 3 nodes: every epoch asks the whole pool
-    state = start_epoch_1(_tight_genesis(3, recent=0))
+    state = start_epoch_1(_tight_genesis(3, recent=0, max_nodes=3))
     for _ in range(2):
         assert _prompts(state) == {0, 1, 2} and state.ledger.excluded_prompts() == set()
         state, _ = next_epoch(state)
     assert state.ledger.recent == {}
+
+
+def test_a_pool_too_small_for_the_recent_epochs_gives_back_the_oldest_prompts_first():
+    # 8 prompts, 3 nodes, recent_epochs 2: epoch 3 cannot leave out both earlier epochs (6
+    # prompts, 2 left for 3 challenges), so it leaves out epoch 2's only (before: its plan raised
+    # ValueError, out of check_tx and execute_block, and no epoch could end again)
+    state = start_epoch_1(_tight_genesis(8, recent=2))
+    asked = []
+    for _ in range(4):
+        asked.append(_prompts(state))
+        state, _ = next_epoch(state)
+    assert not asked[1] & asked[0] and not asked[2] & asked[1] and not asked[3] & asked[2]
+    assert asked[2] & asked[0]
+
+
+def test_model_nodes_that_join_cannot_make_the_next_plan_impossible():
+    # 9 prompts, recent_epochs 2: three nodes use them all in three epochs; a fourth node joins
+    # and epoch 3 needs 4 prompts with 6 of 9 recent: the oldest epoch's come back
+    state = start_epoch_1(_tight_genesis(9, recent=2))
+    state, _ = next_epoch(state)
+    state, result, _ = run(state, [reg(record(M4, host=5))])
+    assert errors(result) == [None]
+    state, _ = next_epoch(state)
+    assert len(state.ledger.challenged) == 4 and len(plan_of(state).challenges) == 4
+    assert state.ledger.excluded_prompts(state.genesis.verification) == set(state.ledger.recent[2])
+    state, _ = next_epoch(state)
+    assert state.ledger.epoch == 4
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"pool_size": 63},  # max_nodes 64 x 1
+    {"pool_size": 100, "challenges_per_node": 2},
+    {"pool_size": 2**20, "max_nodes": 1024, "challenges_per_node": 10},  # over 10,000
+])
+def test_verification_params_refuse_a_full_plan_that_does_not_fit(kwargs):
+    with pytest.raises(LocalProtocolError, match=r"a full plan \(max_nodes x challenges_per"):
+        VerificationParams(model_id="m", pool_sha256="00" * 32, **kwargs)
+    VerificationParams(model_id="m", pool_sha256="00" * 32, pool_size=64)
+
+
+def dereg(who: Identity, issued: int) -> bytes:
+    return app.encode_tx(app.sign_deregister(who, CHAIN, issued))
+
+
+@pytest.mark.parametrize("leave", ["deregisters", "drops its organization"])
+def test_a_confirmed_miss_steps_the_subject_the_node_had_when_challenged(leave):
+    state = start_epoch_1()
+    state, result, _ = run(state, [report(state, results_for(state, unanswered={M2.peer_id}))])
+    assert errors(result) == [None] and not state.ledger.started  # epoch 2: no seeds yet
+    lab = subject(M2.peer_id)
+    stepped = state.reputation(lab)  # by M1's answers
+    # M2 sees itself listed as unanswered and leaves, or renews without "Lab", before the
+    # confirmation: Lab must still carry the miss (before: a node subject did)
+    moved = dereg(M2, state.time_ms) if leave == "deregisters" else \
+        reg(record(M2, host=2, org="", issued=state.time_ms))
+    state, result, _ = run(state, [moved])
+    assert errors(result) == [None]
+    lead = next(iter(state.ledger.misses[(1, M2.peer_id)]))
+    second = next(k for k in KEYS if k.peer_id != lead)
+    state, result, _ = run(state, [miss(second, M2)])
+    assert errors(result) == [None]
+    assert result.reputation_changes == {lab: app.ReputationEntry.from_state(
+        reputation_step(stepped.state(), 0.0, REP))}
+    assert state.reputation(reputation_subject(M2.peer_id)) is None
 
 
 # ------------------------------------------------------------------------ app hash, copies
@@ -807,12 +872,13 @@ def _bump_credit(led: ledger.EpochLedger, **delta: int) -> None:
     lambda led: led.commitments[2].update({KEYS[0].peer_id: b"\x02" * 32}),
     lambda led: led.recent.update({1: led.recent[1][:-1]}),
     lambda led: led.misses.update({(1, M2.peer_id): frozenset({KEYS[0].peer_id})}),
+    lambda led: led.missed_subjects.update({(1, M2.peer_id): subject(M3.peer_id)}),
     lambda led: led.counted.clear(),
     lambda led: _bump_credit(led, answered=1),
     lambda led: _bump_credit(led, passed=1),
     lambda led: _bump_credit(led, missed=1),
 ], ids=["epoch", "anchor", "start", "eligible", "challenged", "commitment", "recent", "misses",
-        "counted", "answered", "passed", "missed"])
+        "missed subject", "counted", "answered", "passed", "missed"])
 def test_the_app_hash_commits_every_ledger_field(change):
     state = app.genesis_state(GENESIS)
     for block in _blocks()[:5]:
