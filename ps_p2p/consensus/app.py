@@ -1126,11 +1126,7 @@ def _apply_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: AppS
         scores = subject_scores(checked, ledger)
         apply_epoch_report(tx, ledger, params, checked, to_micro(state.genesis.reputation.tau))
     elif apply_miss_report(tx, ledger, state.genesis.validators):
-        subject = next((s for n, s in state.ledger.challenged if n == tx.model_node), None)
-        if subject is None:
-            record = state.records.get(tx.model_node)
-            subject = reputation_subject(tx.model_node, record.organization if record else "")
-        scores = {subject: 0}
+        scores = {ledger.missed_subjects[(tx.epoch, tx.model_node)]: 0}
     if scores:  # may raise (no room for a new subject): then nothing changed
         changes = apply_reputation_update(state, ReputationUpdateTx(
             max(state.reputation_epoch + 1, getattr(tx, "epoch", 0)),

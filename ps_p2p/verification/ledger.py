@@ -37,9 +37,9 @@ Checks of an EPOCH_REPORT (deterministic, here; every validator runs them on exe
   the leader's signature; its secret opens its commitment (:func:`~ps_p2p.verification.epochs.
   check_reveal`);
 * the challenges are exactly the plan :func:`~ps_p2p.verification.epochs.derive_plan` gives for
-  the seed, the challenged set, the pool size, the excluded recent prompts and the sampling menu
-  (so a plan naming a node outside the registry, or any other plan, is refused:
-  :func:`~ps_p2p.verification.epochs.verify_plan`);
+  the seed, the challenged set, the pool size, the recent prompts it excludes
+  (:meth:`EpochLedger.excluded_prompts`) and the sampling menu (so a plan naming a node outside
+  the registry, or any other plan, is refused: :func:`~ps_p2p.verification.epochs.verify_plan`);
 * each answer: its signature by the node that served it (the challenged node, or a node of the
   challenged set it forwarded to, with the challenged node's voucher), over SHA-256(Q); status
   OK; signed within the epoch (start - skew .. block time + skew); an unanswered challenge
@@ -53,10 +53,12 @@ fails prevotes nil, so a report with wrong scores never gets 2/3 of the prevotes
 
 Effects of an executed report: each subject whose nodes answered gets one reputation step with C
 = the mean of its answers' scores (micro units, rounded half up); unanswered challenges cost
-nothing yet: they are listed as *open misses* of e. A MISS_REPORT for an open miss of one of the
-last ``params.miss_epochs`` epochs is recorded; the leader's report counts as the leader's own.
-Once validators with more than 1/3 of the power reported a node for e (:class:`~ps_p2p.
-verification.epochs.MissTally`'s rule), its subject gets one step at C = 0, once.
+nothing yet: they are listed as *open misses* of e, with the node's subject in e's challenged
+set. A MISS_REPORT for an open miss of one of the last ``params.miss_epochs`` epochs is recorded;
+the leader's report counts as the leader's own. Once validators with more than 1/3 of the power
+reported a node for e (:class:`~ps_p2p.verification.epochs.MissTally`'s rule), that subject (not
+the node's current one: a node that leaves or changes organization before the confirmation
+cannot move the miss off its organization) gets one step at C = 0, once.
 
 Contribution credits (sec. 3.4, "incentives"), per model node: challenges answered, answered
 with a score of at least ``tau`` (the reputation rule's "normal"), and misses confirmed by > 1/3.
@@ -72,12 +74,13 @@ Ledger bytes (hashed into the registry aux digest, so into the app hash)::
              || u32(#eligible) || (bytes(address) || u64(power))* || u32(#challenged)
              || (bytes(node) || bytes(subject))*] || u32(#commit epochs) || (u64(e) || u32(#)
              || (bytes(validator) || bytes(commitment))*)* || u32(#recent) || (u64(e) || u32(#)
-             || u32(prompt index)*)* || u32(#open) || (u64(e) || bytes(node) || u8(counted)
-             || u32(#reporters) || bytes(validator)*)* || u32(#credits) || (bytes(node)
-             || u64(answered) || u64(passed) || u64(missed))*
+             || u32(prompt index)*)* || u32(#open) || (u64(e) || bytes(node) || bytes(subject)
+             || u8(counted) || u32(#reporters) || bytes(validator)*)* || u32(#credits)
+             || (bytes(node) || u64(answered) || u64(passed) || u64(missed))*
 
 (all maps ascending by key.) Bounds: commitments for two epochs (one per validator each), the
-challenged set at most ``params.max_nodes``, recent prompts for ``params.recent_epochs`` epochs,
+challenged set the registry's model nodes of the model (at most ``policy.max_records``; a plan
+takes ``params.max_nodes`` of them), recent prompts for ``params.recent_epochs`` epochs,
 open misses for ``params.miss_epochs`` epochs, credits one per model node ever challenged, at
 most ``MAX_CREDITS`` (the least-credited goes first).
 """
@@ -164,9 +167,13 @@ class VerificationParams:
         pool_size: prompts in the pool, >= 1.
         sampling: the menu of ordinary sampling parameters, 1 to 256 entries.
         challenges_per_node: distinct prompts per model node per epoch, in [1, 64].
-        max_nodes: model nodes challenged per epoch (drawn by the seed when more), in [1, 1024].
+        max_nodes: model nodes challenged per epoch (drawn by the seed when more), in [1, 1024];
+            a full plan, ``max_nodes * challenges_per_node`` challenges, must fit the pool and
+            :data:`~ps_p2p.verification.epochs.MAX_PLAN_CHALLENGES`.
         attempt_ms: block-time milliseconds a leader has before the next one is drawn.
-        recent_epochs: prompts of this many past epochs are not asked again, in [0, 1024].
+        recent_epochs: prompts of this many past epochs are not asked again, in [0, 1024]
+            (fewer when the pool would not leave enough prompts for the plan: the oldest
+            epochs' prompts come back first, :meth:`EpochLedger.excluded_prompts`).
         miss_epochs: epochs during which a miss can still be confirmed, in [1, 64].
         tolerance: largest |own - proposed| credibility a verifier accepts, in [0, 1].
         min_tokens_slack: a "length" answer is scored as at least ``max_tokens - slack``
@@ -202,6 +209,13 @@ class VerificationParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise LocalProtocolError(f"verification {name} {value!r} not in [{lo}, {hi}]")
+        full = self.max_nodes * self.challenges_per_node  # else a plan may become impossible
+        for limit, what in ((epochs.MAX_PLAN_CHALLENGES, "the most a plan holds"),
+                            (self.pool_size, "the pool's prompts")):
+            if full > limit:
+                raise LocalProtocolError(
+                    f"verification: a full plan (max_nodes x challenges_per_node = {full}) is "
+                    f"over {limit}, {what}")
         if not 1 <= len(self.sampling) <= epochs.MAX_SAMPLING_OPTIONS or not all(
                 isinstance(s, SamplingOption) for s in self.sampling):
             raise LocalProtocolError("verification sampling: 1 to 256 sampling options")
@@ -493,6 +507,7 @@ class EpochLedger:
         commitments: epoch -> validator -> commitment (the current and the next epoch).
         recent: epoch -> prompt indices used (the last ``recent_epochs``).
         misses: (epoch, node) -> reporting validators, for open misses.
+        missed_subjects: (epoch, node) -> the node's subject in that epoch, for open misses.
         counted: the (epoch, node) misses already applied.
         credits: model node -> :class:`Credit`.
     """
@@ -505,6 +520,7 @@ class EpochLedger:
     commitments: dict[int, dict[bytes, bytes]] = field(default_factory=dict)
     recent: dict[int, tuple[int, ...]] = field(default_factory=dict)
     misses: dict[tuple[int, bytes], frozenset[bytes]] = field(default_factory=dict)
+    missed_subjects: dict[tuple[int, bytes], bytes] = field(default_factory=dict)
     counted: set[tuple[int, bytes]] = field(default_factory=set)
     credits: dict[bytes, Credit] = field(default_factory=dict)
 
@@ -516,7 +532,8 @@ class EpochLedger:
         return EpochLedger(
             self.epoch, self.anchor, self.start_ms, self.eligible, self.challenged,
             {e: dict(c) for e, c in self.commitments.items()}, dict(self.recent),
-            dict(self.misses), set(self.counted), dict(self.credits))
+            dict(self.misses), dict(self.missed_subjects), set(self.counted),
+            dict(self.credits))
 
     def encode(self) -> bytes:
         """The ledger bytes (module docstring)."""
@@ -536,7 +553,8 @@ class EpochLedger:
         parts.append(u32(len(self.misses)))
         for key in sorted(self.misses):
             reporters = sorted(self.misses[key])
-            parts += [u64(key[0]), lp(key[1]), u8(key in self.counted), u32(len(reporters))]
+            parts += [u64(key[0]), lp(key[1]), lp(self.missed_subjects[key]),
+                      u8(key in self.counted), u32(len(reporters))]
             parts += [lp(v) for v in reporters]
         parts.append(u32(len(self.credits)))
         for node in sorted(self.credits):
@@ -558,8 +576,23 @@ class EpochLedger:
         assert self.anchor is not None, "epoch not started"
         return epochs.leader(self.epoch, self.anchor, self.eligible, attempt=attempt)
 
-    def excluded_prompts(self) -> set[int]:
-        return {i for used in self.recent.values() for i in used}
+    def excluded_prompts(self, params: VerificationParams | None = None) -> set[int]:
+        """The prompts the current epoch's plan does not ask: those of the recent epochs.
+
+        With ``params``, only those of the newest recent epochs that leave the pool enough
+        prompts for the plan of the challenged set (so a small pool makes old prompts come back
+        sooner, never a plan impossible); without, all of them.
+        """
+        if params is None:
+            return {i for used in self.recent.values() for i in used}
+        need = min(len(self.challenged), params.max_nodes) * params.challenges_per_node
+        out: set[int] = set()
+        for e in sorted(self.recent, reverse=True):
+            more = out.union(self.recent[e])
+            if params.pool_size - len(more) < need:
+                break
+            out = more
+        return out
 
     def plan(self, chain_id: str, params: VerificationParams, attempt: int,
              secret: bytes) -> epochs.Plan:
@@ -569,7 +602,7 @@ class EpochLedger:
                                  attempt=attempt)
         return epochs.derive_plan(
             seed, [n for n, _ in self.challenged], params.pool_size, params.challenges_per_node,
-            max_nodes=params.max_nodes, exclude=self.excluded_prompts(),
+            max_nodes=params.max_nodes, exclude=self.excluded_prompts(params),
             sampling_options=len(params.sampling))
 
     def subject_of(self, node: bytes) -> bytes | None:
@@ -704,6 +737,9 @@ def apply_epoch_report(tx: EpochReportTx, ledger: EpochLedger, params: Verificat
         if res.answer is None:
             key = (tx.epoch, res.challenge.model_node)
             ledger.misses[key] = ledger.misses.get(key, frozenset()) | {tx.leader}
+            subject = ledger.subject_of(key[1])
+            assert subject is not None  # the plan's nodes are the challenged set's
+            ledger.missed_subjects[key] = subject
     ledger.recent[tx.epoch] = tuple(sorted(r.challenge.prompt_index for r in tx.results))
     for e in [e for e in ledger.recent if e <= tx.epoch - params.recent_epochs]:
         del ledger.recent[e]
@@ -712,6 +748,7 @@ def apply_epoch_report(tx: EpochReportTx, ledger: EpochLedger, params: Verificat
     ledger.anchor, ledger.start_ms, ledger.eligible, ledger.challenged = None, 0, (), ()
     for key in [k for k in ledger.misses if k[0] <= tx.epoch - params.miss_epochs]:
         del ledger.misses[key]
+        del ledger.missed_subjects[key]
         ledger.counted.discard(key)
     _bound_credits(ledger)
 
