@@ -83,6 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     testnet.add_argument("--host", default="127.0.0.1", help="IP address the verifiers listen on")
     testnet.add_argument("--base-port", type=int, default=26656,
                          help="verifier i listens on base-port + i (default 26656)")
+    testnet.add_argument("--challenge-model", metavar="PATH",
+                         help="run challenge epochs (paper sec. 3.4) verifying this model: the "
+                              "verifiers' reference copy (HF folder or .gguf); needs "
+                              "--challenge-pool")
+    testnet.add_argument("--challenge-pool", action="append", default=[], metavar="FILE",
+                         help="prompt file of the challenge pool (repeatable; the genesis "
+                              "commits to its digest)")
+    testnet.add_argument("--challenge-model-id",
+                         help="the model ID model nodes announce (default: the folder's name)")
+    testnet.add_argument("--epoch-seconds", type=float, default=300.0, metavar="SECONDS",
+                         help="block time from one challenge epoch's start to the next "
+                              "(default 300)")
+    testnet.add_argument("--epoch-attempt", type=float, default=60.0, metavar="SECONDS",
+                         help="block time a leader has before the next one is drawn (default 60)")
 
     status = sub.add_parser(
         "status", help="print a running node's status (peer ID, addresses, directory, consensus)"
@@ -252,6 +266,18 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"consensus  chain {c['chain_id']}: height {c['height']} round {c['round']} "
               f"({c['step']}); committed {c['committed_height']} at {when}; "
               f"mempool {c['mempool']}")
+        e = c.get("epochs")
+        if e:
+            svc = e.get("service")
+            print(f"epochs     epoch {e['epoch']} " + (
+                f"under way, led by {e['leader']}" if e.get("started") else "not started") + (
+                "; this verifier runs none (no [verification] pool or model)" if svc is None
+                else f"; this verifier led {svc['epochs_led']}, scored "
+                     f"{svc['answers_scored']} answers, agreed with {svc['reports_agreed']} "
+                     f"reports, refused {svc['reports_refused']}"))
+            for peer, (answered, passed, missed) in list(e.get("credits", {}).items())[:10]:
+                print(f"credits    {peer}: {answered} challenges answered, {passed} normal, "
+                      f"{missed} confirmed misses")
         if c.get("evidence"):
             print(f"evidence   {c['evidence']} equivocation(s) committed against "
                   + ", ".join(c.get("equivocators") or []))
@@ -270,6 +296,7 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
     import ipaddress
 
     from ps_p2p.consensus.app import Genesis
+    from ps_p2p.consensus.block import BlockLimits
     from ps_p2p.consensus.core import ConsensusConfig
     from ps_p2p.genesis import genesis_hash, genesis_json
     from ps_p2p.consensus.types import Validator
@@ -296,9 +323,13 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
         f"/ip{version}/{args.host}/tcp/{args.base_port + i}/p2p/{k.identity.peer_id_str}"
         for i, k in enumerate(keys)
     ]
+    verification, epochs_toml = _testnet_verification(args)
     genesis = Genesis(
         args.chain_id, int(time.time() * 1000),
         tuple(Validator(k.identity.peer_id) for k in keys),
+        limits=BlockLimits(max_block_bytes=4 << 20, max_tx_bytes=1 << 20)
+        if verification is not None else BlockLimits(),
+        verification=verification,
     )
     text = genesis_json(genesis, ConsensusConfig(), names)
     (out / "genesis.json").write_text(text)
@@ -307,18 +338,48 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
         listen = addrs[i].rsplit("/p2p/", 1)[0]
         (out / name / "config.toml").write_text(
             f"# {name} of chain {args.chain_id!r}; genesis: {out / 'genesis.json'}\n"
-            f"roles = [\"verifier\"]\n"
+            f"roles = {json.dumps(['verifier', 'user'] if epochs_toml else ['verifier'])}\n"
             f"name = {json.dumps(name)}\n"
             f"home = {json.dumps(str(out / name))}\n"
             f"genesis = {json.dumps(str(out / 'genesis.json'))}\n"
             f"listen = {json.dumps(listen)}\n"
             f"bootstrap = {json.dumps(others)}\n"
+            + epochs_toml
         )
     print(f"chain {args.chain_id}: {args.verifiers} verifiers, genesis {out / 'genesis.json'} "
           f"(sha256 {genesis_hash(text)[:16]})")
     for name, addr in zip(names, addrs):
         print(f"  {name}: {addr}  (ps-node run --config {out / name / 'config.toml'})")
     return 0
+
+
+def _testnet_verification(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The genesis' verification section and the verifiers' config lines for it (or None,
+    "")."""
+    if not args.challenge_model and not args.challenge_pool:
+        return None, ""
+    if not args.challenge_model or not args.challenge_pool:
+        raise ConfigError("challenge epochs need both --challenge-model and --challenge-pool")
+    from ps_p2p.verification.ledger import VerificationParams, pool_digest
+    from ps_p2p.verification.service import load_pool
+
+    pool = load_pool(args.challenge_pool)
+    model = pathlib.Path(args.challenge_model).expanduser().resolve()
+    model_id = args.challenge_model_id or model.stem
+    if not 1 <= args.epoch_attempt <= 86400 or not 0 <= args.epoch_seconds <= 7 * 86400:
+        raise ConfigError("--epoch-attempt must be in 1..86400 s, --epoch-seconds in 0..604800")
+    try:
+        params = VerificationParams(model_id=model_id, pool_sha256=pool_digest(pool),
+                                    pool_size=len(pool), max_nodes=min(64, len(pool)),
+                                    attempt_ms=int(args.epoch_attempt * 1000),
+                                    epoch_ms=int(args.epoch_seconds * 1000))
+    except PsError as exc:
+        raise ConfigError(f"challenge epochs: {exc}") from exc
+    pools = [str(pathlib.Path(f).expanduser().resolve()) for f in args.challenge_pool]
+    toml = (f"model = {json.dumps(str(model))}\n"
+            f"model_id = {json.dumps(model_id)}\n"
+            f"\n[verification]\npool = {json.dumps(pools)}\n")
+    return params, toml
 
 
 def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]

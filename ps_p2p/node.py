@@ -640,6 +640,40 @@ class Node:
             "untrusted_subjects": sum(
                 1 for e in validator.state.reputations.values()
                 if e.value < validator.genesis.reputation.untrusted_below),
+            "epochs": self.epoch_status(),
+        }
+
+    #: Most model nodes whose contribution credits the status lists (most credited first).
+    STATUS_CREDITS = 100
+
+    def epoch_status(self) -> dict[str, Any] | None:
+        """A verifier's challenge epochs (``ps-node status``), None when the chain runs none:
+        the current epoch, whether it started and who leads its current attempt, this
+        verifier's counters (``service``: None when it runs no epochs), and the committed
+        contribution credits of the model nodes (``credits``: base58 peer ID -> [challenges
+        answered, answered with a normal score, confirmed misses], the
+        :data:`STATUS_CREDITS` most credited; paper sec. 3.4, "incentives")."""
+        import dataclasses
+
+        if self.consensus is None:
+            return None
+        validator = self.consensus.validator
+        params = validator.genesis.verification
+        if params is None:
+            return None
+        ledger = validator.state.ledger
+        leader = None
+        if ledger.started:
+            attempt = ledger.attempt_at(validator.unix_ms(), params)
+            leader = ID(ledger.leader(attempt)).to_base58()
+        top = sorted(ledger.credits.items(), key=lambda kv: (-kv[1].passed, kv[0]))
+        return {
+            "epoch": ledger.epoch,
+            "started": ledger.started,
+            "leader": leader,
+            "service": None if self.epochs is None else dataclasses.asdict(self.epochs.stats),
+            "credits": {ID(n).to_base58(): [c.answered, c.passed, c.missed]
+                        for n, c in top[:self.STATUS_CREDITS]},
         }
 
     def reputation_status(self) -> dict[str, Any] | None:

@@ -358,6 +358,22 @@ def test_the_next_epoch_starts_in_the_reports_block_when_its_seeds_are_committed
     assert state.ledger.eligible == VALIDATORS[1:]
 
 
+def test_the_next_epoch_waits_for_epoch_ms_of_block_time_after_the_last_start():
+    spaced = dataclasses.replace(GENESIS, verification=dataclasses.replace(
+        PARAMS, epoch_ms=10 * SECOND))
+    state = start_epoch_1(spaced)
+    first_start = state.ledger.start_ms
+    state, result, _ = run(state, [commit(k, 2) for k in KEYS[:3]])
+    state, result, _ = run(state, [report(state, results_for(state))], first_start + 2 * SECOND)
+    assert errors(result) == [None]
+    assert state.ledger.epoch == 2 and not state.ledger.started  # not yet: 2 s of 10
+    state, _, _ = run(state, [], first_start + 10 * SECOND - 1)
+    assert not state.ledger.started
+    state, _, block = run(state, [], first_start + 10 * SECOND)
+    assert state.ledger.started and state.ledger.anchor == block_id(block.header)
+    assert state.ledger.start_ms == first_start + 10 * SECOND
+
+
 # --------------------------------------------------------------------------- plan steering
 
 

@@ -23,7 +23,8 @@ reputation`):
 The epoch clock is the chain itself (no local clock): epoch 1 is the current epoch from the
 genesis on. Epoch e *starts* at the end of the first block after the report of e-1 (for e = 1:
 after the genesis) in which validators holding more than 2/3 of the voting power have a seed
-commitment for e and the registry lists at least one model node of ``params.model_id``. That
+commitment for e, the registry lists at least one model node of ``params.model_id``, and at
+least ``params.epoch_ms`` of block time passed since e-1 started. That
 block's ID is the epoch's *anchor* h (the leader draw's input), its time the epoch's start, the
 validators with a commitment for e its *eligible* leaders, and the model nodes of the model its
 *challenged set* (with their reputation subject as of that block). The attempt at block time t
@@ -70,7 +71,7 @@ challenges, letting a model node spot them (docs/verification.md).
 
 Ledger bytes (hashed into the registry aux digest, so into the app hash)::
 
-    ledger = LEDGER_DOMAIN || u64(epoch) || u8(started) || [bytes(anchor) || u64(start_ms)
+    ledger = LEDGER_DOMAIN || u64(epoch) || u64(start_ms) || u8(started) || [bytes(anchor)
              || u32(#eligible) || (bytes(address) || u64(power))* || u32(#challenged)
              || (bytes(node) || bytes(subject))*] || u32(#commit epochs) || (u64(e) || u32(#)
              || (bytes(validator) || bytes(commitment))*)* || u32(#recent) || (u64(e) || u32(#)
@@ -176,6 +177,9 @@ class VerificationParams:
             epochs' prompts come back first, :meth:`EpochLedger.excluded_prompts`).
         miss_epochs: epochs during which a miss can still be confirmed, in [1, 64].
         tolerance: largest |own - proposed| credibility a verifier accepts, in [0, 1].
+        epoch_ms: block-time milliseconds from one epoch's start to the next one's at least
+            (0: the next starts as soon as the previous report committed and > 2/3 committed
+            seeds; a deployment sets minutes, the experiment 0).
         min_tokens_slack: a "length" answer is scored as at least ``max_tokens - slack``
             tokens (:func:`~ps_p2p.verification.scoring.credibility`'s ``min_tokens``).
     """
@@ -191,6 +195,7 @@ class VerificationParams:
     miss_epochs: int = 2
     tolerance: float = epochs.DEFAULT_TOLERANCE
     min_tokens_slack: int = 8
+    epoch_ms: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_id or len(self.model_id.encode()) > MAX_STRING_BYTES:
@@ -204,7 +209,7 @@ class VerificationParams:
                   ("challenges_per_node", 1, epochs.MAX_CHALLENGES_PER_NODE),
                   ("max_nodes", 1, 1024), ("attempt_ms", 1, 2**40),
                   ("recent_epochs", 0, 1024), ("miss_epochs", 1, 64),
-                  ("min_tokens_slack", 0, 4096))
+                  ("min_tokens_slack", 0, 4096), ("epoch_ms", 0, 2**40))
         for name, lo, hi in checks:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -501,7 +506,8 @@ class EpochLedger:
     Attributes:
         epoch: the current epoch (1 from the genesis on).
         anchor: its anchor block ID once started, else None.
-        start_ms: its start (block time), 0 before.
+        start_ms: its start (block time) once started; before, the previous epoch's (0 for
+            epoch 1).
         eligible: the validators that may lead it (with a commitment at the start).
         challenged: (model node, reputation subject) of the model nodes it challenges.
         commitments: epoch -> validator -> commitment (the current and the next epoch).
@@ -537,9 +543,9 @@ class EpochLedger:
 
     def encode(self) -> bytes:
         """The ledger bytes (module docstring)."""
-        parts = [LEDGER_DOMAIN, u64(self.epoch), u8(self.started)]
+        parts = [LEDGER_DOMAIN, u64(self.epoch), u64(self.start_ms), u8(self.started)]
         if self.anchor is not None:
-            parts += [lp(self.anchor), u64(self.start_ms), u32(len(self.eligible))]
+            parts += [lp(self.anchor), u32(len(self.eligible))]
             parts += [lp(v.address) + u64(v.power) for v in self.eligible]
             parts.append(u32(len(self.challenged)))
             parts += [lp(n) + lp(s) for n, s in self.challenged]
@@ -745,7 +751,7 @@ def apply_epoch_report(tx: EpochReportTx, ledger: EpochLedger, params: Verificat
         del ledger.recent[e]
     ledger.commitments.pop(tx.epoch, None)
     ledger.epoch += 1
-    ledger.anchor, ledger.start_ms, ledger.eligible, ledger.challenged = None, 0, (), ()
+    ledger.anchor, ledger.eligible, ledger.challenged = None, (), ()  # start_ms: the last one's
     for key in [k for k in ledger.misses if k[0] <= tx.epoch - params.miss_epochs]:
         del ledger.misses[key]
         del ledger.missed_subjects[key]
@@ -802,6 +808,8 @@ def maybe_start(ledger: EpochLedger, validators: Sequence[Validator],
         True when the epoch started here.
     """
     if ledger.started or not model_nodes:
+        return False
+    if ledger.epoch > 1 and time_ms < ledger.start_ms + params.epoch_ms:
         return False
     committed = ledger.commitments.get(ledger.epoch, {})
     eligible = tuple(v for v in validators if v.address in committed)
