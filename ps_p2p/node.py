@@ -506,6 +506,7 @@ class Node:
             challenge_timeout=vcfg.challenge_timeout, unix_ms=validator.unix_ms)
         validator.value_check = self.epochs.value_check
         self.epochs.on_verdict = self.consensus.revalidate
+        self.epochs.on_reported = user.rotate_paths
         previous = self.consensus.on_commit
         epochs = self.epochs
 

@@ -332,6 +332,20 @@ def test_paths_rotate_after_the_rotation_period_and_close_after_the_grace():
     assert ClosePath(opened.path_id, "rotated") in pool.tick(15.0, RELAYS)
 
 
+def test_rotate_all_retires_every_path_at_once_and_the_next_tick_replaces_them():
+    pool = _pool(paths=2, total=2, max_setups=2, retire_grace=5.0, probe_interval=100.0)
+    opened = _open_all(pool, 0.0)
+    assert len(pool.ready_paths()) == 2
+    pool.rotate_all(1.0)
+    assert pool.ready_paths() == []  # no new request goes over a published proxy
+    assert all(pool.path(o.path_id) is not None for o in opened)  # still carry answers
+    replacements = _of(pool.tick(1.0, RELAYS), OpenPath)
+    assert len(replacements) == 2
+    assert {r.path_id for r in replacements}.isdisjoint(o.path_id for o in opened)
+    closed = _of(pool.tick(6.0, RELAYS), ClosePath)
+    assert {c.path_id for c in closed} == {o.path_id for o in opened}
+
+
 def test_rebalancing_replaces_a_path_that_shares_relays_once_free_relays_appear():
     pool = _pool(paths=2, total=2)
     few = RELAYS[:4]

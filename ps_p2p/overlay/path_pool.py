@@ -421,6 +421,17 @@ class PathPool:
                 commands += self._drop(path, "proxy altered a clove", lost=LOST_BAD_PROXY)
         return commands
 
+    def rotate_all(self, now: float) -> None:
+        """Retire every path now, as rotation would: they carry no new request, still carry
+        the answers of requests already sent, close after ``retire_grace``, and the next
+        :meth:`tick` builds their replacements (a verifier after it published its challenges'
+        requests, which name its proxies: docs/verification.md)."""
+        for path in self._paths.values():
+            if not path.retiring:
+                path.retiring = True
+                path.retired_at = now
+        self._next_maintenance = None
+
     def tick(self, now: float, relays: Sequence[bytes] | None) -> list[Command]:
         """Probe deadlines, probes, rotation; refill and rebalance when due.
 

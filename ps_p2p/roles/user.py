@@ -445,6 +445,14 @@ class UserClient:
         the condition, as a tick may come before the input queued meanwhile)."""
         await self.driver.wait_processed()
 
+    def rotate_paths(self) -> None:
+        """Retire every path now and build new ones (:meth:`PathPool.rotate_all`)."""
+        def rotate(now: float) -> Sequence[object]:
+            self._pool.rotate_all(now)
+            return self._pool.tick(now, self._relays())
+
+        self.driver.submit(rotate, essential=True)
+
     def model_nodes(self, model_id: str | None = None) -> list[NodeRecord]:
         """The model nodes of the current directory this user may send to (optionally serving
         ``model_id``): :func:`trusted_model_nodes`, the untrusted ones left out, highest

@@ -175,6 +175,9 @@ class EpochService:
         self._nursery: trio.Nursery | None = None
         #: called after each verdict (the node: ``ConsensusService.revalidate``)
         self.on_verdict: Callable[[], None] | None = None
+        #: called once this verifier submitted a report: the report publishes Q, which names
+        #: its reply proxies (the node: ``UserClient.rotate_paths``)
+        self.on_reported: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ hooks (sync)
 
@@ -290,6 +293,8 @@ class EpochService:
         self._remember(tx_hash(raw), None)  # its own scores
         answered = sum(r.answer is not None for r in ordered)
         if self._try_submit(raw, f"epoch {epoch} report"):
+            if self.on_reported is not None:
+                self.on_reported()
             log.info("epoch %d report submitted: %d of %d answered, scores %s", epoch, answered,
                      len(ordered), " ".join(f"{peer_label(r.challenge.model_node)}="
                                             f"{r.score / MICRO:.3f}" for r in ordered))
