@@ -370,7 +370,7 @@ def _testnet_verification(args: argparse.Namespace):  # type: ignore[no-untyped-
         raise ConfigError("--epoch-attempt must be in 1..86400 s, --epoch-seconds in 0..604800")
     try:
         params = VerificationParams(model_id=model_id, pool_sha256=pool_digest(pool),
-                                    pool_size=len(pool), max_nodes=min(64, len(pool)),
+                                    pool_size=len(pool),
                                     attempt_ms=int(args.epoch_attempt * 1000),
                                     epoch_ms=int(args.epoch_seconds * 1000))
     except PsError as exc:

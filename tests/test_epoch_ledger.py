@@ -783,15 +783,20 @@ def test_model_nodes_that_join_cannot_make_the_next_plan_impossible():
     assert state.ledger.epoch == 4
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"pool_size": 63},  # max_nodes 64 x 1
-    {"pool_size": 100, "challenges_per_node": 2},
-    {"pool_size": 2**20, "max_nodes": 1024, "challenges_per_node": 10},  # over 10,000
+@pytest.mark.parametrize("kwargs, nodes", [
+    ({"pool_size": 63}, 63),  # max_nodes 64 x 1: the pool gives 63 distinct prompts
+    ({"pool_size": 100, "challenges_per_node": 2}, 50),
+    ({"pool_size": 2**20, "max_nodes": 1024, "challenges_per_node": 10}, 1000),  # 10,000 max
+    ({"pool_size": 64}, 64),
 ])
-def test_verification_params_refuse_a_full_plan_that_does_not_fit(kwargs):
-    with pytest.raises(LocalProtocolError, match=r"a full plan \(max_nodes x challenges_per"):
-        VerificationParams(model_id="m", pool_sha256="00" * 32, **kwargs)
-    VerificationParams(model_id="m", pool_sha256="00" * 32, pool_size=64)
+def test_a_plan_challenges_no_more_nodes_than_the_pool_and_the_plan_limit_allow(kwargs, nodes):
+    assert VerificationParams(model_id="m", pool_sha256="00" * 32, **kwargs).plan_nodes == nodes
+
+
+def test_verification_params_refuse_more_challenges_per_node_than_prompts():
+    with pytest.raises(LocalProtocolError, match="challenges per node but a pool of 2"):
+        VerificationParams(model_id="m", pool_sha256="00" * 32, pool_size=2,
+                           challenges_per_node=3)
 
 
 def dereg(who: Identity, issued: int) -> bytes:

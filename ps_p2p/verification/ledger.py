@@ -169,8 +169,7 @@ class VerificationParams:
         sampling: the menu of ordinary sampling parameters, 1 to 256 entries.
         challenges_per_node: distinct prompts per model node per epoch, in [1, 64].
         max_nodes: model nodes challenged per epoch (drawn by the seed when more), in [1, 1024];
-            a full plan, ``max_nodes * challenges_per_node`` challenges, must fit the pool and
-            :data:`~ps_p2p.verification.epochs.MAX_PLAN_CHALLENGES`.
+            fewer when the pool cannot give each a distinct prompt (:attr:`plan_nodes`).
         attempt_ms: block-time milliseconds a leader has before the next one is drawn.
         recent_epochs: prompts of this many past epochs are not asked again, in [0, 1024]
             (fewer when the pool would not leave enough prompts for the plan: the oldest
@@ -214,18 +213,23 @@ class VerificationParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise LocalProtocolError(f"verification {name} {value!r} not in [{lo}, {hi}]")
-        full = self.max_nodes * self.challenges_per_node  # else a plan may become impossible
-        for limit, what in ((epochs.MAX_PLAN_CHALLENGES, "the most a plan holds"),
-                            (self.pool_size, "the pool's prompts")):
-            if full > limit:
-                raise LocalProtocolError(
-                    f"verification: a full plan (max_nodes x challenges_per_node = {full}) is "
-                    f"over {limit}, {what}")
+        if self.challenges_per_node > self.pool_size:
+            raise LocalProtocolError(
+                f"verification: {self.challenges_per_node} challenges per node but a pool of "
+                f"{self.pool_size} prompts")
         if not 1 <= len(self.sampling) <= epochs.MAX_SAMPLING_OPTIONS or not all(
                 isinstance(s, SamplingOption) for s in self.sampling):
             raise LocalProtocolError("verification sampling: 1 to 256 sampling options")
         if not _real(self.tolerance) or not 0.0 <= self.tolerance <= 1.0:
             raise LocalProtocolError(f"verification tolerance {self.tolerance!r} not in [0, 1]")
+
+    @property
+    def plan_nodes(self) -> int:
+        """Model nodes one plan challenges at most: ``max_nodes``, fewer when the pool (or
+        :data:`~ps_p2p.verification.epochs.MAX_PLAN_CHALLENGES`) cannot give that many
+        distinct prompts, so that no registry can make a plan impossible."""
+        cap = min(self.pool_size, epochs.MAX_PLAN_CHALLENGES) // self.challenges_per_node
+        return min(self.max_nodes, cap)
 
     def min_tokens(self, sampling: SamplingOption, finish_reason: str) -> int:
         """Tokens an answer that says ``finish_reason`` must have (0 unless "length")."""
@@ -591,7 +595,7 @@ class EpochLedger:
         """
         if params is None:
             return {i for used in self.recent.values() for i in used}
-        need = min(len(self.challenged), params.max_nodes) * params.challenges_per_node
+        need = min(len(self.challenged), params.plan_nodes) * params.challenges_per_node
         out: set[int] = set()
         for e in sorted(self.recent, reverse=True):
             more = out.union(self.recent[e])
@@ -608,7 +612,7 @@ class EpochLedger:
                                  attempt=attempt)
         return epochs.derive_plan(
             seed, [n for n, _ in self.challenged], params.pool_size, params.challenges_per_node,
-            max_nodes=params.max_nodes, exclude=self.excluded_prompts(params),
+            max_nodes=params.plan_nodes, exclude=self.excluded_prompts(params),
             sampling_options=len(params.sampling))
 
     def subject_of(self, node: bytes) -> bytes | None:

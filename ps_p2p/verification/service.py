@@ -24,6 +24,12 @@ committed block (:meth:`EpochService.notify`) and at each attempt boundary it:
 4. **confirms** each open miss of an epoch it did not lead: one challenge of its own (a pool
    prompt it draws itself) to the node; a MISS_REPORT only when that goes unanswered too.
 
+An answer whose signed fields do not fit a report (a text, model ID or finish reason over the
+ledger's bounds) is no evidence: the leader lists it as unanswered (a report carrying it would
+be refused whole and the epoch would not end) and a confirmation counts it as a miss. When the
+answers together make the report longer than the genesis' ``max_tx_bytes``, the longest are
+listed as unanswered until it fits.
+
 A verifier needs the committee's model (``engine``) and the prompt pool (its digest must be the
 genesis' ``pool_sha256``); without them its node runs no epochs and its validator checks no
 reports (so it prevotes nil on them: a committee needs 2f+1 verifiers with the model).
@@ -48,6 +54,7 @@ from ps_p2p.consensus.app import (
     encode_tx,
     tx_hash,
 )
+from ps_p2p.consensus.encoding import Reader
 from ps_p2p.consensus.validator import VALUE_CHECK_PENDING
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import (
@@ -55,14 +62,17 @@ from ps_p2p.errors import (
     InvalidTransactionError,
     ModelNodeLostError,
     PsError,
+    RemoteProtocolError,
     RequestTimeoutError,
     VerificationError,
 )
+from ps_p2p.inference import InferenceReply
 from ps_p2p.protocols.inference_codec import decode_query
 from ps_p2p.records import Signer
 from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.verification import epochs
 from ps_p2p.verification.ledger import (
+    MAX_REQUEST_BYTES,
     ChallengeResult,
     EpochLedger,
     EpochReportTx,
@@ -285,6 +295,10 @@ class EpochService:
         tx = sign_epoch_report(self.identity, chain, epoch, attempt, secret, ordered)
         raw = encode_tx(tx)
         limit = state.genesis.limits.max_tx_bytes
+        if len(raw) > limit:  # a model node signs its text's length: the longest answers go
+            ordered = _fit_report(ordered, len(raw) - limit, epoch)
+            tx = sign_epoch_report(self.identity, chain, epoch, attempt, secret, ordered)
+            raw = encode_tx(tx)
         if len(raw) > limit:
             log.error("epoch %d report of %d bytes is over the genesis' max_tx_bytes (%d): "
                       "raise block_limits.max_tx_bytes or lower verification.max_nodes",
@@ -328,14 +342,11 @@ class EpochService:
             log.info("challenge to %s unanswered: %s", peer_label(challenged),
                      getattr(answer, "error", "") or "no reply")
             return None
-        signed = SignedAnswer(
-            request=request, request_id=reply.request_id, status=reply.status, text=reply.text,
-            error=reply.error, model_id=reply.model_id, prompt_tokens=reply.prompt_tokens,
-            completion_tokens=reply.completion_tokens, finish_reason=reply.finish_reason,
-            signed_at_ms=reply.signed_at_ms, model_node=reply.model_node,
-            signature=reply.signature, forwarded_by=reply.forwarded_by,
-            forward_signature=reply.forward_signature)
+        signed = _evidence(reply, request)
         try:
+            problem = _unfit(signed)
+            if problem is not None:  # a report carrying it would be refused: no evidence
+                raise VerificationError(f"a report cannot carry it ({problem})")
             server = signed.verify(challenged)
             if ledger.subject_of(server) is None:
                 raise VerificationError(f"served by {peer_label(server)}, not challenged")
@@ -438,12 +449,20 @@ class EpochService:
         option = self.params.sampling[self._rng.randrange(len(self.params.sampling))]
         answer = await self._ask(self.pool[index], node, option, self.challenge_timeout)
         reply = getattr(answer, "reply", None)
+        request = getattr(answer, "request", b"")
+        problem = None
         if getattr(answer, "ok", False) and reply is not None:
-            log.info("%s answered this verifier's confirmation of its epoch-%d miss",
-                     peer_label(node), epoch)
-            return
+            # an answer no report could carry is no answer (as for the leader), unless the
+            # oversized part is our own request
+            problem = _unfit(_evidence(reply, request))
+            if problem is None or len(request) > MAX_REQUEST_BYTES:
+                log.info("%s answered this verifier's confirmation of its epoch-%d miss",
+                         peer_label(node), epoch)
+                return
+            log.info("%s answered this verifier's confirmation of its epoch-%d miss with no "
+                     "evidence: %s", peer_label(node), epoch, problem)
         error = getattr(answer, "exception", None)
-        if not isinstance(error, MISS_ERRORS):
+        if problem is None and not isinstance(error, MISS_ERRORS):
             # our side failed (no path, the node not in our directory yet, overloaded: a
             # signed answer): no evidence against the node
             log.info("confirmation of %s's epoch-%d miss inconclusive: %s", peer_label(node),
@@ -453,7 +472,50 @@ class EpochService:
         if self._try_submit(encode_tx(tx), f"miss report of {peer_label(node)}"):
             self.stats.misses_reported += 1
             log.info("reported %s: no answer to its epoch-%d challenge nor to ours (%s)",
-                     peer_label(node), epoch, getattr(answer, "error", ""))
+                     peer_label(node), epoch, problem or getattr(answer, "error", ""))
+
+
+def _fit_report(results: list[ChallengeResult], excess: int,
+                epoch: int) -> list[ChallengeResult]:
+    """``results`` with the longest answers listed as unanswered until the report is at least
+    ``excess`` bytes shorter (or none is left)."""
+    results = list(results)
+    answered = sorted((i for i, r in enumerate(results) if r.answer is not None),
+                      key=lambda i: -len(results[i].answer.encode()))  # type: ignore[union-attr]
+    for i in answered:
+        if excess <= 0:
+            break
+        res = results[i]
+        assert res.answer is not None
+        size = len(res.answer.encode())
+        log.warning("epoch %d report: leaving out the %d-byte answer of %s (the report is over "
+                    "the genesis' max_tx_bytes)", epoch, size, peer_label(res.challenge.model_node))
+        results[i] = ChallengeResult(res.challenge, 0, None)
+        excess -= size
+    return results
+
+
+def _evidence(reply: InferenceReply, request: bytes) -> SignedAnswer:
+    """A report's form of a user client's verified reply (:class:`~ps_p2p.inference.
+    InferenceReply`) to the request ``request``."""
+    return SignedAnswer(
+        request=request, request_id=reply.request_id, status=reply.status, text=reply.text,
+        error=reply.error, model_id=reply.model_id, prompt_tokens=reply.prompt_tokens,
+        completion_tokens=reply.completion_tokens, finish_reason=reply.finish_reason,
+        signed_at_ms=reply.signed_at_ms, model_node=reply.model_node,
+        signature=reply.signature, forwarded_by=reply.forwarded_by,
+        forward_signature=reply.forward_signature)
+
+
+def _unfit(answer: SignedAnswer) -> str | None:
+    """Why a report cannot carry ``answer`` (a field over the ledger's bounds: a model node
+    signs its text, model ID and finish reason itself), or None. A report carrying it would be
+    refused whole, and the epoch would not end."""
+    try:
+        SignedAnswer.read(Reader(answer.encode(), RemoteProtocolError, "answer"))
+    except RemoteProtocolError as exc:
+        return str(exc)
+    return None
 
 
 def load_pool(paths: Sequence[str], limit: int | None = None) -> list[str]:

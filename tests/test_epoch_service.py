@@ -1,0 +1,720 @@
+"""A committee verifier's challenge epochs (ps_p2p.verification.service, PlanetServe sec. 3.4,
+Algorithm 3): re-scoring reports for the validator's value check on the real stories260K model,
+seed commitments and leading against the chain's ledger, confirming misses, the challenge's
+request bytes against a user's, and a committee of four taking a dishonest model node out of
+users' reach on a localnet."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pathlib
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from ps_p2p.consensus import app
+from ps_p2p.consensus.block import BlockLimits, make_block
+from ps_p2p.consensus.types import Validator
+from ps_p2p.crypto.onion import OnionKeyPair
+from ps_p2p.engines.base import Engine
+from ps_p2p.engines.base import SamplingParams as EngineParams
+from ps_p2p.errors import (
+    ModelNodeLostError,
+    NoModelNodeError,
+    NoPathError,
+    OverloadedError,
+    RequestTimeoutError,
+)
+from ps_p2p.inference import ChatMessage, InferenceQuery, InferenceReply, ReplyProxy
+from ps_p2p.inference import SamplingParams as QueryParams
+from ps_p2p.keys import Identity
+from ps_p2p.pb.planetserve.v1 import inference_pb2
+from ps_p2p.protocols.inference_codec import decode_query, encode_query
+from ps_p2p.records import NodeRecord, Role, reputation_subject, sign_record
+from ps_p2p.responses import ResponseContent, sign_response
+from ps_p2p.roles.user import Answer
+from ps_p2p.testing.fakes import InstantEngine
+from ps_p2p.verification import epochs
+from ps_p2p.verification.ledger import (
+    ChallengeResult,
+    EpochLedger,
+    EpochReportTx,
+    MissReportTx,
+    SamplingOption,
+    SeedCommitTx,
+    SignedAnswer,
+    VerificationParams,
+    check_miss_report,
+    pool_digest,
+    sign_epoch_report,
+    sign_seed_commit,
+)
+from ps_p2p.verification.scoring import score_response
+from ps_p2p.verification.service import (
+    MAX_PENDING_CHECKS,
+    MAX_VERDICTS,
+    NOT_YET,
+    RESUBMIT_SECONDS,
+    EpochService,
+    master_key,
+)
+
+MICRO = app.MICRO
+CHAIN = "epoch-service-test"
+T0 = 1_700_000_000_000  # genesis time, unix ms
+HOUR = 3_600_000
+KEYS = [Identity.from_private_bytes(bytes([i]) * 32) for i in range(1, 5)]
+VALIDATORS = tuple(Validator(k.peer_id) for k in KEYS)
+ME = KEYS[0]
+MODEL = Identity.from_private_bytes(hashlib.sha256(b"model node").digest())
+ONION = OnionKeyPair.from_private_bytes(b"\x07" * 32).public
+RID = bytes(range(16))
+POOL = ["Once upon a time, there was a little girl named Lily.",
+        "Tom had a big red ball. One day,",
+        "The sun was hot and the dog was tired.",
+        "A little bird sat on a tree and sang."]
+GREEDY = SamplingOption(max_tokens=24)
+WARM = SamplingOption(max_tokens=16, temperature=0.7, top_p=0.9)  # float32 on the wire
+ATTEMPT_MS = 8000
+
+
+def verification(model_id: str, sampling=(GREEDY, WARM)) -> VerificationParams:
+    return VerificationParams(model_id=model_id, pool_sha256=pool_digest(POOL),
+                              pool_size=len(POOL), sampling=sampling, attempt_ms=ATTEMPT_MS)
+
+
+#: the block limits of a chain that runs epochs (the localnet's): 1 MiB reports
+REPORT_LIMITS = BlockLimits(max_block_bytes=4 << 20, max_tx_bytes=1 << 20)
+
+
+def genesis_state(params: VerificationParams,
+                  limits: BlockLimits = REPORT_LIMITS) -> app.AppState:
+    return app.genesis_state(app.Genesis(CHAIN, T0, VALIDATORS, app.AdmissionPolicy(),
+                                         limits=limits, verification=params))
+
+
+def secret(who: Identity, epoch: int) -> bytes:
+    return epochs.derive_secret(master_key(who.private_bytes()), CHAIN, epoch)
+
+
+class Stubs:
+    """The service's world: the committed state (settable), the mempool (a list), the overlay
+    (``answer`` for every ask), the wall clock (``now_ms``)."""
+
+    def __init__(self, state: app.AppState, answer: Answer | None = None) -> None:
+        self.state = state
+        self.submitted: list[bytes] = []
+        self.asked: list[tuple[str, bytes, SamplingOption, float]] = []
+        self.answer = answer or unanswered(RequestTimeoutError("no answer in time"))
+        #: model node -> its answer (default: ``answer``)
+        self.answers: dict[bytes, Answer] = {}
+        self.now_ms = T0
+
+    def submit(self, raw: bytes) -> None:
+        app.check_tx(raw, self.state, self.now_ms)  # what the real mempool does first
+        self.submitted.append(raw)
+
+    async def ask(self, prompt: str, node: bytes, option: SamplingOption,
+                  timeout: float) -> Answer:
+        self.asked.append((prompt, node, option, timeout))
+        return self.answers.get(node, self.answer)
+
+    def raws(self, kind: type) -> list[bytes]:
+        """The submitted transactions of ``kind``, encoded."""
+        return [raw for raw in self.submitted if isinstance(app.decode_tx(raw, 1 << 30), kind)]
+
+    def txs(self, kind: type) -> list:
+        """The submitted transactions of ``kind``."""
+        return [app.decode_tx(raw, 1 << 30) for raw in self.raws(kind)]
+
+
+def service(stubs: Stubs, engine: Engine, params: VerificationParams,
+            identity: Identity = ME) -> EpochService:
+    return EpochService(
+        identity, params, state=lambda: stubs.state, submit=stubs.submit, ask=stubs.ask,
+        engine=engine, pool=POOL, master=master_key(identity.private_bytes()),
+        challenge_timeout=30.0, unix_ms=lambda: stubs.now_ms, rng=random.Random(1))
+
+
+@asynccontextmanager
+async def running(svc: EpochService) -> AsyncIterator[None]:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(svc.run)
+        yield
+        nursery.cancel_scope.cancel()
+
+
+def unanswered(error: Exception) -> Answer:
+    return Answer(request_id=RID, ok=False, error=f"{type(error).__name__}: {error}",
+                  exception=error)
+
+
+# ------------------------------------------------------------------------ the real model
+
+_loaded: dict[pathlib.Path, Engine] = {}
+_completions: dict[tuple[str, SamplingOption], object] = {}
+
+
+@pytest.fixture
+def engine(shared: pathlib.Path) -> Engine:
+    """TransformersEngine on ../shared/models/stories260K, loaded once (do not close)."""
+    pytest.importorskip("transformers")
+    path = shared / "models" / "stories260K"
+    if path not in _loaded:
+        from ps_p2p.engines.transformers_engine import TransformersEngine
+
+        _loaded[path] = TransformersEngine.load(path)
+    return _loaded[path]
+
+
+def query(prompt: str, model_id: str, *, option: SamplingOption = GREEDY, request_id: bytes = RID,
+          messages: tuple[ChatMessage, ...] = ()) -> bytes:
+    """Q's bytes as a user client sends them (four reply proxies)."""
+    return encode_query(InferenceQuery(
+        request_id=request_id, model_id=model_id, prompt=prompt,
+        params=QueryParams(max_tokens=option.max_tokens, temperature=option.temperature,
+                           top_p=option.top_p),
+        reply_proxies=tuple(ReplyProxy(bytes([i]) * 38, bytes([i]) * 16) for i in range(4)),
+        messages=messages))
+
+
+async def honest_answer(engine: Engine, prompt: str, option: SamplingOption, *,
+                        request: bytes | None = None, request_id: bytes = RID) -> SignedAnswer:
+    """The model node's signed answer to Q (``request``; default: ``prompt`` at ``option``),
+    produced by the real engine as a model node does."""
+    key = (prompt, option)
+    if key not in _completions:
+        _completions[key] = await engine.complete(prompt, EngineParams(
+            max_tokens=option.max_tokens, temperature=option.temperature, top_p=option.top_p,
+            seed=7))
+    c = _completions[key]
+    request = query(prompt, engine.model_id, option=option) if request is None else request
+    content = ResponseContent(0, c.text, "", engine.model_id, c.prompt_tokens,
+                              c.completion_tokens, c.finish_reason)
+    signed_at = T0 + 5000
+    signature = sign_response(MODEL, request_id, hashlib.sha256(request).digest(), content,
+                              signed_at)
+    return SignedAnswer(request=request, request_id=request_id, status=0, text=c.text, error="",
+                        model_id=engine.model_id, prompt_tokens=c.prompt_tokens,
+                        completion_tokens=c.completion_tokens, finish_reason=c.finish_reason,
+                        signed_at_ms=signed_at, model_node=MODEL.peer_id, signature=signature)
+
+
+async def reference_score(engine: Engine, params: VerificationParams, prompt: str,
+                          option: SamplingOption, answer: SignedAnswer) -> int:
+    score = await score_response(engine, prompt, answer.text, temperature=option.temperature,
+                                 min_tokens=params.min_tokens(option, answer.finish_reason))
+    return round(score * MICRO)
+
+
+def report(*results: ChallengeResult) -> bytes:
+    """A leader's (KEYS[1]) EPOCH_REPORT of epoch 1, attempt 0."""
+    return app.encode_tx(sign_epoch_report(KEYS[1], CHAIN, 1, 0, secret(KEYS[1], 1), results))
+
+
+async def verdict(svc: EpochService, raw: bytes) -> str | None:
+    """The service's verdict on ``raw``: "not re-scored yet" when first asked, then whatever the
+    check worker found (polled on the autojump clock: virtual time, no wall-clock sleep)."""
+    assert svc.value_check(raw) == NOT_YET
+    while (answer := svc.value_check(raw)) == NOT_YET:
+        await trio.sleep(0.01)
+    return answer
+
+
+@pytest.mark.needs_shared
+@pytest.mark.parametrize("sampling", [0, 1], ids=["greedy", "temperature-0.7"])
+async def test_an_honest_report_is_not_yet_rescored_then_agreed(engine, sampling, autojump_clock):
+    params = verification(engine.model_id)
+    option = params.sampling[sampling]
+    svc = service(Stubs(genesis_state(params)), engine, params)
+    answer = await honest_answer(engine, POOL[0], option)
+    score = await reference_score(engine, params, POOL[0], option, answer)
+    assert score > 0
+    other = epochs.Challenge(KEYS[3].peer_id, 1, 0)  # an unanswered challenge scores 0
+    raw = report(ChallengeResult(epochs.Challenge(MODEL.peer_id, 0, sampling), score, answer),
+                 ChallengeResult(other, 0, None))
+    async with running(svc):
+        assert await verdict(svc, raw) is None
+        assert svc.value_check(raw) is None  # remembered, not re-scored again
+    assert svc.stats.reports_agreed == 1 and svc.stats.answers_scored == 1
+
+
+@pytest.mark.needs_shared
+async def test_a_score_within_the_tolerance_is_agreed_and_one_beyond_it_refused_naming_it(
+        engine, autojump_clock):
+    params = verification(engine.model_id)
+    answer = await honest_answer(engine, POOL[0], GREEDY)
+    honest = await reference_score(engine, params, POOL[0], GREEDY, answer)
+    slack = round(params.tolerance * MICRO)
+    sign = -1 if honest + slack + 1 > MICRO else 1
+    near, lie = honest + sign * (slack // 2), honest + sign * (slack + 1)
+    challenge = epochs.Challenge(MODEL.peer_id, 0, 0)
+    svc = service(Stubs(genesis_state(params)), engine, params)
+    async with running(svc):
+        assert await verdict(svc, report(ChallengeResult(challenge, near, answer))) is None
+        reason = await verdict(svc, report(ChallengeResult(challenge, lie, answer)))
+    assert reason is not None and f"score {lie / MICRO:.4f}" in reason
+    assert f"{honest / MICRO:.4f}" in reason
+    assert svc.stats.reports_refused == 1 and svc.stats.last_refusal == reason
+
+
+def _other_prompt(model_id: str) -> tuple[bytes, bytes]:
+    return query(POOL[1], model_id), RID
+
+
+def _chat(model_id: str) -> tuple[bytes, bytes]:
+    return query("", model_id, messages=(ChatMessage("user", POOL[0]),)), RID
+
+
+def _more_tokens(model_id: str) -> tuple[bytes, bytes]:
+    return query(POOL[0], model_id, option=dataclasses.replace(GREEDY, max_tokens=25)), RID
+
+
+def _warmer(model_id: str) -> tuple[bytes, bytes]:
+    return query(POOL[0], model_id, option=dataclasses.replace(GREEDY, temperature=0.5)), RID
+
+
+def _top_p(model_id: str) -> tuple[bytes, bytes]:
+    return query(POOL[0], model_id, option=dataclasses.replace(GREEDY, top_p=0.9)), RID
+
+
+def _other_model(model_id: str) -> tuple[bytes, bytes]:
+    return query(POOL[0], "other-model"), RID
+
+
+def _other_request_id(model_id: str) -> tuple[bytes, bytes]:
+    return query(POOL[0], model_id), bytes(16)  # the answer names another request
+
+
+def _not_a_request(model_id: str) -> tuple[bytes, bytes]:
+    return b"\xff\xff\xff", RID
+
+
+@pytest.mark.needs_shared
+@pytest.mark.parametrize("make, reason", [
+    (_other_prompt, "does not ask the planned prompt"),
+    (_chat, "does not ask the planned prompt"),
+    (_more_tokens, "sampling parameters are not the planned ones"),
+    (_warmer, "sampling parameters are not the planned ones"),
+    (_top_p, "sampling parameters are not the planned ones"),
+    (_other_model, "asks model 'other-model'"),
+    (_other_request_id, "another request ID"),
+    (_not_a_request, "the request is not a request"),
+], ids=lambda x: getattr(x, "__name__", "")[1:])
+async def test_a_report_whose_request_is_not_the_planned_challenge_is_refused(
+        engine, make, reason, autojump_clock):
+    params = verification(engine.model_id)
+    request, request_id = make(engine.model_id)
+    answer = await honest_answer(engine, POOL[0], GREEDY, request=request, request_id=request_id)
+    score = await reference_score(engine, params, POOL[0], GREEDY, answer)  # the right score
+    svc = service(Stubs(genesis_state(params)), engine, params)
+    async with running(svc):
+        got = await verdict(svc, report(
+            ChallengeResult(epochs.Challenge(MODEL.peer_id, 0, 0), score, answer)))
+    assert got is not None and reason in got
+    assert svc.stats.answers_scored == 0  # refused before any forward pass
+
+
+@pytest.mark.needs_shared
+@pytest.mark.parametrize("challenge", [
+    epochs.Challenge(MODEL.peer_id, len(POOL), 0), epochs.Challenge(MODEL.peer_id, 0, 2)])
+async def test_a_report_with_a_challenge_outside_the_pool_or_the_menu_is_refused(
+        engine, challenge, autojump_clock):
+    params = verification(engine.model_id)
+    answer = await honest_answer(engine, POOL[0], GREEDY)
+    svc = service(Stubs(genesis_state(params)), engine, params)
+    async with running(svc):
+        got = await verdict(svc, report(ChallengeResult(challenge, MICRO // 2, answer)))
+    assert got is not None and "outside the pool or the sampling menu" in got
+
+
+@pytest.mark.needs_shared
+async def test_a_malformed_transaction_gets_a_reason(engine, autojump_clock):
+    params = verification(engine.model_id)
+    answer = await honest_answer(engine, POOL[0], GREEDY)
+    good = report(ChallengeResult(epochs.Challenge(MODEL.peer_id, 0, 0), MICRO // 2, answer))
+    svc = service(Stubs(genesis_state(params)), engine, params)
+    async with running(svc):
+        for raw in (b"garbage", good[:-7], good + b"\x00"):
+            got = await verdict(svc, raw)
+            assert got is not None and got != NOT_YET
+    assert svc.stats.reports_refused == 3 and svc.stats.answers_scored == 0
+
+
+async def test_the_verdict_cache_is_bounded_the_oldest_verdict_going_first(autojump_clock):
+    params = verification("fake-model")
+    svc = service(Stubs(genesis_state(params)), InstantEngine(), params)
+    raws = [b"not a transaction %d" % i for i in range(MAX_VERDICTS + 1)]
+    async with running(svc):
+        for raw in raws:
+            await verdict(svc, raw)
+        assert len(svc._verdicts) == MAX_VERDICTS
+        assert svc.value_check(raws[-1]) not in (None, NOT_YET)  # still known
+        assert svc.value_check(raws[0]) == NOT_YET  # forgotten: checked again
+
+
+async def test_more_reports_than_the_check_queue_holds_are_refused_busy_until_room(
+        autojump_clock):
+    params = verification("fake-model")
+    svc = service(Stubs(genesis_state(params)), InstantEngine(), params)
+    raws = [b"not a transaction %d" % i for i in range(MAX_PENDING_CHECKS + 2)]
+    async with running(svc):
+        first = [svc.value_check(raw) for raw in raws]  # no checkpoint: the worker waits
+        assert first[0] == NOT_YET and first[-1] == "busy re-scoring other reports"
+        await trio.testing.wait_all_tasks_blocked()
+        assert await verdict(svc, raws[-1]) not in (None, NOT_YET)  # queued once there is room
+
+
+# --------------------------------------------------------------- commitments and leading
+
+
+def model_record(model_id: str, who: Identity = MODEL) -> bytes:
+    host = who.peer_id[-1]
+    return app.encode_tx(app.RegisterTx(sign_record(who, NodeRecord(
+        who.peer_id, (f"/ip4/10.0.{host}.1/tcp/4001",), frozenset({Role.MODEL}), ONION,
+        model_id=model_id, issued_at_ms=T0, expires_at_ms=T0 + HOUR))))
+
+
+def execute(state: app.AppState, txs: list[bytes], time_ms: int) -> app.AppState:
+    block = make_block(chain_id=CHAIN, height=state.height + 1, time_ms=time_ms,
+                       prev_block_id=state.block_id, app_hash=state.app_hash,
+                       proposer=KEYS[0].peer_id, txs=txs)
+    new, result = app.execute_block(state, block)
+    assert [r.error for r in result.tx_results] == [None] * len(txs)
+    return new
+
+
+def commit(who: Identity, epoch: int) -> bytes:
+    c = epochs.seed_commitment(CHAIN, epoch, who.peer_id, secret(who, epoch))
+    return app.encode_tx(sign_seed_commit(who, CHAIN, epoch, c))
+
+
+async def settle(svc: EpochService | None = None) -> None:
+    """Let every task run until all wait (after a committed block's notification)."""
+    if svc is not None:
+        svc.notify()
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_seed_commitments_the_ledger_lacks_are_submitted_and_not_resubmitted_too_soon(
+        mock_clock):
+    params = verification("fake-model")
+    stubs = Stubs(genesis_state(params))
+    svc = service(stubs, InstantEngine(), params)
+
+    def committed_epochs() -> list[int]:
+        return [c.epoch for c in stubs.txs(SeedCommitTx)]
+
+    async with running(svc):
+        await settle()
+        commits = stubs.txs(SeedCommitTx)
+        # before epoch 1 starts: a commitment for it and for epoch 2, each opening to this
+        # verifier's derived secret (a restarted verifier commits the same)
+        assert [(c.validator, c.epoch) for c in commits] == [(ME.peer_id, 1), (ME.peer_id, 2)]
+        for c in commits:
+            epochs.check_reveal(c.commitment, CHAIN, c.epoch, ME.peer_id, secret(ME, c.epoch))
+        await settle(svc)  # a block committed without them: not again so soon
+        mock_clock.jump(RESUBMIT_SECONDS - 0.1)
+        await settle(svc)
+        assert committed_epochs() == [1, 2]
+        mock_clock.jump(0.1)
+        await settle(svc)
+        assert committed_epochs() == [1, 2, 1, 2]
+        # epoch 1 starts with this verifier's commitment for it (and two others'), none for 2
+        stubs.state = execute(stubs.state, [model_record("fake-model"), commit(ME, 1),
+                                            commit(KEYS[1], 1), commit(KEYS[2], 1)], T0 + 1000)
+        assert stubs.state.ledger.started
+        await settle(svc)
+        assert committed_epochs() == [1, 2, 1, 2]  # epoch 2's went out just now
+        mock_clock.jump(RESUBMIT_SECONDS)
+        await settle(svc)
+        assert committed_epochs() == [1, 2, 1, 2, 2]  # not epoch 1's: it started
+        stubs.state = execute(stubs.state, stubs.raws(SeedCommitTx)[-1:], T0 + 2000)
+        mock_clock.jump(RESUBMIT_SECONDS)
+        await settle(svc)
+        assert committed_epochs() == [1, 2, 1, 2, 2]  # the ledger holds both: nothing more
+    assert svc.stats.commits == 5
+
+
+def started_epoch(params: VerificationParams, models: tuple[Identity, ...] = (MODEL,),
+                  **limits: int) -> tuple[app.AppState, int, int]:
+    """A state whose epoch 1 started with ME, KEYS[1], KEYS[2] eligible and ``models``
+    challenged, the anchor chosen so that ME does not lead attempt 0; (state, an attempt ME
+    leads, one before it that another validator leads). ``limits``: the genesis' block limits
+    (default 1 MiB transactions)."""
+    state = genesis_state(params, BlockLimits(**limits)) if limits else genesis_state(params)
+    state = execute(state, [commit(k, 1) for k in KEYS[:3]] + [commit(ME, 2)], T0 + 1000)
+    for t in range(T0 + 2000, T0 + 3000):
+        started = execute(state, [model_record(params.model_id, m) for m in models], t)
+        assert started.ledger.started
+        leaders = [started.ledger.leader(a) for a in range(16)]
+        if leaders[0] != ME.peer_id and ME.peer_id in leaders:
+            mine = leaders.index(ME.peer_id)
+            return started, mine, mine - 1
+    raise AssertionError("no anchor found")  # pragma: no cover
+
+
+async def test_it_leads_exactly_the_attempts_the_ledger_draws_it_for(mock_clock):
+    params = verification("fake-model", sampling=(GREEDY,))
+    state, mine, other = started_epoch(params)
+    ledger = state.ledger
+    assert ledger.leader(other) != ME.peer_id
+    stubs = Stubs(state)
+    svc = service(stubs, InstantEngine(), params)
+    async with running(svc):
+        for attempt in (0, other):
+            stubs.now_ms = ledger.start_ms + attempt * ATTEMPT_MS + 1
+            await settle(svc)
+            assert not stubs.asked and not stubs.txs(EpochReportTx)
+        stubs.now_ms = ledger.start_ms + mine * ATTEMPT_MS + 1
+        await settle(svc)
+        plan = ledger.plan(CHAIN, params, mine, secret(ME, 1))
+        assert sorted((p, n, o.max_tokens) for p, n, o, _ in stubs.asked) == sorted(
+            (POOL[c.prompt_index], c.model_node, params.sampling[c.sampling].max_tokens)
+            for c in plan.challenges)
+        assert {t for *_, t in stubs.asked} == {svc.challenge_timeout}
+        [tx] = stubs.txs(EpochReportTx)
+        assert (tx.epoch, tx.attempt, tx.leader) == (1, mine, ME.peer_id)
+        assert tx.plan_challenges == plan.challenges
+        assert all(r.answer is None and r.score == 0 for r in tx.results)
+        [raw] = stubs.raws(EpochReportTx)
+        assert svc.value_check(raw) is None  # its own scores
+        asked = len(stubs.asked)
+        await settle(svc)  # once per attempt
+        stubs.now_ms += ATTEMPT_MS
+        await settle(svc)  # and once per epoch
+        assert len(stubs.asked) == asked and len(stubs.txs(EpochReportTx)) == 1
+        # the committee executes the report: epoch 2, its misses this leader's own
+        stubs.state = execute(stubs.state, [raw], stubs.now_ms)
+        assert stubs.state.ledger.epoch == 2
+        assert stubs.state.ledger.misses == {(1, MODEL.peer_id): frozenset({ME.peer_id})}
+        await settle(svc)
+        assert len(stubs.asked) == asked  # not confirming its own report's misses
+    assert svc.stats.epochs_led == 1
+
+
+def signed_reply(stubs: Stubs, request: bytes, model_id: str = "fake-model", *,
+                 text: str = "an answer", finish_reason: str = "stop",
+                 model: Identity = MODEL) -> Answer:
+    """An answer ``model`` signed over ``request`` (now, by the stub clock), as a user client
+    returns it."""
+    content = ResponseContent(0, text, "", model_id, 3, 2, finish_reason)
+    req_hash = hashlib.sha256(request).digest()
+    signature = sign_response(model, RID, req_hash, content, stubs.now_ms)
+    reply = InferenceReply(request_id=RID, status=0, text=text, error="", model_id=model_id,
+                           prompt_tokens=3, completion_tokens=2, request_hash=req_hash,
+                           signed_at_ms=stubs.now_ms, model_node=model.peer_id,
+                           signature=signature, finish_reason=finish_reason)
+    return Answer(request_id=RID, ok=True, text=text, served_by=model.peer_id,
+                  signature_valid=True, model_id=model_id, finish_reason=finish_reason,
+                  reply=reply, request=request)
+
+
+#: Signed answers whose fields the ledger's encoding cannot hold (a model node controls them).
+UNFIT = {"finish-reason": {"finish_reason": "x" * 17}, "model-id": {"model_id": "m" * 257},
+         "text": {"text": "a" * (64 * 1024 + 1)}}
+
+
+@pytest.mark.parametrize("fields", [{}, *UNFIT.values()], ids=["fit", *UNFIT])
+async def test_a_leader_carries_only_answers_a_report_can_hold_so_its_report_stays_valid(
+        fields, mock_clock):
+    # temperature 1: the fake engine's text-level score is enough
+    params = verification("fake-model", sampling=(SamplingOption(24, temperature=1.0),))
+    state, mine, _ = started_epoch(params)
+    stubs = Stubs(state)
+    stubs.now_ms = state.ledger.start_ms + mine * ATTEMPT_MS + 1
+    [c] = state.ledger.plan(CHAIN, params, mine, secret(ME, 1)).challenges
+    stubs.answer = signed_reply(stubs, query(POOL[c.prompt_index], "fake-model",
+                                             option=params.sampling[0]), **fields)
+    svc = service(stubs, InstantEngine(), params)
+    async with running(svc):
+        await settle(svc)
+    assert len(stubs.asked) == 1
+    [tx] = stubs.txs(EpochReportTx)  # passed the mempool's check_tx (Stubs.submit)
+    [result] = tx.results
+    if fields:  # no evidence: listed as unanswered, a miss for the others to confirm
+        assert result.answer is None and result.score == 0
+    else:
+        assert result.answer is not None and result.answer.text == "an answer"
+    execute(stubs.state, stubs.raws(EpochReportTx), stubs.now_ms)  # the committee takes it
+
+
+async def test_the_longest_answers_are_left_out_until_the_report_fits_the_block_limits(
+        mock_clock):
+    # a model node signs its text's length: one answer alone can pass the genesis' default
+    # 8 KiB per transaction
+    params = verification("fake-model", sampling=(SamplingOption(24, temperature=1.0),))
+    terse = Identity.from_private_bytes(hashlib.sha256(b"terse model node").digest())
+    state, mine, _ = started_epoch(params, (MODEL, terse), max_tx_bytes=8 * 1024)
+    stubs = Stubs(state)
+    stubs.now_ms = state.ledger.start_ms + mine * ATTEMPT_MS + 1
+    plan = state.ledger.plan(CHAIN, params, mine, secret(ME, 1))
+    for c in plan.challenges:
+        long = c.model_node == MODEL.peer_id
+        stubs.answers[c.model_node] = signed_reply(
+            stubs, query(POOL[c.prompt_index], "fake-model", option=params.sampling[0]),
+            text="a" * (9000 if long else 40), model=MODEL if long else terse)
+    svc = service(stubs, InstantEngine(), params)
+    async with running(svc):
+        await settle(svc)
+    [raw] = stubs.raws(EpochReportTx)
+    assert len(raw) <= 8 * 1024
+    [tx] = stubs.txs(EpochReportTx)
+    carried = {r.challenge.model_node: r.answer is not None for r in tx.results}
+    assert carried == {MODEL.peer_id: False, terse.peer_id: True}
+    execute(stubs.state, [raw], stubs.now_ms)
+
+
+# ------------------------------------------------------------------------------ misses
+
+
+def answered(text: str = "an answer", finish_reason: str = "stop") -> Answer:
+    """A confirmation's answer as the user client returns it (signature checked there)."""
+    reply = InferenceReply(request_id=RID, status=0, text=text, error="",
+                           model_id="fake-model", prompt_tokens=3, completion_tokens=2,
+                           request_hash=bytes(32), signed_at_ms=T0, model_node=MODEL.peer_id,
+                           signature=bytes(64), finish_reason=finish_reason)
+    return Answer(request_id=RID, ok=True, text=text, served_by=MODEL.peer_id,
+                  signature_valid=True, reply=reply, request=query(POOL[0], "fake-model"))
+
+
+@pytest.mark.parametrize("answer, reported", [
+    (answered(), False),
+    (answered(finish_reason="x" * 17), True),
+    (answered(text="a" * (64 * 1024 + 1)), True),
+    (unanswered(RequestTimeoutError("no answer in time")), True),
+    (unanswered(ModelNodeLostError("the model node went away")), True),
+    (unanswered(NoPathError("no ready path")), False),
+    (unanswered(NoModelNodeError("not in the directory")), False),
+    (unanswered(OverloadedError("OVERLOADED: queue full")), False),
+], ids=["answered", "unfit-finish-reason", "unfit-text", "timeout", "lost", "no-path", "no-model-node", "overloaded"])
+async def test_an_open_miss_is_confirmed_and_reported_only_when_the_node_misses_again(
+        answer, reported, mock_clock):
+    params = verification("fake-model")
+    state = genesis_state(params)
+    # another leader's report of epoch 1 left MODEL unanswered
+    state.ledger = EpochLedger(epoch=2, misses={(1, MODEL.peer_id): frozenset({KEYS[1].peer_id})})
+    stubs = Stubs(state, answer)
+    svc = service(stubs, InstantEngine(), params)
+    async with running(svc):
+        await settle()
+        await settle(svc)  # asked once, whatever the number of blocks
+    [(prompt, node, option, timeout)] = stubs.asked
+    assert node == MODEL.peer_id and prompt in POOL and option in params.sampling
+    assert timeout == svc.challenge_timeout
+    misses = stubs.txs(MissReportTx)
+    assert svc.stats.confirmations == 1 and svc.stats.misses_reported == len(misses)
+    if not reported:
+        assert misses == []
+        return
+    [tx] = misses
+    assert (tx.validator, tx.epoch, tx.model_node) == (ME.peer_id, 1, MODEL.peer_id)
+    check_miss_report(tx, state.ledger, CHAIN, VALIDATORS)  # signed by this verifier
+
+
+async def test_a_counted_miss_or_one_already_reported_is_not_confirmed(mock_clock):
+    params = verification("fake-model")
+    state = genesis_state(params)
+    other = Identity.from_private_bytes(b"\x09" * 32).peer_id
+    state.ledger = EpochLedger(epoch=2, misses={
+        (1, MODEL.peer_id): frozenset({KEYS[1].peer_id, KEYS[2].peer_id}),
+        (1, other): frozenset({ME.peer_id})}, counted={(1, MODEL.peer_id)})
+    stubs = Stubs(state)
+    svc = service(stubs, InstantEngine(), params)
+    async with running(svc):
+        await settle(svc)
+    assert stubs.asked == [] and svc.stats.confirmations == 0
+
+
+# ------------------------------------------------------------------- the challenge's bytes
+
+
+def _fields(message) -> list[tuple[int, str]]:
+    """(field number, name) of the fields present in a parsed message."""
+    return sorted((f.number, f.name) for f, _ in message.ListFields())
+
+
+@pytest.mark.parametrize("option", [SamplingOption(), WARM], ids=["default", "warm"])
+async def test_a_challenge_request_is_shaped_like_any_users_request(option):
+    from ps_p2p.testing.localnet import open_localnet
+
+    async with open_localnet(users=6) as net:
+        verifier, user = net.users[0].user, net.users[1].user
+        assert verifier is not None and user is not None
+        target = net.users[0].directory.model_nodes()[0]
+        prompt = "Once upon a time there was a fox"
+        with trio.fail_after(60):
+            # as Node._start_epochs' ``ask`` adapter sends a challenge
+            await verifier.wait_ready(1, timeout=30)
+            challenge = await verifier.ask(
+                prompt, model_node=target.peer_id, model_id=target.model_id,
+                max_tokens=option.max_tokens, temperature=option.temperature,
+                top_p=option.top_p, timeout=30, include_untrusted=True)
+            ordinary = await user.ask(prompt, max_tokens=option.max_tokens,
+                                      temperature=option.temperature, top_p=option.top_p)
+    assert challenge.ok and ordinary.ok, (challenge.error, ordinary.error)
+    assert challenge.served_by == ordinary.served_by == target.peer_id
+    q_challenge, q_user = decode_query(challenge.request), decode_query(ordinary.request)
+    assert q_challenge.request_id != q_user.request_id  # random per request
+    assert len(q_challenge.reply_proxies) == len(q_user.reply_proxies)
+    blank = {"request_id": b"", "reply_proxies": ()}
+    assert dataclasses.replace(q_challenge, **blank) == dataclasses.replace(q_user, **blank)
+    pb_challenge = inference_pb2.InferenceRequest.FromString(challenge.request)
+    pb_user = inference_pb2.InferenceRequest.FromString(ordinary.request)
+    assert _fields(pb_challenge) == _fields(pb_user)
+    assert _fields(pb_challenge.params) == _fields(pb_user.params)
+
+
+# --------------------------------------------------------------------- the whole committee
+
+
+@pytest.mark.slow
+@pytest.mark.needs_shared
+async def test_a_committee_takes_a_dishonest_model_node_out_of_users_reach(shared, engine):
+    from ps_p2p.engines.transformers_engine import TransformersEngine
+    from ps_p2p.prompts import load_prompts
+    from ps_p2p.testing.dishonest import DishonestEngine
+    from ps_p2p.testing.localnet import open_localnet
+    from ps_p2p.verification.reputation import is_trusted
+
+    pool = [p.text for p in load_prompts(shared / "data" / "mtbench" / "question.jsonl")][:40]
+    params = VerificationParams(
+        model_id=engine.model_id, pool_sha256=pool_digest(pool), pool_size=len(pool),
+        sampling=(SamplingOption(max_tokens=24),), attempt_ms=8000)
+
+    def model_engine(i: int) -> Engine:
+        own = TransformersEngine.load(shared / "models" / "stories260K")
+        return own if i == 0 else DishonestEngine(own, temperature=2.0)
+
+    with trio.fail_after(120):
+        async with open_localnet(committee=4, models=2, users=3, engine_factory=model_engine,
+                                 verification=params, pool=pool,
+                                 verifier_engine=lambda i: engine, forwarding=False) as net:
+            honest, dishonest = (m.peer_id for m in net.models)
+            consensus = net.verifiers[0].consensus
+            assert consensus is not None
+            while True:
+                state = consensus.validator.state
+                rules = state.genesis.reputation
+                good, bad = (state.reputation(reputation_subject(p)) for p in (honest, dishonest))
+                if good is not None:
+                    assert is_trusted(good.state(), rules), good  # stays trusted throughout
+                if bad is not None and not is_trusted(bad.state(), rules) and good is not None:
+                    break
+                await consensus.wait_committed(state.height + 1)
+            assert bad.value < rules.untrusted_below
+            assert bad.epochs <= 3  # untrusted within 3 epochs of its first score
+            user = net.users[0]
+            assert user.user is not None
+            while dishonest in [r.peer_id for r in user.user.model_nodes()]:
+                await user.wait_directory_update()
+            assert honest in [r.peer_id for r in user.user.model_nodes()]
+            for prompt in pool[:5]:
+                answer = await user.user.ask(prompt, max_tokens=24, timeout=30)
+                assert answer.ok, answer.error
+                assert answer.served_by == honest
