@@ -39,11 +39,11 @@ import time
 import trio
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_devnet import machine  # noqa: E402
+from bench_devnet import machine
 
-from ps_p2p.prompts import load_prompts  # noqa: E402
-from ps_p2p.records import reputation_subject  # noqa: E402
-from ps_p2p.verification.ledger import (  # noqa: E402
+from ps_p2p.prompts import load_prompts
+from ps_p2p.records import reputation_subject
+from ps_p2p.verification.ledger import (
     SamplingOption,
     VerificationParams,
     pool_digest,

@@ -18,9 +18,9 @@ import json
 import logging
 import os
 import pathlib
-import time
 import signal
 import sys
+import time
 from typing import Any
 
 import trio
@@ -298,8 +298,8 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
     from ps_p2p.consensus.app import Genesis
     from ps_p2p.consensus.block import BlockLimits
     from ps_p2p.consensus.core import ConsensusConfig
-    from ps_p2p.genesis import genesis_hash, genesis_json
     from ps_p2p.consensus.types import Validator
+    from ps_p2p.genesis import genesis_hash, genesis_json
     from ps_p2p.keys import load_or_create_keys
 
     if not 1 <= args.verifiers <= 128:
@@ -687,7 +687,13 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
 
 def _cmd_devnet(args: argparse.Namespace) -> int:
-    from ps_p2p.devnet import SHARED_PROMPTS, DevnetOptions, run_devnet, shared_defaults, shared_dir
+    from ps_p2p.devnet import (
+        SHARED_PROMPTS,
+        DevnetOptions,
+        run_devnet,
+        shared_defaults,
+        shared_dir,
+    )
 
     shared = shared_dir()
     model, prompts = shared_defaults(args.model, args.prompts, engine=args.engine, shared=shared)

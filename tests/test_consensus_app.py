@@ -7,11 +7,9 @@ import dataclasses
 import hashlib
 
 import pytest
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps_p2p.consensus import app
-from ps_p2p.verification import ledger
 from ps_p2p.consensus import directory as cdir
 from ps_p2p.consensus.block import ZERO_ID, BlockLimits, block_id, make_block
 from ps_p2p.consensus.signing import sign_vote
@@ -30,6 +28,7 @@ from ps_p2p.errors import (
 )
 from ps_p2p.keys import Identity
 from ps_p2p.records import RECORD_DOMAIN, NodeRecord, Role, sign_record
+from ps_p2p.verification import ledger
 from ps_p2p.verification.reputation import ReputationState, is_trusted, subject_of
 from ps_p2p.verification.reputation import update as reputation_step
 

@@ -138,7 +138,6 @@ from ps_p2p.records.limits import (
     MAX_ORGANIZATION_BYTES,
     MAX_RECORD_LIFETIME_MS,
     MAX_RECORDS,
-    MAX_SUBJECT_BYTES,
     ONION_KEY_BYTES,
     RECORD_DOMAIN,
     SIGNATURE_BYTES,
@@ -149,14 +148,6 @@ from ps_p2p.records.recordset import RecordSet
 from ps_p2p.records.signatures import verify_signature
 from ps_p2p.records.types import NodeRecord, Role, Signer, reputation_subject
 from ps_p2p.records.validation import check_record
-from ps_p2p.verification.reputation import (
-    MAX_WINDOW,
-    NODE_SUBJECT_PREFIX,
-    ORG_SUBJECT_PREFIX,
-    ReputationParams,
-    ReputationState,
-    check_score,
-)
 from ps_p2p.verification.ledger import (
     EpochLedger,
     EpochReportTx,
@@ -171,6 +162,14 @@ from ps_p2p.verification.ledger import (
     check_seed_commit,
     maybe_start,
     subject_scores,
+)
+from ps_p2p.verification.reputation import (
+    MAX_WINDOW,
+    NODE_SUBJECT_PREFIX,
+    ORG_SUBJECT_PREFIX,
+    ReputationParams,
+    ReputationState,
+    check_score,
 )
 from ps_p2p.verification.reputation import update as reputation_step
 
@@ -1335,7 +1334,6 @@ __all__ = [
     "RegisterTx",
     "ReputationEntry",
     "ReputationUpdateTx",
-    "verification_model_nodes",
     "Tx",
     "TxKind",
     "TxResult",
@@ -1356,4 +1354,5 @@ __all__ = [
     "source_networks",
     "to_micro",
     "tx_hash",
+    "verification_model_nodes",
 ]

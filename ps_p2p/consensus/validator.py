@@ -63,12 +63,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ps_p2p.consensus.app import (
+    TX_DOMAIN,
     AppState,
     BlockResult,
     EvidenceTx,
     Genesis,
     Mempool,
-    TX_DOMAIN,
     TxKind,
     encode_tx,
     execute_block,

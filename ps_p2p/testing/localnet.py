@@ -27,9 +27,9 @@ from ps_p2p.config import NodeConfig, VerificationConfig
 from ps_p2p.consensus import app
 from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
-from ps_p2p.genesis import genesis_json
 from ps_p2p.consensus.types import Validator
 from ps_p2p.engines.base import Engine
+from ps_p2p.genesis import genesis_json
 from ps_p2p.keys import NodeKeys
 from ps_p2p.node import Node
 from ps_p2p.roles.user import UserConfig
