@@ -154,8 +154,10 @@ async def run(args: argparse.Namespace) -> int:
     for kind in dishonest:
         n = became_untrusted.get(kind)
         verdict = "never" if n is None else f"after {n} scored epoch(s)"
-        print(f"  {kind:12s} untrusted {verdict}  (goal <= 3); final R = "
-              f"{history[-1][kind]:.3f}")
+        rows = [r for r in history if int(r[f"{kind}:scored"]) >= (n or 0)]  # type: ignore
+        back = sum(1 for r in rows if float(r[kind]) >= params_rep.untrusted_below)  # type: ignore
+        print(f"  {kind:12s} untrusted {verdict}  (goal <= 3); trusted again in {back} later "
+              f"epoch(s); final R = {history[-1][kind]:.3f}")
     ever = [k for k in honest if k in became_untrusted]
     lowest = min(min(float(r[k]) for r in history) for k in honest)
     print(f"  honest nodes ever untrusted: {len(ever)} of {len(honest)} (goal 0); lowest honest "
