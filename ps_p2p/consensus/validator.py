@@ -32,7 +32,8 @@ which only moves bytes:
   below the next height pruned (every :data:`PRUNE_EVERY` heights), then :class:`Committed` and the next height (below).
 * ``Equivocation`` -> an EVIDENCE transaction into the mempool (relayed).
 
-The next height starts (``StartHeight(h + 1)``) at once when transactions are pending or a
+The next height starts (``StartHeight(h + 1)``) at once when transactions are pending (ones
+this validator would propose: not an EPOCH_REPORT its own check refuses or still runs on) or a
 message of that height already came from another validator; otherwise after
 ``empty_block_interval`` seconds (an idle chain still makes a block that often, so that the
 directory's commit stays fresh), or as soon as a transaction or such a message arrives
@@ -386,8 +387,8 @@ class Validator:
         actions: list[Action] = []
         if self.mempool.add(tx, self.state, self.unix_ms()):
             actions.append(RelayTx(bytes(tx), sender))
-            self._own_check(tx)  # starts the re-scoring while the tx waits for a block
-            if self._pending_start is not None:
+            # own_check also starts the re-scoring while the tx waits for a block
+            if self._own_check(tx) is None and self._pending_start is not None:
                 self._start_next(now, actions)
         return actions
 
@@ -580,6 +581,8 @@ class Validator:
             if valid is not None:
                 del self._deferred[key]
                 self._run([ValueValidated(out.height, out.round, key[2], valid)], now, actions)
+        if self._pending_start is not None and self._proposable():
+            self._start_next(now, actions)
         return actions
 
     def _validate(self, out: ValidateValue, vid: bytes) -> bool | None:
@@ -616,6 +619,11 @@ class Validator:
         self._keep_executed(vid, new, result)
         return True
 
+    def _proposable(self) -> bool:
+        """Whether the mempool holds a transaction this validator would propose (one its own
+        check refuses, or still runs on, must not make it start heights back to back)."""
+        return any(self._own_check(tx) is None for tx in self.mempool.txs())
+
     def _own_check(self, tx: bytes) -> str | None:
         """``value_check`` for an EPOCH_REPORT (None for any other transaction)."""
         if self.value_check is None or len(tx) <= len(TX_DOMAIN) \
@@ -643,7 +651,7 @@ class Validator:
         if d.height % PRUNE_EVERY == 0:
             self.store.prune_signed(self.height)
         self._pending_start = self.height
-        if len(self.mempool) or self._seen_next:
+        if self._proposable() or self._seen_next:
             self._start_next(now, actions)
         else:
             heapq.heappush(self._timers, _Timer(now + self.empty_block_interval,

@@ -714,7 +714,9 @@ def check_epoch_report(tx: EpochReportTx, ledger: EpochLedger, chain_id: str,
             if server not in members:
                 raise VerificationError(
                     f"answer served by {peer_label(server)}, not a challenged model node")
-            epochs.check_response_time(res.answer.signed_at_ms, ledger.start_ms, time_ms)
+            # a mempool's clock may be behind the block time that started the epoch
+            epochs.check_response_time(res.answer.signed_at_ms, ledger.start_ms,
+                                       max(time_ms, ledger.start_ms))
         except VerificationError as exc:
             raise InvalidTransactionError(
                 f"challenge of {peer_label(c.model_node)} prompt {c.prompt_index}: {exc}"
