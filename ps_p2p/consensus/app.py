@@ -128,6 +128,7 @@ from ps_p2p.errors import (
     InvalidTransactionError,
     LocalProtocolError,
     RemoteProtocolError,
+    VerificationError,
 )
 from ps_p2p.records.canonical import record_signing_bytes
 from ps_p2p.records.limits import (
@@ -957,7 +958,10 @@ def _verify_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: App
         check_miss_report(tx, state.ledger, state.chain_id, validators)
         return None
     registry = [r.peer_id for r in state.records.records() if Role.MODEL in r.roles]
-    return check_epoch_report(tx, state.ledger, state.chain_id, params, now_ms, registry)
+    try:
+        return check_epoch_report(tx, state.ledger, state.chain_id, params, now_ms, registry)
+    except (ValueError, VerificationError) as exc:  # a peer's report never raises past here
+        raise InvalidTransactionError(f"epoch report refused: {exc}") from None
 
 
 def verification_model_nodes(state: AppState) -> list[tuple[bytes, bytes]]:
