@@ -476,7 +476,12 @@ class Node:
         """Verifier: run the challenge epochs when everything they need is here; otherwise,
         if the chain runs epochs, refuse every epoch report (this validator cannot re-score
         them, so it must not vote for them)."""
-        from ps_p2p.verification.service import EpochService, load_pool, master_key
+        from ps_p2p.verification.service import (
+            EpochService,
+            load_pool,
+            master_key,
+            overlay_ask,
+        )
 
         assert self.consensus is not None and self.genesis_file is not None
         params = self.genesis_file.genesis.verification
@@ -490,14 +495,7 @@ class Node:
             validator.value_check = lambda tx: "this verifier has no reference model"
             return
         user = self.user
-
-        async def ask(prompt: str, node: bytes, option: Any, timeout: float) -> Any:
-            with trio.move_on_after(timeout / 2):  # paths first: a challenge needs the overlay
-                await user.wait_ready(1, timeout=timeout / 2)
-            return await user.ask(prompt, model_node=node, model_id=params.model_id,
-                                  max_tokens=option.max_tokens, temperature=option.temperature,
-                                  top_p=option.top_p, timeout=timeout, include_untrusted=True)
-
+        ask = overlay_ask(user, params.model_id)
         pool = await trio.to_thread.run_sync(load_pool, vcfg.pool, vcfg.pool_limit or None)
         self.epochs = EpochService(
             self.keys.identity, params, state=lambda: validator.state,

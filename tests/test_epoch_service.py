@@ -62,6 +62,7 @@ from ps_p2p.verification.service import (
     RESUBMIT_SECONDS,
     EpochService,
     master_key,
+    overlay_ask,
 )
 
 MICRO = app.MICRO
@@ -649,12 +650,9 @@ async def test_a_challenge_request_is_shaped_like_any_users_request(option):
         target = net.users[0].directory.model_nodes()[0]
         prompt = "Once upon a time there was a fox"
         with trio.fail_after(60):
-            # as Node._start_epochs' ``ask`` adapter sends a challenge
-            await verifier.wait_ready(1, timeout=30)
-            challenge = await verifier.ask(
-                prompt, model_node=target.peer_id, model_id=target.model_id,
-                max_tokens=option.max_tokens, temperature=option.temperature,
-                top_p=option.top_p, timeout=30, include_untrusted=True)
+            # what a verifier's EpochService sends (Node._start_epochs uses overlay_ask)
+            challenge = await overlay_ask(verifier, target.model_id)(
+                prompt, target.peer_id, option, 30.0)
             ordinary = await user.ask(prompt, max_tokens=option.max_tokens,
                                       temperature=option.temperature, top_p=option.top_p)
     assert challenge.ok and ordinary.ok, (challenge.error, ordinary.error)

@@ -44,6 +44,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -106,6 +107,23 @@ _TEMPERATURE_SLACK = 1e-6  # protobuf carries temperature and top_p as float32
 Ask = Callable[[str, bytes, SamplingOption, float], Awaitable[object]]
 """``ask(prompt, model_node, option, timeout) -> Answer``: one request through the overlay
 (:meth:`~ps_p2p.roles.user.UserClient.ask` with ``include_untrusted=True``)."""
+
+
+def overlay_ask(user: Any, model_id: str) -> Ask:
+    """The :data:`Ask` of a verifier's user role: waits (up to half the timeout) for a ready
+    path, then one :meth:`~ps_p2p.roles.user.UserClient.ask` naming the model node, with the
+    option's parameters; ``include_untrusted`` so an untrusted node is measured again. The
+    request is built by the same code as any user's (``tests/test_epoch_service.py`` compares
+    the bytes)."""
+
+    async def ask(prompt: str, node: bytes, option: SamplingOption, timeout: float) -> Any:
+        with trio.move_on_after(timeout / 2):  # paths first: a challenge needs the overlay
+            await user.wait_ready(1, timeout=timeout / 2)
+        return await user.ask(prompt, model_node=node, model_id=model_id,
+                              max_tokens=option.max_tokens, temperature=option.temperature,
+                              top_p=option.top_p, timeout=timeout, include_untrusted=True)
+
+    return ask
 
 
 def master_key(identity_private: bytes) -> bytes:
@@ -532,4 +550,4 @@ def load_pool(paths: Sequence[str], limit: int | None = None) -> list[str]:
     return pool[:limit] if limit else pool
 
 
-__all__ = ["EpochService", "EpochStats", "load_pool", "master_key"]
+__all__ = ["EpochService", "EpochStats", "load_pool", "master_key", "overlay_ask"]
