@@ -21,6 +21,7 @@ from ps_p2p.consensus.block import block_id, make_block
 from ps_p2p.consensus.types import Validator
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.errors import InvalidTransactionError, LocalProtocolError
+from ps_p2p.inference import InferenceReply
 from ps_p2p.keys import Identity
 from ps_p2p.records import NodeRecord, Role, reputation_subject, sign_record
 from ps_p2p.records.limits import MAX_CLOCK_SKEW_MS
@@ -156,10 +157,10 @@ def answer(server: Identity, request: bytes, *, at: int, forwarded_by: Identity 
         fwd = forwarded_by.peer_id
         voucher = responses.sign_forward(voucher_signer or forwarded_by, request_id, req_hash,
                                          server.peer_id)
-    return ledger.SignedAnswer(
-        request, request_id, content.status, content.text, content.error, content.model_id,
-        content.prompt_tokens, content.completion_tokens, content.finish_reason, at,
-        server.peer_id, signature, fwd, voucher)
+    return ledger.SignedAnswer(request, InferenceReply(
+        request_id, content.status, content.text, content.error, content.model_id,
+        content.prompt_tokens, content.completion_tokens, req_hash, at, server.peer_id,
+        signature, content.finish_reason, fwd, voucher))
 
 
 def leader_key(state: app.AppState, attempt: int = 0) -> Identity:
@@ -512,6 +513,13 @@ def _with_answer(make):
     return build
 
 
+def _changed(a: ledger.SignedAnswer, request: bytes | None = None,
+             **reply_fields) -> ledger.SignedAnswer:
+    """``a`` with another request and/or reply fields (after it was signed)."""
+    return ledger.SignedAnswer(a.request if request is None else request,
+                               dataclasses.replace(a.reply, **reply_fields))
+
+
 def _at(c, s) -> int:
     return s.ledger.start_ms + SECOND
 
@@ -525,24 +533,23 @@ BAD_ANSWERS = [
                             voucher_signer=M3)),
      "forward voucher of .* does not verify"),
     ("a voucher for another request", _with_answer(
-        lambda c, s: dataclasses.replace(
+        lambda c, s: _changed(
             answer(M3, request_for(c), at=_at(c, s), forwarded_by=M1),
             forward_signature=answer(M3, b"another Q", at=_at(c, s),
-                                     forwarded_by=M1).forward_signature)),
+                                     forwarded_by=M1).reply.forward_signature)),
      "forward voucher of .* does not verify"),
     ("forwarded outside the challenged set", _with_answer(
         lambda c, s: answer(OTHER, request_for(c), at=_at(c, s), forwarded_by=M1)),
      "answer served by .*, not a challenged model node"),
     ("text changed after signing", _with_answer(
-        lambda c, s: dataclasses.replace(answer(M1, request_for(c), at=_at(c, s)), text="x")),
+        lambda c, s: _changed(answer(M1, request_for(c), at=_at(c, s)), text="x")),
      "answer not signed by"),
     ("another request", _with_answer(
-        lambda c, s: dataclasses.replace(answer(M1, request_for(c), at=_at(c, s)),
-                                         request=b"another Q")),
+        lambda c, s: _changed(answer(M1, request_for(c), at=_at(c, s)), request=b"another Q")),
      "answer not signed by"),
     ("the server's own answer with a voucher", _with_answer(
-        lambda c, s: dataclasses.replace(answer(M1, request_for(c), at=_at(c, s)),
-                                         forwarded_by=M2.peer_id, forward_signature=b"v" * 64)),
+        lambda c, s: _changed(answer(M1, request_for(c), at=_at(c, s)),
+                              forwarded_by=M2.peer_id, forward_signature=b"v" * 64)),
      "an answer served by the challenged node has a voucher"),
     ("signed before the epoch", _with_answer(
         lambda c, s: answer(M1, request_for(c), at=s.ledger.start_ms - MAX_CLOCK_SKEW_MS - 1)),
@@ -593,7 +600,7 @@ def test_a_forwarded_answer_with_the_challenged_nodes_voucher_counts_for_the_ser
     credits = state.ledger.credits
     assert (credits[M1.peer_id].answered, credits[M2.peer_id].answered,
             credits[M3.peer_id].answered) == (1, 2, 3)
-    served = [(r.answer.model_node, r.score) for r in results]
+    served = [(r.answer.reply.model_node, r.score) for r in results]
     expected = {}
     for s in {subject(n) for n, _ in served}:
         expected[s] = fresh_step(mean_micro([v for n, v in served if subject(n) == s]))

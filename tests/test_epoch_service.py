@@ -200,16 +200,16 @@ async def honest_answer(engine: Engine, prompt: str, option: SamplingOption, *,
     signed_at = T0 + 5000
     signature = sign_response(MODEL, request_id, hashlib.sha256(request).digest(), content,
                               signed_at)
-    return SignedAnswer(request=request, request_id=request_id, status=0, text=c.text, error="",
-                        model_id=engine.model_id, prompt_tokens=c.prompt_tokens,
-                        completion_tokens=c.completion_tokens, finish_reason=c.finish_reason,
-                        signed_at_ms=signed_at, model_node=MODEL.peer_id, signature=signature)
+    return SignedAnswer(request, InferenceReply(
+        request_id, 0, c.text, "", engine.model_id, c.prompt_tokens, c.completion_tokens,
+        hashlib.sha256(request).digest(), signed_at, MODEL.peer_id, signature, c.finish_reason))
 
 
 async def reference_score(engine: Engine, params: VerificationParams, prompt: str,
                           option: SamplingOption, answer: SignedAnswer) -> int:
-    score = await score_response(engine, prompt, answer.text, temperature=option.temperature,
-                                 min_tokens=params.min_tokens(option, answer.finish_reason))
+    min_tokens = params.min_tokens(option, answer.reply.finish_reason)
+    score = await score_response(engine, prompt, answer.reply.text,
+                                 temperature=option.temperature, min_tokens=min_tokens)
     return round(score * MICRO)
 
 
@@ -541,7 +541,7 @@ async def test_a_leader_carries_only_answers_a_report_can_hold_so_its_report_sta
     if fields:  # no evidence: listed as unanswered, a miss for the others to confirm
         assert result.answer is None and result.score == 0
     else:
-        assert result.answer is not None and result.answer.text == "an answer"
+        assert result.answer is not None and result.answer.reply.text == "an answer"
     execute(stubs.state, stubs.raws(EpochReportTx), stubs.now_ms)  # the committee takes it
 
 
@@ -593,7 +593,8 @@ def answered(text: str = "an answer", finish_reason: str = "stop") -> Answer:
     (unanswered(NoPathError("no ready path")), False),
     (unanswered(NoModelNodeError("not in the directory")), False),
     (unanswered(OverloadedError("OVERLOADED: queue full")), False),
-], ids=["answered", "unfit-finish-reason", "unfit-text", "timeout", "lost", "no-path", "no-model-node", "overloaded"])
+], ids=["answered", "unfit-finish-reason", "unfit-text", "timeout", "lost", "no-path",
+        "no-model-node", "overloaded"])
 async def test_an_open_miss_is_confirmed_and_reported_only_when_the_node_misses_again(
         answer, reported, mock_clock):
     params = verification("fake-model")

@@ -20,6 +20,7 @@ from ps_p2p.consensus.validator import (
 )
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.errors import InvalidTransactionError
+from ps_p2p.inference import InferenceReply
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.consensus import WIRE
 from ps_p2p.records import NodeRecord, Role, sign_record
@@ -148,8 +149,8 @@ def leader_report(net: Net, score: int) -> bytes:
         content = ResponseContent(0, "text", "", "m", 3, 5, "stop")
         at = state.ledger.start_ms + 10
         sig = sign_response(model, rid, request_hash(q), content, at)
-        results.append(ledger.ChallengeResult(c, score, ledger.SignedAnswer(
-            q, rid, 0, "text", "", "m", 3, 5, "stop", at, model.peer_id, sig)))
+        results.append(ledger.ChallengeResult(c, score, ledger.SignedAnswer(q, InferenceReply(
+            rid, 0, "text", "", "m", 3, 5, request_hash(q), at, model.peer_id, sig, "stop"))))
     tx = ledger.sign_epoch_report(lead, CHAIN, 1, 0, secret(lead.peer_id, 1), results)
     return app.encode_tx(tx)
 

@@ -102,9 +102,10 @@ from ps_p2p.errors import (
     RemoteProtocolError,
     VerificationError,
 )
-from ps_p2p.records import Signer, response_signing_bytes, verify_signature
+from ps_p2p.inference import InferenceReply
+from ps_p2p.records import Signer, verify_signature
 from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES, peer_label
-from ps_p2p.responses import ResponseContent, forward_signing_bytes
+from ps_p2p.responses import request_hash, verify_forward, verify_response
 from ps_p2p.verification import epochs
 
 SEED_COMMIT_DOMAIN = b"planetserve/v1/seed-commit-tx\x00"
@@ -254,91 +255,89 @@ class SignedAnswer:
     """A challenge's answer as the leader received it through the overlay.
 
     Attributes:
-        request: Q's bytes exactly as sent (the answer's request hash is SHA-256 of them).
-        request_id ... forward_signature: the model node's signed response
-            (:class:`~ps_p2p.inference.InferenceReply`'s fields).
+        request: Q's bytes exactly as sent.
+        reply: the model node's signed response; its ``request_hash`` must be SHA-256 of
+            ``request`` (:meth:`read` derives it so).
+
+    Encoding (the reply's fields in :class:`~ps_p2p.inference.InferenceReply` order, without
+    the request hash)::
+
+        bytes(request) || bytes(request_id) || u32(status) || str(text) || str(error)
+        || str(model_id) || u32(prompt_tokens) || u32(completion_tokens) || str(finish_reason)
+        || u64(signed_at_ms) || bytes(model_node) || bytes(signature) || bytes(forwarded_by)
+        || bytes(forward_signature)
     """
 
     request: bytes
-    request_id: bytes
-    status: int
-    text: str
-    error: str
-    model_id: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    signed_at_ms: int
-    model_node: bytes
-    signature: bytes
-    forwarded_by: bytes = b""
-    forward_signature: bytes = b""
-
-    @property
-    def request_hash(self) -> bytes:
-        return hashlib.sha256(self.request).digest()
-
-    def content(self) -> ResponseContent:
-        return ResponseContent(self.status, self.text, self.error, self.model_id,
-                               self.prompt_tokens, self.completion_tokens, self.finish_reason)
+    reply: InferenceReply
 
     def encode(self) -> bytes:
+        r = self.reply
         return b"".join((
-            lp(self.request), lp(self.request_id), u32(self.status), lps(self.text),
-            lps(self.error), lps(self.model_id), u32(self.prompt_tokens),
-            u32(self.completion_tokens), lps(self.finish_reason), u64(self.signed_at_ms),
-            lp(self.model_node), lp(self.signature), lp(self.forwarded_by),
-            lp(self.forward_signature),
+            lp(self.request), lp(r.request_id), u32(r.status), lps(r.text), lps(r.error),
+            lps(r.model_id), u32(r.prompt_tokens), u32(r.completion_tokens),
+            lps(r.finish_reason), u64(r.signed_at_ms), lp(r.model_node), lp(r.signature),
+            lp(r.forwarded_by), lp(r.forward_signature),
         ))
 
     @staticmethod
     def read(r: Reader) -> SignedAnswer:
-        return SignedAnswer(
-            request=r.lp("request", MAX_REQUEST_BYTES), request_id=r.lp("request ID", 64),
-            status=r.u32("status"), text=r.lps("text", MAX_TEXT_BYTES),
-            error=r.lps("error", MAX_STRING_BYTES), model_id=r.lps("model ID", MAX_STRING_BYTES),
-            prompt_tokens=r.u32("prompt tokens"), completion_tokens=r.u32("completion tokens"),
-            finish_reason=r.lps("finish reason", 16), signed_at_ms=r.u64("signing time"),
-            model_node=r.lp("model node", ED25519_PEER_ID_BYTES, exact=ED25519_PEER_ID_BYTES),
-            signature=r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES),
-            forwarded_by=r.lp("forwarded by", ED25519_PEER_ID_BYTES),
-            forward_signature=r.lp("forward signature", SIGNATURE_BYTES),
-        )
+        request = r.lp("request", MAX_REQUEST_BYTES)
+        request_id = r.lp("request ID", 64)
+        status = r.u32("status")
+        text = r.lps("text", MAX_TEXT_BYTES)
+        error = r.lps("error", MAX_STRING_BYTES)
+        model_id = r.lps("model ID", MAX_STRING_BYTES)
+        prompt_tokens, completion_tokens = r.u32("prompt tokens"), r.u32("completion tokens")
+        finish_reason = r.lps("finish reason", 16)
+        signed_at_ms = r.u64("signing time")
+        model_node = r.lp("model node", ED25519_PEER_ID_BYTES, exact=ED25519_PEER_ID_BYTES)
+        signature = r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES)
+        forwarded_by = r.lp("forwarded by", ED25519_PEER_ID_BYTES)
+        forward_signature = r.lp("forward signature", SIGNATURE_BYTES)
+        return SignedAnswer(request, InferenceReply(
+            request_id, status, text, error, model_id, prompt_tokens, completion_tokens,
+            request_hash(request), signed_at_ms, model_node, signature, finish_reason,
+            forwarded_by, forward_signature))
 
     def verify(self, challenged: bytes) -> bytes:
-        """Check the signatures; returns the node that served (signed) the answer.
+        """Check the signatures (:func:`~ps_p2p.responses.verify_response`,
+        :func:`~ps_p2p.responses.verify_forward`); returns the node that served (signed) it.
 
         Raises:
-            VerificationError: status not OK; not signed by its ``model_node``; served by
-                another node than ``challenged`` without ``challenged``'s forward voucher.
+            VerificationError: status not OK; the reply is not for ``request``; not signed by
+                its ``model_node``; served by another node than ``challenged`` without
+                ``challenged``'s forward voucher.
         """
-        if self.status != RESPONSE_STATUS_OK:
-            raise VerificationError(f"answer of status {self.status}, not OK")
-        data = response_signing_bytes(self.request_id, self.request_hash,
-                                      self.content().digest(), self.signed_at_ms,
-                                      self.model_node)
+        r = self.reply
+        if r.status != RESPONSE_STATUS_OK:
+            raise VerificationError(f"answer of status {r.status}, not OK")
+        if r.request_hash != request_hash(self.request):
+            raise VerificationError("the answer signs another request than the one carried")
         try:
-            verify_signature(self.model_node, data, self.signature)
+            verify_response(request_id=r.request_id, req_hash=r.request_hash,
+                            content=r.content(), signed_at_ms=r.signed_at_ms,
+                            model_node=r.model_node, signature=r.signature)
         except RemoteProtocolError:
             raise VerificationError(
-                f"answer not signed by {peer_label(self.model_node)}, the node it names"
+                f"answer not signed by {peer_label(r.model_node)}, the node it names"
             ) from None
-        if self.model_node == challenged:
-            if self.forwarded_by or self.forward_signature:
+        if r.model_node == challenged:
+            if r.forwarded_by or r.forward_signature:
                 raise VerificationError("an answer served by the challenged node has a voucher")
-            return self.model_node
-        if self.forwarded_by != challenged:
+            return r.model_node
+        if r.forwarded_by != challenged:
             raise VerificationError(
-                f"answer signed by {peer_label(self.model_node)}, not by the challenged "
+                f"answer signed by {peer_label(r.model_node)}, not by the challenged "
                 f"{peer_label(challenged)} nor forwarded by it"
             )
         try:
-            verify_signature(challenged, forward_signing_bytes(
-                self.request_id, self.request_hash, self.model_node), self.forward_signature)
+            verify_forward(challenged, r.request_id, r.request_hash, r.model_node,
+                           r.forward_signature)
         except RemoteProtocolError:
             raise VerificationError(
                 f"forward voucher of {peer_label(challenged)} does not verify") from None
-        return self.model_node
+        return r.model_node
 
 
 @dataclass(frozen=True)
@@ -715,7 +714,7 @@ def check_epoch_report(tx: EpochReportTx, ledger: EpochLedger, chain_id: str,
                 raise VerificationError(
                     f"answer served by {peer_label(server)}, not a challenged model node")
             # a mempool's clock may be behind the block time that started the epoch
-            epochs.check_response_time(res.answer.signed_at_ms, ledger.start_ms,
+            epochs.check_response_time(res.answer.reply.signed_at_ms, ledger.start_ms,
                                        max(time_ms, ledger.start_ms))
         except VerificationError as exc:
             raise InvalidTransactionError(

@@ -67,7 +67,6 @@ from ps_p2p.errors import (
     RequestTimeoutError,
     VerificationError,
 )
-from ps_p2p.inference import InferenceReply
 from ps_p2p.protocols.inference_codec import decode_query
 from ps_p2p.records import Signer
 from ps_p2p.records.peer_ids import peer_label
@@ -360,7 +359,7 @@ class EpochService:
             log.info("challenge to %s unanswered: %s", peer_label(challenged),
                      getattr(answer, "error", "") or "no reply")
             return None
-        signed = _evidence(reply, request)
+        signed = SignedAnswer(request, reply)
         try:
             problem = _unfit(signed)
             if problem is not None:  # a report carrying it would be refused: no evidence
@@ -368,7 +367,7 @@ class EpochService:
             server = signed.verify(challenged)
             if ledger.subject_of(server) is None:
                 raise VerificationError(f"served by {peer_label(server)}, not challenged")
-            epochs.check_response_time(signed.signed_at_ms, ledger.start_ms, self._unix_ms())
+            epochs.check_response_time(reply.signed_at_ms, ledger.start_ms, self._unix_ms())
         except VerificationError as exc:
             log.warning("answer of %s is no evidence: %s", peer_label(challenged), exc)
             return None
@@ -376,8 +375,8 @@ class EpochService:
 
     async def _score(self, prompt: str, option: SamplingOption, answer: SignedAnswer) -> int:
         score = await score_response(
-            self.engine, prompt, answer.text, temperature=option.temperature,
-            min_tokens=self.params.min_tokens(option, answer.finish_reason))
+            self.engine, prompt, answer.reply.text, temperature=option.temperature,
+            min_tokens=self.params.min_tokens(option, answer.reply.finish_reason))
         self.stats.answers_scored += 1
         return round(score * MICRO)
 
@@ -438,7 +437,7 @@ class EpochService:
             q = decode_query(answer.request)
         except PsError as exc:
             return f"the request is not a request: {exc}"
-        if q.request_id != answer.request_id:
+        if q.request_id != answer.reply.request_id:
             return "the answer is for another request ID than the request's"
         if q.messages or q.prompt != prompt:
             return "the request does not ask the planned prompt"
@@ -472,7 +471,7 @@ class EpochService:
         if getattr(answer, "ok", False) and reply is not None:
             # an answer no report could carry is no answer (as for the leader), unless the
             # oversized part is our own request
-            problem = _unfit(_evidence(reply, request))
+            problem = _unfit(SignedAnswer(request, reply))
             if problem is None or len(request) > MAX_REQUEST_BYTES:
                 log.info("%s answered this verifier's confirmation of its epoch-%d miss",
                          peer_label(node), epoch)
@@ -511,18 +510,6 @@ def _fit_report(results: list[ChallengeResult], excess: int,
         results[i] = ChallengeResult(res.challenge, 0, None)
         excess -= size
     return results
-
-
-def _evidence(reply: InferenceReply, request: bytes) -> SignedAnswer:
-    """A report's form of a user client's verified reply (:class:`~ps_p2p.inference.
-    InferenceReply`) to the request ``request``."""
-    return SignedAnswer(
-        request=request, request_id=reply.request_id, status=reply.status, text=reply.text,
-        error=reply.error, model_id=reply.model_id, prompt_tokens=reply.prompt_tokens,
-        completion_tokens=reply.completion_tokens, finish_reason=reply.finish_reason,
-        signed_at_ms=reply.signed_at_ms, model_node=reply.model_node,
-        signature=reply.signature, forwarded_by=reply.forwarded_by,
-        forward_signature=reply.forward_signature)
 
 
 def _unfit(answer: SignedAnswer) -> str | None:
