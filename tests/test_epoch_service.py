@@ -220,10 +220,14 @@ def report(*results: ChallengeResult) -> bytes:
 
 async def verdict(svc: EpochService, raw: bytes) -> str | None:
     """The service's verdict on ``raw``: "not re-scored yet" when first asked, then whatever the
-    check worker found (polled on the autojump clock: virtual time, no wall-clock sleep)."""
+    check worker found (awaited on the service's ``on_verdict`` hook)."""
+    done = trio.Event()
+    svc.on_verdict = done.set
     assert svc.value_check(raw) == NOT_YET
     while (answer := svc.value_check(raw)) == NOT_YET:
-        await trio.sleep(0.01)
+        await done.wait()
+        done = trio.Event()
+        svc.on_verdict = done.set
     return answer
 
 
