@@ -4,7 +4,6 @@ actions in memory on a fake clock. Blocks, WAL refusal of a second value, restar
 from __future__ import annotations
 
 import hashlib
-from collections import deque
 
 import pytest
 
@@ -15,12 +14,13 @@ from ps_p2p.consensus.signing import verify_commit
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Validator as Member
 from ps_p2p.consensus.types import Vote, VoteType
-from ps_p2p.consensus.validator import Committed, RelayTx, SendMessage, Validator
+from ps_p2p.consensus.validator import SendMessage, Validator
 from ps_p2p.crypto.onion import OnionKeyPair
-from ps_p2p.errors import DoubleSignError, InvalidTransactionError, LocalProtocolError
+from ps_p2p.errors import DoubleSignError, LocalProtocolError
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.consensus import WIRE
 from ps_p2p.records import NodeRecord, Role, sign_record
+from ps_p2p.testing.committee import MemoryCommittee
 
 CHAIN = "validator-test"
 T0 = 1_700_000_000_000
@@ -40,61 +40,15 @@ def register_tx(i: int, issued: int = T0) -> bytes:
     return app.encode_tx(app.RegisterTx(record))
 
 
-class Net:
+class Net(MemoryCommittee):
     """4 validators on a fake clock; every SendMessage/RelayTx reaches the others."""
 
     def __init__(self, stores=None, down=()):
-        self.now = 0.0
-        self.stores = stores or [ConsensusStore(":memory:") for _ in KEYS]
-        self.down = set(down)
-        self.vals = [self.make(i) for i in range(4)]
-        self.queue: deque = deque()
-        self.committed: list[list[Committed]] = [[] for _ in KEYS]
-        for i, v in enumerate(self.vals):
-            if i not in self.down:
-                self.route(i, v.start(self.now))
+        super().__init__(KEYS, GENESIS, consensus=FAST, stores=stores, down=down)
 
-    def make(self, i: int) -> Validator:
-        return Validator(KEYS[i], GENESIS, self.stores[i], WIRE, FAST, empty_block_interval=0.5,
-                         unix_ms=lambda: T0 + 1000 + int(self.now * 1000))
-
-    def route(self, src: int, actions) -> None:
-        for a in actions:
-            if isinstance(a, Committed):
-                self.committed[src].append(a)
-            elif isinstance(a, (SendMessage, RelayTx)):
-                for dst in range(4):
-                    if dst != src:
-                        self.queue.append((dst, a, src))
-
-    def step(self) -> None:
-        if self.queue:
-            dst, a, src = self.queue.popleft()
-            if dst in self.down:
-                return
-            v = self.vals[dst]
-            if isinstance(a, SendMessage):
-                if a.message.height > v.height:  # behind: block sync from the sender's store
-                    rows = self.stores[src].blocks_from(v.height, 64)
-                    self.route(dst, v.apply_synced(
-                        [(h, b, WIRE.decode_commit(c)) for h, b, c in rows], self.now))
-                self.route(dst, v.receive(a.message, self.now))
-            else:
-                try:
-                    self.route(dst, v.add_tx(a.tx, self.now, KEYS[src].peer_id))
-                except InvalidTransactionError:
-                    pass
-            return
-        deadlines = [v.next_deadline() for i, v in enumerate(self.vals) if i not in self.down]
-        self.now = max(self.now, min(d for d in deadlines if d is not None))
-        for i, v in enumerate(self.vals):
-            if i not in self.down:
-                self.route(i, v.tick(self.now))
-
-    def run_until(self, cond, limit: float = 30.0) -> None:
-        while not cond():
-            assert self.now < limit, "no progress"
-            self.step()
+    def run_until(self, cond, limit: float = 30.0) -> bool:
+        assert super().run_until(cond, limit), "no progress"
+        return True
 
 
 def test_four_validators_commit_a_transaction_and_agree():

@@ -5,26 +5,19 @@ still running defers the validator's answer instead of refusing the proposal."""
 from __future__ import annotations
 
 import hashlib
-from collections import deque
 
 from ps_p2p.consensus import app
 from ps_p2p.consensus.core import ConsensusConfig
-from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Validator as Member
 from ps_p2p.consensus.validator import (
     VALUE_CHECK_PENDING,
-    Committed,
-    RelayTx,
-    SendMessage,
-    Validator,
 )
 from ps_p2p.crypto.onion import OnionKeyPair
-from ps_p2p.errors import InvalidTransactionError
 from ps_p2p.inference import InferenceReply
 from ps_p2p.keys import Identity
-from ps_p2p.protocols.consensus import WIRE
 from ps_p2p.records import NodeRecord, Role, sign_record
 from ps_p2p.responses import ResponseContent, request_hash, sign_response
+from ps_p2p.testing.committee import MemoryCommittee
 from ps_p2p.verification import epochs, ledger
 
 CHAIN = "value-check-test"
@@ -84,52 +77,11 @@ class Checks:
         return check
 
 
-class Net:
-    def __init__(self, checks: Checks):
-        self.now = 0.0
-        self.vals = [Validator(KEYS[i], GENESIS, ConsensusStore(":memory:"), WIRE, FAST,
-                               empty_block_interval=0.5,
-                               unix_ms=lambda: T0 + 1000 + int(self.now * 1000),
-                               value_check=checks.of(i)) for i in range(4)]
-        self.queue: deque = deque()
-        self.committed: list[list[Committed]] = [[] for _ in KEYS]
-        for i, v in enumerate(self.vals):
-            self.route(i, v.start(self.now))
-
-    def route(self, src: int, actions) -> None:
-        for a in actions:
-            if isinstance(a, Committed):
-                self.committed[src].append(a)
-            elif isinstance(a, (SendMessage, RelayTx)):
-                for dst in range(4):
-                    if dst != src:
-                        self.queue.append((dst, a, src))
-
-    def step(self) -> None:
-        if self.queue:
-            dst, a, src = self.queue.popleft()
-            v = self.vals[dst]
-            if isinstance(a, SendMessage):
-                self.route(dst, v.receive(a.message, self.now))
-            else:
-                try:
-                    self.route(dst, v.add_tx(a.tx, self.now, KEYS[src].peer_id))
-                except InvalidTransactionError:
-                    pass
-            return
-        self.now = max(self.now, min(d for v in self.vals if (d := v.next_deadline())))
-        for i, v in enumerate(self.vals):
-            self.route(i, v.tick(self.now))
-
-    def run_until(self, cond, limit: float) -> bool:
-        while not cond():
-            if self.now >= limit:
-                return False
-            self.step()
-        return True
+def Net(checks: Checks) -> MemoryCommittee:
+    return MemoryCommittee(KEYS, GENESIS, consensus=FAST, value_check=checks.of)
 
 
-def started_net(checks: Checks) -> Net:
+def started_net(checks: Checks) -> MemoryCommittee:
     net = Net(checks)
     for tx in setup_txs():
         net.route(0, net.vals[0].add_tx(tx, net.now))
@@ -137,7 +89,7 @@ def started_net(checks: Checks) -> Net:
     return net
 
 
-def leader_report(net: Net, score: int) -> bytes:
+def leader_report(net: MemoryCommittee, score: int) -> bytes:
     state = net.vals[0].state
     lead = BY_ADDRESS[state.ledger.leader(0)]
     plan = state.ledger.plan(CHAIN, PARAMS, 0, secret(lead.peer_id, 1))
@@ -155,7 +107,7 @@ def leader_report(net: Net, score: int) -> bytes:
     return app.encode_tx(tx)
 
 
-def submit(net: Net, raw: bytes) -> int:
+def submit(net: MemoryCommittee, raw: bytes) -> int:
     """Submit at the leader's own validator; returns its index."""
     i = next(j for j, v in enumerate(net.vals) if v.address == v.state.ledger.leader(0))
     net.route(i, net.vals[i].add_tx(raw, net.now))

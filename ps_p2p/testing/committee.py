@@ -5,6 +5,9 @@
 sqlite store under ``folder``. Each member runs in its own cancel scope, so a test can kill one
 (:meth:`LocalCommittee.kill`: host, links and service stop at once; the store file stays) and
 start it again from its store (:meth:`LocalCommittee.start`), reconnected to the running ones.
+
+:class:`MemoryCommittee` runs the validators' glue (:class:`~ps_p2p.consensus.validator.
+Validator`) without libp2p: every action delivered in memory, on a fake clock.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pathlib
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -21,9 +25,10 @@ from ps_p2p.consensus import app
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Validator as CommitteeMember
-from ps_p2p.consensus.validator import Committed
+from ps_p2p.consensus.validator import Committed, RelayTx, SendMessage, Validator
+from ps_p2p.errors import InvalidTransactionError
 from ps_p2p.keys import Identity
-from ps_p2p.protocols.consensus import ConsensusService, ConsensusServiceConfig
+from ps_p2p.protocols.consensus import WIRE, ConsensusService, ConsensusServiceConfig
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 
 #: Small timeouts for loopback committees.
@@ -186,4 +191,97 @@ class LocalCommittee:
             await m.service.wait_committed(height)
 
 
-__all__ = ["FAST_CONSENSUS", "LocalCommittee", "Member"]
+class MemoryCommittee:
+    """Validators exchanging their actions in memory on a fake clock (tests; no trio).
+
+    Every :class:`~ps_p2p.consensus.validator.SendMessage` / ``RelayTx`` reaches the other
+    running validators in FIFO order; a validator behind a message's height first takes the
+    sender's stored blocks (block sync). Time jumps to the earliest deadline when nothing is
+    queued.
+
+    Args:
+        keys: the validators' identities (``genesis``' validators, in order).
+        genesis: the chain.
+        consensus: the timeouts (default :data:`FAST_CONSENSUS`).
+        stores: one per validator (default in-memory ones), e.g. to restart from.
+        down: indices not started (and deaf).
+        value_check: ``value_check(i)``, validator i's own check of epoch reports (or None).
+        genesis_offset_ms: the validators' unix clock is ``genesis time + offset + now``.
+    """
+
+    def __init__(self, keys: Sequence[Identity], genesis: app.Genesis, *,
+                 consensus: ConsensusConfig | None = None,
+                 stores: list[ConsensusStore] | None = None, down: Sequence[int] = (),
+                 value_check: Callable[[int], Callable[[bytes], str | None] | None] | None = None,
+                 empty_block_interval: float = 0.5, genesis_offset_ms: int = 1000) -> None:
+        self.keys = list(keys)
+        self.genesis = genesis
+        self.consensus = consensus or FAST_CONSENSUS
+        self.now = 0.0
+        self.stores = stores or [ConsensusStore(":memory:") for _ in self.keys]
+        self.down = set(down)
+        self._value_check = value_check
+        self._interval = empty_block_interval
+        self._offset = genesis_offset_ms
+        self.vals = [self.make(i) for i in range(len(self.keys))]
+        self.queue: deque[tuple[int, object, int]] = deque()
+        self.committed: list[list[Committed]] = [[] for _ in self.keys]
+        for i, v in enumerate(self.vals):
+            if i not in self.down:
+                self.route(i, v.start(self.now))
+
+    def make(self, i: int) -> Validator:
+        """A new validator i on its store (a restart when the store holds blocks)."""
+        return Validator(
+            self.keys[i], self.genesis, self.stores[i], WIRE, self.consensus,
+            empty_block_interval=self._interval,
+            unix_ms=lambda: self.genesis.time_ms + self._offset + int(self.now * 1000),
+            value_check=self._value_check(i) if self._value_check is not None else None)
+
+    def route(self, src: int, actions: Sequence[object]) -> None:
+        """Deliver validator ``src``'s actions (queued for the others; commits recorded)."""
+        for a in actions:
+            if isinstance(a, Committed):
+                self.committed[src].append(a)
+            elif isinstance(a, (SendMessage, RelayTx)):
+                for dst in range(len(self.vals)):
+                    if dst != src:
+                        self.queue.append((dst, a, src))
+
+    def step(self) -> None:
+        """Deliver one queued action, or advance the clock to the next deadline."""
+        if self.queue:
+            dst, a, src = self.queue.popleft()
+            if dst in self.down:
+                return
+            v = self.vals[dst]
+            if isinstance(a, SendMessage):
+                if a.message.height > v.height:  # behind: block sync from the sender's store
+                    rows = self.stores[src].blocks_from(v.height, 64)
+                    self.route(dst, v.apply_synced(
+                        [(h, b, WIRE.decode_commit(c)) for h, b, c in rows], self.now))
+                self.route(dst, v.receive(a.message, self.now))
+            else:
+                assert isinstance(a, RelayTx)
+                try:
+                    self.route(dst, v.add_tx(a.tx, self.now, self.keys[src].peer_id))
+                except InvalidTransactionError:
+                    pass
+            return
+        deadlines = [d for i, v in enumerate(self.vals)
+                     if i not in self.down and (d := v.next_deadline()) is not None]
+        self.now = max(self.now, min(deadlines))
+        for i, v in enumerate(self.vals):
+            if i not in self.down:
+                self.route(i, v.tick(self.now))
+
+    def run_until(self, cond: Callable[[], bool], limit: float = 30.0) -> bool:
+        """Step until ``cond()``; False when the fake clock passes ``limit`` seconds first."""
+        while not cond():
+            if self.now >= limit:
+                return False
+            self.step()
+        return True
+
+
+__all__ = ["FAST_CONSENSUS", "LocalCommittee", "Member", "MemoryCommittee"]
