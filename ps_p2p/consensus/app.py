@@ -150,6 +150,7 @@ from ps_p2p.records.signatures import verify_signature
 from ps_p2p.records.types import NodeRecord, Role, Signer, reputation_subject
 from ps_p2p.records.validation import check_record
 from ps_p2p.verification.ledger import (
+    MICRO,
     EpochLedger,
     EpochReportTx,
     MissReportTx,
@@ -181,8 +182,6 @@ APP_AUX_DOMAIN = b"planetserve/v1/app-aux\x00"
 EVIDENCE_KEY_DOMAIN = b"planetserve/v1/evidence-key\x00"
 APP_AUX_ROOT_DOMAIN = b"planetserve/v2/app-aux-root\x00"
 REPUTATION_ROOT_DOMAIN = b"planetserve/v1/reputation-root\x00"
-#: Fixed-point scale of committed reputations and credibilities (micro units: 10^6 = 1.0).
-MICRO = 1_000_000
 #: Most subjects one REPUTATION_UPDATE names (also bounded by ``limits.max_tx_bytes``).
 MAX_REPUTATION_UPDATE_SUBJECTS = 1024
 #: Longest canonical record bytes (4 addresses of 100 bytes, 64-byte strings: ~650 bytes).

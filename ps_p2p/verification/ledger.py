@@ -113,6 +113,7 @@ EPOCH_REPORT_DOMAIN = b"planetserve/v1/epoch-report\x00"
 MISS_REPORT_DOMAIN = b"planetserve/v1/miss-report\x00"
 LEDGER_DOMAIN = b"planetserve/v1/epoch-ledger\x00"
 
+#: Fixed-point scale of committed reputations and credibilities (micro units: 10^6 = 1.0).
 MICRO = 1_000_000
 #: Most model nodes credited (the least-credited is dropped when full).
 MAX_CREDITS = 100_000
