@@ -217,3 +217,18 @@ def test_filler_slots_look_like_keystream_bytes_not_like_keys():
         _, packet = onion.create_path([onion.HopSpec(_peer(1), key.public)])
         top_bits.add(packet[onion.SLOT_BYTES * 4 + 31] >> 7)
     assert top_bits == {0, 1}
+
+
+def test_a_hop_builds_only_the_cipher_objects_of_its_role():
+    """Issue 16: a relay table of 10,000 hops cost 161 MB with four AES-GCM objects per hop."""
+    key, other = onion.OnionKeyPair.generate(), onion.OnionKeyPair.generate()
+    _, packet = onion.create_path([onion.HopSpec(b"a" * 38, key.public),
+                                   onion.HopSpec(b"b" * 38, other.public)])
+    relay_hop, inner = onion.process_setup(key, packet)
+    proxy_hop, _ = onion.process_setup(other, inner)
+    assert relay_hop._end_forward is None and relay_hop._end_backward is None
+    assert proxy_hop._forward is None and proxy_hop._backward is None
+    with pytest.raises(LocalProtocolError):
+        proxy_hop.relay_forward(bytes(onion.CELL_IV_BYTES + 1024 + 16))
+    with pytest.raises(LocalProtocolError):
+        relay_hop.seal_backward(b"x")

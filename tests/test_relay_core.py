@@ -102,6 +102,43 @@ def test_a_replayed_setup_is_refused_but_junk_is_never_remembered():
     assert not replayed.ok and core.stats.setups_replayed == 1
 
 
+def test_outsiders_cannot_fill_the_table_a_listed_user_needs():
+    """Issue 16 (HIGH 5): ten identities outside the directory filled a relay's table."""
+    listed = {USER, PREV}
+    key = onion.OnionKeyPair.generate()
+    core = r.RelayCore(
+        ME, key, FakeCodec(),
+        r.RelayConfig(max_relay_entries=100, max_relay_entries_per_peer=50,
+                      max_unlisted_entries=20, max_unlisted_per_peer=4),
+        is_user=lambda peer: peer in listed, user_count=lambda: len(listed),
+    )
+    spec = [onion.HopSpec(ME, key.public)]
+    accepted = 0
+    for i in range(200):
+        outsider = bytes([100 + i % 10]) * 38
+        path, packet = onion.create_path(spec)
+        (reply,) = core.receive_setup(outsider, path.first_path_id, packet, now=0.0)
+        accepted += reply.ok
+    assert accepted == 20 and core.table.unlisted_count == 20
+    assert core.stats.setups_over_share == 180
+    for _ in range(5):
+        path, packet = onion.create_path(spec)
+        (reply,) = core.receive_setup(USER, path.first_path_id, packet, now=0.0)
+        assert reply.ok
+
+
+def test_a_setup_over_its_share_is_refused_before_the_packet_is_opened():
+    core, key = _core(max_unlisted_per_peer=1)
+    _proxy_path(key, core=core)  # PREV is listed
+    path, packet = onion.create_path([onion.HopSpec(ME, key.public)])
+    (first,) = core.receive_setup(STRANGER, path.first_path_id, packet, now=0.0)
+    assert first.ok
+    junk = bytes(onion.SETUP_PACKET_BYTES)  # would fail as "bad setup packet" if opened
+    (second,) = core.receive_setup(STRANGER, b"n" * 16, junk, now=0.0)
+    assert not second.ok and "outside the directory" in second.error
+    assert core.stats.setups_over_share == 1
+
+
 def test_a_bad_path_id_is_a_protocol_error_of_the_frame():
     core, _ = _core()
     with pytest.raises(RemoteProtocolError):

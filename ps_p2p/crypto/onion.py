@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -203,16 +204,17 @@ def _split_cell(cell: bytes) -> tuple[bytes, bytes]:
 class _Layer:
     """One relay layer in one direction: AES-CTR over the body, an AES block permutation of the IV."""
 
-    __slots__ = ("_ctr", "_iv_encrypt", "_iv_decrypt")
+    __slots__ = ("_ctr", "_iv_key", "_iv_encrypt", "_iv_decrypt")
 
     def __init__(self, body_key: bytes, iv_key: bytes) -> None:
         # AES-GCM's ciphertext is the AES-CTR encryption of the plaintext (counter blocks
         # nonce || 2, 3, ...; NIST SP 800-38D); dropping its tag leaves a CTR layer. A reused
         # AESGCM object costs ~0.7 us per KiB against ~3.3 us for a new CTR Cipher per cell.
         self._ctr = AESGCM(body_key)
-        cipher = Cipher(algorithms.AES(iv_key), modes.ECB())
-        self._iv_encrypt = cipher.encryptor()  # ECB contexts are stateless: reused per cell
-        self._iv_decrypt = cipher.decryptor()
+        self._iv_key = iv_key
+        # ECB contexts are stateless: reused per cell; the decryptor only on the user's side
+        self._iv_encrypt = Cipher(algorithms.AES(iv_key), modes.ECB()).encryptor()
+        self._iv_decrypt: Any = None
 
     def xor_body(self, iv: bytes, body: bytes) -> bytes:
         """XOR ``body`` with this layer's keystream under ``iv`` (its own inverse)."""
@@ -222,6 +224,8 @@ class _Layer:
         return self._iv_encrypt.update(iv)
 
     def previous_iv(self, iv: bytes) -> bytes:
+        if self._iv_decrypt is None:
+            self._iv_decrypt = Cipher(algorithms.AES(self._iv_key), modes.ECB()).decryptor()
         return self._iv_decrypt.update(iv)
 
 
@@ -263,10 +267,19 @@ class RelayHop:
         self.is_proxy = is_proxy
         self.next_peer_id = next_peer_id
         self.out_path_id = out_path_id
-        self._forward = _Layer(keys.forward_body, keys.forward_iv)
-        self._backward = _Layer(keys.backward_body, keys.backward_iv)
-        self._end_forward = _EndToEnd(keys.end_forward)
-        self._end_backward = _EndToEnd(keys.end_backward)
+        # Only the objects this hop's role uses: a cipher object costs ~2.7 KB (an AESGCM holds
+        # OpenSSL contexts), and a relay table holds thousands of hops (issue 16: 10,000 paths
+        # cost 161 MB with all four).
+        self._forward: _Layer | None = None
+        self._backward: _Layer | None = None
+        self._end_forward: _EndToEnd | None = None
+        self._end_backward: _EndToEnd | None = None
+        if is_proxy:
+            self._end_forward = _EndToEnd(keys.end_forward)
+            self._end_backward = _EndToEnd(keys.end_backward)
+        else:
+            self._forward = _Layer(keys.forward_body, keys.forward_iv)
+            self._backward = _Layer(keys.backward_body, keys.backward_iv)
         self._random_bytes = random_bytes
 
     def __repr__(self) -> str:
@@ -277,9 +290,11 @@ class RelayHop:
 
         Raises:
             RemoteProtocolError: not a cell size.
+            LocalProtocolError: this hop is the proxy (it has no relay layer).
         """
+        layer = _need(self._forward, "a proxy has no relay layer")
         iv, body = _split_cell(cell)
-        return self._forward.next_iv(iv) + self._forward.xor_body(iv, body)
+        return layer.next_iv(iv) + layer.xor_body(iv, body)
 
     def open_forward(self, cell: bytes) -> bytes:
         """Proxy: check and open the user's end-to-end layer; returns the user's payload.
@@ -287,32 +302,47 @@ class RelayHop:
         Raises:
             CryptoError: the cell was altered on the path (or is not for this path).
             RemoteProtocolError: not a cell size, or bad padding.
+            LocalProtocolError: this hop is a relay, not the proxy.
         """
+        end = _need(self._end_forward, "only the proxy opens the end-to-end layer")
         iv, body = _split_cell(cell)
-        return self._end_forward.open(iv, body)
+        return end.open(iv, body)
 
     def seal_backward(self, payload: bytes) -> bytes:
         """Proxy: seal a payload for the user (the end-to-end layer, under a fresh IV).
 
         Raises:
-            LocalProtocolError: payload over :data:`MAX_CELL_PAYLOAD` bytes.
+            LocalProtocolError: payload over :data:`MAX_CELL_PAYLOAD` bytes, or this hop is a
+                relay, not the proxy.
         """
+        end = _need(self._end_backward, "only the proxy seals the end-to-end layer")
         iv = self._random_bytes(CELL_IV_BYTES)
-        return iv + self._end_backward.seal(iv, payload)
+        return iv + end.seal(iv, payload)
 
     def relay_backward(self, cell: bytes) -> bytes:
         """Apply this hop's layer to a cell going back to the user.
 
         Raises:
             RemoteProtocolError: not a cell size.
+            LocalProtocolError: this hop is the proxy (it has no relay layer).
         """
+        layer = _need(self._backward, "a proxy has no relay layer")
         iv, body = _split_cell(cell)
-        out_iv = self._backward.next_iv(iv)
-        return out_iv + self._backward.xor_body(out_iv, body)
+        out_iv = layer.next_iv(iv)
+        return out_iv + layer.xor_body(out_iv, body)
 
     def make_ack(self) -> bytes:
         """Proxy: the setup acknowledgement (a backward cell the user can check)."""
         return self.seal_backward(_ACK_PLAINTEXT)
+
+
+_T = TypeVar("_T")
+
+
+def _need(part: _T | None, why: str) -> _T:
+    if part is None:
+        raise LocalProtocolError(why)
+    return part
 
 
 def process_setup(

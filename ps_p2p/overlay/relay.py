@@ -17,10 +17,12 @@ Transitions, all in this class:
 ============================  ===================================================================
 input                         effect
 ============================  ===================================================================
-setup (from a peer)           refused unless relaying, the packet opens (its AEAD check) and its
+setup (from a peer)           refused unless relaying, the predecessor has room in the table
+                              (checked before any public-key work: a directory user within its
+                              share, anyone else within the small unlisted pool, per peer and per
+                              source network), the packet opens (its AEAD check) and its
                               ephemeral key is new (only then remembered: junk cannot flush the
-                              replay cache); a relay entry is added (bounded per peer and in
-                              total); the proxy acknowledges at once, a relay forwards the inner
+                              replay cache); a relay entry is added; the proxy acknowledges at once, a relay forwards the inner
                               packet and waits for its next hop until an RFC 6298 deadline
 setup reply                   own path: the acknowledgement is checked (ready or failed); a
                               relay: passed back with its backward layer (or the failure)
@@ -56,7 +58,15 @@ from typing import Protocol
 
 from ps_p2p.crypto import onion
 from ps_p2p.errors import CryptoError, RemoteProtocolError
-from ps_p2p.overlay.relay_table import Direction, RelayEntry, RelayTable
+from ps_p2p.overlay.relay_table import (
+    DEFAULT_MAX_UNLISTED,
+    DEFAULT_MAX_UNLISTED_PER_ORIGIN,
+    DEFAULT_MAX_UNLISTED_PER_PEER,
+    DEFAULT_MIN_SHARE,
+    Direction,
+    RelayEntry,
+    RelayTable,
+)
 from ps_p2p.overlay.rtt import RttEstimator, RttTable
 from ps_p2p.records import short_peer_id as _short
 
@@ -251,6 +261,11 @@ class RelayConfig:
             their paths every few seconds, so live paths never idle this long).
         max_relay_entries, max_relay_entries_per_peer: paths relayed at most, in total and for
             one predecessor.
+        min_relay_share: the least share of the table a directory user holds as predecessor
+            (:meth:`~ps_p2p.overlay.relay_table.RelayTable.listed_share`).
+        max_unlisted_entries, max_unlisted_per_peer, max_unlisted_per_origin: paths relayed at
+            most for predecessors the directory does not list as users: in total, for one, and
+            from one source network (:mod:`ps_p2p.overlay.relay_table`).
         max_reply_tags: live reply tags at most (the oldest is forgotten beyond it).
         reply_tag_ttl: seconds a proxy forwards replies under a request's reply tag.
         tamper: TEST ONLY (``--perturb tamper-clove``): corrupt the cells and cloves relayed.
@@ -262,6 +277,10 @@ class RelayConfig:
     relay_idle_timeout: float = 120.0
     max_relay_entries: int = 10_000
     max_relay_entries_per_peer: int = 1_000
+    min_relay_share: int = DEFAULT_MIN_SHARE
+    max_unlisted_entries: int = DEFAULT_MAX_UNLISTED
+    max_unlisted_per_peer: int = DEFAULT_MAX_UNLISTED_PER_PEER
+    max_unlisted_per_origin: int = DEFAULT_MAX_UNLISTED_PER_ORIGIN
     max_reply_tags: int = 100_000
     reply_tag_ttl: float = 600.0
     tamper: bool = False
@@ -286,6 +305,8 @@ class RelayStats:
         setups_relayed: setup packets accepted (a relay entry added), as relay or proxy.
         setups_failed: setups refused (bad packet, table full) or failed downstream.
         setups_replayed: replayed setup packets refused.
+        setups_over_share: setups refused because the table, the predecessor's share of it or
+            the unlisted pool was full (also counted in ``setups_failed``).
         cells_relayed: cells passed on (forward or backward) or opened as proxy.
         cells_dropped_by: cells and reply cloves dropped, by reason (``DROP_*``).
         cloves_proxied: request cloves passed to a model node as proxy.
@@ -300,6 +321,7 @@ class RelayStats:
     setups_relayed: int = 0
     setups_failed: int = 0
     setups_replayed: int = 0
+    setups_over_share: int = 0
     cells_relayed: int = 0
     cells_dropped_by: dict[str, int] = field(default_factory=dict)
     cloves_proxied: int = 0
@@ -357,7 +379,12 @@ class RelayCore:
         codec: the end-to-end payloads' wire form.
         config: :class:`RelayConfig`.
         is_model_node, is_user: whether a peer is listed in that role by the current directory
-            (a proxy delivers only to model nodes; a model node accepts only from users).
+            (a proxy delivers only to model nodes; a model node accepts only from users; a
+            relay gives directory users their share of the table and anyone else the small
+            unlisted pool).
+        user_count: how many users the current directory lists (sets a listed
+            predecessor's share of the table); the default 0 gives every listed predecessor
+            ``max_relay_entries_per_peer``.
         verify_reply: ``verify_reply(model_node, clove, signature) -> bool``: the model node's
             signature on a response clove (a proxy never passes on a reply it could be blamed
             for).
@@ -376,6 +403,7 @@ class RelayCore:
         *,
         is_model_node: Callable[[bytes], bool] = lambda peer: True,
         is_user: Callable[[bytes], bool] = lambda peer: True,
+        user_count: Callable[[], int] = lambda: 0,
         verify_reply: Callable[[bytes, bytes, bytes], bool] = lambda peer, clove, sig: True,
         random_bytes: Callable[[int], bytes] = os.urandom,
     ) -> None:
@@ -385,11 +413,16 @@ class RelayCore:
         self.config = config or RelayConfig()
         self._is_model_node = is_model_node
         self._is_user = is_user
+        self._user_count = user_count
         self._verify_reply = verify_reply
         self._random_bytes = random_bytes
         self.table = RelayTable(
             self.config.max_relay_entries, self.config.max_relay_entries_per_peer,
             max_tags=self.config.max_reply_tags,
+            min_share=self.config.min_relay_share,
+            max_unlisted=self.config.max_unlisted_entries,
+            max_unlisted_per_peer=self.config.max_unlisted_per_peer,
+            max_unlisted_per_origin=self.config.max_unlisted_per_origin,
         )
         self.stats = RelayStats()
         self._paths: dict[tuple[bytes, bytes], OwnPath] = {}
@@ -469,8 +502,15 @@ class RelayCore:
 
     # ------------------------------------------------------------------ setup
 
-    def receive_setup(self, peer: bytes, path_id: bytes, packet: bytes, now: float) -> list[Command]:
+    def receive_setup(
+        self, peer: bytes, path_id: bytes, packet: bytes, now: float,
+        origin: Hashable | None = None,
+    ) -> list[Command]:
         """A setup packet from ``peer`` for the path ``path_id`` on that link.
+
+        Args:
+            origin: ``peer``'s source network (an IPv4 /24 or IPv6 /48 label from the service;
+                None for loopback or unknown), counted when ``peer`` is no directory user.
 
         Raises:
             RemoteProtocolError: a path ID that is not 16 bytes (the frame itself is bad).
@@ -479,6 +519,14 @@ class RelayCore:
             raise RemoteProtocolError(f"path ID of {len(path_id)} bytes")
         if not self.config.relay:
             return [SendSetupReply(peer, path_id, False, error="not relaying")]
+        listed = self._is_user(peer)
+        share = self.table.listed_share(self._user_count()) if listed else None
+        refusal = self.table.refusal(peer, listed=listed, origin=origin, share=share)
+        if refusal is not None:  # before any public-key work
+            self.stats.setups_failed += 1
+            self.stats.setups_over_share += 1
+            log.info("onion setup from %s refused: %s", _short(peer), refusal)
+            return [SendSetupReply(peer, path_id, False, error=refusal[:MAX_REASON_CHARS])]
         ephemeral = bytes(packet[:32])
         if ephemeral in self._seen_ephemeral:
             self.stats.setups_replayed += 1
@@ -497,7 +545,9 @@ class RelayCore:
         while len(self._seen_ephemeral) > MAX_REMEMBERED_SETUPS:
             self._seen_ephemeral.popitem(last=False)
         try:
-            entry = self.table.add(peer, path_id, hop, now)
+            entry = self.table.add(
+                peer, path_id, hop, now, listed=listed, origin=origin, share=share
+            )
         except RemoteProtocolError as exc:
             self.stats.setups_failed += 1
             return [SendSetupReply(peer, path_id, False, error=str(exc)[:MAX_REASON_CHARS])]
