@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -145,6 +146,8 @@ class OverlayService:
             user_count=self._user_count,
             verify_reply=delivery.verify_reply,
             random_bytes=random_bytes,
+            # unix seconds at the core's ``now``: setups carry and check their issue time
+            wall_clock=lambda now: now + (time.time() - self._clock()),
         )
         self.on_delivery = on_delivery
         self.driver: CoreDriver[core.Command] = CoreDriver(
