@@ -168,6 +168,10 @@ class RelayTable:
         """Entries whose predecessor was not a directory user at setup."""
         return self._unlisted
 
+    def paths_from(self, peer: bytes) -> int:
+        """Entries whose predecessor is ``peer``."""
+        return self._per_peer.get(peer, 0)
+
     def listed_share(self, listed_peers: int) -> int:
         """The most entries one listed predecessor may hold when the directory lists
         ``listed_peers`` users: ``max_entries // listed_peers`` clamped to [``min_share``,
