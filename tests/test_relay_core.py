@@ -179,6 +179,24 @@ def test_a_captured_setup_stays_refused_after_a_flood_of_valid_setups():
     assert core.receive_setup(USER, b"f" * 16, fresh, now=241.0)[0].ok  # quota back
 
 
+@pytest.mark.parametrize("peers, config, accepted", [
+    ([USER, PREV, USER, PREV], dict(max_remembered_setups=3), 3),  # full: refuse, never forget
+    ([STRANGER] * 4, dict(max_setups_per_unlisted_peer=2), 2),
+    ([STRANGER, bytes([9]) * 38, bytes([10]) * 38], dict(max_setups_unlisted=2), 2),
+])
+def test_the_replay_cache_refuses_setups_beyond_its_quotas_instead_of_forgetting(
+    peers, config, accepted
+):
+    core, key = _timed_core(**config)
+    spec = [onion.HopSpec(ME, key.public)]
+    packets = [onion.create_path(spec, issued_at=1_790_000_000)[1] for _ in peers]
+    oks = [core.receive_setup(peer, bytes([i]) * 16, packet, now=0.0)[0].ok
+           for i, (peer, packet) in enumerate(zip(peers, packets))]
+    assert oks.count(True) == accepted and core.stats.setups_throttled == len(peers) - accepted
+    (replay,) = core.receive_setup(USER, b"r" * 16, packets[0], now=1.0)
+    assert not replay.ok and core.stats.setups_replayed == 1
+
+
 def test_a_proxy_drops_a_replayed_cell_without_answering():
     core, key = _core()
     path = _proxy_path(key, core=core)

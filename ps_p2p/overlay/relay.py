@@ -17,19 +17,22 @@ Transitions, all in this class:
 ============================  ===================================================================
 input                         effect
 ============================  ===================================================================
-setup (from a peer)           refused unless relaying, the predecessor has room in the table
-                              (checked before any public-key work: a directory user within its
-                              share, anyone else within the small unlisted pool, per peer and per
-                              source network), the packet opens (its AEAD check) and its
+setup (from a peer)           refused unless relaying; unless the predecessor has room in the
+                              table and a quota of the replay cache left (both checked before
+                              any public-key work: a directory user within its share, anyone
+                              else within the small unlisted pool, per peer and per source
+                              network); unless the packet opens (its AEAD check) and its
                               ephemeral key is new (only then remembered, for twice the setup
-                              window: junk cannot flush the replay cache; a peer has a quota of
-                              it), its issue time within ``setup_window`` of the wall clock (an
-                              older replay fails by time); a relay entry is added; the proxy acknowledges at once, a relay forwards the inner
-                              packet and waits for its next hop until an RFC 6298 deadline
+                              window: junk cannot flush the replay cache); unless its issue time
+                              is within ``setup_window`` of the wall clock (an older replay
+                              fails by time). Then a relay entry is added; the proxy
+                              acknowledges at once, a relay forwards the inner packet and waits
+                              for its next hop until an RFC 6298 deadline
 setup reply                   own path: the acknowledgement is checked (ready or failed); a
                               relay: passed back with its backward layer (or the failure)
 cell                          own path: opened and decoded (``BackwardReceived``); a relay: one
-                              layer on and passed on; a proxy: opened and decoded, then a probe
+                              layer on and passed on; a proxy: opened, its sequence number
+                              checked against the path's replay window, decoded, then a probe
                               is answered or a clove delivered (only to directory model nodes,
                               registering its reply tag). An error about one cell costs that
                               cell (counted in ``cells_dropped_by``), never a stream
@@ -87,7 +90,7 @@ MAX_REPLIES_PER_TAG = 256
 #: packets younger than that, setups are refused (failing closed: forgetting one would let its
 #: replay through, issue 16).
 MAX_REMEMBERED_SETUPS = 200_000
-#: Setups one directory user may have remembered at once (twice the setup window, 240 s by
+#: Setups one directory user may have remembered at once (over twice the setup window, 240 s by
 #: default, i.e. ~2 setups/s): a relay of a network of a few thousand users forwards a few per
 #: minute from one predecessor. Filling the cache then takes 200,000 / 512 = 391 listed
 #: identities.
@@ -96,6 +99,8 @@ MAX_SETUPS_PER_PEER = 512
 MAX_SETUPS_PER_UNLISTED_PEER = 64
 #: ... for all such peers together.
 MAX_SETUPS_UNLISTED = 8192
+#: Seconds a setup's issue time may differ from a relay's wall clock (see RelayConfig).
+SETUP_WINDOW = 120.0
 #: Longest reason string put in a setup reply or destroy.
 MAX_REASON_CHARS = 200
 
@@ -285,6 +290,10 @@ class RelayConfig:
         setup_window: a setup's issue time (put in the packet by its user) may differ from this
             relay's wall clock by this much, in seconds (clock skew between volunteers' machines
             plus the setup's travel); the replay cache remembers a packet twice as long.
+        max_remembered_setups: setups the replay cache holds at most; full, setups are refused.
+        max_setups_per_peer, max_setups_per_unlisted_peer, max_setups_unlisted: setups the
+            replay cache holds at most for one directory user, for one peer it does not list,
+            and for all those together (a rate: entries leave after twice ``setup_window``).
         tamper: TEST ONLY (``--perturb tamper-clove``): corrupt the cells and cloves relayed.
     """
 
@@ -300,7 +309,11 @@ class RelayConfig:
     max_unlisted_per_origin: int = DEFAULT_MAX_UNLISTED_PER_ORIGIN
     max_reply_tags: int = 100_000
     reply_tag_ttl: float = 600.0
-    setup_window: float = 120.0
+    setup_window: float = SETUP_WINDOW
+    max_remembered_setups: int = MAX_REMEMBERED_SETUPS
+    max_setups_per_peer: int = MAX_SETUPS_PER_PEER
+    max_setups_per_unlisted_peer: int = MAX_SETUPS_PER_UNLISTED_PEER
+    max_setups_unlisted: int = MAX_SETUPS_UNLISTED
     tamper: bool = False
 
 
@@ -620,16 +633,17 @@ class RelayCore:
 
     def _setup_quota_refusal(self, peer: bytes, listed: bool) -> str | None:
         """Why the replay cache may not take one more setup of ``peer``, or None."""
-        if len(self._seen_setups) >= MAX_REMEMBERED_SETUPS:
+        cfg = self.config
+        if len(self._seen_setups) >= cfg.max_remembered_setups:
             return "relay busy (replay cache full)"
         held = self._setups_by_peer.get(peer, 0)
-        if listed and held >= MAX_SETUPS_PER_PEER:
-            return f"too many setups from one peer ({MAX_SETUPS_PER_PEER} in {self._retention():.0f} s)"
+        if listed and held >= cfg.max_setups_per_peer:
+            return f"too many setups from one peer ({cfg.max_setups_per_peer} in {self._retention():.0f} s)"
         if not listed:
-            if held >= MAX_SETUPS_PER_UNLISTED_PEER:
+            if held >= cfg.max_setups_per_unlisted_peer:
                 return (f"too many setups from one peer outside the directory "
-                        f"({MAX_SETUPS_PER_UNLISTED_PEER} in {self._retention():.0f} s)")
-            if self._setups_unlisted >= MAX_SETUPS_UNLISTED:
+                        f"({cfg.max_setups_per_unlisted_peer} in {self._retention():.0f} s)")
+            if self._setups_unlisted >= cfg.max_setups_unlisted:
                 return "too many setups from peers outside the directory"
         return None
 
