@@ -45,6 +45,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │                               refused, the book unchanged
     ├── DecodeError                 S-IDA: no k-subset of the cloves decodes (tampered/too few)
     ├── CryptoError                 onion layer or AEAD check failed
+    │   └── ReplayError             an authentic onion setup packet or cell seen before, or
+    │                               outside its acceptance window (time, sequence)
     ├── DirectoryError              no valid, unexpired directory; not enough nodes to build paths
     │   ├── ExpiredError            a record or directory past its expiry time (or older
     │   │                           than the node accepts)
@@ -199,6 +201,12 @@ class DecodeError(PsError):
 
 class CryptoError(PsError):
     """An onion layer or AEAD authentication check failed."""
+
+
+class ReplayError(CryptoError):
+    """An authentic onion setup packet or cell that was seen before, or falls outside its
+    acceptance window (a setup's issue time, a cell's sequence number): dropped, never acted on
+    twice."""
 
 
 class DirectoryError(PsError):

@@ -324,3 +324,25 @@ async def test_yamux_returns_receive_window_once_per_half_window_not_per_read(mo
     assert sent_updates, "the sender would have stalled without any window update"
     assert all(n >= window // 2 for n in sent_updates), sent_updates[:10]
     assert len(sent_updates) <= 2 * len(message) * count // window + 2
+
+
+@pytest.mark.parametrize("remote, expected", [
+    (("203.0.113.7", 4001), "ip4:203.0.113.0/24"),
+    (("2001:db8:1:2::5", 4001), "ip6:2001:db8:1::/48"),
+    (("127.0.0.1", 4001), None),  # loopback: every devnet node shares it, so not counted
+    (None, None),
+])
+def test_peer_network_names_the_source_network_of_a_peer_s_connection(remote, expected):
+    from types import SimpleNamespace
+
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    from ps_p2p.protocols.host import peer_network
+
+    peer = ID.from_pubkey(create_new_key_pair().public_key)
+    conn = SimpleNamespace(muxed_conn=SimpleNamespace(get_remote_address=lambda: remote))
+    network = SimpleNamespace(get_connections=lambda p: [conn] if p == peer else [])
+    host = SimpleNamespace(get_network=lambda: network)
+    assert peer_network(host, peer.to_bytes()) == expected
+    assert peer_network(host, b"\x00junk") is None

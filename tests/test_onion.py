@@ -217,3 +217,54 @@ def test_filler_slots_look_like_keystream_bytes_not_like_keys():
         _, packet = onion.create_path([onion.HopSpec(_peer(1), key.public)])
         top_bits.add(packet[onion.SLOT_BYTES * 4 + 31] >> 7)
     assert top_bits == {0, 1}
+
+
+def test_a_hop_builds_only_the_cipher_objects_of_its_role():
+    """Issue 16: a relay table of 10,000 hops cost 161 MB with four AES-GCM objects per hop."""
+    key, other = onion.OnionKeyPair.generate(), onion.OnionKeyPair.generate()
+    _, packet = onion.create_path([onion.HopSpec(b"a" * 38, key.public),
+                                   onion.HopSpec(b"b" * 38, other.public)])
+    relay_hop, inner = onion.process_setup(key, packet)
+    proxy_hop, _ = onion.process_setup(other, inner)
+    assert relay_hop._end_forward is None and relay_hop._end_backward is None
+    assert proxy_hop._forward is None and proxy_hop._backward is None
+    with pytest.raises(LocalProtocolError):
+        proxy_hop.relay_forward(bytes(onion.CELL_IV_BYTES + 1024 + 16))
+    with pytest.raises(LocalProtocolError):
+        relay_hop.seal_backward(b"x")
+
+
+def _to_proxy(relays, cell):
+    for hop in relays[:-1]:
+        cell = hop.relay_forward(cell)
+    return cell
+
+
+def test_the_proxy_refuses_a_replayed_cell_and_one_older_than_its_window():
+    """Issue 16: a replayed cell was answered 3 of 3 times (RFC 4303 sec. 3.4.3 window)."""
+    from ps_p2p.errors import ReplayError
+
+    path, relays, _ = _setup(_keys(3))
+    proxy = relays[-1]
+    cells = [_to_proxy(relays, path.seal_forward(b"cell %d" % i))
+             for i in range(onion.REPLAY_WINDOW + 2)]
+    assert proxy.open_forward(cells[1]) == b"cell 1"
+    assert proxy.open_forward(cells[0]) == b"cell 0"  # late, inside the window: accepted
+    for replayed in (cells[1], cells[0]):
+        with pytest.raises(ReplayError):
+            proxy.open_forward(replayed)
+    assert proxy.open_forward(cells[-1]) == b"cell %d" % (onion.REPLAY_WINDOW + 1)
+    with pytest.raises(ReplayError, match="outside the replay window"):
+        proxy.open_forward(cells[1])  # never opened twice, and now too old
+    assert proxy.open_forward(cells[2]) == b"cell 2"  # the oldest inside the window
+    with pytest.raises(ReplayError):
+        proxy.open_forward(cells[-1])
+
+
+def test_every_hop_learns_the_path_s_issue_time():
+    keys = _keys(3)
+    hops = [onion.HopSpec(_peer(i), k.public) for i, k in enumerate(keys)]
+    _, packet = onion.create_path(hops, issued_at=1_790_000_000)
+    for key in keys:
+        hop, packet = onion.process_setup(key, packet)
+        assert hop.issued_at == 1_790_000_000

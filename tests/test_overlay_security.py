@@ -166,3 +166,33 @@ async def test_a_model_node_cannot_get_honest_proxies_convicted(monkeypatch):
             await _until(lambda: client.misrouted_cloves >= before + 3, net.users[0])
             nursery.cancel_scope.cancel()
         assert client.avoided_proxies == frozenset()
+
+
+async def test_a_peer_outside_the_directory_holds_only_its_small_share_of_a_relay_s_table():
+    # Issue 16 (HIGH 5): ten identities outside the directory filled a relay's 10,000 paths in
+    # 11 s, after which honest setups through it failed 0/5.
+    import time
+
+    from ps_p2p.crypto import onion
+    from ps_p2p.protocols import onion_setup
+
+    async with open_localnet(users=4) as net:
+        relay = net.users[0]
+        table = relay.overlay.table
+        async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as outsider:
+            await connect(outsider, relay.listen_addrs[0])
+            stream = await outsider.new_stream(
+                ID(relay.peer_id), [TProtocol(onion_setup.ONION_PROTOCOL_ID)]
+            )
+            spec = [onion.HopSpec(relay.peer_id, relay.keys.onion.public)]
+            before = relay.overlay.stats.setups_over_share
+            sent = table.max_unlisted_per_peer + 20
+            for _ in range(sent):
+                path, packet = onion.create_path(spec, issued_at=int(time.time()))
+                frame = onion_setup.encode_setup(path.first_path_id, packet)
+                await stream.write(encode_frame(frame))
+            await _until(lambda: relay.overlay.stats.setups_over_share >= before + 20, relay)
+            assert table.paths_from(outsider.get_id().to_bytes()) == table.max_unlisted_per_peer
+            await stream.close()
+        answer = await net.users[1].user.ask("still served?", timeout=60)
+        assert answer.ok, answer.error

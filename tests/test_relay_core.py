@@ -102,6 +102,119 @@ def test_a_replayed_setup_is_refused_but_junk_is_never_remembered():
     assert not replayed.ok and core.stats.setups_replayed == 1
 
 
+def test_outsiders_cannot_fill_the_table_a_listed_user_needs():
+    """Issue 16 (HIGH 5): ten identities outside the directory filled a relay's table."""
+    listed = {USER, PREV}
+    key = onion.OnionKeyPair.generate()
+    core = r.RelayCore(
+        ME, key, FakeCodec(),
+        r.RelayConfig(max_relay_entries=100, max_relay_entries_per_peer=50,
+                      max_unlisted_entries=20, max_unlisted_per_peer=4),
+        is_user=lambda peer: peer in listed, user_count=lambda: len(listed),
+    )
+    spec = [onion.HopSpec(ME, key.public)]
+    accepted = 0
+    for i in range(200):
+        outsider = bytes([100 + i % 10]) * 38
+        path, packet = onion.create_path(spec)
+        (reply,) = core.receive_setup(outsider, path.first_path_id, packet, now=0.0)
+        accepted += reply.ok
+    assert accepted == 20 and core.table.unlisted_count == 20
+    assert core.stats.setups_over_share == 180
+    for _ in range(5):
+        path, packet = onion.create_path(spec)
+        (reply,) = core.receive_setup(USER, path.first_path_id, packet, now=0.0)
+        assert reply.ok
+
+
+def test_a_setup_over_its_share_is_refused_before_the_packet_is_opened():
+    core, key = _core(max_unlisted_per_peer=1)
+    _proxy_path(key, core=core)  # PREV is listed
+    path, packet = onion.create_path([onion.HopSpec(ME, key.public)])
+    (first,) = core.receive_setup(STRANGER, path.first_path_id, packet, now=0.0)
+    assert first.ok
+    junk = bytes(onion.SETUP_PACKET_BYTES)  # would fail as "bad setup packet" if opened
+    (second,) = core.receive_setup(STRANGER, b"n" * 16, junk, now=0.0)
+    assert not second.ok and "outside the directory" in second.error
+    assert core.stats.setups_over_share == 1
+
+
+def _timed_core(**config):
+    key = onion.OnionKeyPair.generate()
+    core = r.RelayCore(ME, key, FakeCodec(), r.RelayConfig(**config),
+                       is_user=lambda peer: peer in (USER, PREV),
+                       wall_clock=lambda now: 1_790_000_000 + now)
+    return core, key
+
+
+@pytest.mark.parametrize("issued_at, ok", [
+    (1_790_000_000, True), (1_790_000_000 - 119, True), (1_790_000_000 + 119, True),
+    (1_790_000_000 - 121, False), (1_790_000_000 + 121, False), (0, False),
+])
+def test_a_setup_issued_outside_the_window_is_refused(issued_at, ok):
+    core, key = _timed_core(setup_window=120.0)
+    _, packet = onion.create_path([onion.HopSpec(ME, key.public)], issued_at=issued_at)
+    (reply,) = core.receive_setup(PREV, b"p" * 16, packet, now=0.0)
+    assert reply.ok is ok and core.stats.setups_stale == (not ok)
+
+
+def test_a_captured_setup_stays_refused_after_a_flood_of_valid_setups():
+    """Issue 16: 200k valid setups flushed the replay cache, then a captured setup passed."""
+    core, key = _timed_core(setup_window=120.0, max_relay_entries_per_peer=100_000,
+                            max_relay_entries=100_000)
+    spec = [onion.HopSpec(ME, key.public)]
+    _, captured = onion.create_path(spec, issued_at=1_790_000_000)
+    assert core.receive_setup(PREV, b"c" * 16, captured, now=0.0)[0].ok
+    accepted = 0
+    for i in range(r.MAX_SETUPS_PER_PEER + 10):  # the flooder's quota runs out, not the cache
+        _, packet = onion.create_path(spec, issued_at=1_790_000_000)
+        accepted += core.receive_setup(USER, bytes([i % 256, i // 256]) * 8, packet, 1.0)[0].ok
+    assert accepted == r.MAX_SETUPS_PER_PEER and core.stats.setups_throttled == 10
+    (again,) = core.receive_setup(STRANGER, b"d" * 16, captured, now=2.0)
+    assert not again.ok and core.stats.setups_replayed == 1
+    # forgotten after twice the window, when the issue time refuses it instead
+    (late,) = core.receive_setup(STRANGER, b"e" * 16, captured, now=241.0)
+    assert not late.ok and core.stats.setups_stale == 1
+    _, fresh = onion.create_path(spec, issued_at=1_790_000_241)
+    assert core.receive_setup(USER, b"f" * 16, fresh, now=241.0)[0].ok  # quota back
+
+
+@pytest.mark.parametrize("peers, config, accepted", [
+    ([USER, PREV, USER, PREV], dict(max_remembered_setups=3), 3),  # full: refuse, never forget
+    ([STRANGER] * 4, dict(max_setups_per_unlisted_peer=2), 2),
+    ([STRANGER, bytes([9]) * 38, bytes([10]) * 38], dict(max_setups_unlisted=2), 2),
+])
+def test_the_replay_cache_refuses_setups_beyond_its_quotas_instead_of_forgetting(
+    peers, config, accepted
+):
+    core, key = _timed_core(**config)
+    spec = [onion.HopSpec(ME, key.public)]
+    packets = [onion.create_path(spec, issued_at=1_790_000_000)[1] for _ in peers]
+    oks = [core.receive_setup(peer, bytes([i]) * 16, packet, now=0.0)[0].ok
+           for i, (peer, packet) in enumerate(zip(peers, packets))]
+    assert oks.count(True) == accepted and core.stats.setups_throttled == len(peers) - accepted
+    (replay,) = core.receive_setup(USER, b"r" * 16, packets[0], now=1.0)
+    assert not replay.ok and core.stats.setups_replayed == 1
+
+
+def test_a_proxy_drops_a_replayed_cell_without_answering():
+    core, key = _core()
+    path = _proxy_path(key, core=core)
+    cell = path.seal_forward(pickle.dumps(r.Probe(7)))
+    assert len(core.receive_cell(PREV, path.first_path_id, cell, 1.0)) == 1
+    for _ in range(3):
+        assert core.receive_cell(PREV, path.first_path_id, cell, 2.0) == []
+    assert core.stats.cells_dropped_by == {r.DROP_REPLAYED_CELL: 3}
+
+
+def test_own_setups_carry_the_wall_clock_as_issue_time():
+    core, _ = _timed_core()
+    relay_key = onion.OnionKeyPair.generate()
+    _, (send,) = core.open_path([onion.HopSpec(NEXT, relay_key.public)], "t", now=5.0)
+    hop, _ = onion.process_setup(relay_key, send.packet)
+    assert hop.issued_at == 1_790_000_005
+
+
 def test_a_bad_path_id_is_a_protocol_error_of_the_frame():
     core, _ = _core()
     with pytest.raises(RemoteProtocolError):

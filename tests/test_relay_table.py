@@ -151,3 +151,34 @@ def test_one_predecessor_cannot_take_the_whole_table():
     table.add(B, b"3" * 16, _hop(), now=0.0)  # other peers still get in
     table.remove(first)
     table.add(A, b"4" * 16, _hop(), now=0.0)  # and a freed slot is usable again
+
+
+def test_peers_outside_the_directory_share_a_small_pool_per_peer_per_network_and_in_total():
+    table = RelayTable(max_entries=100, max_unlisted=5, max_unlisted_per_peer=2,
+                       max_unlisted_per_origin=3)
+    ids = iter(bytes([i]) * 16 for i in range(100))
+    table.add(A, next(ids), _hop(), now=0.0, listed=False, origin="net-1")
+    table.add(A, next(ids), _hop(), now=0.0, listed=False, origin="net-1")
+    with pytest.raises(RemoteProtocolError, match="one peer outside the directory"):
+        table.add(A, next(ids), _hop(), now=0.0, listed=False, origin="net-2")
+    table.add(B, next(ids), _hop(), now=0.0, listed=False, origin="net-1")
+    with pytest.raises(RemoteProtocolError, match="one network outside the directory"):
+        table.add(b"peer-d", next(ids), _hop(), now=0.0, listed=False, origin="net-1")
+    table.add(b"peer-d", next(ids), _hop(), now=0.0, listed=False, origin=None)
+    last = table.add(b"peer-e", next(ids), _hop(), now=0.0, listed=False, origin="net-2")
+    with pytest.raises(RemoteProtocolError, match="peers outside the directory"):
+        table.add(b"peer-f", next(ids), _hop(), now=0.0, listed=False, origin="net-3")
+    assert table.unlisted_count == 5
+    table.add(C, next(ids), _hop(), now=0.0)  # a listed predecessor still gets in
+    table.remove(last)
+    table.add(b"peer-f", next(ids), _hop(), now=0.0, listed=False, origin="net-3")
+
+
+@pytest.mark.parametrize("listed_peers, share", [(1, 50), (4, 25), (10, 10), (1000, 3)])
+def test_a_listed_predecessor_holds_at_most_its_share_of_the_table(listed_peers, share):
+    table = RelayTable(max_entries=100, max_per_peer=50, min_share=3)
+    assert table.listed_share(listed_peers) == share
+    for i in range(share):
+        table.add(A, bytes([i]) * 16, _hop(), now=0.0, share=table.listed_share(listed_peers))
+    with pytest.raises(RemoteProtocolError, match="one peer"):
+        table.add(A, b"x" * 16, _hop(), now=0.0, share=table.listed_share(listed_peers))

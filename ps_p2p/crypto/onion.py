@@ -24,8 +24,22 @@ at the proxy (forward) or at the user (backward) and is dropped. Relay layers ar
 on purpose: a per-hop authentication tag would grow the cell by 16 bytes per hop and tell every
 relay how far it is from the user (the first relay would know its predecessor is the user). This is
 Tor's relay-crypto trade-off; a relay that corrupts cells is found by the path probes instead. A
-cell carries no counter, so a cell lost on a link costs that cell, never the path. Relays do no
+cell lost on a link costs that cell, never the path (a sequence number may skip). Relays do no
 public-key work after setup. Payloads are padded to :data:`CELL_BUCKETS`.
+
+Replays (issue 16: a captured setup was accepted again once a flood of valid setups flushed the
+relay's replay cache, and a replayed cell was answered every time):
+
+* routing info bytes 60..64 carry the path's *issue time* (unsigned 32-bit big-endian unix
+  seconds, under the hop's AEAD): a relay refuses a setup issued outside its acceptance window,
+  so its replay cache needs to remember a packet only as long as the window;
+* the proxy-side IV of a forward cell is ``sequence number (8, big-endian, from 1 per path) ||
+  random (8)``: the user picks it and derives the IVs of the earlier links through the inverse
+  permutations, so every link still sees fresh-looking IVs, and only the last relay sees the
+  number (it can count the path's cells anyway). The proxy checks it after the end-to-end AEAD
+  (which authenticates the IV) against a sliding window of :data:`REPLAY_WINDOW` numbers
+  (RFC 4303 sec. 3.4.3): a replayed or too-old cell raises :class:`~ps_p2p.errors.ReplayError`.
+  The sequence number also makes the AES-GCM nonce (the IV's first 12 bytes) unique per path.
 
 Nothing here does I/O, reads a clock or draws global randomness: randomness comes in as a
 ``random_bytes`` callable.
@@ -36,6 +50,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -44,7 +59,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ps_p2p.errors import CryptoError, LocalProtocolError, RemoteProtocolError
+from ps_p2p.errors import CryptoError, LocalProtocolError, RemoteProtocolError, ReplayError
 
 RandomBytes = Callable[[int], bytes]
 
@@ -53,8 +68,12 @@ PATH_ID_BYTES = 16
 #: Longest path a setup packet can describe (relays + proxy).
 MAX_HOPS = 5
 #: Routing info of one hop: flags (1), successor length (1), successor peer ID (<= 42), padding,
-#: outgoing path ID (16) at offset 44.
+#: outgoing path ID (16) at offset 44, issue time (4, unix seconds) at offset 60.
 ROUTING_INFO_BYTES = 64
+#: Forward cells a proxy accepts behind the highest sequence number seen on a path (RFC 4303
+#: sec. 3.4.3's recommended 64: cells of one path share one stream, so they rarely reorder).
+REPLAY_WINDOW = 64
+_SEQ_BYTES = 8
 MAX_PEER_ID_BYTES = 42
 _TAG = 16
 _KEY = 32
@@ -203,16 +222,17 @@ def _split_cell(cell: bytes) -> tuple[bytes, bytes]:
 class _Layer:
     """One relay layer in one direction: AES-CTR over the body, an AES block permutation of the IV."""
 
-    __slots__ = ("_ctr", "_iv_encrypt", "_iv_decrypt")
+    __slots__ = ("_ctr", "_iv_key", "_iv_encrypt", "_iv_decrypt")
 
     def __init__(self, body_key: bytes, iv_key: bytes) -> None:
         # AES-GCM's ciphertext is the AES-CTR encryption of the plaintext (counter blocks
         # nonce || 2, 3, ...; NIST SP 800-38D); dropping its tag leaves a CTR layer. A reused
         # AESGCM object costs ~0.7 us per KiB against ~3.3 us for a new CTR Cipher per cell.
         self._ctr = AESGCM(body_key)
-        cipher = Cipher(algorithms.AES(iv_key), modes.ECB())
-        self._iv_encrypt = cipher.encryptor()  # ECB contexts are stateless: reused per cell
-        self._iv_decrypt = cipher.decryptor()
+        self._iv_key = iv_key
+        # ECB contexts are stateless: reused per cell; the decryptor only on the user's side
+        self._iv_encrypt = Cipher(algorithms.AES(iv_key), modes.ECB()).encryptor()
+        self._iv_decrypt: Any = None
 
     def xor_body(self, iv: bytes, body: bytes) -> bytes:
         """XOR ``body`` with this layer's keystream under ``iv`` (its own inverse)."""
@@ -222,6 +242,8 @@ class _Layer:
         return self._iv_encrypt.update(iv)
 
     def previous_iv(self, iv: bytes) -> bytes:
+        if self._iv_decrypt is None:
+            self._iv_decrypt = Cipher(algorithms.AES(self._iv_key), modes.ECB()).decryptor()
         return self._iv_decrypt.update(iv)
 
 
@@ -256,17 +278,32 @@ class RelayHop:
         out_path_id: the path ID on the link to the successor; for the proxy, the path's *exit
             path ID*, which only the path's owner and the proxy know (requests name proxies by
             per-request reply tags, never by it).
+        issued_at: the path's issue time the user put in the packet (unix seconds; 0: none).
     """
 
     def __init__(self, is_proxy: bool, next_peer_id: bytes | None, out_path_id: bytes,
-                 keys: _HopKeys, random_bytes: RandomBytes) -> None:
+                 keys: _HopKeys, random_bytes: RandomBytes, issued_at: int = 0) -> None:
         self.is_proxy = is_proxy
         self.next_peer_id = next_peer_id
         self.out_path_id = out_path_id
-        self._forward = _Layer(keys.forward_body, keys.forward_iv)
-        self._backward = _Layer(keys.backward_body, keys.backward_iv)
-        self._end_forward = _EndToEnd(keys.end_forward)
-        self._end_backward = _EndToEnd(keys.end_backward)
+        self.issued_at = issued_at
+        # proxy: the highest forward sequence number accepted and the window below it (bit i:
+        # number top - i seen)
+        self._top = 0
+        self._seen = 0
+        # Only the objects this hop's role uses: a cipher object costs ~2.7 KB (an AESGCM holds
+        # OpenSSL contexts), and a relay table holds thousands of hops (issue 16: 10,000 paths
+        # cost 161 MB with all four).
+        self._forward: _Layer | None = None
+        self._backward: _Layer | None = None
+        self._end_forward: _EndToEnd | None = None
+        self._end_backward: _EndToEnd | None = None
+        if is_proxy:
+            self._end_forward = _EndToEnd(keys.end_forward)
+            self._end_backward = _EndToEnd(keys.end_backward)
+        else:
+            self._forward = _Layer(keys.forward_body, keys.forward_iv)
+            self._backward = _Layer(keys.backward_body, keys.backward_iv)
         self._random_bytes = random_bytes
 
     def __repr__(self) -> str:
@@ -277,42 +314,80 @@ class RelayHop:
 
         Raises:
             RemoteProtocolError: not a cell size.
+            LocalProtocolError: this hop is the proxy (it has no relay layer).
         """
+        layer = _need(self._forward, "a proxy has no relay layer")
         iv, body = _split_cell(cell)
-        return self._forward.next_iv(iv) + self._forward.xor_body(iv, body)
+        return layer.next_iv(iv) + layer.xor_body(iv, body)
 
     def open_forward(self, cell: bytes) -> bytes:
         """Proxy: check and open the user's end-to-end layer; returns the user's payload.
 
         Raises:
             CryptoError: the cell was altered on the path (or is not for this path).
+            ReplayError: an authentic cell whose sequence number was seen before, or is
+                :data:`REPLAY_WINDOW` or more below the highest seen (or 0).
             RemoteProtocolError: not a cell size, or bad padding.
+            LocalProtocolError: this hop is a relay, not the proxy.
         """
+        end = _need(self._end_forward, "only the proxy opens the end-to-end layer")
         iv, body = _split_cell(cell)
-        return self._end_forward.open(iv, body)
+        payload = end.open(iv, body)
+        self._accept_sequence(int.from_bytes(iv[:_SEQ_BYTES], "big"))
+        return payload
+
+    def _accept_sequence(self, seq: int) -> None:
+        """RFC 4303 sec. 3.4.3 anti-replay window, updated only for authentic cells."""
+        if seq == 0:
+            raise ReplayError("cell without a sequence number")
+        if seq > self._top:
+            shift = seq - self._top
+            self._seen = ((self._seen << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) \
+                if shift < REPLAY_WINDOW else 1
+            self._top = seq
+            return
+        behind = self._top - seq
+        if behind >= REPLAY_WINDOW:
+            raise ReplayError(f"cell {behind} behind the newest, outside the replay window")
+        if self._seen >> behind & 1:
+            raise ReplayError("replayed cell")
+        self._seen |= 1 << behind
 
     def seal_backward(self, payload: bytes) -> bytes:
         """Proxy: seal a payload for the user (the end-to-end layer, under a fresh IV).
 
         Raises:
-            LocalProtocolError: payload over :data:`MAX_CELL_PAYLOAD` bytes.
+            LocalProtocolError: payload over :data:`MAX_CELL_PAYLOAD` bytes, or this hop is a
+                relay, not the proxy.
         """
+        end = _need(self._end_backward, "only the proxy seals the end-to-end layer")
         iv = self._random_bytes(CELL_IV_BYTES)
-        return iv + self._end_backward.seal(iv, payload)
+        return iv + end.seal(iv, payload)
 
     def relay_backward(self, cell: bytes) -> bytes:
         """Apply this hop's layer to a cell going back to the user.
 
         Raises:
             RemoteProtocolError: not a cell size.
+            LocalProtocolError: this hop is the proxy (it has no relay layer).
         """
+        layer = _need(self._backward, "a proxy has no relay layer")
         iv, body = _split_cell(cell)
-        out_iv = self._backward.next_iv(iv)
-        return out_iv + self._backward.xor_body(out_iv, body)
+        out_iv = layer.next_iv(iv)
+        return out_iv + layer.xor_body(out_iv, body)
 
     def make_ack(self) -> bytes:
         """Proxy: the setup acknowledgement (a backward cell the user can check)."""
         return self.seal_backward(_ACK_PLAINTEXT)
+
+
+_T = TypeVar("_T")
+
+
+def _need(part: _T | None, why: str) -> _T:
+    if part is None:
+        raise LocalProtocolError(why)
+    return part
 
 
 def process_setup(
@@ -346,17 +421,18 @@ def process_setup(
     if flags & ~_FLAG_PROXY:
         raise RemoteProtocolError(f"unknown routing flags {flags:#x}")
     out_path_id = info[44 : 44 + PATH_ID_BYTES]
+    issued_at = int.from_bytes(info[60:64], "big")
     is_proxy = bool(flags & _FLAG_PROXY)
     if is_proxy:
         if peer_len:
             raise RemoteProtocolError("proxy routing info names a successor")
-        return RelayHop(True, None, out_path_id, keys, random_bytes), None
+        return RelayHop(True, None, out_path_id, keys, random_bytes, issued_at), None
     if not 1 <= peer_len <= MAX_PEER_ID_BYTES:
         raise RemoteProtocolError(f"successor peer ID of {peer_len} bytes")
     next_peer = bytes(info[2 : 2 + peer_len])
     rest = packet[SLOT_BYTES:]
     next_packet = _xor(rest, _keystream(keys.stream, len(rest))) + _random_slot(random_bytes)
-    return RelayHop(False, next_peer, out_path_id, keys, random_bytes), next_packet
+    return RelayHop(False, next_peer, out_path_id, keys, random_bytes, issued_at), next_packet
 
 
 # ---------------------------------------------------------------------------------- user side
@@ -386,16 +462,24 @@ class UserPath:
         self._end_forward = _EndToEnd(keys[-1].end_forward)
         self._end_backward = _EndToEnd(keys[-1].end_backward)
         self._random_bytes = random_bytes
+        self._sequence = 0  # forward cells sealed so far
 
     def seal_forward(self, payload: bytes) -> bytes:
         """Pad and seal ``payload`` for the proxy and pre-apply every relay's layer.
 
+        The proxy-side IV is the next sequence number and 8 random bytes (drawn from
+        ``random_bytes``); the IVs of the earlier links follow through the relays' inverse IV
+        permutations.
+
         Raises:
             LocalProtocolError: payload over :data:`MAX_CELL_PAYLOAD` bytes.
         """
-        ivs = [self._random_bytes(CELL_IV_BYTES)]
-        for layer in self._forward:
-            ivs.append(layer.next_iv(ivs[-1]))
+        self._sequence += 1
+        ivs = [self._sequence.to_bytes(_SEQ_BYTES, "big")
+               + self._random_bytes(CELL_IV_BYTES - _SEQ_BYTES)]
+        for layer in reversed(self._forward):
+            ivs.append(layer.previous_iv(ivs[-1]))
+        ivs.reverse()
         body = self._end_forward.seal(ivs[-1], payload)
         for layer, iv in zip(self._forward, ivs):  # CTR layers commute: any order
             body = layer.xor_body(iv, body)
@@ -428,7 +512,7 @@ class UserPath:
             raise CryptoError("acknowledgement has the wrong content")
 
 
-def _routing_info(next_peer: bytes | None, out_path_id: bytes) -> bytes:
+def _routing_info(next_peer: bytes | None, out_path_id: bytes, issued_at: int = 0) -> bytes:
     info = bytearray(ROUTING_INFO_BYTES)
     if next_peer is None:
         info[0] = _FLAG_PROXY
@@ -438,16 +522,19 @@ def _routing_info(next_peer: bytes | None, out_path_id: bytes) -> bytes:
         info[1] = len(next_peer)
         info[2 : 2 + len(next_peer)] = next_peer
     info[44 : 44 + PATH_ID_BYTES] = out_path_id
+    info[60:64] = issued_at.to_bytes(4, "big")
     return bytes(info)
 
 
 def create_path(
-    hops: list[HopSpec], *, random_bytes: RandomBytes = os.urandom
+    hops: list[HopSpec], *, random_bytes: RandomBytes = os.urandom, issued_at: int = 0
 ) -> tuple[UserPath, bytes]:
     """Build the setup packet for a path through ``hops`` (the last one is the proxy).
 
     Args:
         hops: 1..MAX_HOPS hops with their onion keys (32 bytes each).
+        issued_at: the path's issue time, unix seconds (0 <= issued_at < 2**32), told to every
+            hop (:attr:`RelayHop.issued_at`); relays refuse a setup outside their window.
 
     Returns:
         (the user's path state, the :data:`SETUP_PACKET_BYTES`-byte packet for ``hops[0]``, to send
@@ -459,6 +546,8 @@ def create_path(
     count = len(hops)
     if not 1 <= count <= MAX_HOPS:
         raise LocalProtocolError(f"a path has 1..{MAX_HOPS} hops, not {count}")
+    if not 0 <= issued_at < 2**32:
+        raise LocalProtocolError(f"issue time {issued_at} out of range")
     path_ids = [random_bytes(PATH_ID_BYTES) for _ in range(count)]
     exit_path_id = random_bytes(PATH_ID_BYTES)
     keys: list[_HopKeys] = []
@@ -475,9 +564,9 @@ def create_path(
         k = _derive(shared, ephemeral_public, hop.onion_key)
         keys.append(k)
         if i + 1 < count:
-            info = _routing_info(hops[i + 1].peer_id, path_ids[i + 1])
+            info = _routing_info(hops[i + 1].peer_id, path_ids[i + 1], issued_at)
         else:
-            info = _routing_info(None, exit_path_id)
+            info = _routing_info(None, exit_path_id, issued_at)
         sealed = AESGCM(k.setup).encrypt(_ZERO_NONCE, info, _SETUP_AAD)
         targets.append(ephemeral_public + sealed)
     # Hop m XORs the slots after its own with keystream S_m and shifts them up by one, so slot 0
@@ -504,6 +593,7 @@ __all__ = [
     "MAX_CELL_PAYLOAD",
     "MAX_HOPS",
     "PATH_ID_BYTES",
+    "REPLAY_WINDOW",
     "SETUP_PACKET_BYTES",
     "HopSpec",
     "OnionKeyPair",

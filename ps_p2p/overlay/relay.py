@@ -17,15 +17,22 @@ Transitions, all in this class:
 ============================  ===================================================================
 input                         effect
 ============================  ===================================================================
-setup (from a peer)           refused unless relaying, the packet opens (its AEAD check) and its
-                              ephemeral key is new (only then remembered: junk cannot flush the
-                              replay cache); a relay entry is added (bounded per peer and in
-                              total); the proxy acknowledges at once, a relay forwards the inner
-                              packet and waits for its next hop until an RFC 6298 deadline
+setup (from a peer)           refused unless relaying; unless the predecessor has room in the
+                              table and a quota of the replay cache left (both checked before
+                              any public-key work: a directory user within its share, anyone
+                              else within the small unlisted pool, per peer and per source
+                              network); unless the packet opens (its AEAD check) and its
+                              ephemeral key is new (only then remembered, for twice the setup
+                              window: junk cannot flush the replay cache); unless its issue time
+                              is within ``setup_window`` of the wall clock (an older replay
+                              fails by time). Then a relay entry is added; the proxy
+                              acknowledges at once, a relay forwards the inner packet and waits
+                              for its next hop until an RFC 6298 deadline
 setup reply                   own path: the acknowledgement is checked (ready or failed); a
                               relay: passed back with its backward layer (or the failure)
 cell                          own path: opened and decoded (``BackwardReceived``); a relay: one
-                              layer on and passed on; a proxy: opened and decoded, then a probe
+                              layer on and passed on; a proxy: opened, its sequence number
+                              checked against the path's replay window, decoded, then a probe
                               is answered or a clove delivered (only to directory model nodes,
                               registering its reply tag). An error about one cell costs that
                               cell (counted in ``cells_dropped_by``), never a stream
@@ -55,8 +62,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ps_p2p.crypto import onion
-from ps_p2p.errors import CryptoError, RemoteProtocolError
-from ps_p2p.overlay.relay_table import Direction, RelayEntry, RelayTable
+from ps_p2p.errors import CryptoError, RemoteProtocolError, ReplayError
+from ps_p2p.overlay.relay_table import (
+    DEFAULT_MAX_UNLISTED,
+    DEFAULT_MAX_UNLISTED_PER_ORIGIN,
+    DEFAULT_MAX_UNLISTED_PER_PEER,
+    DEFAULT_MIN_SHARE,
+    Direction,
+    RelayEntry,
+    RelayTable,
+)
 from ps_p2p.overlay.rtt import RttEstimator, RttTable
 from ps_p2p.records import short_peer_id as _short
 
@@ -70,8 +85,22 @@ REPLIES_PER_TAG = 1
 #: Most response cloves a user may ask for under one tag: one per segment of a streamed answer
 #: (the model node sends at most this many segments; see ps_p2p.serving.dispatch).
 MAX_REPLIES_PER_TAG = 256
-#: Setup packets remembered to refuse replays (32 bytes each; oldest forgotten first).
+#: Setup packets remembered to refuse replays (their 32-byte ephemeral keys), at most; each for
+#: twice the setup window (a replay after that fails the issue-time check). When it is full of
+#: packets younger than that, setups are refused (failing closed: forgetting one would let its
+#: replay through, issue 16).
 MAX_REMEMBERED_SETUPS = 200_000
+#: Setups one directory user may have remembered at once (over twice the setup window, 240 s by
+#: default, i.e. ~2 setups/s): a relay of a network of a few thousand users forwards a few per
+#: minute from one predecessor. Filling the cache then takes 200,000 / 512 = 391 listed
+#: identities.
+MAX_SETUPS_PER_PEER = 512
+#: ... for a peer the directory does not list (a user keeps 5 paths and rebuilds the dead).
+MAX_SETUPS_PER_UNLISTED_PEER = 64
+#: ... for all such peers together.
+MAX_SETUPS_UNLISTED = 8192
+#: Seconds a setup's issue time may differ from a relay's wall clock (see RelayConfig).
+SETUP_WINDOW = 120.0
 #: Longest reason string put in a setup reply or destroy.
 MAX_REASON_CHARS = 200
 
@@ -251,8 +280,20 @@ class RelayConfig:
             their paths every few seconds, so live paths never idle this long).
         max_relay_entries, max_relay_entries_per_peer: paths relayed at most, in total and for
             one predecessor.
+        min_relay_share: the least share of the table a directory user holds as predecessor
+            (:meth:`~ps_p2p.overlay.relay_table.RelayTable.listed_share`).
+        max_unlisted_entries, max_unlisted_per_peer, max_unlisted_per_origin: paths relayed at
+            most for predecessors the directory does not list as users: in total, for one, and
+            from one source network (:mod:`ps_p2p.overlay.relay_table`).
         max_reply_tags: live reply tags at most (the oldest is forgotten beyond it).
         reply_tag_ttl: seconds a proxy forwards replies under a request's reply tag.
+        setup_window: a setup's issue time (put in the packet by its user) may differ from this
+            relay's wall clock by this much, in seconds (clock skew between volunteers' machines
+            plus the setup's travel); the replay cache remembers a packet twice as long.
+        max_remembered_setups: setups the replay cache holds at most; full, setups are refused.
+        max_setups_per_peer, max_setups_per_unlisted_peer, max_setups_unlisted: setups the
+            replay cache holds at most for one directory user, for one peer it does not list,
+            and for all those together (a rate: entries leave after twice ``setup_window``).
         tamper: TEST ONLY (``--perturb tamper-clove``): corrupt the cells and cloves relayed.
     """
 
@@ -262,14 +303,24 @@ class RelayConfig:
     relay_idle_timeout: float = 120.0
     max_relay_entries: int = 10_000
     max_relay_entries_per_peer: int = 1_000
+    min_relay_share: int = DEFAULT_MIN_SHARE
+    max_unlisted_entries: int = DEFAULT_MAX_UNLISTED
+    max_unlisted_per_peer: int = DEFAULT_MAX_UNLISTED_PER_PEER
+    max_unlisted_per_origin: int = DEFAULT_MAX_UNLISTED_PER_ORIGIN
     max_reply_tags: int = 100_000
     reply_tag_ttl: float = 600.0
+    setup_window: float = SETUP_WINDOW
+    max_remembered_setups: int = MAX_REMEMBERED_SETUPS
+    max_setups_per_peer: int = MAX_SETUPS_PER_PEER
+    max_setups_per_unlisted_peer: int = MAX_SETUPS_PER_UNLISTED_PEER
+    max_setups_unlisted: int = MAX_SETUPS_UNLISTED
     tamper: bool = False
 
 
 #: Reasons a cell (or a reply clove at a proxy) is dropped (:attr:`RelayStats.cells_dropped_by`).
 DROP_UNKNOWN_PATH = "unknown_path"  # no relay entry nor own path for the link's path ID
 DROP_BAD_CELL = "bad_cell"  # a layer or the end-to-end payload did not open or parse
+DROP_REPLAYED_CELL = "replayed_cell"  # proxy: an authentic cell seen before (or too old)
 DROP_UNKNOWN_REPLY_TAG = "unknown_reply_tag"  # unknown, expired or spent tag, or its sender
 DROP_BAD_REPLY_SIGNATURE = "bad_reply_signature"  # the model node's clove signature failed
 #: Reasons a delivery is refused (:attr:`RelayStats.deliveries_refused_by`).
@@ -286,6 +337,12 @@ class RelayStats:
         setups_relayed: setup packets accepted (a relay entry added), as relay or proxy.
         setups_failed: setups refused (bad packet, table full) or failed downstream.
         setups_replayed: replayed setup packets refused.
+        setups_stale: authentic setups refused because their issue time is outside the setup
+            window (a replay of an old packet, or a user's clock off by more than the window).
+        setups_throttled: setups refused because the peer (or all unlisted peers) used their
+            quota of the replay cache, or the cache is full.
+        setups_over_share: setups refused because the table, the predecessor's share of it or
+            the unlisted pool was full (also counted in ``setups_failed``).
         cells_relayed: cells passed on (forward or backward) or opened as proxy.
         cells_dropped_by: cells and reply cloves dropped, by reason (``DROP_*``).
         cloves_proxied: request cloves passed to a model node as proxy.
@@ -300,6 +357,9 @@ class RelayStats:
     setups_relayed: int = 0
     setups_failed: int = 0
     setups_replayed: int = 0
+    setups_over_share: int = 0
+    setups_stale: int = 0
+    setups_throttled: int = 0
     cells_relayed: int = 0
     cells_dropped_by: dict[str, int] = field(default_factory=dict)
     cloves_proxied: int = 0
@@ -357,11 +417,20 @@ class RelayCore:
         codec: the end-to-end payloads' wire form.
         config: :class:`RelayConfig`.
         is_model_node, is_user: whether a peer is listed in that role by the current directory
-            (a proxy delivers only to model nodes; a model node accepts only from users).
+            (a proxy delivers only to model nodes; a model node accepts only from users; a
+            relay gives directory users their share of the table and anyone else the small
+            unlisted pool).
+        user_count: how many users the current directory lists (sets a listed
+            predecessor's share of the table); the default 0 gives every listed predecessor
+            ``max_relay_entries_per_peer``.
         verify_reply: ``verify_reply(model_node, clove, signature) -> bool``: the model node's
             signature on a response clove (a proxy never passes on a reply it could be blamed
             for).
         random_bytes: randomness for path IDs and padding.
+        wall_clock: ``wall_clock(now) -> unix seconds`` for the core's ``now``: own setups carry
+            it as their issue time, and a relay refuses setups issued more than
+            ``setup_window`` away from it. None (tests only): setups carry 0 and no issue time
+            is checked.
 
     Attributes:
         stats: :class:`RelayStats`; table: the :class:`RelayTable`.
@@ -376,25 +445,37 @@ class RelayCore:
         *,
         is_model_node: Callable[[bytes], bool] = lambda peer: True,
         is_user: Callable[[bytes], bool] = lambda peer: True,
+        user_count: Callable[[], int] = lambda: 0,
         verify_reply: Callable[[bytes, bytes, bytes], bool] = lambda peer, clove, sig: True,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        wall_clock: Callable[[float], float] | None = None,
     ) -> None:
         self.peer_id = peer_id
+        self._wall_clock = wall_clock
         self.onion_key = onion_key
         self.codec = codec
         self.config = config or RelayConfig()
         self._is_model_node = is_model_node
         self._is_user = is_user
+        self._user_count = user_count
         self._verify_reply = verify_reply
         self._random_bytes = random_bytes
         self.table = RelayTable(
             self.config.max_relay_entries, self.config.max_relay_entries_per_peer,
             max_tags=self.config.max_reply_tags,
+            min_share=self.config.min_relay_share,
+            max_unlisted=self.config.max_unlisted_entries,
+            max_unlisted_per_peer=self.config.max_unlisted_per_peer,
+            max_unlisted_per_origin=self.config.max_unlisted_per_origin,
         )
         self.stats = RelayStats()
         self._paths: dict[tuple[bytes, bytes], OwnPath] = {}
         self._path_deadlines: list[tuple[float, int, tuple[bytes, bytes]]] = []
-        self._seen_ephemeral: OrderedDict[bytes, None] = OrderedDict()
+        # setup packets that opened: ephemeral key -> (forget at, predecessor, listed), in
+        # arrival order (= expiry order); counts per predecessor and of unlisted ones
+        self._seen_setups: OrderedDict[bytes, tuple[float, bytes, bool]] = OrderedDict()
+        self._setups_by_peer: dict[bytes, int] = {}
+        self._setups_unlisted = 0
         self._pending: dict[tuple[bytes, bytes], _PendingSetup] = {}
         self._deadlines: list[tuple[float, int, tuple[bytes, bytes]]] = []
         self._seq = itertools.count()
@@ -436,7 +517,10 @@ class RelayCore:
         Raises:
             CryptoError: an onion key no shared secret can be derived with (low order).
         """
-        path, packet = onion.create_path(hops, random_bytes=self._random_bytes)
+        issued_at = int(self._wall_clock(now)) if self._wall_clock is not None else 0
+        path, packet = onion.create_path(
+            hops, random_bytes=self._random_bytes, issued_at=issued_at
+        )
         floor = self.config.setup_timeout * (len(hops) + 1)
         deadline = now + max(floor, self._own_setup_rtt.rto)
         own = OwnPath(path, token, now, deadline)
@@ -469,8 +553,15 @@ class RelayCore:
 
     # ------------------------------------------------------------------ setup
 
-    def receive_setup(self, peer: bytes, path_id: bytes, packet: bytes, now: float) -> list[Command]:
+    def receive_setup(
+        self, peer: bytes, path_id: bytes, packet: bytes, now: float,
+        origin: Hashable | None = None,
+    ) -> list[Command]:
         """A setup packet from ``peer`` for the path ``path_id`` on that link.
+
+        Args:
+            origin: ``peer``'s source network (an IPv4 /24 or IPv6 /48 label from the service;
+                None for loopback or unknown), counted when ``peer`` is no directory user.
 
         Raises:
             RemoteProtocolError: a path ID that is not 16 bytes (the frame itself is bad).
@@ -479,11 +570,26 @@ class RelayCore:
             raise RemoteProtocolError(f"path ID of {len(path_id)} bytes")
         if not self.config.relay:
             return [SendSetupReply(peer, path_id, False, error="not relaying")]
+        listed = self._is_user(peer)
+        share = self.table.listed_share(self._user_count()) if listed else None
+        refusal = self.table.refusal(peer, listed=listed, origin=origin, share=share)
+        if refusal is not None:  # before any public-key work
+            self.stats.setups_failed += 1
+            self.stats.setups_over_share += 1
+            log.info("onion setup from %s refused: %s", _short(peer), refusal)
+            return [SendSetupReply(peer, path_id, False, error=refusal[:MAX_REASON_CHARS])]
+        self._forget_setups(now)
         ephemeral = bytes(packet[:32])
-        if ephemeral in self._seen_ephemeral:
+        if ephemeral in self._seen_setups:
             self.stats.setups_replayed += 1
             log.warning("replayed onion setup from %s refused", _short(peer))
             return [SendSetupReply(peer, path_id, False, error="replayed setup packet")]
+        throttle = self._setup_quota_refusal(peer, listed)
+        if throttle is not None:  # before the X25519 too
+            self.stats.setups_failed += 1
+            self.stats.setups_throttled += 1
+            log.info("onion setup from %s refused: %s", _short(peer), throttle)
+            return [SendSetupReply(peer, path_id, False, error=throttle)]
         try:
             hop, next_packet = onion.process_setup(
                 self.onion_key, packet, random_bytes=self._random_bytes
@@ -493,11 +599,19 @@ class RelayCore:
             log.info("onion setup from %s refused: %s", _short(peer), exc)
             return [SendSetupReply(peer, path_id, False, error="bad setup packet")]
         # only a packet that opened is remembered: junk cannot flush the cache
-        self._seen_ephemeral[ephemeral] = None
-        while len(self._seen_ephemeral) > MAX_REMEMBERED_SETUPS:
-            self._seen_ephemeral.popitem(last=False)
+        self._remember_setup(ephemeral, peer, listed, now)
+        if self._wall_clock is not None:
+            skew = hop.issued_at - self._wall_clock(now)
+            if abs(skew) > self.config.setup_window:
+                self.stats.setups_failed += 1
+                self.stats.setups_stale += 1
+                log.info("onion setup from %s refused: issued %.0f s %s", _short(peer),
+                         abs(skew), "ahead" if skew > 0 else "ago")
+                return [SendSetupReply(peer, path_id, False, error="setup issued outside the window")]
         try:
-            entry = self.table.add(peer, path_id, hop, now)
+            entry = self.table.add(
+                peer, path_id, hop, now, listed=listed, origin=origin, share=share
+            )
         except RemoteProtocolError as exc:
             self.stats.setups_failed += 1
             return [SendSetupReply(peer, path_id, False, error=str(exc)[:MAX_REASON_CHARS])]
@@ -516,6 +630,45 @@ class RelayCore:
             self._deadlines = [(p.deadline, next(self._seq), k) for k, p in self._pending.items()]
             heapq.heapify(self._deadlines)
         return [SendSetup(hop.next_peer_id, hop.out_path_id, next_packet)]
+
+    def _setup_quota_refusal(self, peer: bytes, listed: bool) -> str | None:
+        """Why the replay cache may not take one more setup of ``peer``, or None."""
+        cfg = self.config
+        if len(self._seen_setups) >= cfg.max_remembered_setups:
+            return "relay busy (replay cache full)"
+        held = self._setups_by_peer.get(peer, 0)
+        if listed and held >= cfg.max_setups_per_peer:
+            return f"too many setups from one peer ({cfg.max_setups_per_peer} in {self._retention():.0f} s)"
+        if not listed:
+            if held >= cfg.max_setups_per_unlisted_peer:
+                return (f"too many setups from one peer outside the directory "
+                        f"({cfg.max_setups_per_unlisted_peer} in {self._retention():.0f} s)")
+            if self._setups_unlisted >= cfg.max_setups_unlisted:
+                return "too many setups from peers outside the directory"
+        return None
+
+    def _retention(self) -> float:
+        return 2 * self.config.setup_window
+
+    def _remember_setup(self, ephemeral: bytes, peer: bytes, listed: bool, now: float) -> None:
+        self._seen_setups[ephemeral] = (now + self._retention(), peer, listed)
+        self._setups_by_peer[peer] = self._setups_by_peer.get(peer, 0) + 1
+        self._setups_unlisted += not listed
+
+    def _forget_setups(self, now: float) -> None:
+        """Forget setups remembered for twice the setup window (O(forgotten))."""
+        seen = self._seen_setups
+        while seen:
+            ephemeral, (until, peer, listed) = next(iter(seen.items()))
+            if now < until:
+                break
+            del seen[ephemeral]
+            left = self._setups_by_peer[peer] - 1
+            if left:
+                self._setups_by_peer[peer] = left
+            else:
+                del self._setups_by_peer[peer]
+            self._setups_unlisted -= not listed
 
     def receive_setup_reply(
         self, peer: bytes, path_id: bytes, ok: bool, ack: bytes, error: str, now: float
@@ -581,6 +734,10 @@ class RelayCore:
                     self.stats.tampered += 1
                 assert hop.next_peer_id is not None
                 out = [SendCell(hop.next_peer_id, hop.out_path_id, cell)]
+        except ReplayError as exc:
+            self.stats.drop_cell(DROP_REPLAYED_CELL)
+            log.info("cell on a path from %s dropped: %s", _short(entry.in_peer), exc)
+            return []
         except (CryptoError, RemoteProtocolError) as exc:
             self.stats.drop_cell(DROP_BAD_CELL)
             log.warning("cell on a path from %s dropped: %s", _short(entry.in_peer), exc)
@@ -779,6 +936,7 @@ __all__ = [
     "Command",
     "DROP_BAD_CELL",
     "DROP_BAD_REPLY_SIGNATURE",
+    "DROP_REPLAYED_CELL",
     "DROP_UNKNOWN_PATH",
     "DROP_UNKNOWN_REPLY_TAG",
     "DeliverClove",

@@ -13,12 +13,28 @@ Every relay (and proxy) keeps one :class:`RelayEntry` per path through it, index
 Path IDs are link-local (DESIGN.md): the same path has a different ID on every link, so nothing
 in the table lets a relay link two links of one path except its own entry. Sizes a peer controls
 are bounded per peer and in total; idle entries and spent tags expire in O(expired). Source: PlanetServe sec. 3.2 (path tables).
+
+Who may hold how many entries (issue 16: ten identities outside the directory filled a relay's
+10,000 paths in 11 s, after which no honest setup got through):
+
+* a predecessor the directory lists as a user (every honest relay, and every registered user
+  building its paths) holds at most its *share*, ``max_entries`` over the number of listed users,
+  clamped to [``min_share``, ``max_per_peer``] (:meth:`RelayTable.listed_share`), so the listed
+  users together fit in the table; to fill it, a sybil set needs ``max_entries / min_share``
+  listed identities, which the committee's admission caps make expensive (per /24 network, per
+  block);
+* any other predecessor (a one-shot ``ps-node ask``, or a new user whose record has not
+  committed yet) draws on a small pool of its own: ``max_unlisted`` entries in all,
+  ``max_unlisted_per_peer`` each and ``max_unlisted_per_origin`` per source network (an IPv4
+  /24 or IPv6 /48, given by the service; loopback has none, so a devnet is not limited by it),
+  so outsiders can never take more than that pool from listed users.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from ps_p2p.crypto.onion import RelayHop
@@ -38,6 +54,9 @@ class RelayEntry:
         in_peer, in_path_id: the predecessor and the path ID on that link.
         hop: this node's layer of the path (successor, outgoing path ID, cell keys).
         created_at, last_used: seconds (the caller's clock).
+        listed: the predecessor was a directory user when the path was set up (else the entry
+            counts against the unlisted pool).
+        origin: the predecessor's source network (unlisted entries; None: not counted).
     """
 
     in_peer: bytes
@@ -45,6 +64,8 @@ class RelayEntry:
     hop: RelayHop
     created_at: float
     last_used: float
+    listed: bool = True
+    origin: Hashable | None = None
     #: proxies: reply tags registered on this path, oldest first
     tags: dict[bytes, None] = field(default_factory=dict)
 
@@ -59,12 +80,26 @@ class ReplyTag:
     replies_left: int
 
 
-#: Paths relayed at most, over all predecessors. A relay entry holds a hop's keys and cipher
-#: objects (~13 KiB measured with 100k entries), so this bounds a relay's table at ~130 MiB; a relay
+#: Paths relayed at most, over all predecessors. A relay entry holds a hop's keys and the two
+#: cipher objects of its role (~5 KB measured with 10,000 entries,
+#: benchmarks/attacks/path_table_fill.py), so this bounds a relay's table at ~52 MB; a relay
 #: in a network of a few thousand users carries ~15 paths on average.
 DEFAULT_MAX_ENTRIES = 10_000
 #: Paths relayed at most for one predecessor (a busy middle relay forwards many users' paths).
 DEFAULT_MAX_PER_PEER = 1_000
+#: Share of a listed predecessor at least, however many users the directory lists: a relay of a
+#: network of a few thousand users carries ~15 paths in all, and a user keeps 5 (spares
+#: included), so 32 leaves room for bursts of replacements. A listed sybil set needs
+#: 10,000 / 32 = 313 registered identities to fill a default table.
+DEFAULT_MIN_SHARE = 32
+#: Paths relayed at most for predecessors the directory does not list, in total (5% of the
+#: default table): one-shot clients and users whose record has not committed yet.
+DEFAULT_MAX_UNLISTED = 512
+#: ... for one such predecessor: a user keeps 5 paths, and replaces some in parallel.
+DEFAULT_MAX_UNLISTED_PER_PEER = 16
+#: ... from one source network (IPv4 /24, IPv6 /48): a site of unlisted identities takes at most
+#: an eighth of the unlisted pool.
+DEFAULT_MAX_UNLISTED_PER_ORIGIN = 64
 #: Live reply tags at most, over all paths (~200 bytes each); the oldest is forgotten beyond it.
 DEFAULT_MAX_TAGS = 100_000
 #: Live reply tags at most on one path; the path's oldest is forgotten beyond it.
@@ -82,8 +117,12 @@ class RelayTable:
     Args:
         max_entries: paths relayed at most; a setup beyond it is refused.
         max_per_peer: paths relayed at most for one predecessor, so one peer cannot take the
-            whole table.
+            whole table (the most a listed predecessor's share can be).
         max_tags: live reply tags at most; beyond it the oldest tag is forgotten.
+        min_share: the least share of a listed predecessor (:meth:`listed_share`).
+        max_unlisted, max_unlisted_per_peer, max_unlisted_per_origin: paths relayed at most
+            for predecessors the directory does not list: in total, for one, and from one
+            source network (see the module docstring).
     """
 
     def __init__(
@@ -92,11 +131,21 @@ class RelayTable:
         max_per_peer: int = DEFAULT_MAX_PER_PEER,
         *,
         max_tags: int = DEFAULT_MAX_TAGS,
+        min_share: int = DEFAULT_MIN_SHARE,
+        max_unlisted: int = DEFAULT_MAX_UNLISTED,
+        max_unlisted_per_peer: int = DEFAULT_MAX_UNLISTED_PER_PEER,
+        max_unlisted_per_origin: int = DEFAULT_MAX_UNLISTED_PER_ORIGIN,
     ) -> None:
         self.max_entries = max_entries
         self.max_per_peer = max_per_peer
         self.max_tags = max_tags
+        self.min_share = min_share
+        self.max_unlisted = max_unlisted
+        self.max_unlisted_per_peer = max_unlisted_per_peer
+        self.max_unlisted_per_origin = max_unlisted_per_origin
         self._per_peer: dict[bytes, int] = {}
+        self._unlisted = 0
+        self._per_origin: dict[Hashable, int] = {}
         # (predecessor, incoming path ID) -> entry, least recently used first
         self._forward: OrderedDict[tuple[bytes, bytes], RelayEntry] = OrderedDict()
         self._backward: dict[tuple[bytes, bytes], RelayEntry] = {}
@@ -114,17 +163,68 @@ class RelayTable:
         """Live (unexpired as of the last :meth:`expire`) reply tags."""
         return len(self._tags)
 
-    def add(self, in_peer: bytes, in_path_id: bytes, hop: RelayHop, now: float) -> RelayEntry:
+    @property
+    def unlisted_count(self) -> int:
+        """Entries whose predecessor was not a directory user at setup."""
+        return self._unlisted
+
+    def paths_from(self, peer: bytes) -> int:
+        """Entries whose predecessor is ``peer``."""
+        return self._per_peer.get(peer, 0)
+
+    def listed_share(self, listed_peers: int) -> int:
+        """The most entries one listed predecessor may hold when the directory lists
+        ``listed_peers`` users: ``max_entries // listed_peers`` clamped to [``min_share``,
+        ``max_per_peer``] (the listed users' shares together fit in the table unless there are
+        more than ``max_entries / min_share`` of them)."""
+        fair = self.max_entries // max(listed_peers, 1)
+        return max(self.min_share, min(self.max_per_peer, fair))
+
+    def refusal(
+        self, in_peer: bytes, *, listed: bool = True, origin: Hashable | None = None,
+        share: int | None = None,
+    ) -> str | None:
+        """Why :meth:`add` would refuse one more entry from ``in_peer`` (arguments as there),
+        or None; O(1), so a relay can refuse before it spends an X25519 on the packet."""
+        if len(self._forward) >= self.max_entries:
+            return f"relay table full ({self.max_entries} paths)"
+        held = self._per_peer.get(in_peer, 0)
+        if listed:
+            limit = self.max_per_peer if share is None else min(share, self.max_per_peer)
+            if held >= limit:
+                return f"too many paths from one peer ({limit})"
+            return None
+        if held >= self.max_unlisted_per_peer:
+            return f"too many paths from one peer outside the directory ({self.max_unlisted_per_peer})"
+        if self._unlisted >= self.max_unlisted:
+            return f"too many paths from peers outside the directory ({self.max_unlisted})"
+        if origin is not None and self._per_origin.get(origin, 0) >= self.max_unlisted_per_origin:
+            return (f"too many paths from one network outside the directory "
+                    f"({self.max_unlisted_per_origin})")
+        return None
+
+    def add(
+        self, in_peer: bytes, in_path_id: bytes, hop: RelayHop, now: float, *,
+        listed: bool = True, origin: Hashable | None = None, share: int | None = None,
+    ) -> RelayEntry:
         """Record a path set up through this node.
+
+        Args:
+            listed: the directory lists ``in_peer`` as a user; otherwise the entry draws on the
+                unlisted pool (``max_unlisted``, ``max_unlisted_per_peer``, and
+                ``max_unlisted_per_origin`` for an ``origin`` that is not None).
+            origin: ``in_peer``'s source network (any hashable; None: not counted).
+            share: a listed predecessor's most entries (:meth:`listed_share`); None:
+                ``max_per_peer``.
 
         Raises:
             RemoteProtocolError: the incoming or outgoing path ID is already in use on that link,
                 or the table (or this predecessor's share of it) is full.
         """
-        if len(self._forward) >= self.max_entries:
-            raise RemoteProtocolError(f"relay table full ({self.max_entries} paths)")
-        if self._per_peer.get(in_peer, 0) >= self.max_per_peer:
-            raise RemoteProtocolError(f"too many paths from one peer ({self.max_per_peer})")
+        refusal = self.refusal(in_peer, listed=listed, origin=origin, share=share)
+        if refusal is not None:
+            raise RemoteProtocolError(refusal)
+        held = self._per_peer.get(in_peer, 0)
         key = (in_peer, in_path_id)
         if key in self._forward:
             raise RemoteProtocolError("incoming path ID already in use on this link")
@@ -132,9 +232,15 @@ class RelayTable:
             assert hop.next_peer_id is not None
             if (hop.next_peer_id, hop.out_path_id) in self._backward:
                 raise RemoteProtocolError("outgoing path ID already in use on the next link")
-        entry = RelayEntry(in_peer, in_path_id, hop, now, now)
+        if listed:
+            origin = None
+        entry = RelayEntry(in_peer, in_path_id, hop, now, now, listed, origin)
         self._forward[key] = entry
-        self._per_peer[in_peer] = self._per_peer.get(in_peer, 0) + 1
+        self._per_peer[in_peer] = held + 1
+        if not listed:
+            self._unlisted += 1
+            if origin is not None:
+                self._per_origin[origin] = self._per_origin.get(origin, 0) + 1
         self._by_peer.setdefault(in_peer, set()).add(entry)
         if not hop.is_proxy:
             assert hop.next_peer_id is not None
@@ -240,6 +346,14 @@ class RelayTable:
                 self._per_peer[entry.in_peer] = left
             else:
                 del self._per_peer[entry.in_peer]
+            if not entry.listed:
+                self._unlisted -= 1
+                if entry.origin is not None:
+                    left = self._per_origin[entry.origin] - 1
+                    if left:
+                        self._per_origin[entry.origin] = left
+                    else:
+                        del self._per_origin[entry.origin]
         for tag in list(entry.tags):
             self._drop_tag(tag)
         hop = entry.hop

@@ -59,6 +59,7 @@ and the same for pre-multiplexed (QUIC) connections. A regression test: more tha
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -505,6 +506,26 @@ def is_connected(host: IHost, peer: bytes) -> bool:
         return False
 
 
+def peer_network(host: IHost, peer: bytes) -> str | None:
+    """The source network of ``host``'s connection to ``peer``: ``"ip4:a.b.c.0/24"`` or
+    ``"ip6:<prefix>/48"`` (the site one operator usually holds, as the committee's admission caps
+    count it), or None for loopback (every node of a devnet shares it), no connection, or an
+    address that is not IP. Costs one look-up of the peer's connections."""
+    try:
+        conns = host.get_network().get_connections(ID(peer))
+        remote = conns[0].muxed_conn.get_remote_address() if conns else None  # type: ignore[attr-defined]
+        if remote is None:
+            return None
+        address = ipaddress.ip_address(remote[0])
+    except Exception:  # a malformed peer ID, a transport without an IP address
+        return None
+    if address.is_loopback:
+        return None
+    if address.version == 4:
+        return f"ip4:{ipaddress.ip_network(f'{address}/24', strict=False)}"
+    return f"ip6:{ipaddress.ip_network(f'{address}/48', strict=False)}"
+
+
 def listen_multiaddrs(host: IHost) -> list[str]:
     """The host's listen addresses with ``/p2p/<peer ID>`` appended (what ``--multiaddr`` takes)."""
     peer = host.get_id().to_base58()
@@ -577,6 +598,7 @@ __all__ = [
     "listen_multiaddrs",
     "open_host",
     "parse_multiaddr",
+    "peer_network",
     "tune_host",
     "dial_failure_reason",
 ]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -47,7 +48,7 @@ from ps_p2p.protocols.clove_relay import CLOVE_MAX_FRAME, CLOVE_PROTOCOL_ID
 from ps_p2p.protocols.delivery import DELIVER_MAX_FRAME, DELIVER_PROTOCOL_ID
 from ps_p2p.protocols.driver import CoreDriver
 from ps_p2p.protocols.handlers import StreamHandlers
-from ps_p2p.protocols.host import is_connected
+from ps_p2p.protocols.host import is_connected, peer_network
 from ps_p2p.protocols.links import LinkManager, LinkStats, make_frame_handler
 from ps_p2p.protocols.onion_setup import ONION_MAX_FRAME, ONION_PROTOCOL_ID
 
@@ -142,8 +143,11 @@ class OverlayService:
             self.config,
             is_model_node=functools.partial(self._has_role, records.Role.MODEL),
             is_user=functools.partial(self._has_role, records.Role.USER),
+            user_count=self._user_count,
             verify_reply=delivery.verify_reply,
             random_bytes=random_bytes,
+            # unix seconds at the core's ``now``: setups carry and check their issue time
+            wall_clock=lambda now: now + (time.time() - self._clock()),
         )
         self.on_delivery = on_delivery
         self.driver: CoreDriver[core.Command] = CoreDriver(
@@ -153,6 +157,7 @@ class OverlayService:
             next_deadline=self.core.next_deadline,
             clock=clock,
         )
+        self._users_counted: tuple[records.Directory | None, int] = (None, 0)
         self._onion_links: LinkManager | None = None
         self._clove_links: LinkManager | None = None
         self._deliver_links: LinkManager | None = None
@@ -233,12 +238,15 @@ class OverlayService:
     def _on_onion_frame(self, peer: bytes, data: bytes) -> None:
         frame = onion_setup.decode(data)  # RemoteProtocolError resets this stream
         if isinstance(frame, onion_setup.SetupFrame):
-            event = functools.partial(self.core.receive_setup, peer, frame.path_id, frame.packet)
+            event = functools.partial(
+                self.core.receive_setup, peer, frame.path_id, frame.packet,
+                origin=peer_network(self.host, peer),
+            )
         else:
             event = functools.partial(
                 self.core.receive_setup_reply, peer, frame.path_id, frame.ok, frame.ack, frame.error
             )
-        self.driver.submit(event)
+        self.driver.submit(event, peer=peer)
 
     def _on_clove_frame(self, peer: bytes, data: bytes) -> None:
         frame = clove_relay.decode(data)
@@ -246,7 +254,7 @@ class OverlayService:
             event = functools.partial(self.core.receive_cell, peer, frame.path_id, frame.payload)
         else:
             event = functools.partial(self.core.receive_destroy, peer, frame.path_id, frame.reason)
-        self.driver.submit(event)
+        self.driver.submit(event, peer=peer)
 
     def _on_deliver_frame(self, peer: bytes, data: bytes) -> None:
         frame = delivery.decode(data)
@@ -256,7 +264,7 @@ class OverlayService:
             event = functools.partial(
                 self.core.receive_reply, peer, frame.reply_tag, frame.clove, frame.signature
             )
-        self.driver.submit(event)
+        self.driver.submit(event, peer=peer)
 
     def _link_down(self, peer: bytes, reason: str) -> None:
         self.driver.submit(
@@ -395,6 +403,15 @@ class OverlayService:
         directory = self._directory()
         record = directory.record(peer) if directory is not None else None
         return record is not None and role in record.roles
+
+    def _user_count(self) -> int:
+        """Users the current directory lists (counted once per directory object)."""
+        directory = self._directory() if self._directory is not None else None
+        counted, count = self._users_counted
+        if directory is not counted:
+            count = len(directory.users()) if directory is not None else 0
+            self._users_counted = (directory, count)
+        return count
 
     def _connected(self, peer: bytes) -> bool:
         return is_connected(self.host, peer)

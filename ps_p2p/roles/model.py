@@ -249,7 +249,7 @@ class ModelNodeService:
             self.malformed_cloves += 1
             log.warning("malformed clove from proxy %s dropped: %s", _short(proxy), exc)
             return
-        self.driver.submit(functools.partial(self.dispatcher.receive_clove, proxy, clove))
+        self.driver.submit(functools.partial(self.dispatcher.receive_clove, proxy, clove), peer=proxy)
 
     # ------------------------------------------------------------------ commands
 
