@@ -255,6 +255,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         value = "not scored" if rep.get("reputation") is None else f"{rep['reputation']:.3f}"
         print(f"reputation {value}: " + (
             "trusted" if rep.get("trusted", True) else
+            "provisional (not scored yet): users send to it only when no trusted node serves "
+            "its model" if rep.get("provisional") else
             f"UNTRUSTED (below {rep['untrusted_below']}): users do not send it requests"))
     if "user" in (status.get("roles") or []):
         print(f"paths      {status.get('ready_paths', 0)} ready" + (

@@ -679,14 +679,18 @@ class Node:
         """A model node's committed reputation (``ps-node status``), or None for other nodes:
         ``reputation`` (R in [0, 1], None when the committee never scored it or no directory
         yet), ``trusted`` (False: users no longer send to it, paper sec. 3.4) and
-        ``untrusted_below`` (the genesis threshold, None before a directory)."""
+        ``untrusted_below`` (the genesis threshold, None before a directory), ``provisional``
+        (never scored on a chain with challenge epochs: users send to it only when no trusted
+        node serves the model)."""
         if Role.MODEL not in self.roles:
             return None
         d = self.directory
         if d is None:
-            return {"reputation": None, "trusted": True, "untrusted_below": None}
+            return {"reputation": None, "trusted": True, "untrusted_below": None,
+                    "provisional": False}
         return {"reputation": d.reputation(self.peer_id), "trusted": d.trusted(self.peer_id),
-                "untrusted_below": d.untrusted_below}
+                "untrusted_below": d.untrusted_below,
+                "provisional": d.provisional(self.peer_id)}
 
     def _note_own_trust(self, directory: Directory) -> None:
         """Model nodes: log when the installed directory changes whether this node is trusted
@@ -699,7 +703,11 @@ class Node:
             return
         self.trusted = trusted
         reputation = directory.reputation(self.peer_id)
-        if not trusted:
+        if directory.provisional(self.peer_id):
+            log.info("this model node is provisional at directory height %d: not scored yet; "
+                     "users send to it only when no trusted node serves its model, until its "
+                     "challenges score it", directory.height)
+        elif not trusted:
             log.warning(
                 "this model node is UNTRUSTED at directory height %d: committed reputation "
                 "%.3f is below %.2f; users will not send it requests until challenges raise it",
@@ -726,7 +734,8 @@ class Node:
                          header.time_ms + self._client.replica.max_age_ms,
                          served.records.records(),
                          {subject: e.value for subject, e in served.reputations.items()},
-                         params.untrusted_below, params.initial)
+                         params.untrusted_below, params.initial,
+                         served.genesis.verification is not None)
 
     def _needs_inbound(self) -> bool:
         """Whether other nodes must be able to dial this one (verifier, model node, relay)."""
