@@ -138,8 +138,8 @@ def test_an_untrusted_model_node_is_no_member_of_the_group():
     directory = _directory(_node(A), _node(B), _node(C))
     scored = Directory(directory.height, directory.issued_at_ms, directory.expires_at_ms,
                        directory.records,
-                       reputations={reputation_subject(B.peer_id, ""): 0.1,
-                                    reputation_subject(C.peer_id, ""): 0.9})
+                       reputations={reputation_subject(B.peer_id): 0.1,
+                                    reputation_subject(C.peer_id): 0.9})
     me.set_directory(scored)
     assert me.members == {C.peer_id}  # never a forwarding target nor a gossip source
     assert not me.is_member(B.peer_id)  # and its forwards are refused
