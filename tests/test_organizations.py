@@ -136,3 +136,24 @@ def test_a_sybil_cannot_reuse_a_members_published_certificate():
         records.check_record(stolen, t)
     honest = dataclasses.replace(stolen, peer_id=member.peer_id)
     records.check_record(records.sign_record(member, honest), t)
+
+
+async def test_a_localnet_lists_the_members_of_an_organization_under_its_key():
+    import trio
+
+    from ps_p2p.testing.localnet import open_localnet
+
+    with trio.fail_after(60):
+        async with open_localnet(users=4, models=3, forwarding=False,
+                                 model_organization=lambda i: "acme" if i < 2 else "") as net:
+            user = net.users[0]
+            while user.directory is None or any(user.directory.record(m.peer_id) is None
+                                                for m in net.models):
+                await user.wait_directory_update()
+            listed = [user.directory.record(m.peer_id) for m in net.models]
+            assert [r.organization for r in listed] == ["acme", "acme", ""]
+            subjects = [records.record_subject(r) for r in listed]
+            assert subjects[0] == subjects[1] == b"orgkey\x00" + listed[0].membership.org_key
+            assert subjects[2] == b"node\x00" + net.models[2].peer_id
+            answer = await user.user.ask("Once upon a time", timeout=30)
+            assert answer.ok, answer.error
