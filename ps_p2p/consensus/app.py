@@ -543,8 +543,11 @@ def decode_record(signing_bytes: bytes, signature: bytes) -> NodeRecord:
                                 r.u64("membership expiry"),
                                 r.lp("membership signature", SIGNATURE_BYTES,
                                      exact=SIGNATURE_BYTES))
-    if bool(organization) != with_org:
-        raise r.fail("an organization without a membership certificate, or the reverse")
+    if organization and not with_org:
+        raise r.fail(f"names organization {organization!r} without a membership certificate "
+                     "of its organization key")
+    if with_org and not organization:
+        raise r.fail("carries a membership certificate but no organization")
     capacity = r.u64("capacity")
     issued = r.u64("issue time")
     expires = r.u64("expiry time")
