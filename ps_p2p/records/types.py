@@ -223,6 +223,18 @@ class Directory:
         return self.verified and self.record(peer_id) is not None \
             and self.reputation(peer_id) is None
 
+    def serving(self, model_id: str | None = None) -> list[NodeRecord]:
+        """The model nodes a request may go to (optionally serving ``model_id``), in directory
+        order: the :meth:`trusted` ones, and the :meth:`provisional` ones of a model that has
+        no trusted node (a new network, or a model nobody has proven yet, still works, while a
+        fresh identity gets nothing beside proven nodes: issue 16). Users choose among them
+        (:func:`~ps_p2p.roles.user.trusted_model_nodes`), and a model group forwards among
+        them (:mod:`ps_p2p.roles.forwarding`)."""
+        nodes = [r for r in self.model_nodes() if model_id is None or r.model_id == model_id]
+        proven = {r.model_id for r in nodes if self.trusted(r.peer_id)}
+        return [r for r in nodes if self.trusted(r.peer_id)
+                or (r.model_id not in proven and self.provisional(r.peer_id))]
+
     def users(self) -> list[NodeRecord]:
         """Records with :attr:`Role.USER`, in directory order."""
         return [r for r in self.records if Role.USER in r.roles]

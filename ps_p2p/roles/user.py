@@ -271,15 +271,12 @@ def trusted_model_nodes(directory: Directory, model_id: str | None = None) -> li
         model_id: only nodes serving it (None: any model).
 
     Returns:
-        The model nodes :meth:`Directory.trusted` accepts, and the provisional ones of a model
-        that has no trusted node; highest committed reputation first
+        :meth:`Directory.serving`: the model nodes :meth:`Directory.trusted` accepts, and the
+        provisional ones of a model that has no trusted node; highest committed reputation first
         (:meth:`Directory.reputation_or_initial`); equal reputations keep the directory's
         order.
     """
-    serving = [r for r in directory.model_nodes() if model_id is None or r.model_id == model_id]
-    nodes = [r for r in serving if directory.trusted(r.peer_id)]
-    proven = {r.model_id for r in nodes}
-    nodes += [r for r in serving if r.model_id not in proven and directory.provisional(r.peer_id)]
+    nodes = directory.serving(model_id)
     nodes.sort(key=lambda r: -directory.reputation_or_initial(r.peer_id))
     return nodes
 
