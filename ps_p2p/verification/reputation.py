@@ -30,9 +30,12 @@ values", and a steady cheater with C = 0.3 sinks to about 0.09 (the paper's fig.
   temperature 0.7 instead of greedy 0.10-0.44, at 1.0 0.02-0.21; an answer cut to 64 tokens
   0.01. A copy with 5% weight noise (0.30-0.85) overlaps the honest range: a mild degradation
   is caught only if it is often below tau. tau is a genesis parameter to calibrate per model.
-* A subject starts at ``initial`` (0.5: trusted, but one bad epoch below the threshold). A
-  subject is trusted again once R climbs back over the threshold: it must be challenged to do
-  so (the plan decides whether untrusted nodes are challenged).
+* A subject starts at ``initial`` (0.5: over the threshold, but one bad epoch below it). The
+  rule starts every subject there; users, though, treat a subject that has no committed score
+  yet as *provisional* on a chain with epochs (:meth:`~ps_p2p.records.Directory.trusted`,
+  issue 16): its first epoch decides. A subject is trusted again once R climbs back over the
+  threshold: it must be challenged to do so (the plan decides whether untrusted nodes are
+  challenged).
 
 Subjects. Reputation is per organization when the node record carries an organization's
 membership certificate, else per node: ``subject_of(record)`` is ``b"orgkey\\x00" || org_key``
