@@ -277,6 +277,35 @@ def test_an_epoch_waits_for_a_model_node_of_the_verified_model():
     assert state.ledger.eligible == VALIDATORS
 
 
+def test_a_sybil_naming_an_organization_cannot_move_the_organizations_reputation():
+    """Issue 16: a node that writes "Lab" and answers badly once pulled Lab's shared
+    reputation under the threshold. Without Lab's certificate it is refused; with a key of its
+    own it is another organization, scored alone."""
+    sybil = ident("a sybil naming Lab")
+    free_text = sign_record(sybil, dataclasses.replace(
+        record(sybil, host=9, org=""), organization="Lab"))
+    state, result, _ = run(app.genesis_state(GENESIS), [reg(free_text)])
+    assert errors(result) == ["malformed node record: names organization 'Lab' without a "
+                              "membership certificate of its organization key"]
+    impostor = ident("the sybil's own organization key")
+    own_key = sign_record(sybil, dataclasses.replace(
+        record(sybil, host=9, org=""), organization="Lab",
+        membership=sign_membership(impostor, "Lab", sybil.peer_id, T0 + 48 * HOUR)))
+    state, result, _ = run(app.genesis_state(GENESIS),
+                           model_regs() + [reg(own_key)] + [commit(k, 1) for k in KEYS[:3]])
+    assert errors(result) == [None] * 8 and state.ledger.started
+    at = state.ledger.start_ms + SECOND
+    nodes = {**NODES, sybil.peer_id: sybil}
+    results = [ledger.ChallengeResult(c, 0 if c.model_node == sybil.peer_id else 900_000,
+                                      answer(nodes[c.model_node], request_for(c), at=at))
+               for c in plan_of(state).challenges]
+    assert {r.challenge.model_node for r in results} >= {sybil.peer_id, M1.peer_id}
+    state, result, _ = run(state, [report(state, results)])
+    assert errors(result) == [None]
+    assert state.reputation(subject(M1.peer_id)) == fresh_step(900_000)  # Lab: its own nodes
+    assert state.reputation(record_subject(own_key)) == fresh_step(0)
+
+
 def _forged_commit() -> bytes:
     c = epochs.seed_commitment(CHAIN, 1, KEYS[1].peer_id, secret(KEYS[1].peer_id, 1))
     unsigned = ledger.SeedCommitTx(KEYS[1].peer_id, 1, c)
