@@ -196,7 +196,8 @@ APP_AUX_ROOT_DOMAIN = b"planetserve/v2/app-aux-root\x00"
 REPUTATION_ROOT_DOMAIN = b"planetserve/v1/reputation-root\x00"
 #: Most subjects one REPUTATION_UPDATE names (also bounded by ``limits.max_tx_bytes``).
 MAX_REPUTATION_UPDATE_SUBJECTS = 1024
-#: Longest canonical record bytes (4 addresses of 100 bytes, 64-byte strings: ~650 bytes).
+#: Longest canonical record bytes (4 addresses of 100 bytes, 64-byte strings, a membership
+#: certificate: ~820 bytes).
 MAX_RECORD_SIGNING_BYTES = 1024
 
 

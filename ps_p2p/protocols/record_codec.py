@@ -5,8 +5,9 @@ record over: a REGISTER request of ``/planetserve/directory/2.0.0``
 (:mod:`ps_p2p.protocols.committee_directory`). The signature covers the record's canonical bytes
 (:func:`~ps_p2p.records.record_signing_bytes`), never this serialization, so the field order and
 unknown fields of a peer's message do not matter. A signed record of the largest legal size
-is about 720 bytes here (:data:`~ps_p2p.records.MAX_RECORD_WIRE_BYTES` bounds it at 1 KiB);
-the frame that carries it is bounded by its protocol.
+(with a membership certificate) is about 820 bytes here
+(:data:`~ps_p2p.records.MAX_RECORD_WIRE_BYTES` bounds it at 1 KiB); the frame that carries it
+is bounded by its protocol.
 
 Decoding (:func:`record_from_pb`) bounds the repeated fields first, then checks every field
 limit (:func:`~ps_p2p.records.check_record_fields`); the signature and the times are the

@@ -1,7 +1,8 @@
 """Limits, units and domain-separation prefixes of node records and the directory, pure.
 
-Record field limits are in bytes (DESIGN.md "Security invariants"); the largest signed record is
-about 720 bytes as a protobuf (:data:`MAX_RECORD_WIRE_BYTES` bounds it at 1 KiB)::
+Record field limits are in bytes (DESIGN.md "Security invariants"); the largest signed record,
+with a membership certificate, is about 820 bytes as a protobuf (:data:`MAX_RECORD_WIRE_BYTES`
+bounds it at 1 KiB)::
 
     peer ID 38 | multiaddrs 4 x <= 100 (binary) | roles <= 3 | onion key 32 | model ID <= 64
     | organization <= 64 | capacity, issue and expiry times | signature 64
@@ -32,7 +33,7 @@ MAX_ADDR_BYTES = 100
 MAX_MODEL_ID_BYTES = 64
 #: Longest organization (UTF-8 bytes).
 MAX_ORGANIZATION_BYTES = 64
-#: Bound of a whole signed record as a protobuf (the largest legal one is ~720 bytes).
+#: Bound of a whole signed record as a protobuf (the largest legal one is ~820 bytes).
 MAX_RECORD_WIRE_BYTES = 1024
 #: An X25519 public key.
 ONION_KEY_BYTES = 32
