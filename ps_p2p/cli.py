@@ -72,6 +72,29 @@ def build_parser() -> argparse.ArgumentParser:
     keygen = sub.add_parser("keygen", help="create a key file and print its peer ID")
     keygen.add_argument("--key-file", required=True, help="where to write the keys (mode 0600)")
 
+    org = sub.add_parser(
+        "org", help="an organization's key and its members' certificates (nodes of one "
+                    "organization share its reputation; docs/organizations.md)")
+    org_sub = org.add_subparsers(dest="org_command", required=True)
+    org_new = org_sub.add_parser("new", help="create an organization key file and print the "
+                                             "organization's ID (its key's peer ID)")
+    org_new.add_argument("--key-file", required=True,
+                         help="where to write the organization key (mode 0600; keep it off the "
+                              "nodes)")
+    org_sign = org_sub.add_parser(
+        "sign", help="certify that a node (its peer ID) is a member of the organization")
+    org_sign.add_argument("--key-file", required=True, help="the organization key file")
+    org_sign.add_argument("--name", required=True,
+                          help="the organization's name, as its members' records show it")
+    org_sign.add_argument("--member", required=True, metavar="PEER_ID",
+                          help="the member node's peer ID (ps-node keygen prints it)")
+    org_sign.add_argument("--days", type=float, default=30.0,
+                          help="validity in days (default 30): a member is revoked by not "
+                               "renewing its certificate")
+    org_sign.add_argument("--out", required=True, metavar="FILE",
+                          help="where to write the certificate; give it to the node "
+                               "(ps-node run --membership FILE)")
+
     testnet = sub.add_parser(
         "testnet", help="write a committee's genesis file and one home (keys, config) per verifier"
     )
@@ -132,7 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="transformers device: cpu, cuda, cuda:1 (default cpu)")
     run.add_argument("--model-id", help="model ID announced (default: the model folder name)")
     run.add_argument("--capacity", type=int, help="model role: concurrent requests (default 2)")
-    run.add_argument("--organization", help="organization shown in the node record")
+    run.add_argument("--membership", metavar="FILE",
+                     help="this node's membership certificate of its organization (ps-node "
+                          "org sign): its record names the organization and shares its "
+                          "reputation")
     run.add_argument("--config", help="TOML config file; command-line flags win over it")
     run.add_argument("--api", metavar="HOST:PORT",
                      help="user role: serve the local OpenAI-compatible API here (e.g. 127.0.0.1:8088)")
@@ -222,6 +248,32 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_org(args: argparse.Namespace) -> int:
+    import time
+
+    from ps_p2p import records
+    from ps_p2p.config import check_peer_id
+    from ps_p2p.keys import load_organization_key, membership_to_json, new_organization_key
+
+    if args.org_command == "new":
+        key = new_organization_key(pathlib.Path(args.key_file).expanduser())
+        print(key.peer_id_str)
+        return 0
+    key = load_organization_key(pathlib.Path(args.key_file).expanduser())
+    member = check_peer_id(args.member, "--member")
+    if not args.name or len(args.name.encode("utf-8")) > records.MAX_ORGANIZATION_BYTES:
+        raise ConfigError(f"--name must be 1 to {records.MAX_ORGANIZATION_BYTES} UTF-8 bytes")
+    if not 0 < args.days <= 3650:
+        raise ConfigError("--days must be in (0, 3650]")
+    expires = int(time.time() * 1000 + args.days * 86_400_000)
+    membership = records.sign_membership(key, args.name, member, expires)
+    out = pathlib.Path(args.out).expanduser()
+    out.write_text(membership_to_json(args.name, member, membership), encoding="utf-8")
+    print(f"{out}: {args.member} is a member of {args.name!r} ({key.peer_id_str}) until "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(expires / 1000))}")
+    return 0
+
+
 #: A status file older than this (seconds) belongs to a node that is not running.
 STATUS_STALE_S = 5.0
 
@@ -255,6 +307,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         value = "not scored" if rep.get("reputation") is None else f"{rep['reputation']:.3f}"
         print(f"reputation {value}: " + (
             "trusted" if rep.get("trusted", True) else
+            "provisional (not scored yet): users send to it only when no trusted node serves "
+            "its model" if rep.get("provisional") else
             f"UNTRUSTED (below {rep['untrusted_below']}): users do not send it requests"))
     if "user" in (status.get("roles") or []):
         print(f"paths      {status.get('ready_paths', 0)} ready" + (
@@ -399,7 +453,7 @@ def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "vllm_url": args.vllm_url,
         "device": args.device,
         "model_id": args.model_id,
-        "organization": args.organization,
+        "membership": args.membership,
         "tamper": args.tamper,
         "metrics": args.metrics,
         "status_interval": args.status_interval,
@@ -730,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "keygen":
             return _cmd_keygen(args)
+        if args.command == "org":
+            return _cmd_org(args)
         if args.command == "testnet":
             return _cmd_testnet(args)
         if args.command == "status":

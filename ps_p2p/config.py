@@ -211,6 +211,8 @@ MINUTES = 60 * SECONDS
 _REMOVED = {
     "quorum": "every directory is committed by a committee; its genesis sets the quorum (2f+1)",
     "directory_lifetime": "a directory's age is its commit's block time",
+    "organization": "an organization is its organization key: set membership = PATH to the "
+                    "certificate it signed for this node (ps-node org sign; docs/organizations.md)",
 }
 
 
@@ -264,7 +266,9 @@ class NodeConfig:
         name: the node's name, its default home's folder (default: the roles, ``user``).
         home: keys and state (:mod:`ps_p2p.home`); default ``<user data dir>/ps_p2p/<name>``.
         key_file: identity + onion key file, created on first run; default ``<home>/node.key``.
-        organization: shown in the node record.
+        membership: path of this node's organization membership certificate (``ps-node org
+            sign``, :func:`ps_p2p.keys.load_membership`); the record then names that
+            organization and shares its reputation. None: no organization.
         model: model path (HF folder or .gguf) or, with engine "vllm", the served model name;
             with engine "sim", only a name (no weights are loaded).
         engine, vllm_url, device, model_id: inference engine settings (model role).
@@ -301,7 +305,7 @@ class NodeConfig:
     name: str | None = None
     home: str | None = None
     key_file: str | None = None
-    organization: str = ""
+    membership: str | None = None
     model: str | None = None
     engine: str = "transformers"
     vllm_url: str = "http://127.0.0.1:8000"

@@ -14,6 +14,8 @@ Every error this package raises on purpose derives from :class:`PsError`::
     │   │                           indices, unknown path ID; costs one stream, never the node
     │   ├── FrameTooLargeError      a length prefix above the protocol's limit
     │   ├── InvalidSignatureError   a record, directory or response whose signature fails
+    │   │   └── InvalidMembershipError  a record's organization membership certificate that
+    │   │                           its organization key did not sign (for that peer and name)
     │   ├── KVEventDecodeError      a KV-cache event message of the engine (vLLM's ZMQ
     │   │                           publisher) malformed or over a limit: that message dropped
     │   ├── SubtreeSyncError        an HR-subtree delta or snapshot that is malformed, over its
@@ -127,6 +129,11 @@ class FrameTooLargeError(RemoteProtocolError):
 
 class InvalidSignatureError(RemoteProtocolError):
     """A signature over a record, directory or response does not verify."""
+
+
+class InvalidMembershipError(InvalidSignatureError):
+    """A record names an organization with a membership certificate that its organization key
+    did not sign for that peer ID, name and expiry (issue 16: organizations are keys)."""
 
 
 class KVEventDecodeError(RemoteProtocolError):

@@ -1,4 +1,5 @@
-"""A node's long-term keys: the Ed25519 identity (= libp2p peer ID) and the X25519 onion key.
+"""A node's long-term keys: the Ed25519 identity (= libp2p peer ID) and the X25519 onion key;
+an organization's key and the membership certificates it signs.
 
 The key file is JSON, written atomically with mode 0600::
 
@@ -6,6 +7,21 @@ The key file is JSON, written atomically with mode 0600::
      "identity_ed25519": "<hex of the 32-byte seed>",
      "onion_x25519": "<hex of the 32-byte private key>",
      "peer_id": "12D3KooW..."}          # informational; checked against the identity on load
+
+An organization (issue 16: its nodes share one reputation, so only it may say who its nodes
+are) keeps an Ed25519 *organization key* (``ps-node org new``; mode 0600, kept off the nodes)::
+
+    {"format": "planetserve-organization-key", "version": 1,
+     "organization_ed25519": "<hex of the 32-byte seed>",
+     "org_key": "12D3KooW..."}          # the organization's ID; checked on load
+
+and signs each member a certificate (``ps-node org sign``), which the member's node names in
+its configuration (``membership = PATH``) and carries in its record
+(:class:`~ps_p2p.records.Membership`)::
+
+    {"format": "planetserve-org-membership", "version": 1, "organization": "acme",
+     "org_key": "12D3KooW...", "member": "12D3KooW...", "expires_at_ms": 1700000000000,
+     "signature": "<hex of 64 bytes>"}
 
 Source: DESIGN.md "Roles" (Ed25519 identity = peer ID) and "The anonymous overlay" (onion key);
 libp2p peer ID spec (https://github.com/libp2p/specs/blob/master/peer-ids/peer-ids.md): an Ed25519
@@ -25,8 +41,9 @@ from typing import Any
 import base58
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from ps_p2p import records
 from ps_p2p.crypto.onion import OnionKeyPair
-from ps_p2p.errors import ConfigError
+from ps_p2p.errors import ConfigError, PsError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +52,8 @@ ED25519_PEER_ID_PREFIX = b"\x00\x24\x08\x01\x12\x20"
 
 KEY_FILE_FORMAT = "planetserve-node-keys"
 KEY_FILE_VERSION = 1
+ORG_KEY_FORMAT = "planetserve-organization-key"
+MEMBERSHIP_FORMAT = "planetserve-org-membership"
 
 
 class Identity:
@@ -170,27 +189,158 @@ class NodeKeys:
                 have replaced the key).
         """
         path = pathlib.Path(path)
-        try:
-            with open(path, "rb") as fh:
-                mode = os.fstat(fh.fileno()).st_mode
-                raw = fh.read(64 * 1024)
-        except OSError as exc:
-            raise ConfigError(f"cannot read key file {path}: {exc}") from exc
-        if mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise ConfigError(
-                f"key file {path} is writable by group/others (mode {stat.S_IMODE(mode):04o}); "
-                f"run: chmod 600 {path}"
-            )
-        if mode & (stat.S_IRGRP | stat.S_IROTH):
-            log.warning(
-                "key file %s is readable by group/others (mode %04o); run: chmod 600 %s",
-                path, stat.S_IMODE(mode), path,
-            )
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"key file {path} is not UTF-8 text") from exc
-        return cls.from_json(text, source=f"key file {path}")
+        return cls.from_json(_read_private(path, "key file"), source=f"key file {path}")
+
+
+def _read_private(path: pathlib.Path, what: str) -> str:
+    """The text of a secret file, refused when group/others may write it (warned when they may
+    read it)."""
+    try:
+        with open(path, "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            raw = fh.read(64 * 1024)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc}") from exc
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"{what} {path} is writable by group/others (mode {stat.S_IMODE(mode):04o}); "
+            f"run: chmod 600 {path}"
+        )
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning(
+            "%s %s is readable by group/others (mode %04o); run: chmod 600 %s",
+            what, path, stat.S_IMODE(mode), path,
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not UTF-8 text") from exc
+
+
+def _json_object(text: str, fmt: str, source: str) -> dict[str, Any]:
+    try:
+        data: Any = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise ConfigError(f"{source} is not a {fmt} file")
+    if data.get("version") != 1:
+        raise ConfigError(f"{source} has version {data.get('version')!r}; this ps_p2p reads 1")
+    return data
+
+
+def _peer_id_bytes(text: object, what: str) -> bytes:
+    try:
+        raw = base58.b58decode(str(text))
+    except ValueError as exc:
+        raise ConfigError(f"{what} {text!r} is not a base58 peer ID") from exc
+    if not raw.startswith(ED25519_PEER_ID_PREFIX) or len(raw) != len(ED25519_PEER_ID_PREFIX) + 32:
+        raise ConfigError(f"{what} {text!r} is not an Ed25519 peer ID")
+    return raw
+
+
+# ---------------------------------------------------------------------------- organizations
+
+
+def new_organization_key(path: str | os.PathLike[str]) -> Identity:
+    """Create an organization key file at ``path`` (mode 0600; module docstring).
+
+    Raises:
+        ConfigError: ``path`` exists (an organization key is never overwritten: its members'
+            certificates and its reputation hang on it), or it cannot be written.
+    """
+    path = pathlib.Path(path)
+    key = Identity.generate()
+    text = json.dumps({"format": ORG_KEY_FORMAT, "version": 1,
+                       "organization_ed25519": key.private_bytes().hex(),
+                       "org_key": key.peer_id_str}, indent=2) + "\n"
+    try:
+        created = _write_private(path, text.encode("utf-8"), exclusive=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create organization key file {path}: {exc}") from exc
+    if not created:
+        raise ConfigError(f"organization key file {path} exists; not overwritten")
+    return key
+
+
+def load_organization_key(path: str | os.PathLike[str]) -> Identity:
+    """Read an organization key file (:func:`new_organization_key`).
+
+    Raises:
+        ConfigError: unreadable, corrupt, writable by group/others, or its ``org_key`` does
+            not match its key.
+    """
+    path = pathlib.Path(path)
+    source = f"organization key file {path}"
+    data = _json_object(_read_private(path, "organization key file"), ORG_KEY_FORMAT, source)
+    try:
+        key = Identity.from_private_bytes(bytes.fromhex(data["organization_ed25519"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{source} holds a malformed key: {exc!r}") from exc
+    if data.get("org_key", key.peer_id_str) != key.peer_id_str:
+        raise ConfigError(f"{source} says {data.get('org_key')} but its key is {key.peer_id_str}")
+    return key
+
+
+def membership_to_json(organization: str, member: bytes, membership: records.Membership) -> str:
+    """A membership certificate file's text (module docstring) for ``member`` (peer ID bytes)
+    and a :class:`~ps_p2p.records.Membership`."""
+    return json.dumps({
+        "format": MEMBERSHIP_FORMAT, "version": 1, "organization": organization,
+        "org_key": base58.b58encode(membership.org_key).decode("ascii"),
+        "member": base58.b58encode(member).decode("ascii"),
+        "expires_at_ms": membership.expires_at_ms, "signature": membership.signature.hex(),
+    }, indent=2) + "\n"
+
+
+def load_membership(path: str | os.PathLike[str],
+                    member: bytes) -> tuple[str, records.Membership]:
+    """Read a membership certificate file and check it for this node.
+
+    Args:
+        path: the file ``ps-node org sign`` wrote.
+        member: this node's peer ID bytes: the certificate must name it.
+
+    Returns:
+        ``(organization name, Membership)`` for :class:`~ps_p2p.records.NodeRecord`.
+
+    Raises:
+        ConfigError: unreadable or malformed, for another peer ID, or its signature does not
+            verify under its organization key (its expiry is the node's to watch).
+    """
+    path = pathlib.Path(path)
+    source = f"membership certificate {path}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {source}: {exc}") from exc
+    data = _json_object(text, MEMBERSHIP_FORMAT, source)
+    organization = data.get("organization")
+    expires = data.get("expires_at_ms")
+    if not isinstance(organization, str) or not organization:
+        raise ConfigError(f"{source} names no organization")
+    if isinstance(expires, bool) or not isinstance(expires, int) or expires < 0:
+        raise ConfigError(f"{source} has no valid expires_at_ms")
+    if _peer_id_bytes(data.get("member"), f"{source}: member") != member:
+        raise ConfigError(
+            f"{source} certifies {data.get('member')}, not this node "
+            f"({base58.b58encode(member).decode('ascii')}); ask the organization for one")
+    org_key = _peer_id_bytes(data.get("org_key"), f"{source}: org_key")
+    try:
+        signature = bytes.fromhex(str(data.get("signature")))
+    except ValueError as exc:
+        raise ConfigError(f"{source} has a malformed signature") from exc
+    membership = records.Membership(org_key, expires, signature)
+    probe = records.NodeRecord(member, (), frozenset({records.Role.USER}), bytes(32),
+                               organization=organization, membership=membership)
+    try:
+        records.verify_membership(probe)
+    except PsError as exc:
+        raise ConfigError(f"{source} does not verify under its organization key: {exc}") from exc
+    if len(organization.encode("utf-8")) > records.MAX_ORGANIZATION_BYTES:
+        raise ConfigError(f"{source}: organization name over "
+                          f"{records.MAX_ORGANIZATION_BYTES} UTF-8 bytes")
+    return organization, membership
 
 
 def load_or_create_keys(path: str | os.PathLike[str]) -> NodeKeys:
@@ -268,5 +418,9 @@ __all__ = [
     "ED25519_PEER_ID_PREFIX",
     "Identity",
     "NodeKeys",
+    "load_membership",
     "load_or_create_keys",
+    "load_organization_key",
+    "membership_to_json",
+    "new_organization_key",
 ]

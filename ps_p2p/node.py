@@ -57,7 +57,7 @@ from ps_p2p.engines.base import Engine
 from ps_p2p.errors import ConfigError, PsError
 from ps_p2p.genesis import GenesisFile, init_genesis, load_genesis
 from ps_p2p.crypto.onion import OnionKeyPair
-from ps_p2p.keys import NodeKeys
+from ps_p2p.keys import NodeKeys, load_membership
 from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import committee_directory as committee_proto
 from ps_p2p.protocols.handlers import registered_protocols
@@ -256,6 +256,10 @@ class Node:
                 f"of genesis {where} (chain {genesis.chain_id!r}); use the key of one of its "
                 "validators, or another genesis (or home)"
             )
+        #: ``(organization name, Membership)`` of ``config.membership`` (issue 16), or None
+        self.membership = (None if config.membership is None
+                           else load_membership(config.membership, self.peer_id))
+        self._membership_lapsed = False
         self.metrics = NodeMetrics(self)
         self._ran = False
         self._cancel_scope: trio.CancelScope | None = None
@@ -679,14 +683,18 @@ class Node:
         """A model node's committed reputation (``ps-node status``), or None for other nodes:
         ``reputation`` (R in [0, 1], None when the committee never scored it or no directory
         yet), ``trusted`` (False: users no longer send to it, paper sec. 3.4) and
-        ``untrusted_below`` (the genesis threshold, None before a directory)."""
+        ``untrusted_below`` (the genesis threshold, None before a directory), ``provisional``
+        (never scored on a chain with challenge epochs: users send to it only when no trusted
+        node serves the model)."""
         if Role.MODEL not in self.roles:
             return None
         d = self.directory
         if d is None:
-            return {"reputation": None, "trusted": True, "untrusted_below": None}
+            return {"reputation": None, "trusted": True, "untrusted_below": None,
+                    "provisional": False}
         return {"reputation": d.reputation(self.peer_id), "trusted": d.trusted(self.peer_id),
-                "untrusted_below": d.untrusted_below}
+                "untrusted_below": d.untrusted_below,
+                "provisional": d.provisional(self.peer_id)}
 
     def _note_own_trust(self, directory: Directory) -> None:
         """Model nodes: log when the installed directory changes whether this node is trusted
@@ -699,7 +707,11 @@ class Node:
             return
         self.trusted = trusted
         reputation = directory.reputation(self.peer_id)
-        if not trusted:
+        if directory.provisional(self.peer_id):
+            log.info("this model node is provisional at directory height %d: not scored yet; "
+                     "users send to it only when no trusted node serves its model, until its "
+                     "challenges score it", directory.height)
+        elif not trusted:
             log.warning(
                 "this model node is UNTRUSTED at directory height %d: committed reputation "
                 "%.3f is below %.2f; users will not send it requests until challenges raise it",
@@ -726,7 +738,8 @@ class Node:
                          header.time_ms + self._client.replica.max_age_ms,
                          served.records.records(),
                          {subject: e.value for subject, e in served.reputations.items()},
-                         params.untrusted_below, params.initial)
+                         params.untrusted_below, params.initial,
+                         served.genesis.verification is not None)
 
     def _needs_inbound(self) -> bool:
         """Whether other nodes must be able to dial this one (verifier, model node, relay)."""
@@ -870,7 +883,10 @@ class Node:
         from ``now_ms``.
 
         Lists the first :data:`~ps_p2p.records.MAX_ADDRS` listen addresses that fit a record
-        (binary form of at most :data:`~ps_p2p.records.MAX_ADDR_BYTES` bytes).
+        (binary form of at most :data:`~ps_p2p.records.MAX_ADDR_BYTES` bytes). With a
+        membership certificate (``config.membership``) it names the organization and expires
+        no later than the certificate; once the certificate has expired the record names no
+        organization (logged once: the node is then a subject of its own).
         """
         cfg = self.config
         # each record issued later than the last (a renewal must be newer than the listed one)
@@ -887,18 +903,29 @@ class Node:
             log.debug(
                 "own record lists %d of %d listen addresses", len(addrs), len(self.listen_addrs)
             )
+        expires_ms = now_ms + (
+            int(cfg.record_lifetime * 1000) if lifetime_ms is None else lifetime_ms)
+        organization, membership = "", None
+        if self.membership is not None:
+            if now_ms < self.membership[1].expires_at_ms:
+                organization, membership = self.membership
+                expires_ms = min(expires_ms, membership.expires_at_ms)
+            elif not self._membership_lapsed:
+                self._membership_lapsed = True
+                log.error("the membership certificate %s of organization %r expired; this "
+                          "node's record names no organization until it gets a new one "
+                          "(ps-node org sign)", cfg.membership, self.membership[0])
         record = NodeRecord(
             peer_id=self.peer_id,
             addrs=tuple(addrs),
             roles=self.roles,
             onion_key=self.keys.onion.public,
             model_id=self.engine.model_id if (self.engine is not None and Role.MODEL in self.roles) else "",
-            organization=cfg.organization,
+            organization=organization,
             capacity=cfg.model_node.capacity if Role.MODEL in self.roles else 0,
             issued_at_ms=now_ms,
-            expires_at_ms=now_ms + (
-                int(cfg.record_lifetime * 1000) if lifetime_ms is None else lifetime_ms
-            ),
+            expires_at_ms=expires_ms,
+            membership=membership,
         )
         return records.sign_record(self.keys.identity, record)
 

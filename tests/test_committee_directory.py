@@ -64,6 +64,7 @@ from ps_p2p.records import (
     MAX_ORGANIZATION_BYTES,
     NodeRecord,
     Role,
+    sign_membership,
     sign_record,
 )
 from ps_p2p.testing.committee import FAST_CONSENSUS, LocalCommittee
@@ -197,15 +198,21 @@ def test_a_rollback_a_stale_header_and_a_tampered_page_are_refused():
     assert replica.apply(header, commit, pages, header.time_ms).height == 5
 
 
+ACME = who(1000)  # an organization key
+
+
 def model_record(i: int, org: str = "") -> NodeRecord:
+    """Model node ``i``; naming ``org``, a member of ACME's organization."""
     ident = who(i)
+    membership = sign_membership(ACME, org, ident.peer_id, T0 + HOUR) if org else None
     return sign_record(ident, NodeRecord(
         ident.peer_id, (f"/ip4/10.0.1.{i}/tcp/4001",), frozenset({Role.MODEL}), ONION,
-        model_id="m", organization=org, issued_at_ms=T0, expires_at_ms=T0 + HOUR))
+        model_id="m", organization=org, issued_at_ms=T0, expires_at_ms=T0 + HOUR,
+        membership=membership))
 
 
 def scores(epoch: int, **by_subject: float) -> app.ReputationUpdateTx:
-    subjects = {"acme": subject_of(b"", "acme"), "lone": subject_of(who(2).peer_id)}
+    subjects = {"acme": subject_of(b"", ACME.peer_id), "lone": subject_of(who(2).peer_id)}
     return app.ReputationUpdateTx(epoch, tuple(sorted(
         (subjects[name], app.to_micro(c)) for name, c in by_subject.items())))
 
@@ -218,7 +225,7 @@ def test_the_replica_carries_committed_reputations_and_trust_in_deltas_and_reset
     replica = CommitteeReplica(GENESIS)
     d = replica.apply(*chain.serve(0), header.time_ms)
     m1, m2, m3 = (who(i).peer_id for i in (1, 2, 3))
-    assert d.reputation(m1) == chain.history.served.reputation(subject_of(b"", "acme")).value
+    assert d.reputation(m1) == chain.history.served.reputation(subject_of(b"", ACME.peer_id)).value
     assert 0.4 <= d.reputation(m1) and d.trusted(m1)
     assert d.reputation(m3) is None and d.trusted(m3)  # never scored: trusted
     assert d.reputation(who(99).peer_id) is None
@@ -264,7 +271,7 @@ def test_a_page_whose_reputations_differ_from_the_committed_app_hash_is_refused(
     held = dict(replica.view.reputations)
     for lie in (data.replace(true, raised),  # the node kept its reputation
                 data.replace(true, b""),  # ... or the change is left out
-                data + b"\x03" + app.lp(subject_of(b"", "zeta"))  # an extra subject
+                data + b"\x03" + app.lp(subject_of(b"", who(1001).peer_id))  # an extra subject
                 + app.ReputationEntry(100_000).encode(),
                 epoch_back):
         assert lie != data
@@ -275,7 +282,7 @@ def test_a_page_whose_reputations_differ_from_the_committed_app_hash_is_refused(
     assert not d.trusted(who(2).peer_id)
 
     data = b"".join(p.data for p in chain.serve(0)[2])  # a reset; "node..." < "org..."
-    last = data.index(b"\x03" + app.lp(subject_of(b"", "acme")))
+    last = data.index(b"\x03" + app.lp(subject_of(b"", ACME.peer_id)))
     for tail, reason in ((data[last:], "ascending subject"),
                          (b"\x02" + app.lp(who(5).peer_id), "after the reputations"),
                          (b"\x03" + app.lp(b"who\x00x"), "neither")):
@@ -504,7 +511,7 @@ async def test_a_frame_cut_short_resets_the_stream(one, caplog):
 
 async def test_a_forged_record_is_refused_with_a_clear_error_and_the_service_keeps_serving(one):
     mine = user_record(one.me, "/ip4/127.0.0.1/tcp/4001")
-    forged = dataclasses.replace(mine, organization="forged")  # the signature no longer covers it
+    forged = dataclasses.replace(mine, capacity=7)  # the signature no longer covers it
     with pytest.raises(RemoteProtocolError, match="registration refused.*not signed by that peer"):
         await register_with_committee(one.host, one.verifier, forged)
     assert (one.service.refused, one.service.registered) == (1, 0)
@@ -545,7 +552,8 @@ def max_record(i: int) -> NodeRecord:
         ident.peer_id, tuple(_DNS_100.replace("/tcp/1", f"/tcp/{p}") for p in range(1, 5)),
         frozenset({Role.USER, Role.MODEL}), ONION, model_id="m" * MAX_MODEL_ID_BYTES,
         organization="o" * MAX_ORGANIZATION_BYTES, capacity=2**32 - 1,
-        issued_at_ms=T0, expires_at_ms=T0 + HOUR))
+        issued_at_ms=T0, expires_at_ms=T0 + HOUR, membership=sign_membership(
+            ACME, "o" * MAX_ORGANIZATION_BYTES, ident.peer_id, T0 + HOUR)))
 
 
 class SpyService(CommitteeDirectoryService):

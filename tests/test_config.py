@@ -16,10 +16,17 @@ def test_toml_file_and_flags_combine_with_flags_winning(tmp_path):
         'listen = "/ip4/127.0.0.1/tcp/5000"\n'
         "[user]\ntotal = 5\nthreshold = 3\npaths = 6\n"
     )
-    config = load_config(path, {"listen": "/ip4/127.0.0.1/tcp/6000", "organization": None})
+    config = load_config(path, {"listen": "/ip4/127.0.0.1/tcp/6000", "membership": None})
     assert config.listen == "/ip4/127.0.0.1/tcp/6000"
     assert config.user.total == 5 and config.user.paths == 6
-    assert config.organization == ""
+    assert config.membership is None
+
+
+def test_a_free_text_organization_is_refused_pointing_to_membership_certificates(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(f'roles = ["user"]\nbootstrap = ["{BOOT}"]\norganization = "acme"\n')
+    with pytest.raises(ConfigError, match="organization.*membership"):
+        load_config(path)
 
 
 def test_unknown_key_is_an_error_not_a_silent_default(tmp_path):

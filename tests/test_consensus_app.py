@@ -27,7 +27,7 @@ from ps_p2p.errors import (
     LocalProtocolError,
 )
 from ps_p2p.keys import Identity
-from ps_p2p.records import RECORD_DOMAIN, NodeRecord, Role, sign_record
+from ps_p2p.records import RECORD_DOMAIN, NodeRecord, Role, sign_membership, sign_record
 from ps_p2p.verification import ledger
 from ps_p2p.verification.reputation import ReputationState, is_trusted, subject_of
 from ps_p2p.verification.reputation import update as reputation_step
@@ -49,15 +49,22 @@ def node(i: int) -> Identity:
 
 
 A, B, C, D = node(1), node(2), node(3), node(4)
+#: organization keys: LAB's members name "Lab"; an organization key is its identity
+ORG_KEYS = {name: Identity.from_private_bytes(hashlib.sha256(b"org " + name.encode()).digest())
+            for name in ("Lab", "Other", "acme", "impostor")}
 
 
 def record(who: Identity, *, net: int = 0, host: int = 1, addr: str | None = None,
-           issued: int = T0, lifetime: int = HOUR, org: str = "",
+           issued: int = T0, lifetime: int = HOUR, org: str = "", org_key: str | None = None,
            roles=frozenset({Role.USER})) -> NodeRecord:
+    """A signed record; naming ``org``, it carries the membership certificate of
+    ``ORG_KEYS[org_key or org]`` (valid a day after the record's expiry)."""
     addrs = (addr,) if addr else (f"/ip4/10.0.{net}.{host}/tcp/4001",)
+    membership = None if not org else sign_membership(
+        ORG_KEYS[org_key or org], org, who.peer_id, issued + lifetime + 24 * HOUR)
     return sign_record(who, NodeRecord(
         who.peer_id, addrs, roles, ONION, organization=org, issued_at_ms=issued,
-        expires_at_ms=issued + lifetime))
+        expires_at_ms=issued + lifetime, membership=membership))
 
 
 def reg(rec: NodeRecord) -> bytes:
@@ -225,6 +232,46 @@ def test_records_are_capped_per_organization(genesis):
     with pytest.raises(AdmissionError, match="organization 'Lab'"):
         app.check_tx(reg(record(C, net=3, org="Lab")), state, T0 + 2 * SECOND)
     app.check_tx(reg(record(C, net=3, org="Other")), state, T0 + 2 * SECOND)
+    # the cap counts the organization key, not the name: a sybil naming "Lab" with its own
+    # key neither uses up Lab's slots nor is stopped by them
+    app.check_tx(reg(record(C, net=3, org="Lab", org_key="impostor")), state, T0 + 2 * SECOND)
+
+
+def test_a_record_naming_an_organization_without_its_certificate_is_refused(genesis):
+    free_text = sign_record(A, dataclasses.replace(record(A, org="acme"), membership=None))
+    with pytest.raises(InvalidTransactionError, match="without a membership certificate"):
+        app.check_tx(reg(free_text), genesis, T0)
+
+
+def test_a_membership_certificate_of_another_key_or_member_is_refused(genesis):
+    acme = record(A, net=1, org="acme")
+    # B copies A's certificate (the directory is public) into its own record
+    stolen = sign_record(B, dataclasses.replace(record(B, net=2), organization="acme",
+                                                membership=acme.membership))
+    # C signs a certificate with its own key and writes acme's key into it
+    forged_m = dataclasses.replace(record(C, net=3, org="acme", org_key="impostor").membership,
+                                   org_key=ORG_KEYS["acme"].peer_id)
+    forged = sign_record(C, dataclasses.replace(record(C, net=3), organization="acme",
+                                                membership=forged_m))
+    for tx in (stolen, forged):
+        with pytest.raises(InvalidTransactionError, match="membership certificate"):
+            app.check_tx(reg(tx), genesis, T0)
+        state, result, _ = run(genesis, [reg(tx)])
+        assert errors(result) == ["InvalidTransactionError"] and not state.records
+    app.check_tx(reg(acme), genesis, T0)
+
+
+def test_a_registered_record_decodes_with_its_membership(genesis):
+    rec = record(A, org="acme")
+    decoded = app.decode_tx(reg(rec), genesis.genesis.limits.max_tx_bytes)
+    assert decoded == app.RegisterTx(rec) and decoded.record.membership == rec.membership
+
+
+def test_a_sybil_with_its_own_key_naming_an_organization_gets_its_own_reputation_subject():
+    from ps_p2p.records import record_subject
+    honest, sybil = record(A, org="acme"), record(B, org="acme", org_key="impostor")
+    assert record_subject(honest) == b"orgkey\x00" + ORG_KEYS["acme"].peer_id
+    assert record_subject(sybil) != record_subject(honest)
 
 
 def test_new_registrations_are_capped_per_block(genesis):
@@ -595,7 +642,7 @@ def test_history_is_bounded_and_old_heights_get_a_reset(genesis):
 
 # ---------------------------------------------------------------------------------- reputations
 
-ORG = subject_of(b"", "acme")
+ORG = subject_of(b"", ORG_KEYS["acme"].peer_id)
 LONE = subject_of(A.peer_id)
 
 
@@ -605,8 +652,7 @@ def rep_update(epoch: int, *scores: tuple[bytes, float]) -> app.ReputationUpdate
 
 subjects = st.one_of(
     st.binary(min_size=1, max_size=38).map(lambda b: b"node\x00" + b),
-    st.text(min_size=1, max_size=16).filter(lambda t: len(t.encode()) <= 64)
-    .map(lambda t: b"org\x00" + t.encode()),
+    st.binary(min_size=38, max_size=38).map(lambda b: b"orgkey\x00" + b),
 )
 
 
@@ -617,7 +663,8 @@ subjects = st.one_of(
     (1, [(ORG, 1), (LONE, 1)], "ascending"),   # b"org" > b"node"
     (1, [(LONE, 1), (LONE, 2)], "ascending"),  # duplicate
     (1, [(b"who\x00x", 1)], "neither"),
-    (1, [(b"org\x00\xff", 1)], "UTF-8"),
+    (1, [(b"org\x00acme", 1)], "neither"),  # a name: subjects are organization keys
+    (1, [(b"orgkey\x00" + bytes(37), 1)], "wrong length"),
     (1, [(b"node\x00", 1)], "wrong length"),
 ])
 def test_a_malformed_reputation_update_is_refused_naming_the_fault(epoch, scores, reason):

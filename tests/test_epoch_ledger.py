@@ -23,7 +23,7 @@ from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.errors import InvalidTransactionError, LocalProtocolError
 from ps_p2p.inference import InferenceReply
 from ps_p2p.keys import Identity
-from ps_p2p.records import NodeRecord, Role, reputation_subject, sign_record
+from ps_p2p.records import NodeRecord, Role, record_subject, sign_membership, sign_record
 from ps_p2p.records.limits import MAX_CLOCK_SKEW_MS
 from ps_p2p.verification import epochs, ledger
 from ps_p2p.verification.ledger import (
@@ -59,6 +59,7 @@ OTHER = ident("a model node of another model")
 OUTSIDER = ident("never registered")
 NODES = {n.peer_id: n for n in (M1, M2, M3, M4, OTHER, OUTSIDER)}
 ORG = {M1.peer_id: "Lab", M2.peer_id: "Lab", M3.peer_id: "", M4.peer_id: "", OTHER.peer_id: ""}
+LAB = ident("Lab's organization key")
 
 POOL = [f"challenge prompt {i}" for i in range(40)]
 MENU = (SamplingOption(), SamplingOption(max_tokens=32, temperature=0.7, top_p=0.9))
@@ -74,16 +75,19 @@ TAU = app.to_micro(REP.tau)
 SCORES = (900_000, 300_001, 650_002, 499_999, 500_000, 999_997)
 
 
-def subject(peer: bytes) -> bytes:
-    return reputation_subject(peer, ORG.get(peer, ""))
-
-
 def record(who: Identity, *, host: int, model_id: str = "m", org: str | None = None,
            roles=frozenset({Role.MODEL}), issued: int = T0) -> NodeRecord:
+    """A model node's record; naming an organization, with LAB's membership certificate."""
     org = ORG.get(who.peer_id, "") if org is None else org
+    membership = sign_membership(LAB, org, who.peer_id, issued + 48 * HOUR) if org else None
     return sign_record(who, NodeRecord(
         who.peer_id, (f"/ip4/10.0.0.{host}/tcp/4001",), roles, ONION, model_id=model_id,
-        organization=org, capacity=4, issued_at_ms=issued, expires_at_ms=issued + 12 * HOUR))
+        organization=org, capacity=4, issued_at_ms=issued, expires_at_ms=issued + 12 * HOUR,
+        membership=membership))
+
+
+def subject(peer: bytes) -> bytes:
+    return record_subject(record(NODES[peer], host=1))
 
 
 def reg(rec: NodeRecord) -> bytes:
@@ -271,6 +275,35 @@ def test_an_epoch_waits_for_a_model_node_of_the_verified_model():
     assert state.ledger.started and state.ledger.anchor == block_id(block.header)
     assert state.ledger.challenged == ((M3.peer_id, subject(M3.peer_id)),)
     assert state.ledger.eligible == VALIDATORS
+
+
+def test_a_sybil_naming_an_organization_cannot_move_the_organizations_reputation():
+    """Issue 16: a node that writes "Lab" and answers badly once pulled Lab's shared
+    reputation under the threshold. Without Lab's certificate it is refused; with a key of its
+    own it is another organization, scored alone."""
+    sybil = ident("a sybil naming Lab")
+    free_text = sign_record(sybil, dataclasses.replace(
+        record(sybil, host=9, org=""), organization="Lab"))
+    state, result, _ = run(app.genesis_state(GENESIS), [reg(free_text)])
+    assert errors(result) == ["malformed node record: names organization 'Lab' without a "
+                              "membership certificate of its organization key"]
+    impostor = ident("the sybil's own organization key")
+    own_key = sign_record(sybil, dataclasses.replace(
+        record(sybil, host=9, org=""), organization="Lab",
+        membership=sign_membership(impostor, "Lab", sybil.peer_id, T0 + 48 * HOUR)))
+    state, result, _ = run(app.genesis_state(GENESIS),
+                           model_regs() + [reg(own_key)] + [commit(k, 1) for k in KEYS[:3]])
+    assert errors(result) == [None] * 8 and state.ledger.started
+    at = state.ledger.start_ms + SECOND
+    nodes = {**NODES, sybil.peer_id: sybil}
+    results = [ledger.ChallengeResult(c, 0 if c.model_node == sybil.peer_id else 900_000,
+                                      answer(nodes[c.model_node], request_for(c), at=at))
+               for c in plan_of(state).challenges]
+    assert {r.challenge.model_node for r in results} >= {sybil.peer_id, M1.peer_id}
+    state, result, _ = run(state, [report(state, results)])
+    assert errors(result) == [None]
+    assert state.reputation(subject(M1.peer_id)) == fresh_step(900_000)  # Lab: its own nodes
+    assert state.reputation(record_subject(own_key)) == fresh_step(0)
 
 
 def _forged_commit() -> bytes:
@@ -829,7 +862,7 @@ def test_a_confirmed_miss_steps_the_subject_the_node_had_when_challenged(leave):
     assert errors(result) == [None]
     assert result.reputation_changes == {lab: app.ReputationEntry.from_state(
         reputation_step(stepped.state(), 0.0, REP))}
-    assert state.reputation(reputation_subject(M2.peer_id)) is None
+    assert state.reputation(record_subject(record(M2, host=2, org=""))) is None
 
 
 # ------------------------------------------------------------------------ app hash, copies

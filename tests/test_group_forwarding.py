@@ -138,8 +138,25 @@ def test_an_untrusted_model_node_is_no_member_of_the_group():
     directory = _directory(_node(A), _node(B), _node(C))
     scored = Directory(directory.height, directory.issued_at_ms, directory.expires_at_ms,
                        directory.records,
-                       reputations={reputation_subject(B.peer_id, ""): 0.1,
-                                    reputation_subject(C.peer_id, ""): 0.9})
+                       reputations={reputation_subject(B.peer_id): 0.1,
+                                    reputation_subject(C.peer_id): 0.9})
     me.set_directory(scored)
     assert me.members == {C.peer_id}  # never a forwarding target nor a gossip source
     assert not me.is_member(B.peer_id)  # and its forwards are refused
+
+
+def test_a_provisional_model_node_joins_the_group_only_while_no_node_is_proven():
+    from ps_p2p.records.types import reputation_subject
+
+    me, _ = _forwarding(A)
+    directory = _directory(_node(A), _node(B), _node(C))
+
+    def with_scores(scores: dict[bytes, float]) -> Directory:
+        return Directory(directory.height, directory.issued_at_ms, directory.expires_at_ms,
+                         directory.records, reputations=scores, verified=True)
+
+    me.set_directory(with_scores({}))  # a new network: nobody scored, all provisional
+    assert me.members == {B.peer_id, C.peer_id}
+    me.set_directory(with_scores({reputation_subject(C.peer_id): 0.9}))
+    assert me.members == {C.peer_id}  # B (a fresh identity) waits for its own score
+    assert not me.is_member(B.peer_id)

@@ -19,12 +19,19 @@ ONION = OnionKeyPair.from_private_bytes(b"\x07" * 32).public
 _DNS_100 = "/dns4/" + "a" * 63 + "." + "b" * 31 + "/tcp/1"  # 100 bytes in binary form
 
 
+LAB = Identity.from_private_bytes(bytes(range(3, 35)))  # an organization key
+
+
 def make_record(**fields) -> NodeRecord:
+    """Signed by ALICE; naming an organization, with LAB's membership certificate."""
     base = {
         "peer_id": ALICE.peer_id, "addrs": ("/ip4/127.0.0.1/tcp/4001",),
         "roles": frozenset({Role.USER}), "onion_key": ONION, "issued_at_ms": NOW,
         "expires_at_ms": NOW + 10 * MINUTE,
     }
+    if fields.get("organization"):
+        base["membership"] = records.sign_membership(LAB, fields["organization"],
+                                                     ALICE.peer_id, NOW + 60 * MINUTE)
     return records.sign_record(ALICE, NodeRecord(**(base | fields)))
 
 
@@ -38,8 +45,21 @@ def test_a_record_round_trips_through_its_protobuf():
                          organization="o", capacity=3)
     pb = wire(record_to_pb(record))
     assert list(pb.roles) == [Role.USER, Role.MODEL]  # ascending
-    assert record_from_pb(pb) == record
+    assert record_from_pb(pb) == record and record.membership is not None
     records.check_record(record_from_pb(pb), NOW)  # the signature still covers it
+
+
+def test_a_record_without_an_organization_has_no_membership_on_the_wire():
+    pb = wire(record_to_pb(make_record()))
+    assert not pb.HasField("membership")
+    assert record_from_pb(pb).membership is None
+
+
+def test_an_organization_without_its_membership_certificate_is_refused_at_decode():
+    pb = record_to_pb(make_record(organization="acme"))
+    pb.ClearField("membership")
+    with pytest.raises(RemoteProtocolError, match="without a membership certificate"):
+        record_from_pb(wire(pb))
 
 
 def test_the_largest_record_is_under_1_kib_on_the_wire():
@@ -80,6 +100,9 @@ def test_more_roles_than_exist_are_refused_before_they_are_read():
         (lambda pb: setattr(pb, "organization", "o" * 65), "organization of 65 UTF-8 bytes"),
         (lambda pb: setattr(pb, "model_id", "ø" * 33), "model ID of 66 UTF-8 bytes"),
         (lambda pb: setattr(pb, "signature", bytes(63)), "signature of 63 bytes"),
+        (lambda pb: pb.membership.CopyFrom(records_pb2.OrgMembership(
+            org_key=bytes(38), expires_at_ms=NOW, signature=bytes(64))),
+         "certificate but no organization"),
     ],
 )
 def test_a_field_beyond_its_limit_is_refused_with_a_clear_error(change, message):

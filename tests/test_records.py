@@ -27,10 +27,14 @@ ALICE = Identity.from_private_bytes(bytes(range(32)))
 BOB = Identity.from_private_bytes(bytes(range(1, 33)))
 CAROL = Identity.from_private_bytes(bytes(range(2, 34)))
 ONION = OnionKeyPair.from_private_bytes(b"\x07" * 32).public
+LAB = Identity.from_private_bytes(bytes(range(3, 35)))  # an organization key
+DAY = 24 * HOUR
 
 
 def make_record(identity: Identity = ALICE, *, issued: int = NOW - 10 * MINUTE,
-                lifetime: int = HOUR, **fields) -> NodeRecord:
+                lifetime: int = HOUR, org_key: Identity = LAB, **fields) -> NodeRecord:
+    """A signed record; one naming an organization carries ``org_key``'s membership
+    certificate for it (valid 30 days) unless ``membership`` is given."""
     base = dict(
         peer_id=identity.peer_id,
         addrs=("/ip4/127.0.0.1/tcp/4001", "/ip4/10.0.0.1/tcp/4001"),
@@ -43,6 +47,9 @@ def make_record(identity: Identity = ALICE, *, issued: int = NOW - 10 * MINUTE,
         expires_at_ms=issued + lifetime,
     )
     base.update(fields)
+    if base["organization"] and "membership" not in fields:
+        base["membership"] = records.sign_membership(org_key, base["organization"],
+                                                     identity.peer_id, issued + 30 * DAY)
     return sign_record(identity, NodeRecord(**base))
 
 
@@ -54,13 +61,14 @@ def test_signed_record_verifies():
 
 
 def test_sign_record_sets_the_signers_peer_id():
-    record = sign_record(BOB, dataclasses.replace(make_record(ALICE), signature=b""))
+    record = sign_record(BOB, dataclasses.replace(make_record(ALICE, organization=""),
+                                                  signature=b""))
     assert record.peer_id == BOB.peer_id
     check_record(record, NOW)
 
 
 def test_record_signing_bytes_are_domain_separated_and_length_prefixed():
-    record = make_record()
+    record = make_record(organization="")
     data = records.record_signing_bytes(record)
     assert data.startswith(b"planetserve/v1/node-record\x00")
     split_a = dataclasses.replace(record, addrs=(b"\x04\x01\x02\x03\x04", b"\x06\x00\x01"))
@@ -238,6 +246,100 @@ def test_response_signing_bytes_are_domain_separated():
     assert data.startswith(b"planetserve/v1/response\x00")
     other = records.response_signing_bytes(b"i", b"d" + bytes(32), bytes(32), NOW, ALICE.peer_id)
     assert data != other
+
+
+# ---------------------------------------------------------------------------------- organizations
+
+
+def test_a_record_naming_an_organization_carries_its_certificate_in_the_v2_signed_bytes():
+    record = make_record()
+    data = records.record_signing_bytes(record)
+    assert data.startswith(b"planetserve/v2/node-record\x00")
+    assert record.membership.org_key in data and record.membership.signature in data
+    check_record(record, NOW)
+
+
+def test_a_record_naming_an_organization_without_its_keys_certificate_is_refused():
+    record = sign_record(ALICE, dataclasses.replace(make_record(), membership=None))
+    with pytest.raises(RemoteProtocolError, match="without a membership certificate") as info:
+        check_record(record, NOW)
+    assert type(info.value) is RemoteProtocolError
+
+
+def test_a_membership_certificate_without_an_organization_is_refused():
+    record = sign_record(ALICE, dataclasses.replace(make_record(), organization=""))
+    with pytest.raises(RemoteProtocolError, match="no organization"):
+        check_record(record, NOW)
+
+
+@pytest.mark.parametrize("change", [
+    dict(organization="Other Lab"),  # the certificate names "Example Lab"
+    dict(peer_id=BOB.peer_id),  # a member's certificate copied into another node's record
+    dict(membership_expires=1),  # a longer validity than the organization signed
+    dict(org_key=CAROL),  # a certificate another key signed, claiming LAB
+])
+def test_a_membership_certificate_the_organization_key_did_not_sign_is_invalid(change):
+    good = make_record()
+    m = good.membership
+    if "organization" in change:
+        record = dataclasses.replace(good, organization=change["organization"])
+    elif "peer_id" in change:
+        record = dataclasses.replace(make_record(BOB, organization=""),
+                                     organization=good.organization, membership=m)
+        record = sign_record(BOB, record)
+    elif "membership_expires" in change:
+        record = dataclasses.replace(good, membership=dataclasses.replace(
+            m, expires_at_ms=m.expires_at_ms + 1))
+    else:
+        forged = records.sign_membership(change["org_key"], good.organization, ALICE.peer_id,
+                                         m.expires_at_ms)
+        record = dataclasses.replace(good, membership=dataclasses.replace(
+            forged, org_key=LAB.peer_id))
+    record = sign_record(record_owner(record), record)
+    with pytest.raises(InvalidSignatureError, match="membership certificate"):
+        check_record(record, NOW)
+
+
+def record_owner(record: NodeRecord) -> Identity:
+    return {i.peer_id: i for i in (ALICE, BOB, CAROL)}[record.peer_id]
+
+
+def test_a_record_may_not_outlive_its_membership_certificate():
+    expires = NOW + 30 * MINUTE
+    m = records.sign_membership(LAB, "Example Lab", ALICE.peer_id, expires)
+    check_record(make_record(membership=m, issued=NOW, lifetime=30 * MINUTE), NOW)
+    with pytest.raises(RemoteProtocolError, match="after its membership certificate"):
+        check_record(make_record(membership=m, issued=NOW, lifetime=30 * MINUTE + 1), NOW)
+
+
+def test_the_reputation_subject_is_the_organization_key_not_its_name():
+    acme = make_record(ALICE, organization="acme")
+    colleague = make_record(BOB, organization="acme")
+    sybil = make_record(CAROL, organization="acme", org_key=CAROL)  # its own key, same name
+    lone = make_record(CAROL, organization="")
+    assert records.record_subject(acme) == records.record_subject(colleague) \
+        == b"orgkey\x00" + LAB.peer_id
+    assert records.record_subject(sybil) != records.record_subject(acme)
+    assert records.record_subject(lone) == b"node\x00" + CAROL.peer_id
+    with pytest.raises(TypeError):
+        records.reputation_subject(ALICE.peer_id, "acme")
+
+
+def _scored(verified: bool, reputations: dict[bytes, float]) -> Directory:
+    nodes = (make_record(ALICE, organization=""), make_record(BOB, organization=""))
+    return Directory(7, NOW - MINUTE, NOW + MINUTE, nodes, reputations, verified=verified)
+
+
+def test_a_never_scored_node_is_provisional_not_trusted_on_a_chain_with_challenge_epochs():
+    d = _scored(True, {b"node\x00" + BOB.peer_id: 0.8})
+    assert d.provisional(ALICE.peer_id) and not d.trusted(ALICE.peer_id)
+    assert d.trusted(BOB.peer_id) and not d.provisional(BOB.peer_id)
+    assert not d.provisional(CAROL.peer_id)  # not listed
+
+
+def test_without_challenge_epochs_a_never_scored_node_is_trusted():
+    d = _scored(False, {})
+    assert d.trusted(ALICE.peer_id) and not d.provisional(ALICE.peer_id)
 
 
 # ---------------------------------------------------------------------------------- directory

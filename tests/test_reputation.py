@@ -149,22 +149,24 @@ def test_a_higher_credibility_never_lowers_the_next_reputation_when_both_are_nor
 
 A = b"\x00\x24\x08\x01\x12\x20" + b"\x01" * 32
 B = b"\x00\x24\x08\x01\x12\x20" + b"\x02" * 32
+ACME = b"\x00\x24\x08\x01\x12\x20" + b"\x0a" * 32  # organization keys (peer IDs)
+OTHER = b"\x00\x24\x08\x01\x12\x20" + b"\x0b" * 32
 
 
 def test_nodes_of_one_organization_share_a_subject():
-    assert subject_of(A, "acme") == subject_of(B, "acme")
+    assert subject_of(A, ACME) == subject_of(B, ACME)
     assert subject_of(A) != subject_of(B)
-    assert subject_of(A, "acme") != subject_of(A, "other")
+    assert subject_of(A, ACME) != subject_of(A, OTHER)
 
 
-@given(st.text(min_size=1, max_size=64), st.binary(min_size=38, max_size=38))
-def test_organization_and_node_subjects_never_collide(organization, peer_id):
-    assert subject_of(A, organization) != subject_of(peer_id)
+@given(st.binary(min_size=38, max_size=38), st.binary(min_size=38, max_size=38))
+def test_organization_and_node_subjects_never_collide(org_key, peer_id):
+    assert subject_of(A, org_key) != subject_of(peer_id)
 
 
 def test_an_organization_gets_one_update_with_the_mean_of_its_nodes():
     book = ReputationBook(PARAMS)
-    org = subject_of(A, "acme")
+    org = subject_of(A, ACME)
     book.apply_epoch({org: [0.9, 0.7]})  # C(T) = 0.8
     assert book.reputation(org) == pytest.approx(0.68)
     assert book.get(org).epochs == 1

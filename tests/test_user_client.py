@@ -125,6 +125,9 @@ class FakeDirectory:
     def trusted(self, peer: bytes) -> bool:
         return True
 
+    def serving(self, model_id=None):  # type: ignore[no-untyped-def]
+        return [r for r in self._models if model_id in (None, r.model_id)]
+
     def reputation_or_initial(self, peer: bytes) -> float:
         return 0.5
 

@@ -17,33 +17,40 @@ from test_user_client import FakeOverlay
 from ps_p2p.config import UserConfig
 from ps_p2p.errors import NoModelNodeError
 from ps_p2p.overlay.requests import RequestConfig, RequestCore, SendClove
-from ps_p2p.records import Directory, NodeRecord, Role, reputation_subject
+from ps_p2p.records import Directory, Membership, NodeRecord, Role, reputation_subject
 from ps_p2p.roles.user import UserClient, choose_model_node, trusted_model_nodes
 from ps_p2p.testing.fakes import FakeUserClient
 
 T0 = 1_700_000_000_000
 
 
+ACME_KEY = b"\x00\x24\x08\x01\x12\x20" + b"\x0a" * 32  # acme's organization key (peer ID)
+
+
 def model(name: bytes, model_id: str = "fake-model", org: str = "") -> NodeRecord:
+    """A model node's record (unsigned: a Directory is trusted for its commit); naming ``org``,
+    it is a member of ``ACME_KEY``'s organization."""
+    membership = Membership(ACME_KEY, T0 + 1, bytes(64)) if org else None
     return NodeRecord(name, (), frozenset({Role.MODEL}), bytes(32), model_id, org,
-                      issued_at_ms=T0, expires_at_ms=T0 + 1)
+                      issued_at_ms=T0, expires_at_ms=T0 + 1, membership=membership)
 
 
 A, B, C, D = (model(b"model-" + bytes([x])) for x in b"ABCD")
 E = model(b"model-E", org="acme")
 
 
-def directory(*records: NodeRecord, **reputations: float) -> Directory:
-    """``reputations``: by the record's last letter (``acme`` for the organization)."""
+def directory(*records: NodeRecord, verified: bool = False, **reputations: float) -> Directory:
+    """``reputations``: by the record's last letter (``acme`` for the organization);
+    ``verified``: the chain runs challenge epochs."""
     by_name = {r.peer_id[-1:].decode(): r for r in records}
     reps = {}
     for name, value in reputations.items():
         if name == "acme":
-            reps[reputation_subject(b"", "acme")] = value
+            reps[reputation_subject(b"", ACME_KEY)] = value
         else:
             reps[reputation_subject(by_name[name].peer_id)] = value
     return Directory(1, T0, T0 + 1, tuple(records), reps, untrusted_below=0.4,
-                     initial_reputation=0.5)
+                     initial_reputation=0.5, verified=verified)
 
 
 def test_directory_trust_follows_the_committed_reputation_and_the_threshold():
@@ -63,6 +70,24 @@ def test_untrusted_model_nodes_are_left_out_and_the_rest_ranked_by_reputation():
         [D.peer_id, B.peer_id, C.peer_id]  # 0.9, 0.6, unscored 0.5; A and E untrusted
     assert [r.peer_id for r in trusted_model_nodes(d)][-1] in (C.peer_id, other.peer_id)
     assert other.peer_id not in [r.peer_id for r in trusted_model_nodes(d, "fake-model")]
+
+
+def test_a_fresh_identity_gets_no_requests_while_proven_nodes_serve_its_model():
+    # issue 16: a node caught cheating comes back as a new identity (C, never scored)
+    other = model(b"model-X", model_id="other")
+    d = directory(A, B, C, other, verified=True, A=0.2, B=0.6)
+    assert d.provisional(C.peer_id) and not d.trusted(C.peer_id)
+    assert [r.peer_id for r in trusted_model_nodes(d, "fake-model")] == [B.peer_id]
+    # a model nobody proved yet is still served by its provisional nodes
+    assert [r.peer_id for r in trusted_model_nodes(d, "other")] == [other.peer_id]
+    assert {r.peer_id for r in trusted_model_nodes(d)} == {B.peer_id, other.peer_id}
+
+
+def test_provisional_nodes_serve_when_no_node_of_the_model_is_proven():
+    d = directory(A, C, D, verified=True, A=0.2)  # a new network, or only a cheater scored
+    assert [r.peer_id for r in trusted_model_nodes(d, "fake-model")] == [C.peer_id, D.peer_id]
+    unverified = directory(A, C, D, A=0.2)  # no challenge epochs: never-scored is trusted
+    assert not unverified.provisional(C.peer_id) and unverified.trusted(C.peer_id)
 
 
 def test_the_choice_prefers_higher_reputation_in_proportion():
@@ -145,7 +170,7 @@ def test_an_untrusted_model_node_is_told_once_per_change_in_its_log_and_status(t
                 InstantEngine())
     me = model(keys.identity.peer_id)
     assert node.reputation_status() == {"reputation": None, "trusted": True,
-                                        "untrusted_below": None}
+                                        "untrusted_below": None, "provisional": False}
 
     def install(reputation: float | None) -> list[str]:
         caplog.clear()
@@ -162,10 +187,34 @@ def test_an_untrusted_model_node_is_told_once_per_change_in_its_log_and_status(t
     assert warning.startswith("WARNING") and "UNTRUSTED" in warning and "0.300" in warning
     assert install(0.25) == []  # still untrusted: told once
     assert node.reputation_status() == {"reputation": 0.25, "trusted": False,
-                                        "untrusted_below": 0.4}
+                                        "untrusted_below": 0.4, "provisional": False}
     (info,) = install(0.45)
     assert info.startswith("INFO") and "trusted again" in info
     assert node.trusted is True
+
+
+def test_a_model_node_never_scored_on_a_chain_with_epochs_is_told_it_is_provisional(
+        tmp_path, caplog):
+    import logging
+
+    from ps_p2p.config import NodeConfig
+    from ps_p2p.keys import NodeKeys
+    from ps_p2p.node import Node
+    from ps_p2p.testing.fakes import InstantEngine
+
+    keys = NodeKeys.generate()
+    node = Node(NodeConfig(roles=["model"], home=str(tmp_path), model="fake",
+                           bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + keys.identity.peer_id_str]),
+                keys, InstantEngine())
+    me = model(keys.identity.peer_id)
+    d = Directory(1, T0, T0 + 1, (me,), {}, untrusted_below=0.4, verified=True)
+    with caplog.at_level(logging.INFO, logger="ps_p2p.node"):
+        node._note_own_trust(d)
+    node.directory = d
+    (info,) = [r for r in caplog.records if r.name == "ps_p2p.node"]
+    assert info.levelname == "INFO" and "provisional" in info.getMessage()
+    assert node.reputation_status() == {"reputation": None, "trusted": False,
+                                        "untrusted_below": 0.4, "provisional": True}
 
 
 def test_ps_node_status_shows_a_model_nodes_trust(tmp_path, capsys):
@@ -184,3 +233,8 @@ def test_ps_node_status_shows_a_model_nodes_trust(tmp_path, capsys):
     assert cli.main(["status", "--home", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "reputation 0.123: UNTRUSTED (below 0.4)" in out
+    status["reputation"] = {"reputation": None, "trusted": False, "untrusted_below": 0.4,
+                            "provisional": True}
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    assert cli.main(["status", "--home", str(tmp_path)]) == 0
+    assert "reputation not scored: provisional" in capsys.readouterr().out

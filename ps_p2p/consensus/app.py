@@ -10,6 +10,7 @@ Transactions (canonical bytes; ``bytes``/``str``/``u*`` as in :mod:`ps_p2p.recor
 
     tx         = b"planetserve/v1/registry-tx\\x00" || u8(kind) || body
     REGISTER   (1): bytes(record_signing_bytes(record)) || bytes(record signature)
+                    (v1 bytes, or v2 with an organization's membership certificate)
     DEREGISTER (2): bytes(peer_id) || u64(issued_at_ms) || bytes(signature over
                     b"planetserve/v1/deregister\\x00" || str(chain_id) || bytes(peer_id)
                     || u64(issued_at_ms))
@@ -40,9 +41,18 @@ refuses (before its mempool, :func:`check_tx`, and again at execution):
   IPv4 /24 or an IPv6 /48 (the usual allocation to one site), or for DNS multiaddrs the last two
   labels of the name;
 * more than ``max_records_without_address`` records listing no IP or DNS address at all;
-* more than ``max_records_per_organization`` records naming one (non-empty) organization;
+* more than ``max_records_per_organization`` records of one organization (its organization
+  key: a name is a label anyone may write);
 * more than ``max_registrations_per_block`` new peers in one block (a burst of sybils must
   spread over time, so operators can see it coming), and more than ``max_records`` in all.
+
+Organizations (issue 16). A record names an organization only with the membership certificate
+of its organization key (:class:`~ps_p2p.records.Membership`, checked with the record's own
+signature by :func:`~ps_p2p.records.check_record`), and the organization's reputation subject is
+that key: a sybil that writes "acme" without acme's certificate is refused, and with its own key
+it is another organization with its own reputation. Names are not unique (binding a name to the
+first key that registers it would let anyone squat the name of an organization not listed yet
+and lock it out); users tell organizations apart by key.
 
 Known limits: addresses are claimed, not verified (a deterministic rule cannot dial), so an
 adversary may list addresses in a victim's network to use up its slots; it pays one identity
@@ -52,7 +62,7 @@ answer on every verifier.
 
 Reputations (PlanetServe sec. 3.4; the rule is :mod:`ps_p2p.verification.reputation`). The
 state keeps, per reputation subject (:func:`~ps_p2p.records.reputation_subject`: an
-organization, or a node without one), a :class:`ReputationEntry`, and the last epoch applied.
+organization key, or a node without one), a :class:`ReputationEntry`, and the last epoch applied.
 Everything committed is an integer: R and the window's credibilities are fixed-point *micro
 units* (u32, 10^6 = 1.0), so the bytes hashed are the state itself on every platform. An update
 (:func:`apply_reputation_update`) converts at the boundary: micro / 10^6 as a double, one step of
@@ -124,6 +134,7 @@ from ps_p2p.errors import (
     AdmissionError,
     ExpiredError,
     InvalidBlockError,
+    InvalidMembershipError,
     InvalidSignatureError,
     InvalidTransactionError,
     LocalProtocolError,
@@ -140,6 +151,7 @@ from ps_p2p.records.limits import (
     MAX_RECORD_LIFETIME_MS,
     MAX_RECORDS,
     ONION_KEY_BYTES,
+    ORG_RECORD_DOMAIN,
     RECORD_DOMAIN,
     SIGNATURE_BYTES,
 )
@@ -147,7 +159,7 @@ from ps_p2p.records.multiaddrs import check_multiaddr
 from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES, peer_label
 from ps_p2p.records.recordset import RecordSet
 from ps_p2p.records.signatures import verify_signature
-from ps_p2p.records.types import NodeRecord, Role, Signer, reputation_subject
+from ps_p2p.records.types import Membership, NodeRecord, Role, Signer, record_subject
 from ps_p2p.records.validation import check_record
 from ps_p2p.verification.ledger import (
     MICRO,
@@ -184,7 +196,8 @@ APP_AUX_ROOT_DOMAIN = b"planetserve/v2/app-aux-root\x00"
 REPUTATION_ROOT_DOMAIN = b"planetserve/v1/reputation-root\x00"
 #: Most subjects one REPUTATION_UPDATE names (also bounded by ``limits.max_tx_bytes``).
 MAX_REPUTATION_UPDATE_SUBJECTS = 1024
-#: Longest canonical record bytes (4 addresses of 100 bytes, 64-byte strings: ~650 bytes).
+#: Longest canonical record bytes (4 addresses of 100 bytes, 64-byte strings, a membership
+#: certificate: ~820 bytes).
 MAX_RECORD_SIGNING_BYTES = 1024
 
 
@@ -211,7 +224,8 @@ class AdmissionPolicy:
         max_records_per_network: records with an address in one IPv4 /24, IPv6 /48 or DNS
             domain (last two labels).
         max_records_without_address: records with no IP or DNS address.
-        max_records_per_organization: records naming one organization ("" is not counted).
+        max_records_per_organization: records of one organization key (records without
+            an organization are not counted).
         max_registrations_per_block: new peers (not renewals) in one block.
         max_evidence: equivocation evidence entries kept.
         ipv4_prefix_bits, ipv6_prefix_bits: the source network of an address.
@@ -306,9 +320,9 @@ class EvidenceTx:
 def check_subject(subject: bytes, error: type[RemoteProtocolError] = InvalidTransactionError,
                   ) -> bytes:
     """``subject`` if it is a well-formed reputation subject
-    (:func:`~ps_p2p.records.reputation_subject`): ``org\\x00`` + 1 to
-    ``MAX_ORGANIZATION_BYTES`` bytes of UTF-8, or ``node\\x00`` + 1 to
-    ``ED25519_PEER_ID_BYTES`` bytes.
+    (:func:`~ps_p2p.records.reputation_subject`): ``orgkey\\x00`` + an organization key's
+    ``ED25519_PEER_ID_BYTES``-byte peer ID, or ``node\\x00`` + 1 to ``ED25519_PEER_ID_BYTES``
+    bytes.
 
     Raises:
         error: anything else.
@@ -316,13 +330,8 @@ def check_subject(subject: bytes, error: type[RemoteProtocolError] = InvalidTran
     if not isinstance(subject, bytes):
         raise error(f"reputation subject is a {type(subject).__name__}, not bytes")
     if subject.startswith(ORG_SUBJECT_PREFIX):
-        name = subject[len(ORG_SUBJECT_PREFIX):]
-        if not 1 <= len(name) <= MAX_ORGANIZATION_BYTES:
-            raise error(f"organization subject of {len(name)} bytes")
-        try:
-            name.decode("utf-8")
-        except UnicodeDecodeError:
-            raise error("organization subject is not UTF-8") from None
+        if len(subject) - len(ORG_SUBJECT_PREFIX) != ED25519_PEER_ID_BYTES:
+            raise error("organization subject with a key of a wrong length")
         return subject
     if subject.startswith(NODE_SUBJECT_PREFIX):
         if not 1 <= len(subject) - len(NODE_SUBJECT_PREFIX) <= ED25519_PEER_ID_BYTES:
@@ -508,7 +517,8 @@ def decode_record(signing_bytes: bytes, signature: bytes) -> NodeRecord:
         InvalidTransactionError: malformed, a field over its bound, or non-canonical.
     """
     r = Reader(signing_bytes, InvalidTransactionError, "node record")
-    r.prefix(RECORD_DOMAIN, "record domain")
+    with_org = signing_bytes.startswith(ORG_RECORD_DOMAIN)
+    r.prefix(ORG_RECORD_DOMAIN if with_org else RECORD_DOMAIN, "record domain")
     peer_id = r.lp("peer ID", ED25519_PEER_ID_BYTES)
     n_addrs = r.u32("address count")
     if n_addrs > MAX_ADDRS:
@@ -527,6 +537,18 @@ def decode_record(signing_bytes: bytes, signature: bytes) -> NodeRecord:
     onion_key = r.lp("onion key", ONION_KEY_BYTES)
     model_id = r.lps("model ID", MAX_MODEL_ID_BYTES)
     organization = r.lps("organization", MAX_ORGANIZATION_BYTES)
+    membership = None
+    if with_org:  # v2: the organization's certificate (an organization is never "" here)
+        membership = Membership(r.lp("organization key", ED25519_PEER_ID_BYTES,
+                                     exact=ED25519_PEER_ID_BYTES),
+                                r.u64("membership expiry"),
+                                r.lp("membership signature", SIGNATURE_BYTES,
+                                     exact=SIGNATURE_BYTES))
+    if organization and not with_org:
+        raise r.fail(f"names organization {organization!r} without a membership certificate "
+                     "of its organization key")
+    if with_org and not organization:
+        raise r.fail("carries a membership certificate but no organization")
     capacity = r.u64("capacity")
     issued = r.u64("issue time")
     expires = r.u64("expiry time")
@@ -534,7 +556,7 @@ def decode_record(signing_bytes: bytes, signature: bytes) -> NodeRecord:
     if len(signature) != SIGNATURE_BYTES:
         raise InvalidTransactionError(f"record signature of {len(signature)} bytes")
     return NodeRecord(peer_id, addrs, roles, onion_key, model_id, organization, capacity,
-                      issued, expires, bytes(signature))
+                      issued, expires, bytes(signature), membership)
 
 
 def _decode_vote(r: Reader) -> Vote:
@@ -682,7 +704,7 @@ class AppState:
         self._validators = {v.address for v in genesis.validators}
         self._expiry: list[tuple[int, bytes]] = []  # heap of (expires_at_ms, peer ID), lazy
         self._networks: collections.Counter[str] = collections.Counter()
-        self._orgs: collections.Counter[str] = collections.Counter()
+        self._orgs: collections.Counter[bytes] = collections.Counter()  # by organization key
         self.reputations: dict[bytes, ReputationEntry] = {}
         self.reputation_epoch = 0
         #: the verification epochs (:class:`~ps_p2p.verification.ledger.EpochLedger`): shared
@@ -712,8 +734,9 @@ class AppState:
         ``""``: records without address)."""
         return self._networks[network]
 
-    def organization_count(self, organization: str) -> int:
-        return self._orgs[organization]
+    def organization_count(self, org_key: bytes) -> int:
+        """Records listed with a membership of the organization key ``org_key``."""
+        return self._orgs[org_key]
 
     def aux_root(self) -> bytes:
         """The aux root (module docstring): :func:`aux_root_of` the registry aux and the
@@ -768,8 +791,8 @@ class AppState:
         if old is not None:
             self._uncount(old)
         self._networks.update(self._networks_of(record))
-        if record.organization:
-            self._orgs[record.organization] += 1
+        if record.membership is not None:
+            self._orgs[record.membership.org_key] += 1
         heapq.heappush(self._expiry, (record.expires_at_ms, record.peer_id))
         if len(self._expiry) > 2 * len(self.records) + 64:
             self._expiry = [(r.expires_at_ms, r.peer_id) for r in self.records.records()]
@@ -787,10 +810,11 @@ class AppState:
             self._networks[net] -= 1
             if not self._networks[net]:
                 del self._networks[net]
-        if record.organization:
-            self._orgs[record.organization] -= 1
-            if not self._orgs[record.organization]:
-                del self._orgs[record.organization]
+        if record.membership is not None:
+            org = record.membership.org_key
+            self._orgs[org] -= 1
+            if not self._orgs[org]:
+                del self._orgs[org]
 
     def _depart(self, peer: bytes, issued_at_ms: int) -> None:
         """Leave a tombstone; at ``max_records`` tombstones the oldest goes first (a sybil
@@ -896,6 +920,8 @@ def _verify_tx(tx: Tx, state: AppState, now_ms: int) -> object:
         record = tx.record
         try:
             check_record(record, now_ms)
+        except InvalidMembershipError as exc:
+            raise InvalidTransactionError(str(exc)) from None
         except InvalidSignatureError:
             raise InvalidTransactionError(
                 f"record of {peer_label(record.peer_id)} is not signed by that peer ID "
@@ -968,7 +994,7 @@ def verification_model_nodes(state: AppState) -> list[tuple[bytes, bytes]]:
     params = state.genesis.verification
     if params is None:
         return []
-    return [(r.peer_id, reputation_subject(r.peer_id, r.organization))
+    return [(r.peer_id, record_subject(r))
             for r in state.records.records()
             if Role.MODEL in r.roles and r.model_id == params.model_id]
 
@@ -1010,12 +1036,13 @@ def _admit(tx: Tx, state: AppState, new_in_block: int | None) -> None:
             if state.network_count(net) >= cap:
                 where = "without address" if net == "" else f"in network {net}"
                 raise AdmissionError(f"{cap} records already listed {where} (admission cap)")
-        org = record.organization
-        new_org = org and (held is None or held.organization != org)
+        org = record.membership.org_key if record.membership is not None else b""
+        held_org = held.membership.org_key if held is not None and held.membership else b""
+        new_org = org and held_org != org
         if new_org and state.organization_count(org) >= policy.max_records_per_organization:
             raise AdmissionError(
                 f"{policy.max_records_per_organization} records already listed for "
-                f"organization {org!r} (admission cap)"
+                f"organization {record.organization!r} ({peer_label(org)}) (admission cap)"
             )
     elif isinstance(tx, DeregisterTx):
         held = state.records.get(tx.peer_id)

@@ -127,7 +127,7 @@ class CommitteeReplica:
         directory = Directory(
             view.height, header.time_ms, header.time_ms + self.max_age_ms, records,
             reputations, self.genesis.reputation.untrusted_below,
-            self.genesis.reputation.initial,
+            self.genesis.reputation.initial, self.genesis.verification is not None,
         )
         self._reputation_root = root
         if old is not None and records is old.records and "_index" in old.__dict__:

@@ -5,8 +5,9 @@ record over: a REGISTER request of ``/planetserve/directory/2.0.0``
 (:mod:`ps_p2p.protocols.committee_directory`). The signature covers the record's canonical bytes
 (:func:`~ps_p2p.records.record_signing_bytes`), never this serialization, so the field order and
 unknown fields of a peer's message do not matter. A signed record of the largest legal size
-is about 720 bytes here (:data:`~ps_p2p.records.MAX_RECORD_WIRE_BYTES` bounds it at 1 KiB);
-the frame that carries it is bounded by its protocol.
+(with a membership certificate) is about 820 bytes here
+(:data:`~ps_p2p.records.MAX_RECORD_WIRE_BYTES` bounds it at 1 KiB); the frame that carries it
+is bounded by its protocol.
 
 Decoding (:func:`record_from_pb`) bounds the repeated fields first, then checks every field
 limit (:func:`~ps_p2p.records.check_record_fields`); the signature and the times are the
@@ -17,11 +18,15 @@ from __future__ import annotations
 
 from ps_p2p.errors import RemoteProtocolError
 from ps_p2p.pb.planetserve.v1 import records_pb2
-from ps_p2p.records import MAX_ADDRS, NodeRecord, Role, check_record_fields
+from ps_p2p.records import MAX_ADDRS, Membership, NodeRecord, Role, check_record_fields
 
 
 def record_to_pb(record: NodeRecord) -> records_pb2.NodeRecord:
     """A :class:`NodeRecord` as its protobuf message (roles in ascending order)."""
+    membership = record.membership
+    extra = {} if membership is None else {"membership": records_pb2.OrgMembership(
+        org_key=membership.org_key, expires_at_ms=membership.expires_at_ms,
+        signature=membership.signature)}
     return records_pb2.NodeRecord(
         peer_id=record.peer_id,
         addrs=list(record.addrs),
@@ -33,6 +38,7 @@ def record_to_pb(record: NodeRecord) -> records_pb2.NodeRecord:
         issued_at_ms=record.issued_at_ms,
         expires_at_ms=record.expires_at_ms,
         signature=record.signature,
+        **extra,
     )
 
 
@@ -42,8 +48,9 @@ def record_from_pb(pb: records_pb2.NodeRecord) -> NodeRecord:
     Raises:
         RemoteProtocolError: an unknown or unspecified role, more than ``MAX_ADDRS`` (4)
             addresses or more roles than exist, or a field beyond its limit
-            (:func:`ps_p2p.records.check_record_fields`: sizes, multiaddrs, the onion key...).
-            The signature and the times are not checked here.
+            (:func:`ps_p2p.records.check_record_fields`: sizes, multiaddrs, the onion key, an
+            organization without its membership certificate...). The signatures (the
+            record's and the certificate's) and the times are not checked here.
     """
     if len(pb.addrs) > MAX_ADDRS:
         raise RemoteProtocolError(f"record lists {len(pb.addrs)} addresses (max {MAX_ADDRS})")
@@ -66,6 +73,9 @@ def record_from_pb(pb: records_pb2.NodeRecord) -> NodeRecord:
         issued_at_ms=pb.issued_at_ms,
         expires_at_ms=pb.expires_at_ms,
         signature=bytes(pb.signature),
+        membership=Membership(bytes(pb.membership.org_key), pb.membership.expires_at_ms,
+                              bytes(pb.membership.signature))
+        if pb.HasField("membership") else None,
     )
     check_record_fields(record)
     return record

@@ -16,8 +16,8 @@ two marked * name the types for annotations only)::
     multiaddrs   binary multiaddrs: text -> bytes, strict parse of a peer's bytes (memoized)
     canonical *  the canonical byte strings signatures cover (record, response, clove)
     recordset *  the record set and its incremental two-level root (256 buckets)
-    types        Role, NodeRecord, Directory
-    signatures   Ed25519 sign_record and verify_signature (libsodium via PyNaCl)
+    types        Role, Membership, NodeRecord, Directory
+    signatures   Ed25519 sign_record, sign_membership and their checks (libsodium via PyNaCl)
     validation   check_record*, VerifiedCache
 
 Every public name is re-exported here, so ``from ps_p2p.records import NodeRecord`` and
@@ -30,6 +30,7 @@ times come in as ``now_ms`` (unix milliseconds). The wire form of a record is in
 
 from ps_p2p.records.canonical import (
     clove_signing_bytes,
+    membership_signing_bytes,
     record_signing_bytes,
     response_signing_bytes,
 )
@@ -44,8 +45,10 @@ from ps_p2p.records.limits import (
     MAX_RECORD_LIFETIME_MS,
     MAX_RECORD_WIRE_BYTES,
     MAX_RECORDS,
+    MEMBERSHIP_DOMAIN,
     MINUTE_MS,
     ONION_KEY_BYTES,
+    ORG_RECORD_DOMAIN,
     RECORD_DOMAIN,
     RECORD_LEAF_DOMAIN,
     RECORD_SET_DOMAIN,
@@ -58,8 +61,21 @@ from ps_p2p.records.limits import (
 from ps_p2p.records.multiaddrs import check_multiaddr, multiaddr_bytes
 from ps_p2p.records.peer_ids import public_key_from_peer_id, short_peer_id
 from ps_p2p.records.recordset import RecordSet, record_leaf, record_set_root
-from ps_p2p.records.signatures import sign_record, verify_signature
-from ps_p2p.records.types import Directory, NodeRecord, Role, Signer, reputation_subject
+from ps_p2p.records.signatures import (
+    sign_membership,
+    sign_record,
+    verify_membership,
+    verify_signature,
+)
+from ps_p2p.records.types import (
+    Directory,
+    Membership,
+    NodeRecord,
+    Role,
+    Signer,
+    record_subject,
+    reputation_subject,
+)
 from ps_p2p.records.validation import VerifiedCache, check_record, check_record_fields
 
 __all__ = [
@@ -73,8 +89,10 @@ __all__ = [
     "MAX_RECORDS",
     "MAX_RECORD_LIFETIME_MS",
     "MAX_RECORD_WIRE_BYTES",
+    "MEMBERSHIP_DOMAIN",
     "MINUTE_MS",
     "ONION_KEY_BYTES",
+    "ORG_RECORD_DOMAIN",
     "RECORD_DOMAIN",
     "RECORD_LEAF_DOMAIN",
     "RECORD_SET_DOMAIN",
@@ -84,6 +102,7 @@ __all__ = [
     "SIGNATURE_BYTES",
     "VERIFIED_CACHE_ENTRIES",
     "Directory",
+    "Membership",
     "NodeRecord",
     "RecordSet",
     "Role",
@@ -95,12 +114,16 @@ __all__ = [
     "clove_signing_bytes",
     "multiaddr_bytes",
     "public_key_from_peer_id",
+    "membership_signing_bytes",
     "record_leaf",
     "record_set_root",
     "record_signing_bytes",
+    "record_subject",
     "reputation_subject",
     "response_signing_bytes",
     "short_peer_id",
+    "sign_membership",
     "sign_record",
+    "verify_membership",
     "verify_signature",
 ]

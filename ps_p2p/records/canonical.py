@@ -7,11 +7,20 @@ re-serialized protobuf::
     record    = b"planetserve/v1/node-record\\x00" || bytes(peer_id) || u32(#addrs) || bytes(addr)*
                 || u32(#roles) || u32(role)* (ascending) || bytes(onion_key) || str(model_id)
                 || str(organization) || u64(capacity) || u64(issued_at_ms) || u64(expires_at_ms)
+                (no membership; the organization is then "")
+    record v2 = b"planetserve/v2/node-record\\x00" || the same fields up to str(organization)
+                || bytes(org_key) || u64(membership expires_at_ms) || bytes(membership signature)
+                || u64(capacity) || u64(issued_at_ms) || u64(expires_at_ms)
+                (a record with a membership: it names an organization)
+    membership = b"planetserve/v1/org-membership\\x00" || bytes(org_key) || str(organization)
+                || bytes(member peer_id) || u64(expires_at_ms)
     response  = b"planetserve/v1/response\\x00" || bytes(request_id) || bytes(request hash)
                 || bytes(content digest) || u64(signed_at_ms) || bytes(model node peer ID)
     clove     = b"planetserve/v1/response-clove\\x00" || message_id || SHA-256(clove)
 
-where ``bytes(b) = u32(len(b)) || b``, ``str(s) = bytes(utf8(s))``, integers are big-endian and
+(the organization key signs ``membership``; the member signs its whole record, certificate
+included, so a record's bytes have one form: v1 without an organization, v2 with one) where
+``bytes(b) = u32(len(b)) || b``, ``str(s) = bytes(utf8(s))``, integers are big-endian and
 ``addr`` is a multiaddr in its binary form (what the record stores and what was validated).
 Source: PlanetServe sec. 3.2 (node records, signed responses). The committee's own signed bytes
 (votes, transactions, block headers) are in :mod:`ps_p2p.consensus`, built from :func:`lp`,
@@ -30,6 +39,8 @@ from typing import TYPE_CHECKING
 from ps_p2p.errors import LocalProtocolError, RemoteProtocolError
 from ps_p2p.records.limits import (
     CLOVE_DOMAIN,
+    MEMBERSHIP_DOMAIN,
+    ORG_RECORD_DOMAIN,
     RECORD_DOMAIN,
     RESPONSE_DOMAIN,
     UINT64_BOUND,
@@ -71,8 +82,10 @@ def record_signing_bytes(record: NodeRecord) -> bytes:
         LocalProtocolError: a field out of its wire range (negative or too large integer,
             a string that is not encodable as UTF-8).
     """
+    membership = record.membership
     try:
-        parts = [RECORD_DOMAIN, lp(bytes(record.peer_id)), u32(len(record.addrs))]
+        domain = RECORD_DOMAIN if membership is None else ORG_RECORD_DOMAIN
+        parts = [domain, lp(bytes(record.peer_id)), u32(len(record.addrs))]
         parts.extend(lp(bytes(a)) for a in record.addrs)
         roles = sorted(int(r) for r in record.roles)
         parts.append(u32(len(roles)))
@@ -81,6 +94,14 @@ def record_signing_bytes(record: NodeRecord) -> bytes:
             lp(bytes(record.onion_key)),
             lps(record.model_id),
             lps(record.organization),
+        ]
+        if membership is not None:
+            parts += [
+                lp(bytes(membership.org_key)),
+                u64(membership.expires_at_ms),
+                lp(bytes(membership.signature)),
+            ]
+        parts += [
             u64(record.capacity),
             u64(record.issued_at_ms),
             u64(record.expires_at_ms),
@@ -88,6 +109,29 @@ def record_signing_bytes(record: NodeRecord) -> bytes:
     except (struct.error, UnicodeError, TypeError, AttributeError, ValueError) as exc:
         raise LocalProtocolError(f"node record field out of range: {exc}") from exc
     return b"".join(parts)
+
+
+def membership_signing_bytes(org_key: bytes, organization: str, member: bytes,
+                             expires_at_ms: int) -> bytes:
+    """The canonical byte string an organization key signs to certify a member (module
+    docstring; issue 16). No chain ID: like the record it goes in, the statement "this peer is
+    a member of this organization until then" holds on any chain, and leaving the chain out lets
+    every holder of a record check it without context.
+
+    Args:
+        org_key: the organization key's peer ID (38 bytes).
+        organization: the organization's name as the member's record shows it.
+        member: the member's peer ID.
+        expires_at_ms: unix milliseconds.
+
+    Raises:
+        LocalProtocolError: a field out of its wire range.
+    """
+    try:
+        return b"".join((MEMBERSHIP_DOMAIN, lp(bytes(org_key)), lps(organization),
+                         lp(bytes(member)), u64(expires_at_ms)))
+    except (struct.error, UnicodeError, TypeError, AttributeError, ValueError) as exc:
+        raise LocalProtocolError(f"membership field out of range: {exc}") from exc
 
 
 def clove_signing_bytes(message_id: bytes, clove: bytes) -> bytes:
@@ -135,6 +179,7 @@ __all__ = [
     "clove_signing_bytes",
     "lp",
     "lps",
+    "membership_signing_bytes",
     "record_signing_bytes",
     "response_signing_bytes",
     "u32",

@@ -1,10 +1,12 @@
 """Limits, units and domain-separation prefixes of node records and the directory, pure.
 
-Record field limits are in bytes (DESIGN.md "Security invariants"); the largest signed record is
-about 720 bytes as a protobuf (:data:`MAX_RECORD_WIRE_BYTES` bounds it at 1 KiB)::
+Record field limits are in bytes (DESIGN.md "Security invariants"); the largest signed record,
+with a membership certificate, is about 820 bytes as a protobuf (:data:`MAX_RECORD_WIRE_BYTES`
+bounds it at 1 KiB)::
 
     peer ID 38 | multiaddrs 4 x <= 100 (binary) | roles <= 3 | onion key 32 | model ID <= 64
     | organization <= 64 | capacity, issue and expiry times | signature 64
+    | membership (organization key 38, expiry, signature 64; with an organization only)
 
 Times are unix milliseconds (``*_MS``); the lifetime and clock-skew bounds are those of the
 registry of PlanetServe sec. 3.4 (:mod:`ps_p2p.consensus.app` applies them). Every signature covers a byte string that starts with one
@@ -31,7 +33,7 @@ MAX_ADDR_BYTES = 100
 MAX_MODEL_ID_BYTES = 64
 #: Longest organization (UTF-8 bytes).
 MAX_ORGANIZATION_BYTES = 64
-#: Bound of a whole signed record as a protobuf (the largest legal one is ~720 bytes).
+#: Bound of a whole signed record as a protobuf (the largest legal one is ~820 bytes).
 MAX_RECORD_WIRE_BYTES = 1024
 #: An X25519 public key.
 ONION_KEY_BYTES = 32
@@ -58,15 +60,20 @@ UINT64_BOUND = 2**64
 # ---------------------------------------------------------------------------------- domains
 
 RECORD_DOMAIN = b"planetserve/v1/node-record\x00"
+#: A record that names an organization (it carries the organization's membership certificate).
+ORG_RECORD_DOMAIN = b"planetserve/v2/node-record\x00"
+#: What an organization key signs to certify a member (:mod:`ps_p2p.records.canonical`).
+MEMBERSHIP_DOMAIN = b"planetserve/v1/org-membership\x00"
 RECORD_LEAF_DOMAIN = b"planetserve/v1/record-leaf\x00"
 RECORD_SET_DOMAIN = b"planetserve/v1/record-set\x00"
 RESPONSE_DOMAIN = b"planetserve/v1/response\x00"
 CLOVE_DOMAIN = b"planetserve/v1/response-clove\x00"
 #: Reputation subjects (:func:`~ps_p2p.records.types.reputation_subject`): an organization's
-#: and a lone node's; the two kinds never collide.
-ORG_SUBJECT_PREFIX = b"org\x00"
+#: (followed by its organization key, an Ed25519 peer ID) and a lone node's (followed by its peer
+#: ID); the two kinds never collide.
+ORG_SUBJECT_PREFIX = b"orgkey\x00"
 NODE_SUBJECT_PREFIX = b"node\x00"
-#: Longest reputation subject (an organization name of ``MAX_ORGANIZATION_BYTES``).
+#: Longest reputation subject (a prefix and a peer ID, with room).
 MAX_SUBJECT_BYTES = 5 + max(MAX_ORGANIZATION_BYTES, 64)
 
 __all__ = [
@@ -81,9 +88,11 @@ __all__ = [
     "MAX_RECORD_LIFETIME_MS",
     "MAX_RECORD_WIRE_BYTES",
     "MAX_SUBJECT_BYTES",
+    "MEMBERSHIP_DOMAIN",
     "MINUTE_MS",
     "NODE_SUBJECT_PREFIX",
     "ONION_KEY_BYTES",
+    "ORG_RECORD_DOMAIN",
     "ORG_SUBJECT_PREFIX",
     "RECORD_DOMAIN",
     "RECORD_LEAF_DOMAIN",

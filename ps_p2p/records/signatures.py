@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ps_p2p.errors import InvalidSignatureError
-from ps_p2p.records.canonical import record_signing_bytes
+from ps_p2p.errors import InvalidSignatureError, LocalProtocolError, RemoteProtocolError
+from ps_p2p.records.canonical import membership_signing_bytes, record_signing_bytes
 from ps_p2p.records.limits import SIGNATURE_BYTES
 from ps_p2p.records.peer_ids import public_key_from_peer_id
-from ps_p2p.records.types import NodeRecord, Signer
+from ps_p2p.records.types import Membership, NodeRecord, Signer
 
 try:
     from nacl.bindings import crypto_sign_open as _sodium_open
@@ -67,4 +67,37 @@ def sign_record(identity: Signer, record: NodeRecord) -> NodeRecord:
     return replace(record, signature=identity.sign(record_signing_bytes(record)))
 
 
-__all__ = ["sign_record", "verify_signature"]
+def sign_membership(organization_key: Signer, organization: str, member: bytes,
+                    expires_at_ms: int) -> Membership:
+    """The organization key's certificate that ``member`` belongs to ``organization`` until
+    ``expires_at_ms`` (unix ms), for the member's record (issue 16; ``ps-node org sign``).
+
+    Raises:
+        LocalProtocolError: a field out of its wire range.
+    """
+    org_key = organization_key.peer_id
+    data = membership_signing_bytes(org_key, organization, member, expires_at_ms)
+    return Membership(org_key, expires_at_ms, organization_key.sign(data))
+
+
+def verify_membership(record: NodeRecord) -> None:
+    """Check the membership certificate of ``record`` (if any) under its organization key.
+
+    Raises:
+        RemoteProtocolError: the organization key is not an Ed25519 peer ID, or a field is out
+            of its wire range.
+        InvalidSignatureError: the certificate does not verify for this record's peer ID and
+            organization name.
+    """
+    membership = record.membership
+    if membership is None:
+        return
+    try:
+        data = membership_signing_bytes(membership.org_key, record.organization,
+                                        record.peer_id, membership.expires_at_ms)
+    except LocalProtocolError as exc:  # a peer's field out of its wire range
+        raise RemoteProtocolError(f"membership certificate: {exc}") from None
+    verify_signature(membership.org_key, data, membership.signature)
+
+
+__all__ = ["sign_membership", "sign_record", "verify_membership", "verify_signature"]

@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from ps_p2p.errors import (
     ExpiredError,
+    InvalidMembershipError,
     InvalidSignatureError,
     LocalProtocolError,
     RemoteProtocolError,
@@ -42,10 +43,10 @@ from ps_p2p.records.limits import (
     VERIFIED_CACHE_ENTRIES,
 )
 from ps_p2p.records.multiaddrs import check_multiaddr
-from ps_p2p.records.peer_ids import peer_label, public_key_from_peer_id
+from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES, peer_label, public_key_from_peer_id
 from ps_p2p.records.recordset import record_leaf
-from ps_p2p.records.signatures import verify_signature
-from ps_p2p.records.types import NodeRecord, Role
+from ps_p2p.records.signatures import verify_membership, verify_signature
+from ps_p2p.records.types import Membership, NodeRecord, Role
 
 # ---------------------------------------------------------------------------------- records
 
@@ -72,7 +73,10 @@ def check_record_fields(record: NodeRecord) -> None:
             bytes (:func:`check_multiaddr`); a model ID or organization over 64 UTF-8 bytes; an
             onion key that is not a usable 32-byte X25519 key; no or unknown roles; a model
             record without a model ID; an integer outside its wire range; a lifetime that is
-            not in (0, 24 h]; or a signature that is not 64 bytes.
+            not in (0, 24 h]; or a signature that is not 64 bytes; an organization without a
+            membership certificate or the reverse, a certificate whose organization key is not
+            an Ed25519 peer ID or whose signature is not 64 bytes, or a record that outlives
+            its certificate.
     """
     _check_cheap_fields(record)
     _check_addrs(record)
@@ -117,6 +121,37 @@ def _check_cheap_fields(record: NodeRecord) -> None:
         )
     if not isinstance(record.signature, bytes) or len(record.signature) != SIGNATURE_BYTES:
         raise RemoteProtocolError(f"record signature of {len(record.signature)} bytes")
+    _check_membership_fields(record)
+
+
+def _check_membership_fields(record: NodeRecord) -> None:
+    """An organization is named with its key's certificate, and only then (issue 16)."""
+    membership = record.membership
+    if membership is None:
+        if record.organization:
+            raise RemoteProtocolError(
+                f"record names organization {record.organization!r} without a membership "
+                "certificate of its organization key (ps-node org sign)")
+        return
+    if not isinstance(membership, Membership):
+        raise RemoteProtocolError("record membership is not a Membership")
+    if not record.organization:
+        raise RemoteProtocolError("record carries a membership certificate but no organization")
+    if not isinstance(membership.org_key, bytes) \
+            or len(membership.org_key) != ED25519_PEER_ID_BYTES:
+        raise RemoteProtocolError("membership organization key is not an Ed25519 peer ID")
+    public_key_from_peer_id(membership.org_key)
+    if not isinstance(membership.signature, bytes) \
+            or len(membership.signature) != SIGNATURE_BYTES:
+        raise RemoteProtocolError(
+            f"membership signature of {len(membership.signature)} bytes (expected 64)")
+    expires = membership.expires_at_ms
+    if not isinstance(expires, int) or not 0 <= expires < UINT64_BOUND:
+        raise RemoteProtocolError(f"membership expiry {expires} out of range")
+    if record.expires_at_ms > expires:
+        raise RemoteProtocolError(
+            f"record expires {record.expires_at_ms - expires} ms after its membership "
+            "certificate")
 
 
 _PROBE_KEY = X25519PrivateKey.from_private_bytes(hashlib.sha256(b"planetserve/v1/probe").digest())
@@ -139,6 +174,13 @@ def _verify_record_signature(record: NodeRecord) -> None:
         raise InvalidSignatureError(
             f"node record of {peer_label(record.peer_id)} has an invalid signature"
         ) from None
+    try:
+        verify_membership(record)
+    except InvalidSignatureError:
+        raise InvalidMembershipError(
+            f"node record of {peer_label(record.peer_id)} names organization "
+            f"{record.organization!r} with a membership certificate its organization key did "
+            "not sign for it") from None
 
 
 def _check_record_time(record: NodeRecord, now_ms: int) -> None:
@@ -163,6 +205,8 @@ def check_record(record: NodeRecord, now_ms: int) -> None:
         RemoteProtocolError: a field out of its limits (:func:`check_record_fields`), or issued
             more than 5 minutes after ``now_ms``.
         InvalidSignatureError: the signature does not verify under ``peer_id``'s key.
+        InvalidMembershipError: (an InvalidSignatureError) the membership certificate does
+            not verify under its organization key for this peer ID and organization name.
         ExpiredError: ``now_ms >= expires_at_ms``.
     """
     _check_cheap_fields(record)

@@ -1,7 +1,8 @@
 """A model node's forwarding: its group's HR-tree, peers' load, and the gossip that keeps both.
 
 PlanetServe sec. 3.3 (Algorithms 1-2; A6): every model node of a group (the model nodes of one
-model ID in the verified directory, trusted ones only) keeps
+model ID in the verified directory that users may send to: :meth:`~ps_p2p.records.Directory.
+serving`, trusted ones, or provisional ones while none is proven) keeps
 
 * the group's HR-tree (:class:`~ps_p2p.gossip.hr_tree.HRTree`): its own subtree, built from its
   engine's KV-cache events (:class:`~ps_p2p.gossip.cache_view.CacheView` ->
@@ -123,10 +124,10 @@ class GroupForwarding:
         subtrees and load are dropped)."""
         if directory is None:
             return
-        group = frozenset(  # trusted ones only (issue 9: the committee's reputation)
-            r.peer_id for r in directory.model_nodes()
-            if r.model_id == self.model_id and r.peer_id != self.me and Role.MODEL in r.roles
-            and directory.trusted(r.peer_id)
+        group = frozenset(  # those users may send to (issue 9: the committee's reputation;
+            # issue 16: provisional ones only while no node of the model is proven)
+            r.peer_id for r in directory.serving(self.model_id)
+            if r.peer_id != self.me and Role.MODEL in r.roles
         )
         self.group = group
         members = group

@@ -260,19 +260,23 @@ def trusted_model_nodes(directory: Directory, model_id: str | None = None) -> li
     """The directory's model nodes a user may send to (PlanetServe sec. 3.4: "nodes below a
     threshold are no longer trusted"); pure.
 
+    Provisional nodes (never scored on a chain with challenge epochs:
+    :meth:`Directory.provisional`) come in only when no trusted node serves the model: a fresh
+    identity, or a fresh organization key, gets no user traffic while proven nodes exist, so
+    escaping a bad reputation by starting over does not pay (issue 16); a network that has
+    just started, or runs no epochs (every node is then trusted), still works.
+
     Args:
         directory: the verified directory (its committed reputations and threshold).
         model_id: only nodes serving it (None: any model).
 
     Returns:
-        The model nodes :meth:`Directory.trusted` accepts (a node never scored is trusted),
-        highest committed reputation first (:meth:`Directory.reputation_or_initial`); equal
-        reputations keep the directory's order.
+        :meth:`Directory.serving`: the model nodes :meth:`Directory.trusted` accepts, and the
+        provisional ones of a model that has no trusted node; highest committed reputation first
+        (:meth:`Directory.reputation_or_initial`); equal reputations keep the directory's
+        order.
     """
-    nodes = [
-        r for r in directory.model_nodes()
-        if (model_id is None or r.model_id == model_id) and directory.trusted(r.peer_id)
-    ]
+    nodes = directory.serving(model_id)
     nodes.sort(key=lambda r: -directory.reputation_or_initial(r.peer_id))
     return nodes
 

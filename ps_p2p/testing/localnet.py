@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ps_p2p import records
 from ps_p2p.config import NodeConfig, VerificationConfig
 from ps_p2p.consensus import app
 from ps_p2p.consensus.block import BlockLimits
@@ -30,7 +31,7 @@ from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.types import Validator
 from ps_p2p.engines.base import Engine
 from ps_p2p.genesis import genesis_json
-from ps_p2p.keys import NodeKeys
+from ps_p2p.keys import Identity, NodeKeys, membership_to_json
 from ps_p2p.node import Node
 from ps_p2p.roles.user import UserConfig
 from ps_p2p.testing.fakes import InstantEngine
@@ -149,7 +150,9 @@ async def open_localnet(
         verification: the genesis' challenge epochs (None: none); then every verifier also
             has the user role, the prompt ``pool`` (its digest must be the params') and the
             reference engine ``verifier_engine(i)``, and the block limits take 1 MiB reports.
-        model_organization: the organization in model node i's record (default none).
+        model_organization: the organization in model node i's record (default none): one
+            organization key per name, made here, signs each member's certificate (30 days;
+            ``NodeConfig.membership``).
         forwarding: model nodes forward within their group (``[forwarding] enabled``).
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
@@ -247,14 +250,25 @@ async def _open_localnet(
         verifier = verifiers[0]
         boot = [v.listen_addrs[0] for v in verifiers]
         model_nodes = []
+        org_keys: dict[str, Identity] = {}
         for i in range(models):
+            node_keys = NodeKeys.generate()
+            name = model_organization(i) if model_organization else ""
+            membership = None
+            if name:
+                org_key = org_keys.setdefault(name, Identity.generate())
+                cert = records.sign_membership(org_key, name, node_keys.identity.peer_id,
+                                               time.time_ns() // 1_000_000 + 30 * 86_400_000)
+                path = tmp / f"model{i}.membership.json"
+                path.write_text(membership_to_json(name, node_keys.identity.peer_id, cert))
+                membership = str(path)
             cfg = NodeConfig(roles=["model"], bootstrap=boot, model="fake",
-                             organization=model_organization(i) if model_organization else "",
+                             membership=membership,
                              **genesis, **fast)  # type: ignore[arg-type]
             cfg.forwarding.enabled = forwarding
             cfg.model_node.capacity = model_capacity
             cfg.model_node.max_queue = model_max_queue
-            model_nodes.append(await start(cfg, engine_factory(i)))
+            model_nodes.append(await start(cfg, engine_factory(i), keys=node_keys))
         user_nodes = []
 
         async def start_user(i: int = -1) -> Node:

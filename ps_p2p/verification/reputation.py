@@ -30,18 +30,28 @@ values", and a steady cheater with C = 0.3 sinks to about 0.09 (the paper's fig.
   temperature 0.7 instead of greedy 0.10-0.44, at 1.0 0.02-0.21; an answer cut to 64 tokens
   0.01. A copy with 5% weight noise (0.30-0.85) overlaps the honest range: a mild degradation
   is caught only if it is often below tau. tau is a genesis parameter to calibrate per model.
-* A subject starts at ``initial`` (0.5: trusted, but one bad epoch below the threshold). A
-  subject is trusted again once R climbs back over the threshold: it must be challenged to do
-  so (the plan decides whether untrusted nodes are challenged).
+* A subject starts at ``initial`` (0.5: over the threshold, but one bad epoch below it). The
+  rule starts every subject there; users, though, treat a subject that has no committed score
+  yet as *provisional* on a chain with epochs (:meth:`~ps_p2p.records.Directory.trusted`,
+  issue 16): its first epoch decides. A subject is trusted again once R climbs back over the
+  threshold: it must be challenged to do so (the plan decides whether untrusted nodes are
+  challenged).
 
-Subjects. Reputation is per organization when the node record names one, else per node:
-``subject_of(record)`` is ``b"org\\x00" || utf8(organization)`` or ``b"node\\x00" || peer_id``, so
-an organization's fresh identities inherit its reputation (the paper: "model nodes from the same
-organization share the same reputation score", sec. 3.1) and the two kinds never collide. An
-organization with several nodes challenged in one epoch gets one update, with C(T) the mean of
-all their scores (:meth:`ReputationBook.apply_epoch`). Limit: a dishonest operator can still
-leave an organization name and register under a new one (or none); the admission caps of
-:mod:`ps_p2p.consensus.app` bound how many such identities it can hold, not who it is.
+Subjects. Reputation is per organization when the node record carries an organization's
+membership certificate, else per node: ``subject_of(record)`` is ``b"orgkey\\x00" || org_key``
+(the organization key's peer ID, :class:`~ps_p2p.records.Membership`) or ``b"node\\x00" ||
+peer_id``, so an organization's fresh identities inherit its reputation (the paper: "model nodes
+from the same organization share the same reputation score", sec. 3.1) and the two kinds never
+collide. The subject is the organization's *key*, never its name: a name is free text, and a
+sybil naming "acme" once pulled acme's shared reputation from 0.71 to 0.28 in 4 epochs (issue
+16); only acme's key can make a node a member now. An organization with several nodes
+challenged in one epoch gets one update, with C(T) the mean of all their scores
+(:meth:`ReputationBook.apply_epoch`). A dishonest operator may still leave an organization (or
+make a new organization key) and register a fresh identity: that subject has no committed
+reputation, and on a chain with challenge epochs a user treats it as *provisional*, below every
+proven node, until its own challenges score it (:meth:`~ps_p2p.records.Directory.trusted`), so a
+fresh start buys no trust; the admission caps of :mod:`ps_p2p.consensus.app` bound how many
+such identities it can hold.
 """
 
 from __future__ import annotations
@@ -181,15 +191,15 @@ def is_trusted(state: ReputationState, params: ReputationParams = DEFAULT_REPUTA
     return state.reputation >= params.untrusted_below
 
 
-def subject_of(peer_id: bytes, organization: str = "") -> bytes:
+def subject_of(peer_id: bytes, org_key: bytes = b"") -> bytes:
     """The reputation subject of a model node (module docstring, "Subjects"); the same function
     as :func:`ps_p2p.records.reputation_subject`, which the directory uses.
 
     Args:
         peer_id: the node's peer ID bytes.
-        organization: its record's organization field ("" for none).
+        org_key: its record's membership's organization key (b"" for none).
     """
-    return reputation_subject(peer_id, organization)
+    return reputation_subject(peer_id, org_key)
 
 
 @dataclass

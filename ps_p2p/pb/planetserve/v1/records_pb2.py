@@ -25,15 +25,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cplanetserve/v1/records.proto\x12\x0eplanetserve.v1\"\xde\x01\n\nNodeRecord\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\r\n\x05\x61\x64\x64rs\x18\x02 \x03(\x0c\x12#\n\x05roles\x18\x03 \x03(\x0e\x32\x14.planetserve.v1.Role\x12\x11\n\tonion_key\x18\x04 \x01(\x0c\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x14\n\x0corganization\x18\x06 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\r\x12\x14\n\x0cissued_at_ms\x18\x08 \x01(\x04\x12\x15\n\rexpires_at_ms\x18\t \x01(\x04\x12\x11\n\tsignature\x18\n \x01(\x0c*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tROLE_USER\x10\x01\x12\x0e\n\nROLE_MODEL\x10\x02\x12\x11\n\rROLE_VERIFIER\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cplanetserve/v1/records.proto\x12\x0eplanetserve.v1\"\x91\x02\n\nNodeRecord\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\r\n\x05\x61\x64\x64rs\x18\x02 \x03(\x0c\x12#\n\x05roles\x18\x03 \x03(\x0e\x32\x14.planetserve.v1.Role\x12\x11\n\tonion_key\x18\x04 \x01(\x0c\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x14\n\x0corganization\x18\x06 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\r\x12\x14\n\x0cissued_at_ms\x18\x08 \x01(\x04\x12\x15\n\rexpires_at_ms\x18\t \x01(\x04\x12\x11\n\tsignature\x18\n \x01(\x0c\x12\x31\n\nmembership\x18\x0b \x01(\x0b\x32\x1d.planetserve.v1.OrgMembership\"J\n\rOrgMembership\x12\x0f\n\x07org_key\x18\x01 \x01(\x0c\x12\x15\n\rexpires_at_ms\x18\x02 \x01(\x04\x12\x11\n\tsignature\x18\x03 \x01(\x0c*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tROLE_USER\x10\x01\x12\x0e\n\nROLE_MODEL\x10\x02\x12\x11\n\rROLE_VERIFIER\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'planetserve.v1.records_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=273
-  _globals['_ROLE']._serialized_end=351
+  _globals['_ROLE']._serialized_start=400
+  _globals['_ROLE']._serialized_end=478
   _globals['_NODERECORD']._serialized_start=49
-  _globals['_NODERECORD']._serialized_end=271
+  _globals['_NODERECORD']._serialized_end=322
+  _globals['_ORGMEMBERSHIP']._serialized_start=324
+  _globals['_ORGMEMBERSHIP']._serialized_end=398
 # @@protoc_insertion_point(module_scope)
