@@ -7,13 +7,24 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+import trio
 
 from ps_p2p.consensus import app
 from ps_p2p.consensus.block import BlockLimits, make_block
+from ps_p2p.consensus.directory import DirectoryHistory
+from ps_p2p.consensus.sources import OTHER_NETWORK, NewIdentityLimiter
 from ps_p2p.consensus.types import Validator
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.errors import AdmissionError
 from ps_p2p.keys import Identity
+from ps_p2p.pb.planetserve.v1 import directory_pb2
+from ps_p2p.protocols.committee_directory import (
+    ERROR_REFUSED,
+    CommitteeDirectoryService,
+    register_with_committee,
+)
+from ps_p2p.protocols.framing import encode_varint
+from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 from ps_p2p.records import NodeRecord, Role, sign_record
 
 CHAIN = "mempool-test"
@@ -30,11 +41,15 @@ def node(i: int) -> Identity:
     return Identity.from_private_bytes(hashlib.sha256(b"mempool node %d" % i).digest())
 
 
-def reg(who: Identity, *, net: int, issued: int = T0, lifetime: int = HOUR) -> bytes:
-    rec = sign_record(who, NodeRecord(
-        who.peer_id, (f"/ip4/10.{1 + net // 256}.{net % 256}.1/tcp/4001",), frozenset({Role.USER}), ONION,
-        issued_at_ms=issued, expires_at_ms=issued + lifetime))
-    return app.encode_tx(app.RegisterTx(rec))
+def rec(who: Identity, *, net: int, issued: int = T0, lifetime: int = HOUR) -> NodeRecord:
+    """A record of ``who`` claiming an address in the /24 numbered ``net``."""
+    return sign_record(who, NodeRecord(
+        who.peer_id, (f"/ip4/10.{1 + net // 256}.{net % 256}.1/tcp/4001",),
+        frozenset({Role.USER}), ONION, issued_at_ms=issued, expires_at_ms=issued + lifetime))
+
+
+def reg(who: Identity, **kwargs) -> bytes:
+    return app.encode_tx(app.RegisterTx(rec(who, **kwargs)))
 
 
 def run(state: app.AppState, txs) -> app.AppState:
@@ -130,3 +145,93 @@ def test_update_moves_a_registration_to_the_lane_its_peer_now_belongs_in(listed)
     pool.update(state, [first], T0 + 2 * SECOND)
     assert pool.lane_size(app.Lane.LISTED) == 1 and pool.lane_size(app.Lane.NEW) == 0
     assert pool.pending_in_network("ip4:10.1.1.0/24") == 0
+
+
+# ---------------------------------------------------------------------------------- sources
+
+
+def test_new_identities_from_one_observed_network_get_a_burst_then_a_rate():
+    limiter = NewIdentityLimiter(per_minute=2, burst=3)
+    net = limiter.network_of("203.0.113.9")
+    assert net == "ip4:203.0.113.0/24" == limiter.network_of("203.0.113.200")
+    for _ in range(3):
+        limiter.check(net, 0.0)
+        limiter.charge(net, 0.0)
+    with pytest.raises(AdmissionError, match="too many new identities from ip4:203.0.113.0/24"):
+        limiter.check(net, 10.0)
+    limiter.check(limiter.network_of("203.0.114.9"), 10.0)  # another /24 has its own bucket
+    limiter.check(net, 30.0)  # one token back after 30 s at 2 a minute
+    assert limiter.refused == 1
+
+
+def test_loopback_sources_are_exempt_and_sources_without_ip_share_one_network():
+    limiter = NewIdentityLimiter(burst=1)
+    for host in ("127.0.0.1", "127.3.4.5", "::1", "::ffff:127.0.0.1"):
+        assert limiter.network_of(host) is None
+    for _ in range(5):
+        limiter.check(None, 0.0)
+        limiter.charge(None, 0.0)
+    assert len(limiter) == 0
+    assert limiter.network_of(None) == limiter.network_of("not-an-ip") == OTHER_NETWORK
+    assert limiter.network_of("2001:db8:1:2::5") == "ip6:2001:db8:1::/48"
+    assert limiter.network_of("::ffff:198.51.100.4") == "ip4:198.51.100.0/24"
+
+
+def test_the_limiter_remembers_a_bounded_number_of_networks():
+    limiter = NewIdentityLimiter(burst=1, max_networks=2)
+    for i in range(5):
+        limiter.charge(limiter.network_of(f"198.51.{i}.1"), 0.0)
+    assert len(limiter) == 2
+
+
+def answer(frame: bytes) -> directory_pb2.CommitteeDirectoryResponse:
+    for skip in range(1, 4):  # the unsigned-varint length prefix
+        if encode_varint(len(frame) - skip) == frame[:skip]:
+            return directory_pb2.CommitteeDirectoryResponse.FromString(frame[skip:])
+    raise AssertionError("not a frame")
+
+
+def test_the_directory_limits_new_identities_by_the_connections_network_not_the_claimed_one(
+        listed):
+    taken = []
+    now = [0.0]
+    service = CommitteeDirectoryService(lambda: DirectoryHistory(listed), taken.append,
+                                        new_identities=NewIdentityLimiter(burst=4),
+                                        clock=lambda: now[0])
+    source = ("203.0.113.9", 4001)
+    for i in range(1, 5):  # each claims a fresh /24: the committed caps never see them
+        record = rec(node(i), net=i)
+        assert answer(service.register(record, record.peer_id, source)).WhichOneof("kind") == "ack"
+    record = rec(node(5), net=5)
+    refused = answer(service.register(record, record.peer_id, source))
+    assert refused.error.code == ERROR_REFUSED
+    assert "too many new identities from ip4:203.0.113.0/24" in refused.error.message
+    renewal = rec(node(0), net=100, issued=T0 + SECOND)  # a listed peer: never limited
+    assert answer(service.register(renewal, renewal.peer_id, source)).WhichOneof("kind") == "ack"
+    assert answer(service.register(record, record.peer_id, ("198.51.100.1", 1))).WhichOneof(
+        "kind") == "ack"
+    now[0] = 30.0
+    assert answer(service.register(record, record.peer_id, source)).WhichOneof("kind") == "ack"
+    assert len(taken) == 7
+
+
+async def test_a_registration_over_a_real_connection_is_charged_to_its_remote_address(listed):
+    seen = []
+
+    class Spy(CommitteeDirectoryService):
+        def register(self, record, sender, source=None):
+            seen.append(source)
+            return super().register(record, sender, source)
+
+    verifier = Identity.from_private_bytes(b"\x51" * 32)
+    me = node(7)
+    service = Spy(lambda: DirectoryHistory(listed), lambda tx: True)
+    async with open_host(verifier, ["/ip4/127.0.0.1/tcp/0"]) as server, \
+            open_host(me, ["/ip4/127.0.0.1/tcp/0"]) as client, trio.open_nursery() as nursery:
+        await nursery.start(service.serve, server)
+        await connect(client, listen_multiaddrs(server)[0])
+        with trio.fail_after(10):
+            await register_with_committee(client, verifier.peer_id, rec(me, net=7))
+        nursery.cancel_scope.cancel()
+    assert seen and seen[0] is not None and seen[0][0] == "127.0.0.1"
+    assert len(service.new_identities) == 0  # loopback: exempt
