@@ -15,7 +15,7 @@ from ps_p2p.consensus.directory import DirectoryHistory
 from ps_p2p.consensus.sources import OTHER_NETWORK, NewIdentityLimiter
 from ps_p2p.consensus.types import Validator
 from ps_p2p.crypto.onion import OnionKeyPair
-from ps_p2p.errors import AdmissionError
+from ps_p2p.errors import AdmissionError, InvalidTransactionError
 from ps_p2p.keys import Identity
 from ps_p2p.pb.planetserve.v1 import directory_pb2
 from ps_p2p.protocols.committee_directory import (
@@ -235,3 +235,33 @@ async def test_a_registration_over_a_real_connection_is_charged_to_its_remote_ad
         nursery.cancel_scope.cancel()
     assert seen and seen[0] is not None and seen[0][0] == "127.0.0.1"
     assert len(service.new_identities) == 0  # loopback: exempt
+
+
+# ---------------------------------------------------------------------------------- lifetimes
+
+
+def test_the_default_record_outlives_ten_renewal_intervals():
+    from ps_p2p.config import NodeConfig
+
+    config = NodeConfig()
+    assert config.record_lifetime >= 10 * config.register_interval
+
+
+def test_an_older_record_is_refused_after_the_short_withdrawal_record_that_replaced_it_expired():
+    old = reg(node(0), net=100)  # public: every directory served it
+    state = run(app.genesis_state(GENESIS), [old])
+    withdrawal = reg(node(0), net=100, issued=T0 + SECOND, lifetime=2 * SECOND)
+    state = run(state, [withdrawal])
+    assert state.departed == {node(0).peer_id: T0 + SECOND}
+    state = run(state, [])  # the short record expired
+    state = run(state, [])
+    assert node(0).peer_id not in state.records
+    with pytest.raises(InvalidTransactionError, match="not newer than its deregistration"):
+        app.check_tx(old, state, state.time_ms)
+    newer = reg(node(0), net=100, issued=state.time_ms)  # the node itself may come back
+    assert app.check_tx(newer, state, state.time_ms)
+
+
+def test_a_renewal_that_does_not_shorten_the_record_leaves_no_tombstone(listed):
+    state = run(listed, [reg(node(0), net=100, issued=T0 + SECOND)])
+    assert state.departed == {}

@@ -84,7 +84,10 @@ aux as a digest and the reputation entries themselves, so a node recomputes the 
 and no verifier can lie about a reputation (:mod:`ps_p2p.consensus.directory`). *Departed* peers are tombstones: a DEREGISTER
 leaves (peer ID, its ``issued_at_ms``), and a REGISTER of that peer issued no later is refused,
 so nobody can replay a node's older record (directories are public) to list it again after it
-left (a newer record of the peer is still taken). A tombstone is dropped once no record issued
+left (a newer record of the peer is still taken). A renewal that *shortens* the listed record
+(expires before it: the short-lived record a node sends when a verifier refused its
+deregistration) leaves the same tombstone at its own ``issued_at_ms``, or the longer record it
+replaced would be taken again once the short one expired. A tombstone is dropped once no record issued
 before it can still be valid (block time past ``issued_at_ms + MAX_RECORD_LIFETIME_MS``,
 indexed by a heap); at most ``max_records`` are held, the oldest going first. The aux root
 re-hashes every tombstone when one changes (O(tombstones), bounded by ``max_records``). Cost
@@ -1100,7 +1103,11 @@ class BlockResult:
 def _apply(tx: Tx, state: AppState, checked: object,
            reputation_changes: dict[bytes, ReputationEntry | None]) -> None:
     if isinstance(tx, RegisterTx):
-        state._put(tx.record)
+        old = state._put(tx.record)
+        if old is not None and tx.record.expires_at_ms < old.expires_at_ms:
+            # a shortened record (a node's withdrawal, ps_p2p.node.Node.withdraw) must not
+            # let the longer one it replaced be replayed once it expires: a tombstone
+            state._depart(tx.record.peer_id, tx.record.issued_at_ms)
     elif isinstance(tx, (SeedCommitTx, EpochReportTx, MissReportTx)):
         _apply_epoch_tx(tx, state, checked, reputation_changes)
 
