@@ -26,6 +26,7 @@ from ps_p2p.protocols.committee_directory import (
 from ps_p2p.protocols.framing import encode_varint
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 from ps_p2p.records import NodeRecord, Role, sign_record
+from ps_p2p.testing.committee import MemoryCommittee
 
 CHAIN = "mempool-test"
 T0 = 1_700_000_000_000
@@ -265,3 +266,28 @@ def test_an_older_record_is_refused_after_the_short_withdrawal_record_that_repla
 def test_a_renewal_that_does_not_shorten_the_record_leaves_no_tombstone(listed):
     state = run(listed, [reg(node(0), net=100, issued=T0 + SECOND)])
     assert state.departed == {}
+
+
+# ---------------------------------------------------------------------------------- committee
+
+
+def test_a_committee_flooded_with_new_identities_still_takes_and_commits_a_renewal():
+    keys = [Identity.from_private_bytes(bytes([i + 1]) * 32) for i in range(4)]
+    genesis = app.Genesis(CHAIN, T0, tuple(Validator(k.peer_id) for k in keys))  # default policy
+    net = MemoryCommittee(keys, genesis)
+    honest = node(0)
+    net.route(0, net.vals[0].add_tx(reg(honest, net=3000), net.now))
+    assert net.run_until(lambda: all(honest.peer_id in v.state.records for v in net.vals))
+    flood = app.Mempool().max_new + 64
+    refused = 0
+    for i in range(flood):  # fresh identities, each claiming a fresh /24
+        try:
+            net.route(0, net.vals[0].add_tx(reg(node(10_000 + i), net=i), net.now))
+        except AdmissionError:
+            refused += 1
+    assert refused > 0  # the NEW lane is full...
+    renewal = rec(honest, net=3000, issued=T0 + 5 * SECOND)
+    net.route(0, net.vals[0].add_tx(app.encode_tx(app.RegisterTx(renewal)), net.now))  # ...not LISTED
+    assert net.run_until(lambda: all(v.state.records.get(honest.peer_id) == renewal
+                                     for v in net.vals))
+    assert net.vals[0].mempool.lane_size(app.Lane.NEW) > 0  # committed ahead of the sybils
