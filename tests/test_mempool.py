@@ -287,7 +287,8 @@ def test_a_committee_flooded_with_new_identities_still_takes_and_commits_a_renew
             refused += 1
     assert refused > 0  # the NEW lane is full...
     renewal = rec(honest, net=3000, issued=T0 + 5 * SECOND)
-    net.route(0, net.vals[0].add_tx(app.encode_tx(app.RegisterTx(renewal)), net.now))  # ...not LISTED
+    renewal_tx = app.encode_tx(app.RegisterTx(renewal))
+    net.route(0, net.vals[0].add_tx(renewal_tx, net.now))  # ...the LISTED lane is not
     assert net.run_until(lambda: all(v.state.records.get(honest.peer_id) == renewal
                                      for v in net.vals))
     assert net.vals[0].mempool.lane_size(app.Lane.NEW) > 0  # committed ahead of the sybils

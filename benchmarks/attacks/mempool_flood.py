@@ -72,7 +72,8 @@ def ident(tag: bytes) -> Identity:
     return Identity.from_private_bytes(hashlib.sha256(tag).digest())
 
 
-def record(who: Identity, addr: str, now_ms: int, lifetime_ms: int, roles=(Role.USER,)) -> NodeRecord:
+def record(who: Identity, addr: str, now_ms: int, lifetime_ms: int,
+           roles=(Role.USER,)) -> NodeRecord:
     return sign_record(who, NodeRecord(
         who.peer_id, (addr,), frozenset(roles), ONION,
         model_id="m" if Role.MODEL in roles else "",
@@ -194,7 +195,8 @@ def main() -> None:
         print(f"  sybils refused: {count} x {reason}")
     print(f"mempool at the end: {len(mempool)} transactions")
     print(f"validator wall time per block (execute + mempool re-check): median "
-          f"{statistics.median(block_seconds) * 1000:.1f} ms, max {max(block_seconds) * 1000:.1f} ms")
+          f"{statistics.median(block_seconds) * 1000:.1f} ms, "
+          f"max {max(block_seconds) * 1000:.1f} ms")
     rate = sybils_ever / end
     if rate:
         hours = app.AdmissionPolicy().max_records / rate / 3600

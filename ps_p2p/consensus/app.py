@@ -48,7 +48,9 @@ Known limits: addresses are claimed, not verified (a deterministic rule cannot d
 adversary may list addresses in a victim's network to use up its slots; it pays one identity
 that it must keep renewing per slot, and the caps are per-network, so it cannot exhaust the
 network as a whole. Everything is deterministic: the same state and transaction give the same
-answer on every verifier.
+answer on every verifier. What a sybil cannot claim, the address its connection comes from, is
+limited outside consensus by each verifier (:mod:`ps_p2p.consensus.sources`), and the
+:class:`Mempool` keeps new identities out of the room of listed peers' renewals.
 
 Reputations (PlanetServe sec. 3.4; the rule is :mod:`ps_p2p.verification.reputation`). The
 state keeps, per reputation subject (:func:`~ps_p2p.records.reputation_subject`: an
@@ -87,9 +89,10 @@ so nobody can replay a node's older record (directories are public) to list it a
 left (a newer record of the peer is still taken). A renewal that *shortens* the listed record
 (expires before it: the short-lived record a node sends when a verifier refused its
 deregistration) leaves the same tombstone at its own ``issued_at_ms``, or the longer record it
-replaced would be taken again once the short one expired. A tombstone is dropped once no record issued
-before it can still be valid (block time past ``issued_at_ms + MAX_RECORD_LIFETIME_MS``,
-indexed by a heap); at most ``max_records`` are held, the oldest going first. The aux root
+replaced would be taken again once the short one expired. A tombstone is dropped once no
+record issued before it can still be valid (block time past ``issued_at_ms +
+MAX_RECORD_LIFETIME_MS``, indexed by a heap); at most ``max_records`` are held, the oldest
+going first. The aux root
 re-hashes every tombstone when one changes (O(tombstones), bounded by ``max_records``). Cost
 after a block of k changes: the k changed buckets (~1/256 of the
 set each), 8 KiB of bucket digests, and the evidence keys when evidence changed (bounded by

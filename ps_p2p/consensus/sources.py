@@ -23,7 +23,7 @@ network, ``"other"``.
 What a sybil pays, with the defaults (2 a minute, burst 8, per verifier): listing X new
 identities within T minutes takes about ``X / (2 * T * N)`` /24 networks it really sends from
 (plus the registry's committed caps); the 100,000-record registry of a 4-verifier committee
-fills in a day only from ~9 /24s, in an hour only from ~210. An honest site behind one address
+fills in a day only from ~9 /24s, in an hour only from ~200. An honest site behind one address
 registers 8 nodes at once, then 2 a minute (the committed cap lets one /24 list only
 ``max_records_per_network``, 32 by default, anyway).
 
