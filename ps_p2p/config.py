@@ -278,7 +278,11 @@ class NodeConfig:
         sim: the parameters of engine "sim" (table ``[sim]``: cost model, batch, prefix cache;
             :class:`~ps_p2p.engines.sim_cost.SimParams`).
         register_interval: seconds between re-registrations with the verifiers.
-        record_lifetime: seconds a node record stays valid.
+        record_lifetime: seconds a node record stays valid (default 5 minutes, renewed every
+            ``register_interval``: ten tries per lifetime, so a committee that takes no
+            renewal for minutes, e.g. stalled or flooded, does not empty the directory; was 2
+            minutes, issue 16. The price: a node that stops without deregistering stays
+            listed up to this long, and users skip it as a dead relay meanwhile).
         directory_refresh: seconds between directory fetches.
         relay: user nodes relay other users' paths (``ps-node ask`` turns it off).
         register: register this node's record with the verifiers (off for a one-shot ``ask``).
@@ -314,7 +318,7 @@ class NodeConfig:
     device: str = "cpu"
     model_id: str | None = None
     register_interval: float = 30 * SECONDS
-    record_lifetime: float = 2 * MINUTES
+    record_lifetime: float = 5 * MINUTES
     directory_refresh: float = 5 * SECONDS
     relay: bool = True
     register: bool = True

@@ -8,7 +8,11 @@ by every verifier of the genesis validator set; one stream carries up to
 
 * ``register``: the node's own signed record. The server checks that the record names the
   peer ID of the connection (a node registers only itself; the record's signature proves the
-  rest), turns it into a REGISTER transaction and gives it to its consensus service
+  rest); a record of a peer the registry does not list (a new identity) must also find a
+  token in the bucket of the connection's observed source network (its remote IP's /24 or
+  /48: :class:`~ps_p2p.consensus.sources.NewIdentityLimiter`, loopback exempt; renewals are
+  never limited). Then it turns it into a REGISTER transaction and gives it to its consensus
+  service
   (:meth:`~ps_p2p.protocols.consensus.ConsensusService.submit_tx`: ``check_tx``, mempool,
   relayed to the other validators). Answer: one frame, ``ack`` (the record's expiry, unix ms:
   the transaction is in the mempool; it is listed once a block commits it) or ``error``.
@@ -59,6 +63,7 @@ from ps_p2p.consensus.directory import (
     iter_delta_pages,
 )
 from ps_p2p.consensus.replica import CommitteeReplica
+from ps_p2p.consensus.sources import NewIdentityLimiter
 from ps_p2p.consensus.types import Vote
 from ps_p2p.errors import LocalProtocolError, PsError, RemoteProtocolError
 from ps_p2p.pb.planetserve.v1 import directory_pb2
@@ -125,6 +130,9 @@ class CommitteeDirectoryService:
         page_bytes: bound of one encoded page (default :data:`PAGE_BYTES`).
         genesis_text: the genesis file served to ``genesis`` requests (UTF-8 JSON, at most
             :data:`MAX_GENESIS_FRAME_BYTES`); empty: such requests get ``ERROR_UNAVAILABLE``.
+        new_identities: how fast one observed source network may register unlisted peers
+            (default :class:`~ps_p2p.consensus.sources.NewIdentityLimiter` ``()``).
+        clock: seconds, monotonic (default trio's), for ``new_identities``.
 
     Attributes:
         served: directory answers sent; registered: records taken; refused: registrations
@@ -138,6 +146,8 @@ class CommitteeDirectoryService:
         *,
         page_bytes: int = PAGE_BYTES,
         genesis_text: bytes = b"",
+        new_identities: NewIdentityLimiter | None = None,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
         if not 64 <= page_bytes <= MAX_RESPONSE_BYTES - 1024:
             raise LocalProtocolError(f"page_bytes must be in 64..{MAX_RESPONSE_BYTES - 1024}")
@@ -146,6 +156,8 @@ class CommitteeDirectoryService:
         self.genesis_text = genesis_text
         self._history = history
         self._submit_tx = submit_tx
+        self.new_identities = NewIdentityLimiter() if new_identities is None else new_identities
+        self._clock = clock
         self.page_bytes = page_bytes
         self.served = 0
         self.registered = 0
@@ -188,12 +200,19 @@ class CommitteeDirectoryService:
 
         return header, commit, chain()
 
-    def register(self, record: NodeRecord, sender: bytes | None) -> bytes:
-        """Answer a registration: the encoded response frame (``ack`` or ``error``)."""
+    def register(self, record: NodeRecord, sender: bytes | None,
+                 source: tuple[str, int] | None = None) -> bytes:
+        """Answer a registration that came over a connection from ``source`` (remote IP and
+        port; None: no IP address): the encoded response frame (``ack`` or ``error``)."""
         try:
             if sender is not None and record.peer_id != sender:
                 raise RemoteProtocolError("a node may register only its own record")
-            self._submit_tx(RegisterTx(record))
+            network: str | None = None
+            if record.peer_id not in self._history().latest.records:
+                network = self.new_identities.network_of(source[0] if source else None)
+                self.new_identities.check(network, self._clock())
+            if self._submit_tx(RegisterTx(record)) is not False:
+                self.new_identities.charge(network, self._clock())
         except RemoteProtocolError as exc:
             self.refused += 1
             return _error(ERROR_REFUSED, f"registration refused: {exc}")
@@ -248,7 +267,8 @@ class CommitteeDirectoryService:
                         self.refused += 1
                         await stream.write(_error(ERROR_REFUSED, f"registration refused: {exc}"))
                         continue
-                    await stream.write(self.register(record, sender))
+                    await stream.write(self.register(record, sender,
+                                                     stream.get_remote_address()))
                 elif kind == "deregister":
                     await stream.write(self.deregister(request.deregister, sender))
                 elif kind == "genesis":
