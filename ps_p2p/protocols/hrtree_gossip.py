@@ -22,12 +22,28 @@ A receiver accepts an envelope only from a model node of its group listed in its
 directory (the pubsub ``from_id``, checked by strict signing, and our own signature under that
 peer ID's key); anything else is dropped and counted, never relayed on by us. Sizes are bounded
 (:data:`MAX_ENVELOPE_BYTES`, :data:`MAX_SNAPSHOT_ENVELOPE_BYTES`).
+
+**Who may read the topic** (issue 16: a js-libp2p peer outside the directory subscribed and
+received every load report and delta). py-libp2p 0.8.1's Pubsub has no per-peer subscription
+filter (``allowed_topics`` filters topics, not peers), and GossipSub sends a topic's messages to
+whoever announced a subscription, grafts whoever sends GRAFT (without checking subscriptions)
+and answers IWANT from anyone. So the gate sits one level lower, on the pubsub *streams*
+(:class:`MemberGate`): every RPC a peer sends (SUBSCRIBE, GRAFT, IWANT, PUBLISH) arrives on the
+meshsub stream it opened to us, and everything we send goes on the one we opened to it. The
+gate resets an inbound meshsub stream from a peer it does not admit before reading a byte, does
+not open ours to such a peer, and when the admitted set shrinks it resets both streams of a peer
+that left and drops it from pubsub's and the router's state. What it admits is the forwarding
+service's business (the model nodes of the group in the verified directory); until told, it
+admits nobody. It relies on three py-libp2p internals, checked by
+``tests/test_gossip_gate.py``: ``Pubsub._handle_new_peer`` (replaced on the instance),
+``Pubsub.peers`` and ``Pubsub._handle_dead_peer``.
 """
 
 from __future__ import annotations
 
 import logging
 import struct
+import weakref
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -119,7 +135,9 @@ async def running_pubsub(host: IHost) -> AsyncIterator[object]:
 
     py-libp2p's pubsub stream handler lets a malformed RPC's ``DecodeError`` escape, which
     kills the host (found by ``ps_p2p.testing.fuzz``): its handlers are replaced by guarded
-    ones that reset that stream only, and removed when the block ends.
+    ones that reset that stream only, and removed when the block ends. Those handlers are the
+    pubsub's :class:`MemberGate` (:func:`member_gate`), which admits nobody until the
+    forwarding service says who (module docstring, "Who may read the topic").
 
     Raises:
         ConfigError: the host already serves a GossipSub protocol (another pubsub runs on it).
@@ -134,29 +152,146 @@ async def running_pubsub(host: IHost) -> AsyncIterator[object]:
         raise ConfigError(f"the host already serves {', '.join(taken)} (another pubsub); "
                           "turn forwarding off ([forwarding] enabled = false) to attach")
     pubsub, router = make_pubsub(host)
-
-    async def guarded(stream: INetStream) -> None:
-        try:
-            await pubsub.stream_handler(stream)
-        except Exception as exc:  # an escaping exception kills the py-libp2p host
-            log.info("pubsub stream from %s reset: %r",
-                     peer_label(stream.muxed_conn.peer_id.to_bytes()), exc)
-            await reset_quietly(stream)
+    gate = MemberGate(host, pubsub)
 
     for protocol in GOSSIPSUB_PROTOCOLS:
         host.remove_stream_handler(protocol)
     handlers = StreamHandlers(host)
     for protocol in GOSSIPSUB_PROTOCOLS:
-        handlers.add(protocol, guarded)
+        handlers.add(protocol, gate.serve_inbound)
     try:
         async with background_trio_service(pubsub):
             async with background_trio_service(router):
                 for service in (pubsub, router):
                     _guard_tasks(service.manager)
                 await pubsub.wait_until_ready()
-                yield pubsub
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(gate.run)
+                    _GATES[pubsub] = gate
+                    try:
+                        yield pubsub
+                    finally:
+                        _GATES.pop(pubsub, None)
+                        nursery.cancel_scope.cancel()
     finally:
         await handlers.aclose()
+
+
+_GATES: "weakref.WeakKeyDictionary[Any, MemberGate]" = weakref.WeakKeyDictionary()
+
+
+def member_gate(pubsub: Any) -> MemberGate:
+    """The :class:`MemberGate` of a Pubsub that :func:`running_pubsub` runs.
+
+    Raises:
+        KeyError: ``pubsub`` is not one :func:`running_pubsub` is running.
+    """
+    return _GATES[pubsub]
+
+
+class MemberGate:
+    """Only admitted peers speak GossipSub with this node (module docstring, "Who may read").
+
+    Default: nobody is admitted. :meth:`admit` sets who is; call :meth:`refresh` whenever the
+    answer may have changed (a new verified directory). Resources: one set of inbound streams
+    per admitted peer (py-libp2p's per-peer stream limits bound it); a refused peer costs one
+    stream negotiation and a reset.
+
+    Attributes:
+        refused: inbound pubsub streams reset because the peer was not admitted.
+        evicted: peers dropped from pubsub when they stopped being admitted.
+    """
+
+    def __init__(self, host: IHost, pubsub: Any) -> None:
+        from libp2p.peer.id import ID
+
+        self._id = ID
+        self._host = host
+        self._pubsub = pubsub
+        self._admits: Callable[[bytes], bool] = lambda peer: False
+        self._inbound: dict[bytes, set[INetStream]] = {}
+        self._changed = trio.Event()
+        self.refused = 0
+        self.evicted = 0
+        # py-libp2p internal (0.8.1): every outbound pubsub stream is opened here, both for a
+        # new connection (the notifee's peer queue) and for the retries after a dead stream
+        self._open_outbound = pubsub._handle_new_peer
+        pubsub._handle_new_peer = self._handle_new_peer
+
+    def admit(self, admits: Callable[[bytes], bool]) -> None:
+        """Admit the peers (peer ID bytes) ``admits`` says yes to, from now on."""
+        self._admits = admits
+        self.refresh()
+
+    def admits(self, peer: bytes) -> bool:
+        """Whether ``peer`` may speak GossipSub with us now."""
+        try:
+            return bool(self._admits(peer))
+        except Exception:  # a broken predicate must not open the topic
+            log.exception("pubsub gate: admission check failed")
+            return False
+
+    def refresh(self) -> None:
+        """The admitted set may have changed: drop those that left, connect those that came."""
+        self._changed.set()
+
+    async def serve_inbound(self, stream: INetStream) -> None:
+        """The meshsub stream handler: a peer not admitted gets its stream reset unread."""
+        peer = stream.muxed_conn.peer_id.to_bytes()
+        if not self.admits(peer):
+            self.refused += 1
+            log.info("pubsub stream from %s refused: not a model node of this group",
+                     peer_label(peer))
+            await reset_quietly(stream)
+            return
+        streams = self._inbound.setdefault(peer, set())
+        streams.add(stream)
+        try:
+            await self._pubsub.stream_handler(stream)
+        except Exception as exc:  # an escaping exception kills the py-libp2p host
+            log.info("pubsub stream from %s reset: %r", peer_label(peer), exc)
+            await reset_quietly(stream)
+        finally:
+            streams.discard(stream)
+            if not streams and self._inbound.get(peer) is streams:
+                del self._inbound[peer]
+
+    async def _handle_new_peer(self, peer_id: Any) -> None:
+        if self.admits(peer_id.to_bytes()):
+            await self._open_outbound(peer_id)
+
+    async def run(self) -> None:
+        """Apply :meth:`refresh` calls until cancelled."""
+        while True:
+            await self._changed.wait()
+            self._changed = trio.Event()
+            await self._apply()
+
+    async def _apply(self) -> None:
+        pubsub = self._pubsub
+        known = {p.to_bytes() for p in list(pubsub.peers)} | set(self._inbound)
+        for peer in sorted(known):
+            if not self.admits(peer):
+                await self._evict(peer)
+        connected = self._host.get_network().get_connections_map()
+        for peer_id in connected:
+            if peer_id not in pubsub.peers and self.admits(peer_id.to_bytes()) \
+                    and pubsub.manager.is_running:
+                pubsub.manager.run_task(pubsub._handle_new_peer_with_retry, peer_id, 15.0)
+
+    async def _evict(self, peer: bytes) -> None:
+        self.evicted += 1
+        log.info("pubsub: %s is no longer a model node of this group; dropped",
+                 peer_label(peer))
+        for stream in list(self._inbound.pop(peer, ())):
+            await reset_quietly(stream)
+        peer_id = self._id(peer)
+        outbound = self._pubsub.peers.get(peer_id)
+        if outbound is not None:
+            await reset_quietly(outbound)
+        # py-libp2p internal: forgets its subscriptions and removes it from the router (mesh,
+        # fanout); the retry it schedules ends at once in _handle_new_peer
+        self._pubsub._handle_dead_peer(peer_id)
 
 
 def _guard_tasks(manager: Any) -> None:
@@ -255,6 +390,7 @@ async def fetch_snapshot(host: IHost, peer: bytes, *, timeout: float = 10.0) -> 
 
 __all__ = [
     "GOSSIPSUB_PROTOCOLS", "HRTREE_SYNC_PROTOCOL_ID", "KIND_DELTA", "KIND_LOAD",
-    "KIND_SNAPSHOT", "MAX_ENVELOPE_BYTES", "MAX_SNAPSHOT_ENVELOPE_BYTES", "SnapshotServer",
-    "fetch_snapshot", "make_pubsub", "open_envelope", "running_pubsub", "seal", "topic_for",
+    "KIND_SNAPSHOT", "MAX_ENVELOPE_BYTES", "MAX_SNAPSHOT_ENVELOPE_BYTES", "MemberGate",
+    "SnapshotServer", "fetch_snapshot", "make_pubsub", "member_gate", "open_envelope",
+    "running_pubsub", "seal", "topic_for",
 ]

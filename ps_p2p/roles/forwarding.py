@@ -115,6 +115,7 @@ class GroupForwarding:
         self.dropped: dict[str, int] = {}
         self.decisions: dict[str, int] = {}
         self._changed = trio.Event()
+        self._gate: wire.MemberGate | None = None
 
     # ------------------------------------------------------------------ membership
 
@@ -128,6 +129,8 @@ class GroupForwarding:
             if r.model_id == self.model_id and r.peer_id != self.me and Role.MODEL in r.roles
             and directory.trusted(r.peer_id)
         )
+        if group != self.group and self._gate is not None:
+            self._gate.refresh()  # pubsub with members only (hrtree_gossip.MemberGate)
         self.group = group
         members = group
         if len(members) > self.config.max_peers:
@@ -287,6 +290,8 @@ class GroupForwarding:
             topic, lambda peer, message: bytes(message.from_id) in self.members
             or bytes(message.from_id) == self.me, False)
         subscription = await pubsub.subscribe(topic)
+        self._gate = wire.member_gate(pubsub)  # nobody else reads or writes the topic
+        self._gate.admit(self.is_member)
         server = wire.SnapshotServer(self.snapshot_envelope, self.is_member)
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve, host)
