@@ -3,6 +3,7 @@
 Subcommands::
 
     ps-node keygen  --key-file PATH                 create a key file, print the peer ID
+    ps-node group-key [--out FILE]                  make a fresh model-group secret (hex)
     ps-node run     --role user|model|verifier ...  run one node until interrupted
     ps-node devnet  [--prompts FILE] [--model PATH] a local network of OS processes; prompts via it
     ps-node ask     --multiaddr MADDR "prompt"      join as a user, ask once, print the answer
@@ -71,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     keygen = sub.add_parser("keygen", help="create a key file and print its peer ID")
     keygen.add_argument("--key-file", required=True, help="where to write the keys (mode 0600)")
+
+    group_key = sub.add_parser(
+        "group-key", help="make a fresh secret for [forwarding] group_key: give it to every "
+                          "model node of one group, and nobody else")
+    group_key.add_argument("--out", metavar="FILE",
+                           help="write it as a [forwarding] table to FILE (mode 0600) instead "
+                                "of printing it")
 
     testnet = sub.add_parser(
         "testnet", help="write a committee's genesis file and one home (keys, config) per verifier"
@@ -222,6 +230,22 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_group_key(args: argparse.Namespace) -> int:
+    from ps_p2p.config import group_key_toml, new_group_key
+
+    key = new_group_key()
+    if args.out is None:
+        print(key)
+        return 0
+    path = pathlib.Path(args.out).expanduser()
+    if path.exists():
+        raise ConfigError(f"{path} exists; refusing to overwrite a group secret")
+    path.touch(mode=0o600)
+    path.write_text(group_key_toml(key))
+    print(f"group secret written to {path}")
+    return 0
+
+
 #: A status file older than this (seconds) belongs to a node that is not running.
 STATUS_STALE_S = 5.0
 
@@ -295,6 +319,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_testnet(args: argparse.Namespace) -> int:
     import ipaddress
 
+    from ps_p2p.config import group_key_toml, new_group_key
     from ps_p2p.consensus.app import Genesis
     from ps_p2p.consensus.block import BlockLimits
     from ps_p2p.consensus.core import ConsensusConfig
@@ -346,8 +371,12 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
             f"bootstrap = {json.dumps(others)}\n"
             + epochs_toml
         )
+    group = out / "model-group.toml"  # the model nodes' shared secret: theirs only
+    group.touch(mode=0o600)
+    group.write_text(group_key_toml(new_group_key()))
     print(f"chain {args.chain_id}: {args.verifiers} verifiers, genesis {out / 'genesis.json'} "
           f"(sha256 {genesis_hash(text)[:16]})")
+    print(f"  model nodes of one group: [forwarding] of {group} in their config")
     for name, addr in zip(names, addrs):
         print(f"  {name}: {addr}  (ps-node run --config {out / name / 'config.toml'})")
     return 0
@@ -730,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "keygen":
             return _cmd_keygen(args)
+        if args.command == "group-key":
+            return _cmd_group_key(args)
         if args.command == "testnet":
             return _cmd_testnet(args)
         if args.command == "status":

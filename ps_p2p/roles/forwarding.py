@@ -17,9 +17,10 @@ and routes each admitted request (:meth:`GroupForwarding.route`): its prompt's c
 :class:`~ps_p2p.gossip.forwarding.HRTreeForwarding` (Algorithm 2, one hop, session affinity)
 picks this node or a peer. The gossip goes over GossipSub (:mod:`ps_p2p.protocols.hrtree_gossip`).
 
-The group key: ``group_key`` of :class:`ForwardingConfig` (hex), shared by the operators of a
-group; without one it is derived from the model ID, which anyone can do, so then an observer of
-the gossip can test guessed prompts against the tree (logged as a warning at start).
+The group key: derived from ``group_key`` of :class:`ForwardingConfig` (hex), the secret the
+operators of a group share (:meth:`ForwardingConfig.key_bytes`); without one a node does not
+forward (``ForwardingConfig.active``). Only members speak GossipSub with us
+(:class:`~ps_p2p.protocols.hrtree_gossip.MemberGate`).
 """
 
 from __future__ import annotations
@@ -83,10 +84,7 @@ class GroupForwarding:
         self.engine = engine
         self.model_id = engine.model_id
         self.config = config or ForwardingConfig()
-        self._key = self.config.key_bytes(self.model_id)
-        if not self.config.group_key:
-            log.warning("forwarding: no group_key configured; the HR-tree key is derived from "
-                        "the model ID, so gossip observers can test guessed prompts")
+        self._key = self.config.key_bytes(self.model_id)  # ConfigError without a group_key
         self.lengths = self.config.lengths()
         self._clock = clock
         # one peer can never fill the tree for the others (per-peer share of the total)

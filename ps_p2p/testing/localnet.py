@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ps_p2p.config import NodeConfig, VerificationConfig
+from ps_p2p.config import NodeConfig, VerificationConfig, new_group_key
 from ps_p2p.consensus import app
 from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
@@ -150,7 +150,8 @@ async def open_localnet(
             has the user role, the prompt ``pool`` (its digest must be the params') and the
             reference engine ``verifier_engine(i)``, and the block limits take 1 MiB reports.
         model_organization: the organization in model node i's record (default none).
-        forwarding: model nodes forward within their group (``[forwarding] enabled``).
+        forwarding: model nodes forward within their group (``[forwarding] enabled``; all share
+            one fresh ``group_key`` secret).
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
     ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
@@ -247,11 +248,13 @@ async def _open_localnet(
         verifier = verifiers[0]
         boot = [v.listen_addrs[0] for v in verifiers]
         model_nodes = []
+        group_key = new_group_key()  # one secret: every model's group gets its own key from it
         for i in range(models):
             cfg = NodeConfig(roles=["model"], bootstrap=boot, model="fake",
                              organization=model_organization(i) if model_organization else "",
                              **genesis, **fast)  # type: ignore[arg-type]
             cfg.forwarding.enabled = forwarding
+            cfg.forwarding.group_key = group_key
             cfg.model_node.capacity = model_capacity
             cfg.model_node.max_queue = model_max_queue
             model_nodes.append(await start(cfg, engine_factory(i)))
