@@ -9,9 +9,9 @@ turned attacker:
    server answers (a new ``/planetserve/hrtree-sync/1.0.0`` stream each time). Printed: answers
    it got, the server's CPU spent building and signing snapshots, per second of attack.
 2. **delta flood**: it publishes ``--deltas`` large valid deltas (each a clear and ~25k new
-   hashes, ~200 KiB) on the group's topic as fast as it can. Printed: how many reached the
-   server's gossip handler, and the server's CPU in that handler (decode + apply), in total
-   and per second of flood.
+   hashes, ~200 KiB) on the group's topic, spread over ``--seconds`` (~400 KiB/s). Printed:
+   how many reached the server's gossip handler, and the server's CPU in that handler (decode
+   + apply), in total and per second of flood (plus 2 s for delivery).
 
     python benchmarks/attacks/hrtree_sync_cost.py [--seconds 10] [--entries 32768]
 
@@ -117,9 +117,10 @@ async def main(seconds: float, entries: int, deltas: int) -> dict[str, object]:
             size = sum(map(len, envelopes))
             base_calls, base_cpu = server.receive.deltas, server.receive.cpu  # type: ignore
             start = time.monotonic()
-            for envelope in envelopes:
+            for i, envelope in enumerate(envelopes):  # spread over `seconds`
                 await a_pubsub.publish(wire.topic_for("sim"), envelope)
-            await trio.sleep(3.0)  # delivery
+                await trio.sleep_until(trio.current_time() + seconds / len(envelopes))
+            await trio.sleep(2.0)  # delivery
             flood = time.monotonic() - start
             cpu = server.receive.cpu - base_cpu  # type: ignore[attr-defined]
             delivered = server.receive.deltas - base_calls  # type: ignore[attr-defined]

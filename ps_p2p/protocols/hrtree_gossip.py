@@ -10,7 +10,12 @@ Two protocols:
   IDONTWANT doubles the CPU), spam protection off (it drops a publisher's own messages above
   10/s per topic), strict signing on (the pubsub layer authenticates ``from_id``).
 * ``/planetserve/hrtree-sync/1.0.0``: a node that sees a gap in a peer's deltas asks that peer
-  for a signed snapshot of its subtree (one request per stream).
+  for a signed snapshot of its subtree (one request per stream). Members only, within a budget
+  per asker and in total, the answer built once per subtree state (:class:`SnapshotServer`).
+
+What a member may cost us: its gossip is taken within a per-publisher and a total budget of
+messages and bytes (:class:`GossipAdmission`, :mod:`ps_p2p.gossip.budget`), checked before
+GossipSub delivers or relays a message.
 
 Envelope (bytes; ``u8``/``u32`` big-endian)::
 
@@ -54,6 +59,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
 
 from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.gossip.budget import PeerBudget, PublisherBudget
 from ps_p2p.gossip.hr_tree import MAX_DELTA_BYTES, MAX_SNAPSHOT_BYTES
 from ps_p2p.protocols.framing import encode_frame, read_frame
 from ps_p2p.protocols.handlers import StreamHandlers, exchange, reset_quietly, serve_handlers
@@ -319,20 +325,57 @@ def _guard_tasks(manager: Any) -> None:
 class SnapshotServer:
     """The serving side of :data:`HRTREE_SYNC_PROTOCOL_ID`.
 
+    Costs (issue 16: a snapshot of 32k entries took 49 ms of CPU, and a member could ask every
+    second): only a member may ask (checked before reading anything); answers are charged to a
+    :class:`~ps_p2p.gossip.budget.PeerBudget` (per peer and in total, refused beyond: the
+    stream is reset); the sealed answer is built once per subtree state (``state()``: a member
+    asking again without a change costs a write), and rebuilt at most every ``min_rebuild``
+    seconds whatever the askers (a snapshot at most that much older than the subtree is still
+    exact at its ``seq``: the deltas after it bring the asker up to date).
+
     Args:
         snapshot: returns this node's sealed snapshot envelope (kind 3).
         may_ask: whether a peer may ask (a model node of the group).
-        min_interval: seconds between two answers to one peer (others are reset).
+        state: a value that changes whenever ``snapshot()`` would (e.g. the publisher's
+            ``(version, incarnation, seq)``); None: no caching.
+        budget: the answers' budget (default: :data:`~ps_p2p.gossip.budget.SNAPSHOT_PER_PEER`,
+            :data:`~ps_p2p.gossip.budget.SNAPSHOT_TOTAL`).
+        min_rebuild: seconds between two builds of the answer.
+        clock: seconds, monotonic (trio time).
+
+    Attributes:
+        served, refused: answers sent; requests refused (not a member, malformed, over budget).
+        built: answers built (``snapshot()`` calls).
     """
 
     def __init__(self, snapshot: Callable[[], bytes], may_ask: Callable[[bytes], bool], *,
-                 min_interval: float = 1.0) -> None:
+                 state: Callable[[], object] | None = None, budget: PeerBudget | None = None,
+                 min_rebuild: float = 1.0,
+                 clock: Callable[[], float] = trio.current_time) -> None:
         self._snapshot = snapshot
         self._may_ask = may_ask
-        self.min_interval = min_interval
-        self._last: dict[bytes, float] = {}
+        self._state = state
+        self.budget = budget or PeerBudget()
+        self.min_rebuild = min_rebuild
+        self._clock = clock
+        self._cached: tuple[object, float, bytes] | None = None  # (state, built at, envelope)
         self.served = 0
         self.refused = 0
+        self.built = 0
+        self._logged: set[bytes] = set()
+
+    def answer(self) -> bytes:
+        """The sealed snapshot to send now (cached, see the class docstring)."""
+        now = self._clock()
+        state = self._state() if self._state is not None else None
+        cached = self._cached
+        if cached is not None and self._state is not None and (
+                cached[0] == state or now < cached[1] + self.min_rebuild):
+            return cached[2]
+        envelope = self._snapshot()
+        self.built += 1
+        self._cached = (state, now, envelope)
+        return envelope
 
     async def serve(self, host: IHost, *,
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -348,18 +391,15 @@ class SnapshotServer:
             with trio.fail_after(SYNC_READ_TIMEOUT):
                 if await read_frame(stream, len(SYNC_REQUEST)) != SYNC_REQUEST:
                     raise RemoteProtocolError("not a snapshot request")
-            now = trio.current_time()
-            if now < self._last.get(sender, -1e9) + self.min_interval:
-                raise RemoteProtocolError("snapshot asked again too soon")
-            if len(self._last) > 4096:
-                self._last.clear()
-            self._last[sender] = now
-            await stream.write(encode_frame(self._snapshot()))
+            if not self.budget.admit(sender, self._clock()):
+                raise RemoteProtocolError("snapshot asked too often (over its budget)")
+            await stream.write(encode_frame(self.answer()))
             await stream.close()
             self.served += 1
         except RemoteProtocolError as exc:
             self.refused += 1
-            log.info("snapshot request from %s refused: %s", peer_label(sender), exc)
+            _log_once(self._logged, sender, "snapshot request from %s refused: %s",
+                      peer_label(sender), exc)
             await reset_quietly(stream)
         except (StreamError, StreamEOF, trio.TooSlowError) as exc:
             log.info("snapshot stream from %s failed: %r", peer_label(sender), exc)
@@ -367,6 +407,63 @@ class SnapshotServer:
         except Exception:
             log.exception("snapshot stream from %s: unexpected error", peer_label(sender))
             await reset_quietly(stream)
+
+
+def _log_once(logged: set[bytes], peer: bytes, message: str, *args: object) -> None:
+    """Log ``message`` at INFO the first time for ``peer`` (at most 1,024 peers remembered,
+    then forgotten together), at DEBUG after: a peer repeating itself cannot flood the log."""
+    if peer in logged:
+        log.debug(message, *args)
+        return
+    if len(logged) >= 1024:
+        logged.clear()
+    logged.add(peer)
+    log.info(message, *args)
+
+
+class GossipAdmission:
+    """The group topic's validator: which messages a model node takes and relays.
+
+    GossipSub runs it on every message before delivering or relaying it (py-libp2p
+    ``Pubsub.set_topic_validator``, synchronous): a message is taken when its publisher (the
+    ``from_id`` strict signing checked) is ``me`` or a member, and the
+    :class:`~ps_p2p.gossip.budget.PublisherBudget` of that publisher and of all of them covers
+    it (issue 16: one publisher's flood of large deltas cost every member CPU without limit).
+    A refused message is neither delivered nor relayed and costs nothing more (pubsub caches
+    the verdict by message ID). Envelope signatures are checked later, by the receiver.
+
+    Args:
+        me: this node's peer ID (its own messages always pass).
+        is_member: whether a publisher is a member whose gossip we take.
+        budget: default :class:`~ps_p2p.gossip.budget.PublisherBudget` ().
+        clock: seconds, monotonic (trio time).
+        on_drop: called with a reason (``"not_member"``, ``"over_budget"``) per refusal.
+    """
+
+    def __init__(self, me: bytes, is_member: Callable[[bytes], bool], *,
+                 budget: PublisherBudget | None = None,
+                 clock: Callable[[], float] = trio.current_time,
+                 on_drop: Callable[[str], None] = lambda reason: None) -> None:
+        self.me = me
+        self._is_member = is_member
+        self.budget = budget or PublisherBudget()
+        self._clock = clock
+        self._on_drop = on_drop
+        self._logged: set[bytes] = set()
+
+    def __call__(self, forwarder: Any, message: Any) -> bool:
+        publisher = bytes(message.from_id)
+        if publisher == self.me:
+            return True
+        if not self._is_member(publisher):
+            self._on_drop("not_member")
+            return False
+        if not self.budget.admit(publisher, len(message.data), self._clock()):
+            self._on_drop("over_budget")
+            _log_once(self._logged, publisher, "gossip from %s over its budget: dropped "
+                      "(%d so far)", peer_label(publisher), self.budget.refused.get(publisher, 0))
+            return False
+        return True
 
 
 async def fetch_snapshot(host: IHost, peer: bytes, *, timeout: float = 10.0) -> bytes:
@@ -390,7 +487,7 @@ async def fetch_snapshot(host: IHost, peer: bytes, *, timeout: float = 10.0) -> 
 
 __all__ = [
     "GOSSIPSUB_PROTOCOLS", "HRTREE_SYNC_PROTOCOL_ID", "KIND_DELTA", "KIND_LOAD",
-    "KIND_SNAPSHOT", "MAX_ENVELOPE_BYTES", "MAX_SNAPSHOT_ENVELOPE_BYTES", "MemberGate",
-    "SnapshotServer", "fetch_snapshot", "make_pubsub", "member_gate", "open_envelope",
-    "running_pubsub", "seal", "topic_for",
+    "KIND_SNAPSHOT", "MAX_ENVELOPE_BYTES", "MAX_SNAPSHOT_ENVELOPE_BYTES", "GossipAdmission",
+    "MemberGate", "SnapshotServer", "fetch_snapshot", "make_pubsub", "member_gate",
+    "open_envelope", "running_pubsub", "seal", "topic_for",
 ]

@@ -282,15 +282,19 @@ class GroupForwarding:
         cancelled. ``pubsub``: a running Pubsub (:func:`~ps_p2p.protocols.hrtree_gossip.
         running_pubsub`) on ``host``."""
         topic = wire.topic_for(self.model_id)
-        # only members' messages are taken, relayed on or queued (GossipSub validates before
-        # it relays); the envelope's own signature is checked in receive()
+        # only members' messages within their publisher's budget are taken, relayed on or
+        # queued (GossipSub validates before it relays); the envelope's own signature is
+        # checked in receive()
         pubsub.set_topic_validator(
-            topic, lambda peer, message: bytes(message.from_id) in self.members
-            or bytes(message.from_id) == self.me, False)
+            topic, wire.GossipAdmission(self.me, lambda peer: peer in self.members,
+                                        clock=self._clock, on_drop=self._drop), False)
         subscription = await pubsub.subscribe(topic)
         self._gate = wire.member_gate(pubsub)  # nobody else reads or writes the topic
         self._gate.admit(self.is_member)
-        server = wire.SnapshotServer(self.snapshot_envelope, self.is_member)
+        server = wire.SnapshotServer(  # answers built once per subtree state, budgeted
+            self.snapshot_envelope, self.is_member, clock=self._clock,
+            state=lambda: (self.publisher.version, self.publisher.incarnation,
+                           self.publisher.seq))
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve, host)
             nursery.start_soon(self._receive_loop, subscription)
