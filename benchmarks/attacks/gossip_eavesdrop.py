@@ -10,8 +10,9 @@ derive (the model ID's, the old default) against the deltas it read.
 
     python benchmarks/attacks/gossip_eavesdrop.py [--seconds 10]
 
-Before the fix: dozens of load reports and a few deltas, and the guessed prompt's hashes are in
-them. After: nothing (the outsider's pubsub streams are refused; the key is a secret).
+Before the fix (issue 16): 24 load reports and 1 delta in 10 s, the guessed prompt's 7 chunk
+hashes all in them, and the group's key derivable from the model ID. After: nothing received
+(the outsider's pubsub streams are refused) and the key is the group's secret.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ async def main(seconds: float) -> dict[str, object]:
 
     received: dict[int, int] = {}
     hashes_seen: set[bytes] = set()
-    async with open_localnet(users=4, models=2,
+    async with open_localnet(users=5, models=2,
                              engine_factory=lambda i: SimEngine("sim", FAST)) as net:
         target = net.models[0]
         async with open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as outsider:
@@ -90,11 +91,14 @@ async def main(seconds: float) -> dict[str, object]:
         ids = await target.engine.encode(PREFIX + "What is 0+0?")
         guess = hr_tree.chunk_hashes(ids, fa.lengths, guessed_key)
         confirmed = sum(1 for h in guess if h in hashes_seen)
+        # and whether it would work on any copy of the gossip (a member's leak, a capture)
+        guessable = guess == hr_tree.chunk_hashes(ids, fa.lengths, fa._key)
     return {
         "seconds": round(elapsed, 1),
         "load_reports": received.get(wire.KIND_LOAD, 0),
         "deltas": received.get(wire.KIND_DELTA, 0),
         "guessed_prompt_chunks_confirmed": f"{confirmed}/{len(guess)}",
+        "key_derivable_from_model_id": guessable,
     }
 
 

@@ -17,6 +17,11 @@ turned attacker:
 
 CPU is ``time.process_time`` around the server's own functions (the attacker runs in the same
 process; its cost is not counted).
+
+Measured (2 shared cores, defaults): before the fix (issue 16) 10 answers in 10 s, 41.8 ms of
+CPU a second; 20 of 20 deltas handled, 1,435 ms (119 ms/s). After: 2 answers, one build,
+3.8 ms/s; 6 of 20 deltas handled (the 1 MiB burst, then 32 KiB/s), 14 dropped over budget,
+360 ms (30 ms/s over the run; ~11 ms/s once the burst is spent).
 """
 
 from __future__ import annotations
