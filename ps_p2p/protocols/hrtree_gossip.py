@@ -219,6 +219,7 @@ class MemberGate:
         self._changed = trio.Event()
         self.refused = 0
         self.evicted = 0
+        self._logged: set[bytes] = set()
         # py-libp2p internal (0.8.1): every outbound pubsub stream is opened here, both for a
         # new connection (the notifee's peer queue) and for the retries after a dead stream
         self._open_outbound = pubsub._handle_new_peer
@@ -246,8 +247,8 @@ class MemberGate:
         peer = stream.muxed_conn.peer_id.to_bytes()
         if not self.admits(peer):
             self.refused += 1
-            log.info("pubsub stream from %s refused: not a model node of this group",
-                     peer_label(peer))
+            _log_once(self._logged, peer, "pubsub stream from %s refused: not a model node of "
+                      "this group", peer_label(peer))
             await reset_quietly(stream)
             return
         streams = self._inbound.setdefault(peer, set())
@@ -271,7 +272,10 @@ class MemberGate:
         while True:
             await self._changed.wait()
             self._changed = trio.Event()
-            await self._apply()
+            try:
+                await self._apply()
+            except Exception:  # py-libp2p internals changed under us: keep the node up
+                log.exception("pubsub gate: applying the group's membership failed")
 
     async def _apply(self) -> None:
         pubsub = self._pubsub
