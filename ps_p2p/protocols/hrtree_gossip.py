@@ -335,7 +335,9 @@ class SnapshotServer:
     stream is reset); the sealed answer is built once per subtree state (``state()``: a member
     asking again without a change costs a write), and rebuilt at most every ``min_rebuild``
     seconds whatever the askers (a snapshot at most that much older than the subtree is still
-    exact at its ``seq``: the deltas after it bring the asker up to date).
+    exact at its ``seq``: the deltas after it bring the asker up to date, as long as it was built
+    after the delta the asker missed was taken, hence ``min_rebuild`` below the publisher's
+    ``delta_interval``, 2 s by default). Worst case at 32k entries: one 49 ms build a second.
 
     Args:
         snapshot: returns this node's sealed snapshot envelope (kind 3).
