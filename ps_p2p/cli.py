@@ -3,6 +3,7 @@
 Subcommands::
 
     ps-node keygen  --key-file PATH                 create a key file, print the peer ID
+    ps-node group-key [--out FILE]                  make a fresh model-group secret (hex)
     ps-node run     --role user|model|verifier ...  run one node until interrupted
     ps-node devnet  [--prompts FILE] [--model PATH] a local network of OS processes; prompts via it
     ps-node ask     --multiaddr MADDR "prompt"      join as a user, ask once, print the answer
@@ -94,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     org_sign.add_argument("--out", required=True, metavar="FILE",
                           help="where to write the certificate; give it to the node "
                                "(ps-node run --membership FILE)")
+    group_key = sub.add_parser(
+        "group-key", help="make a fresh secret for [forwarding] group_key: give it to every "
+                          "model node of one group, and nobody else")
+    group_key.add_argument("--out", metavar="FILE",
+                           help="write it as a [forwarding] table to FILE (mode 0600) instead "
+                                "of printing it")
 
     testnet = sub.add_parser(
         "testnet", help="write a committee's genesis file and one home (keys, config) per verifier"
@@ -271,6 +278,19 @@ def _cmd_org(args: argparse.Namespace) -> int:
     out.write_text(membership_to_json(args.name, member, membership), encoding="utf-8")
     print(f"{out}: {args.member} is a member of {args.name!r} ({key.peer_id_str}) until "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(expires / 1000))}")
+def _cmd_group_key(args: argparse.Namespace) -> int:
+    from ps_p2p.config import group_key_toml, new_group_key
+
+    key = new_group_key()
+    if args.out is None:
+        print(key)
+        return 0
+    path = pathlib.Path(args.out).expanduser()
+    if path.exists():
+        raise ConfigError(f"{path} exists; refusing to overwrite a group secret")
+    path.touch(mode=0o600)
+    path.write_text(group_key_toml(key))
+    print(f"group secret written to {path}")
     return 0
 
 
@@ -349,6 +369,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_testnet(args: argparse.Namespace) -> int:
     import ipaddress
 
+    from ps_p2p.config import group_key_toml, new_group_key
     from ps_p2p.consensus.app import Genesis
     from ps_p2p.consensus.block import BlockLimits
     from ps_p2p.consensus.core import ConsensusConfig
@@ -400,8 +421,12 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
             f"bootstrap = {json.dumps(others)}\n"
             + epochs_toml
         )
+    group = out / "model-group.toml"  # the model nodes' shared secret: theirs only
+    group.touch(mode=0o600)
+    group.write_text(group_key_toml(new_group_key()))
     print(f"chain {args.chain_id}: {args.verifiers} verifiers, genesis {out / 'genesis.json'} "
           f"(sha256 {genesis_hash(text)[:16]})")
+    print(f"  model nodes of one group: [forwarding] of {group} in their config")
     for name, addr in zip(names, addrs):
         print(f"  {name}: {addr}  (ps-node run --config {out / name / 'config.toml'})")
     return 0
@@ -786,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_keygen(args)
         if args.command == "org":
             return _cmd_org(args)
+        if args.command == "group-key":
+            return _cmd_group_key(args)
         if args.command == "testnet":
             return _cmd_testnet(args)
         if args.command == "status":

@@ -47,7 +47,21 @@ class ModelNodeConfig(DispatchConfig):
     stream_interval: float = 0.05
 
 
-_GROUP_KEY_DOMAIN = b"planetserve/v1/hrtree-group-key\x00"
+_GROUP_KEY_PERSON = b"ps-hrtree-gkey-1"  # BLAKE2b personalization (16 bytes)
+
+
+def new_group_key() -> str:
+    """A fresh group secret for ``[forwarding] group_key``: 32 random bytes, hex (what
+    ``ps-node group-key`` prints and the devnet, localnet and testnet hand their model nodes)."""
+    import secrets
+
+    return secrets.token_hex(32)
+
+
+def group_key_toml(key: str) -> str:
+    """``key`` as a ``[forwarding]`` table for a model node's config file."""
+    return ("# for the config of every model node of one group (and nobody else)\n"
+            f"[forwarding]\ngroup_key = \"{key}\"\n")
 
 
 @dataclass
@@ -56,8 +70,12 @@ class ForwardingConfig:
 
     Attributes:
         enabled: route requests within the model group (off: serve every request here).
-        group_key: the model group's HR-tree key, hex (16-64 bytes); "" derives a public one
-            from the model ID (module docstring).
+        group_key: the model group's secret, hex (16-64 bytes), the same on every model node
+            of the group and known to nobody else (its operators share it; ``ps-node
+            group-key`` makes one); the HR-tree key of a model is derived from it
+            (:meth:`key_bytes`). "" (the default): forwarding stays off (:attr:`active`), since
+            a key anyone can derive would let every observer of the gossip test guessed
+            prompts against the group's chunk hashes (issue 16).
         chunk_lengths, chunk_default, chunk_version: the group's L (Appendix A3; the Sentry's
             output, ``ps_p2p.gossip.sentry``): the first chunks' lengths in tokens, the length
             of every later chunk, and L's version (all nodes of a group must agree).
@@ -84,9 +102,16 @@ class ForwardingConfig:
     load_max_age: float = 3.0
     max_peers: int = 64
 
+    @property
+    def active(self) -> bool:
+        """Whether a model node forwards and gossips: ``enabled`` and a ``group_key`` given."""
+        return self.enabled and bool(self.group_key)
+
     def validate(self) -> None:
-        """Raise ConfigError on a bad key, chunk lengths or interval."""
-        self.key_bytes("")
+        """Raise ConfigError on a bad key, chunk lengths or interval (no key is allowed:
+        forwarding then stays off, :attr:`active`)."""
+        if self.group_key:
+            self.key_bytes("")
         self.lengths()
         for name in ("load_interval", "delta_interval", "load_max_age", "overload_threshold"):
             value = getattr(self, name)
@@ -96,15 +121,18 @@ class ForwardingConfig:
             raise ConfigError("forwarding.tau_c and forwarding.max_peers must be >= 1")
 
     def key_bytes(self, model_id: str) -> bytes:
-        """The group key (module docstring).
+        """The HR-tree key of ``model_id``'s group: 32 bytes, BLAKE2b-256 keyed with the
+        ``group_key`` secret (personalization ``ps-hrtree-gkey-1``) over the model ID's UTF-8
+        bytes, so one secret may serve the groups of several models with unrelated keys.
 
         Raises:
-            ConfigError: ``group_key`` is not hex of 16-64 bytes.
+            ConfigError: no ``group_key``, or it is not hex of 16-64 bytes.
         """
         from ps_p2p.gossip import hr_tree
 
         if not self.group_key:
-            return hashlib.sha256(_GROUP_KEY_DOMAIN + model_id.encode()).digest()
+            raise ConfigError("forwarding needs [forwarding] group_key, the group's shared "
+                              "secret (ps-node group-key makes one)")
         try:
             key = bytes.fromhex(self.group_key)
         except ValueError:
@@ -112,7 +140,8 @@ class ForwardingConfig:
         if not hr_tree.MIN_KEY_BYTES <= len(key) <= hr_tree.MAX_KEY_BYTES:
             raise ConfigError(f"forwarding.group_key must be {hr_tree.MIN_KEY_BYTES}-"
                               f"{hr_tree.MAX_KEY_BYTES} bytes")
-        return key
+        return hashlib.blake2b(model_id.encode(), key=key, person=_GROUP_KEY_PERSON,
+                               digest_size=32).digest()
 
     def lengths(self):  # type: ignore[no-untyped-def]
         """The group's L (:class:`~ps_p2p.gossip.sentry.ChunkLengths`). Raises ConfigError on

@@ -332,6 +332,10 @@ class Devnet:
         self.genesis_path: pathlib.Path | None = None
         self._verifier_addrs: list[str] = []
         self._specs: dict[str, dict[str, Any]] = {}  # by node name: to restart a node
+        # the model group's secret ([forwarding] group_key), handed to the model nodes only
+        from ps_p2p.config import new_group_key
+
+        self._group_key = new_group_key()
         self.progress = Progress(nodes=opts.nodes, users=opts.users,
                                  directory_nodes=opts.models + opts.users)
         self._changed = trio.Event()
@@ -421,6 +425,8 @@ class Devnet:
                 "byzantine": (role == "verifier" and opts.perturb == "byzantine-verifier"
                               and i == count - 1),
             }
+            if role == "model":
+                spec["group_key"] = self._group_key
             if self.genesis_path is not None:
                 spec["genesis"] = str(self.genesis_path)
                 if role == "verifier":
@@ -1302,6 +1308,7 @@ class _WorkerProcess:
                     home=spec.get("home"),
                     listen=spec.get("listen", NodeConfig.listen),
                 )
+                config.forwarding.group_key = spec.get("group_key", "")
                 async with trio.open_nursery() as nursery:
                     node = await nursery.start(Node(config, keys, engine).run)
                     self._nodes[name] = node

@@ -337,7 +337,7 @@ class Node:
                     str(CONSENSUS_PROTOCOL_ID), str(BLOCKSYNC_PROTOCOL_ID)}
         if self.roles & {Role.USER, Role.MODEL}:
             ids |= {ONION_PROTOCOL_ID, CLOVE_PROTOCOL_ID, DELIVER_PROTOCOL_ID}
-        if Role.MODEL in self.roles and self.config.forwarding.enabled:
+        if Role.MODEL in self.roles and self.config.forwarding.active:
             ids |= {str(FORWARD_PROTOCOL_ID), str(HRTREE_SYNC_PROTOCOL_ID),
                     *map(str, GOSSIPSUB_PROTOCOLS)}
         return frozenset(ids)
@@ -400,7 +400,10 @@ class Node:
         self.host = host
         self.listen_addrs = listen_multiaddrs(host)
         network = host.get_network()
-        forwarding = Role.MODEL in self.roles and self.config.forwarding.enabled
+        forwarding = Role.MODEL in self.roles and self.config.forwarding.active
+        if Role.MODEL in self.roles and self.config.forwarding.enabled and not forwarding:
+            log.warning("forwarding off: no [forwarding] group_key (the group's shared secret; "
+                        "ps-node group-key makes one): every request is served here")
         try:
             async with AsyncExitStack() as stack:
                 # GossipSub before any connection (an early pubsub stream crashes the host)

@@ -229,7 +229,7 @@ def _readme_flags() -> dict[str | None, set[str]]:
     flags: dict[str | None, set[str]] = {None: set()}
     section: str | None = None
     for line in reference.splitlines():
-        synopsis = re.match(r"`ps-node (\w+)([^`]*)`", line)
+        synopsis = re.match(r"`ps-node (\w[\w-]*)([^`]*)`", line)
         if synopsis:
             section = synopsis.group(1)
             flags.setdefault(section, set()).update(FLAG.findall(synopsis.group(2)))
@@ -428,3 +428,19 @@ def test_nodes_stopped_by_sigint_or_sigterm_exit_with_status_0(shared, tmp_path,
 
     logs = "\n".join(n.log_tail() for n in nodes)
     assert stopped == {"verifier": 0, "model": 0, "user": 0}, logs
+
+
+def test_group_key_makes_a_fresh_secret_and_writes_it_for_the_owner_only(tmp_path, capsys):
+    import tomllib
+
+    from ps_p2p.cli import main
+    from ps_p2p.config import ForwardingConfig
+
+    assert main(["group-key"]) == 0 and main(["group-key"]) == 0
+    first, second = capsys.readouterr().out.split()
+    assert first != second and len(bytes.fromhex(first)) == 32
+    out = tmp_path / "group.toml"
+    assert main(["group-key", "--out", str(out)]) == 0
+    assert out.stat().st_mode & 0o777 == 0o600
+    assert ForwardingConfig(**tomllib.loads(out.read_text())["forwarding"]).active
+    assert main(["group-key", "--out", str(out)]) == 2  # never overwrites a secret

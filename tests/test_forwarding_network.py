@@ -72,6 +72,7 @@ async def test_a_forward_from_a_node_outside_the_model_group_is_refused():
 
 async def test_a_pubsub_message_with_a_garbage_key_from_anyone_costs_that_message_only():
     from libp2p.custom_types import TProtocol
+    from libp2p.network.stream.exceptions import StreamError
     from libp2p.peer.id import ID
     from libp2p.pubsub.pb import rpc_pb2
     from libp2p.utils import encode_varint_prefixed
@@ -89,9 +90,12 @@ async def test_a_pubsub_message_with_a_garbage_key_from_anyone_costs_that_messag
             bad = rpc_pb2.Message(from_id=b"\x01\x02\x03x", data=b"x", seqno=b"\0" * 8,
                                   topicIDs=[topic_for("sim")], signature=b"s" * 64,
                                   key=b"\xff\xffgarbage")  # py-libp2p's validator raises on it
-            for _ in range(3):
-                await stream.write(encode_varint_prefixed(
-                    rpc_pb2.RPC(publish=[bad]).SerializeToString()))
+            try:
+                for _ in range(3):
+                    await stream.write(encode_varint_prefixed(
+                        rpc_pb2.RPC(publish=[bad]).SerializeToString()))
+            except StreamError:  # refused unread: an outsider may not speak pubsub with it
+                pass
             answer = await net.users[0].user.ask("still there?", model_node=target.peer_id,
                                                  max_tokens=2, timeout=30)
             assert answer.ok, answer.error

@@ -93,6 +93,15 @@ def test_testnet_writes_a_genesis_and_a_home_per_verifier_that_ps_node_run_reads
         )
     printed = capsys.readouterr().out
     assert "4 verifiers" in printed and printed.count("ps-node run --config") == 4
+    # the model nodes' shared group secret, readable by its owner only, in config form
+    group = out / "model-group.toml"
+    assert group.stat().st_mode & 0o777 == 0o600 and "model-group.toml" in printed
+    import tomllib
+
+    from ps_p2p.config import ForwardingConfig
+
+    forwarding = ForwardingConfig(**tomllib.loads(group.read_text())["forwarding"])
+    assert forwarding.active and len(bytes.fromhex(forwarding.group_key)) == 32
     # a second run never overwrites keys
     assert cli.main(["testnet", "--verifiers", "4", "--out", str(out)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err

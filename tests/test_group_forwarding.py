@@ -128,7 +128,34 @@ def test_bad_forwarding_settings_are_config_errors():
         dataclasses.replace(CONFIG, load_interval=0).validate()
     with pytest.raises(ConfigError, match="chunk lengths"):
         dataclasses.replace(CONFIG, chunk_lengths=[0]).validate()
-    assert ForwardingConfig().key_bytes("m") != ForwardingConfig().key_bytes("n")
+    assert CONFIG.key_bytes("m") != CONFIG.key_bytes("n")  # one secret, a key per model
+
+
+def test_without_a_group_secret_forwarding_is_off_and_no_public_key_is_derived():
+    import hashlib
+
+    from ps_p2p.config import NodeConfig, new_group_key
+
+    assert not ForwardingConfig().active and CONFIG.active
+    ForwardingConfig().validate()  # allowed: the node serves every request itself
+    with pytest.raises(ConfigError, match="group_key"):
+        ForwardingConfig().key_bytes("sim")
+    # what an outsider could derive from the model ID alone is not the key any more
+    public = hashlib.sha256(b"planetserve/v1/hrtree-group-key\x00sim").digest()
+    keys = {CONFIG.key_bytes("sim"), ForwardingConfig(group_key=new_group_key()).key_bytes("sim"),
+            public}
+    assert len(keys) == 3 and len(new_group_key()) == 64
+    # a model node without one serves no forwarding or gossip protocol
+    from ps_p2p.keys import NodeKeys
+    from ps_p2p.node import Node
+
+    node_config = NodeConfig(roles=["model"], model="sim",
+                             bootstrap=["/ip4/127.0.0.1/tcp/1/p2p/" + A.peer_id_str])
+
+    node = Node(node_config, NodeKeys.generate(), SimEngine("sim", FAST))
+    assert not node.protocol_ids & {str(p) for p in wire.GOSSIPSUB_PROTOCOLS}
+    node_config.forwarding.group_key = new_group_key()
+    assert {str(p) for p in wire.GOSSIPSUB_PROTOCOLS} <= node.protocol_ids
 
 
 def test_an_untrusted_model_node_is_no_member_of_the_group():

@@ -3,6 +3,7 @@ and the group's load reports (:mod:`ps_p2p.gossip.load`); the HR-tree of the gro
 with its keyed, chained chunk hashes and per-peer delta/snapshot replication
 (:mod:`ps_p2p.gossip.hr_tree`); the Sentry that sets the chunk-length array L
 (:mod:`ps_p2p.gossip.sentry`, Appendix A3); a node's own subtree kept from its engine's KV-cache
-events (:mod:`ps_p2p.gossip.cache_view`); and the forwarding decision, Algorithm 2
-(:mod:`ps_p2p.gossip.forwarding`). The service that gossips them over GossipSub is
+events (:mod:`ps_p2p.gossip.cache_view`); the forwarding decision, Algorithm 2
+(:mod:`ps_p2p.gossip.forwarding`); and the budgets of what a member may make a node do per second
+(:mod:`ps_p2p.gossip.budget`). The service that gossips them over GossipSub is
 :mod:`ps_p2p.roles.forwarding` (wire: :mod:`ps_p2p.protocols.hrtree_gossip`)."""

@@ -10,8 +10,9 @@ hashed, since a trailing partial chunk cannot name a cached block prefix. Chunk 
     h_i = BLAKE2b-64(key = group key, person = b"ps-hrtree-chunk1",
                      h_{i-1} || u32(n) || u32(t_1) || ... || u32(t_n))        (h_0 = 8 zero bytes)
 
-over its n tokens t (big-endian). It is *keyed* by a secret of the model group, so a node that
-watches the gossip cannot test guessed prompts against it, and *chained*, so it commits to the
+over its n tokens t (big-endian). It is *keyed* by a secret of the model group (derived from the
+operators' ``[forwarding] group_key``, :meth:`ps_p2p.config.ForwardingConfig.key_bytes`), so a
+node that watches the gossip cannot test guessed prompts against it, and *chained*, so it commits to the
 whole prefix: equal chunks after different prefixes hash differently, and one hash names one
 prefix. Prompts longer than :data:`MAX_DEPTH` chunks are represented by their first
 :data:`MAX_DEPTH` chunks.

@@ -18,9 +18,10 @@ and routes each admitted request (:meth:`GroupForwarding.route`): its prompt's c
 :class:`~ps_p2p.gossip.forwarding.HRTreeForwarding` (Algorithm 2, one hop, session affinity)
 picks this node or a peer. The gossip goes over GossipSub (:mod:`ps_p2p.protocols.hrtree_gossip`).
 
-The group key: ``group_key`` of :class:`ForwardingConfig` (hex), shared by the operators of a
-group; without one it is derived from the model ID, which anyone can do, so then an observer of
-the gossip can test guessed prompts against the tree (logged as a warning at start).
+The group key: derived from ``group_key`` of :class:`ForwardingConfig` (hex), the secret the
+operators of a group share (:meth:`ForwardingConfig.key_bytes`); without one a node does not
+forward (``ForwardingConfig.active``). Only members speak GossipSub with us
+(:class:`~ps_p2p.protocols.hrtree_gossip.MemberGate`).
 """
 
 from __future__ import annotations
@@ -84,10 +85,7 @@ class GroupForwarding:
         self.engine = engine
         self.model_id = engine.model_id
         self.config = config or ForwardingConfig()
-        self._key = self.config.key_bytes(self.model_id)
-        if not self.config.group_key:
-            log.warning("forwarding: no group_key configured; the HR-tree key is derived from "
-                        "the model ID, so gossip observers can test guessed prompts")
+        self._key = self.config.key_bytes(self.model_id)  # ConfigError without a group_key
         self.lengths = self.config.lengths()
         self._clock = clock
         # one peer can never fill the tree for the others (per-peer share of the total)
@@ -116,6 +114,7 @@ class GroupForwarding:
         self.dropped: dict[str, int] = {}
         self.decisions: dict[str, int] = {}
         self._changed = trio.Event()
+        self._gate: wire.MemberGate | None = None
 
     # ------------------------------------------------------------------ membership
 
@@ -129,6 +128,8 @@ class GroupForwarding:
             r.peer_id for r in directory.serving(self.model_id)
             if r.peer_id != self.me and Role.MODEL in r.roles
         )
+        if group != self.group and self._gate is not None:
+            self._gate.refresh()  # pubsub with members only (hrtree_gossip.MemberGate)
         self.group = group
         members = group
         if len(members) > self.config.max_peers:
@@ -282,13 +283,19 @@ class GroupForwarding:
         cancelled. ``pubsub``: a running Pubsub (:func:`~ps_p2p.protocols.hrtree_gossip.
         running_pubsub`) on ``host``."""
         topic = wire.topic_for(self.model_id)
-        # only members' messages are taken, relayed on or queued (GossipSub validates before
-        # it relays); the envelope's own signature is checked in receive()
+        # only members' messages within their publisher's budget are taken, relayed on or
+        # queued (GossipSub validates before it relays); the envelope's own signature is
+        # checked in receive()
         pubsub.set_topic_validator(
-            topic, lambda peer, message: bytes(message.from_id) in self.members
-            or bytes(message.from_id) == self.me, False)
+            topic, wire.GossipAdmission(self.me, lambda peer: peer in self.members,
+                                        clock=self._clock, on_drop=self._drop), False)
         subscription = await pubsub.subscribe(topic)
-        server = wire.SnapshotServer(self.snapshot_envelope, self.is_member)
+        self._gate = wire.member_gate(pubsub)  # nobody else reads or writes the topic
+        self._gate.admit(self.is_member)
+        server = wire.SnapshotServer(  # answers built once per subtree state, budgeted
+            self.snapshot_envelope, self.is_member, clock=self._clock,
+            state=lambda: (self.publisher.version, self.publisher.incarnation,
+                           self.publisher.seq))
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve, host)
             nursery.start_soon(self._receive_loop, subscription)

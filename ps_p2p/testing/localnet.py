@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ps_p2p import records
-from ps_p2p.config import NodeConfig, VerificationConfig
+from ps_p2p.config import NodeConfig, VerificationConfig, new_group_key
 from ps_p2p.consensus import app
 from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
@@ -153,7 +153,8 @@ async def open_localnet(
         model_organization: the organization in model node i's record (default none): one
             organization key per name, made here, signs each member's certificate (30 days;
             ``NodeConfig.membership``).
-        forwarding: model nodes forward within their group (``[forwarding] enabled``).
+        forwarding: model nodes forward within their group (``[forwarding] enabled``; all share
+            one fresh ``group_key`` secret).
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
     ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
@@ -251,6 +252,7 @@ async def _open_localnet(
         boot = [v.listen_addrs[0] for v in verifiers]
         model_nodes = []
         org_keys: dict[str, Identity] = {}
+        group_key = new_group_key()  # one secret: every model's group gets its own key from it
         for i in range(models):
             node_keys = NodeKeys.generate()
             name = model_organization(i) if model_organization else ""
@@ -266,6 +268,7 @@ async def _open_localnet(
                              membership=membership,
                              **genesis, **fast)  # type: ignore[arg-type]
             cfg.forwarding.enabled = forwarding
+            cfg.forwarding.group_key = group_key
             cfg.model_node.capacity = model_capacity
             cfg.model_node.max_queue = model_max_queue
             model_nodes.append(await start(cfg, engine_factory(i), keys=node_keys))
