@@ -278,6 +278,9 @@ def _cmd_org(args: argparse.Namespace) -> int:
     out.write_text(membership_to_json(args.name, member, membership), encoding="utf-8")
     print(f"{out}: {args.member} is a member of {args.name!r} ({key.peer_id_str}) until "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(expires / 1000))}")
+    return 0
+
+
 def _cmd_group_key(args: argparse.Namespace) -> int:
     from ps_p2p.config import group_key_toml, new_group_key
 
