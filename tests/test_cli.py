@@ -241,11 +241,24 @@ def _readme_flags() -> dict[str | None, set[str]]:
 
 
 def _help_flags(command: str | None, capsys) -> set[str]:
-    argv = [command, "--help"] if command else ["--help"]
-    with pytest.raises(SystemExit) as exc_info:
-        build_parser().parse_args(argv)
-    assert exc_info.value.code == 0
-    return set(FLAG.findall(capsys.readouterr().out)) - {"--help"}
+    """The options ``ps-node [command] --help`` lists, and those of the command's own
+    subcommands (``ps-node org new``): the README documents them under the command's synopses."""
+    import argparse
+
+    argvs = [[command, "--help"] if command else ["--help"]]
+    if command:
+        (top,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+        nested = [a for a in top.choices[command]._actions
+                  if isinstance(a, argparse._SubParsersAction)]
+        argvs += [[command, sub, "--help"] for action in nested for sub in action.choices]
+    flags: set[str] = set()
+    for argv in argvs:
+        with pytest.raises(SystemExit) as exc_info:
+            build_parser().parse_args(argv)
+        assert exc_info.value.code == 0
+        usage = capsys.readouterr().out.split("\n\n", 1)[0]  # the usage lines, not the help text
+        flags |= set(FLAG.findall(usage))
+    return flags - {"--help"}
 
 
 def _subcommands() -> list[str]:
