@@ -4,6 +4,7 @@ itself otherwise; its forwards in flight are bounded."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -54,7 +55,7 @@ def _signed_by_b(q: bytes, rid: bytes, text: str, model_id: str = "fake-model",
                           responses.sign_response(B, rid, h, content, 1), "stop")
 
 
-async def _service(nursery, monkeypatch, forward, *, capacity=2, max_queue=8):
+async def _service(nursery, monkeypatch, forward, *, capacity=2, max_queue=8, outcomes=None):
     service = ModelNodeService(Identity.generate(), InstantEngine(),
                                ModelNodeConfig(capacity=capacity, max_queue=max_queue))
     service.attach(_Overlay())
@@ -68,7 +69,9 @@ async def _service(nursery, monkeypatch, forward, *, capacity=2, max_queue=8):
         task_status.started()
         await trio.sleep_forever()
 
-    service.enable_forwarding(None, route, lambda peer: True)
+    service.enable_forwarding(
+        None, route, lambda peer: True,
+        None if outcomes is None else lambda peer, ok, seconds: outcomes.append((peer, ok)))
     service.forward_service.serve = no_server
     monkeypatch.setattr(model_mod, "forward_request", forward)
     await nursery.start(service.run)
@@ -141,4 +144,25 @@ async def test_forwards_in_flight_are_bounded_like_local_jobs(monkeypatch, autoj
             _deliver(service, _q(f"prompt {i}")[0])
             await _until(service, lambda: len(sent) == i - 2)
         assert len(started) == 3 and service.answers == {"ok": 3}
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("answer", ["verified", "another node's", "never"])
+async def test_every_forward_sent_is_reported_to_the_router_once_with_its_outcome(
+        monkeypatch, answer, autojump_clock):
+    async def forward(host, peer, q, on_text, **kwargs):
+        rid = inference_pb2.InferenceRequest.FromString(q).request_id
+        if answer == "never":
+            raise trio.TooSlowError  # the forward deadline passed
+        reply = _signed_by_b(q, rid, "an answer")
+        if answer == "another node's":
+            return dataclasses.replace(reply, model_node=PROXIES[0])
+        return reply
+
+    outcomes: list[tuple[bytes, bool]] = []
+    async with trio.open_nursery() as nursery:
+        service, sent = await _service(nursery, monkeypatch, forward, outcomes=outcomes)
+        _deliver(service, _q("hello there")[0])
+        await _until(service, lambda: any(_final_or_none(p) for p in sent))
+        assert outcomes == [(B.peer_id, answer == "verified")]
         nursery.cancel_scope.cancel()

@@ -11,6 +11,11 @@ model ID in the verified directory, trusted ones only) keeps
 * the peers' load (:class:`~ps_p2p.gossip.load.LoadBook`), fed by their signed load reports
   about every second (DESIGN.md: a stale view of load loses most of the gain), with the
   requests this node forwarded to a peer counted against it until its next report;
+* what it observed of each peer as a forwarder (:class:`~ps_p2p.gossip.load.PeerLedger`): the
+  model node reports how each forward ended (:meth:`GroupForwarding.forward_done`); a peer's
+  claimed load is held to the latency measured and the forwards outstanding, a failed forward
+  bans the peer for a while, and no peer takes more than its share of this node's requests
+  (issue 16: one member reporting "idle and instantly fast" took 25 of 30);
 
 and routes each admitted request (:meth:`GroupForwarding.route`): its prompt's chunk hashes
 (the group key, and the group's chunk lengths L) are searched in the tree and
@@ -44,6 +49,7 @@ from ps_p2p.gossip.hr_tree import Delta, HRTree, NeedSnapshot, Snapshot, Subtree
 from ps_p2p.gossip.load import (
     LoadBook,
     LoadTracker,
+    PeerLedger,
     ReportOutcome,
     decode_report,
     encode_report,
@@ -100,10 +106,14 @@ class GroupForwarding:
         self.book = LoadBook(self.me, self.model_id, (), max_age=self.config.load_max_age,
                              max_peers=self.config.max_peers)
         self.load = load
+        # a peer holds at most as many of our forwards as we serve at once ourselves
+        self.ledger = PeerLedger(max_outstanding=max(1, load.capacity),
+                                 max_peers=self.config.max_peers)
         self.policy = HRTreeForwarding(
             self.me, load, self.book,
             PolicyConfig(tau_c=self.config.tau_c,
-                         overload_threshold=self.config.overload_threshold))
+                         overload_threshold=self.config.overload_threshold),
+            ledger=self.ledger)
         #: the model nodes of our model in the verified directory; ``members``: those (at most
         #: ``max_peers``) whose gossip we follow
         self.group: frozenset[bytes] = frozenset()
@@ -136,6 +146,8 @@ class GroupForwarding:
             members = frozenset(sorted(members, key=lambda p: hashlib.sha256(
                 b"planetserve/v1/group-sample\x00" + self.me + p).digest())
                 [: self.config.max_peers])
+        listed = {r.peer_id: r.capacity for r in directory.model_nodes()}
+        self.ledger.set_members({p: listed.get(p, 0) for p in members})  # capacities may change
         if members == self.members:
             return
         for gone in self.members - members:
@@ -176,16 +188,31 @@ class GroupForwarding:
         previous = query.preferred_model_node or None
         if previous is not None and previous != self.me and previous not in self.members:
             previous = None
+        now = self._clock()
         decision = self.policy.decide(
-            RequestContext.from_search(found, previous_node=previous), self._clock())
+            RequestContext.from_search(found, previous_node=previous), now)
         reason = decision.reason.value
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        self.ledger.record(decision.forward_to, now)
         if decision.forward_to is not None:
             self.book.note_forwarded(decision.forward_to)
+            self.ledger.sent(decision.forward_to, now)
             log.info("request %s -> %s (%s, %d of %d chunks cached there)",
                      query.request_id.hex()[:8], peer_label(decision.forward_to), reason,
                      found.depth, len(chain))
         return decision.forward_to
+
+    def forward_done(self, peer: bytes, answered: bool, seconds: float) -> None:
+        """How a forward :meth:`route` sent to ``peer`` ended: ``answered`` (its answer came
+        back verified and was relayed) after ``seconds``, or failed (timed out, refused, broke,
+        an answer that did not verify or was not OK): counted in the ledger (a failure bans the
+        peer for a while). The caller reports every forward it sent, once."""
+        now = self._clock()
+        if answered:
+            self.ledger.answered(peer, seconds, now)
+        else:
+            self.ledger.failed(peer, now)
+            log.info("forward to %s failed; no forwards to it for a while", peer_label(peer))
 
     # ------------------------------------------------------------------ own state out
 

@@ -150,6 +150,7 @@ class ModelNodeService:
         # forwarding (enable_forwarding): router, forward streams served, forwards sent
         self._route: Callable[[InferenceQuery], Awaitable[bytes | None]] | None = None
         self._may_forward_to_us: Callable[[bytes], bool] = lambda peer: False
+        self._forward_done: Callable[[bytes, bool, float], None] | None = None
         self._host = None
         self._route_in, self._route_out = trio.open_memory_channel[StartJob](
             self.config.capacity + self.config.max_queue + 1
@@ -185,6 +186,7 @@ class ModelNodeService:
         host,  # type: ignore[no-untyped-def]
         route: Callable[[InferenceQuery], Awaitable[bytes | None]],
         may_forward_to_us: Callable[[bytes], bool],
+        forward_done: Callable[[bytes, bool, float], None] | None = None,
     ) -> None:
         """Turn on forwarding (sec. 3.3), before :meth:`run`.
 
@@ -192,13 +194,19 @@ class ModelNodeService:
             host: the node's py-libp2p host (forwards are sent from it; :meth:`run` serves
                 ``/planetserve/forward/1.0.0`` on it).
             route: ``await route(query)``: the model node to hand the query to, or None to serve
-                it here; must not raise for a bad query (serve it here instead).
+                it here; must not raise for a bad query (serve it here instead). Called only
+                when a forward can be sent: every peer it answers is forwarded to.
             may_forward_to_us: whether a peer is a trusted model node of our model group in the
                 verified directory (others' forwards are refused).
+            forward_done: ``forward_done(peer, answered, seconds)``, once per forward sent:
+                whether its answer came back verified (and was relayed) and after how long
+                (:meth:`ps_p2p.roles.forwarding.GroupForwarding.forward_done`: the router's
+                ledger of what each peer really did).
         """
         self._host = host
         self._route = route
         self._may_forward_to_us = may_forward_to_us
+        self._forward_done = forward_done
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the dispatch driver and ``capacity`` workers (and, with forwarding, the router
@@ -364,14 +372,17 @@ class ModelNodeService:
         """Route each admitted job: here (a worker) or to another model node (a forward)."""
         assert self._route is not None and self._nursery is not None
         async for job in self._route_out:
+            # forwards in flight are bounded like local jobs: past that, serve here (asked
+            # before routing: the router counts every peer it answers as forwarded to)
+            if self._forwarding_now >= self.config.capacity + self.config.max_queue:
+                self._jobs_in.send_nowait(job)
+                continue
             try:
                 peer = await self._route(job.query)
             except Exception:  # a router bug must not strand the job
                 log.exception("routing %s failed; served here", job.query.request_id.hex()[:8])
                 peer = None
-            # forwards in flight are bounded like local jobs: past that, serve here
-            if peer is None or peer == self.identity.peer_id or \
-                    self._forwarding_now >= self.config.capacity + self.config.max_queue:
+            if peer is None or peer == self.identity.peer_id:
                 self._jobs_in.send_nowait(job)
                 continue
             self._forwarding_now += 1
@@ -414,6 +425,7 @@ class ModelNodeService:
                 raise RemoteProtocolError("its signed text is not the text it streamed")
         except (PsError, trio.TooSlowError, Exception) as exc:
             self.forwards["failed"] += 1
+            self._report_forward(peer, False, self._clock() - started)
             log.info("forward of %s to %s failed (%s); serving it here", rid, _short(peer), exc)
             self.driver.submit(functools.partial(self.dispatcher.forward_failed, job.key),
                                essential=True)
@@ -421,6 +433,7 @@ class ModelNodeService:
         finally:
             self._forwarding_now -= 1
         self.forwards["answered"] += 1
+        self._report_forward(peer, True, self._clock() - started)
         vouched = dataclasses.replace(
             reply, forwarded_by=self.identity.peer_id,
             forward_signature=responses.sign_forward(
@@ -430,6 +443,14 @@ class ModelNodeService:
         self.driver.submit(functools.partial(
             self.dispatcher.job_finished, job.key, reply.content(), signed=vouched),
             essential=True)
+
+    def _report_forward(self, peer: bytes, answered: bool, seconds: float) -> None:
+        if self._forward_done is None:
+            return
+        try:
+            self._forward_done(peer, answered, seconds)
+        except Exception:  # the router's bookkeeping must not strand the job
+            log.exception("forward outcome of %s not recorded", _short(peer))
 
     async def _accept_forward(
         self, sender: bytes, q_bytes: bytes
