@@ -17,13 +17,15 @@ peer's answer:
 Outcomes go back to A's forwarding through ``forward_done`` when the code has it (it is the fix:
 before it, A learnt nothing from its forwards).
 
-Run: ``python benchmarks/attacks/load_capture.py [--requests 30] [--mode garbage|drop|both]``;
-prints, per mode, how many of the N requests A sent to L, to B and C, and served itself.
+Run: ``python benchmarks/attacks/load_capture.py [--requests 30] [--mode garbage|drop|both]
+[--trials 5]``; prints, per mode and trial (fixed identities per trial: peer IDs break
+Algorithm 2's ties), how many of the N requests A sent to L, to B and C, and served itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import heapq
 import pathlib
 import sys
@@ -85,9 +87,12 @@ class _Honest:
         return done
 
 
-async def run(mode: str, requests: int) -> dict[str, int]:
+async def run(mode: str, requests: int, trial: int) -> dict[str, int]:
     now = 0.0
-    a, b, c, liar = (Identity.generate() for _ in range(4))
+    # fixed identities per trial: peer IDs decide Algorithm 2's ties, so each trial orders
+    # the liar differently among the honest nodes
+    a, b, c, liar = (Identity.from_private_bytes(hashlib.sha256(
+        b"load_capture %d %d" % (trial, i)).digest()) for i in range(4))
     fast = SimParams(prefill_tokens_per_s=1e9, step_time=1e-6)
     entry = GroupForwarding(a, SimEngine("sim", fast), LoadTracker(CAPACITY, 64), CONFIG,
                             clock=lambda: now)
@@ -144,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--mode", choices=("garbage", "drop", "both"), default="both")
+    parser.add_argument("--trials", type=int, default=5)
     args = parser.parse_args(argv)
     for mode in ("garbage", "drop") if args.mode == "both" else (args.mode,):
-        counts = trio.run(run, mode, args.requests)
-        print(f"{mode:8s} of {args.requests} requests: liar {counts['liar']}, honest peers "
-              f"{counts['honest peers']}, served by A {counts['served by A']}")
+        for trial in range(args.trials):
+            counts = trio.run(run, mode, args.requests, trial)
+            print(f"{mode:8s} trial {trial}, of {args.requests} requests: liar {counts['liar']}, "
+                  f"honest peers {counts['honest peers']}, served by A {counts['served by A']}")
     return 0
 
 
