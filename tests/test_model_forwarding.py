@@ -9,6 +9,7 @@ import os
 
 import pytest
 import trio
+import trio.testing
 
 from ps_p2p import responses
 from ps_p2p.crypto import sida
@@ -165,4 +166,38 @@ async def test_every_forward_sent_is_reported_to_the_router_once_with_its_outcom
         _deliver(service, _q("hello there")[0])
         await _until(service, lambda: any(_final_or_none(p) for p in sent))
         assert outcomes == [(B.peer_id, answer == "verified")]
+        nursery.cancel_scope.cancel()
+
+
+class _SilentStream:
+    """A forward stream from ``peer`` whose request frame never comes."""
+
+    def __init__(self, peer: bytes) -> None:
+        from libp2p.peer.id import ID
+
+        self.muxed_conn = type("Conn", (), {"peer_id": ID(peer)})()
+        self.was_reset = False
+
+    async def read(self, n: int) -> bytes:
+        await trio.sleep_forever()
+
+    async def reset(self) -> None:
+        self.was_reset = True
+
+
+async def test_one_member_cannot_hold_more_than_its_share_of_forward_streams(autojump_clock):
+    from ps_p2p.protocols.forward import ForwardService
+
+    async def accept(sender, q):
+        raise AssertionError("no request frame was sent")
+
+    service = ForwardService(accept, max_streams=8, max_streams_per_peer=2)
+    greedy, other = Identity.generate().peer_id, Identity.generate().peer_id
+    streams = [_SilentStream(greedy) for _ in range(3)] + [_SilentStream(other)]
+    async with trio.open_nursery() as nursery:
+        for stream in streams:
+            nursery.start_soon(service._handle_stream, stream)
+        await trio.testing.wait_all_tasks_blocked()  # inside the 10 s request-read deadline
+        assert sum(s.was_reset for s in streams[:3]) == 1 and not streams[3].was_reset
+        assert service.refused == 1 and service.open == 3
         nursery.cancel_scope.cancel()

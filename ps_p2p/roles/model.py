@@ -160,7 +160,10 @@ class ModelNodeService:
         self._nursery: trio.Nursery | None = None
         self.forward_service = ForwardService(
             self._accept_forward, lambda peer: self._may_forward_to_us(peer),
-            max_streams=self.config.capacity + self.config.max_queue)
+            max_streams=self.config.capacity + self.config.max_queue,
+            # its share of jobs, and as many streams being answered or refused (refusals close
+            # at once; an honest forwarder holds at most its capacity at one peer)
+            max_streams_per_peer=2 * self.config.forwarded_per_peer_limit)
         self._forwarding_now = 0  # our forwards in flight
         #: forwards: ``sent`` (handed to a peer), ``answered`` (its verified answer relayed),
         #: ``failed`` (served here or refused instead), ``received`` (served for a peer)
@@ -474,8 +477,8 @@ class ModelNodeService:
             if gone is not None:
                 gone.close()
 
-        self.driver.submit(functools.partial(self.dispatcher.receive_forwarded, channel, q_bytes),
-                           essential=True)
+        self.driver.submit(functools.partial(self.dispatcher.receive_forwarded, channel, q_bytes,
+                                             sender=sender), essential=True)
         return receive, release
 
     def _to_channel(self, channel: int, item: AnswerItem) -> None:
