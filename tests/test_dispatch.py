@@ -370,3 +370,14 @@ def test_one_forwarder_gets_at_most_its_share_and_the_users_keep_theirs():
     assert d.forwarded_in == {PEER: 1, other: 2}
     (again,) = d.receive_forwarded(9, encode_query(_query("p9")), now=1.0, sender=PEER)
     assert isinstance(again, StartJob)
+
+
+def test_negative_forward_shares_are_config_errors():
+    from ps_p2p.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        DispatchConfig(max_forwarded=-1)
+    with pytest.raises(ConfigError):
+        DispatchConfig(max_forwarded_per_peer=-1)
+    assert DispatchConfig(capacity=4, max_queue=12).forwarded_limit == 8
+    assert DispatchConfig(capacity=4, max_queue=12).forwarded_per_peer_limit == 4

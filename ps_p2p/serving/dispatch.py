@@ -55,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ps_p2p.crypto import sida
-from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.errors import ConfigError, RemoteProtocolError
 from ps_p2p.gossip.load import LoadTracker
 from ps_p2p.inference import InferenceQuery, ResponseStatus
 from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
@@ -145,6 +145,10 @@ class DispatchConfig:
     max_waiters: int = 8
     max_forwarded: int = 0
     max_forwarded_per_peer: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_forwarded < 0 or self.max_forwarded_per_peer < 0:
+            raise ConfigError("max_forwarded and max_forwarded_per_peer must be >= 0 (0: auto)")
 
     @property
     def forwarded_limit(self) -> int:
