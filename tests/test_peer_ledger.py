@@ -64,21 +64,21 @@ def test_a_member_claiming_idle_and_instant_takes_at_most_its_share_of_decisions
     ledger.set_members({LIAR: 2, B: 2, C: 2})
     policy, book = _group(ledger=ledger)
     counts = _route(policy, book, ledger, 64)
-    assert ledger.share_limit(4) == 0.5  # min(max_share, 2 / k) with k = 4
-    assert counts[LIAR] <= 32 + ledger.burst and sum(counts.values()) == 64
+    assert ledger.share_limit(4) == 0.25  # min(max_share, 1 / k) with k = 4
+    assert counts[LIAR] <= 16 + ledger.burst and sum(counts.values()) == 64
     counts = _route(policy, book, ledger, 640)  # and so in every window of 64 decisions
-    assert counts[LIAR] <= 10 * (32 + ledger.burst)
+    assert counts[LIAR] <= 10 * (16 + ledger.burst)
 
 
-def test_in_a_large_group_the_share_is_two_fair_shares():
-    ledger = PeerLedger(max_outstanding=2, window=100, burst=0)
-    assert ledger.share_limit(20) == pytest.approx(0.1)
+def test_in_a_large_group_the_share_is_what_share_factor_fair_shares_allow():
+    ledger = PeerLedger(max_outstanding=2, window=100, burst=0, share_factor=1.5)
+    assert ledger.share_limit(20) == pytest.approx(0.075)
     for _ in range(100):
         if ledger.refusal(LIAR, NOW, 20) is None:
             ledger.record(LIAR, NOW)
         else:
             ledger.record(None, NOW)
-    assert ledger.taken(LIAR) == 10
+    assert ledger.taken(LIAR) == 8  # ceil(0.075 * 100)
 
 
 def test_a_failed_forward_bans_the_peer_then_probation_allows_one_forward_at_a_time():

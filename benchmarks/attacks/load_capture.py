@@ -121,9 +121,9 @@ async def run(mode: str, requests: int, trial: int) -> dict[str, int]:
         for h in [me, *honest.values()]:
             h.advance(now)
         while pending and pending[0][0] <= now:
-            _, _, peer, answered, sent = heapq.heappop(pending)
+            at, _, peer, answered, sent = heapq.heappop(pending)
             if done_hook is not None:
-                done_hook(peer, answered, _ - sent)
+                done_hook(peer, answered, at - sent)
         query = InferenceQuery(n.to_bytes(16, "big"), "sim", f"request {n}: a distinct prompt",
                                SamplingParams(max_tokens=2), ())
         peer = await entry.route(query)

@@ -25,7 +25,7 @@ peer's claimed load is held to what this node observed of it (measured latency o
 forwards outstanding there, its listed capacity), and a peer that is under penalty for a failed
 forward, has its share of outstanding forwards, or already took its share of this node's recent
 decisions is no candidate either: a member that reports "idle and instantly fast" takes at most
-about 2/k of this node's requests instead of all of them.
+about 1/k of this node's requests instead of all of them.
 
 Ties of F_LB go to this node first (no forwarding hop for nothing), then to the lowest peer ID,
 or, when a ``choose`` callable is injected, to ``tied[choose(len(tied))]`` over the tied peers
