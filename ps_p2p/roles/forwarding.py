@@ -15,7 +15,7 @@ model ID in the verified directory, trusted ones only) keeps
   model node reports how each forward ended (:meth:`GroupForwarding.forward_done`); a peer's
   claimed load is held to the latency measured and the forwards outstanding, a failed forward
   bans the peer for a while, and no peer takes more than its share of this node's requests
-  (issue 16: one member reporting "idle and instantly fast" took 25 of 30);
+  (issue 16: one member reporting "idle and instantly fast" took 19 to 22 of 30, now 10);
 
 and routes each admitted request (:meth:`GroupForwarding.route`): its prompt's chunk hashes
 (the group key, and the group's chunk lengths L) are searched in the tree and
