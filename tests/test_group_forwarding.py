@@ -146,7 +146,7 @@ def test_an_untrusted_model_node_is_no_member_of_the_group():
 
 
 async def test_a_failed_forward_stops_forwards_to_that_peer_until_its_penalty_ends():
-    from ps_p2p.gossip.load import DEFAULT_PENALTY
+    from ps_p2p.gossip.load import DEFAULT_PENALTY, ForwardOutcome
 
     now = [0.0]
     me, _ = _forwarding(A, clock=lambda: now[0])
@@ -155,7 +155,7 @@ async def test_a_failed_forward_stops_forwards_to_that_peer_until_its_penalty_en
     me.load.latency_ewma, me.load.queued = 1.0, 4  # this node is busy: B (idle) is better
     me.receive(B.peer_id, peer.load_envelope())
     assert await me.route(_query("first")) == B.peer_id
-    me.forward_done(B.peer_id, False, 5.0)  # timed out, or its answer did not verify
+    me.forward_done(B.peer_id, ForwardOutcome.FAILED, 5.0)  # timed out, or did not verify
     assert me.ledger.refusal(B.peer_id, now[0], 2) == "penalty"
     now[0] = DEFAULT_PENALTY - 0.1
     me.receive(B.peer_id, peer.load_envelope())

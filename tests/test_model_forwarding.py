@@ -13,6 +13,7 @@ import trio.testing
 
 from ps_p2p import responses
 from ps_p2p.crypto import sida
+from ps_p2p.gossip.load import ForwardOutcome
 from ps_p2p.inference import InferenceReply, ResponseStatus
 from ps_p2p.keys import Identity
 from ps_p2p.pb.planetserve.v1 import inference_pb2
@@ -72,7 +73,7 @@ async def _service(nursery, monkeypatch, forward, *, capacity=2, max_queue=8, ou
 
     service.enable_forwarding(
         None, route, lambda peer: True,
-        None if outcomes is None else lambda peer, ok, seconds: outcomes.append((peer, ok)))
+        None if outcomes is None else lambda peer, outcome, s: outcomes.append((peer, outcome)))
     service.forward_service.serve = no_server
     monkeypatch.setattr(model_mod, "forward_request", forward)
     await nursery.start(service.run)
@@ -148,13 +149,21 @@ async def test_forwards_in_flight_are_bounded_like_local_jobs(monkeypatch, autoj
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("answer", ["verified", "another node's", "never"])
+@pytest.mark.parametrize("answer,outcome", [
+    ("verified", ForwardOutcome.ANSWERED), ("another node's", ForwardOutcome.FAILED),
+    ("never", ForwardOutcome.FAILED), ("overloaded", ForwardOutcome.BUSY),
+    ("unsigned overloaded", ForwardOutcome.FAILED)])
 async def test_every_forward_sent_is_reported_to_the_router_once_with_its_outcome(
-        monkeypatch, answer, autojump_clock):
+        monkeypatch, answer, outcome, autojump_clock):
     async def forward(host, peer, q, on_text, **kwargs):
         rid = inference_pb2.InferenceRequest.FromString(q).request_id
         if answer == "never":
             raise trio.TooSlowError  # the forward deadline passed
+        if answer.endswith("overloaded"):
+            reply = _signed_by_b(q, rid, "", status=ResponseStatus.OVERLOADED)
+            if answer == "unsigned overloaded":
+                reply = dataclasses.replace(reply, signature=b"\x00" * 64)
+            return reply
         reply = _signed_by_b(q, rid, "an answer")
         if answer == "another node's":
             return dataclasses.replace(reply, model_node=PROXIES[0])
@@ -165,7 +174,7 @@ async def test_every_forward_sent_is_reported_to_the_router_once_with_its_outcom
         service, sent = await _service(nursery, monkeypatch, forward, outcomes=outcomes)
         _deliver(service, _q("hello there")[0])
         await _until(service, lambda: any(_final_or_none(p) for p in sent))
-        assert outcomes == [(B.peer_id, answer == "verified")]
+        assert outcomes == [(B.peer_id, outcome)]
         nursery.cancel_scope.cancel()
 
 

@@ -98,7 +98,7 @@ def test_a_failed_forward_bans_the_peer_then_probation_allows_one_forward_at_a_t
 
 def test_a_good_answer_takes_a_strike_off_and_ends_probation():
     ledger = PeerLedger(max_outstanding=4, max_share=1.0, share_factor=100.0, penalty=0.0)
-    ledger.set_members({B: 2})
+    ledger.set_members({B: 4})
     ledger.sent(B, NOW)
     ledger.failed(B, NOW)
     ledger.sent(B, NOW)
@@ -159,8 +159,31 @@ def test_observations_of_a_peer_that_left_the_group_are_forgotten():
     {"max_outstanding": 1, "max_share": 0.0}, {"max_outstanding": 1, "share_factor": 0.0},
     {"max_outstanding": 1, "burst": -1},
     {"max_outstanding": 1, "penalty": 10.0, "max_penalty": 5.0},
-    {"max_outstanding": 1, "contradiction": 0.5},
+    {"max_outstanding": 1, "contradiction": 0.5}, {"max_outstanding": 1, "busy_backoff": -1.0},
 ])
 def test_bad_ledger_bounds_are_config_errors(kwargs):
     with pytest.raises(ConfigError):
         PeerLedger(**kwargs)
+
+
+def test_an_overloaded_answer_pauses_forwards_briefly_without_a_strike():
+    from ps_p2p.gossip.load import DEFAULT_BUSY_BACKOFF, ForwardOutcome
+
+    ledger = PeerLedger(max_outstanding=4, max_share=1.0, share_factor=100.0)
+    ledger.set_members({B: 4})
+    for _ in range(5):  # a saturated honest peer, again and again
+        ledger.sent(B, NOW)
+        ledger.done(B, ForwardOutcome.BUSY, 0.1, NOW)
+    assert ledger.refusal(B, NOW + DEFAULT_BUSY_BACKOFF - 0.1, 2) == "penalty"
+    later = NOW + DEFAULT_BUSY_BACKOFF
+    for _ in range(4):  # no probation: as many outstanding as before
+        assert ledger.refusal(B, later, 2) is None
+        ledger.sent(B, later)
+
+
+def test_a_peer_holds_no_more_of_our_forwards_than_its_record_lists():
+    ledger = PeerLedger(max_outstanding=8, max_share=1.0, share_factor=100.0)
+    ledger.set_members({B: 2})  # it admits 2 forwarded jobs from one forwarder
+    ledger.sent(B, NOW)
+    ledger.sent(B, NOW)
+    assert ledger.refusal(B, NOW, 2) == "outstanding"

@@ -122,8 +122,11 @@ async def run(mode: str, requests: int, trial: int) -> dict[str, int]:
             h.advance(now)
         while pending and pending[0][0] <= now:
             at, _, peer, answered, sent = heapq.heappop(pending)
-            if done_hook is not None:
-                done_hook(peer, answered, at - sent)
+            if done_hook is not None:  # how the model node reports it (ps_p2p.roles.model)
+                from ps_p2p.gossip.load import ForwardOutcome
+
+                outcome = ForwardOutcome.ANSWERED if answered else ForwardOutcome.FAILED
+                done_hook(peer, outcome, at - sent)
         query = InferenceQuery(n.to_bytes(16, "big"), "sim", f"request {n}: a distinct prompt",
                                SamplingParams(max_tokens=2), ())
         peer = await entry.route(query)

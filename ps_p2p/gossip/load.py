@@ -54,6 +54,7 @@ __all__ = [
     "DEFAULT_MAX_AGE",
     "DEFAULT_MAX_PEERS",
     "DEFAULT_MAX_PENALTY",
+    "DEFAULT_BUSY_BACKOFF",
     "DEFAULT_MAX_SHARE",
     "DEFAULT_PENALTY",
     "DEFAULT_SHARE_BURST",
@@ -72,6 +73,7 @@ __all__ = [
     "LoadBook",
     "LoadReport",
     "LoadTracker",
+    "ForwardOutcome",
     "PeerLedger",
     "PeerLoad",
     "ReportOutcome",
@@ -565,12 +567,24 @@ DEFAULT_PENALTY = 30.0
 an answer that did not verify); it doubles with each failure in a row, up to
 :data:`DEFAULT_MAX_PENALTY`. 30 s is about three of a user's attempt deadlines: the next
 attempts of the same requests go elsewhere."""
+DEFAULT_BUSY_BACKOFF = 5.0
+"""Seconds a peer that answered a forward OVERLOADED gets no forwards, without a strike: about
+five of its load reports, which then say whether it has room again (an honest node is full at
+times; a penalty that grows would shut a saturated group's forwarding down)."""
 DEFAULT_MAX_PENALTY = 600.0
 """Longest penalty (10 minutes: a peer that keeps failing is tried about six times an hour)."""
 DEFAULT_CONTRADICTION = 2.0
 """A peer whose answers came back more than this many times slower than the latency it reports
 is judged by what this node measured (an honest peer's answers take its service time plus a
 round trip and its queue, which F_LB counts in Q)."""
+
+
+class ForwardOutcome(enum.Enum):
+    """How one forward ended, as the forwarding node saw it (:meth:`PeerLedger.done`)."""
+
+    ANSWERED = "answered"  # its signed answer came back, verified, OK: relayed with a voucher
+    BUSY = "busy"  # it answered OVERLOADED (signed, for this request): no room now
+    FAILED = "failed"  # timed out, refused, broke, or came back unverifiable or not OK
 
 
 @dataclass
@@ -595,9 +609,12 @@ class PeerLedger:
     * **penalty**: a forward that failed (timed out, refused, broke, came back unverifiable, not
       OK) bans the peer for ``penalty * 2**(strikes - 1)`` seconds (at most ``max_penalty``);
       a good answer takes one strike off. A peer with strikes left is on probation: one
-      forward outstanding at a time;
-    * **outstanding**: at most ``max_outstanding`` forwards outstanding per peer (a peer that
-      holds forwards without answering stops getting more);
+      forward outstanding at a time. An OVERLOADED answer only pauses forwards to the peer for
+      ``busy_backoff`` seconds (no strike);
+    * **outstanding**: at most ``max_outstanding`` forwards outstanding per peer, and at most
+      the capacity its directory record lists (what it admits from one forwarder:
+      :class:`~ps_p2p.serving.dispatch.DispatchConfig`); a peer that holds forwards without
+      answering stops getting more;
     * **fair share**: of this node's last ``window`` routing decisions (:meth:`record`, served
       here included; fewer while the window fills) a peer takes at most
       ``ceil(min(max_share, share_factor / k) * decisions) + burst`` (k nodes in the group,
@@ -611,6 +628,7 @@ class PeerLedger:
         max_share: share cap whatever k, in (0, 1].
         burst: decisions a peer may run ahead of its share (>= 0).
         penalty: seconds of the first penalty (>= 0); max_penalty: the longest (>= penalty).
+        busy_backoff: seconds without forwards after an OVERLOADED answer (>= 0).
         contradiction: factor beyond which the measured latency overrides the reported one (>= 1).
         max_peers: peers observed at most (the group's followed members).
 
@@ -628,6 +646,7 @@ class PeerLedger:
         burst: int = DEFAULT_SHARE_BURST,
         penalty: float = DEFAULT_PENALTY,
         max_penalty: float = DEFAULT_MAX_PENALTY,
+        busy_backoff: float = DEFAULT_BUSY_BACKOFF,
         contradiction: float = DEFAULT_CONTRADICTION,
         max_peers: int = DEFAULT_MAX_PEERS,
     ) -> None:
@@ -635,8 +654,9 @@ class PeerLedger:
             raise ConfigError("max_outstanding, window and max_peers must be >= 1")
         if not share_factor > 0 or not 0 < max_share <= 1 or burst < 0:
             raise ConfigError("share_factor must be > 0, max_share in (0, 1], burst >= 0")
-        if not 0 <= penalty <= max_penalty < math.inf:
-            raise ConfigError("penalties must satisfy 0 <= penalty <= max_penalty < inf")
+        if not 0 <= penalty <= max_penalty < math.inf or not 0 <= busy_backoff < math.inf:
+            raise ConfigError("penalties must satisfy 0 <= penalty <= max_penalty < inf and "
+                              "0 <= busy_backoff < inf")
         if not contradiction >= 1:
             raise ConfigError("contradiction must be >= 1")
         self.max_outstanding = max_outstanding
@@ -645,6 +665,7 @@ class PeerLedger:
         self.burst = burst
         self.penalty = penalty
         self.max_penalty = max_penalty
+        self.busy_backoff = busy_backoff
         self.contradiction = contradiction
         self.max_peers = max_peers
         self._window: deque[bytes | None] = deque(maxlen=window)
@@ -725,6 +746,25 @@ class PeerLedger:
         ban = min(self.max_penalty, self.penalty * 2.0 ** min(obs.strikes - 1, 32))
         obs.banned_until = max(obs.banned_until, now + ban)
 
+    def busy(self, peer: bytes, now: float) -> None:
+        """A forward to ``peer`` was answered OVERLOADED: no forwards to it for
+        ``busy_backoff`` seconds, no strike."""
+        obs = self._observed(peer)
+        if obs is None:
+            return
+        obs.outstanding = max(0, obs.outstanding - 1)
+        obs.banned_until = max(obs.banned_until, now + self.busy_backoff)
+
+    def done(self, peer: bytes, outcome: ForwardOutcome, seconds: float, now: float) -> None:
+        """How a forward to ``peer`` ended, ``seconds`` after it was sent: :meth:`answered`,
+        :meth:`busy` or :meth:`failed` by ``outcome``."""
+        if outcome is ForwardOutcome.ANSWERED:
+            self.answered(peer, seconds, now)
+        elif outcome is ForwardOutcome.BUSY:
+            self.busy(peer, now)
+        else:
+            self.failed(peer, now)
+
     def outstanding(self, peer: bytes) -> int:
         """Forwards to ``peer`` sent and not come back."""
         obs = self._peers.get(peer)
@@ -745,6 +785,9 @@ class PeerLedger:
             if obs.banned_until > now:
                 return "penalty"
             limit = 1 if obs.strikes else self.max_outstanding
+            listed = self._capacity.get(peer, 0)
+            if listed > 0:
+                limit = min(limit, listed)
             if obs.outstanding >= limit:
                 return "outstanding"
         decisions = min(len(self._window) + 1, self._window.maxlen or 1)  # this one included

@@ -47,6 +47,7 @@ from ps_p2p.gossip.forwarding import ForwardingConfig as PolicyConfig
 from ps_p2p.gossip.forwarding import HRTreeForwarding, RequestContext
 from ps_p2p.gossip.hr_tree import Delta, HRTree, NeedSnapshot, Snapshot, SubtreePublisher, SubtreeReplica
 from ps_p2p.gossip.load import (
+    ForwardOutcome,
     LoadBook,
     LoadTracker,
     PeerLedger,
@@ -202,16 +203,13 @@ class GroupForwarding:
                      found.depth, len(chain))
         return decision.forward_to
 
-    def forward_done(self, peer: bytes, answered: bool, seconds: float) -> None:
-        """How a forward :meth:`route` sent to ``peer`` ended: ``answered`` (its answer came
-        back verified and was relayed) after ``seconds``, or failed (timed out, refused, broke,
-        an answer that did not verify or was not OK): counted in the ledger (a failure bans the
-        peer for a while). The caller reports every forward it sent, once."""
-        now = self._clock()
-        if answered:
-            self.ledger.answered(peer, seconds, now)
-        else:
-            self.ledger.failed(peer, now)
+    def forward_done(self, peer: bytes, outcome: ForwardOutcome, seconds: float) -> None:
+        """How a forward :meth:`route` sent to ``peer`` ended, ``seconds`` after it was sent
+        (:class:`~ps_p2p.gossip.load.ForwardOutcome`): counted in the ledger (a failure bans
+        the peer for a while, OVERLOADED pauses forwards to it). The caller reports every
+        forward it sent, once."""
+        self.ledger.done(peer, outcome, seconds, self._clock())
+        if outcome is ForwardOutcome.FAILED:
             log.info("forward to %s failed; no forwards to it for a while", peer_label(peer))
 
     # ------------------------------------------------------------------ own state out

@@ -42,6 +42,7 @@ from ps_p2p.errors import (
     PsError,
     RemoteProtocolError,
 )
+from ps_p2p.gossip.load import ForwardOutcome
 from ps_p2p.inference import InferenceQuery, InferenceReply, ResponseSegment, ResponseStatus
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
@@ -150,7 +151,7 @@ class ModelNodeService:
         # forwarding (enable_forwarding): router, forward streams served, forwards sent
         self._route: Callable[[InferenceQuery], Awaitable[bytes | None]] | None = None
         self._may_forward_to_us: Callable[[bytes], bool] = lambda peer: False
-        self._forward_done: Callable[[bytes, bool, float], None] | None = None
+        self._forward_done: Callable[[bytes, ForwardOutcome, float], None] | None = None
         self._host = None
         self._route_in, self._route_out = trio.open_memory_channel[StartJob](
             self.config.capacity + self.config.max_queue + 1
@@ -189,7 +190,7 @@ class ModelNodeService:
         host,  # type: ignore[no-untyped-def]
         route: Callable[[InferenceQuery], Awaitable[bytes | None]],
         may_forward_to_us: Callable[[bytes], bool],
-        forward_done: Callable[[bytes, bool, float], None] | None = None,
+        forward_done: Callable[[bytes, ForwardOutcome, float], None] | None = None,
     ) -> None:
         """Turn on forwarding (sec. 3.3), before :meth:`run`.
 
@@ -201,10 +202,11 @@ class ModelNodeService:
                 when a forward can be sent: every peer it answers is forwarded to.
             may_forward_to_us: whether a peer is a trusted model node of our model group in the
                 verified directory (others' forwards are refused).
-            forward_done: ``forward_done(peer, answered, seconds)``, once per forward sent:
-                whether its answer came back verified (and was relayed) and after how long
-                (:meth:`ps_p2p.roles.forwarding.GroupForwarding.forward_done`: the router's
-                ledger of what each peer really did).
+            forward_done: ``forward_done(peer, outcome, seconds)``, once per forward sent: how
+                it ended (:class:`~ps_p2p.gossip.load.ForwardOutcome`: its answer came back
+                verified and was relayed, it answered OVERLOADED, or it failed) and after how
+                long (:meth:`ps_p2p.roles.forwarding.GroupForwarding.forward_done`: the
+                router's ledger of what each peer really did).
         """
         self._host = host
         self._route = route
@@ -401,6 +403,7 @@ class ModelNodeService:
         rid = job.query.request_id.hex()[:8]
         req_hash = responses.request_hash(job.q_bytes)
         streamed = bytearray()
+        outcome = ForwardOutcome.FAILED
 
         def on_text(text: str) -> None:
             streamed.extend(text.encode("utf-8", "surrogatepass"))
@@ -420,6 +423,8 @@ class ModelNodeService:
                 content=reply.content(), signed_at_ms=reply.signed_at_ms,
                 model_node=reply.model_node, signature=reply.signature)
             # relay only an answer the user will take: OK, our model, and the very text streamed
+            if reply.status == ResponseStatus.OVERLOADED:  # signed by it, for this request
+                outcome = ForwardOutcome.BUSY
             if reply.status != ResponseStatus.OK:
                 raise RemoteProtocolError(f"it answered status {reply.status}")
             if reply.model_id != self.engine.model_id:
@@ -428,7 +433,7 @@ class ModelNodeService:
                 raise RemoteProtocolError("its signed text is not the text it streamed")
         except (PsError, trio.TooSlowError, Exception) as exc:
             self.forwards["failed"] += 1
-            self._report_forward(peer, False, self._clock() - started)
+            self._report_forward(peer, outcome, self._clock() - started)
             log.info("forward of %s to %s failed (%s); serving it here", rid, _short(peer), exc)
             self.driver.submit(functools.partial(self.dispatcher.forward_failed, job.key),
                                essential=True)
@@ -436,7 +441,7 @@ class ModelNodeService:
         finally:
             self._forwarding_now -= 1
         self.forwards["answered"] += 1
-        self._report_forward(peer, True, self._clock() - started)
+        self._report_forward(peer, ForwardOutcome.ANSWERED, self._clock() - started)
         vouched = dataclasses.replace(
             reply, forwarded_by=self.identity.peer_id,
             forward_signature=responses.sign_forward(
@@ -447,11 +452,11 @@ class ModelNodeService:
             self.dispatcher.job_finished, job.key, reply.content(), signed=vouched),
             essential=True)
 
-    def _report_forward(self, peer: bytes, answered: bool, seconds: float) -> None:
+    def _report_forward(self, peer: bytes, outcome: ForwardOutcome, seconds: float) -> None:
         if self._forward_done is None:
             return
         try:
-            self._forward_done(peer, answered, seconds)
+            self._forward_done(peer, outcome, seconds)
         except Exception:  # the router's bookkeeping must not strand the job
             log.exception("forward outcome of %s not recorded", _short(peer))
 
