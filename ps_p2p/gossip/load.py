@@ -560,8 +560,9 @@ DEFAULT_SHARE_BURST = 2
 """Decisions a peer may run ahead of its share (a quiet entry node's first requests, or a
 session's prompt and its follow-up, still reach the node that holds their prefix)."""
 DEFAULT_MAX_SHARE = 0.5
-"""Largest share any one peer may take whatever the group's size (in a group of two or three,
-a larger factor would give one peer most or all of this node's requests)."""
+"""Largest share any one peer may take whatever the group's size and ``share_factor`` (an
+operator who raises the factor for a cache-heavy workload still never hands one peer more
+than half of this node's requests)."""
 DEFAULT_PENALTY = 30.0
 """Seconds a peer is not forwarded to after a forward that failed (timed out, refused, broken,
 an answer that did not verify); it doubles with each failure in a row, up to
