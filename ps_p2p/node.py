@@ -447,7 +447,8 @@ class Node:
                         self.config.forwarding)
                     self.forwarding.set_directory(self.directory)
                     self.model.enable_forwarding(host, self.forwarding.route,
-                                                 self.forwarding.is_member)
+                                                 self.forwarding.is_member,
+                                                 self.forwarding.forward_done)
                     await nursery.start(self.forwarding.run, host, pubsub)
                 serve_kv_events = getattr(self.engine, "serve_kv_events", None)
                 if serve_kv_events is not None:  # vLLM: the server's KV-cache events

@@ -146,6 +146,19 @@ def runs() -> dict[str, fs.RunResult]:
     return {p: fs.simulate(trace, p, config, prepared) for p in fs.POLICIES}
 
 
+def test_the_forwarders_ledger_keeps_what_forwarding_gains_in_an_honest_group():
+    # the share cap and observed loads (PeerLedger, on by default as in a deployed node) must
+    # not undo what forwarding gains when every member reports the truth
+    trace, config = synthetic()
+    prepared = fs.PreparedPrompts(trace.prompts, config)
+    trusting = fs.simulate(trace, fs.HR_TREE, dataclasses.replace(config, ledger=False), prepared)
+    observed = fs.simulate(trace, fs.HR_TREE, config, prepared)
+    alone = fs.simulate(trace, fs.NO_FORWARDING, config, prepared)
+    assert config.ledger
+    assert observed.hit_rate >= trusting.hit_rate - 0.03 > alone.hit_rate
+    assert observed.latency["mean"] <= 1.02 * trusting.latency["mean"]
+
+
 def test_every_policy_serves_every_request(runs):
     for r in runs.values():
         assert sum(r.served) == 500

@@ -303,8 +303,8 @@ def test_a_streamed_forward_that_breaks_after_text_ends_with_an_error_signing_no
 
 def test_a_request_forwarded_to_us_is_served_here_and_answered_on_its_channel():
     d = _dispatcher()
-    q = dataclasses.replace(_query(), reply_proxies=())  # a forward carries Q as decoded
-    (start,) = d.receive_forwarded(5, encode_query(q), now=0.0)
+    q = _query()  # a forward carries Q as the forwarder decoded it, reply proxies included
+    (start,) = d.receive_forwarded(5, encode_query(q), now=0.0, sender=PEER)
     assert isinstance(start, StartJob) and start.local  # one hop: never forwarded again
     d.job_started(start.key, now=0.0)
     (answer,) = d.job_finished(start.key, OK, now=1.0)
@@ -333,7 +333,51 @@ def test_a_forward_to_us_is_not_answered_with_another_nodes_answer_we_relayed():
     q = _query()
     (start,) = _deliver(d, q)
     d.job_forwarded(start.key, PEER, now=0.0)
-    forwarded_q = dataclasses.replace(q, reply_proxies=())
+    forwarded_q = dataclasses.replace(q, reply_proxies=tuple(reversed(q.reply_proxies)))
     assert d.receive_forwarded(4, encode_query(forwarded_q), now=0.1) == [DropChannel(4)]
     d.job_finished(start.key, OK, now=1.0, signed=object())  # cached, signed by PEER
     assert d.receive_forwarded(5, encode_query(forwarded_q), now=2.0) == [DropChannel(5)]
+
+
+def test_a_forward_whose_q_names_no_reply_proxies_is_nobodys_request_and_is_dropped():
+    from ps_p2p.serving.dispatch import DropChannel
+
+    d = _dispatcher()
+    own = dataclasses.replace(_query(), reply_proxies=())  # a member's own query
+    assert d.receive_forwarded(7, encode_query(own), now=0.0, sender=PEER) == [DropChannel(7)]
+    one = dataclasses.replace(_query(), reply_proxies=_query().reply_proxies[:1])
+    assert d.receive_forwarded(8, encode_query(one), now=0.0, sender=PEER) == [DropChannel(8)]
+    assert d.in_service == 0
+
+
+def test_one_forwarder_gets_at_most_its_share_and_the_users_keep_theirs():
+    d = _dispatcher(capacity=2, max_queue=6)  # forwards: 4 in all, 2 per forwarding node
+    other = b"\x77" * 38
+    starts = [d.receive_forwarded(i, encode_query(_query(f"p{i}")), now=0.0, sender=PEER)
+              for i in range(3)]
+    assert [type(c) for (c,) in starts] == [StartJob, StartJob, SendAnswer]
+    assert starts[2][0].content.status == ResponseStatus.OVERLOADED  # PEER's share is full
+    for i in range(3, 6):
+        (c,) = d.receive_forwarded(i, encode_query(_query(f"p{i}")), now=0.0, sender=other)
+        assert isinstance(c, StartJob) == (i < 5)  # its own share, then all forwarders' share
+    assert d.forwarded_jobs == 4
+    for i in range(4):  # the users who asked this node still get the rest
+        (c,) = _deliver(d, _query(f"user {i}"))
+        assert isinstance(c, StartJob)
+    (start,) = starts[0]
+    d.job_started(start.key, now=0.0)
+    d.job_finished(start.key, OK, now=1.0)  # a forwarded job done: its slot is PEER's again
+    assert d.forwarded_in == {PEER: 1, other: 2}
+    (again,) = d.receive_forwarded(9, encode_query(_query("p9")), now=1.0, sender=PEER)
+    assert isinstance(again, StartJob)
+
+
+def test_negative_forward_shares_are_config_errors():
+    from ps_p2p.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        DispatchConfig(max_forwarded=-1)
+    with pytest.raises(ConfigError):
+        DispatchConfig(max_forwarded_per_peer=-1)
+    assert DispatchConfig(capacity=4, max_queue=12).forwarded_limit == 8
+    assert DispatchConfig(capacity=4, max_queue=12).forwarded_per_peer_limit == 4

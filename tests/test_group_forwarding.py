@@ -187,3 +187,39 @@ def test_a_provisional_model_node_joins_the_group_only_while_no_node_is_proven()
     me.set_directory(with_scores({reputation_subject(C.peer_id): 0.9}))
     assert me.members == {C.peer_id}  # B (a fresh identity) waits for its own score
     assert not me.is_member(B.peer_id)
+
+
+async def test_a_failed_forward_stops_forwards_to_that_peer_until_its_penalty_ends():
+    from ps_p2p.gossip.load import DEFAULT_PENALTY, ForwardOutcome
+
+    now = [0.0]
+    me, _ = _forwarding(A, clock=lambda: now[0])
+    peer, _ = _forwarding(B)
+    me.set_directory(_directory(_node(A), _node(B)))
+    me.load.latency_ewma, me.load.queued = 1.0, 4  # this node is busy: B (idle) is better
+    me.receive(B.peer_id, peer.load_envelope())
+    assert await me.route(_query("first")) == B.peer_id
+    me.forward_done(B.peer_id, ForwardOutcome.FAILED, 5.0)  # timed out, or did not verify
+    assert me.ledger.refusal(B.peer_id, now[0], 2) == "penalty"
+    now[0] = DEFAULT_PENALTY - 0.1
+    me.receive(B.peer_id, peer.load_envelope())
+    assert await me.route(_query("second")) is None
+    now[0] = DEFAULT_PENALTY
+    assert await me.route(_query("third")) == B.peer_id  # on probation again
+
+
+async def test_the_capacity_a_peer_claims_is_held_to_the_one_its_record_lists():
+    me, _ = _forwarding(A)
+    me.set_directory(_directory(_node(A), _node(B)))  # B's record: capacity 2
+    liar = LoadTracker(4096, 0)
+    liar.latency_ewma, liar.queued = 1.0, 8  # 8 waiting: F_LB 8/4096 claimed, 8/2 in truth
+    liar_gossip = _gossip_of(B, liar)
+    me.receive(B.peer_id, liar_gossip.load_envelope())
+    load = me.book.get(B.peer_id)
+    assert me.ledger.judge(load, 1.0) == pytest.approx(1.0 * 8 / 2)
+
+
+def _gossip_of(identity: Identity, tracker: LoadTracker):
+    from ps_p2p.roles.forwarding import GroupForwarding
+
+    return GroupForwarding(identity, SimEngine("sim", FAST), tracker, CONFIG)

@@ -4,13 +4,16 @@ itself otherwise; its forwards in flight are bounded."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import trio
+import trio.testing
 
 from ps_p2p import responses
 from ps_p2p.crypto import sida
+from ps_p2p.gossip.load import ForwardOutcome
 from ps_p2p.inference import InferenceReply, ResponseStatus
 from ps_p2p.keys import Identity
 from ps_p2p.pb.planetserve.v1 import inference_pb2
@@ -54,7 +57,7 @@ def _signed_by_b(q: bytes, rid: bytes, text: str, model_id: str = "fake-model",
                           responses.sign_response(B, rid, h, content, 1), "stop")
 
 
-async def _service(nursery, monkeypatch, forward, *, capacity=2, max_queue=8):
+async def _service(nursery, monkeypatch, forward, *, capacity=2, max_queue=8, outcomes=None):
     service = ModelNodeService(Identity.generate(), InstantEngine(),
                                ModelNodeConfig(capacity=capacity, max_queue=max_queue))
     service.attach(_Overlay())
@@ -68,7 +71,9 @@ async def _service(nursery, monkeypatch, forward, *, capacity=2, max_queue=8):
         task_status.started()
         await trio.sleep_forever()
 
-    service.enable_forwarding(None, route, lambda peer: True)
+    service.enable_forwarding(
+        None, route, lambda peer: True,
+        None if outcomes is None else lambda peer, outcome, s: outcomes.append((peer, outcome)))
     service.forward_service.serve = no_server
     monkeypatch.setattr(model_mod, "forward_request", forward)
     await nursery.start(service.run)
@@ -141,4 +146,67 @@ async def test_forwards_in_flight_are_bounded_like_local_jobs(monkeypatch, autoj
             _deliver(service, _q(f"prompt {i}")[0])
             await _until(service, lambda: len(sent) == i - 2)
         assert len(started) == 3 and service.answers == {"ok": 3}
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("answer,outcome", [
+    ("verified", ForwardOutcome.ANSWERED), ("another node's", ForwardOutcome.FAILED),
+    ("never", ForwardOutcome.FAILED), ("overloaded", ForwardOutcome.BUSY),
+    ("unsigned overloaded", ForwardOutcome.FAILED)])
+async def test_every_forward_sent_is_reported_to_the_router_once_with_its_outcome(
+        monkeypatch, answer, outcome, autojump_clock):
+    async def forward(host, peer, q, on_text, **kwargs):
+        rid = inference_pb2.InferenceRequest.FromString(q).request_id
+        if answer == "never":
+            raise trio.TooSlowError  # the forward deadline passed
+        if answer.endswith("overloaded"):
+            reply = _signed_by_b(q, rid, "", status=ResponseStatus.OVERLOADED)
+            if answer == "unsigned overloaded":
+                reply = dataclasses.replace(reply, signature=b"\x00" * 64)
+            return reply
+        reply = _signed_by_b(q, rid, "an answer")
+        if answer == "another node's":
+            return dataclasses.replace(reply, model_node=PROXIES[0])
+        return reply
+
+    outcomes: list[tuple[bytes, bool]] = []
+    async with trio.open_nursery() as nursery:
+        service, sent = await _service(nursery, monkeypatch, forward, outcomes=outcomes)
+        _deliver(service, _q("hello there")[0])
+        await _until(service, lambda: any(_final_or_none(p) for p in sent))
+        assert outcomes == [(B.peer_id, outcome)]
+        nursery.cancel_scope.cancel()
+
+
+class _SilentStream:
+    """A forward stream from ``peer`` whose request frame never comes."""
+
+    def __init__(self, peer: bytes) -> None:
+        from libp2p.peer.id import ID
+
+        self.muxed_conn = type("Conn", (), {"peer_id": ID(peer)})()
+        self.was_reset = False
+
+    async def read(self, n: int) -> bytes:
+        await trio.sleep_forever()
+
+    async def reset(self) -> None:
+        self.was_reset = True
+
+
+async def test_one_member_cannot_hold_more_than_its_share_of_forward_streams(autojump_clock):
+    from ps_p2p.protocols.forward import ForwardService
+
+    async def accept(sender, q):
+        raise AssertionError("no request frame was sent")
+
+    service = ForwardService(accept, max_streams=8, max_streams_per_peer=2)
+    greedy, other = Identity.generate().peer_id, Identity.generate().peer_id
+    streams = [_SilentStream(greedy) for _ in range(3)] + [_SilentStream(other)]
+    async with trio.open_nursery() as nursery:
+        for stream in streams:
+            nursery.start_soon(service._handle_stream, stream)
+        await trio.testing.wait_all_tasks_blocked()  # inside the 10 s request-read deadline
+        assert sum(s.was_reset for s in streams[:3]) == 1 and not streams[3].was_reset
+        assert service.refused == 1 and service.open == 3
         nursery.cancel_scope.cancel()

@@ -20,6 +20,13 @@ members of the group (the trusted model nodes of this model per the verified dir
 load report is fresh. A node the directory does not list in this group, an untrusted one, or a
 peer whose load is unknown or stale is never chosen, whatever the HR-tree or the request says.
 
+With a :class:`~ps_p2p.gossip.load.PeerLedger` (a deployed node always has one; issue 16), a
+peer's claimed load is held to what this node observed of it (measured latency of its answers,
+forwards outstanding there, its listed capacity), and a peer that is under penalty for a failed
+forward, has its share of outstanding forwards, or already took its share of this node's recent
+decisions is no candidate either: a member that reports "idle and instantly fast" takes at most
+about 1/k of this node's requests instead of all of them.
+
 Ties of F_LB go to this node first (no forwarding hop for nothing), then to the lowest peer ID,
 or, when a ``choose`` callable is injected, to ``tied[choose(len(tied))]`` over the tied peers
 sorted by peer ID (one draw per decision, and only when two or more peers tie without this
@@ -39,7 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ps_p2p.errors import ConfigError, LocalProtocolError
-from ps_p2p.gossip.load import LoadBook, LoadTracker, load_factor
+from ps_p2p.gossip.load import LoadBook, LoadTracker, PeerLedger, load_factor
 
 __all__ = [
     "DEFAULT_OVERLOAD_THRESHOLD",
@@ -264,19 +271,24 @@ def load_balance(
 
 
 def _group_loads(
-    self_id: bytes, tracker: LoadTracker, book: LoadBook, now: float
+    self_id: bytes, tracker: LoadTracker, book: LoadBook, now: float,
+    ledger: PeerLedger | None = None,
 ) -> tuple[float, dict[bytes, float]]:
-    """This node's F_LB and that of every usable peer (member, fresh report, not self)."""
+    """This node's F_LB and that of every usable peer (member, fresh report, not self; with a
+    ledger: not refused by it, and its F_LB as the ledger judges it)."""
     self_load = load_factor(
         tracker.latency_ewma, tracker.requests, tracker.capacity, book.unknown_latency
     )
     members = book.members
-    peers = {
-        p: load.load_factor(book.unknown_latency)
-        for p, load in book.fresh_loads(now).items()
-        if p in members and p != self_id
+    fresh = {p: load for p, load in book.fresh_loads(now).items()
+             if p in members and p != self_id}
+    if ledger is None:
+        return self_load, {p: load.load_factor(book.unknown_latency) for p, load in fresh.items()}
+    group_size = len(members - {self_id}) + 1
+    return self_load, {
+        p: ledger.judge(load, book.unknown_latency) for p, load in fresh.items()
+        if ledger.refusal(p, now, group_size) is None
     }
-    return self_load, peers
 
 
 class NoForwarding:
@@ -298,6 +310,8 @@ class LeastLoad:
         tracker: this node's :class:`~ps_p2p.gossip.load.LoadTracker`.
         book: the group's :class:`~ps_p2p.gossip.load.LoadBook` (members and their loads).
         choose: tie-break among peers (module docstring); None: lowest peer ID.
+        ledger: what this node observed of its peers (module docstring); None: reports taken
+            at their word (simulations of an honest group).
     """
 
     name = "least-load"
@@ -308,17 +322,19 @@ class LeastLoad:
         tracker: LoadTracker,
         book: LoadBook,
         choose: Chooser | None = None,
+        ledger: PeerLedger | None = None,
     ) -> None:
         self.self_id = self_id
         self.tracker = tracker
         self.book = book
         self.choose = choose
+        self.ledger = ledger
 
     def decide(self, request: RequestContext, now: float) -> Decision:
         """ALREADY_FORWARDED, else LEAST_LOADED (or NO_CANDIDATES with no usable peer)."""
         if request.forwarded:
             return Decision(None, Reason.ALREADY_FORWARDED)
-        self_load, peers = _group_loads(self.self_id, self.tracker, self.book, now)
+        self_load, peers = _group_loads(self.self_id, self.tracker, self.book, now, self.ledger)
         return load_balance(
             self.self_id, self_load, peers, frozenset(), 0, ForwardingConfig(), self.choose
         )
@@ -334,6 +350,8 @@ class HRTreeForwarding:
             model nodes of this node's group, its fresh reports their loads.
         config: tau_c and the overload threshold.
         choose: tie-break among peers (module docstring); None: lowest peer ID.
+        ledger: what this node observed of its peers (module docstring); None: reports taken
+            at their word (simulations of an honest group).
     """
 
     name = "hr-tree"
@@ -345,12 +363,14 @@ class HRTreeForwarding:
         book: LoadBook,
         config: ForwardingConfig | None = None,
         choose: Chooser | None = None,
+        ledger: PeerLedger | None = None,
     ) -> None:
         self.self_id = self_id
         self.tracker = tracker
         self.book = book
         self.config = config or ForwardingConfig()
         self.choose = choose
+        self.ledger = ledger
 
     def decide(self, request: RequestContext, now: float) -> Decision:
         """Serve ``request`` here or forward it to one peer of the group.
@@ -360,11 +380,12 @@ class HRTreeForwarding:
             now: local time in seconds; reports older than the book's ``max_age`` are unknown.
 
         Returns:
-            The decision; ``forward_to`` is always a fresh, trusted member of the group.
+            The decision; ``forward_to`` is always a fresh, trusted member of the group (and
+            one the ledger does not refuse).
         """
         if request.forwarded:  # one hop only: a forwarded request is served where it lands
             return Decision(None, Reason.ALREADY_FORWARDED)
-        self_load, peers = _group_loads(self.self_id, self.tracker, self.book, now)
+        self_load, peers = _group_loads(self.self_id, self.tracker, self.book, now, self.ledger)
         hit = request.matched_depth >= self.config.tau_c and bool(request.cached_peers)
         overridden = False
         previous = request.previous_node

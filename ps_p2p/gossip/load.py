@@ -8,7 +8,11 @@ node's concurrent capacity (PlanetServe sec. 3.3, "Load balancing"). Three piece
 * :class:`LoadReport`: what a node gossips of its load to its model group ("each node
   periodically broadcasts its LB factor"), with a canonical byte form that is signed;
 * :class:`LoadBook`: the latest report of each peer of the group, as one node sees it, plus the
-  requests this node forwarded to a peer since that peer's last report (:class:`PeerLoad`).
+  requests this node forwarded to a peer since that peer's last report (:class:`PeerLoad`);
+* :class:`PeerLedger`: what this node itself observed of the peers it forwards to (answers that
+  came back and how fast, forwards outstanding, failures) and the share of its requests each
+  peer may take: a report is the reporter's word, and a member that gossips "idle and
+  instantly fast" would otherwise be handed every request (issue 16).
 
 Load report, byte layout (integers big-endian; :func:`encode_report` / :func:`decode_report`)::
 
@@ -36,16 +40,26 @@ node whose load is known, the receiving node itself at worst).
 from __future__ import annotations
 
 import enum
+import math
 import struct
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from ps_p2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from ps_p2p.records.limits import MAX_MODEL_ID_BYTES
 
 __all__ = [
+    "DEFAULT_CONTRADICTION",
     "DEFAULT_MAX_AGE",
     "DEFAULT_MAX_PEERS",
+    "DEFAULT_MAX_PENALTY",
+    "DEFAULT_BUSY_BACKOFF",
+    "DEFAULT_MAX_SHARE",
+    "DEFAULT_PENALTY",
+    "DEFAULT_SHARE_BURST",
+    "DEFAULT_SHARE_FACTOR",
+    "DEFAULT_SHARE_WINDOW",
     "DEFAULT_UNKNOWN_LATENCY",
     "EWMA_ALPHA",
     "LOAD_REPORT_DOMAIN",
@@ -59,6 +73,8 @@ __all__ = [
     "LoadBook",
     "LoadReport",
     "LoadTracker",
+    "ForwardOutcome",
+    "PeerLedger",
     "PeerLoad",
     "ReportOutcome",
     "decode_report",
@@ -526,3 +542,272 @@ class LoadBook:
 
     def __len__(self) -> int:
         return len(self._loads)
+
+
+# ---------------------------------------------------------------------------------- observed
+
+DEFAULT_SHARE_WINDOW = 64
+"""Routing decisions over which each peer's share is counted (this node's latest 64 requests:
+long enough that one burst does not decide, short enough to follow a change of load)."""
+DEFAULT_SHARE_FACTOR = 1.0
+"""A peer may take at most this many fair shares (1/k of the requests, k nodes in the group,
+this one included) of this node's routing decisions, so a liar takes about 1/k. In the
+forwarding simulator's shared-prefix workload (4 and 8 nodes at 60-100% load) the cap cost
+0.01-0.023 of KV-cache hit rate and lowered mean latency by 2-6% (a hot prefix's holder no
+longer takes more than its share; others cache the prefix too); 1.5 fair shares cost under
+0.005 of hit rate and let a liar take 1.5/k."""
+DEFAULT_SHARE_BURST = 2
+"""Decisions a peer may run ahead of its share (a quiet entry node's first requests, or a
+session's prompt and its follow-up, still reach the node that holds their prefix)."""
+DEFAULT_MAX_SHARE = 0.5
+"""Largest share any one peer may take whatever the group's size and ``share_factor`` (an
+operator who raises the factor for a cache-heavy workload still never hands one peer more
+than half of this node's requests)."""
+DEFAULT_PENALTY = 30.0
+"""Seconds a peer is not forwarded to after a forward that failed (timed out, refused, broken,
+an answer that did not verify); it doubles with each failure in a row, up to
+:data:`DEFAULT_MAX_PENALTY`. 30 s is about three of a user's attempt deadlines: the next
+attempts of the same requests go elsewhere."""
+DEFAULT_BUSY_BACKOFF = 5.0
+"""Seconds a peer that answered a forward OVERLOADED gets no forwards, without a strike: about
+five of its load reports, which then say whether it has room again (an honest node is full at
+times; a penalty that grows would shut a saturated group's forwarding down)."""
+DEFAULT_MAX_PENALTY = 600.0
+"""Longest penalty (10 minutes: a peer that keeps failing is tried about six times an hour)."""
+DEFAULT_CONTRADICTION = 2.0
+"""A peer whose answers came back more than this many times slower than the latency it reports
+is judged by what this node measured (an honest peer's answers take its service time plus a
+round trip and its queue, which F_LB counts in Q)."""
+
+
+class ForwardOutcome(enum.Enum):
+    """How one forward ended, as the forwarding node saw it (:meth:`PeerLedger.done`)."""
+
+    ANSWERED = "answered"  # its signed answer came back, verified, OK: relayed with a voucher
+    BUSY = "busy"  # it answered OVERLOADED (signed, for this request): no room now
+    FAILED = "failed"  # timed out, refused, broke, or came back unverifiable or not OK
+
+
+@dataclass
+class _Observed:
+    outstanding: int = 0  # forwards sent and not answered or failed yet
+    latency: float | None = None  # EWMA of the seconds our forwards took to come back
+    strikes: int = 0  # failures, less one per good answer since
+    banned_until: float = -math.inf
+
+
+class PeerLedger:
+    """What this node observed of its peers as a forwarder, and what each may take (pure).
+
+    A load report is the reporter's claim; a member that lies "idle, instantly fast" has the
+    lowest F_LB and Algorithm 2 hands it every request (issue 16). The ledger holds the claim
+    to what this node measured itself and bounds what any peer can take on its own word:
+
+    * **observed load**: :meth:`judge` gives a peer's F_LB with L the latency this node measured
+      of its forwards to the peer (EWMA, alpha 1/8, from send to verified answer) when that is
+      over :data:`DEFAULT_CONTRADICTION` times the reported L (or L was not reported), Q at least
+      the forwards outstanding there, and C at most the capacity the verified directory lists;
+    * **penalty**: a forward that failed (timed out, refused, broke, came back unverifiable, not
+      OK) bans the peer for ``penalty * 2**(strikes - 1)`` seconds (at most ``max_penalty``);
+      a good answer takes one strike off. A peer with strikes left is on probation: one
+      forward outstanding at a time. An OVERLOADED answer only pauses forwards to the peer for
+      ``busy_backoff`` seconds (no strike);
+    * **outstanding**: at most ``max_outstanding`` forwards outstanding per peer, and at most
+      the capacity its directory record lists (what it admits from one forwarder:
+      :class:`~ps_p2p.serving.dispatch.DispatchConfig`); a peer that holds forwards without
+      answering stops getting more;
+    * **fair share**: of this node's last ``window`` routing decisions (:meth:`record`, served
+      here included; fewer while the window fills) a peer takes at most
+      ``ceil(min(max_share, share_factor / k) * decisions) + burst`` (k nodes in the group,
+      this one included): no liar takes more than about 1/k of this node's requests, and at
+      most half, however idle it claims to be.
+
+    Args:
+        max_outstanding: forwards outstanding per peer at most (>= 1).
+        window: routing decisions counted for the shares (>= 1).
+        share_factor: fair shares (1/k) a peer may take (> 0).
+        max_share: share cap whatever k, in (0, 1].
+        burst: decisions a peer may run ahead of its share (>= 0).
+        penalty: seconds of the first penalty (>= 0); max_penalty: the longest (>= penalty).
+        busy_backoff: seconds without forwards after an OVERLOADED answer (>= 0).
+        contradiction: factor beyond which the measured latency overrides the reported one (>= 1).
+        max_peers: peers observed at most (the group's followed members).
+
+    Raises:
+        ConfigError: a bound out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_outstanding: int,
+        window: int = DEFAULT_SHARE_WINDOW,
+        share_factor: float = DEFAULT_SHARE_FACTOR,
+        max_share: float = DEFAULT_MAX_SHARE,
+        burst: int = DEFAULT_SHARE_BURST,
+        penalty: float = DEFAULT_PENALTY,
+        max_penalty: float = DEFAULT_MAX_PENALTY,
+        busy_backoff: float = DEFAULT_BUSY_BACKOFF,
+        contradiction: float = DEFAULT_CONTRADICTION,
+        max_peers: int = DEFAULT_MAX_PEERS,
+    ) -> None:
+        if max_outstanding < 1 or window < 1 or max_peers < 1:
+            raise ConfigError("max_outstanding, window and max_peers must be >= 1")
+        if not share_factor > 0 or not 0 < max_share <= 1 or burst < 0:
+            raise ConfigError("share_factor must be > 0, max_share in (0, 1], burst >= 0")
+        if not 0 <= penalty <= max_penalty < math.inf or not 0 <= busy_backoff < math.inf:
+            raise ConfigError("penalties must satisfy 0 <= penalty <= max_penalty < inf and "
+                              "0 <= busy_backoff < inf")
+        if not contradiction >= 1:
+            raise ConfigError("contradiction must be >= 1")
+        self.max_outstanding = max_outstanding
+        self.share_factor = share_factor
+        self.max_share = max_share
+        self.burst = burst
+        self.penalty = penalty
+        self.max_penalty = max_penalty
+        self.busy_backoff = busy_backoff
+        self.contradiction = contradiction
+        self.max_peers = max_peers
+        self._window: deque[bytes | None] = deque(maxlen=window)
+        self._taken: dict[bytes, int] = {}  # peer -> decisions for it in the window
+        self._peers: dict[bytes, _Observed] = {}
+        self._capacity: dict[bytes, int] = {}  # listed capacity per member (0: not listed)
+
+    # ------------------------------------------------------------------ membership
+
+    def set_members(self, capacities: Mapping[bytes, int]) -> None:
+        """The group's followed members with the capacity their directory record lists (0 or
+        less: none); observations of others are forgotten."""
+        self._capacity = {p: c for p, c in capacities.items()}
+        for peer in [p for p in self._peers if p not in self._capacity]:
+            del self._peers[peer]
+
+    def _observed(self, peer: bytes) -> _Observed | None:
+        obs = self._peers.get(peer)
+        if obs is None and peer in self._capacity and len(self._peers) < self.max_peers:
+            obs = self._peers[peer] = _Observed()
+        return obs
+
+    # ------------------------------------------------------------------ what we decided
+
+    def share_limit(self, group_size: int) -> float:
+        """The largest fraction of this node's decisions one peer may take in a group of
+        ``group_size`` nodes (this one included, >= 1)."""
+        return min(self.max_share, self.share_factor / max(1, group_size))
+
+    def record(self, peer: bytes | None, now: float) -> None:
+        """One routing decision of this node: forwarded to ``peer``, or None (served here)."""
+        if len(self._window) == self._window.maxlen:
+            old = self._window[0]
+            if old is not None:
+                left = self._taken.get(old, 0) - 1
+                if left > 0:
+                    self._taken[old] = left
+                else:
+                    self._taken.pop(old, None)
+        self._window.append(peer)
+        if peer is not None:
+            self._taken[peer] = self._taken.get(peer, 0) + 1
+
+    def taken(self, peer: bytes) -> int:
+        """Decisions for ``peer`` among the last ``window``."""
+        return self._taken.get(peer, 0)
+
+    # ------------------------------------------------------------------ what came back
+
+    def sent(self, peer: bytes, now: float) -> None:
+        """A forward to ``peer`` left; it is outstanding until :meth:`answered` or
+        :meth:`failed`."""
+        obs = self._observed(peer)
+        if obs is not None:
+            obs.outstanding += 1
+
+    def answered(self, peer: bytes, seconds: float, now: float) -> None:
+        """A forward to ``peer`` came back verified after ``seconds`` (send to answer)."""
+        obs = self._observed(peer)
+        if obs is None:
+            return
+        obs.outstanding = max(0, obs.outstanding - 1)
+        seconds = max(0.0, seconds)
+        if obs.latency is None:
+            obs.latency = seconds
+        else:
+            obs.latency += EWMA_ALPHA * (seconds - obs.latency)
+        obs.strikes = max(0, obs.strikes - 1)
+
+    def failed(self, peer: bytes, now: float) -> None:
+        """A forward to ``peer`` failed (timed out, refused, broke, or its answer did not
+        verify): a strike and a penalty (class docstring)."""
+        obs = self._observed(peer)
+        if obs is None:
+            return
+        obs.outstanding = max(0, obs.outstanding - 1)
+        obs.strikes += 1
+        ban = min(self.max_penalty, self.penalty * 2.0 ** min(obs.strikes - 1, 32))
+        obs.banned_until = max(obs.banned_until, now + ban)
+
+    def busy(self, peer: bytes, now: float) -> None:
+        """A forward to ``peer`` was answered OVERLOADED: no forwards to it for
+        ``busy_backoff`` seconds, no strike."""
+        obs = self._observed(peer)
+        if obs is None:
+            return
+        obs.outstanding = max(0, obs.outstanding - 1)
+        obs.banned_until = max(obs.banned_until, now + self.busy_backoff)
+
+    def done(self, peer: bytes, outcome: ForwardOutcome, seconds: float, now: float) -> None:
+        """How a forward to ``peer`` ended, ``seconds`` after it was sent: :meth:`answered`,
+        :meth:`busy` or :meth:`failed` by ``outcome``."""
+        if outcome is ForwardOutcome.ANSWERED:
+            self.answered(peer, seconds, now)
+        elif outcome is ForwardOutcome.BUSY:
+            self.busy(peer, now)
+        else:
+            self.failed(peer, now)
+
+    def outstanding(self, peer: bytes) -> int:
+        """Forwards to ``peer`` sent and not come back."""
+        obs = self._peers.get(peer)
+        return 0 if obs is None else obs.outstanding
+
+    def measured_latency(self, peer: bytes) -> float | None:
+        """EWMA of the seconds this node's forwards to ``peer`` took, or None."""
+        obs = self._peers.get(peer)
+        return None if obs is None else obs.latency
+
+    # ------------------------------------------------------------------ verdicts
+
+    def refusal(self, peer: bytes, now: float, group_size: int) -> str | None:
+        """Why ``peer`` may not be forwarded to now (``"penalty"``, ``"outstanding"`` or
+        ``"share"``), or None when it may."""
+        obs = self._peers.get(peer)
+        if obs is not None:
+            if obs.banned_until > now:
+                return "penalty"
+            limit = 1 if obs.strikes else self.max_outstanding
+            listed = self._capacity.get(peer, 0)
+            if listed > 0:
+                limit = min(limit, listed)
+            if obs.outstanding >= limit:
+                return "outstanding"
+        decisions = min(len(self._window) + 1, self._window.maxlen or 1)  # this one included
+        if self.taken(peer) >= math.ceil(self.share_limit(group_size) * decisions) + self.burst:
+            return "share"
+        return None
+
+    def judge(self, load: PeerLoad, unknown_latency: float) -> float:
+        """``load``'s F_LB in seconds with what this node observed (class docstring)."""
+        latency = load.latency_ewma
+        requests = load.requests
+        capacity = load.capacity
+        listed = self._capacity.get(load.peer_id, 0)
+        if listed > 0:
+            capacity = min(capacity, listed)
+        obs = self._peers.get(load.peer_id)
+        if obs is not None:
+            requests = max(requests, obs.outstanding)
+            if obs.latency is not None and (
+                    latency is None or obs.latency > self.contradiction * latency):
+                latency = obs.latency
+        return load_factor(latency, requests, capacity, unknown_latency)

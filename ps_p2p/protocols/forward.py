@@ -22,7 +22,11 @@ Threats, and what bounds them:
 * A malicious A could forward everything (its own node idle): the user and the verifiers see
   ``forwarded_by``, so answers are credited to B, who did the work.
 * B accepts a forward only from a model node of its own model listed in its verified directory
-  (the service's ``accept`` callback); anything else resets the stream. Every frame is bounded
+  (the service's ``accept`` callback); anything else resets the stream. One member's forward
+  streams are bounded (``max_streams_per_peer``) apart from all members' (``max_streams``), and
+  so are the jobs forwarded to B (:class:`~ps_p2p.serving.dispatch.DispatchConfig`: one
+  member's, all members' together), so a member cannot use forwarding as a free inference
+  service that crowds out the users who asked B (issue 16). Every frame is bounded
   (:data:`MAX_REQUEST_BYTES`, :data:`MAX_FRAME_BYTES`) and so are the text frames of one answer
   (:data:`MAX_TEXT_FRAMES`); a malformed frame resets that stream only.
 """
@@ -86,6 +90,7 @@ class ForwardService:
             a trusted model node of our group).
         answer_timeout: seconds the answer may take in all before the stream is reset.
         max_streams: forward streams served at once (more are reset at once).
+        max_streams_per_peer: of those, from one peer at most (more are reset at once).
 
     Attributes:
         served: forwarded requests answered; refused: streams reset for bad input or a sender
@@ -93,12 +98,15 @@ class ForwardService:
     """
 
     def __init__(self, accept: Accept, may_forward: Callable[[bytes], bool] = lambda p: True, *,
-                 answer_timeout: float = 600.0, max_streams: int = 256) -> None:
+                 answer_timeout: float = 600.0, max_streams: int = 256,
+                 max_streams_per_peer: int = 16) -> None:
         self._accept = accept
         self._may_forward = may_forward
         self.answer_timeout = answer_timeout
         self.max_streams = max_streams
+        self.max_streams_per_peer = max_streams_per_peer
         self.open = 0
+        self._open_by: dict[bytes, int] = {}  # streams open, by peer
         self.served = 0
         self.refused = 0
 
@@ -114,11 +122,15 @@ class ForwardService:
         sender = stream.muxed_conn.peer_id.to_bytes()
         release: Callable[[], None] | None = None
         self.open += 1
+        self._open_by[sender] = self._open_by.get(sender, 0) + 1
         try:
             if not self._may_forward(sender):
                 raise RemoteProtocolError("not a trusted model node of this model group")
             if self.open > self.max_streams:
                 raise RemoteProtocolError(f"over {self.max_streams} forwards in service")
+            if self._open_by[sender] > self.max_streams_per_peer:
+                raise RemoteProtocolError(
+                    f"over {self.max_streams_per_peer} forwards of that node in service")
             with trio.fail_after(REQUEST_READ_TIMEOUT):
                 frame = await read_frame(stream, MAX_REQUEST_BYTES)
             request = parse(forward_pb2.ForwardRequest, frame)
@@ -148,6 +160,11 @@ class ForwardService:
             await reset_quietly(stream)
         finally:
             self.open -= 1
+            left = self._open_by.get(sender, 1) - 1
+            if left > 0:
+                self._open_by[sender] = left
+            else:
+                self._open_by.pop(sender, None)
             if release is not None:
                 release()
 

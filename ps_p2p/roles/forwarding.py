@@ -12,6 +12,11 @@ serving`, trusted ones, or provisional ones while none is proven) keeps
 * the peers' load (:class:`~ps_p2p.gossip.load.LoadBook`), fed by their signed load reports
   about every second (DESIGN.md: a stale view of load loses most of the gain), with the
   requests this node forwarded to a peer counted against it until its next report;
+* what it observed of each peer as a forwarder (:class:`~ps_p2p.gossip.load.PeerLedger`): the
+  model node reports how each forward ended (:meth:`GroupForwarding.forward_done`); a peer's
+  claimed load is held to the latency measured and the forwards outstanding, a failed forward
+  bans the peer for a while, and no peer takes more than its share of this node's requests
+  (issue 16: one member reporting "idle and instantly fast" took 19 to 22 of 30, now 10);
 
 and routes each admitted request (:meth:`GroupForwarding.route`): its prompt's chunk hashes
 (the group key, and the group's chunk lengths L) are searched in the tree and
@@ -44,8 +49,10 @@ from ps_p2p.gossip.forwarding import ForwardingConfig as PolicyConfig
 from ps_p2p.gossip.forwarding import HRTreeForwarding, RequestContext
 from ps_p2p.gossip.hr_tree import Delta, HRTree, NeedSnapshot, Snapshot, SubtreePublisher, SubtreeReplica
 from ps_p2p.gossip.load import (
+    ForwardOutcome,
     LoadBook,
     LoadTracker,
+    PeerLedger,
     ReportOutcome,
     decode_report,
     encode_report,
@@ -99,10 +106,14 @@ class GroupForwarding:
         self.book = LoadBook(self.me, self.model_id, (), max_age=self.config.load_max_age,
                              max_peers=self.config.max_peers)
         self.load = load
+        # a peer holds at most as many of our forwards as we serve at once ourselves
+        self.ledger = PeerLedger(max_outstanding=max(1, load.capacity),
+                                 max_peers=self.config.max_peers)
         self.policy = HRTreeForwarding(
             self.me, load, self.book,
             PolicyConfig(tau_c=self.config.tau_c,
-                         overload_threshold=self.config.overload_threshold))
+                         overload_threshold=self.config.overload_threshold),
+            ledger=self.ledger)
         #: the model nodes of our model in the verified directory; ``members``: those (at most
         #: ``max_peers``) whose gossip we follow
         self.group: frozenset[bytes] = frozenset()
@@ -138,6 +149,8 @@ class GroupForwarding:
             members = frozenset(sorted(members, key=lambda p: hashlib.sha256(
                 b"planetserve/v1/group-sample\x00" + self.me + p).digest())
                 [: self.config.max_peers])
+        listed = {r.peer_id: r.capacity for r in directory.model_nodes()}
+        self.ledger.set_members({p: listed.get(p, 0) for p in members})  # capacities may change
         if members == self.members:
             return
         for gone in self.members - members:
@@ -178,16 +191,28 @@ class GroupForwarding:
         previous = query.preferred_model_node or None
         if previous is not None and previous != self.me and previous not in self.members:
             previous = None
+        now = self._clock()
         decision = self.policy.decide(
-            RequestContext.from_search(found, previous_node=previous), self._clock())
+            RequestContext.from_search(found, previous_node=previous), now)
         reason = decision.reason.value
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        self.ledger.record(decision.forward_to, now)
         if decision.forward_to is not None:
             self.book.note_forwarded(decision.forward_to)
+            self.ledger.sent(decision.forward_to, now)
             log.info("request %s -> %s (%s, %d of %d chunks cached there)",
                      query.request_id.hex()[:8], peer_label(decision.forward_to), reason,
                      found.depth, len(chain))
         return decision.forward_to
+
+    def forward_done(self, peer: bytes, outcome: ForwardOutcome, seconds: float) -> None:
+        """How a forward :meth:`route` sent to ``peer`` ended, ``seconds`` after it was sent
+        (:class:`~ps_p2p.gossip.load.ForwardOutcome`): counted in the ledger (a failure bans
+        the peer for a while, OVERLOADED pauses forwards to it). The caller reports every
+        forward it sent, once."""
+        self.ledger.done(peer, outcome, seconds, self._clock())
+        if outcome is ForwardOutcome.FAILED:
+            log.info("forward to %s failed; no forwards to it for a while", peer_label(peer))
 
     # ------------------------------------------------------------------ own state out
 

@@ -42,6 +42,7 @@ from ps_p2p.errors import (
     PsError,
     RemoteProtocolError,
 )
+from ps_p2p.gossip.load import ForwardOutcome
 from ps_p2p.inference import InferenceQuery, InferenceReply, ResponseSegment, ResponseStatus
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.clove_codec import clove_from_bytes, clove_to_bytes
@@ -150,6 +151,7 @@ class ModelNodeService:
         # forwarding (enable_forwarding): router, forward streams served, forwards sent
         self._route: Callable[[InferenceQuery], Awaitable[bytes | None]] | None = None
         self._may_forward_to_us: Callable[[bytes], bool] = lambda peer: False
+        self._forward_done: Callable[[bytes, ForwardOutcome, float], None] | None = None
         self._host = None
         self._route_in, self._route_out = trio.open_memory_channel[StartJob](
             self.config.capacity + self.config.max_queue + 1
@@ -159,7 +161,10 @@ class ModelNodeService:
         self._nursery: trio.Nursery | None = None
         self.forward_service = ForwardService(
             self._accept_forward, lambda peer: self._may_forward_to_us(peer),
-            max_streams=self.config.capacity + self.config.max_queue)
+            max_streams=self.config.capacity + self.config.max_queue,
+            # its share of jobs, and as many streams being answered or refused (refusals close
+            # at once; an honest forwarder holds at most its capacity at one peer)
+            max_streams_per_peer=2 * self.config.forwarded_per_peer_limit)
         self._forwarding_now = 0  # our forwards in flight
         #: forwards: ``sent`` (handed to a peer), ``answered`` (its verified answer relayed),
         #: ``failed`` (served here or refused instead), ``received`` (served for a peer)
@@ -185,6 +190,7 @@ class ModelNodeService:
         host,  # type: ignore[no-untyped-def]
         route: Callable[[InferenceQuery], Awaitable[bytes | None]],
         may_forward_to_us: Callable[[bytes], bool],
+        forward_done: Callable[[bytes, ForwardOutcome, float], None] | None = None,
     ) -> None:
         """Turn on forwarding (sec. 3.3), before :meth:`run`.
 
@@ -192,13 +198,20 @@ class ModelNodeService:
             host: the node's py-libp2p host (forwards are sent from it; :meth:`run` serves
                 ``/planetserve/forward/1.0.0`` on it).
             route: ``await route(query)``: the model node to hand the query to, or None to serve
-                it here; must not raise for a bad query (serve it here instead).
+                it here; must not raise for a bad query (serve it here instead). Called only
+                when a forward can be sent: every peer it answers is forwarded to.
             may_forward_to_us: whether a peer is a trusted model node of our model group in the
                 verified directory (others' forwards are refused).
+            forward_done: ``forward_done(peer, outcome, seconds)``, once per forward sent: how
+                it ended (:class:`~ps_p2p.gossip.load.ForwardOutcome`: its answer came back
+                verified and was relayed, it answered OVERLOADED, or it failed) and after how
+                long (:meth:`ps_p2p.roles.forwarding.GroupForwarding.forward_done`: the
+                router's ledger of what each peer really did).
         """
         self._host = host
         self._route = route
         self._may_forward_to_us = may_forward_to_us
+        self._forward_done = forward_done
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the dispatch driver and ``capacity`` workers (and, with forwarding, the router
@@ -364,14 +377,17 @@ class ModelNodeService:
         """Route each admitted job: here (a worker) or to another model node (a forward)."""
         assert self._route is not None and self._nursery is not None
         async for job in self._route_out:
+            # forwards in flight are bounded like local jobs: past that, serve here (asked
+            # before routing: the router counts every peer it answers as forwarded to)
+            if self._forwarding_now >= self.config.capacity + self.config.max_queue:
+                self._jobs_in.send_nowait(job)
+                continue
             try:
                 peer = await self._route(job.query)
             except Exception:  # a router bug must not strand the job
                 log.exception("routing %s failed; served here", job.query.request_id.hex()[:8])
                 peer = None
-            # forwards in flight are bounded like local jobs: past that, serve here
-            if peer is None or peer == self.identity.peer_id or \
-                    self._forwarding_now >= self.config.capacity + self.config.max_queue:
+            if peer is None or peer == self.identity.peer_id:
                 self._jobs_in.send_nowait(job)
                 continue
             self._forwarding_now += 1
@@ -387,6 +403,7 @@ class ModelNodeService:
         rid = job.query.request_id.hex()[:8]
         req_hash = responses.request_hash(job.q_bytes)
         streamed = bytearray()
+        outcome = ForwardOutcome.FAILED
 
         def on_text(text: str) -> None:
             streamed.extend(text.encode("utf-8", "surrogatepass"))
@@ -406,6 +423,8 @@ class ModelNodeService:
                 content=reply.content(), signed_at_ms=reply.signed_at_ms,
                 model_node=reply.model_node, signature=reply.signature)
             # relay only an answer the user will take: OK, our model, and the very text streamed
+            if reply.status == ResponseStatus.OVERLOADED:  # signed by it, for this request
+                outcome = ForwardOutcome.BUSY
             if reply.status != ResponseStatus.OK:
                 raise RemoteProtocolError(f"it answered status {reply.status}")
             if reply.model_id != self.engine.model_id:
@@ -414,6 +433,7 @@ class ModelNodeService:
                 raise RemoteProtocolError("its signed text is not the text it streamed")
         except (PsError, trio.TooSlowError, Exception) as exc:
             self.forwards["failed"] += 1
+            self._report_forward(peer, outcome, self._clock() - started)
             log.info("forward of %s to %s failed (%s); serving it here", rid, _short(peer), exc)
             self.driver.submit(functools.partial(self.dispatcher.forward_failed, job.key),
                                essential=True)
@@ -421,6 +441,7 @@ class ModelNodeService:
         finally:
             self._forwarding_now -= 1
         self.forwards["answered"] += 1
+        self._report_forward(peer, ForwardOutcome.ANSWERED, self._clock() - started)
         vouched = dataclasses.replace(
             reply, forwarded_by=self.identity.peer_id,
             forward_signature=responses.sign_forward(
@@ -430,6 +451,14 @@ class ModelNodeService:
         self.driver.submit(functools.partial(
             self.dispatcher.job_finished, job.key, reply.content(), signed=vouched),
             essential=True)
+
+    def _report_forward(self, peer: bytes, outcome: ForwardOutcome, seconds: float) -> None:
+        if self._forward_done is None:
+            return
+        try:
+            self._forward_done(peer, outcome, seconds)
+        except Exception:  # the router's bookkeeping must not strand the job
+            log.exception("forward outcome of %s not recorded", _short(peer))
 
     async def _accept_forward(
         self, sender: bytes, q_bytes: bytes
@@ -453,8 +482,8 @@ class ModelNodeService:
             if gone is not None:
                 gone.close()
 
-        self.driver.submit(functools.partial(self.dispatcher.receive_forwarded, channel, q_bytes),
-                           essential=True)
+        self.driver.submit(functools.partial(self.dispatcher.receive_forwarded, channel, q_bytes,
+                                             sender=sender), essential=True)
         return receive, release
 
     def _to_channel(self, channel: int, item: AnswerItem) -> None:

@@ -33,8 +33,12 @@ forward failed                 nothing was streamed yet: the job is admitted aga
                                served locally (``StartJob(local=True)``); else it ends with
                                ENGINE_ERROR over the text streamed so far
 request forwarded to us        (``receive_forwarded``) Q from another model node of the group:
-                               validated and admitted like a request from proxies, served here
-                               (one hop only), answered to ``channel`` instead of proxies
+                               dropped unless Q names its reply proxies as a user's request
+                               does; answered OVERLOADED past the forwarders' share of this
+                               node (``max_forwarded`` jobs from all of them, at most
+                               ``max_forwarded_per_peer`` from one); else validated and
+                               admitted like a request from proxies, served here (one hop
+                               only), answered to ``channel`` instead of proxies
 tick                           expiry of incomplete requests and cached answers (both in order)
 =============================  ==================================================================
 """
@@ -51,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ps_p2p.crypto import sida
-from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.errors import ConfigError, RemoteProtocolError
 from ps_p2p.gossip.load import LoadTracker
 from ps_p2p.inference import InferenceQuery, ResponseStatus
 from ps_p2p.overlay.reassembly import CloveAssembler, MessageReassembled, ReassemblyFailed
@@ -119,6 +123,14 @@ class DispatchConfig:
             completes within milliseconds of its k-th clove.
         max_tracked_messages: message IDs whose delivering proxies are remembered.
         max_waiters: copies of one request (resent over fresh paths) answered from one job.
+        max_forwarded: jobs forwarded to us by other model nodes, all together, queued or
+            running at most; 0: half of ``capacity + max_queue`` (issue 16: 66 forwards of a
+            member's own queries filled a node and its users were all answered OVERLOADED;
+            the users who asked this node keep at least the other half).
+        max_forwarded_per_peer: of those, from one forwarding node at most; 0: ``capacity``
+            (a forwarder keeps at most its own capacity outstanding at one peer,
+            :class:`~ps_p2p.gossip.load.PeerLedger`, so an honest one of a group of equal
+            nodes never meets it).
     """
 
     capacity: int = 2
@@ -131,6 +143,22 @@ class DispatchConfig:
     max_cloves_per_proxy: int = 256
     max_tracked_messages: int = 20_000
     max_waiters: int = 8
+    max_forwarded: int = 0
+    max_forwarded_per_peer: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_forwarded < 0 or self.max_forwarded_per_peer < 0:
+            raise ConfigError("max_forwarded and max_forwarded_per_peer must be >= 0 (0: auto)")
+
+    @property
+    def forwarded_limit(self) -> int:
+        """Jobs forwarded to us, all forwarders together, at most (``max_forwarded``)."""
+        return self.max_forwarded or max(1, (self.capacity + self.max_queue) // 2)
+
+    @property
+    def forwarded_per_peer_limit(self) -> int:
+        """Jobs forwarded to us by one node at most (``max_forwarded_per_peer``)."""
+        return self.max_forwarded_per_peer or max(1, self.capacity)
 
 
 @dataclass(frozen=True)
@@ -205,6 +233,7 @@ class _Job:
     # per waiter (same order): next segment number, UTF-8 bytes sent in segments
     sent: list[list[int]] = field(default_factory=list)
     forwarded_to: bytes | None = None  # the model node serving it for us
+    forwarded_by: bytes | None = None  # the model node that forwarded it to us
 
 
 @dataclass
@@ -277,6 +306,8 @@ class Dispatcher:
         # incomplete request -> proxies with a clove of it buffered; proxy -> such cloves
         self._buffered_by: dict[bytes, list[bytes]] = {}
         self.per_proxy: dict[bytes, int] = {}
+        #: jobs forwarded to us and not finished, by the node that forwarded them
+        self.forwarded_in: dict[bytes, int] = {}
         self.dropped_by: dict[str, int] = {}
         self.requests: dict[str, int] = {}
         #: set when the node stops (:mod:`ps_p2p.serving.drain`): new requests are answered
@@ -349,7 +380,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ requests
 
     def _on_request(self, q_bytes: bytes, threshold: int, now: float,
-                    channel: int | None = None) -> list[Command]:
+                    channel: int | None = None, sender: bytes = b"") -> list[Command]:
         dropped: list[Command] = [] if channel is None else [DropChannel(channel)]
         try:
             query = self._decode_query(q_bytes)
@@ -358,11 +389,13 @@ class Dispatcher:
             log.warning("undecodable request dropped: %s", exc)
             return dropped
         n_proxies = len(query.reply_proxies)
-        if channel is None and (n_proxies < threshold or n_proxies > MAX_REPLY_PROXIES):
+        if n_proxies < threshold or n_proxies > MAX_REPLY_PROXIES:
+            # a forward carries Q as the forwarder decoded it from a user's cloves: a Q that
+            # names no reply proxies for its threshold is nobody's request (issue 16)
             self._count(REQUEST_DROPPED)
             log.warning("request %s names %d reply proxies for threshold %d; cannot answer",
                         query.request_id.hex()[:8], n_proxies, threshold)
-            return []
+            return dropped
         waiter = Waiter(q_bytes, query, threshold, channel)
         key = retry_key(query)
         cached = self._cache.get(key)
@@ -396,6 +429,15 @@ class Dispatcher:
             return [SendAnswer(waiter, self.error_content(
                 ResponseStatus.OVERLOADED, "model node shutting down; ask another"
             ))]
+        if channel is not None:
+            share = self._forward_share_problem(sender)
+            if share is not None:
+                self._count(REQUEST_OVERLOADED)
+                log.warning("forward of %s from %s refused: %s",  # rate-limited by template
+                            query.request_id.hex()[:8], _short(sender), share)
+                return [SendAnswer(waiter, self.error_content(
+                    ResponseStatus.OVERLOADED, f"model node overloaded ({share}); retry later"
+                ))]
         if not self.load.try_admit():
             self._count(REQUEST_OVERLOADED)
             log.warning("overloaded: request %s refused", query.request_id.hex()[:8])
@@ -403,15 +445,35 @@ class Dispatcher:
                 ResponseStatus.OVERLOADED, "model node overloaded; retry later"
             ))]
         self._count(REQUEST_ADMITTED)
-        self._jobs[key] = _Job(query, [waiter], sent=[[0, 0]])
+        job = self._jobs[key] = _Job(query, [waiter], sent=[[0, 0]])
+        if channel is not None:
+            job.forwarded_by = sender
+            self.forwarded_in[sender] = self.forwarded_in.get(sender, 0) + 1
         return [StartJob(key, query, local=waiter.channel is not None, q_bytes=q_bytes)]
 
-    def receive_forwarded(self, channel: int, q_bytes: bytes, now: float) -> list[Command]:
-        """Q forwarded to us by another model node of the group (the service checked it is
+    @property
+    def forwarded_jobs(self) -> int:
+        """Jobs forwarded to us, queued or running."""
+        return sum(self.forwarded_in.values())
+
+    def _forward_share_problem(self, sender: bytes) -> str | None:
+        """Why one more job forwarded by ``sender`` would exceed the forwarders' share."""
+        if self.forwarded_in.get(sender, 0) >= self.config.forwarded_per_peer_limit:
+            return f"{self.config.forwarded_per_peer_limit} forwards of that node in service"
+        if self.forwarded_jobs >= self.config.forwarded_limit:
+            return f"{self.config.forwarded_limit} forwarded requests in service"
+        return None
+
+    def receive_forwarded(self, channel: int, q_bytes: bytes, now: float,
+                          sender: bytes = b"") -> list[Command]:
+        """Q forwarded to us by model node ``sender`` of the group (the service checked it is
         one), to be answered on its forward stream ``channel`` (sec. 3.3). Served here: a
         forwarded request is never forwarded again (one hop). Threshold 2 stands for the S-IDA
-        threshold (no cloves are sent for it)."""
-        return self._on_request(q_bytes, MIN_THRESHOLD, now, channel=channel)
+        threshold (no cloves are sent for it): Q must name at least that many reply proxies,
+        as every user's request does. A new job counts against ``sender``'s share
+        (``max_forwarded_per_peer``) and the forwarders' (``max_forwarded``) until it finishes;
+        past either the answer is OVERLOADED."""
+        return self._on_request(q_bytes, MIN_THRESHOLD, now, channel=channel, sender=sender)
 
     def validate(self, query: InferenceQuery) -> tuple[int, str] | None:
         """(status, message) when ``query`` cannot be served, else None."""
@@ -512,6 +574,12 @@ class Dispatcher:
         job = self._jobs.pop(key, None)
         if job is None:
             return []
+        if job.forwarded_by is not None:
+            left = self.forwarded_in.get(job.forwarded_by, 1) - 1
+            if left > 0:
+                self.forwarded_in[job.forwarded_by] = left
+            else:
+                self.forwarded_in.pop(job.forwarded_by, None)
         if job.started_at is not None:
             self.load.finish(now - job.started_at)
         if content.status == ResponseStatus.OK:
