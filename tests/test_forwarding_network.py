@@ -23,23 +23,27 @@ async def _until(node_forwarding, condition, timeout: float = 30.0) -> None:
 async def test_a_prompt_cached_on_b_entering_at_a_is_served_by_b_with_as_voucher():
     async with open_localnet(users=6, models=2,
                              engine_factory=lambda i: SimEngine("sim", FAST)) as net:
-        a, b = net.models
-        fa, fb = a.forwarding, b.forwarding
-        assert fa is not None and fb is not None
         user = net.users[0].user
-        first = await user.ask(PREFIX + "What is 2+2?", model_node=b.peer_id, max_tokens=4,
-                               timeout=30)
-        assert first.ok and first.served_by == b.peer_id and not first.forwarded_by
+        first = await user.ask(PREFIX + "What is 2+2?", model_node=net.models[1].peer_id,
+                               max_tokens=4, timeout=30)
+        assert first.ok
+        # the first prompt lands where routing put it (the entry node may forward it to an idle
+        # peer, as the machine's timing falls): that node, b, now caches the prefix
+        b = next(m for m in net.models if m.peer_id == first.served_by)
+        a = next(m for m in net.models if m is not b)
+        fa = a.forwarding
+        assert fa is not None
         ids = await a.engine.encode(PREFIX + "What is 3+3?")
         chain = hr_tree.chunk_hashes(ids, fa.lengths, fa._key)
         await _until(fa, lambda: b.peer_id in fa.tree.search(chain, 1).peers
                      and fa.book.fresh(b.peer_id, trio.current_time()))
+        answered, hits = a.model.forwards["answered"], fa.decisions.get("cache_hit", 0)
         second = await user.ask(PREFIX + "What is 3+3?", model_node=a.peer_id, max_tokens=4,
                                 timeout=30)
         assert second.ok, second.error
         assert second.served_by == b.peer_id and second.forwarded_by == a.peer_id
-        assert a.model.forwards["answered"] == 1 and b.model.forwards["received"] == 1
-        assert fa.decisions.get("cache_hit") == 1
+        assert a.model.forwards["answered"] == answered + 1
+        assert fa.decisions.get("cache_hit") == hits + 1
         # streamed through the forward: the text arrives in pieces and matches the answer
         pieces: list[str] = []
         third = await user.ask(PREFIX + "What is 4+4?", model_node=a.peer_id, max_tokens=6,
