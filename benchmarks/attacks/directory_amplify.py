@@ -10,9 +10,10 @@ N times on one stream, as fast as it can, and reads every answer. Printed:
   page frames, timed inside the service: what a cache can save) and the whole process's CPU per
   request (client, server, Noise, Yamux: what the bytes cost);
 * the bytes per answered request, and the amplification (answer bytes / request bytes);
-* how many requests were answered and how many refused, and what a refused one gets and costs.
+* how many requests were answered and how many refused, and what a refused one gets and costs;
+* the same for ``--peers`` peers asking once each (the same full directory).
 
-Run: ``python benchmarks/attacks/directory_amplify.py [--records 20000] [--requests 20]``
+Run: ``python benchmarks/attacks/directory_amplify.py [--records 20000] [--requests 20] [--peers 5]``
 (about 10 s to build the records, then a few seconds).
 """
 
@@ -93,73 +94,90 @@ class TimedService(cd.CommitteeDirectoryService):
         return header, commit, timed()
 
 
-async def attack(history: DirectoryHistory, requests: int) -> None:
+REQUEST = encode_frame(directory_pb2.CommitteeDirectoryRequest(
+    get=directory_pb2.GetCommittedDirectory(since_height=0)).SerializeToString())
+
+
+async def ask(stream, requests: int) -> dict:  # type: ignore[no-untyped-def]
+    """Send ``requests`` gets on ``stream``, read the answers; what came back."""
+    out = {"answered": 0, "refused": 0, "bytes": 0, "cpu": 0.0, "refused_cpu": 0.0,
+           "error": "", "reset": ""}
+    for _ in range(requests):
+        t = time.process_time()
+        try:
+            await stream.write(REQUEST)
+            body = await read_frame(stream, cd.MAX_RESPONSE_BYTES)
+        except Exception as exc:  # the verifier reset the stream
+            out["reset"] = type(exc).__name__
+            break
+        size = len(body)
+        response = directory_pb2.CommitteeDirectoryResponse.FromString(body)
+        if response.WhichOneof("kind") == "error":
+            out["refused"] += 1
+            out["refused_cpu"] += time.process_time() - t
+            out["error"] = f"error {response.error.code}: {response.error.message}"
+            continue
+        while True:
+            body = await read_frame(stream, cd.MAX_RESPONSE_BYTES)
+            size += len(body)
+            page = directory_pb2.CommitteeDirectoryResponse.FromString(body).page
+            if page[4]:  # the page's last flag (u32 index, u8 last)
+                break
+        out["answered"] += 1
+        out["bytes"] += size
+        out["cpu"] += time.process_time() - t
+    return out
+
+
+async def attack(history: DirectoryHistory, requests: int, peers: int) -> None:
     service = TimedService(lambda: history, lambda tx: None)
     server = Identity.from_private_bytes(b"\x51" * 32)
-    client = Identity.from_private_bytes(b"\x52" * 32)
-    request = encode_frame(directory_pb2.CommitteeDirectoryRequest(
-        get=directory_pb2.GetCommittedDirectory(since_height=0)).SerializeToString())
-    async with open_host(server, ["/ip4/127.0.0.1/tcp/0"]) as vhost, \
-            open_host(client, ["/ip4/127.0.0.1/tcp/0"]) as chost:
+    print(f"records: {len(history.served.records)}; request: {len(REQUEST)} bytes")
+    async with open_host(server, ["/ip4/127.0.0.1/tcp/0"]) as vhost:
         handlers = service.register_handlers(vhost)
-        await connect(chost, listen_multiaddrs(vhost)[0])
-        stream = await chost.new_stream(vhost.get_id(), [cd.COMMITTEE_DIRECTORY_PROTOCOL_ID])
-        answered = refused = 0
-        answer_bytes = 0
-        refusal = ""
-        refused_cpu = answered_cpu = 0.0
-        reset = False
-        for _ in range(requests):
-            t = time.process_time()
-            try:
-                await stream.write(request)
-                body = await read_frame(stream, cd.MAX_RESPONSE_BYTES)
-            except Exception as exc:  # the verifier reset the stream
-                reset, refusal = True, f"stream reset ({type(exc).__name__})"
-                break
-            size = len(body)
-            response = directory_pb2.CommitteeDirectoryResponse.FromString(body)
-            if response.WhichOneof("kind") == "error":
-                refused += 1
-                refused_cpu += time.process_time() - t
-                refusal = f"error {response.error.code}: {response.error.message}"
-                continue
-            while True:
-                body = await read_frame(stream, cd.MAX_RESPONSE_BYTES)
-                size += len(body)
-                page = directory_pb2.CommitteeDirectoryResponse.FromString(body).page
-                if page[4]:  # the page's last flag (u32 index, u8 last)
-                    break
-            answered += 1
-            answer_bytes += size
-            answered_cpu += time.process_time() - t
+        for phase, (n_peers, n_requests) in enumerate(((1, requests), (peers, 1))):
+            service.build_cpu = 0.0
+            total = {"answered": 0, "refused": 0, "bytes": 0, "cpu": 0.0, "refused_cpu": 0.0}
+            last: dict = {}
+            for i in range(n_peers):
+                client = Identity.from_private_bytes(bytes([0x60 + phase, i]) * 16)
+                async with open_host(client, ["/ip4/127.0.0.1/tcp/0"]) as chost:
+                    await connect(chost, listen_multiaddrs(vhost)[0])
+                    stream = await chost.new_stream(vhost.get_id(),
+                                                    [cd.COMMITTEE_DIRECTORY_PROTOCOL_ID])
+                    last = await ask(stream, n_requests)
+                for key in total:
+                    total[key] += last[key]
+            n = max(total["answered"], 1)
+            if phase == 0:
+                print(f"\n1 peer, {requests} requests on one stream:")
+            else:
+                print(f"\n{peers} peers, 1 request each (the same answer):")
+            print(f"  answered: {total['answered']}; refused: {total['refused']}"
+                  + (f"; then the stream was reset ({last['reset']})" if last["reset"] else ""))
+            print(f"  bytes per answered request: {total['bytes'] / n / 2**20:.2f} MiB "
+                  f"(amplification x{total['bytes'] / n / len(REQUEST):,.0f})")
+            print(f"  verifier CPU building answers: {service.build_cpu / n * 1000:.1f} ms per "
+                  f"answered request ({service.build_cpu * 1000:.0f} ms in all)")
+            print(f"  process CPU (client+server+transport): {total['cpu'] / n * 1000:.1f} ms "
+                  f"per answered request, {total['cpu'] * 1000:.0f} ms in all")
+            if total["refused"]:
+                print(f"  a refused request gets {last['error']!r} and costs "
+                      f"{total['refused_cpu'] / total['refused'] * 1000:.2f} ms of process CPU "
+                      "(round trip)")
         await handlers.aclose()
-    n = max(answered, 1)
-    print(f"records: {len(history.served.records)}; request: {len(request)} bytes; "
-          f"{requests} requests on one stream")
-    print(f"answered: {answered}; refused: {refused}{'; then the stream was reset' if reset else ''}")
-    print(f"bytes per answered request: {answer_bytes / n / 2**20:.2f} MiB "
-          f"(amplification x{answer_bytes / n / len(request):,.0f})")
-    print(f"verifier CPU building answers: {service.build_cpu / n * 1000:.1f} ms per answered "
-          f"request ({service.build_cpu * 1000:.0f} ms in all)")
-    print(f"process CPU (client+server+transport): {answered_cpu / n * 1000:.1f} ms per answered "
-          f"request, {answered_cpu * 1000:.0f} ms in all")
-    if refused:
-        print(f"a refused request gets: {refusal!r}; costs {refused_cpu / refused * 1000:.2f} ms "
-              "of process CPU (round trip)")
-    elif reset:
-        print(f"then: {refusal}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=20_000)
     parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--peers", type=int, default=5)
     args = parser.parse_args()
     t = time.monotonic()
     history = build_history(args.records)
     print(f"built {args.records} records in {time.monotonic() - t:.1f} s")
-    trio.run(attack, history, args.requests)
+    trio.run(attack, history, args.requests, args.peers)
 
 
 if __name__ == "__main__":
