@@ -669,6 +669,44 @@ def test_keeper_bounds_future_rounds_per_validator():
     assert k.add_vote(vote(PV, -1, None, B))[0] == AddVoteResult.ROUND_REFUSED
 
 
+def test_the_core_says_which_messages_it_would_ignore_whatever_their_signature():
+    core = make(B)
+    for r in range(1, MAX_FUTURE_ROUNDS_PER_VALIDATOR + 1):  # A's two future rounds
+        assert not core.ignores(vote(PV, r, None, A))
+        core.handle(VoteReceived(vote(PV, r, None, A)), 0.0)
+    useless = [
+        vote(PV, 50, None, A),  # a third future round of A: refused by the keeper
+        vote(PV, 1, None, A),  # held already
+        vote(PV, 0, None, E),  # no validator
+        vote(PV, 0, None, A, h=5),  # far height
+    ]
+    for message in useless:
+        assert core.ignores(message)
+        before = (core.state(), core._keeper.powers(1, PV), list(core._next))
+        assert core.handle(VoteReceived(message), 0.0) == []
+        assert (core.state(), core._keeper.powers(1, PV), list(core._next)) == before
+    assert not core.ignores(vote(PV, 1, IV, A))  # a conflict: evidence
+    assert not core.ignores(vote(PV, 50, None, C))  # C's own budget
+    assert not core.ignores(vote(PV, 0, IW, A, h=1))  # next height: buffered
+    for r in range(CFG.next_height_buffer):
+        core.handle(VoteReceived(vote(PV, r, IW, A, h=1)), 0.0)
+    assert core.ignores(vote(PV, 99, IW, A, h=1))  # A's buffer is full
+    wrong_proposer = Proposal(0, 1, V, NIL_ROUND, A)
+    assert core.ignores(wrong_proposer)
+
+
+def test_proposals_of_rounds_the_keeper_refuses_are_ignored_and_leave_nothing_behind():
+    core = make(A)
+    for r in (5, 9):  # two future rounds of B (proposer of rounds 1, 5, 9, ...)
+        core.handle(ProposalReceived(prop(r)), 0.0)
+    wanted = {r: set(v) for r, v in core._wanted.items()}
+    for r in range(13, 13 + 4 * 50, 4):  # B's later rounds: refused, never wanted
+        late = prop(r, value=b"value %d" % r)
+        assert core.ignores(late)
+        assert core.handle(ProposalReceived(late), 0.0) == []
+    assert core._wanted == wanted and len(core._keeper._wanted) == 2
+
+
 def test_keeper_rejects_bad_validator_sets():
     with pytest.raises(ValueError):
         VoteKeeper(0, ())

@@ -261,6 +261,34 @@ class ConsensusCore:
             raise LocalProtocolError("no validator set: StartHeight first")
         return self._cycle[(height + round_) % len(self._cycle)]
 
+    def ignores(self, message: Proposal | Vote) -> bool:
+        """Whether :meth:`handle` would drop this peer's proposal or vote without any change
+        or output whatever its signature (a stale or far height, a full next-height buffer,
+        a round the vote keeper refuses, a vote already held, a proposal from another than
+        the round's proposer); pure. A driver may drop such a message before checking its
+        signature (issue 16: a validator's flood of valid but useless votes cost one
+        signature check and one pass of the rules each)."""
+        if self.height is None or self._keeper is None:
+            return False
+        sender = message.proposer if isinstance(message, Proposal) else message.validator
+        if message.height == self.height + 1:
+            if all(v.address != sender for v in self.validators):
+                return True
+            return self._next_count.get(sender, 0) >= self.config.next_height_buffer
+        if message.height != self.height or self.decision is not None:
+            return True
+        if isinstance(message, Vote):
+            if message.validator not in {v.address for v in self.validators}:
+                return True
+            return (self._keeper.round_refused(message.validator, message.round)
+                    or self._keeper.is_duplicate(message))
+        p = message
+        if not (0 <= p.round <= MAX_ROUND and NIL_ROUND <= p.pol_round < p.round):
+            return True
+        if p.proposer != self.proposer(p.height, p.round):
+            return True
+        return self._keeper.round_refused(p.proposer, p.round)
+
     # ------------------------------------------------------------------ input
 
     def handle(self, inp: Input, now: float) -> list[Output]:
@@ -388,6 +416,8 @@ class ConsensusCore:
             return  # malformed (module docstring)
         if p.proposer != self.proposer(p.height, p.round):
             return  # L22, L28, L36, L49: only "from proposer(h_p, r)" counts
+        if self._keeper.round_refused(p.proposer, p.round):
+            return  # a round the keeper does not track yet: nothing of it is held either
         vid = self.config.value_id(p.value)
         wanted = self._wanted.setdefault(p.round, set())
         if vid not in wanted and len(wanted) < MAX_WANTED_PER_ROUND:
