@@ -55,13 +55,17 @@ Deviations from the paper, each harmless to safety:
 
 Bounds (what faulty validators can make us hold): votes as in
 :mod:`ps_p2p.consensus.votes` (rounds up to ours, plus two future rounds per validator);
-proposals at most two per tracked round (wanted values four); validation requests one per kept
+proposals at most two per tracked round (wanted values four; a proposal of a round the vote
+keeper refuses for its proposer is dropped before its value is wanted, so a Byzantine proposer
+cannot grow the wanted sets with rounds far ahead); validation requests one per kept
 proposal; messages of
 the next height (``h + 1``) are buffered, at most
 :attr:`ConsensusConfig.next_height_buffer` per validator of the current set, and replayed by
 ``StartHeight(h + 1)``: a validator that decides a little later than the others would otherwise
 miss the next height's proposal. Messages of heights above ``h + 1`` are dropped (block sync and
 gossip re-sending are the driver's: a validator that far behind needs the commits, not votes).
+:meth:`ConsensusCore.ignores` tells the driver, without changing anything, which messages would
+be dropped whatever their signature, so it can skip their signature check.
 """
 
 from __future__ import annotations
@@ -278,7 +282,7 @@ class ConsensusCore:
         if message.height != self.height or self.decision is not None:
             return True
         if isinstance(message, Vote):
-            if message.validator not in {v.address for v in self.validators}:
+            if not self._keeper.power_of(message.validator):
                 return True
             return (self._keeper.round_refused(message.validator, message.round)
                     or self._keeper.is_duplicate(message))
