@@ -685,7 +685,10 @@ def test_the_core_says_which_messages_it_would_ignore_whatever_their_signature()
         before = (core.state(), core._keeper.powers(1, PV), list(core._next))
         assert core.handle(VoteReceived(message), 0.0) == []
         assert (core.state(), core._keeper.powers(1, PV), list(core._next)) == before
-    assert not core.ignores(vote(PV, 1, IV, A))  # a conflict: evidence
+    assert not core.ignores(vote(PV, 1, IV, A))  # a first conflict: evidence
+    core.handle(VoteReceived(vote(PV, 1, IV, A)), 0.0)
+    assert core.ignores(vote(PV, 1, b"unwanted value", A))  # A accused: adds nothing
+    assert core.ignores(vote(PV, 1, IV, A))
     assert not core.ignores(vote(PV, 50, None, C))  # C's own budget
     assert not core.ignores(vote(PV, 0, IW, A, h=1))  # next height: buffered
     for r in range(CFG.next_height_buffer):

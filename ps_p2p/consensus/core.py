@@ -268,8 +268,9 @@ class ConsensusCore:
     def ignores(self, message: Proposal | Vote) -> bool:
         """Whether :meth:`handle` would drop this peer's proposal or vote without any change
         or output whatever its signature (a stale or far height, a full next-height buffer,
-        a round the vote keeper refuses, a vote already held, a proposal from another than
-        the round's proposer); pure. A driver may drop such a message before checking its
+        a round the vote keeper refuses, a vote already held or a conflicting one that adds
+        nothing (:meth:`~ps_p2p.consensus.votes.VoteKeeper.adds_nothing`), a proposal from
+        another than the round's proposer); pure. A driver may drop such a message before checking its
         signature (issue 16: a validator's flood of valid but useless votes cost one
         signature check and one pass of the rules each)."""
         if self.height is None or self._keeper is None:
@@ -285,7 +286,7 @@ class ConsensusCore:
             if not self._keeper.power_of(message.validator):
                 return True
             return (self._keeper.round_refused(message.validator, message.round)
-                    or self._keeper.is_duplicate(message))
+                    or self._keeper.adds_nothing(message))
         p = message
         if not (0 <= p.round <= MAX_ROUND and NIL_ROUND <= p.pol_round < p.round):
             return True

@@ -171,10 +171,11 @@ class VoteKeeper:
         future = sum(1 for r in self._rounds_of[address] if r > self._current_round)
         return future >= MAX_FUTURE_ROUNDS_PER_VALIDATOR
 
-    def is_duplicate(self, vote: Vote) -> bool:
-        """Whether ``vote`` (same height, type, round, validator and value ID, whatever its
-        signature) is already held: :meth:`add_vote` would answer ``DUPLICATE`` and change
-        nothing."""
+    def adds_nothing(self, vote: Vote) -> bool:
+        """Whether :meth:`add_vote` would change nothing and give no evidence for ``vote``,
+        whatever its signature: a copy of a vote held (``DUPLICATE``), or a further conflicting
+        vote of a validator already accused in that (type, round) for a value already counted
+        or not wanted (``CONFLICT``, dropped). Changes nothing."""
         rnd = self._rounds.get(vote.round)
         if vote.height != self.height or rnd is None:
             return False
@@ -182,9 +183,11 @@ class VoteKeeper:
         held = tally.by_validator.get(vote.validator)
         if held is None:
             return False
-        return held.value_id == vote.value_id or (
-            vote.validator in tally.accused
-            and vote.value_id in tally.extra.get(vote.validator, {}))
+        if held.value_id == vote.value_id:
+            return True
+        return vote.validator in tally.accused and (
+            vote.value_id in tally.extra.get(vote.validator, {})
+            or vote.value_id not in self._wanted)
 
     def _round_for(self, address: bytes, round_: int) -> _Round | None:
         """The round's record, opening it if the bounds allow; None: refused."""
