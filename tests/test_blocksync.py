@@ -15,6 +15,7 @@ from ps_p2p.keys import NodeKeys
 from ps_p2p.protocols import consensus_codec as cc
 from ps_p2p.protocols.blocksync import BlockSyncServer, fetch_blocks, verify_synced
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
+from ps_p2p.rate_limits import PeerBudgets
 
 CHAIN = "sync-chain"
 KEYS = [NodeKeys.generate().identity for _ in range(4)]
@@ -90,3 +91,28 @@ def test_blocks_that_do_not_chain_are_refused():
     with pytest.raises(InvalidCommitError):
         verify_synced([forged], chain_id=CHAIN, validators=VALIDATORS,
                       previous_block_id=GENESIS_ID, limits=BlockLimits())
+
+
+async def test_blocks_go_only_to_allowed_peers_within_their_rate(tmp_path):
+    chain = _chain(3)
+    a_key, b_key, c_key, d_key = (NodeKeys.generate().identity for _ in range(4))
+    budgets = PeerBudgets(rate=1.0, burst=1.0, total_rate=1e9, total_burst=1e9)
+    server = BlockSyncServer(_store(tmp_path, chain), budgets=budgets, clock=lambda: 0.0,
+                             allow=lambda peer: peer != d_key.peer_id)
+    kwargs = dict(chain_id=CHAIN, validators=VALIDATORS, previous_block_id=GENESIS_ID)
+    async with open_host(a_key, ["/ip4/127.0.0.1/tcp/0"]) as a:
+        handlers = server.register_handlers(a)
+        served = a.get_id().to_bytes()
+        for key in (b_key, c_key, d_key):
+            async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as client:
+                await connect(client, listen_multiaddrs(a)[0])
+                if key is d_key:  # not allowed: reset before any request is read
+                    with pytest.raises(Exception):
+                        await fetch_blocks(client, served, 1, **kwargs)
+                    continue
+                blocks, latest = await fetch_blocks(client, served, 1, **kwargs)
+                assert [b.height for b in blocks] == [1, 2, 3] and latest == 3
+                with pytest.raises(Exception):  # in debt now (clock stands still)
+                    await fetch_blocks(client, served, 1, **kwargs)
+        await handlers.aclose()
+    assert (server.served, server.rate_limited, server.not_allowed) == (2, 2, 1)

@@ -50,6 +50,8 @@ from ps_p2p.protocols.committee_directory import (
     ERROR_BAD_REQUEST,
     MAX_REQUEST_BYTES,
     MAX_RESPONSE_BYTES,
+    ERROR_UNAVAILABLE,
+    MAX_REFUSALS_PER_STREAM,
     CommitteeDirectoryService,
     deregister_from_committee,
     fetch_committed_directory,
@@ -59,6 +61,7 @@ from ps_p2p.protocols.consensus import ConsensusServiceConfig
 from ps_p2p.protocols.framing import encode_frame, encode_varint, read_frame
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 from ps_p2p.protocols.record_codec import record_to_pb
+from ps_p2p.rate_limits import PeerBudgets
 from ps_p2p.records import (
     MAX_MODEL_ID_BYTES,
     MAX_ORGANIZATION_BYTES,
@@ -586,7 +589,8 @@ async def serving(chain: Chain, **kwargs) -> AsyncIterator[tuple[SpyService, obj
         b"\x52" * 32)
     async with open_host(server, [LOOPBACK]) as vhost, open_host(client, [LOOPBACK]) as chost:
         handlers = service.register_handlers(vhost)
-        await connect(chost, listen_multiaddrs(vhost)[0])
+        service.listen_addr = listen_multiaddrs(vhost)[0]
+        await connect(chost, service.listen_addr)
         try:
             yield service, chost, server.peer_id
         finally:
@@ -657,6 +661,67 @@ async def test_a_block_decided_while_pages_are_sent_changes_nothing_in_them():
         second = await fetch(host, verifier, replica, chain)
     assert second.height == first.height + 2
     assert second.record(who(41).peer_id) is not None and second.record(who(1).peer_id) is None
+
+
+def test_identical_directory_requests_share_one_encoding_until_the_next_block():
+    chain = Chain()
+    chain.block([reg(record(i)) for i in range(1, 41)])
+    chain.block()
+    service = CommitteeDirectoryService(lambda: chain.history, lambda tx: None, page_bytes=256)
+    history = chain.history
+    first = list(service.snapshot(0)[2])
+    readers = [service.snapshot(since)[2] for since in (0, 0, 99)]  # 99: unknown, a reset too
+    interleaved = [next(r) for r in readers] + [page for r in readers for page in r]
+    assert len(first) > 10 and len(interleaved) == 3 * len(first)
+    assert (history.answers_built, history.answers_reused) == (1, 3)
+    assert first == directory_delta(history, 0, 256)
+    delta_since = history.served.height
+    chain.block([reg(record(41))])
+    chain.block()
+    assert list(service.snapshot(0)[2]) != first and history.answers_built == 2
+    assert list(service.snapshot(delta_since)[2]) == directory_delta(history, delta_since, 256)
+
+
+def test_the_answers_kept_are_bounded_in_number_and_bytes():
+    chain = Chain()
+    chain.block([reg(record(i)) for i in range(1, 41)])
+    chain.block([reg(record(i)) for i in range(41, 45)])
+    chain.block()
+    history = chain.history
+    history.max_answers = 2
+    for since in (1, 2, 3, 0):
+        list(history.pages(since, 256))
+    assert len(history._answers) == 2
+    history.max_cached_bytes = 1
+    list(history.pages(1, 256))  # another answer grows: the others go
+    assert list(history._answers) == [(1, 256)]
+
+
+async def test_a_peer_over_its_answer_rate_is_refused_with_an_error_then_reset_and_others_served():
+    chain = Chain()
+    chain.block([reg(record(i)) for i in range(1, 21)])
+    chain.block()
+    budgets = PeerBudgets(rate=1.0, burst=1.0, total_rate=1e9, total_burst=1e9)
+    async with serving(chain, budgets=budgets, clock=lambda: 0.0) as (service, host, verifier):
+        replica = CommitteeReplica(GENESIS)
+        assert len((await fetch(host, verifier, replica, chain)).records) == 20
+        with pytest.raises(RemoteProtocolError, match=r"error 5: get refused: over this peer's "
+                                                      r"rate: retry in [0-9.]+ s"):
+            await fetch(host, verifier, CommitteeReplica(GENESIS), chain)
+        stream = await host.new_stream(ID(verifier), [COMMITTEE_DIRECTORY_PROTOCOL_ID])
+        for _ in range(MAX_REFUSALS_PER_STREAM + 1):
+            await stream.write(request(get=directory_pb2.GetCommittedDirectory()))
+        for _ in range(MAX_REFUSALS_PER_STREAM):
+            assert (await reply(stream)).error.code == ERROR_UNAVAILABLE
+        await assert_reset(stream)  # the one request too many
+        assert service.rate_limited == 1 + MAX_REFUSALS_PER_STREAM and service.served == 1
+        assert service.reset == 1
+        other = Identity.from_private_bytes(b"\x53" * 32)
+        async with open_host(other, [LOOPBACK]) as ohost:
+            await connect(ohost, service.listen_addr)
+            assert len((await fetch(ohost, verifier, CommitteeReplica(GENESIS), chain)).records) \
+                == 20
+        assert service.served == 2
 
 
 # ---------------------------------------------------------------------------------- node

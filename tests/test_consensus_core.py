@@ -8,6 +8,8 @@ The committee is A, B, C, D of power 1 (N = 4, f = 1: 2f+1 = 3, f+1 = 2); the pr
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from ps_p2p.consensus.core import ConsensusConfig, ConsensusCore, RoundState, proposer_cycle
@@ -667,6 +669,82 @@ def test_keeper_bounds_future_rounds_per_validator():
     k.set_round(2)
     assert k.add_vote(far)[0] == AddVoteResult.ADDED
     assert k.add_vote(vote(PV, -1, None, B))[0] == AddVoteResult.ROUND_REFUSED
+
+
+def test_the_core_says_which_messages_it_would_ignore_whatever_their_signature():
+    core = make(B)
+    for r in range(1, MAX_FUTURE_ROUNDS_PER_VALIDATOR + 1):  # A's two future rounds
+        assert not core.ignores(vote(PV, r, None, A))
+        core.handle(VoteReceived(vote(PV, r, None, A)), 0.0)
+    useless = [
+        vote(PV, 50, None, A),  # a third future round of A: refused by the keeper
+        vote(PV, 1, None, A),  # held already
+        vote(PV, 0, None, E),  # no validator
+        vote(PV, 0, None, A, h=5),  # far height
+    ]
+    for message in useless:
+        assert core.ignores(message)
+        before = (core.state(), core._keeper.powers(1, PV), list(core._next))
+        assert core.handle(VoteReceived(message), 0.0) == []
+        assert (core.state(), core._keeper.powers(1, PV), list(core._next)) == before
+    assert not core.ignores(vote(PV, 1, IV, A))  # a first conflict: evidence
+    core.handle(VoteReceived(vote(PV, 1, IV, A)), 0.0)
+    assert core.ignores(vote(PV, 1, b"unwanted value", A))  # A accused: adds nothing
+    assert core.ignores(vote(PV, 1, IV, A))
+    assert not core.ignores(vote(PV, 50, None, C))  # C's own budget
+    assert not core.ignores(vote(PV, 0, IW, A, h=1))  # next height: buffered
+    for r in range(CFG.next_height_buffer):
+        core.handle(VoteReceived(vote(PV, r, IW, A, h=1)), 0.0)
+    assert core.ignores(vote(PV, 99, IW, A, h=1))  # A's buffer is full
+    wrong_proposer = Proposal(0, 1, V, NIL_ROUND, A)
+    assert core.ignores(wrong_proposer)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_message_the_core_says_it_ignores_changes_nothing_when_handled(seed):
+    rng = random.Random(seed)
+    core = make(B)
+
+    def snapshot():
+        k = core._keeper
+        tallies = {(r, t): k.powers(r, t) for r in k.rounds() for t in (PV, PC)}
+        return (core.state(), tallies, len(core._next), dict(core._next_count),
+                {r: set(v) for r, v in core._wanted.items()}, set(k._wanted))
+
+    ignored = 0
+    for _ in range(600):
+        who = rng.choice((A, B, C, D, E))
+        h = rng.choice((0, 0, 0, 1, 3))
+        r = max(0, core.round + rng.choice((-3, -1, 0, 0, 1, 2, 3, 10)))
+        if rng.random() < 0.2:
+            message = Proposal(h, r, rng.choice((V, W)), rng.choice((NIL_ROUND, 0)),
+                               rng.choice((PROPOSER[(h + r) % 4], who)))
+            inp = ProposalReceived(message)
+        else:
+            message = vote(rng.choice((PV, PC)), r, rng.choice((IV, IW, None)), who, h=h)
+            inp = VoteReceived(message)
+        if core.ignores(message):
+            ignored += 1
+            before = snapshot()
+            assert core.handle(inp, 0.0) == []
+            assert snapshot() == before
+        else:
+            core.handle(inp, 0.0)
+        if rng.random() < 0.02:
+            core.handle(TimeoutFired(TimeoutKind.PRECOMMIT, 0, core.round), 0.0)
+    assert ignored > 100
+
+
+def test_proposals_of_rounds_the_keeper_refuses_are_ignored_and_leave_nothing_behind():
+    core = make(A)
+    for r in (5, 9):  # two future rounds of B (proposer of rounds 1, 5, 9, ...)
+        core.handle(ProposalReceived(prop(r)), 0.0)
+    wanted = {r: set(v) for r, v in core._wanted.items()}
+    for r in range(13, 13 + 4 * 50, 4):  # B's later rounds: refused, never wanted
+        late = prop(r, value=b"value %d" % r)
+        assert core.ignores(late)
+        assert core.handle(ProposalReceived(late), 0.0) == []
+    assert core._wanted == wanted and len(core._keeper._wanted) == 2
 
 
 def test_keeper_rejects_bad_validator_sets():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import trio
 from libp2p.peer.id import ID
 
@@ -22,6 +23,7 @@ from ps_p2p.consensus.types import Proposal, Vote, VoteType
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import Identity
 from ps_p2p.protocols import consensus_codec as cc
+from ps_p2p.protocols.blocksync import fetch_blocks
 from ps_p2p.protocols.consensus import CONSENSUS_PROTOCOL_ID, ConsensusServiceConfig
 from ps_p2p.protocols.framing import encode_frame
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
@@ -202,4 +204,62 @@ async def test_bad_input_is_refused_counted_and_the_committee_keeps_committing(t
             height = await wait_listed(committee, who.peer_id)
             await committee.wait_committed(height)
         check_stores_agree(committee, height)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_validators_useless_votes_skip_the_signature_check_and_outsiders_get_no_blocks(
+        tmp_path):
+    async with trio.open_nursery() as nursery:
+        # two of four validators: no quorum, height 1 never ends (rounds move by timeouts)
+        committee = LocalCommittee(nursery, tmp_path, 4,
+                                   config=ConsensusServiceConfig(min_sync_interval=3600.0))
+        target, sender = committee.members[0], committee.members[1]
+        g = committee.genesis
+        with trio.fail_after(60):
+            await committee.start(target)
+            await committee.start(sender)
+            service = target.service
+            garbage = b"\xff" * 7  # resets the stream once the frames before it are handled
+
+            def signed(round_: int, height: int = 1) -> Vote:
+                return sign_vote(sender.identity, g.chain_id,
+                                 Vote(VoteType.PREVOTE, height, round_, None, sender.peer_id))
+
+            def forged(v: Vote) -> bytes:  # the same vote, its signature does not verify
+                return cc.encode_message(
+                    Vote(v.type, v.height, v.round, v.value_id, v.validator, bytes(64)))
+
+            # the sender's two future rounds, and a far height (a block sync from it starts)
+            await _send_frames(sender.host, target.peer_id, [
+                cc.encode_message(signed(1000)), cc.encode_message(signed(1001)),
+                cc.encode_message(signed(0, height=99)), garbage])
+            keeper = service.validator.core.keeper
+            while keeper.rounds()[-1] != 1001:
+                await service.driver.wait_processed()
+            assert service.refused["future height"] == 1
+
+            # valid or not, these would change nothing: dropped before any signature check
+            useless = [forged(signed(r)) for r in range(1002, 1010)] + [forged(signed(1000))]
+            await _send_frames(sender.host, target.peer_id,
+                               useless + [forged(signed(0, height=99)), garbage])
+            assert service.refused["ignored"] == len(useless)
+            assert service.refused["future height"] == 2
+            assert service.refused["bad signature"] == 0
+            await _send_frames(sender.host, target.peer_id, [forged(signed(0))])  # counts
+            assert service.refused["bad signature"] == 1
+
+            # block sync: a validator is served, a host listed nowhere is not
+            served = service.blocksync.served
+            blocks, latest = await fetch_blocks(
+                sender.host, target.peer_id, 1, chain_id=g.chain_id,
+                validators=g.validators, previous_block_id=None)
+            assert (blocks, latest) == ([], 0)
+            outsider = Identity.from_private_bytes(b"\x06" * 32)
+            async with open_host(outsider, ["/ip4/127.0.0.1/tcp/0"]) as stranger:
+                await connect(stranger, listen_multiaddrs(target.host)[0])
+                with pytest.raises(Exception):
+                    await fetch_blocks(stranger, target.peer_id, 1, chain_id=g.chain_id,
+                                       validators=g.validators, previous_block_id=None)
+            assert service.blocksync.not_allowed == 1
+            assert service.blocksync.served == served + 1
         nursery.cancel_scope.cancel()

@@ -55,13 +55,17 @@ Deviations from the paper, each harmless to safety:
 
 Bounds (what faulty validators can make us hold): votes as in
 :mod:`ps_p2p.consensus.votes` (rounds up to ours, plus two future rounds per validator);
-proposals at most two per tracked round (wanted values four); validation requests one per kept
+proposals at most two per tracked round (wanted values four; a proposal of a round the vote
+keeper refuses for its proposer is dropped before its value is wanted, so a Byzantine proposer
+cannot grow the wanted sets with rounds far ahead); validation requests one per kept
 proposal; messages of
 the next height (``h + 1``) are buffered, at most
 :attr:`ConsensusConfig.next_height_buffer` per validator of the current set, and replayed by
 ``StartHeight(h + 1)``: a validator that decides a little later than the others would otherwise
 miss the next height's proposal. Messages of heights above ``h + 1`` are dropped (block sync and
 gossip re-sending are the driver's: a validator that far behind needs the commits, not votes).
+:meth:`ConsensusCore.ignores` tells the driver, without changing anything, which messages would
+be dropped whatever their signature, so it can skip their signature check.
 """
 
 from __future__ import annotations
@@ -261,6 +265,35 @@ class ConsensusCore:
             raise LocalProtocolError("no validator set: StartHeight first")
         return self._cycle[(height + round_) % len(self._cycle)]
 
+    def ignores(self, message: Proposal | Vote) -> bool:
+        """Whether :meth:`handle` would drop this peer's proposal or vote without any change
+        or output whatever its signature (a stale or far height, a full next-height buffer,
+        a round the vote keeper refuses, a vote already held or a conflicting one that adds
+        nothing (:meth:`~ps_p2p.consensus.votes.VoteKeeper.adds_nothing`), a proposal from
+        another than the round's proposer); pure. A driver may drop such a message before checking its
+        signature (issue 16: a validator's flood of valid but useless votes cost one
+        signature check and one pass of the rules each)."""
+        if self.height is None or self._keeper is None:
+            return False
+        sender = message.proposer if isinstance(message, Proposal) else message.validator
+        if message.height == self.height + 1:
+            if all(v.address != sender for v in self.validators):
+                return True
+            return self._next_count.get(sender, 0) >= self.config.next_height_buffer
+        if message.height != self.height or self.decision is not None:
+            return True
+        if isinstance(message, Vote):
+            if not self._keeper.power_of(message.validator):
+                return True
+            return (self._keeper.round_refused(message.validator, message.round)
+                    or self._keeper.adds_nothing(message))
+        p = message
+        if not (0 <= p.round <= MAX_ROUND and NIL_ROUND <= p.pol_round < p.round):
+            return True
+        if p.proposer != self.proposer(p.height, p.round):
+            return True
+        return self._keeper.round_refused(p.proposer, p.round)
+
     # ------------------------------------------------------------------ input
 
     def handle(self, inp: Input, now: float) -> list[Output]:
@@ -388,6 +421,8 @@ class ConsensusCore:
             return  # malformed (module docstring)
         if p.proposer != self.proposer(p.height, p.round):
             return  # L22, L28, L36, L49: only "from proposer(h_p, r)" counts
+        if self._keeper.round_refused(p.proposer, p.round):
+            return  # a round the keeper does not track yet: nothing of it is held either
         vid = self.config.value_id(p.value)
         wanted = self._wanted.setdefault(p.round, set())
         if vid not in wanted and len(wanted) < MAX_WANTED_PER_ROUND:

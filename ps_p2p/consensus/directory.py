@@ -39,7 +39,7 @@ plus O(subjects) hashing when a reputation changed.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ps_p2p.consensus.app import (
@@ -89,6 +89,13 @@ MAX_DELTA_BYTES = 128 * 1024 * 1024
 MAX_DIRECTORY_AGE_MS = 10 * MINUTE_MS
 #: Most heights of changes a server keeps for deltas.
 MAX_HISTORY_HEIGHTS = 4096
+#: Answers (page lists) a server keeps built for the served height (:meth:`DirectoryHistory.
+#: pages`): the full directory plus a few deltas (nodes that refresh ask from the last one or
+#: two heights).
+MAX_CACHED_ANSWERS = 4
+#: Bytes of built pages kept for the served height beyond the answer being built (64 MiB: the
+#: full directory of 100,000 small records is ~22 MiB).
+MAX_CACHED_BYTES = 64 * 1024 * 1024
 
 _PUT = 1
 _REMOVE = 2
@@ -148,10 +155,12 @@ class DirectoryHistory:
         state: the state to start from (the genesis state, or one restored at startup).
         max_heights: default :data:`MAX_HISTORY_HEIGHTS`.
         max_changes: default ``2 * MAX_RECORDS``.
+        max_answers, max_cached_bytes: bounds of the built answers kept (:meth:`pages`).
     """
 
     def __init__(self, state: AppState, *, max_heights: int = MAX_HISTORY_HEIGHTS,
-                 max_changes: int = 2 * MAX_RECORDS) -> None:
+                 max_changes: int = 2 * MAX_RECORDS, max_answers: int = MAX_CACHED_ANSWERS,
+                 max_cached_bytes: int = MAX_CACHED_BYTES) -> None:
         if max_heights < 1 or max_changes < 1:
             raise LocalProtocolError("history bounds must be >= 1")
         self.latest = state
@@ -160,6 +169,8 @@ class DirectoryHistory:
         self.commit: tuple[Vote, ...] = ()
         self.max_heights = max_heights
         self.max_changes = max_changes
+        self.max_answers = max_answers
+        self.max_cached_bytes = max_cached_bytes
         self._log: collections.deque[tuple[int, dict[bytes, NodeRecord | None],
                                            dict[bytes, ReputationEntry | None]]] = \
             collections.deque()
@@ -167,6 +178,13 @@ class DirectoryHistory:
         #: The lowest ``since`` still answered by a delta (the state before the oldest
         #: logged block).
         self.floor = state.height
+        # (since, page bytes) -> the pages of that answer at the served height, least recently
+        # used first; emptied by add_block (see pages())
+        self._answers: collections.OrderedDict[tuple[int, int], _SharedPages] = \
+            collections.OrderedDict()
+        #: Answers built (cache misses) and answers served from built pages (hits).
+        self.answers_built = 0
+        self.answers_reused = 0
 
     def add_block(self, header: Header, commit: Sequence[Vote], new_state: AppState,
                   result: BlockResult) -> None:
@@ -183,6 +201,7 @@ class DirectoryHistory:
             )
         self.served, self.latest = self.latest, new_state
         self.header, self.commit = header, tuple(commit)
+        self._answers.clear()  # readers in flight keep their pages: a snapshot each
         reputations = dict(result.reputation_changes)
         self._log.append((header.height, dict(result.changes), reputations))
         self._logged += len(result.changes) + len(reputations)
@@ -234,6 +253,87 @@ class DirectoryHistory:
             if since < height <= top:
                 merged.update(reputations)
         return False, sorted(merged.items(), key=lambda item: item[0])
+
+    def pages(self, since_height: int, max_page_bytes: int = MAX_PAGE_BYTES) -> Iterator[DeltaPage]:
+        """The pages of :func:`iter_delta_pages`, each built once per served height.
+
+        Identical requests (the same ``since_height``, or any that gets a reset, and the same
+        ``max_page_bytes``) share one list of pages, built as the first reader needs them:
+        N readers of the full directory cost one encoding (issue 16: 20,000 records cost
+        ~110 ms to encode, the request 3 bytes). At most ``max_answers`` answers are kept
+        (:data:`MAX_CACHED_ANSWERS`), least recently asked dropped first, and their built pages
+        at most ``max_cached_bytes`` (:data:`MAX_CACHED_BYTES`) beyond the answer being built;
+        :meth:`add_block` drops them all. The returned iterator is a snapshot: a block decided
+        while it is read changes nothing in it.
+
+        Raises:
+            LocalProtocolError: ``max_page_bytes`` below :data:`MIN_PAGE_BYTES`, or nothing
+                served (raised here, not at the first ``next``).
+        """
+        served = self.served
+        if served is None:
+            raise LocalProtocolError("no block decided yet: no directory to serve")
+        if max_page_bytes < MIN_PAGE_BYTES:
+            raise LocalProtocolError(f"max_page_bytes must be >= {MIN_PAGE_BYTES}")
+        reset = since_height <= 0 or since_height > served.height or since_height < self.floor
+        key = (0 if reset else since_height, max_page_bytes)
+        answer = self._answers.get(key)
+        if answer is None:
+            self.answers_built += 1
+            answer = _SharedPages(iter_delta_pages(self, key[0], max_page_bytes), self._trim)
+            answer.fill(1)  # fixes the snapshot now
+            self._answers[key] = answer
+            self._trim(answer)
+        else:
+            self.answers_reused += 1
+            self._answers.move_to_end(key)
+        return answer.reader()
+
+    def _trim(self, building: _SharedPages) -> None:
+        """Drop the least recently asked answers over the count and byte bounds (never
+        ``building``, the one that grew)."""
+        answers = self._answers
+        others = sum(a.bytes for a in answers.values() if a is not building)
+        for key in list(answers):
+            if len(answers) <= self.max_answers and others <= self.max_cached_bytes:
+                break
+            if answers[key] is not building:
+                others -= answers.pop(key).bytes
+
+
+class _SharedPages:
+    """The pages of one answer, built on demand from ``source`` and shared by its readers."""
+
+    def __init__(self, source: Iterator[DeltaPage],
+                 on_grow: Callable[[_SharedPages], None]) -> None:
+        self._source: Iterator[DeltaPage] | None = source
+        self._on_grow = on_grow
+        self.pages: list[DeltaPage] = []
+        self.bytes = 0
+
+    def fill(self, count: int) -> None:
+        """Build pages until ``count`` exist or the answer is complete."""
+        grew = False
+        while len(self.pages) < count and self._source is not None:
+            page = next(self._source)
+            self.pages.append(page)
+            self.bytes += len(page.data) + PAGE_OVERHEAD
+            grew = True
+            if page.last:
+                self._source = None
+        if grew:
+            self._on_grow(self)
+
+    def reader(self) -> Iterator[DeltaPage]:
+        """The pages from the first, building the ones no reader needed yet."""
+        i = 0
+        while True:
+            if i >= len(self.pages):
+                self.fill(i + 1)
+                if i >= len(self.pages):
+                    return
+            yield self.pages[i]
+            i += 1
 
 
 def iter_delta_pages(history: DirectoryHistory, since_height: int,
@@ -529,6 +629,8 @@ def verify_directory(
 
 __all__ = [
     "DELTA_DOMAIN",
+    "MAX_CACHED_ANSWERS",
+    "MAX_CACHED_BYTES",
     "MAX_DELTA_BYTES",
     "MAX_DIRECTORY_AGE_MS",
     "MAX_HISTORY_HEIGHTS",

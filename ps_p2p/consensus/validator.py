@@ -301,6 +301,12 @@ class Validator:
         low = self.core.round - rounds + 1
         return [m for m in self._own if m.round >= low]
 
+    def ignores(self, message: Proposal | Vote) -> bool:
+        """Whether :meth:`receive` would drop this message without any change or action,
+        whatever its signature (:meth:`~ps_p2p.consensus.core.ConsensusCore.ignores`): the
+        caller may then skip its signature check."""
+        return self.core.ignores(message)
+
     def next_deadline(self) -> float | None:
         """When :meth:`tick` is next due (``now`` seconds), or None."""
         return self._timers[0].at if self._timers else None

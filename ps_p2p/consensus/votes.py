@@ -158,6 +158,37 @@ class VoteKeeper:
         """Our current round (the future-round bound is relative to it); never decreases."""
         self._current_round = max(self._current_round, round_)
 
+    def round_refused(self, address: bytes, round_: int) -> bool:
+        """Whether a vote or proposal of ``address`` in ``round_`` would be refused for its
+        round (``ROUND_REFUSED``, see bounds); changes nothing. Lets the caller drop it
+        before checking its signature."""
+        if round_ in self._rounds_of.get(address, ()):
+            return False
+        if round_ < 0 or round_ > MAX_ROUND:
+            return True
+        if round_ <= self._current_round or address not in self._rounds_of:
+            return False
+        future = sum(1 for r in self._rounds_of[address] if r > self._current_round)
+        return future >= MAX_FUTURE_ROUNDS_PER_VALIDATOR
+
+    def adds_nothing(self, vote: Vote) -> bool:
+        """Whether :meth:`add_vote` would change nothing and give no evidence for ``vote``,
+        whatever its signature: a copy of a vote held (``DUPLICATE``), or a further conflicting
+        vote of a validator already accused in that (type, round) for a value already counted
+        or not wanted (``CONFLICT``, dropped). Changes nothing."""
+        rnd = self._rounds.get(vote.round)
+        if vote.height != self.height or rnd is None:
+            return False
+        tally = rnd.tally(vote.type)
+        held = tally.by_validator.get(vote.validator)
+        if held is None:
+            return False
+        if held.value_id == vote.value_id:
+            return True
+        return vote.validator in tally.accused and (
+            vote.value_id in tally.extra.get(vote.validator, {})
+            or vote.value_id not in self._wanted)
+
     def _round_for(self, address: bytes, round_: int) -> _Round | None:
         """The round's record, opening it if the bounds allow; None: refused."""
         rnd = self._rounds.get(round_)

@@ -7,6 +7,16 @@ blocks from that height (at most :data:`~ps_p2p.protocols.consensus_codec.MAX_SY
 as many as fit :data:`MAX_RESPONSE_BYTES`; always at least one when the server has it) and the
 server's latest committed height. The server only reads its :class:`ConsensusStore`.
 
+Who is served (issue 16: an outsider's flood of block-sync requests slowed the committee's
+commits): only peers that ``allow`` admits (the consensus service: the validators and the nodes
+listed in the committed registry); any other peer's stream is reset before its first request is
+read. Each peer's answers are charged (bytes) to a token bucket (:data:`PEER_SYNC_RATE`,
+:data:`PEER_SYNC_BURST`) and all peers' to one more (:data:`TOTAL_SYNC_RATE`,
+:data:`TOTAL_SYNC_BURST`), by peer ID (:class:`~ps_p2p.rate_limits.PeerBudgets`); a request
+over either is refused by resetting the stream (the protocol has no error frame; the client
+retries later or asks another validator), and a stream serves at most
+:data:`MAX_REQUESTS_PER_STREAM` requests.
+
 The client (:func:`fetch_blocks`) trusts nothing it receives: each block's commit must be a
 quorum certificate (more than 2/3 of the voting power of the validator set from the genesis
 file, :func:`ps_p2p.consensus.signing.verify_commit`) for that height and that block's ID, and
@@ -18,7 +28,7 @@ for the application to execute. A server that sends anything else is a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -34,6 +44,8 @@ from ps_p2p.errors import ConsensusError, RemoteProtocolError
 from ps_p2p.protocols import consensus_codec as cc
 from ps_p2p.protocols.framing import encode_frame, read_frame
 from ps_p2p.protocols.handlers import StreamHandlers, exchange, reset_quietly
+from ps_p2p.rate_limits import PeerBudgets
+from ps_p2p.records.peer_ids import peer_label
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +56,14 @@ MAX_REQUEST_BYTES = 64
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 #: Requests served on one stream before the server closes it.
 MAX_REQUESTS_PER_STREAM = 1024
+#: Bytes a second of answers one peer is given, and the most it saves up (a validator that
+#: restarts far behind fetches two full answers at once, then 4 MiB a second: 64 empty blocks
+#: are ~100 KiB).
+PEER_SYNC_RATE = 4 * 1024 * 1024
+PEER_SYNC_BURST = 2 * MAX_RESPONSE_BYTES
+#: Bytes a second of answers to all peers together, and the most saved up.
+TOTAL_SYNC_RATE = 16 * 1024 * 1024
+TOTAL_SYNC_BURST = 4 * MAX_RESPONSE_BYTES
 
 
 @dataclass(frozen=True)
@@ -56,14 +76,35 @@ class VerifiedBlock:
 
 
 class BlockSyncServer:
-    """Serves committed blocks from ``store`` (see the module docstring)."""
+    """Serves committed blocks from ``store`` (see the module docstring).
 
-    def __init__(self, store: ConsensusStore, *, max_response_bytes: int = MAX_RESPONSE_BYTES) -> None:
+    Args:
+        store: the validator's store (read only).
+        max_response_bytes: bound of one answer frame.
+        allow: ``allow(peer_id) -> bool``, whether a peer is served (None: everyone).
+        budgets: the answer rates (default the ``*_SYNC_*`` bounds).
+        clock: seconds, monotonic (trio's by default), for ``budgets``.
+
+    Attributes:
+        served: requests answered; refused: streams reset for bad input; not_allowed: streams
+            of peers ``allow`` refused; rate_limited: requests refused for their rate.
+    """
+
+    def __init__(self, store: ConsensusStore, *, max_response_bytes: int = MAX_RESPONSE_BYTES,
+                 allow: Callable[[bytes], bool] | None = None,
+                 budgets: PeerBudgets | None = None,
+                 clock: Callable[[], float] = trio.current_time) -> None:
         self.store = store
         self.max_response_bytes = max_response_bytes
-        #: requests answered, streams reset for bad input
+        self.allow = allow
+        self.budgets = budgets if budgets is not None else PeerBudgets(
+            rate=PEER_SYNC_RATE, burst=PEER_SYNC_BURST, total_rate=TOTAL_SYNC_RATE,
+            total_burst=TOTAL_SYNC_BURST, max_inflight_per_peer=2, max_inflight=16)
+        self._clock = clock
         self.served = 0
         self.refused = 0
+        self.not_allowed = 0
+        self.rate_limited = 0
 
     def response(self, from_height: int, max_blocks: int) -> bytes:
         """The response frame body for a request (pure apart from reading the store)."""
@@ -91,21 +132,43 @@ class BlockSyncServer:
         handlers.add(BLOCKSYNC_PROTOCOL_ID, self._handle_stream)
         return handlers
 
+    def _count(self, attribute: str, peer: bytes, reason: str) -> None:
+        count = getattr(self, attribute) + 1
+        setattr(self, attribute, count)
+        if count in (1, 10, 100, 1000) or count % 10_000 == 0:
+            log.warning("block sync from %s refused: %s (%d so far)", peer_label(peer), reason,
+                        count)
+
     async def _handle_stream(self, stream: INetStream) -> None:
         # guarded: an exception escaping a handler kills the py-libp2p host
+        peer = stream.muxed_conn.peer_id.to_bytes()
         try:
+            if self.allow is not None and not self.allow(peer):
+                self._count("not_allowed", peer, "neither a validator nor a listed node")
+                await reset_quietly(stream)
+                return
             for _ in range(MAX_REQUESTS_PER_STREAM):
                 try:
                     frame = await read_frame(stream, MAX_REQUEST_BYTES)
                 except StreamEOF:
                     break
                 from_height, max_blocks = cc.decode_sync_request(frame)
-                await stream.write(encode_frame(self.response(from_height, max_blocks)))
+                reason = self.budgets.admit(peer, self._clock())
+                if reason is not None:
+                    self._count("rate_limited", peer, reason)
+                    await reset_quietly(stream)
+                    return
+                try:
+                    answer = encode_frame(self.response(from_height, max_blocks))
+                    self.budgets.charge(peer, len(answer), self._clock())
+                    await stream.write(answer)
+                finally:
+                    self.budgets.release(peer)
                 self.served += 1
             await stream.close()
         except RemoteProtocolError as exc:
             self.refused += 1
-            log.warning("block sync stream reset: %s", exc)
+            log.warning("block sync stream from %s reset: %s", peer_label(peer), exc)
             await reset_quietly(stream)
         except StreamError as exc:
             log.info("block sync stream failed: %r", exc)

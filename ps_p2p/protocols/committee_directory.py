@@ -23,7 +23,9 @@ by every verifier of the genesis validator set; one stream carries up to
   flagged in the page itself. Every frame is at most :data:`MAX_RESPONSE_BYTES` (pages of at
   most :data:`PAGE_BYTES`) whatever the directory's size. The pages come from one snapshot
   taken before the first frame is written, so a block decided while they are sent changes
-  nothing in them. ``error`` with code ``ERROR_UNAVAILABLE`` before the first block.
+  nothing in them; they are built once per height and shared by every request that asks the
+  same (:meth:`~ps_p2p.consensus.directory.DirectoryHistory.pages`). ``error`` with code
+  ``ERROR_UNAVAILABLE`` before the first block, and for a peer over its rate (below).
 * ``deregister``: a DEREGISTER transaction (:mod:`ps_p2p.consensus.app` canonical bytes) of
   the node on the other end of the connection, signed by it (a draining model node leaves the
   directory at the next block instead of when its record expires). Answer: ``ack`` (expiry 0)
@@ -33,6 +35,16 @@ by every verifier of the genesis validator set; one stream carries up to
   (:func:`fetch_genesis`) and accepts the answer only when every validator it names is one of
   those verifiers (:class:`~ps_p2p.directory_client.CommitteeClient`): it then trusts exactly
   whom it was told to trust.
+
+Rates (issue 16: a 3-byte ``get`` made a verifier of 20,000 records encode and send 4.5 MiB,
+1,024 times per stream): the bytes of ``get`` and ``genesis`` answers are charged to a token
+bucket of the asking peer (:data:`PEER_ANSWER_RATE`, :data:`PEER_ANSWER_BURST`) and to one of all
+peers (:data:`TOTAL_ANSWER_RATE`, :data:`TOTAL_ANSWER_BURST`), by peer ID (so loopback devnets
+are unaffected) (:class:`~ps_p2p.rate_limits.PeerBudgets`). A request is answered while
+neither bucket is in debt, one at a time per peer and at most :data:`MAX_CONCURRENT_ANSWERS`
+at once; otherwise it gets ``ERROR_UNAVAILABLE`` saying how long to wait (costs a frame read
+and a ~100-byte write); one more after :data:`MAX_REFUSALS_PER_STREAM` such refusals resets the
+stream. A stream serves at most :data:`MAX_REQUESTS_PER_STREAM` requests.
 
 An ``error`` reply carries one of the ``ERROR_*`` codes (``ErrorReply.code``) and a message for
 people. The record itself travels as ``planetserve.v1.NodeRecord``
@@ -60,7 +72,6 @@ from ps_p2p.consensus.directory import (
     MAX_PAGE_BYTES,
     DeltaPage,
     DirectoryHistory,
-    iter_delta_pages,
 )
 from ps_p2p.consensus.replica import CommitteeReplica
 from ps_p2p.consensus.sources import NewIdentityLimiter
@@ -72,6 +83,7 @@ from ps_p2p.protocols.framing import encode_frame, read_frame
 from ps_p2p.protocols.handlers import StreamHandlers, exchange, reset_quietly, serve_handlers
 from ps_p2p.protocols.record_codec import record_from_pb, record_to_pb
 from ps_p2p.protocols.wire import parse
+from ps_p2p.rate_limits import PeerBudgets
 from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.records.types import Directory, NodeRecord
 
@@ -85,8 +97,23 @@ MAX_REQUEST_BYTES = 4 * 1024
 MAX_RESPONSE_BYTES = 256 * 1024
 #: Bound of one encoded page the server sends.
 PAGE_BYTES = MAX_PAGE_BYTES
-#: Requests served on one stream before the server closes it.
-MAX_REQUESTS_PER_STREAM = 1024
+#: Requests served on one stream before the server closes it (a node sends one or two).
+MAX_REQUESTS_PER_STREAM = 64
+#: Directory and genesis requests refused for their rate on one stream with an error frame;
+#: the next one resets the stream.
+MAX_REFUSALS_PER_STREAM = 8
+#: Bytes a second of directory and genesis answers one peer is given, and the most it saves
+#: up (a node refreshing by deltas sends a few KiB a second at most; a full directory of 20,000
+#: records, 4.5 MiB, goes through at once when the peer was quiet, and then the peer waits
+#: ~18 s).
+PEER_ANSWER_RATE = 256 * 1024
+PEER_ANSWER_BURST = 1024 * 1024
+#: Bytes a second of such answers to all peers together, and the most saved up (8 MiB/s is
+#: ~5-10% of a core in Noise and Yamux; a node refused for it asks another verifier).
+TOTAL_ANSWER_RATE = 8 * 1024 * 1024
+TOTAL_ANSWER_BURST = 32 * 1024 * 1024
+#: Directory answers being sent at once, in all (one per peer).
+MAX_CONCURRENT_ANSWERS = 32
 #: Largest genesis answer (bytes): a genesis of 128 validators with names is ~20 KiB.
 MAX_GENESIS_FRAME_BYTES = MAX_RESPONSE_BYTES - 1024
 #: A delta larger than this (bytes) is verified in a worker thread.
@@ -99,7 +126,8 @@ ERROR_BAD_REQUEST = 1
 #: Well-formed but not taken: not the sender's own record or deregistration, or refused by the
 #: committee's ``check_tx`` (bad signature, expired, older than the listed record, a cap...).
 ERROR_REFUSED = 4
-#: The verifier cannot answer now: no block committed yet, or it serves no genesis.
+#: The verifier cannot answer now: no block committed yet, it serves no genesis, or the peer
+#: (or all peers together) is over its rate; the message says when to retry.
 ERROR_UNAVAILABLE = 5
 
 #: What a directory snapshot is: block H's header, its commit, and the pages of the state at
@@ -132,11 +160,13 @@ class CommitteeDirectoryService:
             :data:`MAX_GENESIS_FRAME_BYTES`); empty: such requests get ``ERROR_UNAVAILABLE``.
         new_identities: how fast one observed source network may register unlisted peers
             (default :class:`~ps_p2p.consensus.sources.NewIdentityLimiter` ``()``).
-        clock: seconds, monotonic (default trio's), for ``new_identities``.
+        budgets: the rates of answers (module docstring); default the ``*_ANSWER_*`` bounds.
+        clock: seconds, monotonic (trio's by default), for ``new_identities`` and ``budgets``.
 
     Attributes:
         served: directory answers sent; registered: records taken; refused: registrations
-            refused; reset: streams reset for bad input.
+            refused; reset: streams reset for bad input; rate_limited: directory and genesis
+            requests refused for their rate.
     """
 
     def __init__(
@@ -147,6 +177,7 @@ class CommitteeDirectoryService:
         page_bytes: int = PAGE_BYTES,
         genesis_text: bytes = b"",
         new_identities: NewIdentityLimiter | None = None,
+        budgets: PeerBudgets | None = None,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         if not 64 <= page_bytes <= MAX_RESPONSE_BYTES - 1024:
@@ -163,6 +194,11 @@ class CommitteeDirectoryService:
         self.registered = 0
         self.refused = 0
         self.reset = 0
+        self.rate_limited = 0
+        self.budgets = budgets if budgets is not None else PeerBudgets(
+            rate=PEER_ANSWER_RATE, burst=PEER_ANSWER_BURST, total_rate=TOTAL_ANSWER_RATE,
+            total_burst=TOTAL_ANSWER_BURST, max_inflight=MAX_CONCURRENT_ANSWERS)
+        self._clock = clock
 
     def register_handlers(self, host: IHost) -> StreamHandlers:
         """Serve the protocol on ``host`` until the returned handlers' ``aclose()``.
@@ -191,14 +227,8 @@ class CommitteeDirectoryService:
         header, commit = history.header, history.commit
         if header is None:
             raise LocalProtocolError("no block committed yet")
-        pages = iter_delta_pages(history, since_height, self.page_bytes)
-        first = next(pages)  # fixes the snapshot before any await
-
-        def chain() -> Iterator[DeltaPage]:
-            yield first
-            yield from pages
-
-        return header, commit, chain()
+        # built once per height for every request that asks the same; fixed before any await
+        return header, commit, history.pages(since_height, self.page_bytes)
 
     def register(self, record: NodeRecord, sender: bytes | None,
                  source: tuple[str, int] | None = None) -> bytes:
@@ -235,21 +265,56 @@ class CommitteeDirectoryService:
         self.registered += 1
         return _response(ack=directory_pb2.RegisterAck(expires_at_ms=0))
 
-    async def _answer_get(self, stream: INetStream, since_height: int) -> None:
+    async def _answer_get(self, stream: INetStream, since_height: int, sender: bytes) -> None:
         try:
             header, commit, pages = self.snapshot(since_height)
         except LocalProtocolError as exc:
             await stream.write(_error(ERROR_UNAVAILABLE, str(exc)))
             return
-        await stream.write(_response(head=directory_pb2.CommittedHead(
-            header=header_bytes(header), commit=cc.commit_to_pb(commit))))
+        frame = _response(head=directory_pb2.CommittedHead(
+            header=header_bytes(header), commit=cc.commit_to_pb(commit)))
+        await self._write_charged(stream, frame, sender)
         for page in pages:
-            await stream.write(_response(page=page.encode()))
+            await self._write_charged(stream, _response(page=page.encode()), sender)
         self.served += 1
+
+    async def _write_charged(self, stream: INetStream, frame: bytes, sender: bytes) -> None:
+        self.budgets.charge(sender, len(frame), self._clock())  # before: a failed write counts
+        await stream.write(frame)
+
+    def _over_rate(self, sender: bytes, kind: str, reason: str) -> bytes:
+        self.rate_limited += 1
+        if self.rate_limited in (1, 10, 100, 1000) or self.rate_limited % 10_000 == 0:
+            log.warning("directory/2: %s request from %s refused: %s (%d refused so far)",
+                        kind, peer_label(sender), reason, self.rate_limited)
+        return _error(ERROR_UNAVAILABLE, f"{kind} refused: {reason}")
+
+    async def _answer_read(self, stream: INetStream, request: object, kind: str,
+                           sender: bytes, refusals: int) -> bool:
+        """A ``get`` or ``genesis`` request within the sender's budget; False: refused (an
+        error frame), or RemoteProtocolError when the stream had ``refusals`` already."""
+        reason = self.budgets.admit(sender, self._clock())
+        if reason is not None:
+            if refusals >= MAX_REFUSALS_PER_STREAM:
+                raise RemoteProtocolError(
+                    f"{refusals + 1} {kind} requests over the peer's rate on one stream")
+            await stream.write(self._over_rate(sender, kind, reason))
+            return False
+        try:
+            if kind == "get":
+                await self._answer_get(stream, request.get.since_height, sender)  # type: ignore[attr-defined]
+            elif self.genesis_text:
+                await self._write_charged(stream, _response(genesis=self.genesis_text), sender)
+            else:
+                await stream.write(_error(ERROR_UNAVAILABLE, "this verifier serves no genesis"))
+        finally:
+            self.budgets.release(sender)
+        return True
 
     async def _handle_stream(self, stream: INetStream) -> None:
         # guarded: an exception escaping a handler kills the py-libp2p host
         sender = stream.muxed_conn.peer_id.to_bytes()
+        refusals = 0
         try:
             for _ in range(MAX_REQUESTS_PER_STREAM):
                 try:
@@ -258,8 +323,9 @@ class CommitteeDirectoryService:
                     break
                 request = parse(directory_pb2.CommitteeDirectoryRequest, frame)
                 kind = request.WhichOneof("kind")
-                if kind == "get":
-                    await self._answer_get(stream, request.get.since_height)
+                if kind in ("get", "genesis"):
+                    if not await self._answer_read(stream, request, kind, sender, refusals):
+                        refusals += 1
                 elif kind == "register":
                     try:
                         record = record_from_pb(request.register)
@@ -271,10 +337,6 @@ class CommitteeDirectoryService:
                                                      stream.get_remote_address()))
                 elif kind == "deregister":
                     await stream.write(self.deregister(request.deregister, sender))
-                elif kind == "genesis":
-                    await stream.write(
-                        _response(genesis=self.genesis_text) if self.genesis_text
-                        else _error(ERROR_UNAVAILABLE, "this verifier serves no genesis"))
                 else:
                     await stream.write(_error(ERROR_BAD_REQUEST, "empty request"))
             await stream.close()
@@ -462,6 +524,13 @@ async def fetch_committed_directory(
 
 __all__ = [
     "COMMITTEE_DIRECTORY_PROTOCOL_ID",
+    "MAX_CONCURRENT_ANSWERS",
+    "MAX_REFUSALS_PER_STREAM",
+    "MAX_REQUESTS_PER_STREAM",
+    "PEER_ANSWER_BURST",
+    "PEER_ANSWER_RATE",
+    "TOTAL_ANSWER_BURST",
+    "TOTAL_ANSWER_RATE",
     "ERROR_BAD_REQUEST",
     "ERROR_REFUSED",
     "ERROR_UNAVAILABLE",

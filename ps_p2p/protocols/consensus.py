@@ -12,11 +12,15 @@ Inbound, on the stream handler's task, cheapest first, before the driver sees an
    protocol); at most ``max_inflight_per_peer`` of its inputs wait in the driver's inbox (more
    are dropped);
 2. the frame decodes within the codec's bounds (frame size: the block limit plus framing);
-3. a proposal's or vote's signer must be a validator, then: heights below the one being
-   decided are dropped (stale, no signature check); the signature must verify
-   (:func:`~ps_p2p.consensus.signing.verify_proposal` / ``verify_vote``; a cache of verified
-   frames spares re-broadcasts a second check); heights above the next one are dropped and
-   start a block sync from that peer.
+3. a proposal's or vote's signer must be a validator, then, with no signature check: heights
+   below the one being decided are dropped (stale), heights above the next one while a block
+   sync from that peer is not due (``min_sync_interval``), and messages the validator would
+   drop whatever their signature (:meth:`~ps_p2p.consensus.validator.Validator.ignores`: a
+   round the vote keeper refuses, a vote already held, a full next-height buffer; issue 16: a
+   validator's flood of such valid votes cost a signature check and a pass of the core each);
+   then the signature must verify (:func:`~ps_p2p.consensus.signing.verify_proposal` /
+   ``verify_vote``; a cache of verified frames spares re-broadcasts a second check); heights
+   above the next one are dropped and start a block sync from that peer.
 
 A frame that fails 1-3 (but for stale or future heights) resets that stream only; every
 refusal is counted by reason in :attr:`ConsensusService.refused`. Transactions go to the
@@ -29,7 +33,8 @@ back-off). Every ``rebroadcast_interval`` seconds (default the core's ``timeout_
 validator sends again its own messages of the current height's last two rounds, so a validator
 that reconnects, or lost a frame with a link, catches up.
 
-Block sync (:mod:`ps_p2p.protocols.blocksync`, served here too): a validator fetches, verifies
+Block sync (:mod:`ps_p2p.protocols.blocksync`, served here too, to the validators and the
+nodes listed in the committed registry only, with rates): a validator fetches, verifies
 and executes blocks from a peer when a signed message of a height above its next one arrives,
 when a message of its next height has waited ``sync_after`` seconds without its own height
 moving (it missed the commit of its height), and at start from every connected validator (a
@@ -256,7 +261,7 @@ class ConsensusService:
             "consensus", execute=self._execute, tick=self._tick,
             next_deadline=self._next_deadline, clock=clock,
         )
-        self.blocksync = BlockSyncServer(store)
+        self.blocksync = BlockSyncServer(store, allow=self._may_sync, clock=clock)
         self.refused: collections.Counter[str] = collections.Counter()
         self.fatal: StoreError | None = None
         self._links: LinkManager | None = None
@@ -383,6 +388,12 @@ class ConsensusService:
         if message.height < v.height:
             self.refused["stale height"] += 1
             return
+        if message.height > v.height + 1 and not self._sync_due(peer):
+            self.refused["future height"] += 1  # a sync from this peer runs or just ran
+            return
+        if message.height <= v.height + 1 and v.ignores(message):
+            self.refused["ignored"] += 1  # would change nothing: no signature check
+            return
         self._check_signature(peer, data, message)
         if message.height > v.height + 1:
             self._refuse("future height", peer, f"(height {message.height}, ours {v.height})")
@@ -498,18 +509,28 @@ class ConsensusService:
 
     # ------------------------------------------------------------------ block sync
 
+    def _may_sync(self, peer: bytes) -> bool:
+        """Block sync is served to the validators and the nodes listed in the registry."""
+        v = self.validator
+        return v.is_validator(peer) or peer in v.state.records
+
     def _request_sync(self, peer: bytes) -> None:
         try:
             self._sync_send.send_nowait(peer)
         except trio.WouldBlock:
             pass  # a sync is due anyway
 
+    def _sync_due(self, peer: bytes) -> bool:
+        """Whether a block sync from ``peer`` would start now (none within
+        ``min_sync_interval``)."""
+        return self._clock() >= self._last_sync.get(peer, -1e18) + self.config.min_sync_interval
+
     async def _sync_loop(self) -> None:
         async with self._sync_receive:
             async for peer in self._sync_receive:
-                now = self._clock()
-                if now < self._last_sync.get(peer, -1e18) + self.config.min_sync_interval:
+                if not self._sync_due(peer):
                     continue
+                now = self._clock()
                 self._last_sync[peer] = now
                 await self._sync_from(peer)
 
