@@ -50,7 +50,8 @@ Checks of an EPOCH_REPORT (deterministic, here; every validator runs them on exe
 
 What cannot be checked deterministically lives in the *value check* each verifier adds with its
 reference model (:mod:`ps_p2p.verification.service`): the sealed Q opens under the committee
-key and hashes to the signed request hash, Q asks the pool's prompt with the menu's parameters, and every score is within ``params.tolerance`` of its own. A verifier whose check
+key and hashes to the signed request hash, Q asks the pool's prompt with the menu's
+parameters, and every score is within ``params.tolerance`` of its own. A verifier whose check
 fails prevotes nil, so a report with wrong scores never gets 2/3 of the prevotes (Tendermint's
 ``valid(v)``).
 
@@ -290,10 +291,10 @@ class SignedAnswer:
     Encoding (the reply's fields in :class:`~ps_p2p.inference.InferenceReply` order, the
     request hash first)::
 
-        bytes(request_hash) || bytes(sealed_request) || bytes(request_id) || u32(status) || str(text) || str(error)
-        || str(model_id) || u32(prompt_tokens) || u32(completion_tokens) || str(finish_reason)
-        || u64(signed_at_ms) || bytes(model_node) || bytes(signature) || bytes(forwarded_by)
-        || bytes(forward_signature)
+        bytes(request_hash) || bytes(sealed_request) || bytes(request_id) || u32(status)
+        || str(text) || str(error) || str(model_id) || u32(prompt_tokens)
+        || u32(completion_tokens) || str(finish_reason) || u64(signed_at_ms) || bytes(model_node)
+        || bytes(signature) || bytes(forwarded_by) || bytes(forward_signature)
     """
 
     sealed_request: bytes
@@ -302,10 +303,10 @@ class SignedAnswer:
     def encode(self) -> bytes:
         r = self.reply
         return b"".join((
-            lp(r.request_hash), lp(self.sealed_request), lp(r.request_id), u32(r.status), lps(r.text), lps(r.error),
-            lps(r.model_id), u32(r.prompt_tokens), u32(r.completion_tokens),
-            lps(r.finish_reason), u64(r.signed_at_ms), lp(r.model_node), lp(r.signature),
-            lp(r.forwarded_by), lp(r.forward_signature),
+            lp(r.request_hash), lp(self.sealed_request), lp(r.request_id), u32(r.status),
+            lps(r.text), lps(r.error), lps(r.model_id), u32(r.prompt_tokens),
+            u32(r.completion_tokens), lps(r.finish_reason), u64(r.signed_at_ms),
+            lp(r.model_node), lp(r.signature), lp(r.forwarded_by), lp(r.forward_signature),
         ))
 
     @staticmethod
@@ -338,8 +339,8 @@ class SignedAnswer:
         open_request`).
 
         Raises:
-            VerificationError: status not OK; not signed by its ``model_node``; served by another node than ``challenged`` without
-                ``challenged``'s forward voucher.
+            VerificationError: status not OK; not signed by its ``model_node``; served by
+                another node than ``challenged`` without ``challenged``'s forward voucher.
         """
         r = self.reply
         if r.status != RESPONSE_STATUS_OK:
@@ -544,8 +545,8 @@ class EpochLedger:
         eligible: the validators that may lead it (with a commitment at the start).
         challenged: (model node, reputation subject) of the model nodes it challenges.
         commitments: epoch -> validator -> commitment (the current and the next epoch).
-        recent: epoch -> prompt indices used (the last ``recent_epochs``, newest first while
-            they total at most the pool's size).
+        recent: epoch -> prompt indices used (the last ``recent_epochs``; of those, only the
+            newest that a plan could still exclude: about the pool's size at most).
         misses: (epoch, node) -> reporting validators, for open misses.
         missed_subjects: (epoch, node) -> the node's subject in that epoch, for open misses.
         counted: the (epoch, node) misses already applied.
