@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import pathlib
 import random
 from collections.abc import AsyncIterator
@@ -598,6 +599,24 @@ async def test_a_leader_carries_only_answers_a_report_can_hold_so_its_report_sta
         assert open_request(COMMITTEE_KEY, result.answer.reply.request_hash,
                             result.answer.sealed_request) == stubs.answer.request
     execute(stubs.state, stubs.raws(EpochReportTx), stubs.now_ms)  # the committee takes it
+
+
+@pytest.mark.parametrize("used, warned", [(0, "nearly exhausted"), (3, "exhausted")])
+async def test_a_leader_warns_when_the_pool_runs_out_of_unused_prompts(used, warned, caplog,
+                                                                      mock_clock):
+    # 4 prompts, one challenge an epoch: fewer than POOL_WARN_EPOCHS epochs of unused prompts
+    params = verification("fake-model", sampling=(GREEDY,))
+    state, mine, _ = started_epoch(params)
+    if used:
+        state.ledger.recent = {0: tuple(range(used))}
+    stubs = Stubs(state)
+    stubs.now_ms = state.ledger.start_ms + mine * ATTEMPT_MS + 1
+    svc = service(stubs, InstantEngine(), params)
+    with caplog.at_level(logging.WARNING, logger="ps_p2p.verification.service"):
+        async with running(svc):
+            await settle(svc)
+    [message] = [r.getMessage() for r in caplog.records if "challenge pool" in r.getMessage()]
+    assert f"the challenge pool is {warned}: {len(POOL) - used - 1} unused" in message
 
 
 async def test_the_longest_answers_are_left_out_until_the_report_fits_the_block_limits(
