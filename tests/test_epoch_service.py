@@ -797,6 +797,10 @@ async def test_a_committee_takes_a_dishonest_model_node_out_of_users_reach(share
                 await consensus.wait_committed(state.height + 1)
             assert bad.value < rules.untrusted_below
             assert bad.epochs <= 3  # untrusted within 3 epochs of its first score
+            # the committed blocks, which blocksync serves every listed node, carry the
+            # challenges' requests sealed: no pool prompt in clear (issue 16)
+            blocks = consensus.validator.store.blocks_from(1, 100_000)
+            assert blocks and not any(p.encode() in block for _, block, _ in blocks for p in pool)
             user = net.users[0]
             assert user.user is not None
             while dishonest in [r.peer_id for r in user.user.model_nodes()]:
