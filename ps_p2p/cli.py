@@ -119,7 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "--challenge-pool")
     testnet.add_argument("--challenge-pool", action="append", default=[], metavar="FILE",
                          help="prompt file of the challenge pool (repeatable; the genesis "
-                              "commits to its digest)")
+                              "commits to its digest), or 'generate': a private pool sampled "
+                              "from --challenge-model under a secret seed, written only into "
+                              "the verifiers' homes (a public file lets model nodes recognise "
+                              "challenges)")
+    testnet.add_argument("--challenge-pool-size", type=int, default=1000, metavar="N",
+                         help="prompts of a generated pool (default 1000: ~50 s on a CPU for "
+                              "stories260K; each prompt is asked once)")
     testnet.add_argument("--challenge-model-id",
                          help="the model ID model nodes announce (default: the folder's name)")
     testnet.add_argument("--epoch-seconds", type=float, default=300.0, metavar="SECONDS",
@@ -401,7 +407,7 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
         f"/ip{version}/{args.host}/tcp/{args.base_port + i}/p2p/{k.identity.peer_id_str}"
         for i, k in enumerate(keys)
     ]
-    verification, epochs_toml = _testnet_verification(args)
+    verification, epochs_setup = _testnet_verification(args)
     genesis = Genesis(
         args.chain_id, int(time.time() * 1000),
         tuple(Validator(k.identity.peer_id) for k in keys),
@@ -414,6 +420,7 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
     for i, name in enumerate(names):
         others = [a for j, a in enumerate(addrs) if j != i]
         listen = addrs[i].rsplit("/p2p/", 1)[0]
+        epochs_toml = epochs_setup(out / name) if epochs_setup is not None else ""
         (out / name / "config.toml").write_text(
             f"# {name} of chain {args.chain_id!r}; genesis: {out / 'genesis.json'}\n"
             f"roles = {json.dumps(['verifier', 'user'] if epochs_toml else ['verifier'])}\n"
@@ -436,32 +443,84 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
 
 
 def _testnet_verification(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The genesis' verification section and the verifiers' config lines for it (or None,
-    "")."""
+    """The genesis' verification section and ``setup(home) -> config lines``, which writes a
+    verifier's secrets for it into its home (or None, None).
+
+    Every verifier gets the same committee key (``committee.key``, mode 0600; the genesis
+    commits its hash) and, for ``--challenge-pool generate``, the same generated pool
+    (``challenge-pool.jsonl``); nothing of either is written outside the verifiers' homes.
+    """
     if not args.challenge_model and not args.challenge_pool:
-        return None, ""
+        return None, None
     if not args.challenge_model or not args.challenge_pool:
         raise ConfigError("challenge epochs need both --challenge-model and --challenge-pool")
     from ps_p2p.verification.ledger import VerificationParams, pool_digest
+    from ps_p2p.verification.sealing import generate_committee_key, key_commitment
     from ps_p2p.verification.service import load_pool
 
-    pool = load_pool(args.challenge_pool)
     model = pathlib.Path(args.challenge_model).expanduser().resolve()
     model_id = args.challenge_model_id or model.stem
     if not 1 <= args.epoch_attempt <= 86400 or not 0 <= args.epoch_seconds <= 7 * 86400:
         raise ConfigError("--epoch-attempt must be in 1..86400 s, --epoch-seconds in 0..604800")
+    generated = args.challenge_pool == ["generate"]
+    if generated:
+        pool = _generate_pool(model, args.challenge_pool_size)
+    else:
+        if "generate" in args.challenge_pool:
+            raise ConfigError("--challenge-pool generate takes no prompt file beside it")
+        pool = load_pool(args.challenge_pool)
+        print("ps-node: warning: a challenge pool from prompt files is only private if no "
+              "model node has those files; a public data set (MT-Bench, ShareGPT) lets model "
+              "nodes recognise every challenge (use --challenge-pool generate)", file=sys.stderr)
+    key = generate_committee_key()
     try:
         params = VerificationParams(model_id=model_id, pool_sha256=pool_digest(pool),
                                     pool_size=len(pool),
                                     attempt_ms=int(args.epoch_attempt * 1000),
-                                    epoch_ms=int(args.epoch_seconds * 1000))
+                                    epoch_ms=int(args.epoch_seconds * 1000),
+                                    committee_key_sha256=key_commitment(key))
     except PsError as exc:
         raise ConfigError(f"challenge epochs: {exc}") from exc
-    pools = [str(pathlib.Path(f).expanduser().resolve()) for f in args.challenge_pool]
-    toml = (f"model = {json.dumps(str(model))}\n"
-            f"model_id = {json.dumps(model_id)}\n"
-            f"\n[verification]\npool = {json.dumps(pools)}\n")
-    return params, toml
+    files = [str(pathlib.Path(f).expanduser().resolve()) for f in args.challenge_pool]
+
+    def setup(home: pathlib.Path) -> str:
+        pools = files
+        if generated:
+            pool_file = home / "challenge-pool.jsonl"
+            _write_private(pool_file, "".join(json.dumps({"prompt": p}) + "\n" for p in pool))
+            pools = [str(pool_file)]
+        key_file = home / "committee.key"
+        _write_private(key_file, key.hex() + "\n")
+        return (f"model = {json.dumps(str(model))}\n"
+                f"model_id = {json.dumps(model_id)}\n"
+                f"\n[verification]\npool = {json.dumps(pools)}\n"
+                f"committee_key = {json.dumps(str(key_file))}\n")
+
+    return params, setup
+
+
+def _generate_pool(model: pathlib.Path, size: int) -> list[str]:
+    """A private pool of ``size`` prompts sampled from ``model`` under a fresh secret seed
+    (:func:`ps_p2p.prompts.generate_prompts`; the seed is not kept)."""
+    from ps_p2p.engines import load_engine
+    from ps_p2p.prompts import MAX_PROMPTS, generate_prompts
+
+    if not 1 <= size <= MAX_PROMPTS:
+        raise ConfigError(f"--challenge-pool-size must be in 1..{MAX_PROMPTS}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    engine = load_engine("transformers", model=str(model))
+    seed = os.urandom(32)
+    print(f"ps-node: generating a private challenge pool of {size} prompts with {model.name}",
+          file=sys.stderr)
+    prompts = trio.run(generate_prompts, engine, size, seed)
+    return [p.text for p in prompts]
+
+
+def _write_private(path: pathlib.Path, text: str) -> None:
+    """Write a new file readable by its owner only (mode 0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]

@@ -259,11 +259,17 @@ class VerificationConfig:
             prompts' digest must be the genesis' ``pool_sha256``.
         pool_limit: keep only the first this many prompts (0: all).
         challenge_timeout: seconds one challenge may take.
+        committee_key: the committee key that seals the challenges' requests in reports
+            (:mod:`ps_p2p.verification.sealing`): 64 hex digits, or the path of a file holding
+            them (``ps-node testnet`` writes ``committee.key`` into each verifier's home); its
+            commitment must be the genesis' ``committee_key_sha256``. Secret: a model node
+            holding it reads every past challenge's request.
     """
 
     pool: list[str] = field(default_factory=list)
     pool_limit: int = 0
     challenge_timeout: float = 60.0
+    committee_key: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool_limit, int) or self.pool_limit < 0:
@@ -396,6 +402,10 @@ class NodeConfig:
                     "a verifier running challenge epochs ([verification] pool) also needs the "
                     "user role (challenges go through the overlay) and --model (its reference "
                     "copy of the committee's model)")
+            if not self.verification.committee_key:
+                raise ConfigError(
+                    "a verifier running challenge epochs ([verification] pool) needs the "
+                    "committee key ([verification] committee_key) to seal its reports")
         if self.byzantine and "verifier" not in self.roles:
             raise ConfigError("byzantine (test only) is for a verifier")
         if self.metrics is not None:

@@ -490,6 +490,7 @@ class Node:
             master_key,
             overlay_ask,
         )
+        from ps_p2p.verification.sealing import load_committee_key
 
         assert self.consensus is not None and self.genesis_file is not None
         params = self.genesis_file.genesis.verification
@@ -509,6 +510,7 @@ class Node:
             self.keys.identity, params, state=lambda: validator.state,
             submit=self.consensus.submit_tx, ask=ask, engine=self.engine, pool=pool,
             master=master_key(self.keys.identity.private_bytes()),
+            committee_key=load_committee_key(vcfg.committee_key),
             challenge_timeout=vcfg.challenge_timeout, unix_ms=validator.unix_ms)
         validator.value_check = self.epochs.value_check
         self.epochs.on_verdict = self.consensus.revalidate

@@ -1,19 +1,36 @@
 """Real prompts from files: the devnet's workload and the verifiers' challenge pool.
 
 Reads a text file (one prompt per line) or one of the JSON/JSONL shapes of ../shared/data
-(MT-Bench, ShareGPT, ToolBench, the code sets, LooGLE).
+(MT-Bench, ShareGPT, ToolBench, the code sets, LooGLE), and generates a private challenge pool
+(:func:`generate_prompts`).
+
+A challenge pool must be private (issue 16): a model node that has the pool's prompts (a public
+data set such as MT-Bench or ShareGPT) flags every request that asks one of them as a challenge,
+answers those honestly and serves its users with a cheaper model. ``ps-node testnet
+--challenge-pool generate`` therefore samples the pool from the committee's model under a
+secret seed and writes it only into the verifiers' homes; a real network uses the committee's
+own unpublished prompts, drawn from what its users ask (docs/verification.md).
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import hmac
 import json
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ps_p2p.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ps_p2p.engines.base import Engine
+
+GENERATE_DOMAIN = b"planetserve/v1/generated-prompt\x00"
+#: Most draws :func:`generate_prompts` makes per prompt asked (empty or repeated samples).
+MAX_GENERATE_DRAWS = 4
 
 #: Most prompts read from one file.
 MAX_PROMPTS = 10_000
@@ -86,4 +103,48 @@ def _extract_prompt(item: Any, i: int) -> Prompt | None:
     return None
 
 
-__all__ = ["MAX_PROMPTS", "Prompt", "load_prompts"]
+async def generate_prompts(engine: Engine, count: int, seed: bytes, *,
+                           max_tokens: int = 32) -> list[Prompt]:
+    """``count`` distinct prompts sampled from ``engine`` (the committee's model) under ``seed``.
+
+    Draw k is ``engine.complete("", temperature 1, max_tokens, seed = the first 8 bytes of
+    HMAC-SHA256(seed, GENERATE_DOMAIN || u32(k)))`` cut after its last complete word; empty or
+    repeated texts are skipped. Whoever knows ``seed`` and the model can re-make the pool, so
+    keep it secret (``ps-node testnet`` draws it from ``os.urandom`` and forgets it). The texts
+    look like the model's own output (for stories260K: TinyStories openings), not like user
+    traffic: they hide a challenge from look-ups in public data sets and in the chain, not from
+    a classifier of style (docs/verification.md).
+
+    Args:
+        count: prompts wanted, in [1, :data:`MAX_PROMPTS`].
+        seed: >= 16 secret bytes.
+        max_tokens: tokens sampled per draw, >= 2.
+
+    Raises:
+        ValueError: an argument out of range.
+        ConfigError: fewer than ``count`` distinct texts in ``MAX_GENERATE_DRAWS * count``
+            draws.
+        EngineError: the engine failed.
+    """
+    from ps_p2p.engines.base import SamplingParams
+
+    if not 1 <= count <= MAX_PROMPTS or len(seed) < 16 or max_tokens < 2:
+        raise ValueError("count in [1, 10000], seed >= 16 bytes, max_tokens >= 2")
+    texts: dict[str, None] = {}
+    for k in range(MAX_GENERATE_DRAWS * count):
+        if len(texts) == count:
+            break
+        digest = hmac.new(seed, GENERATE_DOMAIN + k.to_bytes(4, "big"), hashlib.sha256).digest()
+        c = await engine.complete("", SamplingParams(
+            max_tokens=max_tokens, temperature=1.0, seed=int.from_bytes(digest[:8], "big")))
+        text = c.text.strip()
+        if c.finish_reason == "length" and " " in text:
+            text = text.rsplit(" ", 1)[0].rstrip()  # the last word may be cut
+        if text and text not in texts:
+            texts[text] = None
+    if len(texts) < count:
+        raise ConfigError(f"the model gave {len(texts)} distinct prompts, not {count}")
+    return [Prompt(f"g{i}", t) for i, t in enumerate(texts)]
+
+
+__all__ = ["MAX_PROMPTS", "Prompt", "generate_prompts", "load_prompts"]

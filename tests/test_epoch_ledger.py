@@ -33,6 +33,7 @@ from ps_p2p.verification.ledger import (
     pool_digest,
 )
 from ps_p2p.verification.reputation import ReputationState
+from ps_p2p.verification.sealing import open_request, seal_request
 from ps_p2p.verification.reputation import update as reputation_step
 
 CHAIN = "planetserve-epochs"
@@ -63,6 +64,7 @@ LAB = ident("Lab's organization key")
 
 POOL = [f"challenge prompt {i}" for i in range(40)]
 MENU = (SamplingOption(), SamplingOption(max_tokens=32, temperature=0.7, top_p=0.9))
+COMMITTEE_KEY = hashlib.sha256(b"test committee key").digest()
 PARAMS = VerificationParams(
     model_id="m", pool_sha256=pool_digest(POOL), pool_size=len(POOL), sampling=MENU,
     challenges_per_node=2, max_nodes=8, attempt_ms=ATTEMPT_MS, recent_epochs=2, miss_epochs=2)
@@ -161,7 +163,7 @@ def answer(server: Identity, request: bytes, *, at: int, forwarded_by: Identity 
         fwd = forwarded_by.peer_id
         voucher = responses.sign_forward(voucher_signer or forwarded_by, request_id, req_hash,
                                          server.peer_id)
-    return ledger.SignedAnswer(request, InferenceReply(
+    return ledger.SignedAnswer(seal_request(COMMITTEE_KEY, req_hash, request), InferenceReply(
         request_id, content.status, content.text, content.error, content.model_id,
         content.prompt_tokens, content.completion_tokens, req_hash, at, server.peer_id,
         signature, content.finish_reason, fwd, voucher))
@@ -546,11 +548,9 @@ def _with_answer(make):
     return build
 
 
-def _changed(a: ledger.SignedAnswer, request: bytes | None = None,
-             **reply_fields) -> ledger.SignedAnswer:
-    """``a`` with another request and/or reply fields (after it was signed)."""
-    return ledger.SignedAnswer(a.request if request is None else request,
-                               dataclasses.replace(a.reply, **reply_fields))
+def _changed(a: ledger.SignedAnswer, **reply_fields) -> ledger.SignedAnswer:
+    """``a`` with other reply fields (after it was signed)."""
+    return ledger.SignedAnswer(a.sealed_request, dataclasses.replace(a.reply, **reply_fields))
 
 
 def _at(c, s) -> int:
@@ -577,8 +577,9 @@ BAD_ANSWERS = [
     ("text changed after signing", _with_answer(
         lambda c, s: _changed(answer(M1, request_for(c), at=_at(c, s)), text="x")),
      "answer not signed by"),
-    ("another request", _with_answer(
-        lambda c, s: _changed(answer(M1, request_for(c), at=_at(c, s)), request=b"another Q")),
+    ("another request hash", _with_answer(
+        lambda c, s: _changed(answer(M1, request_for(c), at=_at(c, s)),
+                              request_hash=responses.request_hash(b"another Q"))),
      "answer not signed by"),
     ("the server's own answer with a voucher", _with_answer(
         lambda c, s: _changed(answer(M1, request_for(c), at=_at(c, s)),
@@ -821,6 +822,44 @@ def test_model_nodes_that_join_cannot_make_the_next_plan_impossible():
     assert state.ledger.excluded_prompts(state.genesis.verification) == set(state.ledger.recent[2])
     state, _ = next_epoch(state)
     assert state.ledger.epoch == 4
+
+
+def test_by_default_no_prompt_is_asked_twice_until_the_pool_is_exhausted():
+    # 60 prompts, 3 nodes, the default recent_epochs: epochs 1-20 ask 60 distinct prompts (a
+    # model node that saw a prompt once could flag it when it came back: issue 16); epoch 21
+    # finds the pool exhausted and asks the oldest epoch's prompts again
+    genesis = _tight_genesis(60, recent=ledger.NEVER_REUSE)
+    assert VerificationParams(model_id="m", pool_sha256="00" * 32,
+                              pool_size=1).recent_epochs == ledger.NEVER_REUSE
+    state = start_epoch_1(genesis)
+    asked = []
+    for _ in range(21):
+        asked.append(_prompts(state))
+        assert state.ledger.fresh_prompts(genesis.verification) == 60 - 3 * (len(asked) - 1) \
+            or len(asked) == 21
+        state, _ = next_epoch(state)
+    assert len(set().union(*asked[:20])) == 60
+    assert asked[20] == asked[0]
+    # the ledger forgets what no plan can exclude any more: at most the pool's size
+    assert sum(len(p) for p in state.ledger.recent.values()) <= 60
+
+
+def test_a_report_carries_the_challenges_requests_sealed_not_in_clear(epoch1):
+    # each request Q holds its pool prompt (as a real one does); blocks reach every listed node
+    signed_at = epoch1.ledger.start_ms + SECOND
+    results = [ledger.ChallengeResult(c, SCORES[k], answer(
+        NODES[c.model_node], request_for(c) + POOL[c.prompt_index].encode(), at=signed_at))
+        for k, c in enumerate(plan_of(epoch1).challenges)]
+    tx = report(epoch1, results)
+    for c in plan_of(epoch1).challenges:
+        assert POOL[c.prompt_index].encode() not in tx
+        assert request_for(c) not in tx
+    state, result, _ = run(epoch1, [tx], epoch1.ledger.start_ms + 10 * SECOND)
+    assert errors(result) == [None] and state.ledger.epoch == 2
+    decoded = app.decode_tx(tx, 1 << 30)
+    for res in decoded.results:
+        q = open_request(COMMITTEE_KEY, res.answer.reply.request_hash, res.answer.sealed_request)
+        assert q == request_for(res.challenge) + POOL[res.challenge.prompt_index].encode()
 
 
 @pytest.mark.parametrize("kwargs, nodes", [

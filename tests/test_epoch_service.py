@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import pathlib
 import random
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.engines.base import Engine
 from ps_p2p.engines.base import SamplingParams as EngineParams
 from ps_p2p.errors import (
+    ConfigError,
     ModelNodeLostError,
     NoModelNodeError,
     NoPathError,
@@ -55,6 +57,7 @@ from ps_p2p.verification.ledger import (
     sign_seed_commit,
 )
 from ps_p2p.verification.scoring import score_response
+from ps_p2p.verification.sealing import key_commitment, open_request, seal_request
 from ps_p2p.verification.service import (
     MAX_PENDING_CHECKS,
     MAX_VERDICTS,
@@ -84,9 +87,13 @@ WARM = SamplingOption(max_tokens=16, temperature=0.7, top_p=0.9)  # float32 on t
 ATTEMPT_MS = 8000
 
 
+COMMITTEE_KEY = hashlib.sha256(b"test committee key").digest()
+
+
 def verification(model_id: str, sampling=(GREEDY, WARM)) -> VerificationParams:
     return VerificationParams(model_id=model_id, pool_sha256=pool_digest(POOL),
-                              pool_size=len(POOL), sampling=sampling, attempt_ms=ATTEMPT_MS)
+                              pool_size=len(POOL), sampling=sampling, attempt_ms=ATTEMPT_MS,
+                              committee_key_sha256=key_commitment(COMMITTEE_KEY))
 
 
 #: the block limits of a chain that runs epochs (the localnet's): 1 MiB reports
@@ -139,7 +146,7 @@ def service(stubs: Stubs, engine: Engine, params: VerificationParams,
     return EpochService(
         identity, params, state=lambda: stubs.state, submit=stubs.submit, ask=stubs.ask,
         engine=engine, pool=POOL, master=master_key(identity.private_bytes()),
-        challenge_timeout=30.0, unix_ms=lambda: stubs.now_ms, rng=random.Random(1))
+        committee_key=COMMITTEE_KEY, challenge_timeout=30.0, unix_ms=lambda: stubs.now_ms, rng=random.Random(1))
 
 
 @asynccontextmanager
@@ -200,7 +207,8 @@ async def honest_answer(engine: Engine, prompt: str, option: SamplingOption, *,
     signed_at = T0 + 5000
     signature = sign_response(MODEL, request_id, hashlib.sha256(request).digest(), content,
                               signed_at)
-    return SignedAnswer(request, InferenceReply(
+    sealed = seal_request(COMMITTEE_KEY, hashlib.sha256(request).digest(), request)
+    return SignedAnswer(sealed, InferenceReply(
         request_id, 0, c.text, "", engine.model_id, c.prompt_tokens, c.completion_tokens,
         hashlib.sha256(request).digest(), signed_at, MODEL.peer_id, signature, c.finish_reason))
 
@@ -323,6 +331,45 @@ async def test_a_report_whose_request_is_not_the_planned_challenge_is_refused(
             ChallengeResult(epochs.Challenge(MODEL.peer_id, 0, 0), score, answer)))
     assert got is not None and reason in got
     assert svc.stats.answers_scored == 0  # refused before any forward pass
+
+
+def _resealed(answer: SignedAnswer, key: bytes) -> SignedAnswer:
+    """``answer`` with its request opened and sealed again under ``key``."""
+    request = open_request(COMMITTEE_KEY, answer.reply.request_hash, answer.sealed_request)
+    return SignedAnswer(seal_request(key, answer.reply.request_hash, request), answer.reply)
+
+
+@pytest.mark.needs_shared
+@pytest.mark.parametrize("tamper", [
+    lambda a: _resealed(a, bytes(32)),
+    lambda a: SignedAnswer(a.sealed_request[:-1] + bytes([a.sealed_request[-1] ^ 1]), a.reply),
+    lambda a: SignedAnswer(query(POOL[0], "m"), a.reply),  # Q in clear
+], ids=["another-key", "altered", "in-clear"])
+async def test_a_report_whose_request_is_not_sealed_under_the_committee_key_is_refused(
+        engine, tamper, autojump_clock):
+    params = verification(engine.model_id)
+    answer = await honest_answer(engine, POOL[0], GREEDY)
+    score = await reference_score(engine, params, POOL[0], GREEDY, answer)
+    svc = service(Stubs(genesis_state(params)), engine, params)
+    challenge = epochs.Challenge(MODEL.peer_id, 0, 0)
+    async with running(svc):
+        assert await verdict(svc, report(ChallengeResult(challenge, score, answer))) is None
+        got = await verdict(svc, report(ChallengeResult(challenge, score, tamper(answer))))
+    assert got is not None and "does not open under the committee key" in got
+
+
+@pytest.mark.parametrize("key, commitment, match", [
+    (bytes(32), key_commitment(COMMITTEE_KEY), "not the one the genesis commits"),
+    (COMMITTEE_KEY, "", "the genesis commits no committee key"),
+    (COMMITTEE_KEY[:16], key_commitment(COMMITTEE_KEY), "a committee key is 32 bytes"),
+], ids=["another-key", "none-committed", "short"])
+def test_a_verifier_without_the_committed_committee_key_refuses_to_start(key, commitment, match):
+    params = dataclasses.replace(verification("fake-model"), committee_key_sha256=commitment)
+    stubs = Stubs(genesis_state(params))
+    with pytest.raises(ConfigError, match=match):
+        EpochService(ME, params, state=lambda: stubs.state, submit=stubs.submit, ask=stubs.ask,
+                     engine=InstantEngine(), pool=POOL, master=master_key(ME.private_bytes()),
+                     committee_key=key, unix_ms=lambda: stubs.now_ms)
 
 
 @pytest.mark.needs_shared
@@ -546,7 +593,30 @@ async def test_a_leader_carries_only_answers_a_report_can_hold_so_its_report_sta
         assert result.answer is None and result.score == 0
     else:
         assert result.answer is not None and result.answer.reply.text == "an answer"
+        # the chain carries Q sealed for the committee: no prompt in clear (issue 16)
+        [raw] = stubs.raws(EpochReportTx)
+        assert all(p.encode() not in raw for p in POOL)
+        assert open_request(COMMITTEE_KEY, result.answer.reply.request_hash,
+                            result.answer.sealed_request) == stubs.answer.request
     execute(stubs.state, stubs.raws(EpochReportTx), stubs.now_ms)  # the committee takes it
+
+
+@pytest.mark.parametrize("used, warned", [(0, "nearly exhausted"), (3, "exhausted")])
+async def test_a_leader_warns_when_the_pool_runs_out_of_unused_prompts(used, warned, caplog,
+                                                                      mock_clock):
+    # 4 prompts, one challenge an epoch: fewer than POOL_WARN_EPOCHS epochs of unused prompts
+    params = verification("fake-model", sampling=(GREEDY,))
+    state, mine, _ = started_epoch(params)
+    if used:
+        state.ledger.recent = {0: tuple(range(used))}
+    stubs = Stubs(state)
+    stubs.now_ms = state.ledger.start_ms + mine * ATTEMPT_MS + 1
+    svc = service(stubs, InstantEngine(), params)
+    with caplog.at_level(logging.WARNING, logger="ps_p2p.verification.service"):
+        async with running(svc):
+            await settle(svc)
+    [message] = [r.getMessage() for r in caplog.records if "challenge pool" in r.getMessage()]
+    assert f"the challenge pool is {warned}: {len(POOL) - used - 1} unused" in message
 
 
 async def test_the_longest_answers_are_left_out_until_the_report_fits_the_block_limits(
@@ -621,6 +691,21 @@ async def test_an_open_miss_is_confirmed_and_reported_only_when_the_node_misses_
     [tx] = misses
     assert (tx.validator, tx.epoch, tx.model_node) == (ME.peer_id, 1, MODEL.peer_id)
     check_miss_report(tx, state.ledger, CHAIN, VALIDATORS)  # signed by this verifier
+
+
+async def test_a_confirmation_asks_a_prompt_no_remembered_epoch_asked(mock_clock):
+    # a model node that saw a prompt in an earlier challenge could flag it when it came back
+    params = verification("fake-model")
+    state = genesis_state(params)
+    fresh = len(POOL) - 1
+    state.ledger = EpochLedger(epoch=2, recent={1: tuple(range(fresh))},
+                               misses={(1, MODEL.peer_id): frozenset({KEYS[1].peer_id})})
+    stubs = Stubs(state)
+    svc = service(stubs, InstantEngine(), params)
+    async with running(svc):
+        await settle(svc)
+    [(prompt, *_)] = stubs.asked
+    assert prompt == POOL[fresh]
 
 
 async def test_a_counted_miss_or_one_already_reported_is_not_confirmed(mock_clock):
@@ -712,6 +797,10 @@ async def test_a_committee_takes_a_dishonest_model_node_out_of_users_reach(share
                 await consensus.wait_committed(state.height + 1)
             assert bad.value < rules.untrusted_below
             assert bad.epochs <= 3  # untrusted within 3 epochs of its first score
+            # the committed blocks, which blocksync serves every listed node, carry the
+            # challenges' requests sealed: no pool prompt in clear (issue 16)
+            blocks = consensus.validator.store.blocks_from(1, 100_000)
+            assert blocks and not any(p.encode() in block for _, block, _ in blocks for p in pool)
             user = net.users[0]
             assert user.user is not None
             while dishonest in [r.peer_id for r in user.user.model_nodes()]:

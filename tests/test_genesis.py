@@ -142,3 +142,53 @@ def test_status_of_a_stopped_node_says_so_and_a_missing_one_is_an_error(tmp_path
     assert "STALE" in out and "consensus" not in out
     assert cli.main(["status", "--home", str(tmp_path / "nothing")]) == 2
     assert "no status file" in capsys.readouterr().err
+
+
+@pytest.mark.needs_shared
+def test_testnet_generates_a_private_pool_and_a_committee_key_only_verifiers_hold(
+        tmp_path, capsys, shared):
+    from ps_p2p.prompts import load_prompts
+    from ps_p2p.verification.ledger import pool_digest
+    from ps_p2p.verification.sealing import key_commitment, load_committee_key
+
+    out = tmp_path / "net"
+    assert cli.main(["testnet", "--verifiers", "4", "--out", str(out),
+                     "--challenge-model", str(shared / "models" / "stories260K"),
+                     "--challenge-pool", "generate", "--challenge-pool-size", "6"]) == 0
+    params = load_genesis(out / "genesis.json").genesis.verification
+    assert params is not None and params.pool_size == 6
+    public = {p.text for p in load_prompts(shared / "data" / "mtbench" / "question.jsonl")}
+    pools, keys = set(), set()
+    for i in range(4):
+        home = out / f"verifier{i}"
+        config = load_config(home / "config.toml")
+        config.validate()
+        [pool_file] = config.verification.pool
+        assert pool_file == str(home / "challenge-pool.jsonl")
+        pool = [p.text for p in load_prompts(pool_file)]
+        assert pool_digest(pool) == params.pool_sha256 and not set(pool) & public
+        key = load_committee_key(config.verification.committee_key)
+        assert key_commitment(key) == params.committee_key_sha256
+        for secret_file in (home / "challenge-pool.jsonl", home / "committee.key"):
+            assert secret_file.stat().st_mode & 0o077 == 0
+        pools.add(tuple(pool))
+        keys.add(key)
+    assert len(pools) == 1 and len(keys) == 1
+    # nothing of the pool or the key outside the verifiers' homes
+    shared_text = (out / "genesis.json").read_text()
+    assert all(p not in shared_text for p in pools.pop()) and keys.pop().hex() not in shared_text
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_testnet_warns_that_a_pool_from_prompt_files_is_only_private_if_nobody_has_them(
+        tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\n")
+    out = tmp_path / "net"
+    assert cli.main(["testnet", "--verifiers", "1", "--out", str(out),
+                     "--challenge-model", str(tmp_path), "--challenge-pool",
+                     str(prompts)]) == 0
+    assert "lets model nodes recognise every challenge" in capsys.readouterr().err
+    config = load_config(out / "verifier0" / "config.toml")
+    config.validate()
+    assert config.verification.pool == [str(prompts)] and config.verification.committee_key

@@ -51,3 +51,39 @@ def test_missing_or_promptless_files_are_config_errors(tmp_path):
     empty.write_text('{"nothing": 1}\n')
     with pytest.raises(ConfigError, match="no prompts"):
         load_prompts(empty)
+
+
+_ENGINE: list = []
+
+
+def _stories(shared):
+    pytest.importorskip("transformers")
+    if not _ENGINE:
+        from ps_p2p.engines.transformers_engine import TransformersEngine
+
+        _ENGINE.append(TransformersEngine.load(shared / "models" / "stories260K"))
+    return _ENGINE[0]
+
+
+@pytest.mark.needs_shared
+async def test_a_generated_pool_is_distinct_secret_seeded_and_in_no_public_set(shared):
+    from ps_p2p.prompts import generate_prompts
+
+    engine = _stories(shared)
+    pool = await generate_prompts(engine, 8, b"s" * 32)
+    texts = [p.text for p in pool]
+    assert len(set(texts)) == 8 and all(t.strip() for t in texts)
+    assert texts == [p.text for p in await generate_prompts(engine, 8, b"s" * 32)]
+    assert not set(texts) & {p.text for p in await generate_prompts(engine, 8, b"t" * 32)}
+    public = {p.text for rel in ("mtbench/question.jsonl",
+                                 "sharegpt/ShareGPT_V3_filtered_500.json")
+              for p in load_prompts(shared / "data" / rel)}
+    assert not set(texts) & public
+
+
+@pytest.mark.parametrize("count, seed", [(0, b"s" * 32), (10_001, b"s" * 32), (1, b"short")])
+async def test_generating_a_pool_refuses_a_bad_count_or_a_short_seed(count, seed):
+    from ps_p2p.prompts import generate_prompts
+
+    with pytest.raises(ValueError):
+        await generate_prompts(None, count, seed)  # type: ignore[arg-type]

@@ -36,6 +36,7 @@ from ps_p2p.node import Node
 from ps_p2p.roles.user import UserConfig
 from ps_p2p.testing.fakes import InstantEngine
 from ps_p2p.verification.ledger import VerificationParams
+from ps_p2p.verification.sealing import generate_committee_key, key_commitment
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,9 @@ async def open_localnet(
             ``NodeConfig.byzantine``).
         verification: the genesis' challenge epochs (None: none); then every verifier also
             has the user role, the prompt ``pool`` (its digest must be the params') and the
-            reference engine ``verifier_engine(i)``, and the block limits take 1 MiB reports.
+            reference engine ``verifier_engine(i)``, and the block limits take 1 MiB reports;
+            a fresh committee key seals the reports (its commitment replaces an empty
+            ``committee_key_sha256``).
         model_organization: the organization in model node i's record (default none): one
             organization key per name, made here, signs each member's certificate (30 days;
             ``NodeConfig.membership``).
@@ -227,6 +230,10 @@ async def _open_localnet(
         if committee < 1:
             raise ValueError("a localnet needs a committee of at least one verifier")
         keys = [NodeKeys.generate() for _ in range(committee)]
+        committee_key = generate_committee_key()
+        if verification is not None and not verification.committee_key_sha256:
+            verification = dataclasses.replace(
+                verification, committee_key_sha256=key_commitment(committee_key))
         genesis_path = write_genesis(tmp, keys, consensus, verification)
         genesis: dict[str, object] = dict(genesis=str(genesis_path))
         epochs: dict[str, object] = {}
@@ -234,7 +241,8 @@ async def _open_localnet(
             pool_path = tmp / "pool.jsonl"
             pool_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in pool))
             epochs = dict(verification=VerificationConfig(pool=[str(pool_path)],
-                                                          challenge_timeout=30.0),
+                                                          challenge_timeout=30.0,
+                                                          committee_key=committee_key.hex()),
                           model="reference", user=dataclasses.replace(ucfg))
         verifiers: list[Node] = []
         for i, k in enumerate(keys):

@@ -54,10 +54,12 @@ Threat analysis (who can learn or steer what; f < 1/3 of the voting power Byzant
   The seed needs s_L,e, which only L knows until the reveal, and SHA-256 hides it, so they
   cannot compute the plan, nor tell a challenge from a user request by its bytes (the service
   sends it as an ordinary request with ordinary sampling parameters: the menu). After the
-  reveal the used prompts are public: pass them in ``exclude`` so no prompt is asked twice.
-  Limit: if the pool itself is public (MT-Bench, ShareGPT), a node can still recognise a
-  prompt as "from the pool" and answer those honestly; only a private pool (the genesis
-  commits its hash, verifiers hold the file) or prompts users also send closes that.
+  reveal the plan's indices are public and each challenged node knows its own prompt (the
+  report carries the prompts sealed for the committee only, :mod:`~ps_p2p.verification.
+  sealing`): pass the used indices in ``exclude`` so no prompt is asked twice. If the pool
+  itself is public (MT-Bench, ShareGPT), a node recognises a prompt as "from the pool" and
+  answers those honestly (issue 16): the pool must be private (the genesis commits its hash,
+  verifiers hold the file; ``ps-node testnet --challenge-pool generate``).
 * **The leader** learns the plan when its epoch starts; it must, to send the challenges. It
   cannot steer it: s_L,e was committed before h existed and a different secret does not open
   the commitment (:class:`InvalidRevealError`); h and the registry are fixed by consensus. Its

@@ -12,8 +12,10 @@ reputation`):
 
 ``EPOCH_REPORT`` (kind 4)
     The leader of (e, attempt) reveals its secret s, and lists every challenge of the plan
-    that s determines, each with the signed answer it got through the overlay (the request
-    bytes Q and the model node's signed response) or none, and its score of the answer in micro
+    that s determines, each with the signed answer it got through the overlay (SHA-256 of the
+    request bytes Q, Q sealed for the committee (:mod:`~ps_p2p.verification.sealing`: blocks
+    reach every listed node, and a published prompt is a recognisable challenge), and the
+    model node's signed response) or none, and its score of the answer in micro
     units. Signed by the leader.
 
 ``MISS_REPORT`` (kind 6)
@@ -47,7 +49,8 @@ Checks of an EPOCH_REPORT (deterministic, here; every validator runs them on exe
   scores 0.
 
 What cannot be checked deterministically lives in the *value check* each verifier adds with its
-reference model (:mod:`ps_p2p.verification.service`): Q asks the pool's prompt with the menu's
+reference model (:mod:`ps_p2p.verification.service`): the sealed Q opens under the committee
+key and hashes to the signed request hash, Q asks the pool's prompt with the menu's
 parameters, and every score is within ``params.tolerance`` of its own. A verifier whose check
 fails prevotes nil, so a report with wrong scores never gets 2/3 of the prevotes (Tendermint's
 ``valid(v)``).
@@ -81,7 +84,8 @@ Ledger bytes (hashed into the registry aux digest, so into the app hash)::
 
 (all maps ascending by key.) Bounds: commitments for two epochs (one per validator each), the
 challenged set the registry's model nodes of the model (at most ``policy.max_records``; a plan
-takes ``params.max_nodes`` of them), recent prompts for ``params.recent_epochs`` epochs,
+takes ``params.max_nodes`` of them), recent prompts for ``params.recent_epochs`` epochs and
+at most the pool's size (older ones could not be excluded any more),
 open misses for ``params.miss_epochs`` epochs, credits one per model node ever challenged, at
 most ``MAX_CREDITS`` (the least-credited goes first).
 """
@@ -105,8 +109,9 @@ from ps_p2p.errors import (
 from ps_p2p.inference import InferenceReply
 from ps_p2p.records import Signer, verify_signature
 from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES, peer_label
-from ps_p2p.responses import request_hash, verify_forward, verify_response
+from ps_p2p.responses import verify_forward, verify_response
 from ps_p2p.verification import epochs
+from ps_p2p.verification.sealing import SEAL_OVERHEAD
 
 SEED_COMMIT_DOMAIN = b"planetserve/v1/seed-commit-tx\x00"
 EPOCH_REPORT_DOMAIN = b"planetserve/v1/epoch-report\x00"
@@ -123,6 +128,9 @@ MAX_TEXT_BYTES = 64 * 1024
 MAX_STRING_BYTES = 256
 SIGNATURE_BYTES = 64
 RESPONSE_STATUS_OK = 0
+#: ``recent_epochs`` that excludes every earlier epoch's prompts (never reuse one while the
+#: pool has unused prompts).
+NEVER_REUSE = 2**32 - 1
 
 
 # -------------------------------------------------------------------------------- parameters
@@ -173,9 +181,13 @@ class VerificationParams:
         max_nodes: model nodes challenged per epoch (drawn by the seed when more), in [1, 1024];
             fewer when the pool cannot give each a distinct prompt (:attr:`plan_nodes`).
         attempt_ms: block-time milliseconds a leader has before the next one is drawn.
-        recent_epochs: prompts of this many past epochs are not asked again, in [0, 1024]
-            (fewer when the pool would not leave enough prompts for the plan: the oldest
-            epochs' prompts come back first, :meth:`EpochLedger.excluded_prompts`).
+        recent_epochs: prompts of this many past epochs are not asked again, in
+            [0, 2**32 - 1]; the default, :data:`NEVER_REUSE`, keeps every past epoch's, so no
+            prompt is asked twice while the pool has unused ones (a model node that saw a
+            prompt once could otherwise flag it when it comes back). When the pool would not
+            leave enough prompts for the plan, the oldest epochs' prompts come back first
+            (:meth:`EpochLedger.excluded_prompts`): a pool is then exhausted, and the service
+            warns (:meth:`EpochLedger.fresh_prompts`).
         miss_epochs: epochs during which a miss can still be confirmed, in [1, 64].
         tolerance: largest |own - proposed| credibility a verifier accepts, in [0, 1].
         epoch_ms: block-time milliseconds from one epoch's start to the next one's at least
@@ -183,6 +195,10 @@ class VerificationParams:
             seeds; a deployment sets minutes, the experiment 0).
         min_tokens_slack: a "length" answer is scored as at least ``max_tokens - slack``
             tokens (:func:`~ps_p2p.verification.scoring.credibility`'s ``min_tokens``).
+        committee_key_sha256: hex :func:`~ps_p2p.verification.sealing.key_commitment` of the
+            committee key that seals the challenges' requests in reports; a verifier refuses
+            to run epochs without one or with another key ("" in a genesis: no verifier runs
+            epochs).
     """
 
     model_id: str
@@ -192,11 +208,12 @@ class VerificationParams:
     challenges_per_node: int = 1
     max_nodes: int = 64
     attempt_ms: int = 60_000
-    recent_epochs: int = 16
+    recent_epochs: int = NEVER_REUSE
     miss_epochs: int = 2
     tolerance: float = epochs.DEFAULT_TOLERANCE
     min_tokens_slack: int = 8
     epoch_ms: int = 0
+    committee_key_sha256: str = ""
 
     def __post_init__(self) -> None:
         if not self.model_id or len(self.model_id.encode()) > MAX_STRING_BYTES:
@@ -206,10 +223,17 @@ class VerificationParams:
                 raise ValueError
         except (ValueError, TypeError):
             raise LocalProtocolError("verification pool_sha256 must be 64 hex digits") from None
+        if self.committee_key_sha256:
+            try:
+                if len(bytes.fromhex(self.committee_key_sha256)) != 32:
+                    raise ValueError
+            except (ValueError, TypeError):
+                raise LocalProtocolError(
+                    "verification committee_key_sha256 must be 64 hex digits") from None
         checks = (("pool_size", 1, epochs.MAX_POOL_SIZE),
                   ("challenges_per_node", 1, epochs.MAX_CHALLENGES_PER_NODE),
                   ("max_nodes", 1, 1024), ("attempt_ms", 1, 2**40),
-                  ("recent_epochs", 0, 1024), ("miss_epochs", 1, 64),
+                  ("recent_epochs", 0, NEVER_REUSE), ("miss_epochs", 1, 64),
                   ("min_tokens_slack", 0, 4096), ("epoch_ms", 0, 2**40))
         for name, lo, hi in checks:
             value = getattr(self, name)
@@ -256,34 +280,39 @@ class SignedAnswer:
     """A challenge's answer as the leader received it through the overlay.
 
     Attributes:
-        request: Q's bytes exactly as sent.
-        reply: the model node's signed response; its ``request_hash`` must be SHA-256 of
-            ``request`` (:meth:`read` derives it so).
+        sealed_request: Q's bytes exactly as sent, sealed for the committee
+            (:func:`~ps_p2p.verification.sealing.seal_request`): blocks reach every listed
+            node, and a prompt published there would mark that prompt as a challenge's.
+        reply: the model node's signed response; its ``request_hash`` (SHA-256 of Q, which the
+            signature covers) is carried in clear so every validator checks the signature
+            without the key; the verifiers' value check opens the seal and checks that Q
+            hashes to it.
 
-    Encoding (the reply's fields in :class:`~ps_p2p.inference.InferenceReply` order, without
-    the request hash)::
+    Encoding (the reply's fields in :class:`~ps_p2p.inference.InferenceReply` order, the
+    request hash first)::
 
-        bytes(request) || bytes(request_id) || u32(status) || str(text) || str(error)
-        || str(model_id) || u32(prompt_tokens) || u32(completion_tokens) || str(finish_reason)
-        || u64(signed_at_ms) || bytes(model_node) || bytes(signature) || bytes(forwarded_by)
-        || bytes(forward_signature)
+        bytes(request_hash) || bytes(sealed_request) || bytes(request_id) || u32(status)
+        || str(text) || str(error) || str(model_id) || u32(prompt_tokens)
+        || u32(completion_tokens) || str(finish_reason) || u64(signed_at_ms) || bytes(model_node)
+        || bytes(signature) || bytes(forwarded_by) || bytes(forward_signature)
     """
 
-    request: bytes
+    sealed_request: bytes
     reply: InferenceReply
 
     def encode(self) -> bytes:
         r = self.reply
         return b"".join((
-            lp(self.request), lp(r.request_id), u32(r.status), lps(r.text), lps(r.error),
-            lps(r.model_id), u32(r.prompt_tokens), u32(r.completion_tokens),
-            lps(r.finish_reason), u64(r.signed_at_ms), lp(r.model_node), lp(r.signature),
-            lp(r.forwarded_by), lp(r.forward_signature),
+            lp(r.request_hash), lp(self.sealed_request), lp(r.request_id), u32(r.status),
+            lps(r.text), lps(r.error), lps(r.model_id), u32(r.prompt_tokens),
+            u32(r.completion_tokens), lps(r.finish_reason), u64(r.signed_at_ms),
+            lp(r.model_node), lp(r.signature), lp(r.forwarded_by), lp(r.forward_signature),
         ))
 
     @staticmethod
     def read(r: Reader) -> SignedAnswer:
-        request = r.lp("request", MAX_REQUEST_BYTES)
+        req_hash = r.lp("request hash", 32, exact=32)
+        sealed = r.lp("sealed request", MAX_REQUEST_BYTES + SEAL_OVERHEAD)
         request_id = r.lp("request ID", 64)
         status = r.u32("status")
         text = r.lps("text", MAX_TEXT_BYTES)
@@ -296,25 +325,26 @@ class SignedAnswer:
         signature = r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES)
         forwarded_by = r.lp("forwarded by", ED25519_PEER_ID_BYTES)
         forward_signature = r.lp("forward signature", SIGNATURE_BYTES)
-        return SignedAnswer(request, InferenceReply(
+        return SignedAnswer(sealed, InferenceReply(
             request_id, status, text, error, model_id, prompt_tokens, completion_tokens,
-            request_hash(request), signed_at_ms, model_node, signature, finish_reason,
+            req_hash, signed_at_ms, model_node, signature, finish_reason,
             forwarded_by, forward_signature))
 
     def verify(self, challenged: bytes) -> bytes:
         """Check the signatures (:func:`~ps_p2p.responses.verify_response`,
         :func:`~ps_p2p.responses.verify_forward`); returns the node that served (signed) it.
 
+        The request itself is sealed: that the reply is for it (SHA-256 of Q is the signed
+        request hash) is the value check's (:func:`~ps_p2p.verification.sealing.
+        open_request`).
+
         Raises:
-            VerificationError: status not OK; the reply is not for ``request``; not signed by
-                its ``model_node``; served by another node than ``challenged`` without
-                ``challenged``'s forward voucher.
+            VerificationError: status not OK; not signed by its ``model_node``; served by
+                another node than ``challenged`` without ``challenged``'s forward voucher.
         """
         r = self.reply
         if r.status != RESPONSE_STATUS_OK:
             raise VerificationError(f"answer of status {r.status}, not OK")
-        if r.request_hash != request_hash(self.request):
-            raise VerificationError("the answer signs another request than the one carried")
         try:
             verify_response(request_id=r.request_id, req_hash=r.request_hash,
                             content=r.content(), signed_at_ms=r.signed_at_ms,
@@ -515,7 +545,8 @@ class EpochLedger:
         eligible: the validators that may lead it (with a commitment at the start).
         challenged: (model node, reputation subject) of the model nodes it challenges.
         commitments: epoch -> validator -> commitment (the current and the next epoch).
-        recent: epoch -> prompt indices used (the last ``recent_epochs``).
+        recent: epoch -> prompt indices used (the last ``recent_epochs``; of those, only the
+            newest that a plan could still exclude: about the pool's size at most).
         misses: (epoch, node) -> reporting validators, for open misses.
         missed_subjects: (epoch, node) -> the node's subject in that epoch, for open misses.
         counted: the (epoch, node) misses already applied.
@@ -603,6 +634,12 @@ class EpochLedger:
                 break
             out = more
         return out
+
+    def fresh_prompts(self, params: VerificationParams) -> int:
+        """Prompts of the pool that no remembered epoch asked: until the pool is exhausted,
+        those never asked; after, about one plan's worth (the oldest epochs' prompts, which
+        plans then ask again, oldest first)."""
+        return params.pool_size - len(self.excluded_prompts())
 
     def plan(self, chain_id: str, params: VerificationParams, attempt: int,
              secret: bytes) -> epochs.Plan:
@@ -755,6 +792,7 @@ def apply_epoch_report(tx: EpochReportTx, ledger: EpochLedger, params: Verificat
     ledger.recent[tx.epoch] = tuple(sorted(r.challenge.prompt_index for r in tx.results))
     for e in [e for e in ledger.recent if e <= tx.epoch - params.recent_epochs]:
         del ledger.recent[e]
+    _forget_unexcludable(ledger, params)
     ledger.commitments.pop(tx.epoch, None)
     ledger.epoch += 1
     ledger.anchor, ledger.eligible, ledger.challenged = None, (), ()  # start_ms: the last one's
@@ -825,6 +863,20 @@ def maybe_start(ledger: EpochLedger, validators: Sequence[Validator],
     ledger.eligible = eligible
     ledger.challenged = tuple(sorted((bytes(n), bytes(s)) for n, s in model_nodes))
     return True
+
+
+def _forget_unexcludable(ledger: EpochLedger, params: VerificationParams) -> None:
+    """Drop the epochs whose prompts no plan can exclude any more: from the newest, once the
+    union leaves fewer than one node's challenges (:meth:`EpochLedger.excluded_prompts` stops
+    there), so the ledger holds at most about ``pool_size`` indices."""
+    seen: set[int] = set()
+    limit = params.pool_size - params.challenges_per_node
+    for e in sorted(ledger.recent, reverse=True):
+        seen.update(ledger.recent[e])
+        if len(seen) > limit:
+            for old in [o for o in ledger.recent if o <= e]:
+                del ledger.recent[old]
+            return
 
 
 def _bound_credits(ledger: EpochLedger) -> None:

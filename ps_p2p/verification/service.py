@@ -15,14 +15,17 @@ committed block (:meth:`EpochService.notify`) and at each attempt boundary it:
    temperature and top_p: the same call, so the same bytes, as any user's request; the model
    node cannot tell them apart), checks and scores each signed answer with its reference engine
    (:func:`~ps_p2p.verification.scoring.score_response`: one forward pass), and submits the
-   EPOCH_REPORT;
-3. **re-scores** every EPOCH_REPORT that reaches its mempool, off the consensus task: Q decodes,
+   EPOCH_REPORT with each Q sealed under the committee key
+   (:mod:`~ps_p2p.verification.sealing`: blocks reach every listed node);
+3. **re-scores** every EPOCH_REPORT that reaches its mempool, off the consensus task: each
+   sealed Q opens under the committee key to the signed request hash, Q decodes,
    asks the pool's prompt at the menu's parameters, under the committee's model, and each score
    is within ``params.tolerance`` of its own; the verdict is what :meth:`value_check` answers
    the validator (until it is known: "not re-scored yet", so the validator neither proposes nor
    prevotes for that report);
 4. **confirms** each open miss of an epoch it did not lead: one challenge of its own (a pool
-   prompt it draws itself) to the node; a MISS_REPORT only when that goes unanswered too.
+   prompt it draws itself, among those no remembered epoch nor its own earlier confirmation
+   asked) to the node; a MISS_REPORT only when that goes unanswered too.
 
 An answer whose signed fields do not fit a report (a text, model ID or finish reason over the
 ledger's bounds) is no evidence: the leader lists it as unanswered (a report carrying it would
@@ -30,8 +33,9 @@ be refused whole and the epoch would not end) and a confirmation counts it as a 
 answers together make the report longer than the genesis' ``max_tx_bytes``, the longest are
 listed as unanswered until it fits.
 
-A verifier needs the committee's model (``engine``) and the prompt pool (its digest must be the
-genesis' ``pool_sha256``); without them its node runs no epochs and its validator checks no
+A verifier needs the committee's model (``engine``), the prompt pool (its digest must be the
+genesis' ``pool_sha256``) and the committee key (its commitment must be the genesis'
+``committee_key_sha256``); without them its node runs no epochs and its validator checks no
 reports (so it prevotes nil on them: a committee needs 2f+1 verifiers with the model).
 """
 
@@ -67,9 +71,11 @@ from ps_p2p.errors import (
     RequestTimeoutError,
     VerificationError,
 )
+from ps_p2p.inference import InferenceReply
 from ps_p2p.protocols.inference_codec import decode_query
 from ps_p2p.records import Signer
 from ps_p2p.records.peer_ids import peer_label
+from ps_p2p.responses import request_hash
 from ps_p2p.verification import epochs
 from ps_p2p.verification.ledger import (
     MAX_REQUEST_BYTES,
@@ -85,6 +91,12 @@ from ps_p2p.verification.ledger import (
     sign_seed_commit,
 )
 from ps_p2p.verification.scoring import score_response
+from ps_p2p.verification.sealing import (
+    SEAL_OVERHEAD,
+    check_committee_key,
+    open_request,
+    seal_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +107,8 @@ RESUBMIT_SECONDS = 5.0
 MAX_VERDICTS = 256
 #: Reports queued for re-scoring at once; more are refused ("busy") until one is done.
 MAX_PENDING_CHECKS = 8
+#: Warn when the pool has fewer unused prompts than this many epochs' plans.
+POOL_WARN_EPOCHS = 16
 #: Challenges of one epoch sent at once.
 MAX_PARALLEL_CHALLENGES = 8
 NOT_YET = VALUE_CHECK_PENDING  # the validator defers its answer until the verdict
@@ -159,20 +173,25 @@ class EpochService:
         pool: the prompt pool; its :func:`~ps_p2p.verification.ledger.pool_digest` must be
             ``params.pool_sha256``.
         master: the epoch master key (:func:`master_key`), >= 32 bytes.
+        committee_key: the committee key (32 bytes) that seals the requests in reports; its
+            :func:`~ps_p2p.verification.sealing.key_commitment` must be
+            ``params.committee_key_sha256``.
         challenge_timeout: seconds a challenge may take.
         unix_ms: wall clock (the block times' clock), injected in tests.
         rng: the draws of confirmation challenges.
 
     Raises:
-        ConfigError: the pool is not the committed one.
+        ConfigError: the pool or the committee key is not the committed one.
     """
 
     def __init__(
         self, identity: Signer, params: VerificationParams, *,
         state: Callable[[], AppState], submit: Callable[[bytes], object], ask: Ask,
-        engine: Engine, pool: Sequence[str], master: bytes, challenge_timeout: float = 60.0,
-        unix_ms: Callable[[], int], rng: random.Random | None = None,
+        engine: Engine, pool: Sequence[str], master: bytes, committee_key: bytes,
+        challenge_timeout: float = 60.0, unix_ms: Callable[[], int],
+        rng: random.Random | None = None,
     ) -> None:
+        check_committee_key(committee_key, params.committee_key_sha256)
         digest = pool_digest(pool)
         if digest != params.pool_sha256 or len(pool) != params.pool_size:
             raise ConfigError(
@@ -187,6 +206,7 @@ class EpochService:
         self.engine = engine
         self.pool = list(pool)
         self._master = bytes(master)
+        self._committee_key = bytes(committee_key)
         self.challenge_timeout = challenge_timeout
         self._unix_ms = unix_ms
         self._rng = rng or random.SystemRandom()
@@ -199,11 +219,12 @@ class EpochService:
         self._commit_sent: dict[int, float] = {}
         self._led: set[tuple[int, int]] = set()
         self._confirming: set[tuple[int, bytes]] = set()
+        self._confirm_prompts: set[int] = set()  # at most the pool
         self._nursery: trio.Nursery | None = None
         #: called after each verdict (the node: ``ConsensusService.revalidate``)
         self.on_verdict: Callable[[], None] | None = None
-        #: called once this verifier submitted a report: the report publishes Q, which names
-        #: its reply proxies (the node: ``UserClient.rotate_paths``)
+        #: called once this verifier submitted a report: the report carries Q (sealed for the
+        #: committee), which names its reply proxies (the node: ``UserClient.rotate_paths``)
         self.on_reported: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ hooks (sync)
@@ -297,6 +318,13 @@ class EpochService:
         plan = ledger.plan(chain, self.params, attempt, secret)
         log.info("leading epoch %d (attempt %d): %d challenge(s) to %d model node(s)", epoch,
                  attempt, len(plan.challenges), len(plan.model_nodes))
+        fresh = ledger.fresh_prompts(self.params) - len(plan.challenges)
+        if fresh < POOL_WARN_EPOCHS * len(plan.challenges):
+            log.warning("the challenge pool is %s: %d unused prompt(s) left, %d per epoch; "
+                        "then earlier prompts come back (a model node that saw one can flag "
+                        "it): give the committee a new private pool",
+                        "exhausted" if fresh <= 0 else "nearly exhausted", max(fresh, 0),
+                        len(plan.challenges))
         self.stats.epochs_led += 1
         results: dict[epochs.Challenge, ChallengeResult] = {}
         limiter = trio.CapacityLimiter(MAX_PARALLEL_CHALLENGES)
@@ -359,8 +387,10 @@ class EpochService:
             log.info("challenge to %s unanswered: %s", peer_label(challenged),
                      getattr(answer, "error", "") or "no reply")
             return None
-        signed = SignedAnswer(request, reply)
         try:
+            if reply.request_hash != request_hash(request):
+                raise VerificationError("the answer signs another request than the one sent")
+            signed = self._seal(request, reply)
             problem = _unfit(signed)
             if problem is not None:  # a report carrying it would be refused: no evidence
                 raise VerificationError(f"a report cannot carry it ({problem})")
@@ -372,6 +402,10 @@ class EpochService:
             log.warning("answer of %s is no evidence: %s", peer_label(challenged), exc)
             return None
         return signed
+
+    def _seal(self, request: bytes, reply: InferenceReply) -> SignedAnswer:
+        """The answer as a report carries it: Q sealed for the committee."""
+        return SignedAnswer(seal_request(self._committee_key, reply.request_hash, request), reply)
 
     async def _score(self, prompt: str, option: SamplingOption, answer: SignedAnswer) -> int:
         score = await score_response(
@@ -434,7 +468,12 @@ class EpochService:
     def _request_problem(self, answer: SignedAnswer, prompt: str,
                          option: SamplingOption) -> str | None:
         try:
-            q = decode_query(answer.request)
+            request = open_request(self._committee_key, answer.reply.request_hash,
+                                   answer.sealed_request)
+        except VerificationError as exc:
+            return str(exc)
+        try:
+            q = decode_query(request)
         except PsError as exc:
             return f"the request is not a request: {exc}"
         if q.request_id != answer.reply.request_id:
@@ -462,7 +501,10 @@ class EpochService:
         """Challenge an open miss ourselves (a prompt and option of our own drawing); report it
         only when that fails too."""
         self.stats.confirmations += 1
-        index = self._rng.randrange(len(self.pool))
+        used = state.ledger.excluded_prompts() | self._confirm_prompts
+        unused = [i for i in range(len(self.pool)) if i not in used]
+        index = self._rng.choice(unused) if unused else self._rng.randrange(len(self.pool))
+        self._confirm_prompts.add(index)  # not on the chain: plans may still draw it
         option = self.params.sampling[self._rng.randrange(len(self.params.sampling))]
         answer = await self._ask(self.pool[index], node, option, self.challenge_timeout)
         reply = getattr(answer, "reply", None)
@@ -471,7 +513,8 @@ class EpochService:
         if getattr(answer, "ok", False) and reply is not None:
             # an answer no report could carry is no answer (as for the leader), unless the
             # oversized part is our own request
-            problem = _unfit(SignedAnswer(request, reply))
+            # (the user client checked that the reply signs our request; sealing keeps length)
+            problem = _unfit(SignedAnswer(bytes(len(request) + SEAL_OVERHEAD), reply))
             if problem is None or len(request) > MAX_REQUEST_BYTES:
                 log.info("%s answered this verifier's confirmation of its epoch-%d miss",
                          peer_label(node), epoch)
