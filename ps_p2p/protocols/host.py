@@ -23,8 +23,10 @@
   32 per /24, 32 open connections per IP and 128 per /24 (IPv6: per /64 and /48), a handshake
   closed 5 s after the accept (py-libp2p: 10 s), every count given back when the connection ends,
   however it ends (:class:`_InboundConnectionGuard`);
-* py-libp2p's own connection tracker turned off (its 256-inbound cap kept slots of connections
-  that had closed; see "Upstream bugs" below): the limits above and ``max_connections`` replace it;
+* py-libp2p's own connection tracker turned off (a hidden cap of 256 established inbound
+  connections under ``max_connections``, with no per-address bound, so 256 abandoned connections
+  shut a node to everybody; docs/upstream/py-libp2p-inbound-connection-limits.md): the limits
+  above and ``max_connections`` replace it;
 * a keepalive on every Yamux connection (:func:`_keepalive_loop`): a connection that has received
   nothing for :data:`KEEPALIVE_INTERVAL` seconds is pinged, and closed when it still has received
   nothing :data:`KEEPALIVE_TIMEOUT` seconds later, so a peer that vanished without a FIN (or
