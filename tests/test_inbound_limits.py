@@ -245,8 +245,15 @@ async def test_a_ps_node_process_stays_reachable_through_close_abandon_and_idle_
             results = await honest_dials(addr, 3, spacing=0.5, timeout=5.0)
             open_abandoned = len(held.secured) - held.secured_closed_by_target()
 
+            # the attacker lets go: every place comes back (the same /24 fills its cap again)
+            await held.aclose()
+            await negotiated_dials(addr, source_ips(1, 10), 200, keep=held)
+            await _until(lambda: len(held.secured) - held.secured_closed_by_target() <= 128)
+            reopened = len(held.secured) - held.secured_closed_by_target()
+
         assert results == [True, True, True]
-        assert open_abandoned <= 128  # the /24's cap of open connections
+        assert open_abandoned == 128  # the /24's cap of open connections
+        assert reopened == 128
     finally:
         await held.aclose()
         proc.send_signal(signal.SIGINT)
