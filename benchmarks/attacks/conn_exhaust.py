@@ -96,6 +96,10 @@ async def attack(target: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    import logging
+
+    # py-libp2p logs every refused or abandoned handshake of the attack at ERROR
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", type=pathlib.Path, default=REPO,
                         help="checkout whose ps_p2p the node runs (default: this one)")
