@@ -10,11 +10,9 @@ honest dialer from 127.0.0.1.
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +20,6 @@ from collections.abc import Callable
 
 import pytest
 import trio
-from libp2p.peer.id import ID
 
 from ps_p2p.keys import Identity
 from ps_p2p.protocols import host as host_module

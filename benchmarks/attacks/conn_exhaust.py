@@ -40,7 +40,10 @@ from ps_p2p.testing.conn_attack import (  # noqa: E402
 )
 
 
-def start_node(repo: pathlib.Path, workdir: pathlib.Path, config: str | None) -> tuple[subprocess.Popen, str]:
+def start_node(
+    repo: pathlib.Path, workdir: pathlib.Path, config: str | None
+) -> tuple[subprocess.Popen, str]:
+    """Start a ``ps-node run`` verifier of ``repo``'s code; returns it and its multiaddr."""
     status = workdir / "verifier.status.json"
     cmd = [sys.executable, "-m", "ps_p2p.cli", "run", "--role", "verifier",
            "--listen", "/ip4/127.0.0.1/tcp/0", "--key-file", str(workdir / "verifier.key"),
