@@ -33,6 +33,7 @@ from ps_p2p.engines.sim_cost import SimParams
 from ps_p2p.errors import ConfigError, PsError
 from ps_p2p.overlay.path_pool import PoolConfig
 from ps_p2p.overlay.requests import RequestConfig
+from ps_p2p.protocols.admission import InboundLimits
 from ps_p2p.serving.dispatch import DispatchConfig
 
 
@@ -333,6 +334,9 @@ class NodeConfig:
         forwarding: model role: :class:`ForwardingConfig` (``[forwarding]``): HR-tree
             forwarding within the model group (:mod:`ps_p2p.roles.forwarding`).
         verification: verifier role: :class:`VerificationConfig` (``[verification]``).
+        connections: inbound connections per remote IP and /24, and the handshake deadline
+            (``[connections]``: :class:`~ps_p2p.protocols.admission.InboundLimits`; e.g.
+            ``exempt = ["127.0.0.0/8", "::1/128"]`` where every node runs on one machine).
     """
 
     roles: list[str] = field(default_factory=lambda: ["user"])
@@ -367,6 +371,7 @@ class NodeConfig:
     sim: SimParams = field(default_factory=SimParams)
     forwarding: ForwardingConfig = field(default_factory=ForwardingConfig)
     verification: VerificationConfig = field(default_factory=VerificationConfig)
+    connections: InboundLimits = field(default_factory=InboundLimits)
 
     def validate(self) -> None:
         """Raise ConfigError on an impossible combination."""
@@ -524,6 +529,7 @@ def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
 
 
 _NESTED = {"user": UserConfig, "model_node": ModelNodeConfig, "sim": SimParams,
+           "connections": InboundLimits,
            "forwarding": ForwardingConfig, "verification": VerificationConfig}
 
 

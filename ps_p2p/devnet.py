@@ -1286,6 +1286,7 @@ class _WorkerProcess:
 
     async def _run_node(self, spec: dict[str, Any], setup: dict[str, Any]) -> None:
         from ps_p2p.config import NodeConfig
+        from ps_p2p.protocols.admission import LOOPBACK, InboundLimits
         from ps_p2p.keys import load_or_create_keys
         from ps_p2p.node import Node
 
@@ -1307,6 +1308,8 @@ class _WorkerProcess:
                     byzantine=bool(spec.get("byzantine")),
                     home=spec.get("home"),
                     listen=spec.get("listen", NodeConfig.listen),
+                    # every node on 127.0.0.1: per-address caps would group them all
+                    connections=InboundLimits(exempt=LOOPBACK),
                 )
                 config.forwarding.group_key = spec.get("group_key", "")
                 async with trio.open_nursery() as nursery:

@@ -387,7 +387,8 @@ class Node:
                 if self.config.metrics is not None:
                     self.metrics.serve(self.config.metrics)  # before the host: fail fast
                 if host is None:
-                    async with open_host(self.keys.identity, [self.config.listen]) as own_host:
+                    async with open_host(self.keys.identity, [self.config.listen],
+                                         inbound=self.config.connections) as own_host:
                         await self._serve(own_host, task_status)
                 else:
                     await self._serve(host, task_status)

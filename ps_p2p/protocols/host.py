@@ -17,10 +17,23 @@
   connection is closed, and ``max_connections`` (default 1024) in all, over which py-libp2p refuses
   the newest connection, inbound or outbound (identities are free, so both bounds are needed);
 * TCP listeners opened without ``SO_REUSEPORT``, and :func:`open_host` raising ``OSError`` when a
-  listen address is already in use instead of sharing the port with whoever holds it.
+  listen address is already in use instead of sharing the port with whoever holds it;
+* inbound connections bounded by remote address (:mod:`ps_p2p.protocols.admission`,
+  :class:`~ps_p2p.protocols.admission.InboundLimits`): at most 8 handshakes in progress per IP and
+  32 per /24, 32 open connections per IP and 128 per /24 (IPv6: per /64 and /48), a handshake
+  closed 5 s after the accept (py-libp2p: 10 s), every count given back when the connection ends,
+  however it ends (:class:`_InboundConnectionGuard`);
+* py-libp2p's own connection tracker turned off (a hidden cap of 256 established inbound
+  connections under ``max_connections``, with no per-address bound, so 256 abandoned connections
+  shut a node to everybody; docs/upstream/py-libp2p-inbound-connection-limits.md): the limits
+  above and ``max_connections`` replace it;
+* a keepalive on every Yamux connection (:func:`_keepalive_loop`): a connection that has received
+  nothing for :data:`KEEPALIVE_INTERVAL` seconds is pinged, and closed when it still has received
+  nothing :data:`KEEPALIVE_TIMEOUT` seconds later, so a peer that vanished without a FIN (or
+  stopped reading) gives its place back within about a minute instead of holding it for ever.
 
-The module-level settings above (the dial delay, the Yamux window updates and RTT pings, the
-listener without ``SO_REUSEPORT``) are installed when this module is imported and hold for every
+The module-level settings above (the dial delay, the Yamux window updates, RTT pings and keepalive,
+the listener without ``SO_REUSEPORT``) are installed when this module is imported and hold for every
 py-libp2p host of the process, an application's own included (they change no wire format); the
 per-host ones are :func:`tune_host`'s.
 
@@ -61,11 +74,13 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import math
 import os
 import socket
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import multiaddr
 import trio
@@ -78,6 +93,7 @@ from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.rcmgr.manager import ResourceLimits, ResourceManager
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -87,6 +103,7 @@ from libp2p.transport.tcp import tcp as _tcp
 
 from ps_p2p.errors import AddressInUseError, ConfigError
 from ps_p2p.keys import Identity
+from ps_p2p.protocols.admission import InboundAdmission, InboundLimits, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +147,93 @@ YamuxStream._auto_tune_and_send_window_update = _return_window_at_half  # type: 
 # user relays for dozens of peers, so at rest these pings were a quarter of all messages of a
 # 32-host localnet (70 of 258 a second); every 2 minutes is enough for the window.
 _yamux_module.RTT_MEASURE_INTERVAL = 120
+
+KEEPALIVE_INTERVAL = 30.0
+"""Seconds without a received Yamux frame after which a connection is pinged (go-yamux's
+``KeepAliveInterval``); read at every iteration of :func:`_keepalive_loop`."""
+
+KEEPALIVE_TIMEOUT = 30.0
+"""Seconds a pinged connection may stay silent before it is closed (a busy peer on a starved
+machine answers late, not never: twice go-yamux's 10 s write timeout, see DESIGN.md "a starved
+machine must not tear down working paths")."""
+
+_LAST_READ = "_ps_last_read"
+"""Attribute stamped on a Yamux connection's secured connection at every frame read from it."""
+
+_read_exactly = _yamux_module.read_exactly
+
+
+async def _read_exactly_stamped(reader: Any, n: int, *args: Any, **kwargs: Any) -> bytes:
+    """py-libp2p's ``read_exactly`` as Yamux calls it (on its secured connection), recording
+    when the peer was last heard from (one clock read per frame)."""
+    data = await _read_exactly(reader, n, *args, **kwargs)
+    try:
+        setattr(reader, _LAST_READ, trio.current_time())
+    except AttributeError:  # pragma: no cover - a secured connection with __slots__
+        pass
+    return data
+
+
+async def _keepalive_loop(self: Yamux) -> None:
+    """Replacement for py-libp2p 0.8.1's ``Yamux._measure_rtt_loop`` (one task per connection).
+
+    Pings when the RTT estimate is due (every ``RTT_MEASURE_INTERVAL``) or when nothing was
+    received for :data:`KEEPALIVE_INTERVAL` seconds; if then nothing at all (no pong, no other
+    frame) arrives within :data:`KEEPALIVE_TIMEOUT`, closes the secured connection, which makes
+    Yamux's reader fail and run its usual teardown (streams reset, the swarm's connection
+    removed, every count released). py-libp2p's loop waits 10 s for a pong and carries on: a
+    peer that vanished without a FIN, or never reads, held its connection (and the listener's
+    slot) until TCP gave up, which it never does while the peer's kernel acknowledges.
+    """
+    await trio.sleep(0.5)  # as py-libp2p's: let the connection settle
+    secured = self.secured_conn
+    started = trio.current_time()
+    last_rtt = -math.inf
+    while not self.event_shutting_down.is_set():
+        now = trio.current_time()
+        heard = getattr(secured, _LAST_READ, started)
+        rtt_due = now - last_rtt >= _yamux_module.RTT_MEASURE_INTERVAL
+        if rtt_due or now - heard >= KEEPALIVE_INTERVAL:
+            try:
+                self._ping_id += 1
+                self._ping_event = trio.Event()
+                header = _yamux_module.struct.pack(
+                    _yamux_module.YAMUX_HEADER_FORMAT, 0, _yamux_module.TYPE_PING,
+                    _yamux_module.FLAG_SYN, 0, self._ping_id,
+                )
+                sent = trio.current_time()
+                written = False
+                with trio.move_on_after(KEEPALIVE_TIMEOUT):
+                    await self._write_frame(header)
+                    written = True
+                    self._ping_sent_time = trio.current_time()
+                    last_rtt = self._ping_sent_time
+                    await self._ping_event.wait()
+            except Exception:
+                return  # the connection is closing: its reader tears it down
+            silent = getattr(secured, _LAST_READ, started) < sent and not self._ping_event.is_set()
+            if silent or not written:  # not written: the peer reads nothing (a full window)
+                log.debug(
+                    "closing the connection to %s: silent for %.0f s after a ping",
+                    self.peer_id, KEEPALIVE_TIMEOUT,
+                )
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                    try:
+                        await secured.close()
+                    except Exception as exc:
+                        log.debug("closing a silent connection: %r", exc)
+                return
+            heard = getattr(secured, _LAST_READ, started)
+        now = trio.current_time()
+        wake = min(last_rtt + _yamux_module.RTT_MEASURE_INTERVAL, heard + KEEPALIVE_INTERVAL)
+        with trio.move_on_at(max(wake, now + 0.05)):
+            await self.event_shutting_down.wait()
+
+
+if not (hasattr(Yamux, "_measure_rtt_loop") and hasattr(_yamux_module, "read_exactly")):
+    raise ImportError("py-libp2p's Yamux changed: see host.py _keepalive_loop")  # pragma: no cover
+Yamux._measure_rtt_loop = _keepalive_loop  # type: ignore[method-assign]
+_yamux_module.read_exactly = _read_exactly_stamped
 
 DEFAULT_MAX_CONNECTIONS = 1024
 """Connections (inbound + outbound) a host keeps at most; a newer one over it is refused."""
@@ -180,11 +284,33 @@ def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
         raise ConfigError(f"bad multiaddr {text!r}: {exc}") from exc
 
 
+def _resource_manager() -> ResourceManager:
+    """py-libp2p's resource manager with its connection accounting left out.
+
+    Kept for its cap on streams (10,000 open in all). Left out, because the host's own bounds
+    (``max_connections``, :class:`_InboundConnectionGuard`) replace them and they misbehave: the
+    connection tracker (256 established inbound, an entry per connection that is not always
+    removed: "Established inbound limit exceeded: 256 >= 256" on a node with few connections
+    open), the per-peer-ID rate limiter (identities are free), the circuit breaker and the
+    "graceful degradation" that lower limits under load, and per-peer metrics kept for ever.
+    """
+    return ResourceManager(
+        limits=ResourceLimits(max_connections=2**31 - 1),  # max_connections is the swarm's
+        enable_metrics=False,
+        enable_connection_tracking=False,
+        enable_memory_pooling=False,
+        enable_circuit_breaker=False,
+        enable_graceful_degradation=False,
+        enable_rate_limiting=False,
+    )
+
+
 def build_host(
     identity: Identity,
     *,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
+    inbound: InboundLimits | None = None,
 ) -> IHost:
     """A host for ``identity`` speaking TCP + Noise + Yamux only (not yet listening).
 
@@ -193,6 +319,8 @@ def build_host(
             one over it (an outbound dial then fails with ``SwarmException``).
         max_connections_per_peer: connections to one peer ID kept at most; the newest inbound
             one over it is closed, with an INFO line at most once a minute per peer.
+        inbound: bounds on inbound connections per remote address and the handshake deadline
+            (default :class:`~ps_p2p.protocols.admission.InboundLimits`: nothing exempt).
 
     Raises:
         ConfigError: a limit below 1, or ``max_connections_per_peer > max_connections``.
@@ -202,6 +330,7 @@ def build_host(
             f"need 1 <= max_connections_per_peer ({max_connections_per_peer}) <= "
             f"max_connections ({max_connections})"
         )
+    inbound = inbound if inbound is not None else InboundLimits()
     key_pair = identity.libp2p_key_pair()
     noise = NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
     host = new_host(
@@ -217,15 +346,20 @@ def build_host(
             # period, so it cannot stop a burst; _InboundConnectionGuard enforces the per-peer
             # limit at once, and this only caps what one dial_peer call returns.
             max_connections_per_peer=max_connections,
+            inbound_upgrade_timeout=inbound.handshake_timeout,
         ),
+        resource_manager=_resource_manager(),
         enable_mDNS=False,
     )
-    tune_host(host, max_connections_per_peer=max_connections_per_peer)
+    tune_host(host, max_connections_per_peer=max_connections_per_peer, inbound=inbound)
     return host
 
 
 def tune_host(
-    host: IHost, *, max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER
+    host: IHost,
+    *,
+    max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
+    inbound: InboundLimits | None = None,
 ) -> None:
     """Apply to ``host`` what :func:`build_host` adds after py-libp2p's ``new_host``.
 
@@ -240,13 +374,18 @@ def tune_host(
       midpoint of the connection watermarks; the directory puts every node's address there);
     * the inbound connection slot is released when the connection closes, and at most
       ``max_connections_per_peer`` connections per peer ID are kept
-      (:class:`_InboundConnectionGuard`).
+      (:class:`_InboundConnectionGuard`);
+    * inbound connections are bounded per remote address by ``inbound`` (default
+      :class:`~ps_p2p.protocols.admission.InboundLimits`), and a handshake not done
+      ``inbound.handshake_timeout`` seconds after the accept is closed;
+    * py-libp2p's connection tracker (a 256-inbound cap whose slots leak) is turned off.
 
     Raises:
         ConfigError: ``max_connections_per_peer`` below 1.
     """
     if max_connections_per_peer < 1:
         raise ConfigError(f"max_connections_per_peer must be >= 1, not {max_connections_per_peer}")
+    inbound = inbound if inbound is not None else InboundLimits()
     # A dead relay must be noticed in well under a second: one quick retry, not three with
     # exponential back-off (py-libp2p's default costs ~0.7 s per unreachable peer).
     network = host.get_network()
@@ -254,7 +393,12 @@ def tune_host(
     # The auto-connector dials every peer in the peerstore up to the midpoint of the watermarks
     # (150 by default) whatever ConnectionConfig says; the overlay dials the peers it needs.
     network.auto_connector.maybe_connect = _no_auto_connect  # type: ignore[attr-defined]
-    _InboundConnectionGuard(network, max_connections_per_peer).install()  # type: ignore[arg-type]
+    network.connection_config.inbound_upgrade_timeout = inbound.handshake_timeout  # type: ignore[attr-defined]
+    manager = getattr(network, "_resource_manager", None)
+    if manager is not None:  # its tracker's slots leak (module docstring): the guard bounds
+        manager.connection_lifecycle = None
+        manager.connection_tracker = None
+    _InboundConnectionGuard(network, max_connections_per_peer, inbound).install()  # type: ignore[arg-type]
 
 
 async def _no_auto_connect(*args: object, **kwargs: object) -> None:
@@ -268,6 +412,7 @@ async def open_host(
     *,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
+    inbound: InboundLimits | None = None,
 ) -> AsyncIterator[IHost]:
     """Run a host listening on ``listen`` (multiaddr strings; ``tcp/0`` picks a free port).
 
@@ -276,6 +421,7 @@ async def open_host(
         listen: multiaddrs to listen on; every one must be bound, or nothing runs.
         max_connections: see :func:`build_host` (default 1024).
         max_connections_per_peer: see :func:`build_host` (default 8).
+        inbound: see :func:`build_host` (default ``InboundLimits()``: nothing exempt).
 
     Yields:
         the running host; it stops (connections closed) when the block exits.
@@ -289,7 +435,10 @@ async def open_host(
     """
     addrs = [parse_multiaddr(a) for a in listen]
     host = build_host(
-        identity, max_connections=max_connections, max_connections_per_peer=max_connections_per_peer
+        identity,
+        max_connections=max_connections,
+        max_connections_per_peer=max_connections_per_peer,
+        inbound=inbound,
     )
     unbound: list[multiaddr.Multiaddr] = []
     async with host.run(listen_addrs=addrs):
@@ -329,47 +478,73 @@ class _InboundConnectionClosed(Exception):
 
 
 class _InboundConnectionGuard:
-    """Per-swarm work-around of the lifetime inbound slot (module docstring) + per-peer limit.
+    """Per-swarm work-around of the lifetime inbound slot (module docstring), per-peer limit and
+    per-address admission (:class:`~ps_p2p.protocols.admission.InboundAdmission`).
 
     Wraps two methods of one ``Swarm`` instance (py-libp2p itself is not modified):
 
     * ``_handle_inbound_connection`` (the listener's per-socket handler, which holds one
-      ``_inbound_limiter`` token while it runs) records its task;
-    * ``upgrade_inbound_raw_conn``, when that task calls it, checks the per-peer limit on the
-      upgraded connection, then waits until the connection closes and raises
-      :class:`_InboundConnectionClosed`. ``_do_handle_inbound_connection`` logs that at DEBUG and
-      returns, so the handler never reaches its wait-for-swarm-stop barrier: the token (and the
-      task) is released when the connection closes. A swarm that stops cancels the wait.
+      ``_inbound_limiter`` token while it runs) first asks the admission for a ticket for the
+      socket's remote IP (none: the socket is closed at once, before py-libp2p sees it), then
+      runs with the ticket recorded under its task, and releases the ticket when it returns,
+      whichever way it returns (handshake failed or timed out, connection refused or closed);
+    * ``upgrade_inbound_raw_conn``, when that task calls it, counts the upgraded connection as
+      established (over an established cap: closed), checks the per-peer limit on it, then
+      waits until the connection closes and raises :class:`_InboundConnectionClosed`.
+      ``_do_handle_inbound_connection`` logs that at DEBUG and returns, so the handler never
+      reaches its wait-for-swarm-stop barrier: the token, the ticket and the task are released
+      when the connection closes. A swarm that stops cancels the wait.
 
     Other callers of ``upgrade_inbound_raw_conn`` (hole punching's ``dial_addr_as_responder``,
     run from other tasks) are passed through unchanged.
     """
 
-    def __init__(self, swarm: Swarm, max_connections_per_peer: int) -> None:
+    def __init__(
+        self, swarm: Swarm, max_connections_per_peer: int, inbound: InboundLimits | None = None
+    ) -> None:
         self._swarm = swarm
         self._max_per_peer = max_connections_per_peer
-        self._handler_tasks: set[trio.lowlevel.Task] = set()
+        self.admission = InboundAdmission(inbound if inbound is not None else InboundLimits())
+        self._tickets: dict[trio.lowlevel.Task, Ticket] = {}
         # peer ID -> (last INFO line at, inbound connections closed since); oldest first.
         self._over_limit: OrderedDict[ID, tuple[float, int]] = OrderedDict()
+        self._refused_since_report = 0
+        self._refused_reported_at = -math.inf
 
     def install(self) -> None:
         swarm = self._swarm
         handle: Callable[..., Awaitable[None]] = swarm._handle_inbound_connection
         upgrade: Callable[..., Awaitable[IMuxedConn]] = swarm.upgrade_inbound_raw_conn
+        swarm._ps_inbound_guard = self  # type: ignore[attr-defined]  # for tests and metrics
 
-        async def handle_inbound_connection(*args: object, **kwargs: object) -> None:
+        async def handle_inbound_connection(read_write_closer: Any, *args: Any, **kwargs: Any) -> None:
+            ticket = self.admission.admit(_remote_ip(read_write_closer))
+            if isinstance(ticket, str):
+                self._log_refused(ticket)
+                with trio.CancelScope(shield=True):
+                    try:
+                        await read_write_closer.close()
+                    except Exception as exc:
+                        log.debug("closing a refused inbound socket: %r", exc)
+                return
             task = trio.lowlevel.current_task()
-            self._handler_tasks.add(task)
+            self._tickets[task] = ticket
             try:
-                await handle(*args, **kwargs)
+                await handle(read_write_closer, *args, **kwargs)
             finally:
-                self._handler_tasks.discard(task)
+                self._tickets.pop(task, None)
+                self.admission.release(ticket)
 
         async def upgrade_inbound_raw_conn(*args: object, **kwargs: object) -> IMuxedConn:
             muxed_conn = await upgrade(*args, **kwargs)
-            if trio.lowlevel.current_task() not in self._handler_tasks:
+            ticket = self._tickets.get(trio.lowlevel.current_task())
+            if ticket is None:
                 return muxed_conn
-            if self._over_peer_limit(muxed_conn):
+            refused = self.admission.establish(ticket)
+            if refused is not None:
+                self._log_refused(refused)
+                await _close_connection(swarm, muxed_conn)
+            elif self._over_peer_limit(muxed_conn):
                 self._log_over_limit(muxed_conn.peer_id)
                 await _close_connection(swarm, muxed_conn)
             closed = getattr(muxed_conn, "event_closed", None)  # a trio.Event on Yamux
@@ -380,6 +555,21 @@ class _InboundConnectionGuard:
 
         swarm._handle_inbound_connection = handle_inbound_connection  # type: ignore[method-assign]
         swarm.upgrade_inbound_raw_conn = upgrade_inbound_raw_conn  # type: ignore[method-assign]
+
+    def _log_refused(self, reason: str) -> None:
+        """WARNING at most once per ``_OVER_LIMIT_LOG_INTERVAL``; the rest are counted."""
+        self._refused_since_report += 1
+        now = trio.current_time()
+        if now - self._refused_reported_at < _OVER_LIMIT_LOG_INTERVAL:
+            return
+        log.warning(
+            "refusing inbound connections over the per-address limits: %s (%d refused since"
+            " the last report)",
+            reason,
+            self._refused_since_report - 1,
+        )
+        self._refused_reported_at = now
+        self._refused_since_report = 0
 
     def _over_peer_limit(self, muxed_conn: IMuxedConn) -> bool:
         """Whether ``max_connections_per_peer`` open connections of the peer are older.
@@ -413,6 +603,17 @@ class _InboundConnectionGuard:
         self._over_limit[peer_id] = (now, 0)
         while len(self._over_limit) > _OVER_LIMIT_LOG_PEERS:
             self._over_limit.popitem(last=False)  # the peer reported longest ago
+
+
+def _remote_ip(read_write_closer: Any) -> str | None:
+    """The remote IP of an accepted socket (py-libp2p's ``TrioTCPStream``), None if unknown."""
+    try:
+        remote = read_write_closer.get_remote_address()
+    except Exception:
+        return None
+    if not remote:
+        return None
+    return str(remote[0])
 
 
 async def _close_connection(swarm: Swarm, muxed_conn: IMuxedConn) -> None:

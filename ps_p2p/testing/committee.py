@@ -29,7 +29,12 @@ from ps_p2p.consensus.validator import Committed, RelayTx, SendMessage, Validato
 from ps_p2p.errors import InvalidTransactionError
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.consensus import WIRE, ConsensusService, ConsensusServiceConfig
+from ps_p2p.protocols.admission import LOOPBACK, InboundLimits
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
+
+#: Connection limits of the members: every member is on 127.0.0.1, so per-address caps would
+#: group them all (a committee of 31 dials one member 30 times at once).
+LOOPBACK_EXEMPT = InboundLimits(exempt=LOOPBACK)
 
 #: Small timeouts for loopback committees.
 FAST_CONSENSUS = ConsensusConfig(
@@ -155,7 +160,8 @@ class LocalCommittee:
         store = ConsensusStore(m.store_path)
         try:
             with trio.CancelScope() as m.scope:
-                async with open_host(m.identity, ["/ip4/127.0.0.1/tcp/0"]) as host:
+                async with open_host(m.identity, ["/ip4/127.0.0.1/tcp/0"],
+                                     inbound=LOOPBACK_EXEMPT) as host:
                     m.host = host
                     up.set()
                     await go.wait()

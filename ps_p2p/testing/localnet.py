@@ -33,6 +33,7 @@ from ps_p2p.engines.base import Engine
 from ps_p2p.genesis import genesis_json
 from ps_p2p.keys import Identity, NodeKeys, membership_to_json
 from ps_p2p.node import Node
+from ps_p2p.protocols.admission import LOOPBACK, InboundLimits
 from ps_p2p.roles.user import UserConfig
 from ps_p2p.testing.fakes import InstantEngine
 from ps_p2p.verification.ledger import VerificationParams
@@ -226,6 +227,8 @@ async def _open_localnet(
             register_interval=min(2.0, record_lifetime / 3),
             record_lifetime=record_lifetime,
             metrics="127.0.0.1:0" if metrics else None,
+            # every node on 127.0.0.1: per-address connection caps would group them all
+            connections=InboundLimits(exempt=LOOPBACK),
         )
         if committee < 1:
             raise ValueError("a localnet needs a committee of at least one verifier")

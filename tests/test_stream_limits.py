@@ -1,0 +1,126 @@
+"""Inbound streams our handlers serve are bounded per peer, per address and in all, and one that
+never sends a byte is reset (ps_p2p.protocols.handlers; issue 16: 195 silent streams held for
+ever)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamEOF
+
+from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.keys import Identity
+from ps_p2p.protocols import handlers as handlers_module
+from ps_p2p.protocols.framing import encode_frame, read_frame
+from ps_p2p.protocols.handlers import StreamBudget, serve_handlers
+from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
+
+PROTOCOL = "/planetserve/test-echo/1.0.0"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 15.0) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+class _Echo:
+    """A handler that reads frames until EOF and echoes them; records how each stream ended."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.endings: list[str] = []
+
+    async def __call__(self, stream) -> None:
+        self.started += 1
+        try:
+            while True:
+                frame = await read_frame(stream, 1024)
+                await stream.write(encode_frame(frame))
+        except StreamEOF:
+            self.endings.append("eof")
+        except RemoteProtocolError as exc:
+            self.endings.append(str(exc))
+            await stream.reset()
+
+
+async def test_a_stream_that_never_sends_a_byte_is_reset_and_gives_its_place_back(monkeypatch):
+    monkeypatch.setattr(handlers_module, "FIRST_BYTE_TIMEOUT", 0.3)
+    echo = _Echo()
+    async with open_host(Identity.generate(), LOOPBACK) as server, \
+            open_host(Identity.generate(), LOOPBACK) as client, trio.open_nursery() as nursery:
+        await nursery.start(serve_handlers, server, {PROTOCOL: echo})
+        await connect(client, listen_multiaddrs(server)[0])
+        budget = StreamBudget.of(server)
+
+        silent = await client.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
+        talking = await client.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
+        await talking.write(encode_frame(b"hello"))
+        assert await read_frame(talking, 1024) == b"hello"
+        await _until(lambda: echo.endings != [])
+
+        assert echo.endings == ["no data 0.3 s after the stream was opened"]
+        await _until(lambda: budget.open == 1)  # the talking one: quiet between frames is fine
+        await talking.close()
+        await _until(lambda: budget.open == 0)
+        del silent
+        nursery.cancel_scope.cancel()
+
+
+async def test_streams_over_the_per_peer_bound_are_reset_before_their_handler_runs():
+    echo = _Echo()
+    async with open_host(Identity.generate(), LOOPBACK) as server, \
+            open_host(Identity.generate(), LOOPBACK) as client, \
+            open_host(Identity.generate(), LOOPBACK) as other, trio.open_nursery() as nursery:
+        await nursery.start(serve_handlers, server, {PROTOCOL: echo})
+        budget = StreamBudget.of(server)
+        budget.per_peer = 2
+        (addr,) = listen_multiaddrs(server)
+        await connect(client, addr)
+        await connect(other, addr)
+
+        streams = []
+        for _ in range(2):
+            stream = await client.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
+            await stream.write(encode_frame(b"x"))
+            streams.append(stream)
+        await _until(lambda: echo.started == 2 and budget.open == 2)
+        with trio.fail_after(10):
+            try:  # the server resets it, during or after the protocol negotiation
+                third = await client.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
+                await third.write(encode_frame(b"x"))
+                answer = await third.read(1024)
+            except Exception:
+                answer = b""
+        assert answer == b""
+        assert echo.started == 2
+
+        # another peer still gets served; closing one of the first two gives a place back
+        stream = await other.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
+        await stream.write(encode_frame(b"y"))
+        assert await read_frame(stream, 1024) == b"y"
+        await streams[0].close()
+        await _until(lambda: budget.open == 2)
+        again = await client.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
+        await again.write(encode_frame(b"z"))
+        assert await read_frame(again, 1024) == b"z"
+        nursery.cancel_scope.cancel()
+
+
+def test_the_budget_refuses_over_each_bound_and_forgets_what_ended():
+    budget = StreamBudget(per_peer=2, per_address=3, total=4)
+    assert budget.take(b"a", "10.0.0.1") is None
+    assert budget.take(b"a", "10.0.0.1") is None
+    assert budget.take(b"a", "10.0.0.1") == "2 inbound streams open from this peer"
+    assert budget.take(b"b", "10.0.0.1") is None
+    assert budget.take(b"c", "10.0.0.1") == "3 inbound streams open from 10.0.0.1"
+    assert budget.take(b"c", "10.0.0.2") is None
+    assert budget.take(b"d", "10.0.0.3") == "4 inbound streams open in all"
+
+    for peer, address in [(b"a", "10.0.0.1"), (b"a", "10.0.0.1"), (b"b", "10.0.0.1"),
+                          (b"c", "10.0.0.2")]:
+        budget.give_back(peer, address)
+    assert budget.open == 0 and budget._peers == {} and budget._addresses == {}
