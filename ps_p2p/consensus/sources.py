@@ -35,9 +35,9 @@ bound; forgetting needs that many other real networks).
 from __future__ import annotations
 
 import collections
-import ipaddress
 
 from ps_p2p.errors import AdmissionError, LocalProtocolError
+from ps_p2p.networks import network_key, parse_ip
 
 #: Network key of a connection without an IP address.
 OTHER_NETWORK = "other"
@@ -76,19 +76,12 @@ class NewIdentityLimiter:
         """The source network of a connection's remote IP (``"ip4:a.b.c.0/24"``,
         ``"ip6:2001:db8::/48"``); None for loopback (exempt); :data:`OTHER_NETWORK` when
         ``host`` is None or not an IP address."""
-        if host is None:
+        ip = parse_ip(host)
+        if ip is None:
             return OTHER_NETWORK
-        try:
-            ip = ipaddress.ip_address(host.split("%", 1)[0])
-        except ValueError:
-            return OTHER_NETWORK
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
         if ip.is_loopback:
             return None
-        if isinstance(ip, ipaddress.IPv4Address):
-            return f"ip4:{ipaddress.IPv4Network(f'{ip}/{self.ipv4_prefix_bits}', strict=False)}"
-        return f"ip6:{ipaddress.IPv6Network(f'{ip}/{self.ipv6_prefix_bits}', strict=False)}"
+        return network_key(ip, self.ipv4_prefix_bits, self.ipv6_prefix_bits)
 
     def tokens(self, network: str, now: float) -> float:
         """Tokens ``network`` holds at ``now`` (seconds, monotonic)."""
