@@ -16,14 +16,24 @@ The core is sans-I/O: times are ``now`` in seconds (any monotonic clock, trio's 
 services) and it never reads a clock. Memory: at most ``max_peers`` peers' buckets; the one
 used least recently (with nothing in flight) is forgotten first, which forgives its debt, so
 a sybil set larger than ``max_peers`` is held only by the total bucket.
+
+This module holds the project's one token bucket (:class:`TokenBucket`) and its one bounded
+table of buckets by key (:class:`TokenBuckets`); the other budgets are built on them:
+:class:`ps_p2p.gossip.budget.PeerBudget` and :class:`~ps_p2p.gossip.budget.PublisherBudget`
+(HR-tree snapshots and gossip; refused charges cost nothing there) and
+:class:`ps_p2p.consensus.sources.NewIdentityLimiter` (new identities per source network).
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-__all__ = ["PeerBudgets", "TokenBucket"]
+__all__ = ["PeerBudgets", "TokenBucket", "TokenBuckets"]
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
@@ -71,6 +81,64 @@ class TokenBucket:
         return 0.0 if tokens >= 0 else -tokens / self.rate
 
 
+class TokenBuckets(Generic[K]):
+    """One :class:`TokenBucket` per key, at most ``max_keys`` of them (a pure memory bound).
+
+    A key's bucket is made full (``burst``) when :meth:`get` first asks for it. Past
+    ``max_keys``, the key used least recently by :meth:`get` is forgotten first (it starts full
+    again: whoever uses this table also needs a total bound), except keys ``pinned`` says to
+    keep (e.g. a peer with a request in flight) and the key just asked for. Costs O(1) per
+    :meth:`get` plus the pinned keys passed over.
+
+    Args:
+        rate, burst: each key's bucket (units a second, units; > 0).
+        max_keys: buckets kept (>= 1).
+        pinned: ``pinned(key)`` is true for a key that must not be forgotten now (default none).
+
+    Raises:
+        ValueError: ``max_keys`` below 1, or ``rate`` or ``burst`` not above 0.
+    """
+
+    def __init__(self, rate: float, burst: float, max_keys: int, *,
+                 pinned: Callable[[K], bool] | None = None) -> None:
+        if max_keys < 1:
+            raise ValueError(f"a table of token buckets needs max_keys >= 1, not {max_keys}")
+        TokenBucket(rate, burst)  # checks them
+        self.rate, self.burst, self.max_keys = rate, burst, max_keys
+        self._pinned = pinned
+        self._buckets: collections.OrderedDict[K, TokenBucket] = collections.OrderedDict()
+
+    def get(self, key: K, now: float) -> TokenBucket:
+        """``key``'s bucket (made full at ``now`` if absent), now the most recently used."""
+        bucket = self._buckets.get(key)
+        if bucket is not None:
+            self._buckets.move_to_end(key)
+            return bucket
+        bucket = self._buckets[key] = TokenBucket(self.rate, self.burst, at=now)
+        excess = len(self._buckets) - self.max_keys
+        if excess > 0:
+            victims = []
+            for other in self._buckets:
+                if len(victims) >= excess:
+                    break
+                if other != key and not (self._pinned is not None and self._pinned(other)):
+                    victims.append(other)
+            for other in victims:
+                del self._buckets[other]
+        return bucket
+
+    def peek(self, key: K) -> TokenBucket | None:
+        """``key``'s bucket if kept; makes nothing and leaves the order of use as it is."""
+        return self._buckets.get(key)
+
+    def __len__(self) -> int:
+        """Buckets kept."""
+        return len(self._buckets)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._buckets
+
+
 class PeerBudgets:
     """Per-peer and total token buckets with in-flight caps (module docstring).
 
@@ -92,14 +160,14 @@ class PeerBudgets:
                  max_peers: int = 4096) -> None:
         if min(max_inflight_per_peer, max_inflight, max_peers) < 1:
             raise ValueError("in-flight and peer bounds must be >= 1")
-        TokenBucket(rate, burst)  # checks them
         self.rate, self.burst = rate, burst
         self.max_inflight_per_peer = max_inflight_per_peer
         self.max_inflight = max_inflight
         self.max_peers = max_peers
         self.total = TokenBucket(total_rate, total_burst)
-        self._peers: collections.OrderedDict[bytes, TokenBucket] = collections.OrderedDict()
         self._inflight: collections.Counter[bytes] = collections.Counter()
+        self._peers: TokenBuckets[bytes] = TokenBuckets(
+            rate, burst, max_peers, pinned=lambda peer: self._inflight.get(peer, 0) > 0)
         self.inflight = 0
         self.admitted = 0
         self.refused = 0
@@ -118,7 +186,7 @@ class PeerBudgets:
         if self.inflight >= self.max_inflight:
             return self._refuse(f"{self.max_inflight} requests already being answered: "
                                 "retry in a moment")
-        wait = self._bucket(peer, now).wait(now)
+        wait = self._peers.get(peer, now).wait(now)
         if wait > 0:
             return self._refuse(f"over this peer's rate: retry in {wait:.1f} s")
         wait = self.total.wait(now)
@@ -131,7 +199,7 @@ class PeerBudgets:
 
     def charge(self, peer: bytes, amount: float, now: float) -> None:
         """``peer`` cost ``amount`` units at ``now`` (both buckets; debt allowed)."""
-        self._bucket(peer, now).charge(amount, now)
+        self._peers.get(peer, now).charge(amount, now)
         self.total.charge(amount, now)
 
     def release(self, peer: bytes) -> None:
@@ -146,16 +214,3 @@ class PeerBudgets:
         self.refused += 1
         return reason
 
-    def _bucket(self, peer: bytes, now: float) -> TokenBucket:
-        bucket = self._peers.get(peer)
-        if bucket is not None:
-            self._peers.move_to_end(peer)
-            return bucket
-        bucket = self._peers[peer] = TokenBucket(self.rate, self.burst, at=now, tokens=self.burst)
-        if len(self._peers) > self.max_peers:
-            for other in list(self._peers):
-                if len(self._peers) <= self.max_peers:
-                    break
-                if other != peer and not self._inflight[other]:
-                    del self._peers[other]
-        return bucket

@@ -21,10 +21,10 @@ def _admit(core: InboundAdmission, ip: str) -> Ticket:
 
 
 @pytest.mark.parametrize("ip, keys", [
-    ("203.0.113.7", ("203.0.113.7", "203.0.113.0/24")),
-    ("::ffff:203.0.113.7", ("203.0.113.7", "203.0.113.0/24")),  # IPv4-mapped: as IPv4
-    ("2001:db8:1:2:3:4:5:6", ("2001:db8:1:2::/64", "2001:db8:1::/48")),
-    ("fe80::1%eth0", ("fe80::/64", "fe80::/48")),
+    ("203.0.113.7", ("203.0.113.7", "ip4:203.0.113.0/24")),
+    ("::ffff:203.0.113.7", ("203.0.113.7", "ip4:203.0.113.0/24")),  # IPv4-mapped: as IPv4
+    ("2001:db8:1:2:3:4:5:6", ("2001:db8:1:2::/64", "ip6:2001:db8:1::/48")),
+    ("fe80::1%eth0", ("fe80::/64", "ip6:fe80::/48")),
     ("not an ip", None),
     (None, None),
 ])
@@ -48,7 +48,7 @@ def test_handshakes_over_the_per_network_cap_are_refused_from_every_ip_of_the_ne
     for ip in ("198.51.100.1", "198.51.100.2", "198.51.100.3"):
         _admit(core, ip)
 
-    assert core.admit("198.51.100.4") == "3 handshakes in progress from 198.51.100.0/24"
+    assert core.admit("198.51.100.4") == "3 handshakes in progress from ip4:198.51.100.0/24"
     _admit(core, "198.51.101.4")  # another /24
 
 
@@ -78,7 +78,7 @@ def test_open_connections_over_the_per_network_cap_are_refused():
         assert core.establish(_admit(core, ip)) is None
 
     assert core.establish(_admit(core, "198.51.100.3")) == (
-        "3 connections open from 198.51.100.0/24"
+        "3 connections open from ip4:198.51.100.0/24"
     )
 
 

@@ -334,6 +334,8 @@ async def test_yamux_returns_receive_window_once_per_half_window_not_per_read(mo
 @pytest.mark.parametrize("remote, expected", [
     (("203.0.113.7", 4001), "ip4:203.0.113.0/24"),
     (("2001:db8:1:2::5", 4001), "ip6:2001:db8:1::/48"),
+    (("::ffff:203.0.113.7", 4001), "ip4:203.0.113.0/24"),  # dual-stack listener: its own /24
+    (("::ffff:127.0.0.1", 4001), None),
     (("127.0.0.1", 4001), None),  # loopback: every devnet node shares it, so not counted
     (None, None),
 ])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ps_p2p.rate_limits import PeerBudgets, TokenBucket
+from ps_p2p.rate_limits import PeerBudgets, TokenBucket, TokenBuckets
 
 A, B = b"peer A", b"peer B"
 
@@ -67,3 +67,31 @@ def test_at_most_max_peers_buckets_are_kept_and_one_in_flight_is_never_forgotten
     b.charge(A, 5000.0, 0.0)
     b.release(A)
     assert "this peer's rate" in b.admit(A, 0.0)
+
+
+def test_a_table_of_buckets_makes_a_key_s_bucket_full_and_forgets_the_least_recently_used():
+    table: TokenBuckets[str] = TokenBuckets(rate=1.0, burst=4.0, max_keys=2)
+    table.get("a", 0.0).charge(4.0, 0.0)
+    table.get("b", 0.0)
+    table.get("a", 1.0)  # "a" used again: "b" is now the least recently used
+    assert table.peek("c") is None and len(table) == 2  # peek makes nothing
+    table.get("c", 1.0)
+    assert "b" not in table and "a" in table and "c" in table
+    assert table.get("a", 2.0).refill(2.0) == 2.0  # "a" kept its debt: 0 + 2 s at 1/s
+    assert table.get("b", 2.0).refill(2.0) == 4.0  # a forgotten key starts full again
+
+
+def test_a_table_of_buckets_never_forgets_a_pinned_key():
+    held = {"a"}
+    table: TokenBuckets[str] = TokenBuckets(rate=1.0, burst=4.0, max_keys=1,
+                                            pinned=lambda key: key in held)
+    table.get("a", 0.0)
+    table.get("b", 0.0)
+    assert "a" in table and "b" in table  # over max_keys while "a" is pinned
+    table.get("c", 0.0)
+    assert "a" in table and "b" not in table and "c" in table
+
+
+def test_a_table_of_buckets_refuses_a_bound_below_one():
+    with pytest.raises(ValueError):
+        TokenBuckets(rate=1.0, burst=4.0, max_keys=0)

@@ -147,6 +147,7 @@ from ps_p2p.errors import (
     RemoteProtocolError,
     VerificationError,
 )
+from ps_p2p.networks import network_key
 from ps_p2p.records.canonical import record_signing_bytes
 from ps_p2p.records.limits import (
     MAX_ADDR_BYTES,
@@ -646,11 +647,10 @@ def source_networks(record: NodeRecord, policy: AdmissionPolicy) -> frozenset[st
             continue
         proto, value = parts[1], parts[2]
         if proto == "ip4":
-            net = ipaddress.IPv4Network(f"{value}/{policy.ipv4_prefix_bits}", strict=False)
-            out.add(f"ip4:{net}")
-        elif proto == "ip6":
-            net6 = ipaddress.IPv6Network(f"{value}/{policy.ipv6_prefix_bits}", strict=False)
-            out.add(f"ip6:{net6}")
+            out.add(network_key(ipaddress.IPv4Address(value), policy.ipv4_prefix_bits))
+        elif proto == "ip6":  # an IPv4-mapped address stays IPv6 here: these keys are committed
+            out.add(network_key(ipaddress.IPv6Address(value),
+                                ipv6_prefix_bits=policy.ipv6_prefix_bits))
         elif proto in ("dns", "dns4", "dns6", "dnsaddr"):
             labels = value.lower().rstrip(".").split(".")
             out.add("dns:" + ".".join(labels[-2:]))

@@ -9,7 +9,8 @@ address a registration *came from*: a node registers over its own libp2p connect
 IP completed a TCP and Noise handshake, so it cannot be claimed. This module rate-limits the
 registrations of peers the registry does not list (new identities) per *observed* source
 network, an IPv4 /24 or an IPv6 /48 (what one site usually holds): a token bucket of
-``burst`` tokens refilled at ``per_minute`` a minute. Renewals of listed peers and
+``burst`` tokens refilled at ``per_minute`` a minute (:class:`ps_p2p.rate_limits.TokenBuckets`;
+the network as :func:`ps_p2p.networks.network_key` names it). Renewals of listed peers and
 deregistrations are never limited here (they cost the adversary a listed identity, which this
 limit already paid for).
 
@@ -34,10 +35,9 @@ bound; forgetting needs that many other real networks).
 
 from __future__ import annotations
 
-import collections
-import ipaddress
-
 from ps_p2p.errors import AdmissionError, LocalProtocolError
+from ps_p2p.networks import network_key, parse_ip
+from ps_p2p.rate_limits import TokenBuckets
 
 #: Network key of a connection without an IP address.
 OTHER_NETWORK = "other"
@@ -67,36 +67,25 @@ class NewIdentityLimiter:
         self.max_networks = max_networks
         self.ipv4_prefix_bits = ipv4_prefix_bits
         self.ipv6_prefix_bits = ipv6_prefix_bits
-        # network -> (tokens, time they were counted); least recently charged first
-        self._buckets: collections.OrderedDict[str, tuple[float, float]] = \
-            collections.OrderedDict()
+        # least recently charged first; a network is added by its first charge only
+        self._buckets: TokenBuckets[str] = TokenBuckets(self.per_second, float(burst), max_networks)
         self.refused = 0
 
     def network_of(self, host: str | None) -> str | None:
         """The source network of a connection's remote IP (``"ip4:a.b.c.0/24"``,
         ``"ip6:2001:db8::/48"``); None for loopback (exempt); :data:`OTHER_NETWORK` when
         ``host`` is None or not an IP address."""
-        if host is None:
+        ip = parse_ip(host)
+        if ip is None:
             return OTHER_NETWORK
-        try:
-            ip = ipaddress.ip_address(host.split("%", 1)[0])
-        except ValueError:
-            return OTHER_NETWORK
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
         if ip.is_loopback:
             return None
-        if isinstance(ip, ipaddress.IPv4Address):
-            return f"ip4:{ipaddress.IPv4Network(f'{ip}/{self.ipv4_prefix_bits}', strict=False)}"
-        return f"ip6:{ipaddress.IPv6Network(f'{ip}/{self.ipv6_prefix_bits}', strict=False)}"
+        return network_key(ip, self.ipv4_prefix_bits, self.ipv6_prefix_bits)
 
     def tokens(self, network: str, now: float) -> float:
         """Tokens ``network`` holds at ``now`` (seconds, monotonic)."""
-        held = self._buckets.get(network)
-        if held is None:
-            return float(self.burst)
-        tokens, since = held
-        return min(float(self.burst), tokens + max(0.0, now - since) * self.per_second)
+        bucket = self._buckets.peek(network)
+        return float(self.burst) if bucket is None else bucket.refill(now)
 
     def check(self, network: str | None, now: float) -> None:
         """Refuse a new identity from ``network`` (:meth:`network_of`) at ``now`` when its
@@ -121,11 +110,7 @@ class NewIdentityLimiter:
         taken); None (loopback) costs nothing."""
         if network is None:
             return
-        tokens = self.tokens(network, now) - 1.0
-        self._buckets[network] = (tokens, now)
-        self._buckets.move_to_end(network)
-        while len(self._buckets) > self.max_networks:
-            self._buckets.popitem(last=False)
+        self._buckets.get(network, now).charge(1.0, now)
 
     def __len__(self) -> int:
         return len(self._buckets)

@@ -4,7 +4,7 @@ Issue 16 (HR-tree sync and gossip cost): a snapshot answer cost 49 ms of CPU at 
 every member could ask once a second; a large delta cost every member several ms, with no limit
 per publisher. The services charge these buckets before doing the work:
 
-* :class:`PeerBudget`: one :class:`TokenBucket` per peer plus one for all peers together (the
+* :class:`PeerBudget`: one token bucket per peer plus one for all peers together (the
   snapshot requests a node answers, ``ps_p2p.protocols.hrtree_gossip.SnapshotServer``);
 * :class:`PublisherBudget`: per publisher *and* in total, one bucket of messages and one of bytes
   (the gossip a node takes from the group's topic, ``hrtree_gossip.GossipAdmission``).
@@ -16,16 +16,18 @@ forgotten (it starts again with a full bucket, which the total bucket bounds). V
 reasons: :data:`SNAPSHOT_PER_PEER`, :data:`SNAPSHOT_TOTAL`, :data:`GOSSIP_MESSAGES_PER_PUBLISHER`,
 :data:`GOSSIP_BYTES_PER_PUBLISHER`, :data:`GOSSIP_MESSAGES_TOTAL`, :data:`GOSSIP_BYTES_TOTAL`.
 
-This module is a pure core: the caller passes ``now`` (seconds, monotonic); no trio, libp2p,
+The buckets are :class:`ps_p2p.rate_limits.TokenBucket` and
+:class:`~ps_p2p.rate_limits.TokenBuckets` (the project's one implementation). This module is a
+pure core: the caller passes ``now`` (seconds, monotonic); no trio, libp2p,
 clock or randomness.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from ps_p2p.errors import ConfigError
+from ps_p2p.rate_limits import TokenBucket, TokenBuckets
 
 __all__ = [
     "GOSSIP_BYTES_PER_PUBLISHER",
@@ -37,7 +39,6 @@ __all__ = [
     "PeerBudget",
     "PublisherBudget",
     "Rate",
-    "TokenBucket",
 ]
 
 
@@ -84,56 +85,12 @@ DEFAULT_MAX_PEERS = 4096
 """Peers whose buckets are remembered (the least recently charged is forgotten beyond)."""
 
 
-class TokenBucket:
-    """``rate.burst`` tokens, refilled at ``rate.per_second``; starts full.
-
-    Args:
-        rate: the budget.
-        now: seconds (monotonic) at creation.
-    """
-
-    __slots__ = ("_rate", "_tokens", "_at")
-
-    def __init__(self, rate: Rate, now: float) -> None:
-        self._rate = rate
-        self._tokens = float(rate.burst)
-        self._at = now
-
-    def available(self, now: float) -> float:
-        """Tokens there at ``now`` (time never runs backwards for a bucket)."""
-        if now > self._at:
-            self._tokens = min(self._rate.burst,
-                               self._tokens + (now - self._at) * self._rate.per_second)
-            self._at = now
-        return self._tokens
-
-    def take(self, amount: float) -> None:
-        """Debit ``amount`` (the caller checked :meth:`available`)."""
-        self._tokens -= amount
-
-
-class _Buckets:
-    """One bucket per key, at most ``max_keys`` (least recently charged forgotten first)."""
-
-    def __init__(self, rate: Rate, max_keys: int) -> None:
-        if max_keys < 1:
-            raise ConfigError("max_peers must be >= 1")
-        self.rate = rate
-        self.max_keys = max_keys
-        self._buckets: OrderedDict[bytes, TokenBucket] = OrderedDict()
-
-    def get(self, key: bytes, now: float) -> TokenBucket:
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = TokenBucket(self.rate, now)
-            if len(self._buckets) > self.max_keys:
-                self._buckets.popitem(last=False)
-        else:
-            self._buckets.move_to_end(key)
-        return bucket
-
-    def __len__(self) -> int:
-        return len(self._buckets)
+def _table(rate: Rate, max_keys: int) -> TokenBuckets[bytes]:
+    """One bucket of ``rate`` per key, at most ``max_keys`` (least recently charged forgotten
+    first)."""
+    if max_keys < 1:
+        raise ConfigError("max_peers must be >= 1")
+    return TokenBuckets(rate.per_second, rate.burst, max_keys)
 
 
 class PeerBudget:
@@ -150,22 +107,19 @@ class PeerBudget:
 
     def __init__(self, per_peer: Rate = SNAPSHOT_PER_PEER, total: Rate = SNAPSHOT_TOTAL, *,
                  max_peers: int = DEFAULT_MAX_PEERS) -> None:
-        self._peers = _Buckets(per_peer, max_peers)
-        self._total_rate = total
-        self._total: TokenBucket | None = None  # full at the first request
+        self._peers = _table(per_peer, max_peers)
+        self._total = TokenBucket(total.per_second, total.burst)  # full at the first request
         self.refused = 0
 
     def admit(self, peer: bytes, now: float) -> bool:
         """Charge one request of ``peer`` at ``now``; False (nothing charged) when either the
         peer's or the total budget is spent."""
-        if self._total is None:
-            self._total = TokenBucket(self._total_rate, now)
         mine = self._peers.get(peer, now)
-        if mine.available(now) < 1 or self._total.available(now) < 1:
+        if mine.refill(now) < 1 or self._total.refill(now) < 1:
             self.refused += 1
             return False
-        mine.take(1)
-        self._total.take(1)
+        mine.charge(1, now)
+        self._total.charge(1, now)
         return True
 
 
@@ -186,10 +140,11 @@ class PublisherBudget:
                  total_messages: Rate = GOSSIP_MESSAGES_TOTAL,
                  total_data: Rate = GOSSIP_BYTES_TOTAL, *,
                  max_peers: int = DEFAULT_MAX_PEERS) -> None:
-        self._messages = _Buckets(messages, max_peers)
-        self._data = _Buckets(data, max_peers)
-        self._total_rates = (total_messages, total_data)
-        self._totals: tuple[TokenBucket, TokenBucket] | None = None
+        self._messages = _table(messages, max_peers)
+        self._data = _table(data, max_peers)
+        # full at the first message
+        self._totals = (TokenBucket(total_messages.per_second, total_messages.burst),
+                        TokenBucket(total_data.per_second, total_data.burst))
         self.max_peers = max_peers
         self.refused: dict[bytes, int] = {}
 
@@ -197,19 +152,16 @@ class PublisherBudget:
         """Charge one message of ``size`` bytes from ``publisher`` at ``now``; False (nothing
         charged, the refusal counted) when one of the four budgets cannot cover it. A message
         larger than a bytes burst is always refused."""
-        if self._totals is None:
-            self._totals = (TokenBucket(self._total_rates[0], now),
-                            TokenBucket(self._total_rates[1], now))
         total_messages, total_data = self._totals
         messages = self._messages.get(publisher, now)
         data = self._data.get(publisher, now)
-        if (messages.available(now) < 1 or data.available(now) < size
-                or total_messages.available(now) < 1 or total_data.available(now) < size):
+        if (messages.refill(now) < 1 or data.refill(now) < size
+                or total_messages.refill(now) < 1 or total_data.refill(now) < size):
             if publisher in self.refused or len(self.refused) < self.max_peers:
                 self.refused[publisher] = self.refused.get(publisher, 0) + 1
             return False
-        messages.take(1)
-        data.take(size)
-        total_messages.take(1)
-        total_data.take(size)
+        messages.charge(1, now)
+        data.charge(size, now)
+        total_messages.charge(1, now)
+        total_data.charge(size, now)
         return True

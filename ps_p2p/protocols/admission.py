@@ -29,6 +29,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from ps_p2p.errors import ConfigError
+from ps_p2p.networks import host_key, network_key, parse_ip
 
 #: Loopback networks, for :attr:`InboundLimits.exempt` on a localnet/devnet (all on 127.0.0.1).
 LOOPBACK: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
@@ -98,22 +99,15 @@ def _parse_networks(
 def address_keys(ip: str | None) -> tuple[str, str] | None:
     """(IP key, network key) that ``ip`` is counted under; None for an unparsable address.
 
-    IPv4 (and IPv4-mapped IPv6): the address and its /24; IPv6: its /64 and /48.
+    IPv4 (and IPv4-mapped IPv6): the address and its /24 (``"203.0.113.7"``,
+    ``"ip4:203.0.113.0/24"``); IPv6: its /64 and its /48 (``"2001:db8:1:2::/64"``,
+    ``"ip6:2001:db8:1::/48"``): :func:`ps_p2p.networks.host_key` and
+    :func:`~ps_p2p.networks.network_key`.
     """
-    if ip is None:
+    addr = parse_ip(ip)
+    if addr is None:
         return None
-    try:
-        addr = ipaddress.ip_address(ip.split("%", 1)[0])  # drop an IPv6 zone
-    except ValueError:
-        return None
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    if isinstance(addr, ipaddress.IPv4Address):
-        return str(addr), str(ipaddress.IPv4Network((int(addr) >> 8 << 8, 24)))
-    return (
-        str(ipaddress.IPv6Network((int(addr) >> 64 << 64, 64))),
-        str(ipaddress.IPv6Network((int(addr) >> 80 << 80, 48))),
-    )
+    return host_key(addr), network_key(addr)
 
 
 class Ticket:
@@ -151,14 +145,11 @@ class InboundAdmission:
         self._established_net: dict[str, int] = {}
 
     def _is_exempt(self, ip: str | None) -> bool:
-        if ip is None or not self._exempt:
+        if not self._exempt:
             return False
-        try:
-            addr = ipaddress.ip_address(ip.split("%", 1)[0])
-        except ValueError:
+        addr = parse_ip(ip)
+        if addr is None:
             return False
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
         return any(addr.version == net.version and addr in net for net in self._exempt)
 
     def admit(self, ip: str | None) -> Ticket | str:

@@ -72,7 +72,6 @@ and the same for pre-multiplexed (QUIC) connections. A regression test: more tha
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import math
 import os
@@ -103,6 +102,7 @@ from libp2p.transport.tcp import tcp as _tcp
 
 from ps_p2p.errors import AddressInUseError, ConfigError
 from ps_p2p.keys import Identity
+from ps_p2p.networks import network_key, parse_ip
 from ps_p2p.protocols.admission import InboundAdmission, InboundLimits, Ticket
 
 log = logging.getLogger(__name__)
@@ -709,22 +709,19 @@ def is_connected(host: IHost, peer: bytes) -> bool:
 
 def peer_network(host: IHost, peer: bytes) -> str | None:
     """The source network of ``host``'s connection to ``peer``: ``"ip4:a.b.c.0/24"`` or
-    ``"ip6:<prefix>/48"`` (the site one operator usually holds, as the committee's admission caps
-    count it), or None for loopback (every node of a devnet shares it), no connection, or an
-    address that is not IP. Costs one look-up of the peer's connections."""
+    ``"ip6:<prefix>/48"`` (:func:`ps_p2p.networks.network_key`: the site one operator usually
+    holds, as the committee's admission caps count it), or None for loopback (every node of a
+    devnet shares it), no connection, or an address that is not IP. Costs one look-up of the
+    peer's connections."""
     try:
         conns = host.get_network().get_connections(ID(peer))
         remote = conns[0].muxed_conn.get_remote_address() if conns else None  # type: ignore[attr-defined]
-        if remote is None:
-            return None
-        address = ipaddress.ip_address(remote[0])
     except Exception:  # a malformed peer ID, a transport without an IP address
         return None
-    if address.is_loopback:
+    ip = parse_ip(str(remote[0])) if remote else None
+    if ip is None or ip.is_loopback:
         return None
-    if address.version == 4:
-        return f"ip4:{ipaddress.ip_network(f'{address}/24', strict=False)}"
-    return f"ip6:{ipaddress.ip_network(f'{address}/48', strict=False)}"
+    return network_key(ip)
 
 
 def listen_multiaddrs(host: IHost) -> list[str]:
