@@ -142,6 +142,11 @@ async def running_pubsub(host: IHost) -> AsyncIterator[object]:
             log.info("pubsub stream from %s reset: %r",
                      peer_label(stream.muxed_conn.peer_id.to_bytes()), exc)
             await reset_quietly(stream)
+            return
+        # its read loop returns at the peer's end of the stream but leaves ours open: the
+        # connection would hold the stream as long as it lives (found by the fuzzer). Pubsub
+        # writes on streams it opens itself, never on this one: end it.
+        await reset_quietly(stream)
 
     for protocol in GOSSIPSUB_PROTOCOLS:
         host.remove_stream_handler(protocol)
