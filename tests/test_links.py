@@ -67,3 +67,45 @@ async def test_a_backed_off_peer_that_is_connected_gets_a_stream_without_waiting
             await received.wait()
             nursery.cancel_scope.cancel()
     assert links.stats.frames_backed_off == 1
+
+
+class _EndedStream:
+    """A peer's stream at its end (reads raise StreamEOF) whose close waits ``close_takes``
+    seconds (None: for ever), as behind a connection's stuck writes."""
+
+    def __init__(self, close_takes: float | None) -> None:
+        from types import SimpleNamespace
+
+        from libp2p.peer.id import ID
+
+        self.muxed_conn = SimpleNamespace(peer_id=ID(NodeKeys.generate().identity.peer_id))
+        self.close_takes = close_takes
+        self.closed = self.resets = 0
+
+    async def read(self, n: int) -> bytes:
+        from libp2p.network.stream.exceptions import StreamEOF
+
+        raise StreamEOF()
+
+    async def close(self) -> None:
+        if self.close_takes is None:
+            await trio.sleep_forever()
+        await trio.sleep(self.close_takes)
+        self.closed += 1
+
+    async def reset(self) -> None:
+        self.resets += 1
+
+
+async def test_a_frame_stream_whose_close_does_not_finish_is_reset_not_left_half_open(autojump_clock):
+    # py-libp2p's Yamux marks a stream whose close was cancelled as closed without sending the
+    # FIN: left so, the peer waits on it and both keep it for the connection's life (found by
+    # benchmarks/fuzz_protocols.py: S-IDA deliveries to a model node on a loaded machine)
+    from ps_p2p.protocols.links import make_frame_handler
+
+    stuck = _EndedStream(close_takes=None)
+    await make_frame_handler("/test/1.0.0", 1024, lambda peer, frame: None)(stuck)
+    assert (stuck.closed, stuck.resets) == (0, 1)
+    prompt = _EndedStream(close_takes=0.5)  # within the 1 s CLOSE_TIMEOUT
+    await make_frame_handler("/test/1.0.0", 1024, lambda peer, frame: None)(prompt)
+    assert (prompt.closed, prompt.resets) == (1, 0)

@@ -57,6 +57,9 @@ BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 30.0
 #: Peers whose back-off is remembered.
 MAX_BACKOFF_PEERS = 4096
+#: Seconds an inbound frame stream's handler waits for its close (the FIN) at the peer's end
+#: before it resets the stream instead: a close waits behind the connection's other writes.
+CLOSE_TIMEOUT = 1.0
 
 
 @dataclass
@@ -289,8 +292,15 @@ def make_frame_handler(
                 frame = await reader.read_frame()
                 on_frame(peer_bytes, frame)
         except StreamEOF:
-            with trio.move_on_after(1):
+            with trio.move_on_after(CLOSE_TIMEOUT) as scope:
                 await _quietly(stream.close)
+            if scope.cancelled_caught:
+                # py-libp2p's Yamux marks a stream whose close was cancelled as closed without
+                # sending the FIN: the peer would wait on it, and this node keep it, for the
+                # connection's life (found by the fuzzer). A reset ends it on both sides.
+                log.warning("%s: close of the stream from %s did not finish in %g s; resetting it",
+                            protocol_id, peer, CLOSE_TIMEOUT)
+                await _quietly(stream.reset)
         except trio.Cancelled:
             raise
         except RemoteProtocolError as exc:
