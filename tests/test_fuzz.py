@@ -114,7 +114,7 @@ async def test_an_input_the_node_never_finishes_with_is_a_hang(ends_it):
         assert report.summary_record()["hangs"] == 1
 
 
-@pytest.mark.slow  # 20-30 s on 2 cores: the localnet and its attacker nodes start up and ask twice
+@pytest.mark.slow  # 5-10 s on 2 cores: the localnet and its attacker nodes start up and ask twice
 async def test_two_thousand_fuzzed_frames_crash_nothing_and_every_user_is_still_answered():
     report = await run_fuzz(FuzzConfig(seed=7, inputs=2000, check_interval=0, liveness_timeout=60))
     text = "\n".join(iter_report_lines(report))

@@ -718,7 +718,9 @@ class _Watch:
     stream: INetStream
     target: _Target
     label: str
+    #: trio time the open began; seconds it took
     t0: float
+    open_seconds: float
     #: we closed our side (not reset): the node is expected to end its side
     closed: bool = False
     #: around the reads; its deadline is set once our writes are over
@@ -791,7 +793,7 @@ class FuzzStreams:
         if stream is None:
             self.slots.release()
             return
-        watch = _Watch(stream, target, f"{label}, then {ending}", t0)
+        watch = _Watch(stream, target, f"{label}, then {ending}", t0, trio.current_time() - t0)
         self.nursery.start_soon(self._watch, watch)
         try:
             with trio.move_on_after(self.config.hang_timeout) as scope:
@@ -839,7 +841,7 @@ class FuzzStreams:
             stats[2] = max(stats[2], seconds)
             if seconds > self.report.slowest_input_seconds:
                 self.report.slowest_input_seconds = seconds
-                self.report.slowest_input = watch.label
+                self.report.slowest_input = f"{watch.label} (the stream open took {watch.open_seconds:.2f} s)"
             with trio.move_on_after(self.config.hang_timeout):
                 try:
                     await watch.stream.reset()
