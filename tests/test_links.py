@@ -109,3 +109,40 @@ async def test_a_frame_stream_whose_close_does_not_finish_is_reset_not_left_half
     prompt = _EndedStream(close_takes=0.5)  # within the 1 s CLOSE_TIMEOUT
     await make_frame_handler("/test/1.0.0", 1024, lambda peer, frame: None)(prompt)
     assert (prompt.closed, prompt.resets) == (1, 0)
+
+
+async def test_a_frame_stream_closed_while_the_connection_is_busy_still_ends_for_the_peer():
+    """The same on py-libp2p's Yamux: the node's connection is busy writing (its write lock
+    held) for longer than the handler waits for its close; once it is free, the peer must see
+    the stream end (before the fix: never, and the node kept the stream)."""
+    from libp2p.custom_types import TProtocol
+    from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+
+    from ps_p2p.protocols.links import make_frame_handler
+
+    frames = []
+    got_frame = trio.Event()
+
+    def on_frame(peer: bytes, frame: bytes) -> None:
+        frames.append(frame)
+        got_frame.set()
+
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as node, \
+            open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as peer:
+        node.set_stream_handler(TProtocol("/test/1.0.0"),
+                                make_frame_handler("/test/1.0.0", 1024, on_frame))
+        await connect(peer, listen_multiaddrs(node)[0])
+        stream = await peer.new_stream(node.get_id(), [TProtocol("/test/1.0.0")])
+        await stream.write(b"\x01x")
+        await got_frame.wait()
+        conn = node.get_network().get_connections(peer.get_id())[0].muxed_conn
+        async with conn._write_lock:  # busy: the handler's close (the FIN) waits behind it
+            await stream.close()
+            await trio.sleep(2.0)  # longer than the handler's 1 s CLOSE_TIMEOUT
+        with trio.fail_after(30):  # only bounds a failure
+            try:
+                assert await stream.read(100) == b""
+            except (StreamEOF, StreamReset):
+                pass
+        assert frames == [b"x"]
+        assert len(conn.streams) == 0
