@@ -146,3 +146,36 @@ async def test_a_frame_stream_closed_while_the_connection_is_busy_still_ends_for
                 pass
         assert frames == [b"x"]
         assert len(conn.streams) == 0
+
+
+async def test_a_link_closed_while_the_connection_is_busy_still_ends_for_the_peer():
+    """The outbound side: a link finished (LinkManager.close) while our connection is busy
+    longer than the close may take; the peer's handler must see the stream end once the
+    connection is free (before the fix it waited on it for the connection's life)."""
+    from libp2p.custom_types import TProtocol
+
+    from ps_p2p.protocols.links import make_frame_handler
+
+    got_frame, handler_done = trio.Event(), trio.Event()
+    frame_handler = make_frame_handler("/test/1.0.0", 1024, lambda peer, frame: got_frame.set())
+
+    async def served(stream) -> None:
+        await frame_handler(stream)
+        handler_done.set()
+
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as peer_host:
+        peer_host.set_stream_handler(TProtocol("/test/1.0.0"), served)
+        await connect(host, listen_multiaddrs(peer_host)[0])
+        peer = peer_host.get_id().to_bytes()
+        async with trio.open_nursery() as nursery:
+            links = LinkManager(host, nursery, "/test/1.0.0")
+            assert links.send(peer, b"x")
+            await got_frame.wait()
+            conn = host.get_network().get_connections(peer_host.get_id())[0].muxed_conn
+            async with conn._write_lock:  # busy: the link's close (the FIN) waits behind it
+                links.close(peer)
+                await trio.sleep(2.0)  # longer than the 1 s CLOSE_TIMEOUT
+            with trio.fail_after(30):  # only bounds a failure
+                await handler_done.wait()
+            nursery.cancel_scope.cancel()

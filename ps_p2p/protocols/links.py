@@ -57,8 +57,9 @@ BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 30.0
 #: Peers whose back-off is remembered.
 MAX_BACKOFF_PEERS = 4096
-#: Seconds an inbound frame stream's handler waits for its close (the FIN) at the peer's end
-#: before it resets the stream instead: a close waits behind the connection's other writes.
+#: Seconds a stream's close (the FIN) may take, at the end of an outbound link or of an inbound
+#: frame stream, before the stream is reset instead: a close waits behind the connection's
+#: other writes, and py-libp2p's Yamux marks a cancelled close closed without sending the FIN.
 CLOSE_TIMEOUT = 1.0
 
 
@@ -240,11 +241,16 @@ class LinkManager:
                 del self._links[link.peer_id]
             self._wrote.set()
             if stream is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT) as closing:
                     try:
                         await stream.close()
                     except Exception:
                         pass
+                if closing.cancelled_caught:
+                    # the FIN may not have gone out (see make_frame_handler): the peer's handler
+                    # would wait on the stream for the connection's life. Reset it once the
+                    # connection can write, without holding this task.
+                    self._nursery.start_soon(_quietly, stream.reset)
         if reason != "closed":
             self.stats.links_failed += 1
             self.stats.failed_peers.pop(link.peer_id, None)
