@@ -593,7 +593,6 @@ class FuzzReport:
             lines.append("  " + tb.replace("\n", "\n  "))
         return "\n".join(lines)
 
-
     def summary_record(self) -> dict[str, object]:
         """The outcome in a few JSON-able fields (the ``FUZZ-SUMMARY`` line of the benchmark).
 
@@ -713,7 +712,7 @@ class _LogTap(logging.Handler):
 
 @dataclass
 class _Watch:
-    """One fuzz stream whose end is awaited (see ``_Fuzzer._watch``)."""
+    """One fuzz stream whose end is awaited (see :meth:`FuzzStreams.session`)."""
 
     stream: INetStream
     target: _Target
@@ -964,7 +963,7 @@ class _Fuzzer:
         for kind, k in kinds.items():
             self._count(target, kind, frames[:k])  # k frames of this kind (the sample is the first frame)
         label = (f"{target.role} {ID(target.node_peer).to_base58()[-6:]} {target.protocol} "
-                 f"{'+'.join(sorted(kinds))} {ending}: {n} frame(s) in {len(writes)} write(s), "
+                 f"{'+'.join(sorted(kinds))}: {n} frame(s) in {len(writes)} write(s), "
                  f"first {frames[0][:48].hex()}")
         await self._session(rng, factory, rng.choice(self.attackers), target, writes, ending, label)
 
