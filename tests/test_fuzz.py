@@ -24,6 +24,7 @@ from ps_p2p.testing.fuzz import (
     message_classes,
     root_messages,
     run_fuzz,
+    watch_handlers,
 )
 
 _spec = importlib.util.spec_from_file_location(
@@ -112,6 +113,25 @@ async def test_an_input_the_node_never_finishes_with_is_a_hang(ends_it):
         assert report.hang_count == 1 and report.input_hangs_by_protocol == {"/fuzz/test/1": 1}
         assert "neither ended nor reset" in report.input_hangs[0]
         assert report.summary_record()["hangs"] == 1
+
+
+async def test_an_exception_escaping_a_handler_is_reported_as_a_crash_and_still_raised():
+    from types import SimpleNamespace
+
+    async def broken(stream):
+        raise ValueError("handler bug")
+
+    async def fine(stream):
+        return None
+
+    handlers = {TProtocol("/a/1"): broken, TProtocol("/b/1"): fine}
+    host = SimpleNamespace(get_mux=lambda: SimpleNamespace(handlers=handlers))
+    raised: list[tuple[str, str]] = []
+    watch_handlers(host, ["/a/1", "/b/1"], lambda protocol, tb: raised.append((protocol, tb)))
+    await handlers[TProtocol("/b/1")](object())
+    with pytest.raises(ValueError):  # py-libp2p still sees it, as before
+        await handlers[TProtocol("/a/1")](object())
+    assert [p for p, _ in raised] == ["/a/1"] and "handler bug" in raised[0][1]
 
 
 @pytest.mark.slow  # 5-10 s on 2 cores: the localnet and its attacker nodes start up and ask twice
