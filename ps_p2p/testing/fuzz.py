@@ -104,6 +104,9 @@ log = logging.getLogger(__name__)
 
 #: Protocol ID prefixes of libp2p's own services (ping, identify), skipped unless asked for.
 LIBP2P_PREFIXES = ("/ipfs/", "/libp2p/", "/multistream/")
+#: Protocols a node serves to any honest peer, in the order the liveness check's fresh stream
+#: tries them (onion: every relay; directory/2: the verifier).
+HONEST_PROTOCOLS: tuple[str, ...] = ("/planetserve/onion/1.0.0", "/planetserve/directory/2.0.0")
 #: Where the .proto files live in a checkout (their header comments name the protocol IDs).
 PROTOS_DIR = pathlib.Path(__file__).resolve().parents[2] / "protos"
 #: The package holding the generated protobuf modules.
@@ -1150,6 +1153,9 @@ async def _check_liveness(net: LocalNet, probe: IHost, timeout: float, started: 
         protocols = discover_protocols(target.host)
         if not protocols:
             return
+        # a protocol every honest node may open to it (others, e.g. GossipSub between a group's
+        # model nodes, may refuse a user's stream as policy, racing the negotiation)
+        protocols = [p for p in HONEST_PROTOCOLS if p in protocols] or protocols
         t = trio.current_time()
         try:
             with trio.fail_after(timeout):
