@@ -5,9 +5,16 @@ Usage::
     python benchmarks/fuzz_protocols.py --inputs 100000 --seed 1
     python benchmarks/fuzz_protocols.py --inputs 2000 --duration 60 --json report.json
 
-Prints the inputs sent per protocol, inputs/s, liveness checks passed, crashes, hangs, the RSS of
-the process before and after and the machine. Exit status: 0 when there was no crash, no hang and
-the last liveness round passed; 1 otherwise. See :mod:`ps_p2p.testing.fuzz` for what is sent.
+A run sends every one of ``--inputs``; only an explicit ``--duration`` stops it earlier, and then
+the summary says "STOPPED ON TIME after X of N inputs" and the exit status is 1. While it runs, a
+progress line goes to stderr every ``--progress-interval`` seconds (inputs so far, inputs/s,
+crashes, hangs, inputs per protocol). At the end it prints the inputs sent per (role, protocol),
+inputs/s, the time inputs took per protocol and the slowest input, liveness checks passed,
+crashes, hangs, the RSS of the process before and after and the machine, then one line
+``FUZZ-SUMMARY {json}`` (:meth:`~ps_p2p.testing.fuzz.FuzzReport.summary_record`: inputs per
+protocol, crashes, hangs, the slowest input, ``ok``) for scripts. Exit status: 0 when every input
+was sent and there was no crash, no hang and the last liveness round passed; 1 otherwise. See
+:mod:`ps_p2p.testing.fuzz` for what is sent and what counts as a crash or a hang.
 """
 
 from __future__ import annotations
@@ -31,7 +38,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="RNG seed (default %(default)s)")
     p.add_argument("--inputs", type=int, default=100_000, help="frames to send in total (default %(default)s)")
     p.add_argument("--duration", type=float, default=d.duration,
-                   help="stop sending after this many seconds (default %(default)s)")
+                   help="stop sending after this many seconds even if not all inputs are sent "
+                        "(the run then counts as incomplete; default: no time limit)")
+    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
+                   help="an input whose handling takes longer is a hang, seconds (default %(default)s)")
+    p.add_argument("--max-open-streams", type=int, default=d.max_open_streams,
+                   help="fuzz streams open at once (default %(default)s)")
+    p.add_argument("--progress-interval", type=float, default=d.progress_interval,
+                   help="seconds between progress lines on stderr; 0: none (default %(default)s)")
     p.add_argument("--users", type=int, default=d.users, help="user nodes (default %(default)s)")
     p.add_argument("--models", type=int, default=d.models, help="model nodes (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=d.concurrency,
@@ -56,7 +70,18 @@ def _as_json(report: FuzzReport, wall: float) -> dict[str, object]:
                     "cpus": os.cpu_count()},
         "protocols": report.protocols,
         "inputs": report.inputs,
+        "inputs_requested": report.config.inputs,
+        "stopped_on_time": report.stopped_on_time,
         "inputs_by_protocol": dict(report.inputs_by_protocol),
+        "inputs_by_role_protocol": dict(report.inputs_by_role_protocol),
+        "input_seconds_by_protocol": {
+            p: {"streams": int(n), "mean": t / n if n else 0.0, "max": m}
+            for p, (n, t, m) in report.input_seconds.items()
+        },
+        "slowest_input_seconds": report.slowest_input_seconds,
+        "slowest_input": report.slowest_input,
+        "input_hangs_by_protocol": dict(report.input_hangs_by_protocol),
+        "streams_left_open_by_protocol": dict(report.streams_left_open_by_protocol),
         "inputs_by_kind": dict(report.inputs_by_kind),
         "fuzz_seconds": report.fuzz_seconds,
         "inputs_per_second": report.inputs_per_second,
@@ -66,6 +91,7 @@ def _as_json(report: FuzzReport, wall: float) -> dict[str, object]:
         "liveness": [dataclasses.asdict(c) for c in report.checks],
         "crashes": report.crashes,
         "hangs": report.hangs,
+        "hang_count": report.hang_count,
         "liveness_failures": report.liveness_failures,
         "rss_before_kib": report.rss_before_kib,
         "rss_after_kib": report.rss_after_kib,
@@ -85,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, inputs=args.inputs, duration=args.duration, users=args.users,
         models=args.models, concurrency=args.concurrency, sybils=args.sybils,
         check_interval=args.check_interval, liveness_timeout=args.liveness_timeout,
-        include_libp2p=args.include_libp2p,
+        include_libp2p=args.include_libp2p, hang_timeout=args.hang_timeout,
+        max_open_streams=args.max_open_streams, progress_interval=args.progress_interval,
     )
     started = time.monotonic()
     report = trio.run(lambda: run_fuzz(config, progress=lambda text: print(text, file=sys.stderr, flush=True)))
@@ -96,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(_as_json(report, wall), f, indent=2)
-    ok = not report.crashes and not report.hangs and report.final_check_ok
-    return 0 if ok else 1
+    record = report.summary_record()
+    print("FUZZ-SUMMARY " + json.dumps(record, sort_keys=True), flush=True)
+    return 0 if record["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -67,3 +67,115 @@ async def test_a_backed_off_peer_that_is_connected_gets_a_stream_without_waiting
             await received.wait()
             nursery.cancel_scope.cancel()
     assert links.stats.frames_backed_off == 1
+
+
+class _EndedStream:
+    """A peer's stream at its end (reads raise StreamEOF) whose close waits ``close_takes``
+    seconds (None: for ever), as behind a connection's stuck writes."""
+
+    def __init__(self, close_takes: float | None) -> None:
+        from types import SimpleNamespace
+
+        from libp2p.peer.id import ID
+
+        self.muxed_conn = SimpleNamespace(peer_id=ID(NodeKeys.generate().identity.peer_id))
+        self.close_takes = close_takes
+        self.closed = self.resets = 0
+
+    async def read(self, n: int) -> bytes:
+        from libp2p.network.stream.exceptions import StreamEOF
+
+        raise StreamEOF()
+
+    async def close(self) -> None:
+        if self.close_takes is None:
+            await trio.sleep_forever()
+        await trio.sleep(self.close_takes)
+        self.closed += 1
+
+    async def reset(self) -> None:
+        self.resets += 1
+
+
+async def test_a_frame_stream_whose_close_does_not_finish_is_reset_not_left_half_open(autojump_clock):
+    # py-libp2p's Yamux marks a stream whose close was cancelled as closed without sending the
+    # FIN: left so, the peer waits on it and both keep it for the connection's life (found by
+    # benchmarks/fuzz_protocols.py: S-IDA deliveries to a model node on a loaded machine)
+    from ps_p2p.protocols.links import make_frame_handler
+
+    stuck = _EndedStream(close_takes=None)
+    await make_frame_handler("/test/1.0.0", 1024, lambda peer, frame: None)(stuck)
+    assert (stuck.closed, stuck.resets) == (0, 1)
+    prompt = _EndedStream(close_takes=0.5)  # within the 1 s CLOSE_TIMEOUT
+    await make_frame_handler("/test/1.0.0", 1024, lambda peer, frame: None)(prompt)
+    assert (prompt.closed, prompt.resets) == (1, 0)
+
+
+async def test_a_frame_stream_closed_while_the_connection_is_busy_still_ends_for_the_peer():
+    """The same on py-libp2p's Yamux: the node's connection is busy writing (its write lock
+    held) for longer than the handler waits for its close; once it is free, the peer must see
+    the stream end (before the fix: never, and the node kept the stream)."""
+    from libp2p.custom_types import TProtocol
+    from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+
+    from ps_p2p.protocols.links import make_frame_handler
+
+    frames = []
+    got_frame = trio.Event()
+
+    def on_frame(peer: bytes, frame: bytes) -> None:
+        frames.append(frame)
+        got_frame.set()
+
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as node, \
+            open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as peer:
+        node.set_stream_handler(TProtocol("/test/1.0.0"),
+                                make_frame_handler("/test/1.0.0", 1024, on_frame))
+        await connect(peer, listen_multiaddrs(node)[0])
+        stream = await peer.new_stream(node.get_id(), [TProtocol("/test/1.0.0")])
+        await stream.write(b"\x01x")
+        await got_frame.wait()
+        conn = node.get_network().get_connections(peer.get_id())[0].muxed_conn
+        async with conn._write_lock:  # busy: the handler's close (the FIN) waits behind it
+            await stream.close()
+            await trio.sleep(2.0)  # longer than the handler's 1 s CLOSE_TIMEOUT
+        with trio.fail_after(30):  # only bounds a failure
+            try:
+                assert await stream.read(100) == b""
+            except (StreamEOF, StreamReset):
+                pass
+        assert frames == [b"x"]
+        assert len(conn.streams) == 0
+
+
+async def test_a_link_closed_while_the_connection_is_busy_still_ends_for_the_peer():
+    """The outbound side: a link finished (LinkManager.close) while our connection is busy
+    longer than the close may take; the peer's handler must see the stream end once the
+    connection is free (before the fix it waited on it for the connection's life)."""
+    from libp2p.custom_types import TProtocol
+
+    from ps_p2p.protocols.links import make_frame_handler
+
+    got_frame, handler_done = trio.Event(), trio.Event()
+    frame_handler = make_frame_handler("/test/1.0.0", 1024, lambda peer, frame: got_frame.set())
+
+    async def served(stream) -> None:
+        await frame_handler(stream)
+        handler_done.set()
+
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as peer_host:
+        peer_host.set_stream_handler(TProtocol("/test/1.0.0"), served)
+        await connect(host, listen_multiaddrs(peer_host)[0])
+        peer = peer_host.get_id().to_bytes()
+        async with trio.open_nursery() as nursery:
+            links = LinkManager(host, nursery, "/test/1.0.0")
+            assert links.send(peer, b"x")
+            await got_frame.wait()
+            conn = host.get_network().get_connections(peer_host.get_id())[0].muxed_conn
+            async with conn._write_lock:  # busy: the link's close (the FIN) waits behind it
+                links.close(peer)
+                await trio.sleep(2.0)  # longer than the 1 s CLOSE_TIMEOUT
+            with trio.fail_after(30):  # only bounds a failure
+                await handler_done.wait()
+            nursery.cancel_scope.cancel()

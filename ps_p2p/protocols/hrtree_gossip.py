@@ -258,6 +258,11 @@ class MemberGate:
         except Exception as exc:  # an escaping exception kills the py-libp2p host
             log.info("pubsub stream from %s reset: %r", peer_label(peer), exc)
             await reset_quietly(stream)
+        else:
+            # its read loop returns at the peer's end of the stream but leaves ours open: the
+            # connection would hold the stream as long as it lives (found by the fuzzer). Pubsub
+            # writes on streams it opens itself, never on this one: end it.
+            await reset_quietly(stream)
         finally:
             streams.discard(stream)
             if not streams and self._inbound.get(peer) is streams:

@@ -57,6 +57,10 @@ BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 30.0
 #: Peers whose back-off is remembered.
 MAX_BACKOFF_PEERS = 4096
+#: Seconds a stream's close (the FIN) may take, at the end of an outbound link or of an inbound
+#: frame stream, before the stream is reset instead: a close waits behind the connection's
+#: other writes, and py-libp2p's Yamux marks a cancelled close closed without sending the FIN.
+CLOSE_TIMEOUT = 1.0
 
 
 @dataclass
@@ -237,11 +241,16 @@ class LinkManager:
                 del self._links[link.peer_id]
             self._wrote.set()
             if stream is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT) as closing:
                     try:
                         await stream.close()
                     except Exception:
                         pass
+                if closing.cancelled_caught:
+                    # the FIN may not have gone out (see make_frame_handler): the peer's handler
+                    # would wait on the stream for the connection's life. Reset it once the
+                    # connection can write, without holding this task.
+                    self._nursery.start_soon(_quietly, stream.reset)
         if reason != "closed":
             self.stats.links_failed += 1
             self.stats.failed_peers.pop(link.peer_id, None)
@@ -289,8 +298,15 @@ def make_frame_handler(
                 frame = await reader.read_frame()
                 on_frame(peer_bytes, frame)
         except StreamEOF:
-            with trio.move_on_after(1):
+            with trio.move_on_after(CLOSE_TIMEOUT) as scope:
                 await _quietly(stream.close)
+            if scope.cancelled_caught:
+                # py-libp2p's Yamux marks a stream whose close was cancelled as closed without
+                # sending the FIN: the peer would wait on it, and this node keep it, for the
+                # connection's life (found by the fuzzer). A reset ends it on both sides.
+                log.warning("%s: close of the stream from %s did not finish in %g s; resetting it",
+                            protocol_id, peer, CLOSE_TIMEOUT)
+                await _quietly(stream.reset)
         except trio.Cancelled:
             raise
         except RemoteProtocolError as exc:

@@ -29,14 +29,27 @@ What it sends, one *input* = one frame (or one malformed length prefix):
   record, another node's signed deregistration, genesis requests, and directory requests from
   heights 0 to 2**64 - 1.
 
+It sends every one of ``inputs`` (a time limit only when ``duration`` is given; the report then
+says it stopped on time). ``concurrency`` workers generate inputs; each stream is written and
+ended by its worker, which then goes on while a watcher task reads what the node sends back
+and waits for the node to end the stream (at most ``max_open_streams`` streams at once), so a
+slow reply never idles a worker.
+
+A *crash*: an exception leaving the localnet (a node task died: the localnet nursery raises), or
+an exception escaping a fuzzed protocol's stream handler on a node, past the protocol's own
+wrapper (:func:`watch_handlers`; py-libp2p would end the connection or the host). A *hang*: an
+input whose handling does not finish within ``hang_timeout`` seconds (our writes blocked that
+long because the node stopped reading, or a stream we closed that the node neither ended nor
+reset that long after our close), or a liveness request that did not come back in time.
+
 While it runs, and after, it checks liveness: every user must complete an anonymous request
 (``node.user.ask`` returns ok) and the verifier must serve its committed directory
 (``/planetserve/directory/2.0.0``, verified against the localnet's genesis), each within
-``liveness_timeout`` seconds (a request that does not come back in time is a *hang*). A *crash*
-is any exception leaving the localnet (a node task died: the localnet nursery raises). It also
-samples the RSS of the process (``VmRSS`` of ``/proc/self/status``) and the sizes of the
-containers the nodes' services hold, and counts what the nodes logged at WARNING and above
-(exceptions logged with a traceback are reported as findings).
+``liveness_timeout`` seconds. It also samples the RSS of the process (``VmRSS`` of
+``/proc/self/status``) and the sizes of the containers the nodes' services hold, counts what the
+nodes and py-libp2p logged at WARNING and above (exceptions logged with a traceback are reported
+as findings), and times every input from its stream's open to the node's end of it (the slowest
+is reported).
 
 Randomness: every worker draws from ``random.Random(f"{seed}/{worker}")``; what each worker sends
 is fixed by the seed, how the workers interleave is up to the scheduler.
@@ -91,6 +104,9 @@ log = logging.getLogger(__name__)
 
 #: Protocol ID prefixes of libp2p's own services (ping, identify), skipped unless asked for.
 LIBP2P_PREFIXES = ("/ipfs/", "/libp2p/", "/multistream/")
+#: Protocols a node serves to any honest peer, in the order the liveness check's fresh stream
+#: tries them (onion: every relay; directory/2: the verifier).
+HONEST_PROTOCOLS: tuple[str, ...] = ("/planetserve/onion/1.0.0", "/planetserve/directory/2.0.0")
 #: Where the .proto files live in a checkout (their header comments name the protocol IDs).
 PROTOS_DIR = pathlib.Path(__file__).resolve().parents[2] / "protos"
 #: The package holding the generated protobuf modules.
@@ -373,8 +389,10 @@ class FuzzConfig:
 
     Attributes:
         seed: seeds the workers' randomness and the localnet.
-        inputs: frames to send in total.
-        duration: stop sending after this long even if ``inputs`` are not all sent.
+        inputs: frames to send in total; the run sends all of them unless ``duration`` is set.
+        duration: None (the default): no time limit. Else stop sending after this many seconds
+            even if ``inputs`` are not all sent; the report then says it stopped on time
+            (:attr:`FuzzReport.stopped_on_time`).
         users, models: size of the localnet.
         concurrency: attack tasks at once (each works one stream at a time, or a burst).
         sybils: insider attackers: user nodes of their own (fresh identities, registered in the
@@ -385,11 +403,17 @@ class FuzzConfig:
         liveness_timeout: deadline of one liveness check (each request and directory fetch).
         include_libp2p: also fuzz libp2p's own protocols (ping, identify).
         ready_timeout: for the localnet to come up.
+        hang_timeout: the bound on one input's handling: writes that block this long (the node
+            stopped reading) or a stream we closed that the node neither ends nor resets within
+            this long after our close is a hang. 30 s: handling one frame takes milliseconds; the
+            bound leaves room for a loaded 2-core machine.
+        max_open_streams: fuzz streams open at once (the workers' plus those whose end is awaited).
+        progress_interval: seconds between progress lines (0: none).
     """
 
     seed: int = 1
     inputs: int = 2000
-    duration: float = 600.0
+    duration: float | None = None
     users: int = 6
     models: int = 1
     concurrency: int = 8
@@ -398,6 +422,9 @@ class FuzzConfig:
     liveness_timeout: float = 60.0
     include_libp2p: bool = False
     ready_timeout: float = 60.0
+    hang_timeout: float = 30.0
+    max_open_streams: int = 64
+    progress_interval: float = 10.0
 
 
 @dataclass
@@ -420,10 +447,22 @@ class FuzzReport:
     config: FuzzConfig
     protocols: dict[str, list[str]] = field(default_factory=dict)
     inputs_by_protocol: Counter[str] = field(default_factory=Counter)
+    #: inputs by ``"<role> <protocol ID>"`` (13 pairs for today's localnet)
+    inputs_by_role_protocol: Counter[str] = field(default_factory=Counter)
     inputs_by_kind: Counter[str] = field(default_factory=Counter)
     streams_opened: int = 0
     stream_open_failures: Counter[str] = field(default_factory=Counter)
     streams_left_open: int = 0
+    streams_left_open_by_protocol: Counter[str] = field(default_factory=Counter)
+    #: inputs whose handling did not finish within ``config.hang_timeout`` (first 50), and counts
+    input_hangs: list[str] = field(default_factory=list)
+    input_hangs_by_protocol: Counter[str] = field(default_factory=Counter)
+    #: protocol ID -> [streams, total seconds, max seconds] from stream open to the node's end of it
+    input_seconds: dict[str, list[float]] = field(default_factory=dict)
+    slowest_input_seconds: float = 0.0
+    slowest_input: str = ""
+    #: the run stopped at ``config.duration`` before it sent ``config.inputs``
+    stopped_on_time: bool = False
     #: seconds the slowest fresh stream of a liveness check took to open (a starved process is slow)
     slowest_fresh_stream: float = 0.0
     fuzz_seconds: float = 0.0
@@ -456,7 +495,13 @@ class FuzzReport:
 
     @property
     def hangs(self) -> list[str]:
-        return [h for c in self.checks for h in c.hangs]
+        """Liveness requests that did not come back in time, then inputs whose handling did not
+        finish within ``config.hang_timeout`` (the first 50; :meth:`hang_count` counts all)."""
+        return [h for c in self.checks for h in c.hangs] + self.input_hangs
+
+    @property
+    def hang_count(self) -> int:
+        return sum(len(c.hangs) for c in self.checks) + sum(self.input_hangs_by_protocol.values())
 
     @property
     def liveness_failures(self) -> list[str]:
@@ -478,19 +523,34 @@ class FuzzReport:
         ]
         for role, protocols in self.protocols.items():
             lines.append(f"  {role}: {', '.join(protocols)}")
+        if self.stopped_on_time:
+            lines.append(
+                f"STOPPED ON TIME after {self.inputs} of {c.inputs} inputs "
+                f"(--duration {c.duration:g} s): the run is incomplete"
+            )
         lines.append(
-            f"inputs: {self.inputs} in {self.fuzz_seconds:.1f} s = {self.inputs_per_second:.0f}/s "
-            f"over {self.streams_opened} streams"
+            f"inputs: {self.inputs} of {c.inputs} in {self.fuzz_seconds:.1f} s = "
+            f"{self.inputs_per_second:.0f}/s over {self.streams_opened} streams"
         )
-        for protocol, n in sorted(self.inputs_by_protocol.items()):
+        for protocol, n in sorted(self.inputs_by_role_protocol.items()):
             lines.append(f"  {protocol}: {n}")
+        lines.append("per protocol: inputs, streams, mean / max seconds from open to the node's end")
+        for protocol, n in sorted(self.inputs_by_protocol.items()):
+            streams, total, worst = self.input_seconds.get(protocol, (0, 0.0, 0.0))
+            mean = total / streams if streams else 0.0
+            lines.append(f"  {protocol}: {n} inputs, {int(streams)} streams, {mean:.3f} / {worst:.2f} s")
+        lines.append(f"slowest input: {self.slowest_input_seconds:.2f} s: {self.slowest_input or '-'}")
         lines.append("  by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(self.inputs_by_kind.items())))
         if self.stream_open_failures:
             lines.append(
                 "stream opens that failed: "
                 + ", ".join(f"{k} x{n}" for k, n in self.stream_open_failures.most_common())
             )
-        lines.append(f"streams the remote left open after our close: {self.streams_left_open}")
+        lines.append(
+            f"streams the node left open {c.hang_timeout:g} s after our close: {self.streams_left_open}"
+            + (" (" + ", ".join(f"{p} {n}" for p, n in self.streams_left_open_by_protocol.most_common()) + ")"
+               if self.streams_left_open else "")
+        )
         lines.append(f"slowest fresh stream of a liveness check: {self.slowest_fresh_stream:.1f} s")
         lines.append(
             f"liveness checks: {self.checks_passed} of {len(self.checks)} rounds passed "
@@ -509,7 +569,9 @@ class FuzzReport:
         lines.append(f"crashes: {len(self.crashes)}")
         for crash in self.crashes:
             lines.append("  " + crash.replace("\n", "\n  "))
-        lines.append(f"hangs: {len(self.hangs)}")
+        lines.append(f"hangs: {self.hang_count}")
+        for hang in self.hangs[:20]:
+            lines.append("  " + hang)
         lines.append(
             f"RSS: before {self.rss_before_kib / 1024:.1f} MiB, after {self.rss_after_kib / 1024:.1f} MiB, "
             f"peak {self.rss_peak_kib / 1024:.1f} MiB"
@@ -525,7 +587,7 @@ class FuzzReport:
         )
         for k, (before, after) in sorted(grown.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[:15]:
             lines.append(f"  {k}: {before} -> {after}")
-        lines.append("node log records (WARNING+), top:")
+        lines.append("log records of the nodes and py-libp2p (WARNING+), top:")
         for msg, n in self.node_log.most_common(20):
             lines.append(f"  {n:7d}  {msg}")
             lines.append(f"           e.g. {self.node_log_samples.get(msg, '')[:200]!r}")
@@ -533,6 +595,50 @@ class FuzzReport:
         for tb in self.logged_tracebacks[:5]:
             lines.append("  " + tb.replace("\n", "\n  "))
         return "\n".join(lines)
+
+    def summary_record(self) -> dict[str, object]:
+        """The outcome in a few JSON-able fields (the ``FUZZ-SUMMARY`` line of the benchmark).
+
+        Keys: ``inputs`` (sent), ``inputs_requested``, ``stopped_on_time``, ``seconds``,
+        ``inputs_per_second``, ``protocols`` (distinct protocol IDs fuzzed),
+        ``role_protocols`` (``"<role> <protocol ID>"`` pairs fuzzed), ``inputs_by_protocol``,
+        ``inputs_by_role_protocol``, ``crashes``, ``hangs``, ``liveness_failures``,
+        ``final_check_ok``, ``slowest_input_seconds``, ``slowest_input``, ``setup_error``
+        (bool) and ``ok`` (no crash, no hang, final liveness round passed, every input sent).
+        """
+        ok = (not self.crashes and not self.hang_count and self.final_check_ok
+              and not self.setup_error and not self.stopped_on_time)
+        return {
+            "ok": ok,
+            "inputs": self.inputs,
+            "inputs_requested": self.config.inputs,
+            "stopped_on_time": self.stopped_on_time,
+            "seconds": round(self.fuzz_seconds, 1),
+            "inputs_per_second": round(self.inputs_per_second, 1),
+            "protocols": len(self.inputs_by_protocol),
+            "role_protocols": len(self.inputs_by_role_protocol),
+            "inputs_by_protocol": dict(sorted(self.inputs_by_protocol.items())),
+            "inputs_by_role_protocol": dict(sorted(self.inputs_by_role_protocol.items())),
+            "crashes": len(self.crashes),
+            "hangs": self.hang_count,
+            "liveness_failures": len(self.liveness_failures),
+            "final_check_ok": self.final_check_ok,
+            "slowest_input_seconds": round(self.slowest_input_seconds, 3),
+            "slowest_input": self.slowest_input,
+            "setup_error": bool(self.setup_error),
+        }
+
+    def progress_line(self, elapsed: float, rate_now: float) -> str:
+        """One line for long runs: inputs so far of those asked for, rates, counts per protocol."""
+        short = ", ".join(
+            f"{p.split('/')[2] if p.count('/') >= 3 else p}={n}"
+            for p, n in sorted(self.inputs_by_protocol.items())
+        )
+        return (
+            f"t={elapsed:.0f}s inputs {self.inputs}/{self.config.inputs} "
+            f"({self.inputs / elapsed if elapsed > 0 else 0:.0f}/s overall, {rate_now:.0f}/s now); "
+            f"crashes {len(self.crashes)}, hangs {self.hang_count}; {short}"
+        )
 
 
 def table_sizes(net: LocalNet) -> dict[str, int]:
@@ -569,8 +675,12 @@ def table_sizes(net: LocalNet) -> dict[str, int]:
     return dict(out)
 
 
+#: a base58 peer ID in a log message (Ed25519 ``12D3KooW...``, RSA/SHA-256 ``Qm...``)
+_PEER_ID_TEXT = re.compile(r"\b(?:12D3KooW|Qm)[1-9A-HJ-NP-Za-km-z]{20,}")
+
+
 class _LogTap(logging.Handler):
-    """Counts WARNING+ records of the nodes by message template; keeps tracebacks."""
+    """Counts WARNING+ records (of the nodes, of py-libp2p) by message template; keeps tracebacks."""
 
     def __init__(self, report: FuzzReport) -> None:
         super().__init__(logging.WARNING)
@@ -584,7 +694,8 @@ class _LogTap(logging.Handler):
             types = [a for a in record.args if isinstance(a, str) and a.endswith(("Error", "Exception"))]
             if types:
                 msg += " [" + ",".join(types) + "]"
-        key = f"{record.name}: {msg}"[:160]
+        # py-libp2p formats peer IDs into its messages: one template per message, not per peer
+        key = _PEER_ID_TEXT.sub("<peer>", f"{record.name}: {msg}")[:160]
         self.report.node_log[key] += 1
         if key not in self.report.node_log_samples:
             try:
@@ -603,11 +714,148 @@ class _LogTap(logging.Handler):
 
 
 @dataclass
+class _Watch:
+    """One fuzz stream whose end is awaited (see :meth:`FuzzStreams.session`)."""
+
+    stream: INetStream
+    target: _Target
+    label: str
+    #: trio time the open began; seconds it took
+    t0: float
+    open_seconds: float
+    #: we closed our side (not reset): the node is expected to end its side
+    closed: bool = False
+    #: around the reads; its deadline is set once our writes are over
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+@dataclass
 class _Target:
     node_peer: bytes
     role: str
     protocol: str
     roots: list[type[Message]]
+
+
+class FuzzStreams:
+    """Fuzz streams from attacker hosts to nodes: open one, write the input, end it, and watch,
+    in a task of its own, that the node finishes with it (see :meth:`session`).
+
+    Args:
+        config: ``hang_timeout`` (the bound on an input's handling, seconds),
+            ``max_open_streams`` (streams open at once) and ``liveness_timeout`` (the deadline of
+            a stream open, seconds).
+        report: where stream counts, times, open failures and hangs are recorded.
+        nursery: runs the watcher tasks (they end within ``hang_timeout`` of a session's end).
+        who: names an attacker host in the report (``"outsider"``, ``"insider"``).
+    """
+
+    def __init__(self, config: FuzzConfig, report: FuzzReport, nursery: trio.Nursery,
+                 who: Callable[[IHost], str] = lambda host: "attacker") -> None:
+        self.config = config
+        self.report = report
+        self.nursery = nursery
+        self.who = who
+        #: one per fuzz stream open at once (held from the open until the node's end is seen)
+        self.slots = trio.Semaphore(config.max_open_streams)
+
+    async def _open(self, host: IHost, target: _Target) -> INetStream | None:
+        try:
+            with trio.fail_after(self.config.liveness_timeout):
+                stream = await host.new_stream(ID(target.node_peer), [TProtocol(target.protocol)])
+        except trio.TooSlowError:
+            self._open_failed(host, target, "TooSlowError")
+            return None
+        except Exception as exc:
+            self._open_failed(host, target, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}")
+            return None
+        self.report.streams_opened += 1
+        return stream
+
+    def _open_failed(self, host: IHost, target: _Target, what: str) -> None:
+        peer = ID(target.node_peer).to_base58()[-6:]
+        self.report.stream_open_failures[f"{self.who(host)} -> {target.role} {peer} {target.protocol}: {what}"] += 1
+
+    async def session(self, host: IHost, target: _Target, writes: list[bytes], ending: str,
+                      label: str, tail: bytes = b"") -> None:
+        """Open a stream from ``host`` to ``target``, write ``writes`` (each one write() call),
+        then ``tail``, and end it as ``ending`` says (``close``/``reset``, ``half-*`` alike).
+
+        Returns once the writes are done (a worker never idles on a node's reply); a watcher
+        task, started at the open and reading what the node sends back, then waits for the node
+        to end or reset a stream we closed. A hang (counted in the report, input labelled
+        ``label``): writes blocked ``config.hang_timeout`` seconds (the node stopped reading), or
+        a node that has not ended a stream that long after our close. At most
+        ``config.max_open_streams`` streams are open at once (this waits for a slot). A stream
+        the node refuses to open is counted in ``report.stream_open_failures``.
+        """
+        await self.slots.acquire()
+        t0 = trio.current_time()
+        stream = await self._open(host, target)
+        if stream is None:
+            self.slots.release()
+            return
+        watch = _Watch(stream, target, f"{label}, then {ending}", t0, trio.current_time() - t0)
+        self.nursery.start_soon(self._watch, watch)
+        try:
+            with trio.move_on_after(self.config.hang_timeout) as scope:
+                for chunk in [*writes, tail] if tail else writes:
+                    await stream.write(chunk)
+            if scope.cancelled_caught:
+                self._hang(target, watch.label, f"writes blocked for {self.config.hang_timeout:g} s "
+                                                "(the node stopped reading)")
+            if ending.endswith("reset") or scope.cancelled_caught:
+                with trio.move_on_after(self.config.hang_timeout):
+                    await stream.reset()
+            else:
+                with trio.move_on_after(self.config.hang_timeout):
+                    await stream.close()
+                    watch.closed = True
+        except Exception:
+            pass  # the remote reset the stream: expected for most inputs
+        finally:
+            if watch.closed:  # from now on the node has hang_timeout seconds to end its side
+                watch.scope.deadline = trio.current_time() + self.config.hang_timeout
+            else:  # we reset it (a reset does not wake our own pending read): nothing to await
+                watch.scope.cancel()
+
+    async def _watch(self, watch: _Watch) -> None:
+        """Read what the node sends on ``watch.stream`` until it ends or resets it; a stream we
+        closed that the node has not ended ``config.hang_timeout`` seconds after our close is a
+        hang (the input's handling did not finish). Then reset it and free its slot."""
+        target = watch.target
+        try:
+            with watch.scope:
+                try:
+                    while await watch.stream.read(65536):
+                        pass
+                except Exception:
+                    pass  # reset: by the node (expected for most inputs) or by us
+            if watch.scope.cancelled_caught and watch.closed:
+                self.report.streams_left_open += 1
+                self.report.streams_left_open_by_protocol[target.protocol] += 1
+                self._hang(target, watch.label, "the node neither ended nor reset the stream within "
+                                                f"{self.config.hang_timeout:g} s of our close")
+            seconds = trio.current_time() - watch.t0
+            stats = self.report.input_seconds.setdefault(target.protocol, [0, 0.0, 0.0])
+            stats[0] += 1
+            stats[1] += seconds
+            stats[2] = max(stats[2], seconds)
+            if seconds > self.report.slowest_input_seconds:
+                self.report.slowest_input_seconds = seconds
+                self.report.slowest_input = f"{watch.label} (the stream open took {watch.open_seconds:.2f} s)"
+            with trio.move_on_after(self.config.hang_timeout):
+                try:
+                    await watch.stream.reset()
+                except Exception:
+                    pass
+        finally:
+            self.slots.release()
+
+    def _hang(self, target: _Target, label: str, what: str) -> None:
+        self.report.input_hangs_by_protocol[target.protocol] += 1
+        if len(self.report.input_hangs) < 50:
+            self.report.input_hangs.append(f"{label}: {what}")
 
 
 class _Fuzzer:
@@ -634,8 +882,11 @@ class _Fuzzer:
         genesis = net.verifier.genesis_file
         self.chain_id = genesis.genesis.chain_id if genesis is not None else "localnet"
         self.recent: deque[str] = deque(maxlen=32)
-        self.deadline = 0.0
+        #: trio time to stop sending at (None: no time limit)
+        self.deadline: float | None = None
         self.done = trio.Event()
+        #: opens and watches the fuzz streams (set by run_fuzz, with the nursery of the watchers)
+        self.streams: FuzzStreams
 
     # -- accounting
 
@@ -644,17 +895,25 @@ class _Fuzzer:
         self.budget -= n
         return n
 
-    def _count(self, target: _Target, kind: str, frames: list[bytes]) -> None:
+    def _count(self, target: _Target, kind: str, frames: list[bytes]) -> str:
+        """Count ``frames`` as inputs of ``kind`` to ``target``; returns their label (role, peer,
+        protocol, kind, number of frames, first bytes), also kept in :attr:`recent`."""
         self.report.inputs_by_protocol[target.protocol] += len(frames)
+        self.report.inputs_by_role_protocol[f"{target.role} {target.protocol}"] += len(frames)
         self.report.inputs_by_kind[kind] += len(frames)
+        label = (f"{target.role} {ID(target.node_peer).to_base58()[-6:]} {target.protocol} {kind}: "
+                 f"{len(frames)} frame(s), first {frames[0][:48].hex() if frames else ''}")
         if frames:
-            self.recent.append(
-                f"{target.role} {ID(target.node_peer).to_base58()[-6:]} {target.protocol} {kind}: "
-                f"{len(frames)} frame(s), first {frames[0][:48].hex()}"
-            )
+            self.recent.append(label)
+        return label
 
     def _out_of_time(self) -> bool:
-        return self.budget <= 0 or trio.current_time() >= self.deadline
+        if self.budget <= 0:
+            return True
+        if self.deadline is not None and trio.current_time() >= self.deadline:
+            self.report.stopped_on_time = True
+            return True
+        return False
 
     # -- frame generators
 
@@ -672,68 +931,17 @@ class _Fuzzer:
             return "empty", b""
         return "big", rng.randbytes(rng.choice((4096, 4097, 65536, onion.CELL_BUCKETS[-1] + 1024, onion.CELL_BUCKETS[-1] + 1025)))
 
-    # -- streams
-
-    async def _open(self, host: IHost, target: _Target) -> INetStream | None:
-        try:
-            with trio.fail_after(self.config.liveness_timeout):
-                stream = await host.new_stream(ID(target.node_peer), [TProtocol(target.protocol)])
-        except trio.TooSlowError:
-            self._open_failed(host, target, "TooSlowError")
-            return None
-        except Exception as exc:
-            self._open_failed(host, target, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}")
-            return None
-        self.report.streams_opened += 1
-        return stream
-
-    def _open_failed(self, host: IHost, target: _Target, what: str) -> None:
-        who = "outsider" if host is self.attackers[0] else "insider"
-        peer = ID(target.node_peer).to_base58()[-6:]
-        self.report.stream_open_failures[f"{who} -> {target.role} {peer} {target.protocol}: {what}"] += 1
-
-    async def _drain(self, stream: INetStream, finished: trio.Event) -> None:
-        try:
-            while True:
-                data = await stream.read(65536)
-                if not data:
-                    break
-        except Exception:
-            pass
-        finally:
-            finished.set()
+    def _tail(self, rng: random.Random, factory: MessageFactory, target: _Target, ending: str) -> bytes:
+        """For a ``half-*`` ending: the first part of one more frame; else b""."""
+        if not ending.startswith("half"):
+            return b""
+        frame = encode_frame(factory.build(rng.choice(target.roots)).SerializeToString() + rng.randbytes(8))
+        return frame[: rng.randrange(1, len(frame))]
 
     async def _session(self, rng: random.Random, factory: MessageFactory, host: IHost, target: _Target,
-                       writes: list[bytes], ending: str) -> None:
-        """Open a stream, write ``writes`` (each one write() call), end it as ``ending`` says."""
-        stream = await self._open(host, target)
-        if stream is None:
-            return
-        finished = trio.Event()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._drain, stream, finished)
-            try:
-                for chunk in writes:
-                    await stream.write(chunk)
-                if ending.startswith("half"):
-                    body = factory.build(rng.choice(target.roots)).SerializeToString() + rng.randbytes(8)
-                    frame = encode_frame(body)
-                    await stream.write(frame[: rng.randrange(1, len(frame))])
-                if ending.endswith("reset"):
-                    await stream.reset()
-                else:
-                    await stream.close()
-                    with trio.move_on_after(10) as scope:
-                        await finished.wait()
-                    if scope.cancelled_caught:
-                        self.report.streams_left_open += 1
-            except Exception:
-                pass  # the remote reset the stream: expected for most inputs
-            try:
-                await stream.reset()
-            except Exception:
-                pass
-            nursery.cancel_scope.cancel()
+                       writes: list[bytes], ending: str, label: str) -> None:
+        await self.streams.session(host, target, writes, ending, label,
+                                   self._tail(rng, factory, target, ending))
 
     def _pick_target(self, rng: random.Random) -> _Target:
         """A protocol uniformly, then a node serving it (the verifier's one protocol gets its share)."""
@@ -757,7 +965,10 @@ class _Fuzzer:
         ending = rng.choices(("close", "reset", "half-close", "half-reset"), (6, 2, 1, 1))[0]
         for kind, k in kinds.items():
             self._count(target, kind, frames[:k])  # k frames of this kind (the sample is the first frame)
-        await self._session(rng, factory, rng.choice(self.attackers), target, writes, ending)
+        label = (f"{target.role} {ID(target.node_peer).to_base58()[-6:]} {target.protocol} "
+                 f"{'+'.join(sorted(kinds))}: {n} frame(s) in {len(writes)} write(s), "
+                 f"first {frames[0][:48].hex()}")
+        await self._session(rng, factory, rng.choice(self.attackers), target, writes, ending, label)
 
     async def _framing_scenario(self, rng: random.Random, factory: MessageFactory) -> None:
         target = self._pick_target(rng)
@@ -774,9 +985,9 @@ class _Fuzzer:
             prefix = b"\x80" * rng.randrange(1, 9)  # continuation bits, then nothing
         else:
             prefix = b"\xff\xff\xff\xff\x0f" + rng.randbytes(100)  # 4 GiB - 1
-        self._count(target, "framing", [prefix])
+        label = self._count(target, "framing", [prefix])
         await self._session(rng, factory, rng.choice(self.attackers), target, [prefix],
-                            rng.choice(("close", "reset")))
+                            rng.choice(("close", "reset")), label)
 
     async def _burst_scenario(self, rng: random.Random, factory: MessageFactory) -> None:
         peer = self._pick_target(rng).node_peer
@@ -789,10 +1000,10 @@ class _Fuzzer:
             for _ in range(n):
                 target = rng.choice(targets)
                 kind, body = self._frame_body(rng, factory, target)
-                self._count(target, "burst", [body])
+                label = self._count(target, "burst", [body])
                 nursery.start_soon(
                     self._session, random.Random(rng.random()), factory, host, target,
-                    [encode_frame(body)], rng.choice(("close", "reset", "half-close")),
+                    [encode_frame(body)], rng.choice(("close", "reset", "half-close")), label,
                 )
 
     def _clove_carrier(self, target: _Target) -> tuple[type[Message], str, str] | None:
@@ -843,12 +1054,12 @@ class _Fuzzer:
         n = self._take(len(bodies))
         if not n:
             return
-        self._count(target, "sida", bodies[:n])
+        label = self._count(target, "sida", bodies[:n])
         async with trio.open_nursery() as nursery:
             for i, body in enumerate(bodies[:n]):
                 nursery.start_soon(
                     self._session, rng, factory, self.insiders[i % len(self.insiders)], target,
-                    [encode_frame(body)], "close",
+                    [encode_frame(body)], "close", f"{label} (clove {i})",
                 )
 
     def _directory_request(self, rng: random.Random, factory: MessageFactory, sender: bytes) -> bytes:
@@ -884,9 +1095,9 @@ class _Fuzzer:
             return
         sender = host.get_id().to_bytes()
         bodies = [self._directory_request(rng, factory, sender) for _ in range(n)]
-        self._count(target, "directory", bodies)
+        label = self._count(target, "directory", bodies)
         await self._session(rng, factory, host, target, [encode_frame(b) for b in bodies],
-                            rng.choice(("close", "reset")))
+                            rng.choice(("close", "reset")), label)
 
     async def worker(self, index: int) -> None:
         rng = random.Random(f"{self.config.seed}/{index}")
@@ -942,6 +1153,9 @@ async def _check_liveness(net: LocalNet, probe: IHost, timeout: float, started: 
         protocols = discover_protocols(target.host)
         if not protocols:
             return
+        # a protocol every honest node may open to it (others, e.g. GossipSub between a group's
+        # model nodes, may refuse a user's stream as policy, racing the negotiation)
+        protocols = [p for p in HONEST_PROTOCOLS if p in protocols] or protocols
         t = trio.current_time()
         try:
             with trio.fail_after(timeout):
@@ -985,13 +1199,16 @@ async def run_fuzz(config: FuzzConfig, *, progress: Callable[[str], None] | None
     """
     report = FuzzReport(config=config)
     say = progress or (lambda text: None)
-    node_logger = logging.getLogger("ps_p2p")
+    # the nodes' and py-libp2p's records (its pubsub logs refused peers at ERROR) are counted in
+    # the report: 100k refused frames must not flood stderr or pytest's capture
+    loggers = [logging.getLogger("ps_p2p"), logging.getLogger("libp2p")]
     tap = _LogTap(report)
-    saved = (node_logger.propagate, node_logger.level)
-    node_logger.addHandler(tap)
-    node_logger.propagate = False  # 100k refused frames must not flood stderr or pytest's capture
-    if node_logger.level == logging.NOTSET or node_logger.level > logging.WARNING:
-        node_logger.setLevel(logging.WARNING)
+    saved = [(lg.propagate, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(tap)
+        lg.propagate = False
+        if lg.level == logging.NOTSET or lg.level > logging.WARNING:
+            lg.setLevel(logging.WARNING)
     fuzzer: _Fuzzer | None = None
     fuzzing = False
     try:
@@ -1009,6 +1226,14 @@ async def run_fuzz(config: FuzzConfig, *, progress: Callable[[str], None] | None
             fuzzer = _Fuzzer(config, net, outsider, insiders, report)
             attackers = fuzzer.attackers
             await _setup_attackers(fuzzer)
+            for role, nodes in (("verifier", [net.verifier]), ("model", net.models), ("user", net.users)):
+                for node in nodes:
+                    peer = ID(node.peer_id).to_base58()[-6:]
+                    watch_handlers(
+                        node.host, discover_protocols(node.host, include_libp2p=config.include_libp2p),
+                        lambda protocol, tb, who=f"{role} {peer}": report.crashes.append(
+                            f"the {protocol} handler of {who} raised (past its wrapper):\n{tb}"),
+                    )
             say(f"localnet up; fuzzing {len(fuzzer.targets)} (node, protocol) pairs")
             fuzzing = True
             report.rss_before_kib = report.rss_peak_kib = rss_kib()
@@ -1018,7 +1243,8 @@ async def run_fuzz(config: FuzzConfig, *, progress: Callable[[str], None] | None
                 await _check_liveness(net, attackers[0], config.liveness_timeout, started, report)
             )
             fuzz_started = trio.current_time()
-            fuzzer.deadline = fuzz_started + config.duration
+            if config.duration is not None:
+                fuzzer.deadline = fuzz_started + config.duration
 
             async def checker() -> None:
                 while config.check_interval > 0:
@@ -1031,11 +1257,29 @@ async def run_fuzz(config: FuzzConfig, *, progress: Callable[[str], None] | None
                     say(f"t={check.at:.0f}s inputs {report.inputs}, answered {check.answered}, "
                         f"RSS {check.rss_kib / 1024:.0f} MiB")
 
+            async def show_progress() -> None:
+                last_t, last_n = fuzz_started, 0
+                while config.progress_interval > 0:
+                    with trio.move_on_after(config.progress_interval):
+                        await fuzzer.done.wait()
+                    if fuzzer.done.is_set():
+                        return
+                    now = trio.current_time()
+                    say(report.progress_line(now - fuzz_started, (report.inputs - last_n) / (now - last_t)))
+                    last_t, last_n = now, report.inputs
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(checker)
-                async with trio.open_nursery() as workers:
-                    for i in range(config.concurrency):
-                        workers.start_soon(fuzzer.worker, i)
+                nursery.start_soon(show_progress)
+                async with trio.open_nursery() as watchers:
+                    fuzzer.streams = FuzzStreams(
+                        config, report, watchers,
+                        who=lambda host: "outsider" if host is attackers[0] else "insider",
+                    )
+                    async with trio.open_nursery() as workers:
+                        for i in range(config.concurrency):
+                            workers.start_soon(fuzzer.worker, i)
+                    # the watchers end within hang_timeout: wait for the nodes' ends of the streams
                 report.fuzz_seconds = trio.current_time() - fuzz_started
                 fuzzer.done.set()
             say(f"sent {report.inputs} inputs in {report.fuzz_seconds:.1f} s; final liveness check")
@@ -1056,9 +1300,10 @@ async def run_fuzz(config: FuzzConfig, *, progress: Callable[[str], None] | None
         if not report.rss_after_kib:
             report.rss_after_kib = rss_kib()
     finally:
-        node_logger.removeHandler(tap)
-        node_logger.propagate, level = saved
-        node_logger.setLevel(level)
+        for lg, (propagate, level) in zip(loggers, saved):
+            lg.removeHandler(tap)
+            lg.propagate = propagate
+            lg.setLevel(level)
         if fuzzer is not None:
             report.last_inputs = list(fuzzer.recent)
     return report
@@ -1083,6 +1328,27 @@ async def _start_insiders(net: LocalNet, nursery: trio.Nursery, config: FuzzConf
             min_users=config.users + config.sybils, timeout=config.ready_timeout
         )
     return hosts
+
+
+def watch_handlers(host: IHost, protocols: list[str], on_raise: Callable[[str, str], None]) -> None:
+    """Wrap ``host``'s stream handlers of ``protocols`` so that an exception escaping one (past
+    the protocol's own wrapper, where py-libp2p ends the connection or the host) is reported as
+    ``on_raise(protocol, traceback text)`` before it goes on as before (re-raised).
+    Cancellation is not reported."""
+    handlers = host.get_mux().handlers
+    for protocol in protocols:
+        handler = handlers.get(TProtocol(protocol))
+        if handler is None:
+            continue
+
+        async def watched(stream: INetStream, _handler: Any = handler, _protocol: str = protocol) -> None:
+            try:
+                await _handler(stream)
+            except Exception as exc:
+                on_raise(_protocol, "".join(traceback.format_exception(exc)))
+                raise
+
+        handlers[TProtocol(protocol)] = watched
 
 
 async def _setup_attackers(fuzzer: _Fuzzer) -> None:
@@ -1122,9 +1388,11 @@ def iter_report_lines(report: FuzzReport) -> Iterator[str]:
 __all__ = [
     "FuzzConfig",
     "FuzzReport",
+    "FuzzStreams",
     "LivenessCheck",
     "MessageFactory",
     "discover_protocols",
+    "watch_handlers",
     "iter_report_lines",
     "message_classes",
     "mutate",
