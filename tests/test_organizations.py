@@ -19,7 +19,6 @@ from ps_p2p.keys import (
     load_membership,
     load_organization_key,
     membership_to_json,
-    new_organization_key,
 )
 from ps_p2p.node import Node
 from ps_p2p.testing.fakes import InstantEngine

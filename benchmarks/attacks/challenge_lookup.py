@@ -36,7 +36,6 @@ Prints flagged challenges / challenges and flagged users / users, per rule and i
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import hmac
 import os

@@ -55,7 +55,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent.parent))
 
 from ps_p2p.config import NodeConfig  # noqa: E402
 from ps_p2p.consensus import app  # noqa: E402
-from ps_p2p.consensus.block import block_id, make_block  # noqa: E402
+from ps_p2p.consensus.block import make_block  # noqa: E402
 from ps_p2p.consensus.directory import DirectoryHistory  # noqa: E402
 from ps_p2p.consensus.types import Validator as Member  # noqa: E402
 from ps_p2p.crypto.onion import OnionKeyPair  # noqa: E402

@@ -42,7 +42,6 @@ from ps_p2p.consensus import app  # noqa: E402
 from ps_p2p.consensus.block import make_block  # noqa: E402
 from ps_p2p.consensus.types import Validator  # noqa: E402
 from ps_p2p.crypto.onion import OnionKeyPair  # noqa: E402
-from ps_p2p.errors import InvalidTransactionError  # noqa: E402
 from ps_p2p.inference import InferenceReply  # noqa: E402
 from ps_p2p.keys import Identity  # noqa: E402
 from ps_p2p.records import Directory, NodeRecord, Role, sign_record  # noqa: E402
