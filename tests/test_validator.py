@@ -157,3 +157,89 @@ def test_a_validator_restarted_after_locking_a_value_keeps_its_lock(tmp_path):
     assert fresh.height == height and fresh.stats.locks_restored == 1
     assert (state.locked_value, state.locked_round) == (signed.locked, signed.round)
     assert (state.valid_value, state.valid_round) == (signed.locked, signed.round)
+
+
+# ------------------------------------------------------------------ state snapshots (issue 17)
+
+
+def _snapshot_net(tmp_path, **options):
+    stores = [ConsensusStore(tmp_path / f"v{i}.sqlite") for i in range(4)]
+    net = MemoryCommittee(KEYS, GENESIS, consensus=FAST, stores=stores,
+                          validator_options=options)
+    net.route(1, net.vals[1].add_tx(register_tx(3), net.now))
+    assert net.run_until(lambda: all(v.committed_height >= 10 for v in net.vals), 60.0)
+    return net, stores
+
+
+def _restart(net, stores, tmp_path, i=0, **options):
+    h, app_hash = net.vals[i].committed_height, net.vals[i].state.app_hash
+    stores[i].close()
+    stores[i] = ConsensusStore(tmp_path / f"v{i}.sqlite")
+    fresh = Validator(KEYS[i], GENESIS, stores[i], WIRE, FAST, **options)
+    fresh.start(net.now)
+    assert fresh.committed_height == h and fresh.state.app_hash == app_hash
+    assert len(fresh.state.records) == 1
+    return fresh, h
+
+
+def test_a_restart_loads_the_newest_snapshot_and_executes_only_the_later_blocks(tmp_path):
+    net, stores = _snapshot_net(tmp_path, snapshot_every=4)
+    kept = [h for h, _ in stores[0].snapshots()]
+    assert len(kept) == 2 and all(h % 4 == 0 for h in kept)  # the newest two
+    fresh, h = _restart(net, stores, tmp_path, snapshot_every=4)
+    newest = max(s for s, _ in stores[0].snapshots() if s < h)
+    assert fresh.stats.snapshot_height == newest  # not the genesis: h - newest blocks executed
+    # the directory is served at once (one block executed after the snapshot)
+    assert fresh.history.served is not None and fresh.history.header.height == h
+
+
+def test_a_snapshot_that_does_not_give_its_app_hash_is_skipped(tmp_path):
+    net, stores = _snapshot_net(tmp_path, snapshot_every=4)
+    h = net.vals[0].committed_height
+    newest = max(s for s, _ in stores[0].snapshots() if s < h)
+    data = bytearray(stores[0].snapshot(newest))
+    data[-1] ^= 1  # one bit of the epoch ledger's bytes
+    stores[0]._db.execute("UPDATE snapshots SET state=? WHERE height=?", (bytes(data), newest))
+    fresh, _ = _restart(net, stores, tmp_path, snapshot_every=4)
+    assert fresh.stats.snapshot_height < newest  # the older one, or the genesis
+
+
+def test_blocks_are_pruned_below_the_snapshots_and_a_restart_still_works(tmp_path):
+    net, stores = _snapshot_net(tmp_path, snapshot_every=3, keep_blocks=2)
+    first = stores[0].first_height()
+    oldest = min(s for s, _ in stores[0].snapshots())
+    assert first > 1 and first == oldest + 1  # nothing a restart needs is gone
+    fresh, _ = _restart(net, stores, tmp_path, snapshot_every=3, keep_blocks=2)
+    assert fresh.stats.snapshot_height >= oldest
+    # block sync does not serve pruned heights (an empty answer, not later blocks)
+    from ps_p2p.protocols import consensus_codec as cc
+    from ps_p2p.protocols.blocksync import BlockSyncServer
+    blocks, _ = cc.decode_sync_response(BlockSyncServer(stores[0], allow=lambda p: True)
+                                        .response(1, 16))
+    assert blocks == []
+
+
+def test_a_store_pruned_without_a_usable_snapshot_is_refused(tmp_path):
+    net, stores = _snapshot_net(tmp_path, snapshot_every=3, keep_blocks=2)
+    stores[0]._db.execute("DELETE FROM snapshots")
+    stores[0].close()
+    stores[0] = ConsensusStore(tmp_path / "v0.sqlite")
+    from ps_p2p.errors import StoreError
+    with pytest.raises(StoreError, match="no state snapshot"):
+        Validator(KEYS[0], GENESIS, stores[0], WIRE, FAST).start(0.0)
+
+
+def test_a_state_snapshot_round_trips_and_refuses_a_changed_byte(tmp_path):
+    from ps_p2p.consensus.snapshot import decode_state, encode_state
+    from ps_p2p.errors import RemoteProtocolError
+    net, _ = _snapshot_net(tmp_path, snapshot_every=0)
+    state = net.vals[0].state
+    data = encode_state(state)
+    back = decode_state(data, app.genesis_state(GENESIS))
+    assert back.app_hash == state.app_hash and back.height == state.height
+    assert encode_state(back) == data
+    for i in (len(data) // 2, len(data) - 1):
+        bad = bytearray(data)
+        bad[i] ^= 0x40
+        with pytest.raises(RemoteProtocolError):
+            decode_state(bytes(bad), app.genesis_state(GENESIS))

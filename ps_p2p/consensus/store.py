@@ -13,7 +13,18 @@ already signed (signing the same value again is allowed: it returns the first si
 message, so a retransmission is byte-identical).
 
 Committed blocks are kept with their commits (the 2f+1 precommits), for block sync and for a
-restarted validator to rebuild its state.
+restarted validator to rebuild its state, and so are state snapshots
+(:mod:`ps_p2p.consensus.snapshot`, :meth:`ConsensusStore.save_snapshot`): a restart loads the
+latest one and executes only the blocks after it. Blocks below the oldest snapshot kept (and
+below the last ``keep`` heights) may be pruned (:meth:`ConsensusStore.prune_blocks`).
+
+Grouped writes (issue 17): only own signed messages need an fsync before anything else
+happens. A committed block, a snapshot and the pruning are written with ``synchronous=NORMAL``
+(no fsync of their own); in write-ahead-journal mode the journal is appended in order, so the
+next signed message's fsync makes them durable too, and a crash before it loses at most the
+last block, which the restarted validator fetches again by block sync (its WAL of that height
+is still there). :attr:`ConsensusStore.sqlite_seconds` counts the time spent in sqlite calls
+(the event loop's time, in the service), for benchmarks.
 
 Errors: :class:`~ps_p2p.errors.DoubleSignError` for a second value at one (height, round, step);
 :class:`~ps_p2p.errors.StoreError` for a database that cannot be opened or read (corrupt,
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import pathlib
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +45,10 @@ from ps_p2p.errors import DoubleSignError, StoreError
 
 #: Version of the tables below; a database of another version is refused.
 #: 2: own precommits keep the value they lock (``signed.locked``).
-SCHEMA_VERSION = 2
+#: 3: state snapshots (``snapshots``); blocks may be pruned below the oldest snapshot.
+SCHEMA_VERSION = 3
+#: Schemas this version opens (and upgrades in place: 3 only adds a table).
+_READABLE = {"2", "3"}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -50,6 +65,11 @@ CREATE TABLE IF NOT EXISTS blocks (
     height INTEGER PRIMARY KEY,
     block BLOB NOT NULL,
     commit_votes BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS snapshots (
+    height INTEGER PRIMARY KEY,
+    app_hash BLOB NOT NULL,
+    state BLOB NOT NULL
 );
 """
 
@@ -99,21 +119,38 @@ class ConsensusStore:
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             if row is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif row[0] != str(SCHEMA_VERSION):
+            elif row[0] not in _READABLE:
                 raise StoreError(
                     f"consensus store {self.path} has schema {row[0]}, this node reads "
-                    f"{SCHEMA_VERSION}"
+                    f"{sorted(_READABLE)}"
                 )
+            elif row[0] != str(SCHEMA_VERSION):
+                self._db.execute("UPDATE meta SET value=? WHERE key='schema'",
+                                 (str(SCHEMA_VERSION),))
             self._db.execute("PRAGMA quick_check").fetchone()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"consensus store {self.path} cannot be read: {exc}") from exc
+
+        #: seconds spent in this store's writes and reads (module docstring)
+        self.sqlite_seconds = 0.0
+        #: transactions committed with an fsync (``synchronous=FULL``) and without one
+        self.synced_writes = 0
+        self.grouped_writes = 0
+        self._synchronous = "FULL"
 
     def close(self) -> None:
         self._db.close()
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
+    def _transaction(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction; ``durable``: fsync before returning (own signed messages),
+        else no fsync of its own (the next durable one covers it, module docstring)."""
+        start = time.perf_counter()
         try:
+            mode = "FULL" if durable else "NORMAL"
+            if mode != self._synchronous:
+                self._db.execute(f"PRAGMA synchronous={mode}")
+                self._synchronous = mode
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -123,6 +160,12 @@ class ConsensusStore:
             self._db.execute("COMMIT")
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"consensus store {self.path}: {exc}") from exc
+        finally:
+            self.sqlite_seconds += time.perf_counter() - start
+        if durable:
+            self.synced_writes += 1
+        else:
+            self.grouped_writes += 1
 
     # ------------------------------------------------------------------ write-ahead log
 
@@ -180,7 +223,7 @@ class ConsensusStore:
 
     def prune_signed(self, below_height: int) -> int:
         """Forget own messages below ``below_height`` (decided heights); returns how many."""
-        with self._transaction() as db:
+        with self._transaction(durable=False) as db:
             cursor = db.execute("DELETE FROM signed WHERE height < ?", (below_height,))
         return cursor.rowcount
 
@@ -189,11 +232,13 @@ class ConsensusStore:
     def save_block(self, height: int, block: bytes, commit_votes: bytes) -> None:
         """Keep a committed block and its commit (encoded by the caller).
 
+        Not fsynced on its own (module docstring: the next signed message's fsync covers it).
+
         Raises:
             StoreError: another block is already stored at ``height`` (agreement was broken,
                 or the caller is confused), or the write failed.
         """
-        with self._transaction() as db:
+        with self._transaction(durable=False) as db:
             row = db.execute("SELECT block FROM blocks WHERE height=?", (height,)).fetchone()
             if row is not None:
                 if bytes(row[0]) != block:
@@ -221,6 +266,44 @@ class ConsensusStore:
             (height, limit),
         ).fetchall()
         return [(h, bytes(b), bytes(c)) for h, b, c in rows]
+
+
+    def first_height(self) -> int:
+        """The lowest block height stored (0: none); above 1 once blocks were pruned."""
+        row = self._db.execute("SELECT MIN(height) FROM blocks").fetchone()
+        return row[0] or 0
+
+    def prune_blocks(self, below_height: int) -> int:
+        """Forget blocks below ``below_height``; returns how many. The caller keeps every block
+        after its oldest snapshot (a restart executes them) and what block sync should serve.
+        """
+        with self._transaction(durable=False) as db:
+            cursor = db.execute("DELETE FROM blocks WHERE height < ?", (below_height,))
+        return cursor.rowcount
+
+    # ------------------------------------------------------------------ state snapshots
+
+    def save_snapshot(self, height: int, app_hash: bytes, state: bytes, *, keep: int = 2) -> None:
+        """Keep the state snapshot of ``height`` (:mod:`ps_p2p.consensus.snapshot`) and forget
+        all but the newest ``keep`` ones. Not fsynced on its own (module docstring)."""
+        with self._transaction(durable=False) as db:
+            db.execute("INSERT OR REPLACE INTO snapshots VALUES (?, ?, ?)",
+                       (height, app_hash, state))
+            db.execute("DELETE FROM snapshots WHERE height NOT IN (SELECT height FROM snapshots "
+                       "ORDER BY height DESC LIMIT ?)", (keep,))
+
+    def snapshots(self) -> list[tuple[int, bytes]]:
+        """(height, app hash) of the snapshots kept, newest first."""
+        start = time.perf_counter()
+        rows = self._db.execute(
+            "SELECT height, app_hash FROM snapshots ORDER BY height DESC").fetchall()
+        self.sqlite_seconds += time.perf_counter() - start
+        return [(h, bytes(a)) for h, a in rows]
+
+    def snapshot(self, height: int) -> bytes | None:
+        """The snapshot bytes of ``height``, or None."""
+        row = self._db.execute("SELECT state FROM snapshots WHERE height=?", (height,)).fetchone()
+        return None if row is None else bytes(row[0])
 
 
 def _show(value_id: bytes | None) -> str:
