@@ -243,3 +243,59 @@ def test_a_state_snapshot_round_trips_and_refuses_a_changed_byte(tmp_path):
         bad[i] ^= 0x40
         with pytest.raises(RemoteProtocolError):
             decode_state(bytes(bad), app.genesis_state(GENESIS))
+
+
+# ------------------------------------------------------------------ empty blocks (issue 17)
+
+
+def _record_tx(i: int, expires: int) -> bytes:
+    who = Identity.from_private_bytes(hashlib.sha256(b"expiring %d" % i).digest())
+    record = sign_record(who, NodeRecord(
+        who.peer_id, (f"/ip4/10.1.{i}.1/tcp/4001",), frozenset({Role.USER}), ONION,
+        issued_at_ms=T0, expires_at_ms=expires))
+    return app.encode_tx(app.RegisterTx(record))
+
+
+def test_an_idle_chain_waits_the_interval_and_a_transaction_makes_a_block_at_once():
+    net = MemoryCommittee(KEYS, GENESIS, consensus=FAST, empty_block_interval=30.0)
+    assert net.run_until(lambda: all(v.committed_height >= 1 for v in net.vals), 5.0)
+    assert not net.run_until(lambda: any(v.committed_height >= 2 for v in net.vals), 25.0)
+    before = net.now
+    tx = register_tx(5)
+    net.route(2, net.vals[2].add_tx(tx, net.now))
+    assert net.run_until(lambda: all(len(v.state.records) == 1 for v in net.vals), before + 3.0)
+
+
+def test_an_idle_chain_makes_a_block_when_a_listed_record_expires():
+    """Block time is the chain's only clock: an expired record leaves at the next block, so an
+    idle proposer does not wait its whole interval past an expiry."""
+    net = MemoryCommittee(KEYS, GENESIS, consensus=FAST, empty_block_interval=30.0,
+                          genesis_offset_ms=1000)
+    expires = T0 + 1000 + 8_000  # the validators' clock at now = 8 s
+    net.route(0, net.vals[0].add_tx(_record_tx(1, expires), net.now))
+    assert net.run_until(lambda: all(len(v.state.records) == 1 for v in net.vals), 5.0)
+    assert net.run_until(lambda: all(len(v.state.records) == 0 for v in net.vals), 12.0)
+
+
+def test_the_default_interval_keeps_an_idle_directory_fresh():
+    from ps_p2p.config import NodeConfig
+    from ps_p2p.consensus.directory import MAX_DIRECTORY_AGE_MS
+    from ps_p2p.consensus.validator import EMPTY_BLOCK_INTERVAL
+    assert NodeConfig().block_interval == EMPTY_BLOCK_INTERVAL >= 10  # not a block a second
+    # the newest header of an idle chain is at most one interval (plus a commit and a
+    # refresh) old: a node accepts it with a wide margin
+    assert EMPTY_BLOCK_INTERVAL * 1000 * 10 <= MAX_DIRECTORY_AGE_MS
+
+
+def test_a_block_that_changes_the_state_is_followed_at_once_by_the_one_that_commits_its_hash():
+    """The directory serves state h - 1 with header h: after a registration's block the next
+    block must not wait the idle interval, or the node stays unlisted that long."""
+    net = MemoryCommittee(KEYS, GENESIS, consensus=FAST, empty_block_interval=30.0)
+    assert net.run_until(lambda: all(v.committed_height >= 1 for v in net.vals), 5.0)
+    net.route(0, net.vals[0].add_tx(register_tx(6), net.now))
+    assert net.run_until(lambda: all(len(v.state.records) == 1 for v in net.vals), 5.0)
+    h = net.vals[0].committed_height
+    assert net.run_until(lambda: all(v.committed_height >= h + 1 for v in net.vals),
+                         net.now + 3.0)
+    assert all(v.history.served is not None and len(v.history.served.records) == 1
+               for v in net.vals)

@@ -75,6 +75,7 @@ from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Proposal, Vote
 from ps_p2p.consensus.validator import (
     EMPTY_BLOCK_INTERVAL,
+    SNAPSHOT_EVERY,
     Action,
     Committed,
     RelayTx,
@@ -130,6 +131,8 @@ class ConsensusServiceConfig:
         max_inflight_per_peer: inputs of one peer waiting in the driver's inbox.
         sync_timeout: one block-sync request's deadline.
         min_sync_interval: between two syncs from one peer.
+        snapshot_every, keep_blocks: state snapshots and block pruning
+            (:class:`~ps_p2p.consensus.validator.Validator`).
         byzantine: TEST ONLY: equivocate (:class:`ByzantineSender`); never set by users.
     """
 
@@ -140,6 +143,8 @@ class ConsensusServiceConfig:
     max_inflight_per_peer: int = 1024
     sync_timeout: float = 10.0
     min_sync_interval: float = 0.5
+    snapshot_every: int = SNAPSHOT_EVERY
+    keep_blocks: int | None = None
     byzantine: bool = False
 
 
@@ -245,7 +250,8 @@ class ConsensusService:
             self.validator = Validator(
                 identity, genesis, store, WIRE, consensus, mempool=mempool,
                 empty_block_interval=self.config.empty_block_interval, unix_ms=unix_ms,
-                value_check=value_check,
+                value_check=value_check, snapshot_every=self.config.snapshot_every,
+                keep_blocks=self.config.keep_blocks,
             )
         except PsError as exc:
             raise ConfigError(str(exc)) from exc

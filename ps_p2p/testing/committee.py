@@ -98,7 +98,9 @@ class LocalCommittee:
 
         self.nursery = nursery
         self.consensus = consensus
-        self.config = config or ConsensusServiceConfig()
+        # a test committee: an empty block every 0.5 s when idle (the default is 30 s), as
+        # its tests wait for heights
+        self.config = config or ConsensusServiceConfig(empty_block_interval=0.5)
         self.on_commit = on_commit
         self.byzantine = frozenset(byzantine)
         identities = [
