@@ -263,3 +263,28 @@ async def test_a_validators_useless_votes_skip_the_signature_check_and_outsiders
             assert service.blocksync.not_allowed == 1
             assert service.blocksync.served == served + 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_validator_snapshots_off_the_event_loop_and_restarts_from_the_snapshot(tmp_path):
+    """Issue 17: the state snapshot is encoded in a worker thread and written on the loop; a
+    restart loads it and executes only the blocks after it."""
+    async with trio.open_nursery() as nursery:
+        committee = LocalCommittee(nursery, tmp_path, 4, config=ConsensusServiceConfig(
+            empty_block_interval=0.1, snapshot_every=3))
+        victim = committee.members[3]
+        with trio.fail_after(120):
+            await committee.start_all()
+            who, tx = register_tx(3)
+            committee.members[0].service.submit_tx(tx)
+            await wait_listed(committee, who.peer_id)
+            await committee.wait_committed(8)
+            while victim.service.snapshots_written < 2:
+                await committee.wait_committed(
+                    victim.service.validator.committed_height + 1, [victim])
+            await committee.kill(victim)
+            await committee.start(victim)
+            v = victim.service.validator
+            assert v.stats.snapshot_height >= 3 and v.stats.snapshot_height % 3 == 0
+            assert who.peer_id in v.state.records
+            await committee.wait_committed(v.committed_height + 2)
+        nursery.cancel_scope.cancel()

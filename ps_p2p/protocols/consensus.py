@@ -62,7 +62,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 
-from ps_p2p.consensus.app import Genesis, Mempool
+from ps_p2p.consensus.app import AppState, Genesis, Mempool
 from ps_p2p.consensus.block import decode_block, encode_block, make_block
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.signing import (
@@ -71,6 +71,7 @@ from ps_p2p.consensus.signing import (
     verify_proposal,
     verify_vote,
 )
+from ps_p2p.consensus.snapshot import encode_state
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Proposal, Vote
 from ps_p2p.consensus.validator import (
@@ -251,7 +252,7 @@ class ConsensusService:
                 identity, genesis, store, WIRE, consensus, mempool=mempool,
                 empty_block_interval=self.config.empty_block_interval, unix_ms=unix_ms,
                 value_check=value_check, snapshot_every=self.config.snapshot_every,
-                keep_blocks=self.config.keep_blocks,
+                keep_blocks=self.config.keep_blocks, snapshot_writer=self._write_snapshot,
             )
         except PsError as exc:
             raise ConfigError(str(exc)) from exc
@@ -270,6 +271,8 @@ class ConsensusService:
         self.blocksync = BlockSyncServer(store, allow=self._may_sync, clock=clock)
         self.refused: collections.Counter[str] = collections.Counter()
         self.fatal: StoreError | None = None
+        #: state snapshots encoded in a worker thread and written
+        self.snapshots_written = 0
         self._links: LinkManager | None = None
         self._inflight: collections.Counter[bytes] = collections.Counter()
         self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -279,6 +282,7 @@ class ConsensusService:
         self._last_sync: dict[bytes, float] = {}
         self._committed = trio.Event()
         self._cancel: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
         self.byzantine: ByzantineSender | None = None
         if self.config.byzantine:
             self.byzantine = ByzantineSender(identity, genesis, self.peers)
@@ -302,6 +306,7 @@ class ConsensusService:
         try:
             with trio.CancelScope() as self._cancel:
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
                     self._links = LinkManager(
                         self.host, nursery, CONSENSUS_PROTOCOL_ID,
                         queue_frames=self.config.queue_frames,
@@ -512,6 +517,23 @@ class ConsensusService:
                 self._ahead = None
                 self._request_sync(ahead[2])
         return actions
+
+    # ------------------------------------------------------------------ state snapshots
+
+    def _write_snapshot(self, state: AppState) -> None:
+        """The validator's ``snapshot_writer``: encode ``state`` (immutable once committed) in
+        a worker thread, O(records), so a large registry's snapshot does not stall the event
+        loop for a round's timeout; then write it on the loop (the sqlite connection's
+        thread). A snapshot lost to a stop is simply not there (the previous one is)."""
+        if self._nursery is None:
+            self.validator.keep_snapshot(state.height, state.app_hash, encode_state(state))
+            return
+        self._nursery.start_soon(self._encode_and_keep, state)
+
+    async def _encode_and_keep(self, state: AppState) -> None:
+        data = await trio.to_thread.run_sync(encode_state, state)
+        self._guard(self.validator.keep_snapshot, state.height, state.app_hash, data)
+        self.snapshots_written += 1
 
     # ------------------------------------------------------------------ block sync
 
