@@ -26,6 +26,13 @@ last block, which the restarted validator fetches again by block sync (its WAL o
 is still there). :attr:`ConsensusStore.sqlite_seconds` counts the time spent in sqlite calls
 (the event loop's time, in the service), for benchmarks.
 
+Deferred sync (``deferred_sync=True``, what the consensus service uses): own signed messages
+are committed without their fsync too, :attr:`ConsensusStore.needs_sync` is set, and the caller
+runs :meth:`ConsensusStore.sync_target`'s fsync of the journal file in a worker thread and
+sends the messages only after it returned (group commit: one fsync covers every write
+committed before it started). The invariant is the same: nothing signed leaves before it is
+on disk; the event loop no longer waits for the disk.
+
 Errors: :class:`~ps_p2p.errors.DoubleSignError` for a second value at one (height, round, step);
 :class:`~ps_p2p.errors.StoreError` for a database that cannot be opened or read (corrupt,
 truncated, another version): a validator must then stop rather than sign from a state it does
@@ -34,10 +41,11 @@ not know.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -104,8 +112,13 @@ class ConsensusStore:
         StoreError: the file is not a database of this schema (corrupt, truncated, newer).
     """
 
-    def __init__(self, path: str | pathlib.Path) -> None:
+    def __init__(self, path: str | pathlib.Path, *, deferred_sync: bool = False) -> None:
         self.path = str(path)
+        #: own signed messages committed without their fsync until :meth:`sync` (module
+        #: docstring); :attr:`needs_sync` says whether one is pending
+        self.deferred_sync = deferred_sync and self.path != ":memory:"
+        self.needs_sync = False
+        self._wal_fd: int | None = None
         if self.path != ":memory:":
             pathlib.Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -139,7 +152,28 @@ class ConsensusStore:
         self._synchronous = "FULL"
 
     def close(self) -> None:
+        if self._wal_fd is not None:
+            os.close(self._wal_fd)
+            self._wal_fd = None
         self._db.close()
+
+    def sync_target(self) -> Callable[[], None]:
+        """What makes every write committed so far durable: a function (to run in a worker
+        thread: it only fsyncs the write-ahead journal file, no sqlite call) that fsyncs the
+        journal. Take it on the connection's thread when the writes to cover are done, and
+        send the messages they protect only after it returned; :attr:`needs_sync` is cleared.
+
+        Raises:
+            StoreError: the journal file cannot be opened (the fsync itself raises OSError).
+        """
+        self.needs_sync = False
+        if self._wal_fd is None:
+            try:
+                self._wal_fd = os.open(self.path + "-wal", os.O_RDONLY)
+            except OSError as exc:
+                raise StoreError(f"consensus store {self.path}: journal: {exc}") from exc
+        fd = self._wal_fd
+        return lambda: os.fsync(fd)
 
     @contextmanager
     def _transaction(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
@@ -187,7 +221,7 @@ class ConsensusStore:
                 (height, round, step) before; nothing is written and nothing may be sent.
             StoreError: the write failed.
         """
-        with self._transaction() as db:
+        with self._transaction(durable=not self.deferred_sync) as db:
             row = db.execute(
                 "SELECT value_id, message FROM signed WHERE height=? AND round=? AND step=?",
                 (height, round, step),
@@ -203,6 +237,8 @@ class ConsensusStore:
                 "INSERT INTO signed VALUES (?, ?, ?, ?, ?, ?)",
                 (height, round, step, value_id, message, locked),
             )
+        if self.deferred_sync:
+            self.needs_sync = True
         return message
 
     def signed_at(self, height: int) -> list[SignedMessage]:

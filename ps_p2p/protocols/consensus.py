@@ -29,7 +29,10 @@ relayed once to the other validators; a refused one is counted, not reset (the s
 may differ).
 
 Outbound: a :class:`~ps_p2p.protocols.links.LinkManager` (bounded per-peer queues, dial
-back-off). Every ``rebroadcast_interval`` seconds (default the core's ``timeout_prevote``) the
+back-off). Own signed messages are written to the WAL without an fsync on the event loop; the
+fsync runs in a worker thread and the messages written before it are sent once it returned,
+in order (group commit, ``deferred_sync``; issue 17: a signed message is still durable before
+it leaves). Every ``rebroadcast_interval`` seconds (default the core's ``timeout_prevote``) the
 validator sends again its own messages of the current height's last two rounds, so a validator
 that reconnects, or lost a frame with a link, catches up.
 
@@ -134,6 +137,9 @@ class ConsensusServiceConfig:
         min_sync_interval: between two syncs from one peer.
         snapshot_every, keep_blocks: state snapshots and block pruning
             (:class:`~ps_p2p.consensus.validator.Validator`).
+        deferred_sync: the WAL's fsync runs in a worker thread, grouped, and own messages
+            are sent once it returned (:meth:`ConsensusService._flush_held`); False: each
+            own message's write fsyncs on the event loop.
         byzantine: TEST ONLY: equivocate (:class:`ByzantineSender`); never set by users.
     """
 
@@ -146,6 +152,7 @@ class ConsensusServiceConfig:
     min_sync_interval: float = 0.5
     snapshot_every: int = SNAPSHOT_EVERY
     keep_blocks: int | None = None
+    deferred_sync: bool = True
     byzantine: bool = False
 
 
@@ -273,6 +280,13 @@ class ConsensusService:
         self.fatal: StoreError | None = None
         #: state snapshots encoded in a worker thread and written
         self.snapshots_written = 0
+        #: own messages waiting for the WAL's fsync (a worker thread), and its counters
+        self._held: list[SendMessage] = []
+        self._flushing = False
+        self.fsyncs = 0
+        self.fsync_seconds = 0.0
+        if self.config.deferred_sync:
+            store.deferred_sync = store.path != ":memory:"
         self._links: LinkManager | None = None
         self._inflight: collections.Counter[bytes] = collections.Counter()
         self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -476,15 +490,10 @@ class ConsensusService:
     def _execute(self, action: Action) -> None:
         assert self._links is not None
         if isinstance(action, SendMessage):
-            data = cc.encode_message(action.message)
-            for peer in self.peers:
-                self._links.send(peer, data)
-            if self.byzantine is not None:  # TEST ONLY: equivocate, bypassing the WAL
-                conflict = self.byzantine.conflicting(action.message)
-                if conflict is not None:
-                    data = cc.encode_message(conflict)
-                    for peer in self.byzantine.targets:
-                        self._links.send(peer, data)
+            if self.validator.store.needs_sync or self._flushing:
+                self._hold(action)
+            else:
+                self._send(action)
         elif isinstance(action, RelayTx):
             data = cc.encode_message(cc.Tx(action.tx))
             for peer in self.peers:
@@ -496,6 +505,54 @@ class ConsensusService:
             self._committed = trio.Event()
             if self.on_commit is not None:
                 self.on_commit(action)
+
+    def _hold(self, action: SendMessage) -> None:
+        """Keep an own message until the fsync of the WAL writes before it returned (the store
+        commits them without one: ``deferred_sync``); starts the flush task if none runs."""
+        if self._nursery is None:  # not running: fsync here
+            self.validator.store.sync_target()()
+            self._send(action)
+            return
+        self._held.append(action)
+        if not self._flushing:
+            self._flushing = True
+            self._nursery.start_soon(self._flush_held)
+
+    async def _flush_held(self) -> None:
+        """Group commit (issue 17): fsync the WAL in a worker thread, off the event loop, then
+        send every message held before that fsync started, in order; again while more came
+        in. A signed message therefore still leaves only once it is durable (a message held
+        behind one that waits is held too, so the order is kept)."""
+        store = self.validator.store
+        try:
+            while self._held:
+                batch, self._held = self._held, []
+                if store.needs_sync:
+                    fsync = store.sync_target()  # covers every write committed so far
+                    start = trio.current_time()
+                    await trio.to_thread.run_sync(fsync)
+                    self.fsync_seconds += trio.current_time() - start
+                    self.fsyncs += 1
+                for action in batch:
+                    self._send(action)
+        except (OSError, StoreError) as exc:
+            self._held = []
+            self._stop(exc if isinstance(exc, StoreError)
+                       else StoreError(f"consensus store fsync failed: {exc}"))
+        finally:
+            self._flushing = False
+
+    def _send(self, action: SendMessage) -> None:
+        assert self._links is not None
+        data = cc.encode_message(action.message)
+        for peer in self.peers:
+            self._links.send(peer, data)
+        if self.byzantine is not None:  # TEST ONLY: equivocate, bypassing the WAL
+            conflict = self.byzantine.conflicting(action.message)
+            if conflict is not None:
+                data = cc.encode_message(conflict)
+                for peer in self.byzantine.targets:
+                    self._links.send(peer, data)
 
     def _next_deadline(self) -> float:
         deadline = self.validator.next_deadline()
