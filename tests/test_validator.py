@@ -287,7 +287,7 @@ def test_the_default_interval_keeps_an_idle_directory_fresh():
     assert EMPTY_BLOCK_INTERVAL * 1000 * 10 <= MAX_DIRECTORY_AGE_MS
 
 
-def test_a_block_that_changes_the_state_is_followed_at_once_by_the_one_that_commits_its_hash():
+def test_a_block_that_changes_the_state_is_followed_soon_by_the_one_that_commits_its_hash():
     """The directory serves state h - 1 with header h: after a registration's block the next
     block must not wait the idle interval, or the node stays unlisted that long."""
     net = MemoryCommittee(KEYS, GENESIS, consensus=FAST, empty_block_interval=30.0)

@@ -34,9 +34,10 @@ which only moves bytes:
 
 The next height starts (``StartHeight(h + 1)``) at once when transactions are pending (ones
 this validator would propose: not an EPOCH_REPORT its own check refuses or still runs on) or a
-message of that height already came from another validator, or the block just decided
-changed the state (its app hash is only committed by the next header, which the directory
-needs to serve the change); otherwise after
+message of that height already came from another validator; after
+:data:`PROOF_BLOCK_DELAY` (1 s) when the block just decided changed the state (its app hash
+is only committed by the next header, which the directory needs to serve the change);
+otherwise after
 ``empty_block_interval`` seconds (default 30: an idle chain still makes a block that often, so
 that the directory's commit stays fresh: nodes refuse one older than 10 minutes), or as soon as
 a transaction or such a message arrives (CometBFT's ``create_empty_blocks_interval``), or
@@ -148,6 +149,11 @@ MAX_DEFERRED = 8
 EMPTY_BLOCK_INTERVAL = 30.0
 #: Shortest wait for a block that the state has due (:meth:`Validator.idle_delay`).
 MIN_IDLE_DELAY = 1.0
+#: Seconds before the block after one that changed the state (its "proof block": only the
+#: next header commits the new app hash the directory serves). Not 0: a transaction that
+#: arrives meanwhile makes that block itself, instead of waiting behind an empty one (a
+#: stream of transactions then makes no empty blocks); 1 s is the directory's lag of before.
+PROOF_BLOCK_DELAY = 1.0
 #: Default heights between two state snapshots: a restart executes at most this many blocks
 #: (~0.25 s for empty ones); one snapshot is O(records) (~0.1 s and ~10 MB at 100,000 records),
 #: so 1,000 keeps its cost under a millisecond a height on average.
@@ -761,15 +767,16 @@ class Validator:
         if d.height % PRUNE_EVERY == 0:
             self.store.prune_signed(self.height)
         self._pending_start = self.height
-        # a block that changed the state needs the next one at once: only the next header
-        # carries its app hash, so only then can the directory serve the change (CometBFT's
-        # "proof block" when empty blocks are off)
-        changed = bool(block.txs or result.changes or result.reputation_changes)
-        if changed or self._proposable() or self._seen_next:
+        if self._proposable() or self._seen_next:
             self._start_next(now, actions)
         else:
-            heapq.heappush(self._timers, _Timer(now + self.idle_delay(), next(self._seq),
-                                                self.height))
+            # a block that changed the state needs the next one soon: only the next header
+            # carries its app hash, so only then can the directory serve the change
+            # (CometBFT's "proof block" when empty blocks are off)
+            changed = bool(block.txs or result.changes or result.reputation_changes)
+            delay = min(self.empty_block_interval, PROOF_BLOCK_DELAY) if changed \
+                else self.idle_delay()
+            heapq.heappush(self._timers, _Timer(now + delay, next(self._seq), self.height))
 
     def idle_delay(self) -> float:
         """Seconds an idle chain waits before its next (empty) block: ``empty_block_interval``,
@@ -818,6 +825,7 @@ class Validator:
 __all__ = [
     "EMPTY_BLOCK_INTERVAL",
     "MIN_IDLE_DELAY",
+    "PROOF_BLOCK_DELAY",
     "SNAPSHOT_EVERY",
     "VALUE_CHECK_PENDING",
     "Action",
