@@ -34,10 +34,9 @@ which only moves bytes:
 
 The next height starts (``StartHeight(h + 1)``) at once when transactions are pending (ones
 this validator would propose: not an EPOCH_REPORT its own check refuses or still runs on) or a
-message of that height already came from another validator; after
-:data:`PROOF_BLOCK_DELAY` (1 s) when the block just decided changed the state (its app hash
-is only committed by the next header, which the directory needs to serve the change);
-otherwise after
+message of that height already came from another validator; after :data:`PROOF_BLOCK_DELAY`
+(1 s) when the block just decided changed the state (its app hash is only committed by the
+next header, which the directory needs to serve the change); otherwise after
 ``empty_block_interval`` seconds (default 30: an idle chain still makes a block that often, so
 that the directory's commit stays fresh: nodes refuse one older than 10 minutes), or as soon as
 a transaction or such a message arrives (CometBFT's ``create_empty_blocks_interval``), or
@@ -53,9 +52,10 @@ older than both the oldest snapshot and the last ``keep_blocks`` heights are pru
 Restart (:meth:`start`): the state is rebuilt from the newest snapshot below the stored height
 whose app hash the next stored block's header carries (else from the genesis), executing only
 the blocks after it (cost O(snapshot_every) blocks, not O(chain age): 0.04 s at 100,000 heights
-against 4.4 s from the genesis, ``benchmarks/bench_restart.py``), the core starts at the stored height + 1, and the own messages of that height found in the WAL are
-sent again and looped back, in (round, step) order, so a restarted validator counts what it
-signed and never signs a different value there (the WAL refuses it anyway). Before that, the
+against 4.8 s from the genesis, ``benchmarks/bench_restart.py``), the core starts at the
+stored height + 1, and the own messages of that height found in the WAL are sent again and
+looped back, in (round, step) order, so a restarted validator counts what it signed and never
+signs a different value there (the WAL refuses it anyway). Before that, the
 value of its highest-round own precommit (stored with it) is restored as its lock
 (:class:`~ps_p2p.consensus.types.RestoreLock`, Algorithm 1 L38-42).
 
