@@ -299,3 +299,23 @@ def test_a_block_that_changes_the_state_is_followed_soon_by_the_one_that_commits
                          net.now + 3.0)
     assert all(v.history.served is not None and len(v.history.served.records) == 1
                for v in net.vals)
+
+
+def test_an_idle_validator_waits_no_longer_than_the_epochs_next_attempt():
+    """The epochs' leader attempts run on block time (ledger.py): an idle chain must make a
+    block at the next attempt's start, not an interval later; never sooner than 1 s."""
+    from ps_p2p.verification.ledger import EpochLedger, VerificationParams
+    params = VerificationParams(model_id="m", pool_sha256="00" * 32, pool_size=4,
+                                attempt_ms=10_000)
+    genesis = app.Genesis(CHAIN, T0, GENESIS.validators, verification=params)
+    clock = {"ms": T0 + 1000}
+    v = Validator(KEYS[0], genesis, ConsensusStore(":memory:"), WIRE, FAST,
+                  empty_block_interval=30.0, unix_ms=lambda: clock["ms"])
+    assert v.idle_delay() == 30.0  # epoch not started: nothing due
+    state = v.state.copy()
+    state.time_ms = T0 + 1000
+    state.ledger = EpochLedger(anchor=b"\x01" * 32, start_ms=T0, eligible=GENESIS.validators)
+    v.state = state
+    assert v.idle_delay() == pytest.approx(9.001)  # attempt 1 starts at T0 + 10 s
+    clock["ms"] = T0 + 9_900
+    assert v.idle_delay() == 1.0  # due in 0.1 s, but at least MIN_IDLE_DELAY
