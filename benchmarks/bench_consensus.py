@@ -2,15 +2,18 @@
 consensus simulator's speed.
 
 * commit latency: one REGISTER transaction submitted to validator 0 of an idle committee of N
-  validators (4, 7, 10), each a real py-libp2p host on 127.0.0.1 in this one process (one CPU
-  core carries all of them), until every validator has committed a block holding it; p50 / p99
-  over ``--rounds`` transactions, one at a time;
+  validators (4, 7, 10, 16: ``--sizes``), each a real py-libp2p host on 127.0.0.1 in this one
+  process (one CPU core carries all of them), until every validator has committed a block
+  holding it; p50 / p99 over ``--rounds`` transactions, one at a time; with the process's CPU
+  time per committed height (all N validators, and per validator) and the milliseconds a
+  validator spends in sqlite per height (on its event loop);
 * throughput: ``--txs`` REGISTER transactions submitted at once to validator 0 of 4; committed
   transactions per second until every validator committed all of them;
 * simulator: schedules per second of ``ps_p2p.testing.consensus_sim.run_schedule`` (f = 1, 3
   heights, faults and Byzantine behaviours drawn per seed).
 
-Usage: ``python benchmarks/bench_consensus.py [--quick] [--rounds 60] [--txs 2000]``
+Usage: ``python benchmarks/bench_consensus.py [--quick] [--rounds 60] [--txs 2000]
+[--sizes 4,7,10,16]``
 """
 
 from __future__ import annotations
@@ -61,8 +64,10 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def latency(n: int, rounds: int, warmup: int = 5) -> list[float]:
-    """Seconds from submit to committed on every validator, per transaction."""
+async def latency(n: int, rounds: int, warmup: int = 5) -> tuple[list[float], float, float]:
+    """Seconds from submit to committed on every validator, per transaction; with the CPU
+    seconds of the whole process (all n validators) per committed height, and the
+    milliseconds one validator spent in sqlite (its event loop's time) per height."""
     txs = register_txs(rounds + warmup, b"latency %d " % n)
     pending: dict[bytes, set[int]] = {}
     done = trio.Event()
@@ -85,6 +90,11 @@ async def latency(n: int, rounds: int, warmup: int = 5) -> list[float]:
             )
             await committee.start_all()
             await committee.wait_committed(1)
+            stores = [m.service.validator.store for m in committee.members]
+            for store in stores:
+                store.sqlite_seconds = 0.0
+            h0 = committee.members[0].service.validator.committed_height
+            cpu0 = time.process_time()
             for i, tx in enumerate(txs):
                 done = trio.Event()
                 pending[tx] = set(range(n))
@@ -94,8 +104,11 @@ async def latency(n: int, rounds: int, warmup: int = 5) -> list[float]:
                     await done.wait()
                 if i >= warmup:
                     samples.append(time.perf_counter() - start)
+            cpu = time.process_time() - cpu0
+            heights = max(1, committee.members[0].service.validator.committed_height - h0)
+            sqlite_ms = sum(s.sqlite_seconds for s in stores) * 1000 / n / heights
             nursery.cancel_scope.cancel()
-    return samples
+    return samples, cpu / heights, sqlite_ms
 
 
 async def throughput(n: int, count: int) -> tuple[float, int, float]:
@@ -148,7 +161,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--txs", type=int, default=2000)
-    parser.add_argument("--sizes", default="4,7,10")
+    parser.add_argument("--sizes", default="4,7,10,16")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.txs = 15, 300
@@ -157,10 +170,12 @@ def main() -> None:
     print(f"machine: {machine()}")
     print("consensus timeouts 0.2 s (+0.1 s a round); loopback, all validators in one process")
     for n in (int(s) for s in args.sizes.split(",")):
-        samples = trio.run(latency, n, args.rounds)
+        samples, cpu, sqlite_ms = trio.run(latency, n, args.rounds)
         print(f"commit latency, {n:2d} validators: p50 {pct(samples, 50) * 1000:6.1f} ms  "
               f"p99 {pct(samples, 99) * 1000:6.1f} ms  mean "
-              f"{statistics.mean(samples) * 1000:6.1f} ms  ({len(samples)} transactions)")
+              f"{statistics.mean(samples) * 1000:6.1f} ms  ({len(samples)} transactions); "
+              f"CPU per height {cpu * 1000:6.1f} ms (all {n}, {cpu * 1000 / n:5.1f} ms each); "
+              f"sqlite per height and validator {sqlite_ms:5.2f} ms")
     tps, blocks, elapsed = trio.run(throughput, 4, args.txs)
     print(f"throughput, 4 validators: {tps:7.1f} committed transactions/s "
           f"({args.txs} transactions in {blocks} blocks, {elapsed:.2f} s)")

@@ -298,7 +298,13 @@ class NodeConfig:
             of one from ``<home>/genesis.json`` (made on first run); other nodes learn the
             genesis from ``verifiers``.
         block_interval: committee verifiers: seconds an idle chain waits before an empty
-            block (keeps the directory's commit fresh; default 1).
+            block (keeps the directory's commit fresh: nodes refuse one older than 10 min;
+            default 30; a transaction makes a block at once).
+        snapshot_every: committee verifiers: heights between two state snapshots (a restart
+            executes only the blocks after the newest one; 0: none; default 1,000).
+        keep_blocks: committee verifiers: prune blocks older than the last ``keep_blocks``
+            heights and the oldest snapshot; None (default): keep every block (block sync
+            from the genesis for a validator that lost its store).
         name: the node's name, its default home's folder (default: the roles, ``user``).
         home: keys and state (:mod:`ps_p2p.home`); default ``<user data dir>/ps_p2p/<name>``.
         key_file: identity + onion key file, created on first run; default ``<home>/node.key``.
@@ -344,7 +350,9 @@ class NodeConfig:
     bootstrap: list[str] = field(default_factory=list)
     verifiers: list[str] = field(default_factory=list)
     genesis: str | None = None
-    block_interval: float = 1 * SECONDS
+    block_interval: float = 30 * SECONDS
+    snapshot_every: int = 1000
+    keep_blocks: int | None = None
     name: str | None = None
     home: str | None = None
     key_file: str | None = None
@@ -388,6 +396,12 @@ class NodeConfig:
         if not (isinstance(self.block_interval, (int, float))
                 and 0 < self.block_interval < math.inf):
             raise ConfigError(f"block_interval must be > 0 seconds, not {self.block_interval!r}")
+        if not isinstance(self.snapshot_every, int) or self.snapshot_every < 0:
+            raise ConfigError(f"snapshot_every must be an integer >= 0, not "
+                              f"{self.snapshot_every!r}")
+        if self.keep_blocks is not None and (not isinstance(self.keep_blocks, int)
+                                             or self.keep_blocks < 1):
+            raise ConfigError(f"keep_blocks must be an integer >= 1, not {self.keep_blocks!r}")
         if self.name is not None:
             from ps_p2p.home import check_name
 

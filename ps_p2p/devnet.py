@@ -1310,6 +1310,8 @@ class _WorkerProcess:
                     listen=spec.get("listen", NodeConfig.listen),
                     # every node on 127.0.0.1: per-address caps would group them all
                     connections=InboundLimits(exempt=LOOPBACK),
+                    # a test network: a block a second when idle (the default is 30 s)
+                    block_interval=1.0,
                 )
                 config.forwarding.group_key = spec.get("group_key", "")
                 async with trio.open_nursery() as nursery:

@@ -566,6 +566,8 @@ class Node:
                 host, self.keys.identity, self.genesis_file.genesis, store,
                 self.genesis_file.consensus,
                 ConsensusServiceConfig(empty_block_interval=self.config.block_interval,
+                                       snapshot_every=self.config.snapshot_every,
+                                       keep_blocks=self.config.keep_blocks,
                                        byzantine=self.config.byzantine),
             )
             self.consensus = consensus

@@ -93,3 +93,15 @@ def test_metrics_addresses_parse_into_host_and_port(text, expected):
 
     assert parse_host_port(text) == expected
     assert load_config(None, {"roles": ["verifier"], "metrics": text}).metrics == text
+
+
+def test_snapshot_and_pruning_options_are_checked(tmp_path):
+    path = tmp_path / "node.toml"
+    roles = 'roles = ["verifier"]\n'
+    path.write_text(roles + "snapshot_every = 500\nkeep_blocks = 10000\nblock_interval = 30\n")
+    config = load_config(path)
+    assert (config.snapshot_every, config.keep_blocks, config.block_interval) == (500, 10000, 30)
+    for bad in ("snapshot_every = -1", "keep_blocks = 0", "snapshot_every = 1.5"):
+        path.write_text(roles + bad + "\n")
+        with pytest.raises(ConfigError, match=bad.split(" ")[0]):
+            load_config(path)

@@ -263,3 +263,90 @@ async def test_a_validators_useless_votes_skip_the_signature_check_and_outsiders
             assert service.blocksync.not_allowed == 1
             assert service.blocksync.served == served + 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_validator_snapshots_off_the_event_loop_and_restarts_from_the_snapshot(tmp_path):
+    """Issue 17: the state snapshot is encoded in a worker thread and written on the loop; a
+    restart loads it and executes only the blocks after it."""
+    async with trio.open_nursery() as nursery:
+        committee = LocalCommittee(nursery, tmp_path, 4, config=ConsensusServiceConfig(
+            empty_block_interval=0.1, snapshot_every=3))
+        victim = committee.members[3]
+        with trio.fail_after(120):
+            await committee.start_all()
+            who, tx = register_tx(3)
+            committee.members[0].service.submit_tx(tx)
+            await wait_listed(committee, who.peer_id)
+            await committee.wait_committed(8)
+            while victim.service.snapshots_written < 2:
+                await committee.wait_committed(
+                    victim.service.validator.committed_height + 1, [victim])
+            await committee.kill(victim)
+            await committee.start(victim)
+            v = victim.service.validator
+            assert v.stats.snapshot_height >= 3 and v.stats.snapshot_height % 3 == 0
+            assert who.peer_id in v.state.records
+            await committee.wait_committed(v.committed_height + 2)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_own_vote_leaves_only_after_the_wal_fsync_that_runs_off_the_event_loop(
+        tmp_path):
+    """Issue 17: the WAL write is committed without its fsync, the fsync runs in a worker
+    thread, and the signed vote is sent only once it returned (the invariant: durable before
+    it leaves); messages behind it wait too, in order."""
+    import threading
+
+    from ps_p2p.consensus.store import ConsensusStore
+    from ps_p2p.consensus.validator import SendMessage
+    from ps_p2p.protocols.consensus import ConsensusService
+
+    key = Identity.from_private_bytes(b"\x01" * 32)
+    genesis = app.Genesis("fsync-test", 1_700_000_000_000, (app.Validator(key.peer_id),))
+
+    class Host:
+        def get_id(self):  # type: ignore[no-untyped-def]
+            return ID(key.peer_id)
+
+    class Links:
+        sent: list[bytes] = []
+
+        def send(self, peer: bytes, data: bytes) -> None:
+            self.sent.append(data)
+
+    store = ConsensusStore(tmp_path / "c.sqlite")
+    service = ConsensusService(Host(), key, genesis, store)  # type: ignore[arg-type]
+    service.peers = (b"peer",)
+    service._links = Links()  # type: ignore[assignment]
+    gate, entered = threading.Event(), threading.Event()
+    fsyncs: list[int] = []
+    real = store.sync_target
+
+    def gated():  # type: ignore[no-untyped-def]
+        fsync = real()
+
+        def run() -> None:
+            entered.set()
+            gate.wait(10)
+            fsync()
+            fsyncs.append(1)
+        return run
+    store.sync_target = gated  # type: ignore[method-assign]
+    first = sign_vote(key, genesis.chain_id, Vote(VoteType.PREVOTE, 1, 0, None, key.peer_id))
+    second = sign_vote(key, genesis.chain_id, Vote(VoteType.PRECOMMIT, 1, 0, None, key.peer_id))
+    async with trio.open_nursery() as nursery:
+        service._nursery = nursery
+        store.record_signed(1, 0, 1, None, cc.encode_message(first))
+        assert store.needs_sync  # committed, not yet fsynced
+        service._execute(SendMessage(first))
+        await trio.to_thread.run_sync(entered.wait, 10)
+        service._execute(SendMessage(second))  # durable already, but behind the first
+        await trio.sleep(0)  # the event loop runs while the fsync is pending ...
+        assert Links.sent == []  # ... and nothing left before it returned
+        gate.set()
+        with trio.fail_after(10):
+            while len(Links.sent) < 2:
+                await trio.sleep(0.01)
+    assert fsyncs == [1] and service.fsyncs == 1
+    assert Links.sent == [cc.encode_message(first), cc.encode_message(second)]
+    store.close()

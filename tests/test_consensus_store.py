@@ -82,3 +82,40 @@ def test_a_store_of_another_schema_version_is_refused(tmp_path):
     db.close()
     with pytest.raises(StoreError, match="schema 99"):
         ConsensusStore(path)
+
+
+def _synchronous(store: ConsensusStore) -> int:
+    return store._db.execute("PRAGMA synchronous").fetchone()[0]
+
+
+def test_only_own_signed_messages_are_fsynced_and_blocks_ride_on_the_next_one(tmp_path):
+    """Issue 17: a signed vote must be durable before it is sent (synchronous=FULL, 2); a
+    block, a snapshot or pruning need no fsync of their own (NORMAL, 1): the journal is
+    appended in order, so the next signed message's fsync covers them."""
+    store = ConsensusStore(tmp_path / "c.sqlite")
+    store.save_block(1, b"block 1", b"commit 1")
+    assert _synchronous(store) == 1 and store.grouped_writes == 1 and store.synced_writes == 0
+    store.record_signed(2, 0, Step.PREVOTE, A, b"prevote")
+    assert _synchronous(store) == 2 and store.synced_writes == 1
+    store.save_snapshot(1, b"h" * 32, b"state")
+    store.prune_signed(2)
+    assert _synchronous(store) == 1 and store.grouped_writes == 3
+    store.close()
+    reopened = ConsensusStore(tmp_path / "c.sqlite")  # all of it is there after a reopen
+    assert reopened.block(1) == (b"block 1", b"commit 1")
+    assert reopened.snapshots() == [(1, b"h" * 32)] and reopened.snapshot(1) == b"state"
+    assert [e.message for e in reopened.signed_at(2)] == [b"prevote"]
+
+
+def test_a_schema_2_store_opens_and_gains_the_snapshot_table(tmp_path):
+    import sqlite3
+    path = tmp_path / "old.sqlite"
+    ConsensusStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE meta SET value='2' WHERE key='schema'")
+    db.execute("DROP TABLE snapshots")
+    db.commit()
+    db.close()
+    store = ConsensusStore(path)
+    assert store.snapshots() == []
+    assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "3"

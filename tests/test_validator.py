@@ -157,3 +157,165 @@ def test_a_validator_restarted_after_locking_a_value_keeps_its_lock(tmp_path):
     assert fresh.height == height and fresh.stats.locks_restored == 1
     assert (state.locked_value, state.locked_round) == (signed.locked, signed.round)
     assert (state.valid_value, state.valid_round) == (signed.locked, signed.round)
+
+
+# ------------------------------------------------------------------ state snapshots (issue 17)
+
+
+def _snapshot_net(tmp_path, **options):
+    stores = [ConsensusStore(tmp_path / f"v{i}.sqlite") for i in range(4)]
+    net = MemoryCommittee(KEYS, GENESIS, consensus=FAST, stores=stores,
+                          validator_options=options)
+    net.route(1, net.vals[1].add_tx(register_tx(3), net.now))
+    assert net.run_until(lambda: all(v.committed_height >= 10 for v in net.vals), 60.0)
+    return net, stores
+
+
+def _restart(net, stores, tmp_path, i=0, **options):
+    h, app_hash = net.vals[i].committed_height, net.vals[i].state.app_hash
+    stores[i].close()
+    stores[i] = ConsensusStore(tmp_path / f"v{i}.sqlite")
+    fresh = Validator(KEYS[i], GENESIS, stores[i], WIRE, FAST, **options)
+    fresh.start(net.now)
+    assert fresh.committed_height == h and fresh.state.app_hash == app_hash
+    assert len(fresh.state.records) == 1
+    return fresh, h
+
+
+def test_a_restart_loads_the_newest_snapshot_and_executes_only_the_later_blocks(tmp_path):
+    net, stores = _snapshot_net(tmp_path, snapshot_every=4)
+    kept = [h for h, _ in stores[0].snapshots()]
+    assert len(kept) == 2 and all(h % 4 == 0 for h in kept)  # the newest two
+    fresh, h = _restart(net, stores, tmp_path, snapshot_every=4)
+    newest = max(s for s, _ in stores[0].snapshots() if s < h)
+    assert fresh.stats.snapshot_height == newest  # not the genesis: h - newest blocks executed
+    # the directory is served at once (one block executed after the snapshot)
+    assert fresh.history.served is not None and fresh.history.header.height == h
+
+
+def test_a_snapshot_that_does_not_give_its_app_hash_is_skipped(tmp_path):
+    net, stores = _snapshot_net(tmp_path, snapshot_every=4)
+    h = net.vals[0].committed_height
+    newest = max(s for s, _ in stores[0].snapshots() if s < h)
+    data = bytearray(stores[0].snapshot(newest))
+    data[-1] ^= 1  # one bit of the epoch ledger's bytes
+    stores[0]._db.execute("UPDATE snapshots SET state=? WHERE height=?", (bytes(data), newest))
+    fresh, _ = _restart(net, stores, tmp_path, snapshot_every=4)
+    assert fresh.stats.snapshot_height < newest  # the older one, or the genesis
+
+
+def test_blocks_are_pruned_below_the_snapshots_and_a_restart_still_works(tmp_path):
+    net, stores = _snapshot_net(tmp_path, snapshot_every=3, keep_blocks=2)
+    first = stores[0].first_height()
+    oldest = min(s for s, _ in stores[0].snapshots())
+    assert first > 1 and first == oldest + 1  # nothing a restart needs is gone
+    fresh, _ = _restart(net, stores, tmp_path, snapshot_every=3, keep_blocks=2)
+    assert fresh.stats.snapshot_height >= oldest
+    # block sync does not serve pruned heights (an empty answer, not later blocks)
+    from ps_p2p.protocols import consensus_codec as cc
+    from ps_p2p.protocols.blocksync import BlockSyncServer
+    blocks, _ = cc.decode_sync_response(BlockSyncServer(stores[0], allow=lambda p: True)
+                                        .response(1, 16))
+    assert blocks == []
+
+
+def test_a_store_pruned_without_a_usable_snapshot_is_refused(tmp_path):
+    net, stores = _snapshot_net(tmp_path, snapshot_every=3, keep_blocks=2)
+    stores[0]._db.execute("DELETE FROM snapshots")
+    stores[0].close()
+    stores[0] = ConsensusStore(tmp_path / "v0.sqlite")
+    from ps_p2p.errors import StoreError
+    with pytest.raises(StoreError, match="no state snapshot"):
+        Validator(KEYS[0], GENESIS, stores[0], WIRE, FAST).start(0.0)
+
+
+def test_a_state_snapshot_round_trips_and_refuses_a_changed_byte(tmp_path):
+    from ps_p2p.consensus.snapshot import decode_state, encode_state
+    from ps_p2p.errors import RemoteProtocolError
+    net, _ = _snapshot_net(tmp_path, snapshot_every=0)
+    state = net.vals[0].state
+    data = encode_state(state)
+    back = decode_state(data, app.genesis_state(GENESIS))
+    assert back.app_hash == state.app_hash and back.height == state.height
+    assert encode_state(back) == data
+    for i in (len(data) // 2, len(data) - 1):
+        bad = bytearray(data)
+        bad[i] ^= 0x40
+        with pytest.raises(RemoteProtocolError):
+            decode_state(bytes(bad), app.genesis_state(GENESIS))
+
+
+# ------------------------------------------------------------------ empty blocks (issue 17)
+
+
+def _record_tx(i: int, expires: int) -> bytes:
+    who = Identity.from_private_bytes(hashlib.sha256(b"expiring %d" % i).digest())
+    record = sign_record(who, NodeRecord(
+        who.peer_id, (f"/ip4/10.1.{i}.1/tcp/4001",), frozenset({Role.USER}), ONION,
+        issued_at_ms=T0, expires_at_ms=expires))
+    return app.encode_tx(app.RegisterTx(record))
+
+
+def test_an_idle_chain_waits_the_interval_and_a_transaction_makes_a_block_at_once():
+    net = MemoryCommittee(KEYS, GENESIS, consensus=FAST, empty_block_interval=30.0)
+    assert net.run_until(lambda: all(v.committed_height >= 1 for v in net.vals), 5.0)
+    assert not net.run_until(lambda: any(v.committed_height >= 2 for v in net.vals), 25.0)
+    before = net.now
+    tx = register_tx(5)
+    net.route(2, net.vals[2].add_tx(tx, net.now))
+    assert net.run_until(lambda: all(len(v.state.records) == 1 for v in net.vals), before + 3.0)
+
+
+def test_an_idle_chain_makes_a_block_when_a_listed_record_expires():
+    """Block time is the chain's only clock: an expired record leaves at the next block, so an
+    idle proposer does not wait its whole interval past an expiry."""
+    net = MemoryCommittee(KEYS, GENESIS, consensus=FAST, empty_block_interval=30.0,
+                          genesis_offset_ms=1000)
+    expires = T0 + 1000 + 8_000  # the validators' clock at now = 8 s
+    net.route(0, net.vals[0].add_tx(_record_tx(1, expires), net.now))
+    assert net.run_until(lambda: all(len(v.state.records) == 1 for v in net.vals), 5.0)
+    assert net.run_until(lambda: all(len(v.state.records) == 0 for v in net.vals), 12.0)
+
+
+def test_the_default_interval_keeps_an_idle_directory_fresh():
+    from ps_p2p.config import NodeConfig
+    from ps_p2p.consensus.directory import MAX_DIRECTORY_AGE_MS
+    from ps_p2p.consensus.validator import EMPTY_BLOCK_INTERVAL
+    assert NodeConfig().block_interval == EMPTY_BLOCK_INTERVAL >= 10  # not a block a second
+    # the newest header of an idle chain is at most one interval (plus a commit and a
+    # refresh) old: a node accepts it with a wide margin
+    assert EMPTY_BLOCK_INTERVAL * 1000 * 10 <= MAX_DIRECTORY_AGE_MS
+
+
+def test_a_block_that_changes_the_state_is_followed_soon_by_the_one_that_commits_its_hash():
+    """The directory serves state h - 1 with header h: after a registration's block the next
+    block must not wait the idle interval, or the node stays unlisted that long."""
+    net = MemoryCommittee(KEYS, GENESIS, consensus=FAST, empty_block_interval=30.0)
+    assert net.run_until(lambda: all(v.committed_height >= 1 for v in net.vals), 5.0)
+    net.route(0, net.vals[0].add_tx(register_tx(6), net.now))
+    assert net.run_until(lambda: all(len(v.state.records) == 1 for v in net.vals), 5.0)
+    h = net.vals[0].committed_height
+    assert net.run_until(lambda: all(v.committed_height >= h + 1 for v in net.vals),
+                         net.now + 3.0)
+    assert all(v.history.served is not None and len(v.history.served.records) == 1
+               for v in net.vals)
+
+
+def test_an_idle_validator_waits_no_longer_than_the_epochs_next_attempt():
+    """The epochs' leader attempts run on block time (ledger.py): an idle chain must make a
+    block at the next attempt's start, not an interval later; never sooner than 1 s."""
+    from ps_p2p.verification.ledger import EpochLedger, VerificationParams
+    params = VerificationParams(model_id="m", pool_sha256="00" * 32, pool_size=4,
+                                attempt_ms=10_000)
+    genesis = app.Genesis(CHAIN, T0, GENESIS.validators, verification=params)
+    clock = {"ms": T0 + 1000}
+    v = Validator(KEYS[0], genesis, ConsensusStore(":memory:"), WIRE, FAST,
+                  empty_block_interval=30.0, unix_ms=lambda: clock["ms"])
+    assert v.idle_delay() == 30.0  # epoch not started: nothing due
+    state = v.state.copy()
+    state.time_ms = T0 + 1000
+    state.ledger = EpochLedger(anchor=b"\x01" * 32, start_ms=T0, eligible=GENESIS.validators)
+    v.state = state
+    assert v.idle_delay() == pytest.approx(9.001)  # attempt 1 starts at T0 + 10 s
+    clock["ms"] = T0 + 9_900
+    assert v.idle_delay() == 1.0  # due in 0.1 s, but at least MIN_IDLE_DELAY

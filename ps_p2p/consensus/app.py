@@ -744,6 +744,13 @@ class AppState:
         """Records listed with a membership of the organization key ``org_key``."""
         return self._orgs[org_key]
 
+    def next_expiry_ms(self) -> int | None:
+        """A lower bound of the block time at which the next listed record expires (None: no
+        record); the bound is exact unless that record was renewed or removed since (then the
+        next block past it drops the stale entry). For a proposer that waits for a block on an
+        idle chain (issue 17), so an expired record leaves at once, not an interval later."""
+        return self._expiry[0][0] if self._expiry else None
+
     def aux_root(self) -> bytes:
         """The aux root (module docstring): :func:`aux_root_of` the registry aux and the
         reputation root."""

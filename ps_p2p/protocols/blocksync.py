@@ -113,6 +113,8 @@ class BlockSyncServer:
         size = 64
         if from_height > latest:  # nothing to send (and u64 heights beyond SQLite's int64)
             return cc.encode_sync_response(blocks, latest)
+        if from_height < self.store.first_height():  # pruned here: another peer may serve it
+            return cc.encode_sync_response(blocks, latest)
         for height, block, commit in self.store.blocks_from(from_height, max_blocks):
             item = cc.SyncedBlock(height, block, cc.decode_commit(commit))
             item_size = len(block) + len(commit) + 32

@@ -29,7 +29,10 @@ relayed once to the other validators; a refused one is counted, not reset (the s
 may differ).
 
 Outbound: a :class:`~ps_p2p.protocols.links.LinkManager` (bounded per-peer queues, dial
-back-off). Every ``rebroadcast_interval`` seconds (default the core's ``timeout_prevote``) the
+back-off). Own signed messages are written to the WAL without an fsync on the event loop; the
+fsync runs in a worker thread and the messages written before it are sent once it returned,
+in order (group commit, ``deferred_sync``; issue 17: a signed message is still durable before
+it leaves). Every ``rebroadcast_interval`` seconds (default the core's ``timeout_prevote``) the
 validator sends again its own messages of the current height's last two rounds, so a validator
 that reconnects, or lost a frame with a link, catches up.
 
@@ -62,7 +65,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 
-from ps_p2p.consensus.app import Genesis, Mempool
+from ps_p2p.consensus.app import AppState, Genesis, Mempool
 from ps_p2p.consensus.block import decode_block, encode_block, make_block
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.signing import (
@@ -71,10 +74,12 @@ from ps_p2p.consensus.signing import (
     verify_proposal,
     verify_vote,
 )
+from ps_p2p.consensus.snapshot import encode_state
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Proposal, Vote
 from ps_p2p.consensus.validator import (
     EMPTY_BLOCK_INTERVAL,
+    SNAPSHOT_EVERY,
     Action,
     Committed,
     RelayTx,
@@ -130,6 +135,11 @@ class ConsensusServiceConfig:
         max_inflight_per_peer: inputs of one peer waiting in the driver's inbox.
         sync_timeout: one block-sync request's deadline.
         min_sync_interval: between two syncs from one peer.
+        snapshot_every, keep_blocks: state snapshots and block pruning
+            (:class:`~ps_p2p.consensus.validator.Validator`).
+        deferred_sync: the WAL's fsync runs in a worker thread, grouped, and own messages
+            are sent once it returned (:meth:`ConsensusService._flush_held`); False: each
+            own message's write fsyncs on the event loop.
         byzantine: TEST ONLY: equivocate (:class:`ByzantineSender`); never set by users.
     """
 
@@ -140,6 +150,9 @@ class ConsensusServiceConfig:
     max_inflight_per_peer: int = 1024
     sync_timeout: float = 10.0
     min_sync_interval: float = 0.5
+    snapshot_every: int = SNAPSHOT_EVERY
+    keep_blocks: int | None = None
+    deferred_sync: bool = True
     byzantine: bool = False
 
 
@@ -245,7 +258,8 @@ class ConsensusService:
             self.validator = Validator(
                 identity, genesis, store, WIRE, consensus, mempool=mempool,
                 empty_block_interval=self.config.empty_block_interval, unix_ms=unix_ms,
-                value_check=value_check,
+                value_check=value_check, snapshot_every=self.config.snapshot_every,
+                keep_blocks=self.config.keep_blocks, snapshot_writer=self._write_snapshot,
             )
         except PsError as exc:
             raise ConfigError(str(exc)) from exc
@@ -264,6 +278,15 @@ class ConsensusService:
         self.blocksync = BlockSyncServer(store, allow=self._may_sync, clock=clock)
         self.refused: collections.Counter[str] = collections.Counter()
         self.fatal: StoreError | None = None
+        #: state snapshots encoded in a worker thread and written
+        self.snapshots_written = 0
+        #: own messages waiting for the WAL's fsync (a worker thread), and its counters
+        self._held: list[SendMessage] = []
+        self._flushing = False
+        self.fsyncs = 0
+        self.fsync_seconds = 0.0
+        if self.config.deferred_sync:
+            store.deferred_sync = store.path != ":memory:"
         self._links: LinkManager | None = None
         self._inflight: collections.Counter[bytes] = collections.Counter()
         self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -273,6 +296,7 @@ class ConsensusService:
         self._last_sync: dict[bytes, float] = {}
         self._committed = trio.Event()
         self._cancel: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
         self.byzantine: ByzantineSender | None = None
         if self.config.byzantine:
             self.byzantine = ByzantineSender(identity, genesis, self.peers)
@@ -296,6 +320,7 @@ class ConsensusService:
         try:
             with trio.CancelScope() as self._cancel:
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
                     self._links = LinkManager(
                         self.host, nursery, CONSENSUS_PROTOCOL_ID,
                         queue_frames=self.config.queue_frames,
@@ -465,15 +490,10 @@ class ConsensusService:
     def _execute(self, action: Action) -> None:
         assert self._links is not None
         if isinstance(action, SendMessage):
-            data = cc.encode_message(action.message)
-            for peer in self.peers:
-                self._links.send(peer, data)
-            if self.byzantine is not None:  # TEST ONLY: equivocate, bypassing the WAL
-                conflict = self.byzantine.conflicting(action.message)
-                if conflict is not None:
-                    data = cc.encode_message(conflict)
-                    for peer in self.byzantine.targets:
-                        self._links.send(peer, data)
+            if self.validator.store.needs_sync or self._flushing:
+                self._hold(action)
+            else:
+                self._send(action)
         elif isinstance(action, RelayTx):
             data = cc.encode_message(cc.Tx(action.tx))
             for peer in self.peers:
@@ -485,6 +505,54 @@ class ConsensusService:
             self._committed = trio.Event()
             if self.on_commit is not None:
                 self.on_commit(action)
+
+    def _hold(self, action: SendMessage) -> None:
+        """Keep an own message until the fsync of the WAL writes before it returned (the store
+        commits them without one: ``deferred_sync``); starts the flush task if none runs."""
+        if self._nursery is None:  # not running: fsync here
+            self.validator.store.sync_target()()
+            self._send(action)
+            return
+        self._held.append(action)
+        if not self._flushing:
+            self._flushing = True
+            self._nursery.start_soon(self._flush_held)
+
+    async def _flush_held(self) -> None:
+        """Group commit (issue 17): fsync the WAL in a worker thread, off the event loop, then
+        send every message held before that fsync started, in order; again while more came
+        in. A signed message therefore still leaves only once it is durable (a message held
+        behind one that waits is held too, so the order is kept)."""
+        store = self.validator.store
+        try:
+            while self._held:
+                batch, self._held = self._held, []
+                if store.needs_sync:
+                    fsync = store.sync_target()  # covers every write committed so far
+                    start = trio.current_time()
+                    await trio.to_thread.run_sync(fsync)
+                    self.fsync_seconds += trio.current_time() - start
+                    self.fsyncs += 1
+                for action in batch:
+                    self._send(action)
+        except (OSError, StoreError) as exc:
+            self._held = []
+            self._stop(exc if isinstance(exc, StoreError)
+                       else StoreError(f"consensus store fsync failed: {exc}"))
+        finally:
+            self._flushing = False
+
+    def _send(self, action: SendMessage) -> None:
+        assert self._links is not None
+        data = cc.encode_message(action.message)
+        for peer in self.peers:
+            self._links.send(peer, data)
+        if self.byzantine is not None:  # TEST ONLY: equivocate, bypassing the WAL
+            conflict = self.byzantine.conflicting(action.message)
+            if conflict is not None:
+                data = cc.encode_message(conflict)
+                for peer in self.byzantine.targets:
+                    self._links.send(peer, data)
 
     def _next_deadline(self) -> float:
         deadline = self.validator.next_deadline()
@@ -506,6 +574,23 @@ class ConsensusService:
                 self._ahead = None
                 self._request_sync(ahead[2])
         return actions
+
+    # ------------------------------------------------------------------ state snapshots
+
+    def _write_snapshot(self, state: AppState) -> None:
+        """The validator's ``snapshot_writer``: encode ``state`` (immutable once committed) in
+        a worker thread, O(records), so a large registry's snapshot does not stall the event
+        loop for a round's timeout; then write it on the loop (the sqlite connection's
+        thread). A snapshot lost to a stop is simply not there (the previous one is)."""
+        if self._nursery is None:
+            self.validator.keep_snapshot(state.height, state.app_hash, encode_state(state))
+            return
+        self._nursery.start_soon(self._encode_and_keep, state)
+
+    async def _encode_and_keep(self, state: AppState) -> None:
+        data = await trio.to_thread.run_sync(encode_state, state)
+        self._guard(self.validator.keep_snapshot, state.height, state.app_hash, data)
+        self.snapshots_written += 1
 
     # ------------------------------------------------------------------ block sync
 

@@ -98,7 +98,9 @@ class LocalCommittee:
 
         self.nursery = nursery
         self.consensus = consensus
-        self.config = config or ConsensusServiceConfig()
+        # a test committee: an empty block every 0.5 s when idle (the default is 30 s), as
+        # its tests wait for heights
+        self.config = config or ConsensusServiceConfig(empty_block_interval=0.5)
         self.on_commit = on_commit
         self.byzantine = frozenset(byzantine)
         identities = [
@@ -213,14 +215,18 @@ class MemoryCommittee:
         down: indices not started (and deaf).
         value_check: ``value_check(i)``, validator i's own check of epoch reports (or None).
         genesis_offset_ms: the validators' unix clock is ``genesis time + offset + now``.
+        validator_options: more keyword arguments of every :class:`Validator` (e.g.
+            ``snapshot_every``).
     """
 
     def __init__(self, keys: Sequence[Identity], genesis: app.Genesis, *,
                  consensus: ConsensusConfig | None = None,
                  stores: list[ConsensusStore] | None = None, down: Sequence[int] = (),
                  value_check: Callable[[int], Callable[[bytes], str | None] | None] | None = None,
-                 empty_block_interval: float = 0.5, genesis_offset_ms: int = 1000) -> None:
+                 empty_block_interval: float = 0.5, genesis_offset_ms: int = 1000,
+                 validator_options: dict[str, object] | None = None) -> None:
         self.keys = list(keys)
+        self._options = dict(validator_options or {})
         self.genesis = genesis
         self.consensus = consensus or FAST_CONSENSUS
         self.now = 0.0
@@ -242,7 +248,8 @@ class MemoryCommittee:
             self.keys[i], self.genesis, self.stores[i], WIRE, self.consensus,
             empty_block_interval=self._interval,
             unix_ms=lambda: self.genesis.time_ms + self._offset + int(self.now * 1000),
-            value_check=self._value_check(i) if self._value_check is not None else None)
+            value_check=self._value_check(i) if self._value_check is not None else None,
+            **self._options)  # type: ignore[arg-type]
 
     def route(self, src: int, actions: Sequence[object]) -> None:
         """Deliver validator ``src``'s actions (queued for the others; commits recorded)."""
