@@ -206,7 +206,8 @@ class MemoryCommittee:
     queued.
 
     Args:
-        keys: the validators' identities (``genesis``' validators, in order).
+        keys: the validators' identities (``genesis``' validators, in order; more keys are
+            validators a VALSET_UPDATE may add: they follow the chain until then).
         genesis: the chain.
         consensus: the timeouts (default :data:`FAST_CONSENSUS`).
         stores: one per validator (default in-memory ones), e.g. to restart from.
@@ -242,7 +243,8 @@ class MemoryCommittee:
             self.keys[i], self.genesis, self.stores[i], WIRE, self.consensus,
             empty_block_interval=self._interval,
             unix_ms=lambda: self.genesis.time_ms + self._offset + int(self.now * 1000),
-            value_check=self._value_check(i) if self._value_check is not None else None)
+            value_check=self._value_check(i) if self._value_check is not None else None,
+            joining=all(v.address != self.keys[i].peer_id for v in self.genesis.validators))
 
     def route(self, src: int, actions: Sequence[object]) -> None:
         """Deliver validator ``src``'s actions (queued for the others; commits recorded)."""

@@ -1,0 +1,256 @@
+"""Evidence with consequences (issue 17, finding 5): double proposals as evidence, committed
+evidence excluding a validator from proposing and leading epochs, and validator-set changes by
+a VALSET_UPDATE signed by more than 2/3 of the current power."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ps_p2p.consensus import app
+from ps_p2p.consensus.block import block_id, make_block
+from ps_p2p.consensus.signing import sign_proposal, verify_commit
+from ps_p2p.consensus.types import Proposal, Validator
+from ps_p2p.errors import InvalidCommitError, InvalidTransactionError
+from ps_p2p.keys import Identity
+from ps_p2p.testing.committee import MemoryCommittee
+from ps_p2p.verification import ledger
+
+CHAIN = "planetserve-evidence"
+T0 = 1_700_000_000_000
+SECOND = 1000
+KEYS = [Identity.from_private_bytes(bytes([i]) * 32) for i in range(1, 7)]
+VALIDATORS = tuple(Validator(k.peer_id) for k in KEYS[:4])
+GENESIS = app.Genesis(CHAIN, T0, VALIDATORS)
+OUTSIDER = KEYS[5]
+
+
+@pytest.fixture
+def genesis():
+    return app.genesis_state(GENESIS)
+
+
+def run(state: app.AppState, txs, proposer: Identity = KEYS[0]):
+    block = make_block(chain_id=CHAIN, height=state.height + 1, time_ms=state.time_ms + SECOND,
+                       prev_block_id=state.block_id, app_hash=state.app_hash,
+                       proposer=proposer.peer_id, txs=txs)
+    return app.execute_block(state, block)
+
+
+def errors(result) -> list[str | None]:
+    return [None if r.ok else type(r.error).__name__ for r in result.tx_results]
+
+
+# ---------------------------------------------------------------------------- proposal evidence
+
+
+def proposal(key: Identity = KEYS[2], value: bytes = b"block A", *, height: int = 1,
+             round_: int = 0, pol: int = -1) -> Proposal:
+    return sign_proposal(key, CHAIN, Proposal(height, round_, value, pol, b""))
+
+
+def double_proposal(key: Identity = KEYS[2], height: int = 1) -> app.ProposalEvidenceTx:
+    return app.ProposalEvidenceTx.of(proposal(key, b"block A", height=height),
+                                     proposal(key, b"block B", height=height))
+
+
+def test_double_proposal_evidence_round_trips_and_is_recorded_once(genesis):
+    evidence = double_proposal()
+    tx = app.encode_tx(evidence)
+    assert app.decode_tx(tx, 8192) == evidence
+    assert evidence.first.value_hash < evidence.second.value_hash  # one encoding per pair
+    state, result = run(genesis, [tx, tx])
+    assert errors(result) == [None, "InvalidTransactionError"]
+    assert list(state.evidence.values()) == [(KEYS[2].peer_id, 1)]
+    assert state.excluded == {KEYS[2].peer_id}
+    empty, _ = run(genesis, [])
+    assert state.app_hash != empty.app_hash
+
+
+def _swap(e: app.ProposalEvidenceTx) -> app.ProposalEvidenceTx:
+    return app.ProposalEvidenceTx(e.second, e.first)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: _swap(double_proposal()), "not ascending"),
+    (lambda: app.ProposalEvidenceTx(double_proposal().first, double_proposal().first),
+     "not conflicting"),
+    (lambda: app.ProposalEvidenceTx.of(proposal(KEYS[2], b"A"), proposal(KEYS[3], b"B")),
+     "differs in proposer"),
+    (lambda: app.ProposalEvidenceTx.of(proposal(value=b"A"), proposal(value=b"B", round_=1)),
+     "differs in proposer, height or round"),
+    (lambda: double_proposal(key=OUTSIDER), "not a validator"),
+    (lambda: double_proposal(height=9), "future height"),
+    (lambda: app.ProposalEvidenceTx(double_proposal().first, dataclasses.replace(
+        double_proposal().second, signature=b"\x00" * 64)), "signature does not verify"),
+    (lambda: app.ProposalEvidenceTx(double_proposal().first, dataclasses.replace(
+        double_proposal().second, pol_round=0)), "POL round"),
+])
+def test_invalid_double_proposal_evidence_is_refused(make, match, genesis):
+    with pytest.raises(InvalidTransactionError, match=match):
+        app.check_tx(app.encode_tx(make()), genesis, T0)
+
+
+def test_a_proposal_signed_for_another_chain_is_no_evidence(genesis):
+    other = sign_proposal(KEYS[2], "another-chain", Proposal(1, 0, b"block B", -1, b""))
+    with pytest.raises(InvalidTransactionError, match="signature does not verify"):
+        app.check_tx(app.encode_tx(app.ProposalEvidenceTx.of(proposal(), other)), genesis, T0)
+
+
+def test_evidence_waits_in_the_listed_lane_of_the_mempool(genesis):
+    pool = app.Mempool()
+    assert pool.add(app.encode_tx(double_proposal()), genesis, T0)
+    assert pool.lane_size(app.Lane.LISTED) == 1 and pool.lane_size(app.Lane.NEW) == 0
+
+
+# ---------------------------------------------------------------------------- leaders
+
+
+def test_an_excluded_validator_is_no_eligible_epoch_leader():
+    params = ledger.VerificationParams(model_id="m", pool_sha256="0" * 64, pool_size=4)
+    book = ledger.EpochLedger()
+    book.commitments[1] = {v.address: b"c" * 32 for v in VALIDATORS}
+    nodes = [(b"n" * 38, b"node\x00n")]
+    assert ledger.maybe_start(book, VALIDATORS, nodes, params, b"h" * 32, T0,
+                              excluded=frozenset({KEYS[1].peer_id}))
+    assert KEYS[1].peer_id not in {v.address for v in book.eligible}
+    assert len(book.eligible) == 3
+    everyone = ledger.EpochLedger()
+    everyone.commitments[1] = {KEYS[0].peer_id: b"c" * 32}
+    assert not ledger.maybe_start(everyone, VALIDATORS, nodes, params, b"h" * 32, T0)
+
+
+# ---------------------------------------------------------------------------- valset updates
+
+
+NEW_SET = tuple(sorted(VALIDATORS[:3] + (Validator(KEYS[4].peer_id, 1),),
+                       key=lambda v: v.address))
+
+
+def update(signers=KEYS[:3], new=NEW_SET, effective: int = 3,
+           current=VALIDATORS) -> app.ValsetUpdateTx:
+    return app.make_valset_update(new, effective, [
+        app.sign_valset_update(k, CHAIN, current, new, effective) for k in signers])
+
+
+def test_a_valset_update_signed_by_more_than_two_thirds_switches_the_set_at_its_height(genesis):
+    tx = app.encode_tx(update())
+    assert app.decode_tx(tx, 8192) == update()
+    s1, r1 = run(genesis, [tx])
+    assert errors(r1) == [None]
+    assert s1.validators == VALIDATORS and s1.pending_valset == (3, NEW_SET)
+    assert s1.app_hash != run(genesis, [])[0].app_hash  # the pending update is in the hash
+    s2, _ = run(s1, [])  # block 2: the last of the old set; block 3 is the new set's
+    assert s2.validators == NEW_SET and s2.pending_valset is None
+    assert s2.is_validator(KEYS[4].peer_id) and not s2.is_validator(KEYS[3].peer_id)
+    with pytest.raises(InvalidTransactionError, match="to the current set"):
+        app.check_tx(tx, s2, T0)  # executed: replaying it changes nothing, refused
+    stale = update(new=VALIDATORS[:3], effective=6)  # signed over the genesis set
+    with pytest.raises(InvalidTransactionError, match="bad signature"):
+        app.check_tx(app.encode_tx(stale), s2, T0)  # the set it named is gone
+    s3, _ = run(s2, [], proposer=KEYS[4])  # the new member may propose block 3
+    assert s3.height == 3
+
+
+def test_a_chain_that_never_changes_its_set_keeps_its_app_hash(genesis):
+    state, _ = run(genesis, [])
+    assert state.registry_aux() == app.AppState.registry_aux(state)
+    plain = app.genesis_state(GENESIS)
+    plain._set_validators(VALIDATORS)  # the same set: no extension of the aux digest
+    assert plain.registry_aux() == genesis.registry_aux()
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: update(signers=KEYS[:2]), "power 2 of 4: more than 2/3"),
+    (lambda: update(signers=KEYS[:2] + [OUTSIDER]), "not a validator"),
+    (lambda: dataclasses.replace(update(), signatures=tuple(reversed(update().signatures))),
+     "signers not ascending"),
+    (lambda: dataclasses.replace(update(), signatures=(
+        (KEYS[0].peer_id, b"\x00" * 64),) + update().signatures[1:]), "bad signature"),
+    (lambda: update(effective=1), "must be in"),  # block 1 carries it: 2 at the earliest
+    (lambda: update(effective=app.MAX_VALSET_DELAY + 1), "must be in"),
+    (lambda: update(new=VALIDATORS), "to the current set"),
+    (lambda: update(new=(NEW_SET[0], NEW_SET[0])), "listed twice"),
+    (lambda: update(new=(Validator(KEYS[0].peer_id, 0),)), "power"),
+    (lambda: dataclasses.replace(update(), validators=tuple(reversed(NEW_SET))),
+     "not ascending"),
+    (lambda: update(current=NEW_SET), "bad signature"),  # signed over another set
+])
+def test_invalid_valset_updates_are_refused(make, match, genesis):
+    with pytest.raises(InvalidTransactionError, match=match):
+        app.check_tx(app.encode_tx(make()), genesis, T0)
+
+
+def test_a_second_valset_update_waits_for_the_pending_one(genesis):
+    state, _ = run(genesis, [app.encode_tx(update())])
+    other = update(new=VALIDATORS[:3], effective=5)
+    with pytest.raises(InvalidTransactionError, match="already pending"):
+        app.check_tx(app.encode_tx(other), state, T0)
+
+
+def test_valset_updates_wait_in_the_listed_lane_at_most_max_per_subject():
+    pool = app.Mempool(max_per_subject=1)
+    state = app.genesis_state(GENESIS)
+    assert pool.add(app.encode_tx(update()), state, T0)
+    assert pool.lane_size(app.Lane.LISTED) == 1
+    with pytest.raises(Exception, match="already pending"):
+        pool.add(app.encode_tx(update(effective=4)), state, T0)
+
+
+# ---------------------------------------------------------------------------- committees
+
+
+def proposers_after(net: MemoryCommittee, i: int, height: int) -> list[bytes]:
+    return [c.block.header.proposer for c in net.committed[i] if c.height > height]
+
+
+def test_an_equivocating_proposer_is_excluded_from_proposing_once_its_evidence_commits():
+    net = MemoryCommittee(KEYS[:4], GENESIS)
+    assert net.run_until(lambda: all(v.committed_height >= 2 for v in net.vals))
+    assert net.run_until(lambda: all(v.core.height == v.height and v.core.decision is None
+                                     for v in net.vals))
+    # the round's proposer signs two blocks; another validator, `seer`, receives both
+    core = net.vals[0].core
+    liar = next(i for i, k in enumerate(KEYS[:4])
+                if k.peer_id == core.proposer(core.height, core.round))
+    seer = (liar + 1) % 4
+    h, r = net.vals[seer].core.height, net.vals[seer].core.round
+    assert net.vals[seer].core.proposer(h, r) == KEYS[liar].peer_id
+    for value in (b"first value", b"second value"):
+        p = sign_proposal(KEYS[liar], CHAIN, Proposal(h, r, value, -1, b""))
+        net.route(seer, net.vals[seer].receive(p, net.now))
+    assert net.vals[seer].stats.evidence_seen == 1
+    accused = KEYS[liar].peer_id
+    assert net.run_until(lambda: all(accused in v.state.excluded for v in net.vals))
+    at = max(v.committed_height for v in net.vals)
+    assert net.run_until(lambda: all(v.committed_height >= at + 12 for v in net.vals))
+    for i in range(4):
+        later = proposers_after(net, i, at)
+        assert len(later) >= 12 and accused not in later
+        assert set(later) == {k.peer_id for k in KEYS[:4]} - {accused}
+    assert net.vals[0].validators == VALIDATORS  # it still votes: removal is the operator's
+
+
+def test_a_memory_committee_replaces_a_validator_and_keeps_committing():
+    joiner = KEYS[4]
+    net = MemoryCommittee(KEYS[:5], GENESIS, down=[])
+    assert net.run_until(lambda: all(v.committed_height >= 2 for v in net.vals[:4]))
+    effective = net.vals[0].committed_height + 4
+    tx = app.encode_tx(update(effective=effective))
+    net.route(0, net.vals[0].add_tx(tx, net.now))
+    assert net.run_until(lambda: all(v.committed_height >= effective for v in net.vals))
+    for v in net.vals:
+        assert v.validators == NEW_SET
+    # the removed validator 3 and the old member 0 go away: only the new set's quorum remains
+    # (1, 2 and the joiner: 3 of 4 of the new set; 2 of 4 of the old set would halt)
+    net.down.update({0, 3})
+    target = effective + 8
+    assert net.run_until(lambda: all(net.vals[i].committed_height >= target
+                                     for i in (1, 2, 4)), limit=120.0)
+    last = next(c for c in net.committed[1] if c.height == target)
+    info = verify_commit(CHAIN, NEW_SET, target, block_id(last.block.header), last.commit)
+    assert info.total_power == 4 and set(info.signers) <= {v.address for v in NEW_SET}
+    with pytest.raises(InvalidCommitError):  # 1 and 2 only hold 2 of the old set's 4
+        verify_commit(CHAIN, VALIDATORS, target, block_id(last.block.header), last.commit)
+    assert joiner.peer_id in info.signers
