@@ -254,3 +254,23 @@ def test_a_memory_committee_replaces_a_validator_and_keeps_committing():
     with pytest.raises(InvalidCommitError):  # 1 and 2 only hold 2 of the old set's 4
         verify_commit(CHAIN, VALIDATORS, target, block_id(last.block.header), last.commit)
     assert joiner.peer_id in info.signers
+    # a node without the chain follows the set from the genesis by the executed updates
+    updates = net.vals[1].state.valset_updates
+    assert app.validators_at(VALIDATORS, CHAIN, updates, target) == NEW_SET
+    assert app.validators_at(VALIDATORS, CHAIN, updates, effective - 1) == VALIDATORS
+
+
+def test_a_validator_set_chain_must_be_signed_by_each_previous_set():
+    first = update(effective=3)
+    back = update(signers=[KEYS[0], KEYS[1], KEYS[4]], new=VALIDATORS, effective=7,
+                  current=NEW_SET)
+    assert app.validators_at(VALIDATORS, CHAIN, [first, back], 6) == NEW_SET
+    assert set(app.validators_at(VALIDATORS, CHAIN, [first, back], 7)) == set(VALIDATORS)
+    with pytest.raises(InvalidCommitError, match="more than 2/3"):
+        app.validators_at(VALIDATORS, CHAIN, [update(signers=KEYS[:2])], 5)
+    with pytest.raises(InvalidCommitError, match="bad signature"):  # skips the first update
+        app.validators_at(VALIDATORS, CHAIN, [back], 9)
+    early = update(signers=[KEYS[0], KEYS[1], KEYS[4]], new=VALIDATORS, effective=3,
+                   current=NEW_SET)
+    with pytest.raises(InvalidCommitError, match="not increasing"):
+        app.validators_at(VALIDATORS, CHAIN, [first, early], 9)
