@@ -268,7 +268,7 @@ def test_a_validator_set_chain_must_be_signed_by_each_previous_set():
     assert set(app.validators_at(VALIDATORS, CHAIN, [first, back], 7)) == set(VALIDATORS)
     with pytest.raises(InvalidCommitError, match="more than 2/3"):
         app.validators_at(VALIDATORS, CHAIN, [update(signers=KEYS[:2])], 5)
-    with pytest.raises(InvalidCommitError, match="bad signature"):  # skips the first update
+    with pytest.raises(InvalidCommitError, match="not a validator|bad signature"):  # skips one
         app.validators_at(VALIDATORS, CHAIN, [back], 9)
     early = update(signers=[KEYS[0], KEYS[1], KEYS[4]], new=VALIDATORS, effective=3,
                    current=NEW_SET)
