@@ -274,3 +274,43 @@ def test_a_validator_set_chain_must_be_signed_by_each_previous_set():
                    current=NEW_SET)
     with pytest.raises(InvalidCommitError, match="not increasing"):
         app.validators_at(VALIDATORS, CHAIN, [first, early], 9)
+
+
+def test_ps_node_valset_sign_and_make_build_an_update_the_chain_takes(tmp_path):
+    import json
+
+    from libp2p.peer.id import ID
+
+    from ps_p2p.cli import main
+    from ps_p2p.keys import NodeKeys
+
+    keys = [NodeKeys.generate() for _ in range(5)]
+    current = tuple(Validator(k.identity.peer_id) for k in keys[:4])
+    new = current[:3] + (Validator(keys[4].identity.peer_id, 2),)
+
+    def write_set(name, validators):
+        path = tmp_path / name
+        path.write_text(json.dumps([{"peer_id": ID(v.address).to_base58(), "power": v.power}
+                                    for v in validators]))
+        return str(path)
+
+    cur, nxt = write_set("current.json", current), write_set("new.json", new)
+    approvals = []
+    for i, k in enumerate(keys[:3]):
+        key_file = tmp_path / f"node{i}.key"
+        key_file.write_text(k.to_json())
+        approvals += ["--approval", str(tmp_path / f"approval{i}.json")]
+        assert main(["valset", "sign", "--key-file", str(key_file), "--chain-id", CHAIN,
+                     "--current", cur, "--new", nxt, "--effective-height", "5",
+                     "--out", approvals[-1]]) == 0
+    out = tmp_path / "update.hex"
+    assert main(["valset", "make", "--new", nxt, "--effective-height", "5", *approvals,
+                 "--out", str(out)]) == 0
+    state = app.genesis_state(app.Genesis(CHAIN, T0, current))
+    tx = app.check_tx(bytes.fromhex(out.read_text().strip()), state, T0)
+    assert isinstance(tx, app.ValsetUpdateTx) and set(tx.validators) == set(new)
+    outsider = tmp_path / "outsider.key"
+    outsider.write_text(keys[4].to_json())
+    assert main(["valset", "sign", "--key-file", str(outsider), "--chain-id", CHAIN,
+                 "--current", cur, "--new", nxt, "--effective-height", "5",
+                 "--out", str(tmp_path / "x.json")]) == 2  # not in the current set
