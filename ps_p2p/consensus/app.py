@@ -971,7 +971,8 @@ class AppState:
         self.validators: tuple[Validator, ...] = tuple(genesis.validators)
         self.pending_valset: tuple[int, tuple[Validator, ...]] | None = None
         self.valset_updates: tuple[ValsetUpdateTx, ...] = ()
-        self._validators = frozenset(v.address for v in genesis.validators)  # replaced, never mutated
+        # the current set's addresses: replaced, never mutated (states share it)
+        self._validators = frozenset(v.address for v in genesis.validators)
         self._expiry: list[tuple[int, bytes]] = []  # heap of (expires_at_ms, peer ID), lazy
         self._networks: collections.Counter[str] = collections.Counter()
         self._orgs: collections.Counter[bytes] = collections.Counter()  # by organization key

@@ -436,8 +436,8 @@ class Validator:
         """Commit blocks fetched by block sync: (height, encoded block, commit) in height order.
 
         Blocks at or below the committed height are skipped; each other one must carry a
-        commit of the validator set of its height (checked here again) and follow the state (checked by
-        execution). Then the core jumps to the height after the last one.
+        commit of the validator set of its height (checked here again) and follow the state
+        (checked by execution). Then the core jumps to the height after the last one.
 
         Raises:
             ConsensusError (InvalidCommitError, InvalidBlockError): the first block that fails;
