@@ -14,6 +14,9 @@ from ps_p2p.consensus.signing import sign_proposal, verify_commit
 from ps_p2p.consensus.types import Proposal, Validator
 from ps_p2p.errors import InvalidCommitError, InvalidTransactionError
 from ps_p2p.keys import Identity
+from ps_p2p.consensus.store import ConsensusStore
+from ps_p2p.consensus.validator import Validator as Validator_
+from ps_p2p.protocols.consensus import WIRE
 from ps_p2p.testing.committee import MemoryCommittee
 from ps_p2p.verification import ledger
 
@@ -254,6 +257,11 @@ def test_a_memory_committee_replaces_a_validator_and_keeps_committing():
     with pytest.raises(InvalidCommitError):  # 1 and 2 only hold 2 of the old set's 4
         verify_commit(CHAIN, VALIDATORS, target, block_id(last.block.header), last.commit)
     assert joiner.peer_id in info.signers
+    # block sync across the change: each commit is checked against the set of its height
+    fresh = Validator_(KEYS[1], GENESIS, ConsensusStore(":memory:"), WIRE)
+    rows = net.stores[1].blocks_from(1, target)
+    fresh.apply_synced([(h, b, WIRE.decode_commit(c)) for h, b, c in rows], 0.0)
+    assert fresh.committed_height >= target and fresh.validators == NEW_SET
     # a node without the chain follows the set from the genesis by the executed updates
     updates = net.vals[1].state.valset_updates
     assert app.validators_at(VALIDATORS, CHAIN, updates, target) == NEW_SET
