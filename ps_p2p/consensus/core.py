@@ -33,7 +33,10 @@ nginx's upstream balancing): over the validators sorted by address, each step ad
 validator's power to its credit, picks the highest credit (ties: lowest address) and takes the
 total power from the winner. One cycle has ``total_power / gcd(powers)`` slots, in which each
 validator proposes ``power / gcd`` times, spread out rather than in runs; with equal powers it is
-plain round robin by address. ``proposer(h, r) = cycle[(h + r) % len(cycle)]``.
+plain round robin by address. ``proposer(h, r) = cycle[(h + r) % len(cycle)]``. The cycle runs
+over the validators not in ``StartHeight.excluded`` (committed evidence against them; all of
+them when every one is excluded); they still vote. A second value signed by the round's
+proposer is reported once per round (:class:`~ps_p2p.consensus.types.ProposalEquivocation`).
 
 Deviations from the paper, each harmless to safety:
 
