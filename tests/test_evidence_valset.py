@@ -322,3 +322,34 @@ def test_ps_node_valset_sign_and_make_build_an_update_the_chain_takes(tmp_path):
     assert main(["valset", "sign", "--key-file", str(outsider), "--chain-id", CHAIN,
                  "--current", cur, "--new", nxt, "--effective-height", "5",
                  "--out", str(tmp_path / "x.json")]) == 2  # not in the current set
+
+
+def test_a_node_follows_the_directory_across_a_validator_set_change():
+    from ps_p2p.consensus.directory import directory_delta
+    from ps_p2p.consensus.replica import CommitteeReplica
+
+    net = MemoryCommittee(KEYS[:5], GENESIS)
+    assert net.run_until(lambda: all(v.committed_height >= 2 for v in net.vals[:4]))
+    effective = net.vals[0].committed_height + 3
+    net.route(0, net.vals[0].add_tx(app.encode_tx(update(effective=effective)), net.now))
+    assert net.run_until(lambda: all(v.committed_height >= effective for v in net.vals))
+    net.down.update({0, 3})  # from here only the new set's quorum signs
+    target = effective + 3
+    assert net.run_until(lambda: all(net.vals[i].committed_height >= target
+                                     for i in (1, 2, 4)), limit=120.0)
+    history = net.vals[1].history
+    header, commit = history.header, history.commit
+    assert header is not None and header.height > effective
+    pages = list(directory_delta(history, 0, 64 * 1024))
+    updates = history.latest.valset_updates
+    now = header.time_ms + 1000
+    with pytest.raises(InvalidCommitError):  # the genesis set alone no longer signs it
+        CommitteeReplica(GENESIS).apply(header, commit, pages, now)
+    replica = CommitteeReplica(GENESIS)
+    directory = replica.apply(header, commit, pages, now, valset_updates=updates)
+    assert directory.height == header.height - 1
+    with pytest.raises(InvalidCommitError, match="does not extend"):  # hiding the update
+        replica.apply(header, commit, pages, now)
+    forged = [dataclasses.replace(updates[0], signatures=updates[0].signatures[:2])]
+    with pytest.raises(InvalidCommitError, match="more than 2/3"):
+        CommitteeReplica(GENESIS).apply(header, commit, pages, now, valset_updates=forged)

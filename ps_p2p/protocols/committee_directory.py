@@ -66,7 +66,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
 
-from ps_p2p.consensus.app import DeregisterTx, RegisterTx, decode_tx, encode_tx
+from ps_p2p.consensus.app import DeregisterTx, RegisterTx, ValsetUpdateTx, decode_tx, encode_tx
 from ps_p2p.consensus.block import Header, decode_header, header_bytes
 from ps_p2p.consensus.directory import (
     MAX_PAGE_BYTES,
@@ -271,8 +271,12 @@ class CommitteeDirectoryService:
         except LocalProtocolError as exc:
             await stream.write(_error(ERROR_UNAVAILABLE, str(exc)))
             return
+        # the executed validator-set updates (none on most chains): the node follows the set
+        # from the genesis to the header's height (app.validators_at)
+        updates = [encode_tx(u) for u in self._history().latest.valset_updates]
         frame = _response(head=directory_pb2.CommittedHead(
-            header=header_bytes(header), commit=cc.commit_to_pb(commit)))
+            header=header_bytes(header), commit=cc.commit_to_pb(commit),
+            valset_updates=updates))
         await self._write_charged(stream, frame, sender)
         for page in pages:
             await self._write_charged(stream, _response(page=page.encode()), sender)
@@ -489,7 +493,8 @@ async def fetch_committed_directory(
         trio.TooSlowError: a frame did not come within ``timeout``.
         Exception: py-libp2p's dial and negotiation errors.
     """
-    async def body(stream: INetStream) -> tuple[Header, tuple[Vote, ...], list[DeltaPage]]:
+    async def body(stream: INetStream) -> tuple[Header, tuple[Vote, ...], list[DeltaPage],
+                                                list[ValsetUpdateTx]]:
         with trio.fail_after(timeout):
             await stream.write(encode_frame(directory_pb2.CommitteeDirectoryRequest(
                 get=directory_pb2.GetCommittedDirectory(since_height=replica.since())
@@ -502,6 +507,13 @@ async def fetch_committed_directory(
             raise RemoteProtocolError(f"verifier answered a directory request with {kind!r}")
         header = decode_header(response.head.header)
         commit = cc.commit_from_pb(response.head.commit)
+        updates = []
+        for raw in response.head.valset_updates:  # the frame's size bounds them
+            update = decode_tx(raw, MAX_RESPONSE_BYTES)
+            if not isinstance(update, ValsetUpdateTx):
+                raise RemoteProtocolError("directory head lists a transaction that is no "
+                                          "VALSET_UPDATE")
+            updates.append(update)
         pages: list[DeltaPage] = []
         total = 0
         while not pages or not pages[-1].last:
@@ -513,13 +525,15 @@ async def fetch_committed_directory(
             if total > replica.max_delta_bytes:
                 raise RemoteProtocolError(f"directory delta over {replica.max_delta_bytes} bytes")
             pages.append(page)
-        return header, commit, pages
+        return header, commit, pages, updates
 
-    header, commit, pages = await _exchange(host, verifier, timeout, body)  # type: ignore[misc]
+    header, commit, pages, updates = await _exchange(  # type: ignore[misc]
+        host, verifier, timeout, body)
     if sum(len(p.data) for p in pages) > THREAD_VERIFY_BYTES:
         return await trio.to_thread.run_sync(
-            lambda: replica.apply(header, commit, pages, now_ms(), verifier))
-    return replica.apply(header, commit, pages, now_ms(), verifier)
+            lambda: replica.apply(header, commit, pages, now_ms(), verifier,
+                                  valset_updates=updates))
+    return replica.apply(header, commit, pages, now_ms(), verifier, valset_updates=updates)
 
 
 __all__ = [
