@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "the current power)")
     vs_make.add_argument("--out", required=True, metavar="FILE",
                          help="where to write the transaction (hex)")
+    vs_submit = valset_sub.add_parser(
+        "submit", help="give the transaction to a committee verifier (it relays it to the "
+                       "others; the next block executes it)")
+    vs_submit.add_argument("--tx", required=True, metavar="FILE",
+                           help="the transaction (hex) of `ps-node valset make`")
+    vs_submit.add_argument("--verifier", required=True, metavar="MULTIADDR",
+                           help="a verifier's multiaddr with /p2p/<peer ID>")
 
     status = sub.add_parser(
         "status", help="print a running node's status (peer ID, addresses, directory, consensus)"
@@ -343,6 +350,8 @@ def _cmd_valset(args: argparse.Namespace) -> int:
     from ps_p2p.consensus import app
     from ps_p2p.keys import NodeKeys
 
+    if args.valset_command == "submit":
+        return _valset_submit(args)
     new = _read_validator_set(args.new)
     out = pathlib.Path(args.out).expanduser()
     if args.valset_command == "sign":
@@ -376,6 +385,30 @@ def _cmd_valset(args: argparse.Namespace) -> int:
     out.write_text(tx.hex() + "\n", encoding="utf-8")
     print(f"{out}: VALSET_UPDATE of {len(new)} validator(s) from height "
           f"{args.effective_height}, {len(approvals)} approval(s), {len(tx)} bytes")
+    return 0
+
+
+def _valset_submit(args: argparse.Namespace) -> int:
+    from ps_p2p.consensus import app
+    from ps_p2p.keys import Identity
+    from ps_p2p.protocols.committee_directory import submit_valset_update
+    from ps_p2p.protocols.host import connect, open_host
+
+    try:
+        raw = bytes.fromhex(pathlib.Path(args.tx).expanduser().read_text(encoding="utf-8"))
+        tx = app.decode_tx(raw, 1 << 20)
+    except (OSError, ValueError, PsError) as exc:
+        raise ConfigError(f"{args.tx}: not a transaction ({exc})") from None
+    if not isinstance(tx, app.ValsetUpdateTx):
+        raise ConfigError(f"{args.tx}: not a VALSET_UPDATE")
+
+    async def submit() -> None:
+        async with open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as host:
+            verifier = await connect(host, args.verifier)
+            await submit_valset_update(host, verifier, tx)
+
+    trio.run(submit)
+    print(f"{args.verifier}: VALSET_UPDATE taken (effective at height {tx.effective_height})")
     return 0
 
 

@@ -322,6 +322,11 @@ def test_ps_node_valset_sign_and_make_build_an_update_the_chain_takes(tmp_path):
     assert main(["valset", "sign", "--key-file", str(outsider), "--chain-id", CHAIN,
                  "--current", cur, "--new", nxt, "--effective-height", "5",
                  "--out", str(tmp_path / "x.json")]) == 2  # not in the current set
+    not_an_update = tmp_path / "other.hex"
+    not_an_update.write_text(app.encode_tx(double_proposal()).hex())
+    assert main(["valset", "submit", "--tx", str(not_an_update),
+                 "--verifier", "/ip4/127.0.0.1/tcp/1/p2p/" + ID(keys[0].identity.peer_id)
+                 .to_base58()]) == 2  # refused before any dial
 
 
 def test_a_node_follows_the_directory_across_a_validator_set_change():
@@ -353,3 +358,29 @@ def test_a_node_follows_the_directory_across_a_validator_set_change():
     forged = [dataclasses.replace(updates[0], signatures=updates[0].signatures[:2])]
     with pytest.raises(InvalidCommitError, match="more than 2/3"):
         CommitteeReplica(GENESIS).apply(header, commit, pages, now, valset_updates=forged)
+
+
+def test_a_verifier_takes_a_valset_update_from_anyone_over_the_directory_protocol(genesis):
+    from ps_p2p.consensus.directory import DirectoryHistory
+    from ps_p2p.protocols.committee_directory import ERROR_REFUSED, CommitteeDirectoryService
+    from libp2p.utils import encode_varint_prefixed
+
+    from ps_p2p.pb.planetserve.v1 import directory_pb2
+
+    def answer(frame: bytes) -> directory_pb2.CommitteeDirectoryResponse:
+        for skip in range(1, 4):  # the unsigned-varint length prefix
+            if encode_varint_prefixed(frame[skip:]) == frame:
+                return directory_pb2.CommitteeDirectoryResponse.FromString(frame[skip:])
+        raise AssertionError("not a frame")
+
+    pool = app.Mempool()
+    service = CommitteeDirectoryService(
+        lambda: DirectoryHistory(genesis),
+        lambda tx: pool.add(app.encode_tx(tx), genesis, T0))
+    ok = answer(service.submit_valset_update(app.encode_tx(update())))
+    assert ok.WhichOneof("kind") == "ack" and len(pool) == 1
+    forged = answer(service.submit_valset_update(app.encode_tx(update(signers=KEYS[:2]))))
+    assert forged.error.code == ERROR_REFUSED and "more than 2/3" in forged.error.message
+    other = answer(service.submit_valset_update(app.encode_tx(double_proposal())))
+    assert other.error.code == ERROR_REFUSED and "not a VALSET_UPDATE" in other.error.message
+    assert len(pool) == 1

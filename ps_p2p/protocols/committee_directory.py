@@ -30,6 +30,10 @@ by every verifier of the genesis validator set; one stream carries up to
   the node on the other end of the connection, signed by it (a draining model node leaves the
   directory at the next block instead of when its record expires). Answer: ``ack`` (expiry 0)
   or ``error``.
+* ``valset_update``: a VALSET_UPDATE transaction (canonical bytes): anyone may relay one, as
+  its approvals (more than 2/3 of the current power) are its authority (``ps-node valset
+  submit``). Answer: ``ack`` (expiry 0) or ``error``. It must fit one request frame
+  (:data:`MAX_REQUEST_BYTES`: a committee of about 25 validators at most).
 * ``genesis``: the chain's genesis file (JSON, :mod:`ps_p2p.genesis`) in one ``genesis`` frame.
   A node started without a genesis file asks one of the verifiers it was configured with
   (:func:`fetch_genesis`) and accepts the answer only when every validator it names is one of
@@ -265,6 +269,21 @@ class CommitteeDirectoryService:
         self.registered += 1
         return _response(ack=directory_pb2.RegisterAck(expires_at_ms=0))
 
+    def submit_valset_update(self, raw: bytes) -> bytes:
+        """Answer a ``valset_update`` request (a VALSET_UPDATE transaction's canonical bytes):
+        the encoded response frame (``ack`` with expiry 0, or ``error``). Cost of a forged
+        one: its decoding and at most one signature check (signers are checked to be
+        validators first, and the first bad signature ends the check)."""
+        try:
+            tx = decode_tx(raw, MAX_REQUEST_BYTES)
+            if not isinstance(tx, ValsetUpdateTx):
+                raise RemoteProtocolError("not a VALSET_UPDATE transaction")
+            self._submit_tx(tx)
+        except RemoteProtocolError as exc:
+            self.refused += 1
+            return _error(ERROR_REFUSED, f"validator-set update refused: {exc}")
+        return _response(ack=directory_pb2.RegisterAck(expires_at_ms=0))
+
     async def _answer_get(self, stream: INetStream, since_height: int, sender: bytes) -> None:
         try:
             header, commit, pages = self.snapshot(since_height)
@@ -341,6 +360,8 @@ class CommitteeDirectoryService:
                                                      stream.get_remote_address()))
                 elif kind == "deregister":
                     await stream.write(self.deregister(request.deregister, sender))
+                elif kind == "valset_update":
+                    await stream.write(self.submit_valset_update(request.valset_update))
                 else:
                     await stream.write(_error(ERROR_BAD_REQUEST, "empty request"))
             await stream.close()
@@ -434,6 +455,38 @@ async def deregister_from_committee(
             raise _refusal(verifier, response)
         if kind != "ack":
             raise RemoteProtocolError(f"verifier answered a deregistration with {kind!r}")
+
+    await _exchange(host, verifier, timeout, body)
+
+
+async def submit_valset_update(
+    host: IHost, verifier: bytes, tx: ValsetUpdateTx, *, timeout: float = 5.0
+) -> None:
+    """Give a committee verifier a VALSET_UPDATE (``ps-node valset submit``); returns once it
+    is in the verifier's mempool (relayed to the others; executed by the next block).
+
+    Raises:
+        RemoteProtocolError: refused (the verifier's reason is included) or a malformed answer.
+        LocalProtocolError: the transaction is over :data:`MAX_REQUEST_BYTES`.
+        trio.TooSlowError: no answer within ``timeout`` seconds (dial, then answer).
+        Exception: py-libp2p's dial and negotiation errors.
+    """
+    frame = directory_pb2.CommitteeDirectoryRequest(valset_update=encode_tx(tx))
+    data = encode_frame(frame.SerializeToString())
+    if len(data) > MAX_REQUEST_BYTES:
+        raise LocalProtocolError(
+            f"validator-set update of {len(data)} bytes over a request frame's "
+            f"{MAX_REQUEST_BYTES}")
+
+    async def body(stream: INetStream) -> None:
+        with trio.fail_after(timeout):
+            await stream.write(data)
+        response = await _read_response(stream, timeout)
+        kind = response.WhichOneof("kind")
+        if kind == "error":
+            raise _refusal(verifier, response)
+        if kind != "ack":
+            raise RemoteProtocolError(f"verifier answered a validator-set update with {kind!r}")
 
     await _exchange(host, verifier, timeout, body)
 
@@ -554,6 +607,7 @@ __all__ = [
     "PAGE_BYTES",
     "CommitteeDirectoryService",
     "deregister_from_committee",
+    "submit_valset_update",
     "Snapshot",
     "fetch_committed_directory",
     "fetch_genesis",
