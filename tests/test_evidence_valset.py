@@ -384,3 +384,35 @@ def test_a_verifier_takes_a_valset_update_from_anyone_over_the_directory_protoco
     other = answer(service.submit_valset_update(app.encode_tx(double_proposal())))
     assert other.error.code == ERROR_REFUSED and "not a VALSET_UPDATE" in other.error.message
     assert len(pool) == 1
+
+
+def test_an_update_signed_by_exactly_two_thirds_of_unequal_powers_is_refused():
+    weighted = tuple(Validator(k.peer_id, p) for k, p in zip(KEYS[:4], (2, 1, 1, 2)))
+    state = app.genesis_state(app.Genesis(CHAIN, T0, weighted))
+    new = tuple(sorted(weighted[:3], key=lambda v: v.address))
+
+    def signed_by(keys):
+        return app.encode_tx(app.make_valset_update(new, 3, [
+            app.sign_valset_update(k, CHAIN, weighted, new, 3) for k in keys]))
+
+    with pytest.raises(InvalidTransactionError, match="power 4 of 6: more than 2/3"):
+        app.check_tx(signed_by([KEYS[0], KEYS[1], KEYS[2]]), state, T0)  # 2+1+1 = 4 = 2/3
+    assert app.check_tx(signed_by([KEYS[0], KEYS[1], KEYS[3]]), state, T0)  # 2+1+2 = 5
+
+
+def test_exclusion_and_the_new_set_survive_a_restart_from_the_store():
+    net = MemoryCommittee(KEYS[:5], GENESIS)
+    assert net.run_until(lambda: all(v.committed_height >= 2 for v in net.vals[:4]))
+    effective = net.vals[0].committed_height + 3
+    evidence = double_proposal(KEYS[2], height=net.vals[0].height)
+    net.route(0, net.vals[0].add_tx(app.encode_tx(evidence), net.now))
+    net.route(0, net.vals[0].add_tx(app.encode_tx(update(effective=effective)), net.now))
+    assert net.run_until(lambda: all(v.committed_height >= effective + 1 for v in net.vals))
+    before = net.vals[1]
+    restarted = net.make(1)  # a new process on the same store
+    restarted.start(net.now)
+    assert restarted.state.app_hash == before.state.app_hash
+    assert restarted.validators == NEW_SET == before.validators
+    assert restarted.state.excluded == {KEYS[2].peer_id} == before.state.excluded
+    core = restarted.core
+    assert all(core.proposer(core.height, r) != KEYS[2].peer_id for r in range(8))
