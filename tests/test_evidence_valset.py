@@ -416,3 +416,37 @@ def test_exclusion_and_the_new_set_survive_a_restart_from_the_store():
     assert restarted.state.excluded == {KEYS[2].peer_id} == before.state.excluded
     core = restarted.core
     assert all(core.proposer(core.height, r) != KEYS[2].peer_id for r in range(8))
+
+
+async def test_a_local_committee_of_processes_replaces_a_validator_and_keeps_committing(
+        tmp_path):
+    import trio
+
+    from ps_p2p.testing.committee import LocalCommittee
+
+    async with trio.open_nursery() as nursery:
+        committee = LocalCommittee(nursery, tmp_path, 4, joining=1)
+        members = committee.members
+        with trio.fail_after(60):
+            await committee.start_all()
+            await committee.wait_committed(2, members[:4])
+            v0 = members[0].service.validator
+            current = v0.validators
+            new = tuple(sorted(current[1:] + (Validator(members[4].peer_id),),
+                               key=lambda v: v.address))  # member 0 leaves, 4 joins
+            effective = v0.committed_height + 4
+            tx = app.make_valset_update(new, effective, [
+                app.sign_valset_update(m.identity, committee.genesis.chain_id, current, new,
+                                       effective) for m in members[:3]])
+            members[1].service.submit_tx(app.encode_tx(tx))
+            # the removed member 0 stops at the change: it is no validator any more
+            await committee.wait_committed(effective + 1, members[1:])
+            assert all(m.service.validator.validators == new for m in members[1:])
+            await committee.kill(members[0])  # the old set without 0: 3 of 4 still; the new
+            await committee.kill(members[3])  # set without 3: 1, 2 and 4, 3 of 4
+            await committee.wait_committed(effective + 6, [members[1], members[2], members[4]])
+        last = members[1].commits[-1]
+        info = verify_commit(committee.genesis.chain_id, new, last.height,
+                             block_id(last.block.header), last.commit)
+        assert members[4].peer_id in info.signers
+        nursery.cancel_scope.cancel()

@@ -131,6 +131,8 @@ class ConsensusServiceConfig:
         sync_timeout: one block-sync request's deadline.
         min_sync_interval: between two syncs from one peer.
         byzantine: TEST ONLY: equivocate (:class:`ByzantineSender`); never set by users.
+        joining: this identity need not be a genesis validator (one a VALSET_UPDATE adds:
+            it follows the chain and votes once the committed set lists it).
     """
 
     rebroadcast_interval: float | None = None
@@ -141,6 +143,7 @@ class ConsensusServiceConfig:
     sync_timeout: float = 10.0
     min_sync_interval: float = 0.5
     byzantine: bool = False
+    joining: bool = False
 
 
 class ByzantineSender:
@@ -245,7 +248,7 @@ class ConsensusService:
             self.validator = Validator(
                 identity, genesis, store, WIRE, consensus, mempool=mempool,
                 empty_block_interval=self.config.empty_block_interval, unix_ms=unix_ms,
-                value_check=value_check,
+                value_check=value_check, joining=self.config.joining,
             )
         except PsError as exc:
             raise ConfigError(str(exc)) from exc
@@ -254,7 +257,6 @@ class ConsensusService:
         self.sync_after = self.config.sync_after or (
             core.timeout_propose + core.timeout_prevote + core.timeout_precommit)
         self.address = identity.peer_id
-        self.peers = tuple(v.address for v in genesis.validators if v.address != self.address)
         self.on_commit = on_commit
         self._clock = clock
         self.driver: CoreDriver[Action] = CoreDriver(
@@ -276,6 +278,16 @@ class ConsensusService:
         self.byzantine: ByzantineSender | None = None
         if self.config.byzantine:
             self.byzantine = ByzantineSender(identity, genesis, self.peers)
+
+    @property
+    def peers(self) -> tuple[bytes, ...]:
+        """The validators to send to: the committed set's, plus the members of a pending
+        VALSET_UPDATE (so a joining validator hears the height it starts deciding)."""
+        state = self.validator.state
+        members = [v.address for v in state.validators]
+        if state.pending_valset is not None:
+            members += [v.address for v in state.pending_valset[1]]
+        return tuple(dict.fromkeys(a for a in members if a != self.address))
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -79,6 +79,8 @@ class LocalCommittee:
         on_commit: called with (member, Committed) for every commit of every member.
         byzantine: indices of members that equivocate (TEST ONLY,
             ``ConsensusServiceConfig.byzantine``).
+        joining: members beyond the ``n`` of the genesis (indices n, n+1, ...): they run
+            with ``ConsensusServiceConfig.joining`` and vote once a VALSET_UPDATE adds them.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class LocalCommittee:
         policy: app.AdmissionPolicy | None = None,
         on_commit: Callable[[Member, Committed], None] | None = None,
         byzantine: tuple[int, ...] = (),
+        joining: int = 0,
     ) -> None:
         import time
 
@@ -103,12 +106,13 @@ class LocalCommittee:
         self.byzantine = frozenset(byzantine)
         identities = [
             Identity.from_private_bytes(hashlib.sha256(b"validator %d" % i).digest())
-            for i in range(n)
+            for i in range(n + joining)
         ]
+        self.n = n
         self.genesis = app.Genesis(
             "local-committee",
             genesis_time_ms if genesis_time_ms is not None else time.time_ns() // 1_000_000 - 1000,
-            tuple(CommitteeMember(k.peer_id) for k in identities),
+            tuple(CommitteeMember(k.peer_id) for k in identities[:n]),
             policy or app.AdmissionPolicy(max_records_per_network=10_000),
         )
         self.members = [
@@ -174,6 +178,8 @@ class LocalCommittee:
                     config = self.config
                     if m.index in self.byzantine:
                         config = dataclasses.replace(config, byzantine=True)
+                    if m.index >= self.n:
+                        config = dataclasses.replace(config, joining=True)
                     m.service = ConsensusService(
                         host, m.identity, self.genesis, store, self.consensus, config,
                         on_commit=commit,
