@@ -282,8 +282,12 @@ class ConsensusService:
     @property
     def peers(self) -> tuple[bytes, ...]:
         """The validators to send to: the committed set's, plus the members of a pending
-        VALSET_UPDATE (so a joining validator hears the height it starts deciding)."""
+        VALSET_UPDATE (so a joining validator hears the height it starts deciding); none
+        while this validator is not in the committed set (a joining or removed one: the
+        members would refuse its messages)."""
         state = self.validator.state
+        if not state.is_validator(self.address):
+            return ()
         members = [v.address for v in state.validators]
         if state.pending_valset is not None:
             members += [v.address for v in state.pending_valset[1]]
