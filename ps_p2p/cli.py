@@ -134,6 +134,40 @@ def build_parser() -> argparse.ArgumentParser:
     testnet.add_argument("--epoch-attempt", type=float, default=60.0, metavar="SECONDS",
                          help="block time a leader has before the next one is drawn (default 60)")
 
+    valset = sub.add_parser(
+        "valset", help="replace committee members: approve and assemble a VALSET_UPDATE "
+                       "(docs/consensus.md \"Evidence and validator-set changes\")")
+    valset_sub = valset.add_subparsers(dest="valset_command", required=True)
+    vs_sign = valset_sub.add_parser(
+        "sign", help="approve a new validator set with this verifier's key (offline)")
+    vs_sign.add_argument("--key-file", required=True, help="the verifier's node.key")
+    vs_sign.add_argument("--chain-id", required=True, help="the chain's ID")
+    vs_sign.add_argument("--current", required=True, metavar="FILE",
+                         help="the current set: a genesis file, `ps-node status --json` output "
+                              "of a verifier, or a JSON list of {peer_id, power}")
+    vs_sign.add_argument("--new", required=True, metavar="FILE", help="the new set (same forms)")
+    vs_sign.add_argument("--effective-height", type=int, required=True, metavar="H",
+                         help="the first height the new set decides (after the committed "
+                              "height + 1)")
+    vs_sign.add_argument("--out", required=True, metavar="FILE", help="where to write the approval")
+    vs_make = valset_sub.add_parser(
+        "make", help="assemble the approvals into the transaction (hex), for a verifier's "
+                     "mempool")
+    vs_make.add_argument("--new", required=True, metavar="FILE", help="the new set")
+    vs_make.add_argument("--effective-height", type=int, required=True, metavar="H")
+    vs_make.add_argument("--approval", action="append", required=True, metavar="FILE",
+                         help="an approval of `ps-node valset sign` (repeat: more than 2/3 of "
+                              "the current power)")
+    vs_make.add_argument("--out", required=True, metavar="FILE",
+                         help="where to write the transaction (hex)")
+    vs_submit = valset_sub.add_parser(
+        "submit", help="give the transaction to a committee verifier (it relays it to the "
+                       "others; the next block executes it)")
+    vs_submit.add_argument("--tx", required=True, metavar="FILE",
+                           help="the transaction (hex) of `ps-node valset make`")
+    vs_submit.add_argument("--verifier", required=True, metavar="MULTIADDR",
+                           help="a verifier's multiaddr with /p2p/<peer ID>")
+
     status = sub.add_parser(
         "status", help="print a running node's status (peer ID, addresses, directory, consensus)"
     )
@@ -284,6 +318,97 @@ def _cmd_org(args: argparse.Namespace) -> int:
     out.write_text(membership_to_json(args.name, member, membership), encoding="utf-8")
     print(f"{out}: {args.member} is a member of {args.name!r} ({key.peer_id_str}) until "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(expires / 1000))}")
+    return 0
+
+
+def _read_validator_set(path: str) -> tuple[Any, ...]:
+    """A validator set from a genesis file, ``ps-node status --json`` output (its
+    ``consensus.validators``) or a JSON list of ``{"peer_id", "power"}``."""
+    from ps_p2p.config import check_peer_id
+    from ps_p2p.consensus.types import Validator
+
+    try:
+        data = json.loads(pathlib.Path(path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if isinstance(data, dict):
+        data = (data.get("consensus") or data.get("committee") or data).get("validators")
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{path}: no validator list")
+    out = []
+    for entry in data:
+        if not isinstance(entry, dict) or not isinstance(entry.get("peer_id"), str) \
+                or not isinstance(entry.get("power", 1), int):
+            raise ConfigError(f"{path}: a validator is not {{peer_id, power}}")
+        out.append(Validator(check_peer_id(entry["peer_id"], path), entry.get("power", 1)))
+    return tuple(sorted(out, key=lambda v: v.address))
+
+
+def _cmd_valset(args: argparse.Namespace) -> int:
+    from libp2p.peer.id import ID
+
+    from ps_p2p.consensus import app
+    from ps_p2p.keys import NodeKeys
+
+    if args.valset_command == "submit":
+        return _valset_submit(args)
+    new = _read_validator_set(args.new)
+    out = pathlib.Path(args.out).expanduser()
+    if args.valset_command == "sign":
+        keys = NodeKeys.load(pathlib.Path(args.key_file).expanduser())
+        current = _read_validator_set(args.current)
+        if all(v.address != keys.identity.peer_id for v in current):
+            raise ConfigError(f"{keys.identity.peer_id_str} is not in the current set")
+        signer, signature = app.sign_valset_update(keys.identity, args.chain_id, current, new,
+                                                   args.effective_height)
+        out.write_text(json.dumps({
+            "signer": ID(signer).to_base58(), "signature": signature.hex(),
+            "effective_height": args.effective_height,
+            "new": [{"peer_id": ID(v.address).to_base58(), "power": v.power} for v in new],
+        }, indent=2) + "\n", encoding="utf-8")
+        print(f"{out}: {keys.identity.peer_id_str} approves {len(new)} validator(s) from "
+              f"height {args.effective_height}")
+        return 0
+    from ps_p2p.config import check_peer_id
+
+    approvals = []
+    for path in args.approval:
+        try:
+            data = json.loads(pathlib.Path(path).expanduser().read_text(encoding="utf-8"))
+            approvals.append((check_peer_id(data["signer"], path),
+                              bytes.fromhex(data["signature"])))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}: not an approval ({exc})") from None
+        if data.get("effective_height") != args.effective_height:
+            raise ConfigError(f"{path}: approves another effective height")
+    tx = app.encode_tx(app.make_valset_update(new, args.effective_height, approvals))
+    out.write_text(tx.hex() + "\n", encoding="utf-8")
+    print(f"{out}: VALSET_UPDATE of {len(new)} validator(s) from height "
+          f"{args.effective_height}, {len(approvals)} approval(s), {len(tx)} bytes")
+    return 0
+
+
+def _valset_submit(args: argparse.Namespace) -> int:
+    from ps_p2p.consensus import app
+    from ps_p2p.keys import Identity
+    from ps_p2p.protocols.committee_directory import submit_valset_update
+    from ps_p2p.protocols.host import connect, open_host
+
+    try:
+        raw = bytes.fromhex(pathlib.Path(args.tx).expanduser().read_text(encoding="utf-8"))
+        tx = app.decode_tx(raw, 1 << 20)
+    except (OSError, ValueError, PsError) as exc:
+        raise ConfigError(f"{args.tx}: not a transaction ({exc})") from None
+    if not isinstance(tx, app.ValsetUpdateTx):
+        raise ConfigError(f"{args.tx}: not a VALSET_UPDATE")
+
+    async def submit() -> None:
+        async with open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as host:
+            verifier = await connect(host, args.verifier)
+            await submit_valset_update(host, verifier, tx)
+
+    trio.run(submit)
+    print(f"{args.verifier}: VALSET_UPDATE taken (effective at height {tx.effective_height})")
     return 0
 
 
@@ -879,6 +1004,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_testnet(args)
         if args.command == "status":
             return _cmd_status(args)
+        if args.command == "valset":
+            return _cmd_valset(args)
         if args.command == "run":
             return _cmd_run(args)
         if args.command == "ask":

@@ -620,7 +620,10 @@ class Node:
         other nodes: chain ID, height being decided and its round and step, last committed
         height and its block time (unix ms), the proposals and votes it signed since it started
         (``signed``) and the blocks it applied from block sync (``blocks_synced``), the
-        validators (base58 peer ID, power, whether connected now), mempool size, the equivocation evidence committed (``evidence``: how
+        validators of the current set (base58 peer ID, power, ``excluded``: committed evidence
+        bars it from proposing and leading epochs, whether connected now), a committed
+        validator-set update not in effect yet (``pending_validator_set``: effective height and
+        set, or None), mempool size, the equivocation evidence committed (``evidence``: how
         many; ``equivocators``: base58 peer IDs of the validators it names), and the committed
         reputations (``reputations``: subjects scored; ``untrusted_subjects``: below the
         genesis threshold)."""
@@ -629,6 +632,7 @@ class Node:
         validator = self.consensus.validator
         state = validator.core.state()
         tip = validator.state.tip()
+        excluded, pending = validator.state.excluded, validator.state.pending_valset
         return {
             "chain_id": validator.genesis.chain_id,
             "height": validator.height,
@@ -640,10 +644,15 @@ class Node:
             "last_commit_time_ms": tip.time_ms if tip.height else None,
             "validators": [
                 {"peer_id": ID(v.address).to_base58(), "power": v.power,
+                 "excluded": v.address in excluded,
                  "connected": v.address == validator.address or (
                      self.host is not None and is_connected(self.host, v.address))}
                 for v in validator.validators
             ],
+            "pending_validator_set": None if pending is None else {
+                "effective_height": pending[0],
+                "validators": [{"peer_id": ID(v.address).to_base58(), "power": v.power}
+                               for v in pending[1]]},
             "mempool": len(validator.mempool),
             "evidence": len(validator.state.evidence),
             "equivocators": sorted({ID(who).to_base58()

@@ -116,3 +116,13 @@ async def test_blocks_go_only_to_allowed_peers_within_their_rate(tmp_path):
                     await fetch_blocks(client, served, 1, **kwargs)
         await handlers.aclose()
     assert (server.served, server.rate_limited, server.not_allowed) == (2, 2, 1)
+
+
+def test_a_batch_ends_at_the_first_commit_of_another_validator_set():
+    # blocks 1-2 committed by the set asked with; block 3 by a set it does not know (a
+    # VALSET_UPDATE executed in the batch): the verified prefix comes back, not an error
+    full = [cc.SyncedBlock(h, b, c) for h, b, c in _chain(3)]
+    other = [cc.SyncedBlock(h, b, c) for h, b, c in _chain(3, signers=2)]
+    got = verify_synced(full[:2] + other[2:], chain_id=CHAIN, validators=VALIDATORS,
+                        previous_block_id=GENESIS_ID, limits=BlockLimits())
+    assert [v.height for v in got] == [1, 2]

@@ -159,6 +159,9 @@ async def test_users_get_verified_directories_and_answers_beside_a_byzantine_ver
             status = v.committee_status()  # what `ps-node status` prints
             assert status["evidence"] >= 1
             assert status["equivocators"] == [ID(byz.peer_id).to_base58()]
+            # the consequence: it no longer proposes (docs/consensus.md, evidence)
+            assert [e["peer_id"] for e in status["validators"] if e["excluded"]] == \
+                [ID(byz.peer_id).to_base58()]
         user = net.users[0]
         assert user._client.replica.view.header is not None  # verified against a commit
         assert len(user.directory.users()) == 6 and len(user.directory.model_nodes()) == 1

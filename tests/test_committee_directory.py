@@ -56,6 +56,7 @@ from ps_p2p.protocols.committee_directory import (
     deregister_from_committee,
     fetch_committed_directory,
     register_with_committee,
+    submit_valset_update,
 )
 from ps_p2p.protocols.consensus import ConsensusServiceConfig
 from ps_p2p.protocols.framing import encode_frame, encode_varint, read_frame
@@ -465,6 +466,25 @@ async def test_one_stream_serves_several_requests(one):
     assert DeltaPage.decode((await reply(stream)).page, MAX_RESPONSE_BYTES).last
     await stream.close()
     assert (one.service.registered, one.service.served, one.service.reset) == (1, 1, 0)
+
+
+async def test_a_valset_update_submitted_over_the_protocol_gets_committed(one):
+    member = one.committee.members[0]
+    v = member.service.validator
+    current = v.validators
+    new = current + (Validator(Identity.from_private_bytes(b"\x44" * 32).peer_id),)
+    effective = v.committed_height + 10_000  # far ahead: the committee of one keeps going
+    tx = app.make_valset_update(new, effective, [app.sign_valset_update(
+        member.identity, one.committee.genesis.chain_id, current, new, effective)])
+    await submit_valset_update(one.host, member.peer_id, tx)
+    with trio.fail_after(10):
+        while v.state.pending_valset is None:
+            await member.service.wait_committed(v.committed_height + 1)
+    assert v.state.pending_valset == (effective, tx.validators)
+    second = app.make_valset_update(new, effective + 1, [app.sign_valset_update(
+        member.identity, one.committee.genesis.chain_id, current, new, effective + 1)])
+    with pytest.raises(RemoteProtocolError, match="already pending"):
+        await submit_valset_update(one.host, member.peer_id, second)
 
 
 async def test_an_empty_request_gets_an_error_reply_and_the_stream_goes_on(one):

@@ -21,6 +21,7 @@ from ps_p2p.consensus.types import (
     Equivocation,
     GetValue,
     Proposal,
+    ProposalEquivocation,
     ProposalReceived,
     ProposeValue,
     ScheduleTimeout,
@@ -493,12 +494,34 @@ def test_proposer_rotation_is_weighted_by_power_and_spread():
 
 def test_second_proposal_of_a_round_is_kept_only_with_a_quorum_for_it():
     core = make(C, step=Step.PREVOTE, proposals=(prop(0, V),), validity={IV: True, IW: True})
-    assert core.handle(ProposalReceived(prop(0, W)), 0.0) == []
+    # the second value is the proposer's equivocation: reported, not kept
+    assert core.handle(ProposalReceived(prop(0, W)), 0.0) == [
+        ProposalEquivocation(prop(0, V), prop(0, W))]
     assert IW not in core._proposals[0]
     for who in (A, B, D):
         core.handle(VoteReceived(vote(PC, 0, IW, who)), 0.0)
     out = core.handle(ProposalReceived(prop(0, W)), 0.0)
     assert out == [Decide(0, 0, W, precommits(0, IW, A, B, D))]
+
+
+def test_double_proposal_is_reported_once_per_round_as_evidence():
+    core = make(C, step=Step.PREVOTE, proposals=(prop(0, V),), validity={IV: True})
+    out = core.handle(ProposalReceived(prop(0, W)), 0.0)
+    assert out == [ProposalEquivocation(prop(0, V), prop(0, W))]
+    assert core.handle(ProposalReceived(prop(0, b"X-value")), 0.0) == []  # once per round
+    assert core.handle(ProposalReceived(prop(0, V)), 0.0) == []  # the same value again: none
+
+
+def test_excluded_validators_are_skipped_by_the_proposer_rotation():
+    vals = tuple(Validator(x) for x in (A, B, C, D))
+    core = ConsensusCore(A)
+    core.handle(StartHeight(1, vals, frozenset({B})), 0.0)
+    proposers = [core.proposer(1, r) for r in range(6)]
+    assert B not in proposers and set(proposers) == {A, C, D}
+    assert core.keeper is not None and core.keeper.total_power == 4  # B still votes
+    everyone = ConsensusCore(A)
+    everyone.handle(StartHeight(1, vals, frozenset({A, B, C, D})), 0.0)
+    assert {everyone.proposer(1, r) for r in range(4)} == {A, B, C, D}  # never nobody
 
 
 def test_proposal_with_pol_round_not_below_its_round_is_dropped():
@@ -765,7 +788,8 @@ def test_refused_second_proposal_still_makes_conflicting_votes_for_it_count():
         votes=precommits(0, IV, D),
         validity={IV: True, IW: True},
     )
-    assert core.handle(ProposalReceived(prop(0, W)), 0.0) == []  # no quorum for W yet
+    out = core.handle(ProposalReceived(prop(0, W)), 0.0)  # no quorum for W yet: not kept
+    assert out == [ProposalEquivocation(prop(0, V), prop(0, W))]
     for who in (A, B, D):
         core.handle(VoteReceived(vote(PC, 0, IW, who)), 0.0)
     assert core.keeper.power_for(0, PC, IW) == 3  # D's conflicting vote counts: W is wanted

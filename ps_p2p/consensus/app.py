@@ -20,6 +20,16 @@ Transactions (canonical bytes; ``bytes``/``str``/``u*`` as in :mod:`ps_p2p.recor
     EVIDENCE   (5): vote(first) || vote(second), two conflicting signed votes of one validator,
                     vote = u8(type) || u64(height) || u32(round) || u8(0) | u8(1) || bytes(id)
                     || bytes(validator) || bytes(signature)
+    PROPOSAL_EVIDENCE (7): proposal(first) || proposal(second), two signed proposals of one
+                    proposer for one (height, round) with different values, proposal =
+                    u64(height) || u32(round) || u32(pol_round + 1) || bytes(SHA-256(value))
+                    || bytes(proposer) || bytes(signature), value hashes strictly ascending
+                    (the signature covers only the hash: :func:`~ps_p2p.consensus.signing.
+                    proposal_digest_signing_bytes`)
+    VALSET_UPDATE (8): u64(effective_height) || u32(#new) || (bytes(peer_id) || u64(power))*
+                    || u32(#signatures) || (bytes(signer) || bytes(signature))*, new set and
+                    signers by strictly ascending peer ID; each signature over
+                    :func:`valset_update_signing_bytes`
 
 A node may only register or deregister itself: the record (or the deregistration) is signed by
 the peer ID it names, so anyone may relay it but nobody can forge it. A REGISTER of a peer
@@ -27,7 +37,24 @@ already listed is a renewal: it must be issued later than the listed record and 
 DEREGISTER must be issued no earlier than the listed record, so an old deregistration cannot be
 replayed against a newer registration. Only members of the validator set may list
 :attr:`~ps_p2p.records.Role.VERIFIER`. EVIDENCE (Algorithm 1's equivocation) is recorded once per
-(validator, type, height, round); later issues act on it.
+(validator, type, height, round), PROPOSAL_EVIDENCE once per (proposer, height, round).
+
+Consequences of evidence (docs/consensus.md "Evidence and validator-set changes"): a validator
+of the current set with committed evidence against it is *excluded* (:attr:`AppState.excluded`):
+it still votes (its power still counts; removing it is the operator's decision), but the
+proposer rotation skips it (:class:`~ps_p2p.consensus.types.StartHeight` ``excluded``) and it
+is no eligible leader of an epoch that starts later (:func:`~ps_p2p.verification.ledger.
+maybe_start`). It stays excluded until a VALSET_UPDATE removes it (the operator rotates the
+verifier to a new key).
+
+Validator-set changes (VALSET_UPDATE): validators holding more than 2/3 of the current set's
+power sign (chain ID, current set hash, effective height, new set); the update is checked
+against the current set (:attr:`AppState.validators`), waits in :attr:`AppState.pending_valset`
+(one at a time) and takes effect after the block of height ``effective_height - 1``: block
+``effective_height`` is decided, and its commit verified, by the new set, on every validator
+alike. The effective height must be after the block that carries the update and at most
+:data:`MAX_VALSET_DELAY` heights ahead; the signed set hash makes an executed update
+unreplayable (the set it replaces is gone), and an update to the current set is refused.
 
 Admission against sybils (:class:`AdmissionPolicy`, committed in the :class:`Genesis`). The
 threat (paper sec. 4): identities are free, and every extra identity an adversary registers as a
@@ -86,7 +113,13 @@ The state's app hash (what block h+1 carries, and what a directory's commit cove
                             || bytes(reputation root))
     registry aux  = SHA-256(b"planetserve/v1/app-aux\\x00" || u32(#evidence) || key*
                             || u32(#departed) || (bytes(peer_id) || u64(deregistered_at_ms))*
-                            || SHA-256(epoch ledger bytes))   (:mod:`ps_p2p.verification.ledger`)
+                            || SHA-256(epoch ledger bytes)   (:mod:`ps_p2p.verification.ledger`)
+                            [|| bytes(validator set hash) || u64(pending effective height)
+                             || bytes(pending set hash)])
+                    (the bracket only once the set differs from the genesis' or an update is
+                    pending, so chains that never change it keep their hashes; a set hash is
+                    :func:`~ps_p2p.consensus.signing.validator_set_hash`, an absent pending
+                    update 0 and b"")
     reputation root = SHA-256(b"planetserve/v1/reputation-root\\x00" || u64(last epoch)
                             || u32(#subjects) || (bytes(subject) || entry)*)
     entry         = u32(R micro) || u64(epochs) || u8(#window) || u32(credibility micro)*
@@ -117,7 +150,7 @@ import enum
 import hashlib
 import heapq
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ps_p2p.consensus.block import (
@@ -129,17 +162,24 @@ from ps_p2p.consensus.block import (
     validate_block,
 )
 from ps_p2p.consensus.encoding import Reader, lp, lps, u8, u32, u64
+from ps_p2p.consensus.core import proposer_cycle
 from ps_p2p.consensus.signing import (
+    MAX_VALIDATORS,
+    PROPOSAL_TYPE,
     VALUE_ID_BYTES,
     check_chain_id,
     check_validators,
+    has_quorum,
+    proposal_digest_signing_bytes,
+    validator_set_hash,
     verify_vote,
 )
-from ps_p2p.consensus.types import Validator, Vote, VoteType
+from ps_p2p.consensus.types import Proposal, Validator, Vote, VoteType, value_id
 from ps_p2p.errors import (
     AdmissionError,
     ExpiredError,
     InvalidBlockError,
+    InvalidCommitError,
     InvalidMembershipError,
     InvalidSignatureError,
     InvalidTransactionError,
@@ -201,6 +241,11 @@ APP_AUX_DOMAIN = b"planetserve/v1/app-aux\x00"
 EVIDENCE_KEY_DOMAIN = b"planetserve/v1/evidence-key\x00"
 APP_AUX_ROOT_DOMAIN = b"planetserve/v2/app-aux-root\x00"
 REPUTATION_ROOT_DOMAIN = b"planetserve/v1/reputation-root\x00"
+VALSET_UPDATE_DOMAIN = b"planetserve/v1/valset-update\x00"
+#: Farthest effective height of a VALSET_UPDATE, in heights after the committed one (~28 h
+#: of one-second blocks: room for operators to collect signatures, not an update parked for
+#: months that nobody remembers).
+MAX_VALSET_DELAY = 100_000
 #: Most subjects one REPUTATION_UPDATE names (also bounded by ``limits.max_tx_bytes``).
 MAX_REPUTATION_UPDATE_SUBJECTS = 1024
 #: Longest canonical record bytes (4 addresses of 100 bytes, 64-byte strings, a membership
@@ -217,6 +262,8 @@ class TxKind(enum.IntEnum):
     EPOCH_REPORT = 4
     EVIDENCE = 5
     MISS_REPORT = 6
+    PROPOSAL_EVIDENCE = 7
+    VALSET_UPDATE = 8
 
 
 # ---------------------------------------------------------------------------------- policy
@@ -322,6 +369,154 @@ class EvidenceTx:
     @property
     def subject(self) -> bytes:
         return self.first.validator
+
+
+@dataclass(frozen=True)
+class SignedProposalDigest:
+    """A signed proposal without its value: what its signature covers (the value's SHA-256).
+
+    Attributes:
+        height, round, pol_round: the proposal's.
+        value_hash: SHA-256 of the proposed value, 32 bytes.
+        proposer: its signer's peer ID. signature: Ed25519, 64 bytes.
+    """
+
+    height: int
+    round: int
+    pol_round: int
+    value_hash: bytes
+    proposer: bytes
+    signature: bytes
+
+    @staticmethod
+    def of(proposal: Proposal) -> SignedProposalDigest:
+        """The digest of a signed proposal."""
+        return SignedProposalDigest(proposal.height, proposal.round, proposal.pol_round,
+                                    value_id(bytes(proposal.value)), proposal.proposer,
+                                    proposal.signature)
+
+
+@dataclass(frozen=True)
+class ProposalEvidenceTx:
+    """Two signed proposals of one proposer for one (height, round) with different values
+    (``first.value_hash < second.value_hash``: one encoding per pair)."""
+
+    first: SignedProposalDigest
+    second: SignedProposalDigest
+
+    @property
+    def subject(self) -> bytes:
+        return self.first.proposer
+
+    @staticmethod
+    def of(a: Proposal, b: Proposal) -> ProposalEvidenceTx:
+        """The evidence of two conflicting signed proposals, in canonical order."""
+        x, y = sorted((SignedProposalDigest.of(a), SignedProposalDigest.of(b)),
+                      key=lambda d: d.value_hash)
+        return ProposalEvidenceTx(x, y)
+
+
+#: The mempool subject of every VALSET_UPDATE (so at most ``max_per_subject`` are pending).
+VALSET_SUBJECT = b"valset-update"
+
+
+@dataclass(frozen=True)
+class ValsetUpdateTx:
+    """Replace the validator set from ``effective_height`` on (module docstring).
+
+    Attributes:
+        validators: the new set, by strictly ascending address, as :func:`~ps_p2p.consensus.
+            signing.check_validators` accepts it.
+        effective_height: the first height the new set decides.
+        signatures: (signer, signature) by strictly ascending signer: validators of the
+            current set, each over :func:`valset_update_signing_bytes`.
+    """
+
+    validators: tuple[Validator, ...]
+    effective_height: int
+    signatures: tuple[tuple[bytes, bytes], ...] = ()
+
+    @property
+    def subject(self) -> bytes:
+        return VALSET_SUBJECT
+
+
+def valset_update_signing_bytes(chain_id: str, current: Sequence[Validator],
+                                new: Sequence[Validator], effective_height: int) -> bytes:
+    """What a validator signs to approve a VALSET_UPDATE::
+
+        b"planetserve/v1/valset-update\\x00" || str(chain_id) || bytes(current set hash)
+        || u64(effective_height) || u32(#new) || (bytes(peer_id) || u64(power))*
+
+    (the new set in the order given; :class:`ValsetUpdateTx` requires ascending addresses).
+
+    Raises:
+        LocalProtocolError: a bad chain ID or current set; struct.error for an out-of-range
+            field (a caller's bug).
+    """
+    return (VALSET_UPDATE_DOMAIN + check_chain_id(chain_id) + lp(validator_set_hash(current))
+            + u64(effective_height) + u32(len(new))
+            + b"".join(lp(v.address) + u64(v.power) for v in new))
+
+
+def sign_valset_update(identity: Signer, chain_id: str, current: Sequence[Validator],
+                       new: Sequence[Validator], effective_height: int) -> tuple[bytes, bytes]:
+    """One validator's approval of an update: ``(its peer ID, signature)``."""
+    new = tuple(sorted(new, key=lambda v: v.address))
+    return identity.peer_id, identity.sign(
+        valset_update_signing_bytes(chain_id, current, new, effective_height))
+
+
+def make_valset_update(new: Sequence[Validator], effective_height: int,
+                       approvals: Iterable[tuple[bytes, bytes]]) -> ValsetUpdateTx:
+    """A VALSET_UPDATE from the approvals of :func:`sign_valset_update` (sorted, deduplicated;
+    whether they reach 2/3 is the execution's check)."""
+    sigs = dict(approvals)
+    return ValsetUpdateTx(tuple(sorted(new, key=lambda v: v.address)), effective_height,
+                          tuple(sorted(sigs.items())))
+
+
+def validators_at(genesis_validators: Sequence[Validator], chain_id: str,
+                  updates: Sequence[ValsetUpdateTx], height: int) -> tuple[Validator, ...]:
+    """The validator set that decides ``height``, from the genesis set and the executed
+    VALSET_UPDATEs in order (:attr:`AppState.valset_updates`): what a node needs to check a
+    commit of a later height (a directory's, a synced block's) without the chain.
+
+    Each update must be signed by more than 2/3 of the power of the set before it, over that
+    set's hash (:func:`valset_update_signing_bytes`), and take effect after the one before;
+    updates effective after ``height`` are checked too (a chain must hold as a whole). Trust:
+    as the commits themselves, more than 2/3 of each set's power; validators sign at most one
+    update per set (docs/consensus.md), else a server could show one never executed. Cost:
+    one Ed25519 check per signature (~55 us), O(updates x validators).
+
+    Raises:
+        InvalidCommitError: an update not signed by more than 2/3 of the set before it, a
+            malformed one, or effective heights not increasing.
+    """
+    current = tuple(genesis_validators)
+    at, last_effective = current, 0
+    for update in updates:
+        state = _ChainStub(chain_id, current)
+        try:
+            _check_valset_signatures(update, state)
+            check_validators(update.validators)
+        except (InvalidTransactionError, LocalProtocolError) as exc:
+            raise InvalidCommitError(f"validator-set chain: {exc}") from None
+        if update.effective_height <= last_effective:
+            raise InvalidCommitError("validator-set chain: effective heights not increasing")
+        last_effective = update.effective_height
+        current = tuple(update.validators)
+        if update.effective_height <= height:
+            at = current
+    return at
+
+
+@dataclass(frozen=True)
+class _ChainStub:
+    """What :func:`_check_valset_signatures` reads of a state."""
+
+    chain_id: str
+    validators: tuple[Validator, ...]
 
 
 def check_subject(subject: bytes, error: type[RemoteProtocolError] = InvalidTransactionError,
@@ -463,7 +658,8 @@ class ReputationUpdateTx:
                 raise error(f"credibility {micro!r} micro units not in [0, {MICRO}]")
 
 
-Tx = RegisterTx | DeregisterTx | EvidenceTx | SeedCommitTx | EpochReportTx | MissReportTx
+Tx = (RegisterTx | DeregisterTx | EvidenceTx | SeedCommitTx | EpochReportTx | MissReportTx
+      | ProposalEvidenceTx | ValsetUpdateTx)
 
 
 def deregister_signing_bytes(chain_id: str, peer_id: bytes, issued_at_ms: int) -> bytes:
@@ -483,6 +679,44 @@ def _vote_bytes(vote: Vote) -> bytes:
             + lp(vote.validator) + lp(vote.signature))
 
 
+def _proposal_digest_bytes(d: SignedProposalDigest) -> bytes:
+    return (u64(d.height) + u32(d.round) + u32(d.pol_round + 1) + lp(d.value_hash)
+            + lp(d.proposer) + lp(d.signature))
+
+
+def _read_proposal_digest(r: Reader) -> SignedProposalDigest:
+    height = r.u64("height")
+    round_ = r.u32("round")
+    pol = r.u32("POL round") - 1
+    value_hash = r.lp("value hash", VALUE_ID_BYTES, exact=VALUE_ID_BYTES)
+    proposer = r.lp("proposer", ED25519_PEER_ID_BYTES)
+    signature = r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES)
+    return SignedProposalDigest(height, round_, pol, value_hash, proposer, signature)
+
+
+def _valset_body(tx: ValsetUpdateTx) -> bytes:
+    return (u64(tx.effective_height) + u32(len(tx.validators))
+            + b"".join(lp(v.address) + u64(v.power) for v in tx.validators)
+            + u32(len(tx.signatures))
+            + b"".join(lp(who) + lp(sig) for who, sig in tx.signatures))
+
+
+def _read_valset(r: Reader) -> ValsetUpdateTx:
+    effective = r.u64("effective height")
+    n = r.u32("validator count")
+    if not 1 <= n <= MAX_VALIDATORS:
+        raise r.fail(f"{n} validators (1 to {MAX_VALIDATORS})")
+    validators = tuple(Validator(r.lp("validator", ED25519_PEER_ID_BYTES), r.u64("power"))
+                       for _ in range(n))
+    m = r.u32("signature count")
+    if m > MAX_VALIDATORS:
+        raise r.fail(f"{m} signatures (max {MAX_VALIDATORS})")
+    signatures = tuple((r.lp("signer", ED25519_PEER_ID_BYTES),
+                        r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES))
+                       for _ in range(m))
+    return ValsetUpdateTx(validators, effective, signatures)
+
+
 def encode_tx(tx: Tx) -> bytes:
     """The canonical bytes of a transaction (module docstring).
 
@@ -499,6 +733,11 @@ def encode_tx(tx: Tx) -> bytes:
         elif isinstance(tx, EvidenceTx):
             body = _vote_bytes(tx.first) + _vote_bytes(tx.second)
             kind = TxKind.EVIDENCE
+        elif isinstance(tx, ProposalEvidenceTx):
+            body = _proposal_digest_bytes(tx.first) + _proposal_digest_bytes(tx.second)
+            kind = TxKind.PROPOSAL_EVIDENCE
+        elif isinstance(tx, ValsetUpdateTx):
+            body, kind = _valset_body(tx), TxKind.VALSET_UPDATE
         elif isinstance(tx, SeedCommitTx):
             body, kind = tx.body(), TxKind.SEED_COMMIT
         elif isinstance(tx, EpochReportTx):
@@ -617,6 +856,15 @@ def decode_tx(data: bytes, max_tx_bytes: int) -> Tx:
         signature = r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES)
         r.done()
         return DeregisterTx(peer_id, issued, signature)
+    if kind == TxKind.PROPOSAL_EVIDENCE:
+        a = _read_proposal_digest(r)
+        b = _read_proposal_digest(r)
+        r.done()
+        return ProposalEvidenceTx(a, b)
+    if kind == TxKind.VALSET_UPDATE:
+        update = _read_valset(r)
+        r.done()
+        return update
     first = _decode_vote(r)
     second = _decode_vote(r)
     r.done()
@@ -671,10 +919,15 @@ def app_state_hash(
     ).digest()
 
 
-def _evidence_key(vote: Vote) -> bytes:
+def _evidence_key(vote: Vote | SignedProposalDigest) -> bytes:
+    """One key per (validator, message type, height, round); a proposal's type byte is
+    :data:`~ps_p2p.consensus.signing.PROPOSAL_TYPE` (never a vote type)."""
+    if isinstance(vote, SignedProposalDigest):
+        who, kind = vote.proposer, PROPOSAL_TYPE
+    else:
+        who, kind = vote.validator, int(vote.type)
     return hashlib.sha256(
-        EVIDENCE_KEY_DOMAIN + lp(vote.validator) + u8(int(vote.type)) + u64(vote.height)
-        + u32(vote.round)
+        EVIDENCE_KEY_DOMAIN + lp(who) + u8(kind) + u64(vote.height) + u32(vote.round)
     ).digest()
 
 
@@ -688,7 +941,15 @@ class AppState:
         time_ms: that block's time (the genesis time at height 0), unix ms.
         app_hash: :func:`app_hash` of this state (block ``height + 1`` carries it).
         records: the listed records (a :class:`RecordSet`, one per peer ID).
-        evidence: evidence key -> (validator, height) of recorded equivocations.
+        evidence: evidence key -> (validator, height) of recorded equivocations (votes and
+            proposals).
+        validators: the validator set that decides height ``height + 1`` (the genesis' until
+            a VALSET_UPDATE takes effect).
+        pending_valset: (effective height, new set) of an executed VALSET_UPDATE not yet in
+            effect, or None.
+        valset_updates: every executed VALSET_UPDATE, in order (what :func:`validators_at`
+            needs to follow the set from the genesis; a few KiB each, and only more than 2/3
+            of the power can add one).
         departed: peer ID -> ``issued_at_ms`` of its deregistration (tombstones, module
             docstring).
         reputations: reputation subject -> :class:`ReputationEntry` (module docstring).
@@ -707,7 +968,11 @@ class AppState:
         self.evidence: dict[bytes, tuple[bytes, int]] = {}
         self.departed: dict[bytes, int] = {}
         self._departed_heap: list[tuple[int, bytes]] = []  # (issued_at_ms, peer), lazy
-        self._validators = {v.address for v in genesis.validators}
+        self.validators: tuple[Validator, ...] = tuple(genesis.validators)
+        self.pending_valset: tuple[int, tuple[Validator, ...]] | None = None
+        self.valset_updates: tuple[ValsetUpdateTx, ...] = ()
+        # the current set's addresses: replaced, never mutated (states share it)
+        self._validators = frozenset(v.address for v in genesis.validators)
         self._expiry: list[tuple[int, bytes]] = []  # heap of (expires_at_ms, peer ID), lazy
         self._networks: collections.Counter[str] = collections.Counter()
         self._orgs: collections.Counter[bytes] = collections.Counter()  # by organization key
@@ -733,7 +998,19 @@ class AppState:
         return ChainTip(self.chain_id, self.height, self.block_id, self.time_ms, self.app_hash)
 
     def is_validator(self, peer_id: bytes) -> bool:
+        """Whether ``peer_id`` is in the current set (:attr:`validators`)."""
         return peer_id in self._validators
+
+    @property
+    def excluded(self) -> frozenset[bytes]:
+        """Validators of the current set with committed evidence against them: never
+        proposer, never an epoch's leader (module docstring); O(evidence)."""
+        return frozenset(who for who, _ in self.evidence.values() if who in self._validators)
+
+    def _set_validators(self, validators: tuple[Validator, ...]) -> None:
+        self.validators = validators
+        self._validators = frozenset(v.address for v in validators)
+        self._registry_aux = None
 
     def network_count(self, network: str) -> int:
         """Records listed with an address in ``network`` (a :func:`source_networks` key;
@@ -773,9 +1050,14 @@ class AppState:
             keys = sorted(self.evidence)
             departed = b"".join(lp(peer) + u64(self.departed[peer])
                                 for peer in sorted(self.departed))
+            valset = b""
+            if self.validators != tuple(self.genesis.validators) or self.pending_valset:
+                at, pending = self.pending_valset or (0, ())
+                valset = (lp(validator_set_hash(self.validators)) + u64(at)
+                          + lp(validator_set_hash(pending) if pending else b""))
             self._registry_aux = hashlib.sha256(
                 APP_AUX_DOMAIN + u32(len(keys)) + b"".join(keys)
-                + u32(len(self.departed)) + departed + self.ledger.digest()
+                + u32(len(self.departed)) + departed + self.ledger.digest() + valset
             ).digest()
         return self._registry_aux
 
@@ -963,6 +1245,12 @@ def _verify_tx(tx: Tx, state: AppState, now_ms: int) -> object:
         if tx.issued_at_ms > now_ms + MAX_CLOCK_SKEW_MS:
             raise InvalidTransactionError("deregistration issued in the future")
         return
+    if isinstance(tx, ProposalEvidenceTx):
+        _verify_proposal_evidence(tx, state)
+        return
+    if isinstance(tx, ValsetUpdateTx):
+        _verify_valset_update(tx, state)
+        return
     a, b = tx.first, tx.second
     if (a.validator != b.validator or a.type != b.type or a.height != b.height
             or a.round != b.round):
@@ -982,13 +1270,78 @@ def _verify_tx(tx: Tx, state: AppState, now_ms: int) -> object:
             raise InvalidTransactionError(f"evidence vote: {exc}") from None
 
 
+def _verify_proposal_evidence(tx: ProposalEvidenceTx, state: AppState) -> None:
+    a, b = tx.first, tx.second
+    if a.proposer != b.proposer or a.height != b.height or a.round != b.round:
+        raise InvalidTransactionError(
+            "proposal evidence differs in proposer, height or round")
+    if not a.value_hash < b.value_hash:
+        raise InvalidTransactionError(
+            "proposal evidence not conflicting, or its value hashes not ascending")
+    if not state.is_validator(a.proposer):
+        raise InvalidTransactionError(
+            f"proposal evidence against {peer_label(a.proposer)}, not a validator")
+    if a.height > state.height + 1:
+        raise InvalidTransactionError(f"proposal evidence for future height {a.height}")
+    for d in (a, b):
+        try:
+            data = proposal_digest_signing_bytes(state.chain_id, d.height, d.round,
+                                                 d.pol_round, d.value_hash)
+            verify_signature(d.proposer, data, d.signature)
+        except RemoteProtocolError as exc:  # InvalidSignatureError included
+            raise InvalidTransactionError(f"evidence proposal: {exc}") from None
+
+
+def _verify_valset_update(tx: ValsetUpdateTx, state: AppState) -> None:
+    new = tx.validators
+    try:
+        check_validators(new)
+        proposer_cycle(new)  # the core must be able to rotate over it
+    except (LocalProtocolError, ValueError) as exc:
+        raise InvalidTransactionError(f"validator-set update: {exc}") from None
+    if any(x.address >= y.address for x, y in zip(new, new[1:])):
+        raise InvalidTransactionError("validator-set update: addresses not ascending")
+    if validator_set_hash(new) == validator_set_hash(state.validators):
+        raise InvalidTransactionError("validator-set update to the current set")
+    if not state.height + 1 < tx.effective_height <= state.height + MAX_VALSET_DELAY:
+        raise InvalidTransactionError(
+            f"validator-set update effective at {tx.effective_height}: must be in "
+            f"({state.height + 1}, {state.height + MAX_VALSET_DELAY}]")
+    _check_valset_signatures(tx, state)
+
+
+def _check_valset_signatures(tx: ValsetUpdateTx, state: AppState | _ChainStub) -> None:
+    """More than 2/3 of ``state.validators``' power signed ``tx`` (ascending signers)."""
+    power = {v.address: v.power for v in state.validators}
+    data = valset_update_signing_bytes(state.chain_id, state.validators, tx.validators,
+                                       tx.effective_height)
+    signed, last = 0, b""
+    for who, signature in tx.signatures:
+        if who <= last:
+            raise InvalidTransactionError("validator-set update signers not ascending")
+        last = who
+        if who not in power:
+            raise InvalidTransactionError(
+                f"validator-set update signed by {peer_label(who)}, not a validator")
+        try:
+            verify_signature(who, data, signature)
+        except RemoteProtocolError:
+            raise InvalidTransactionError(
+                f"validator-set update: bad signature of {peer_label(who)}") from None
+        signed += power[who]
+    total = sum(power.values())
+    if not has_quorum(signed, total):
+        raise InvalidTransactionError(
+            f"validator-set update signed by power {signed} of {total}: more than 2/3 needed")
+
+
 def _verify_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: AppState,
                      now_ms: int) -> object:
     params = state.genesis.verification
     if params is None:
         raise InvalidTransactionError(
             f"{type(tx).__name__}: this chain's genesis has no verification section")
-    validators = state.genesis.validators
+    validators = state.validators
     if isinstance(tx, SeedCommitTx):
         check_seed_commit(tx, state.ledger, state.chain_id, validators)
         return None
@@ -1066,7 +1419,12 @@ def _admit(tx: Tx, state: AppState, new_in_block: int | None) -> None:
                 f"deregistration of {peer_label(tx.peer_id)} is older than its listed record"
             )
 
-    elif isinstance(tx, EvidenceTx):
+    elif isinstance(tx, ValsetUpdateTx):
+        if state.pending_valset is not None:
+            raise InvalidTransactionError(
+                f"a validator-set update is already pending (effective at "
+                f"{state.pending_valset[0]})")
+    elif isinstance(tx, (EvidenceTx, ProposalEvidenceTx)):
         if _evidence_key(tx.first) in state.evidence:
             raise InvalidTransactionError("evidence already recorded")
         if len(state.evidence) >= policy.max_evidence:
@@ -1154,6 +1512,13 @@ def _apply(tx: Tx, state: AppState, checked: object,
     elif isinstance(tx, EvidenceTx):
         state.evidence[_evidence_key(tx.first)] = (tx.first.validator, tx.first.height)
         state._registry_aux = None
+    elif isinstance(tx, ProposalEvidenceTx):
+        state.evidence[_evidence_key(tx.first)] = (tx.first.proposer, tx.first.height)
+        state._registry_aux = None
+    elif isinstance(tx, ValsetUpdateTx):
+        state.pending_valset = (tx.effective_height, tx.validators)
+        state.valset_updates = state.valset_updates + (tx,)
+        state._registry_aux = None
 
 
 def _apply_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: AppState,
@@ -1171,7 +1536,7 @@ def _apply_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: AppS
         assert isinstance(checked, dict)
         scores = subject_scores(checked, ledger)
         apply_epoch_report(tx, ledger, params, checked, to_micro(state.genesis.reputation.tau))
-    elif apply_miss_report(tx, ledger, state.genesis.validators):
+    elif apply_miss_report(tx, ledger, state.validators):
         scores = {ledger.missed_subjects[(tx.epoch, tx.model_node)]: 0}
     if scores:  # may raise (no room for a new subject): then nothing changed
         changes = apply_reputation_update(state, ReputationUpdateTx(
@@ -1234,9 +1599,12 @@ def execute_block(state: AppState, block: Block) -> tuple[AppState, BlockResult]
         nodes = verification_model_nodes(new)
         if nodes:
             ledger = new.ledger.copy()
-            if maybe_start(ledger, state.genesis.validators, nodes, params, new.block_id,
-                           h.time_ms):
+            if maybe_start(ledger, new.validators, nodes, params, new.block_id,
+                           h.time_ms, excluded=new.excluded):
                 new.ledger, new._registry_aux = ledger, None
+    if new.pending_valset is not None and new.pending_valset[0] == h.height + 1:
+        new._set_validators(new.pending_valset[1])  # block h + 1 is the new set's
+        new.pending_valset = None
     new.app_hash = app_hash(new)
     return new, BlockResult(h.height, tuple(results), changes, tuple(expired), new.app_hash,
                             reputation_changes)
@@ -1571,6 +1939,12 @@ __all__ = [
     "BlockResult",
     "DeregisterTx",
     "EvidenceTx",
+    "MAX_VALSET_DELAY",
+    "ProposalEvidenceTx",
+    "SignedProposalDigest",
+    "VALSET_SUBJECT",
+    "VALSET_UPDATE_DOMAIN",
+    "ValsetUpdateTx",
     "Genesis",
     "Lane",
     "Mempool",
@@ -1592,6 +1966,10 @@ __all__ = [
     "encode_tx",
     "execute_block",
     "genesis_state",
+    "make_valset_update",
+    "sign_valset_update",
+    "validators_at",
+    "valset_update_signing_bytes",
     "reputation_root",
     "sign_deregister",
     "source_networks",

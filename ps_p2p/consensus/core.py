@@ -33,7 +33,10 @@ nginx's upstream balancing): over the validators sorted by address, each step ad
 validator's power to its credit, picks the highest credit (ties: lowest address) and takes the
 total power from the winner. One cycle has ``total_power / gcd(powers)`` slots, in which each
 validator proposes ``power / gcd`` times, spread out rather than in runs; with equal powers it is
-plain round robin by address. ``proposer(h, r) = cycle[(h + r) % len(cycle)]``.
+plain round robin by address. ``proposer(h, r) = cycle[(h + r) % len(cycle)]``. The cycle runs
+over the validators not in ``StartHeight.excluded`` (committed evidence against them; all of
+them when every one is excluded); they still vote. A second value signed by the round's
+proposer is reported once per round (:class:`~ps_p2p.consensus.types.ProposalEquivocation`).
 
 Deviations from the paper, each harmless to safety:
 
@@ -83,6 +86,7 @@ from ps_p2p.consensus.types import (
     Input,
     Output,
     Proposal,
+    ProposalEquivocation,
     ProposalReceived,
     ProposeValue,
     RestoreLock,
@@ -223,6 +227,7 @@ class ConsensusCore:
         self._proposals: dict[int, dict[bytes, Proposal]] = {}
         # round -> value IDs of the proposer's proposals whose conflicting votes count
         self._wanted: dict[int, set[bytes]] = {}
+        self._proposal_evidence: set[int] = set()  # rounds whose double proposal was reported
         self._validity: dict[bytes, bool] = {}  # value ID -> valid(v)
         self._validating: set[bytes] = set()  # ValidateValue sent, no answer yet
         self._awaiting_value: tuple[int, int] | None = None  # GetValue sent for (h, r)
@@ -344,7 +349,9 @@ class ConsensusCore:
             raise LocalProtocolError(f"StartHeight({inp.height}) after height {self.height}")
         try:
             keeper = VoteKeeper(inp.height, inp.validators)
-            cycle = proposer_cycle(inp.validators)
+            # evidence excludes a validator from proposing (StartHeight.excluded), never all
+            eligible = [v for v in inp.validators if v.address not in inp.excluded]
+            cycle = proposer_cycle(eligible or inp.validators)
         except ValueError as exc:
             raise LocalProtocolError(f"bad validator set: {exc}") from exc
         buffered = self._next if self.height is not None and inp.height == self.height + 1 else []
@@ -358,6 +365,7 @@ class ConsensusCore:
         self.decision = None
         self._proposals = {}
         self._wanted = {}
+        self._proposal_evidence = set()
         self._validity = {}
         self._validating = set()
         self._awaiting_value = None
@@ -432,6 +440,10 @@ class ConsensusCore:
             wanted.add(vid)
             self._keeper.want(vid)
         held = self._proposals.get(p.round)
+        if held is not None and vid not in held and p.round not in self._proposal_evidence:
+            # two signed values of the round's proposer: evidence (app.ProposalEvidenceTx)
+            self._proposal_evidence.add(p.round)
+            out.append(ProposalEquivocation(next(iter(held.values())), p))
         if held is not None:
             if vid in held or len(held) >= 2:
                 return

@@ -4,8 +4,9 @@ How every user and model node follows the directory (PlanetServe sec. 3.4): it h
 registry state at some height S, asks any verifier
 for what changed since S, and adopts the answer only when
 :func:`~ps_p2p.consensus.directory.verify_directory` accepts it against the *genesis*
-validator set: a commit of more than 2/3 of the genesis voting power (2f+1 of N = 3f+1 equal
-validators) over block H's header, whose app hash is that of the state at H - 1 that the pages
+validator set, or the set the executed VALSET_UPDATEs made of it (each signed by more than 2/3
+of the set before it; the verifier serves them with the head): a commit of more than 2/3 of
+that set's voting power (2f+1 of N = 3f+1 equal validators) over block H's header, whose app hash is that of the state at H - 1 that the pages
 describe (the Tendermint convention: header H+1 carries the app hash after block H). What the
 node then uses is a plain :class:`~ps_p2p.records.Directory`, so path and model choice know
 nothing of commits.
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import MappingProxyType
 
-from ps_p2p.consensus.app import Genesis
+from ps_p2p.consensus.app import Genesis, ValsetUpdateTx, validators_at
 from ps_p2p.consensus.block import Header
 from ps_p2p.consensus.directory import (
     MAX_DELTA_BYTES,
@@ -33,7 +34,8 @@ from ps_p2p.consensus.directory import (
     DirectoryView,
     verify_directory,
 )
-from ps_p2p.consensus.types import Vote
+from ps_p2p.consensus.types import Validator, Vote
+from ps_p2p.errors import InvalidCommitError
 from ps_p2p.records.limits import MAX_RECORDS
 from ps_p2p.records.types import Directory, NodeRecord
 from ps_p2p.records.validation import VerifiedCache
@@ -80,6 +82,7 @@ class CommitteeReplica:
         self.last_changed: tuple[NodeRecord, ...] = ()
         self.source: bytes | None = None
         self._reputation_root: bytes | None = None
+        self._valset_chain: tuple[ValsetUpdateTx, ...] = ()  # the last chain checked whole
 
     def since(self) -> int:
         """The height to ask for changes since (0: everything)."""
@@ -92,20 +95,37 @@ class CommitteeReplica:
         pages: Sequence[DeltaPage],
         now_ms: int,
         source: bytes | None = None,
+        *,
+        valset_updates: Sequence[ValsetUpdateTx] = (),
     ) -> Directory:
         """Verify a served directory (header of block H, its commit, the delta pages of the
         state at H - 1 since :meth:`since`) and adopt it.
+
+        The commit is checked against the validator set of height H: the genesis set, changed
+        by ``valset_updates`` (the executed VALSET_UPDATEs the verifier serves, in order, each
+        signed by more than 2/3 of the set before it: :func:`~ps_p2p.consensus.app.
+        validators_at`; the last chain checked is remembered, so an unchanged one costs no
+        signature check).
 
         Returns:
             the new :class:`Directory` (records ascending by peer ID).
 
         Raises:
             ExpiredError, DirectoryRollbackError, InvalidCommitError, InvalidDirectoryError:
-                as :func:`~ps_p2p.consensus.directory.verify_directory`; the replica is left
-                as it was.
+                as :func:`~ps_p2p.consensus.directory.verify_directory` (InvalidCommitError
+                too for a validator-set chain that does not hold); the replica is left as it
+                was.
         """
+        updates = tuple(valset_updates)
+        if updates != self._valset_chain:
+            if updates[:len(self._valset_chain)] != self._valset_chain:
+                # a verifier may not hide an update the node already follows (removed
+                # validators' keys must not sign for a set the node knows is gone)
+                raise InvalidCommitError("validator-set chain does not extend the one held")
+            validators_at(self.genesis.validators, self.genesis.chain_id, updates, 0)
+        validators = _set_at(self.genesis.validators, updates, header.height)
         view = verify_directory(
-            self.genesis.validators, self.genesis.chain_id, header, commit, pages, self.view,
+            validators, self.genesis.chain_id, header, commit, pages, self.view,
             now_ms, self.max_age_ms, max_delta_bytes=self.max_delta_bytes,
             max_records=self.max_records, cache=self.cache,
         )
@@ -133,10 +153,22 @@ class CommitteeReplica:
         if old is not None and records is old.records and "_index" in old.__dict__:
             directory.__dict__["_index"] = old.__dict__["_index"]  # O(1) when unchanged
         self.view = view
+        self._valset_chain = updates  # checked whole
         self.directory = directory
         self.last_changed = changed
         self.source = source
         return directory
+
+
+def _set_at(genesis_validators: Sequence[Validator], updates: Sequence[ValsetUpdateTx],
+            height: int) -> tuple[Validator, ...]:
+    """The set deciding ``height`` along an already checked chain of updates."""
+    current = tuple(genesis_validators)
+    for update in updates:
+        if update.effective_height > height:
+            break
+        current = tuple(update.validators)
+    return current
 
 
 __all__ = ["CommitteeReplica"]

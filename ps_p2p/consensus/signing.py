@@ -27,6 +27,7 @@ voting power.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -52,6 +53,7 @@ from ps_p2p.records.types import Signer
 
 PROPOSAL_DOMAIN = b"planetserve/v1/consensus-proposal\x00"
 VOTE_DOMAIN = b"planetserve/v1/consensus-vote\x00"
+VALIDATOR_SET_DOMAIN = b"planetserve/v1/validator-set\x00"
 #: The type byte of a proposal (distinct from every VoteType).
 PROPOSAL_TYPE = 0x20
 #: Longest chain ID (UTF-8 bytes).
@@ -93,18 +95,33 @@ def proposal_signing_bytes(chain_id: str, proposal: Proposal) -> bytes:
         RemoteProtocolError: height, round or POL round out of range (POL round must be -1
             or in [0, round)).
     """
-    chain = check_chain_id(chain_id)
-    _check_position(proposal.height, proposal.round)
-    pol = proposal.pol_round
-    if not isinstance(pol, int) or not NIL_ROUND <= pol < proposal.round:
-        raise RemoteProtocolError(
-            f"proposal POL round {pol!r} not in [-1, round {proposal.round})"
-        )
     if not isinstance(proposal.value, (bytes, bytearray)):
         raise RemoteProtocolError("proposal value is not bytes")
+    return proposal_digest_signing_bytes(chain_id, proposal.height, proposal.round,
+                                         proposal.pol_round, value_id(bytes(proposal.value)))
+
+
+def proposal_digest_signing_bytes(chain_id: str, height: int, round_: int, pol_round: int,
+                                  value_hash: bytes) -> bytes:
+    """:func:`proposal_signing_bytes` from the SHA-256 of the value (32 bytes) instead of the
+    value: what evidence of a double proposal carries (a proposal's signature covers only
+    the hash, so two conflicting blocks need not be carried whole).
+
+    Raises:
+        LocalProtocolError: an empty or over-long chain ID.
+        RemoteProtocolError: height, round or POL round out of range, a hash not 32 bytes.
+    """
+    chain = check_chain_id(chain_id)
+    _check_position(height, round_)
+    if not isinstance(pol_round, int) or not NIL_ROUND <= pol_round < round_:
+        raise RemoteProtocolError(
+            f"proposal POL round {pol_round!r} not in [-1, round {round_})"
+        )
+    if not isinstance(value_hash, bytes) or len(value_hash) != VALUE_ID_BYTES:
+        raise RemoteProtocolError("proposal value hash is not 32 bytes")
     return b"".join((
-        PROPOSAL_DOMAIN, chain, u8(PROPOSAL_TYPE), u64(proposal.height), u32(proposal.round),
-        u32(pol + 1), lp(value_id(bytes(proposal.value))),
+        PROPOSAL_DOMAIN, chain, u8(PROPOSAL_TYPE), u64(height), u32(round_),
+        u32(pol_round + 1), lp(value_hash),
     ))
 
 
@@ -228,6 +245,21 @@ def check_validators(validators: Sequence[Validator]) -> int:
     return total
 
 
+def validator_set_hash(validators: Sequence[Validator]) -> bytes:
+    """SHA-256 of a validator set, in address order (what a validator-set update signs as the
+    set it replaces)::
+
+        b"planetserve/v1/validator-set\\x00" || u32(n) || (bytes(address) || u64(power))*
+
+    Raises:
+        LocalProtocolError: a bad set (:func:`check_validators`).
+    """
+    check_validators(validators)
+    ordered = sorted(validators, key=lambda v: v.address)
+    return hashlib.sha256(VALIDATOR_SET_DOMAIN + u32(len(ordered)) + b"".join(
+        lp(v.address) + u64(v.power) for v in ordered)).digest()
+
+
 def has_quorum(signed_power: int, total_power: int) -> bool:
     """More than 2/3 of ``total_power`` (Algorithm 1's 2f+1 when every power is 1)."""
     return 3 * signed_power > 2 * total_power
@@ -337,16 +369,19 @@ __all__ = [
     "PROPOSAL_DOMAIN",
     "PROPOSAL_TYPE",
     "VALUE_ID_BYTES",
+    "VALIDATOR_SET_DOMAIN",
     "VOTE_DOMAIN",
     "CommitInfo",
     "check_chain_id",
     "check_validators",
     "has_quorum",
+    "proposal_digest_signing_bytes",
     "proposal_signing_bytes",
     "sign_proposal",
     "sign_vote",
     "verify_commit",
     "verify_proposal",
+    "validator_set_hash",
     "verify_vote",
     "vote_signing_bytes",
 ]

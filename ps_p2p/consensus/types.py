@@ -97,10 +97,16 @@ class Vote:
 
 @dataclass(frozen=True)
 class StartHeight:
-    """Begin height ``height`` with ``validators`` (Algorithm 1's ``StartRound(0)``)."""
+    """Begin height ``height`` with ``validators`` (Algorithm 1's ``StartRound(0)``).
+
+    ``excluded``: addresses of validators that vote but never propose (committed evidence
+    against them, :attr:`ps_p2p.consensus.app.AppState.excluded`); the proposer rotation runs
+    over the others (all of them when every validator is excluded). Both come from the
+    committed state of height ``height - 1``, so every validator rotates alike."""
 
     height: int
     validators: tuple[Validator, ...]
+    excluded: frozenset[bytes] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -229,4 +235,14 @@ class Equivocation:
     second: Vote
 
 
-Output = BroadcastProposal | BroadcastVote | ScheduleTimeout | GetValue | ValidateValue | Decide | Equivocation
+@dataclass(frozen=True)
+class ProposalEquivocation:
+    """Evidence: ``first`` and ``second`` are two signed proposals of one proposer for one
+    (height, round) with different values."""
+
+    first: Proposal
+    second: Proposal
+
+
+Output = (BroadcastProposal | BroadcastVote | ScheduleTimeout | GetValue | ValidateValue | Decide
+          | Equivocation | ProposalEquivocation)

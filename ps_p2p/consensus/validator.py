@@ -30,7 +30,13 @@ which only moves bytes:
 * ``Decide`` -> the commit is verified (:func:`~ps_p2p.consensus.signing.verify_commit`), the
   block executed, block and commit saved, the directory history and mempool updated, the WAL
   below the next height pruned (every :data:`PRUNE_EVERY` heights), then :class:`Committed` and the next height (below).
-* ``Equivocation`` -> an EVIDENCE transaction into the mempool (relayed).
+* ``Equivocation`` / ``ProposalEquivocation`` -> an EVIDENCE / PROPOSAL_EVIDENCE transaction
+  into the mempool (relayed).
+
+Each height starts with the validator set and the excluded proposers of the committed state
+(:attr:`~ps_p2p.consensus.app.AppState.validators`, :attr:`~ps_p2p.consensus.app.AppState.
+excluded`), and its commit (decided or synced) is verified against that set: a VALSET_UPDATE
+takes effect at the same height on every validator.
 
 The next height starts (``StartHeight(h + 1)``) at once when transactions are pending (ones
 this validator would propose: not an EPOCH_REPORT its own check refuses or still runs on) or a
@@ -79,6 +85,7 @@ from ps_p2p.consensus.app import (
     BlockResult,
     EvidenceTx,
     Genesis,
+    ProposalEvidenceTx,
     Mempool,
     TxKind,
     encode_tx,
@@ -99,6 +106,7 @@ from ps_p2p.consensus.directory import DirectoryHistory
 from ps_p2p.consensus.signing import sign_proposal, sign_vote, verify_commit
 from ps_p2p.consensus.snapshot import decode_state, encode_state
 from ps_p2p.consensus.store import ConsensusStore
+from ps_p2p.consensus.types import Validator as CommitteeMember
 from ps_p2p.consensus.types import (
     NIL_ROUND,
     BroadcastProposal,
@@ -108,6 +116,7 @@ from ps_p2p.consensus.types import (
     GetValue,
     Input,
     Proposal,
+    ProposalEquivocation,
     ProposalReceived,
     ProposeValue,
     RestoreLock,
@@ -266,9 +275,11 @@ class Validator:
         snapshot_writer: ``writer(state)`` takes over a due snapshot (the service encodes it
             in a worker thread: O(records), ~0.5 s at 100,000 records, then calls
             :meth:`keep_snapshot`); None: encoded and written at once.
+        joining: ``identity`` need not be a genesis validator (one a VALSET_UPDATE adds: it
+            follows the chain and votes once the committed set lists it).
 
     Raises:
-        LocalProtocolError: ``identity`` is not a validator of ``genesis``.
+        LocalProtocolError: ``identity`` is not a validator of ``genesis`` (and not joining).
     """
 
     def __init__(
@@ -286,17 +297,17 @@ class Validator:
         snapshot_every: int = SNAPSHOT_EVERY,
         keep_blocks: int | None = None,
         snapshot_writer: Callable[[AppState], None] | None = None,
+        joining: bool = False,
     ) -> None:
         if snapshot_every < 0 or (keep_blocks is not None and keep_blocks < 1):
             raise LocalProtocolError("snapshot_every must be >= 0 and keep_blocks >= 1")
-        if all(v.address != identity.peer_id for v in genesis.validators):
+        if not joining and all(v.address != identity.peer_id for v in genesis.validators):
             raise LocalProtocolError(
                 f"{peer_label(identity.peer_id)} is not a validator of chain {genesis.chain_id!r}"
             )
         self.identity = identity
         self.address = identity.peer_id
         self.genesis = genesis
-        self.validators = genesis.validators
         self.store = store
         self.wire = wire
         config = config or ConsensusConfig()
@@ -338,6 +349,15 @@ class Validator:
     @property
     def committed_height(self) -> int:
         return self.state.height
+
+    @property
+    def validators(self) -> tuple[CommitteeMember, ...]:
+        """The set deciding the current height (the committed state's)."""
+        return self.state.validators
+
+    def _start_input(self, height: int) -> StartHeight:
+        """StartHeight from the committed state: its set and excluded proposers."""
+        return StartHeight(height, self.state.validators, self.state.excluded)
 
     def is_validator(self, peer_id: bytes) -> bool:
         return self.state.is_validator(peer_id)
@@ -394,7 +414,7 @@ class Validator:
             log.info("validator %s restored height %d from its store (%d block(s) executed)",
                      peer_label(self.address), latest, latest - first + 1)
         actions: list[Action] = []
-        self._run([StartHeight(self.height, self.validators)], now, actions)
+        self._run([self._start_input(self.height)], now, actions)
         replay: list[Input] = []
         own = self.store.signed_at(self.height)
         locks = [s for s in own if s.step == Step.PRECOMMIT and s.locked is not None]
@@ -526,8 +546,8 @@ class Validator:
         """Commit blocks fetched by block sync: (height, encoded block, commit) in height order.
 
         Blocks at or below the committed height are skipped; each other one must carry a
-        commit of the genesis validators (checked here again) and follow the state (checked by
-        execution). Then the core jumps to the height after the last one.
+        commit of the validator set of its height (checked here again) and follow the state
+        (checked by execution). Then the core jumps to the height after the last one.
 
         Raises:
             ConsensusError (InvalidCommitError, InvalidBlockError): the first block that fails;
@@ -543,7 +563,7 @@ class Validator:
                 block = decode_block(raw, self.genesis.limits)
                 if block.header.height != height:
                     raise InvalidBlockError(f"synced block {height} says {block.header.height}")
-                verify_commit(self.genesis.chain_id, self.validators, height,
+                verify_commit(self.genesis.chain_id, self.state.validators, height,
                               block_id(block.header), commit)
                 new, result = execute_block(self.state, block)
                 self._commit(block, raw, tuple(commit), new, result, actions, synced=True)
@@ -557,7 +577,7 @@ class Validator:
                     self._pending_start = None
                     self._timers = [t for t in self._timers if not isinstance(t.inp, int)]
                     heapq.heapify(self._timers)
-                    self._run([StartHeight(self.height, self.validators)], now, actions)
+                    self._run([self._start_input(self.height)], now, actions)
         return actions
 
     # ------------------------------------------------------------------ the core's outputs
@@ -613,12 +633,17 @@ class Validator:
                 queue.append(ValueValidated(out.height, out.round, vid, bool(valid)))
         elif isinstance(out, Decide):
             self._decide(out, now, actions)
-        elif isinstance(out, Equivocation):
+        elif isinstance(out, (Equivocation, ProposalEquivocation)):
             self.stats.evidence_seen += 1
-            log.warning("validator %s equivocated at height %d round %d",
-                        peer_label(out.first.validator), out.first.height, out.first.round)
+            if isinstance(out, Equivocation):
+                who, evidence = out.first.validator, EvidenceTx(out.first, out.second)
+            else:
+                who, evidence = out.first.proposer, ProposalEvidenceTx.of(out.first, out.second)
+            log.warning("validator %s equivocated (%s) at height %d round %d",
+                        peer_label(who), "proposals" if isinstance(out, ProposalEquivocation)
+                        else "votes", out.first.height, out.first.round)
             try:
-                tx = encode_tx(EvidenceTx(out.first, out.second))
+                tx = encode_tx(evidence)
                 if self.mempool.add(tx, self.state, self.unix_ms()):
                     actions.append(RelayTx(tx))
             except PsError as exc:
@@ -759,7 +784,7 @@ class Validator:
     def _decide(self, d: Decide, now: float, actions: list[Action]) -> None:
         block = decode_block(d.value, self.genesis.limits)  # valid: it was validated
         bid = block_id(block.header)
-        verify_commit(self.genesis.chain_id, self.validators, d.height, bid, d.commit)
+        verify_commit(self.genesis.chain_id, self.state.validators, d.height, bid, d.commit)
         executed = self._executed.get(bid)
         new, result = executed if executed is not None else execute_block(self.state, block)
         self._commit(block, d.value, d.commit, new, result, actions, synced=False)
@@ -819,7 +844,7 @@ class Validator:
     def _start_next(self, now: float, actions: list[Action]) -> None:
         if self._pending_start is None:
             return
-        self._run([StartHeight(self._pending_start, self.validators)], now, actions)
+        self._run([self._start_input(self._pending_start)], now, actions)
 
 
 __all__ = [

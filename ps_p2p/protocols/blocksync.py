@@ -40,7 +40,7 @@ from ps_p2p.consensus.block import BlockLimits, block_id, decode_block
 from ps_p2p.consensus.signing import verify_commit
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Validator
-from ps_p2p.errors import ConsensusError, RemoteProtocolError
+from ps_p2p.errors import ConsensusError, InvalidCommitError, RemoteProtocolError
 from ps_p2p.protocols import consensus_codec as cc
 from ps_p2p.protocols.framing import encode_frame, read_frame
 from ps_p2p.protocols.handlers import StreamHandlers, exchange, reset_quietly
@@ -192,9 +192,15 @@ def verify_synced(
     (``previous_block_id`` for the first; None skips that check for it), and carries a
     commit for its own height and ID by more than 2/3 of ``validators``' power.
 
+    ``validators`` is the set of the first block's height; a VALSET_UPDATE executed by a block
+    of the batch changes the set after it, so a later commit that does not verify ends the
+    batch there (the verified blocks are returned; the caller executes them and asks again
+    from the next height with the new set, :meth:`~ps_p2p.consensus.validator.Validator.
+    apply_synced` checking every commit against the set of its height).
+
     Raises:
         RemoteProtocolError (a ConsensusError for a bad block or commit): the first block that
-            fails, by height.
+            fails, by height (a commit only when it is the first block's).
     """
     out: list[VerifiedBlock] = []
     previous = previous_block_id
@@ -206,7 +212,12 @@ def verify_synced(
         if previous is not None and header.prev_block_id != previous:
             raise ConsensusError(f"block {item.height} does not follow the block before it")
         this_id = block_id(header)
-        verify_commit(chain_id, validators, item.height, this_id, item.commit)
+        try:
+            verify_commit(chain_id, validators, item.height, this_id, item.commit)
+        except InvalidCommitError:
+            if out:  # the set may change after a block of the batch (a VALSET_UPDATE): the
+                break  # verified blocks first; the rest is asked again with the set after them
+            raise
         out.append(VerifiedBlock(item.height, item.block, item.commit))
         previous = this_id
     return out

@@ -30,6 +30,10 @@ by every verifier of the genesis validator set; one stream carries up to
   the node on the other end of the connection, signed by it (a draining model node leaves the
   directory at the next block instead of when its record expires). Answer: ``ack`` (expiry 0)
   or ``error``.
+* ``valset_update``: a VALSET_UPDATE transaction (canonical bytes): anyone may relay one, as
+  its approvals (more than 2/3 of the current power) are its authority (``ps-node valset
+  submit``). Answer: ``ack`` (expiry 0) or ``error``. It must fit one request frame
+  (:data:`MAX_REQUEST_BYTES`: a committee of about 25 validators at most).
 * ``genesis``: the chain's genesis file (JSON, :mod:`ps_p2p.genesis`) in one ``genesis`` frame.
   A node started without a genesis file asks one of the verifiers it was configured with
   (:func:`fetch_genesis`) and accepts the answer only when every validator it names is one of
@@ -66,7 +70,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
 
-from ps_p2p.consensus.app import DeregisterTx, RegisterTx, decode_tx, encode_tx
+from ps_p2p.consensus.app import DeregisterTx, RegisterTx, ValsetUpdateTx, decode_tx, encode_tx
 from ps_p2p.consensus.block import Header, decode_header, header_bytes
 from ps_p2p.consensus.directory import (
     MAX_PAGE_BYTES,
@@ -265,14 +269,33 @@ class CommitteeDirectoryService:
         self.registered += 1
         return _response(ack=directory_pb2.RegisterAck(expires_at_ms=0))
 
+    def submit_valset_update(self, raw: bytes) -> bytes:
+        """Answer a ``valset_update`` request (a VALSET_UPDATE transaction's canonical bytes):
+        the encoded response frame (``ack`` with expiry 0, or ``error``). Cost of a forged
+        one: its decoding and at most one signature check (signers are checked to be
+        validators first, and the first bad signature ends the check)."""
+        try:
+            tx = decode_tx(raw, MAX_REQUEST_BYTES)
+            if not isinstance(tx, ValsetUpdateTx):
+                raise RemoteProtocolError("not a VALSET_UPDATE transaction")
+            self._submit_tx(tx)
+        except RemoteProtocolError as exc:
+            self.refused += 1
+            return _error(ERROR_REFUSED, f"validator-set update refused: {exc}")
+        return _response(ack=directory_pb2.RegisterAck(expires_at_ms=0))
+
     async def _answer_get(self, stream: INetStream, since_height: int, sender: bytes) -> None:
         try:
             header, commit, pages = self.snapshot(since_height)
         except LocalProtocolError as exc:
             await stream.write(_error(ERROR_UNAVAILABLE, str(exc)))
             return
+        # the executed validator-set updates (none on most chains): the node follows the set
+        # from the genesis to the header's height (app.validators_at)
+        updates = [encode_tx(u) for u in self._history().latest.valset_updates]
         frame = _response(head=directory_pb2.CommittedHead(
-            header=header_bytes(header), commit=cc.commit_to_pb(commit)))
+            header=header_bytes(header), commit=cc.commit_to_pb(commit),
+            valset_updates=updates))
         await self._write_charged(stream, frame, sender)
         for page in pages:
             await self._write_charged(stream, _response(page=page.encode()), sender)
@@ -337,6 +360,8 @@ class CommitteeDirectoryService:
                                                      stream.get_remote_address()))
                 elif kind == "deregister":
                     await stream.write(self.deregister(request.deregister, sender))
+                elif kind == "valset_update":
+                    await stream.write(self.submit_valset_update(request.valset_update))
                 else:
                     await stream.write(_error(ERROR_BAD_REQUEST, "empty request"))
             await stream.close()
@@ -434,6 +459,38 @@ async def deregister_from_committee(
     await _exchange(host, verifier, timeout, body)
 
 
+async def submit_valset_update(
+    host: IHost, verifier: bytes, tx: ValsetUpdateTx, *, timeout: float = 5.0
+) -> None:
+    """Give a committee verifier a VALSET_UPDATE (``ps-node valset submit``); returns once it
+    is in the verifier's mempool (relayed to the others; executed by the next block).
+
+    Raises:
+        RemoteProtocolError: refused (the verifier's reason is included) or a malformed answer.
+        LocalProtocolError: the transaction is over :data:`MAX_REQUEST_BYTES`.
+        trio.TooSlowError: no answer within ``timeout`` seconds (dial, then answer).
+        Exception: py-libp2p's dial and negotiation errors.
+    """
+    frame = directory_pb2.CommitteeDirectoryRequest(valset_update=encode_tx(tx))
+    data = encode_frame(frame.SerializeToString())
+    if len(data) > MAX_REQUEST_BYTES:
+        raise LocalProtocolError(
+            f"validator-set update of {len(data)} bytes over a request frame's "
+            f"{MAX_REQUEST_BYTES}")
+
+    async def body(stream: INetStream) -> None:
+        with trio.fail_after(timeout):
+            await stream.write(data)
+        response = await _read_response(stream, timeout)
+        kind = response.WhichOneof("kind")
+        if kind == "error":
+            raise _refusal(verifier, response)
+        if kind != "ack":
+            raise RemoteProtocolError(f"verifier answered a validator-set update with {kind!r}")
+
+    await _exchange(host, verifier, timeout, body)
+
+
 async def fetch_genesis(host: IHost, verifier: bytes, *, timeout: float = 5.0) -> bytes:
     """Ask a verifier for its chain's genesis file.
 
@@ -489,7 +546,8 @@ async def fetch_committed_directory(
         trio.TooSlowError: a frame did not come within ``timeout``.
         Exception: py-libp2p's dial and negotiation errors.
     """
-    async def body(stream: INetStream) -> tuple[Header, tuple[Vote, ...], list[DeltaPage]]:
+    async def body(stream: INetStream) -> tuple[Header, tuple[Vote, ...], list[DeltaPage],
+                                                list[ValsetUpdateTx]]:
         with trio.fail_after(timeout):
             await stream.write(encode_frame(directory_pb2.CommitteeDirectoryRequest(
                 get=directory_pb2.GetCommittedDirectory(since_height=replica.since())
@@ -502,6 +560,13 @@ async def fetch_committed_directory(
             raise RemoteProtocolError(f"verifier answered a directory request with {kind!r}")
         header = decode_header(response.head.header)
         commit = cc.commit_from_pb(response.head.commit)
+        updates = []
+        for raw in response.head.valset_updates:  # the frame's size bounds them
+            update = decode_tx(raw, MAX_RESPONSE_BYTES)
+            if not isinstance(update, ValsetUpdateTx):
+                raise RemoteProtocolError("directory head lists a transaction that is no "
+                                          "VALSET_UPDATE")
+            updates.append(update)
         pages: list[DeltaPage] = []
         total = 0
         while not pages or not pages[-1].last:
@@ -513,13 +578,15 @@ async def fetch_committed_directory(
             if total > replica.max_delta_bytes:
                 raise RemoteProtocolError(f"directory delta over {replica.max_delta_bytes} bytes")
             pages.append(page)
-        return header, commit, pages
+        return header, commit, pages, updates
 
-    header, commit, pages = await _exchange(host, verifier, timeout, body)  # type: ignore[misc]
+    header, commit, pages, updates = await _exchange(  # type: ignore[misc]
+        host, verifier, timeout, body)
     if sum(len(p.data) for p in pages) > THREAD_VERIFY_BYTES:
         return await trio.to_thread.run_sync(
-            lambda: replica.apply(header, commit, pages, now_ms(), verifier))
-    return replica.apply(header, commit, pages, now_ms(), verifier)
+            lambda: replica.apply(header, commit, pages, now_ms(), verifier,
+                                  valset_updates=updates))
+    return replica.apply(header, commit, pages, now_ms(), verifier, valset_updates=updates)
 
 
 __all__ = [
@@ -540,6 +607,7 @@ __all__ = [
     "PAGE_BYTES",
     "CommitteeDirectoryService",
     "deregister_from_committee",
+    "submit_valset_update",
     "Snapshot",
     "fetch_committed_directory",
     "fetch_genesis",

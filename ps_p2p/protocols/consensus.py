@@ -141,6 +141,8 @@ class ConsensusServiceConfig:
             are sent once it returned (:meth:`ConsensusService._flush_held`); False: each
             own message's write fsyncs on the event loop.
         byzantine: TEST ONLY: equivocate (:class:`ByzantineSender`); never set by users.
+        joining: this identity need not be a genesis validator (one a VALSET_UPDATE adds:
+            it follows the chain and votes once the committed set lists it).
     """
 
     rebroadcast_interval: float | None = None
@@ -154,6 +156,7 @@ class ConsensusServiceConfig:
     keep_blocks: int | None = None
     deferred_sync: bool = True
     byzantine: bool = False
+    joining: bool = False
 
 
 class ByzantineSender:
@@ -260,6 +263,7 @@ class ConsensusService:
                 empty_block_interval=self.config.empty_block_interval, unix_ms=unix_ms,
                 value_check=value_check, snapshot_every=self.config.snapshot_every,
                 keep_blocks=self.config.keep_blocks, snapshot_writer=self._write_snapshot,
+                joining=self.config.joining,
             )
         except PsError as exc:
             raise ConfigError(str(exc)) from exc
@@ -268,7 +272,6 @@ class ConsensusService:
         self.sync_after = self.config.sync_after or (
             core.timeout_propose + core.timeout_prevote + core.timeout_precommit)
         self.address = identity.peer_id
-        self.peers = tuple(v.address for v in genesis.validators if v.address != self.address)
         self.on_commit = on_commit
         self._clock = clock
         self.driver: CoreDriver[Action] = CoreDriver(
@@ -300,6 +303,20 @@ class ConsensusService:
         self.byzantine: ByzantineSender | None = None
         if self.config.byzantine:
             self.byzantine = ByzantineSender(identity, genesis, self.peers)
+
+    @property
+    def peers(self) -> tuple[bytes, ...]:
+        """The validators to send to: the committed set's, plus the members of a pending
+        VALSET_UPDATE (so a joining validator hears the height it starts deciding); none
+        while this validator is not in the committed set (a joining or removed one: the
+        members would refuse its messages)."""
+        state = self.validator.state
+        if not state.is_validator(self.address):
+            return ()
+        members = [v.address for v in state.validators]
+        if state.pending_valset is not None:
+            members += [v.address for v in state.pending_valset[1]]
+        return tuple(dict.fromkeys(a for a in members if a != self.address))
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -79,6 +79,8 @@ class LocalCommittee:
         on_commit: called with (member, Committed) for every commit of every member.
         byzantine: indices of members that equivocate (TEST ONLY,
             ``ConsensusServiceConfig.byzantine``).
+        joining: members beyond the ``n`` of the genesis (indices n, n+1, ...): they run
+            with ``ConsensusServiceConfig.joining`` and vote once a VALSET_UPDATE adds them.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class LocalCommittee:
         policy: app.AdmissionPolicy | None = None,
         on_commit: Callable[[Member, Committed], None] | None = None,
         byzantine: tuple[int, ...] = (),
+        joining: int = 0,
     ) -> None:
         import time
 
@@ -105,12 +108,13 @@ class LocalCommittee:
         self.byzantine = frozenset(byzantine)
         identities = [
             Identity.from_private_bytes(hashlib.sha256(b"validator %d" % i).digest())
-            for i in range(n)
+            for i in range(n + joining)
         ]
+        self.n = n
         self.genesis = app.Genesis(
             "local-committee",
             genesis_time_ms if genesis_time_ms is not None else time.time_ns() // 1_000_000 - 1000,
-            tuple(CommitteeMember(k.peer_id) for k in identities),
+            tuple(CommitteeMember(k.peer_id) for k in identities[:n]),
             policy or app.AdmissionPolicy(max_records_per_network=10_000),
         )
         self.members = [
@@ -176,6 +180,8 @@ class LocalCommittee:
                     config = self.config
                     if m.index in self.byzantine:
                         config = dataclasses.replace(config, byzantine=True)
+                    if m.index >= self.n:
+                        config = dataclasses.replace(config, joining=True)
                     m.service = ConsensusService(
                         host, m.identity, self.genesis, store, self.consensus, config,
                         on_commit=commit,
@@ -208,7 +214,8 @@ class MemoryCommittee:
     queued.
 
     Args:
-        keys: the validators' identities (``genesis``' validators, in order).
+        keys: the validators' identities (``genesis``' validators, in order; more keys are
+            validators a VALSET_UPDATE may add: they follow the chain until then).
         genesis: the chain.
         consensus: the timeouts (default :data:`FAST_CONSENSUS`).
         stores: one per validator (default in-memory ones), e.g. to restart from.
@@ -249,6 +256,7 @@ class MemoryCommittee:
             empty_block_interval=self._interval,
             unix_ms=lambda: self.genesis.time_ms + self._offset + int(self.now * 1000),
             value_check=self._value_check(i) if self._value_check is not None else None,
+            joining=all(v.address != self.keys[i].peer_id for v in self.genesis.validators),
             **self._options)  # type: ignore[arg-type]
 
     def route(self, src: int, actions: Sequence[object]) -> None:

@@ -29,7 +29,8 @@ commitment for e, the registry lists at least one model node of ``params.model_i
 least ``params.epoch_ms`` of block time passed since e-1 started. That
 block's ID is the epoch's *anchor* h (the leader draw's input), its time the epoch's start, the
 validators with a commitment for e its *eligible* leaders, and the model nodes of the model its
-*challenged set* (with their reputation subject as of that block). The attempt at block time t
+*challenged set* (with their reputation subject as of that block). A validator with committed
+evidence against it (``excluded``) is never an eligible leader. The attempt at block time t
 is ``(t - start) // params.attempt_ms``; the leader of attempt a is ``leader(e, h, eligible, a)``,
 so a leader that does not report within an attempt is replaced by the next draw, and any
 leader of an attempt so far may still report (the first report executed ends the epoch).
@@ -841,12 +842,17 @@ def apply_miss_report(tx: MissReportTx, ledger: EpochLedger,
 
 def maybe_start(ledger: EpochLedger, validators: Sequence[Validator],
                 model_nodes: Sequence[tuple[bytes, bytes]], params: VerificationParams,
-                block_id: bytes, time_ms: int) -> bool:
+                block_id: bytes, time_ms: int, *,
+                excluded: frozenset[bytes] = frozenset()) -> bool:
     """Start the current epoch at the end of this block if due (module docstring).
 
     Args:
+        validators: the current validator set.
         model_nodes: (peer ID, subject) of the listed model nodes of ``params.model_id``.
         block_id, time_ms: the block just executed.
+        excluded: validators with committed evidence against them
+            (:attr:`ps_p2p.consensus.app.AppState.excluded`): their commitments count for the
+            2/3 but they are no eligible leaders; the epoch waits while no one else committed.
 
     Returns:
         True when the epoch started here.
@@ -856,8 +862,11 @@ def maybe_start(ledger: EpochLedger, validators: Sequence[Validator],
     if ledger.epoch > 1 and time_ms < ledger.start_ms + params.epoch_ms:
         return False
     committed = ledger.commitments.get(ledger.epoch, {})
-    eligible = tuple(v for v in validators if v.address in committed)
-    if not eligible or 3 * sum(v.power for v in eligible) <= 2 * check_validators(validators):
+    holders = tuple(v for v in validators if v.address in committed)
+    if 3 * sum(v.power for v in holders) <= 2 * check_validators(validators):
+        return False
+    eligible = tuple(v for v in holders if v.address not in excluded)
+    if not eligible:
         return False
     ledger.anchor, ledger.start_ms = bytes(block_id), time_ms
     ledger.eligible = eligible

@@ -27,7 +27,7 @@ from ps_p2p.pb.planetserve.v1 import consensus_pb2 as planetserve_dot_v1_dot_con
 from ps_p2p.pb.planetserve.v1 import records_pb2 as planetserve_dot_v1_dot_records__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eplanetserve/v1/directory.proto\x12\x0eplanetserve.v1\x1a\x1eplanetserve/v1/consensus.proto\x1a\x1cplanetserve/v1/records.proto\"$\n\x0bRegisterAck\x12\x15\n\rexpires_at_ms\x18\x01 \x01(\x04\"+\n\nErrorReply\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xce\x01\n\x19\x43ommitteeDirectoryRequest\x12.\n\x08register\x18\x01 \x01(\x0b\x32\x1a.planetserve.v1.NodeRecordH\x00\x12\x34\n\x03get\x18\x02 \x01(\x0b\x32%.planetserve.v1.GetCommittedDirectoryH\x00\x12-\n\x07genesis\x18\x03 \x01(\x0b\x32\x1a.planetserve.v1.GetGenesisH\x00\x12\x14\n\nderegister\x18\x04 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x0c\n\nGetGenesis\"-\n\x15GetCommittedDirectory\x12\x14\n\x0csince_height\x18\x01 \x01(\x04\"G\n\rCommittedHead\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12&\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x16.planetserve.v1.Commit\"\xcf\x01\n\x1a\x43ommitteeDirectoryResponse\x12*\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x1b.planetserve.v1.RegisterAckH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.planetserve.v1.ErrorReplyH\x00\x12-\n\x04head\x18\x03 \x01(\x0b\x32\x1d.planetserve.v1.CommittedHeadH\x00\x12\x0e\n\x04page\x18\x04 \x01(\x0cH\x00\x12\x11\n\x07genesis\x18\x05 \x01(\x0cH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eplanetserve/v1/directory.proto\x12\x0eplanetserve.v1\x1a\x1eplanetserve/v1/consensus.proto\x1a\x1cplanetserve/v1/records.proto\"$\n\x0bRegisterAck\x12\x15\n\rexpires_at_ms\x18\x01 \x01(\x04\"+\n\nErrorReply\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe7\x01\n\x19\x43ommitteeDirectoryRequest\x12.\n\x08register\x18\x01 \x01(\x0b\x32\x1a.planetserve.v1.NodeRecordH\x00\x12\x34\n\x03get\x18\x02 \x01(\x0b\x32%.planetserve.v1.GetCommittedDirectoryH\x00\x12-\n\x07genesis\x18\x03 \x01(\x0b\x32\x1a.planetserve.v1.GetGenesisH\x00\x12\x14\n\nderegister\x18\x04 \x01(\x0cH\x00\x12\x17\n\rvalset_update\x18\x05 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x0c\n\nGetGenesis\"-\n\x15GetCommittedDirectory\x12\x14\n\x0csince_height\x18\x01 \x01(\x04\"_\n\rCommittedHead\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12&\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x16.planetserve.v1.Commit\x12\x16\n\x0evalset_updates\x18\x03 \x03(\x0c\"\xcf\x01\n\x1a\x43ommitteeDirectoryResponse\x12*\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x1b.planetserve.v1.RegisterAckH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.planetserve.v1.ErrorReplyH\x00\x12-\n\x04head\x18\x03 \x01(\x0b\x32\x1d.planetserve.v1.CommittedHeadH\x00\x12\x0e\n\x04page\x18\x04 \x01(\x0cH\x00\x12\x11\n\x07genesis\x18\x05 \x01(\x0cH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,13 +39,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ERRORREPLY']._serialized_start=150
   _globals['_ERRORREPLY']._serialized_end=193
   _globals['_COMMITTEEDIRECTORYREQUEST']._serialized_start=196
-  _globals['_COMMITTEEDIRECTORYREQUEST']._serialized_end=402
-  _globals['_GETGENESIS']._serialized_start=404
-  _globals['_GETGENESIS']._serialized_end=416
-  _globals['_GETCOMMITTEDDIRECTORY']._serialized_start=418
-  _globals['_GETCOMMITTEDDIRECTORY']._serialized_end=463
-  _globals['_COMMITTEDHEAD']._serialized_start=465
-  _globals['_COMMITTEDHEAD']._serialized_end=536
-  _globals['_COMMITTEEDIRECTORYRESPONSE']._serialized_start=539
-  _globals['_COMMITTEEDIRECTORYRESPONSE']._serialized_end=746
+  _globals['_COMMITTEEDIRECTORYREQUEST']._serialized_end=427
+  _globals['_GETGENESIS']._serialized_start=429
+  _globals['_GETGENESIS']._serialized_end=441
+  _globals['_GETCOMMITTEDDIRECTORY']._serialized_start=443
+  _globals['_GETCOMMITTEDDIRECTORY']._serialized_end=488
+  _globals['_COMMITTEDHEAD']._serialized_start=490
+  _globals['_COMMITTEDHEAD']._serialized_end=585
+  _globals['_COMMITTEEDIRECTORYRESPONSE']._serialized_start=588
+  _globals['_COMMITTEEDIRECTORYRESPONSE']._serialized_end=795
 # @@protoc_insertion_point(module_scope)
