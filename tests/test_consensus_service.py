@@ -302,7 +302,10 @@ async def test_an_own_vote_leaves_only_after_the_wal_fsync_that_runs_off_the_eve
     from ps_p2p.protocols.consensus import ConsensusService
 
     key = Identity.from_private_bytes(b"\x01" * 32)
-    genesis = app.Genesis("fsync-test", 1_700_000_000_000, (app.Validator(key.peer_id),))
+    other = Identity.from_private_bytes(b"\x02" * 32)  # the one peer the votes go to
+    validators = sorted((app.Validator(key.peer_id), app.Validator(other.peer_id)),
+                        key=lambda v: v.address)
+    genesis = app.Genesis("fsync-test", 1_700_000_000_000, tuple(validators))
 
     class Host:
         def get_id(self):  # type: ignore[no-untyped-def]
@@ -316,7 +319,7 @@ async def test_an_own_vote_leaves_only_after_the_wal_fsync_that_runs_off_the_eve
 
     store = ConsensusStore(tmp_path / "c.sqlite")
     service = ConsensusService(Host(), key, genesis, store)  # type: ignore[arg-type]
-    service.peers = (b"peer",)
+    assert service.peers == (other.peer_id,)
     service._links = Links()  # type: ignore[assignment]
     gate, entered = threading.Event(), threading.Event()
     fsyncs: list[int] = []
