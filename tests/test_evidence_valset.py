@@ -450,3 +450,19 @@ async def test_a_local_committee_of_processes_replaces_a_validator_and_keeps_com
                              block_id(last.block.header), last.commit)
         assert members[4].peer_id in info.signers
         nursery.cancel_scope.cancel()
+
+
+def test_a_state_snapshot_keeps_the_validator_set_its_pending_update_and_the_executed_ones(
+        genesis):
+    from ps_p2p.consensus.snapshot import decode_state, encode_state
+
+    tx = app.encode_tx(update())
+    s1, _ = run(genesis, [tx])  # pending: block 3 is the new set's
+    pending = decode_state(encode_state(s1), genesis)
+    assert pending.pending_valset == (3, NEW_SET) and pending.app_hash == s1.app_hash
+    s2, _ = run(s1, [])  # executed
+    switched = decode_state(encode_state(s2), genesis)
+    assert switched.validators == NEW_SET and switched.pending_valset is None
+    assert switched.valset_updates == (update(),)
+    assert switched.is_validator(KEYS[4].peer_id) and not switched.is_validator(KEYS[3].peer_id)
+    assert switched.app_hash == s2.app_hash

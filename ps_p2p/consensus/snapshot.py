@@ -21,6 +21,12 @@ precommits), so a snapshot that is corrupt, truncated, or of another version is 
                  || u32(#departed) || (bytes(peer_id) || u64(issued_at_ms))*
                  || u64(reputation epoch) || u32(#subjects) || (bytes(subject) || entry)*
                  || ledger            (:meth:`~ps_p2p.verification.ledger.EpochLedger.encode`)
+                 || valset            (the validator set of the next height, its pending
+                                       VALSET_UPDATE, the executed ones)
+
+    valset     = u32(#validators) || (bytes(peer_id) || u64(power))*
+                 || u8(pending?) [|| u64(effective_height) || u32(#new) || (bytes || u64)*]
+                 || u32(#updates) || bytes(VALSET_UPDATE transaction)*
 
 (maps ascending by key; ``entry`` as in :mod:`ps_p2p.consensus.app`). Records are not
 re-checked for signatures or expiry: they were executed before, and the app hash (the records
@@ -34,9 +40,17 @@ from __future__ import annotations
 
 import heapq
 
-from ps_p2p.consensus.app import AppState, ReputationEntry, app_hash, decode_record
+from ps_p2p.consensus.app import (
+    AppState,
+    ReputationEntry,
+    ValsetUpdateTx,
+    app_hash,
+    decode_record,
+    decode_tx,
+    encode_tx,
+)
 from ps_p2p.consensus.block import ZERO_ID
-from ps_p2p.consensus.encoding import Reader, lp, u32, u64
+from ps_p2p.consensus.encoding import Reader, lp, u8, u32, u64
 from ps_p2p.consensus.types import Validator
 from ps_p2p.errors import RemoteProtocolError
 from ps_p2p.records.canonical import record_signing_bytes
@@ -64,7 +78,23 @@ def encode_state(state: AppState) -> bytes:
     parts += [u64(state.reputation_epoch), u32(len(state.reputations))]
     parts += [lp(s) + state.reputations[s].encode() for s in sorted(state.reputations)]
     parts.append(state.ledger.encode())
+    parts.append(_encode_set(state.validators))
+    if state.pending_valset is None:
+        parts.append(u8(0))
+    else:
+        parts += [u8(1), u64(state.pending_valset[0]), _encode_set(state.pending_valset[1])]
+    parts.append(u32(len(state.valset_updates)))
+    parts += [lp(encode_tx(tx)) for tx in state.valset_updates]
     return b"".join(parts)
+
+
+def _encode_set(validators: tuple[Validator, ...]) -> bytes:
+    return u32(len(validators)) + b"".join(lp(v.address) + u64(v.power) for v in validators)
+
+
+def _read_set(r: Reader, what: str) -> tuple[Validator, ...]:
+    return tuple(Validator(r.lp(what, 64), r.u64(f"{what} power"))
+                 for _ in range(_count(r, what)))
 
 
 def snapshot_header(data: bytes) -> tuple[int, bytes]:
@@ -122,6 +152,19 @@ def decode_state(data: bytes, genesis_state: AppState) -> AppState:
         subject = r.lp("subject", 256)
         state.reputations[subject] = ReputationEntry.read(r)
     state.ledger = _read_ledger(r)
+    state._set_validators(_read_set(r, "validator"))
+    if r.u8("pending valset"):
+        state.pending_valset = (r.u64("effective height"), _read_set(r, "pending validator"))
+    updates = []
+    for _ in range(_count(r, "valset updates")):
+        try:
+            tx = decode_tx(r.lp("valset update", _MAX_FIELD), _MAX_FIELD)
+        except RemoteProtocolError as exc:
+            raise r.fail(f"valset update: {exc}") from None
+        if not isinstance(tx, ValsetUpdateTx):
+            raise r.fail("a valset update that is another transaction")
+        updates.append(tx)
+    state.valset_updates = tuple(updates)
     r.done()
     state._registry_aux = None
     state._reputation_root = None
