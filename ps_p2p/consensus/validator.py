@@ -10,9 +10,14 @@ which only moves bytes:
   proposer, the transactions :meth:`~ps_p2p.consensus.app.Mempool.reap` gives that execute
   without error) -> ``ProposeValue``. After a restart, a proposal already signed at that
   (height, round) in the write-ahead log is proposed again instead.
+* A peer's fresh proposal (POL round -1) is checked for timeliness once, when it arrives
+  (:func:`~ps_p2p.consensus.block.check_timely`: block time within the clock drift of ours, the
+  round's proposer named) and handed to the core with the answer
+  (:attr:`~ps_p2p.consensus.types.ProposalReceived.timely`, read by L22 only).
 * ``ValidateValue`` -> decode, :func:`~ps_p2p.consensus.block.validate_block` against the chain
-  tip (a fresh proposal, POL round -1, must name the round's proposer and carry a timely time),
-  a proposer of the validator set, every transaction applies
+  tip, with no clock bound (``valid(v)`` is cached per value for the height, so it must not
+  depend on when it is asked: issue 17, a validator restarted 28 s late refused the round-0
+  value for the whole height), a proposer of the validator set, every transaction applies
   (:func:`~ps_p2p.consensus.app.execute_block` reports no failed one), and every EPOCH_REPORT
   passes this validator's own ``value_check`` (its reference model re-scores the answers:
   :mod:`ps_p2p.verification.service`) -> ``ValueValidated``. A proposer leaves out of its block
@@ -78,6 +83,7 @@ from ps_p2p.consensus.app import (
 from ps_p2p.consensus.block import (
     Block,
     block_id,
+    check_timely,
     consensus_value_id,
     decode_block,
     encode_block,
@@ -130,9 +136,6 @@ MAX_DEFERRED = 8
 
 #: Default seconds an idle chain waits before an empty block.
 EMPTY_BLOCK_INTERVAL = 1.0
-#: POL rounds remembered per height (what ``ValidateValue`` needs to know whether a value is a
-#: fresh proposal); beyond it a value is checked as fresh (the stricter rule).
-MAX_POL_ENTRIES = 64
 #: Executed candidate blocks kept per height (proposed or validated, reused at Decide).
 MAX_EXECUTED = 8
 #: The WAL is pruned of decided heights every this many heights (one write less per height;
@@ -203,6 +206,8 @@ class ValidatorStats:
     #: restarts that restored a lock from the write-ahead log
     locks_restored: int = 0
     evidence_seen: int = 0
+    #: fresh proposals found late (or early, or naming another proposer) on arrival
+    untimely: int = 0
     #: last reason a proposed value was refused
     last_refusal: str = ""
 
@@ -273,7 +278,6 @@ class Validator:
         self._pending_start: int | None = None  # decided; this height starts on a trigger
         self._seen_next = False  # a message of core.height + 1 came in
         self._own: list[Proposal | Vote] = []  # own signed messages of the current height
-        self._pol: dict[tuple[int, bytes], int] = {}  # (round, value ID) -> POL round
         self._executed: dict[bytes, tuple[AppState, BlockResult]] = {}
         # value ID -> value, of the values of this height validated or proposed by us: a
         # precommit for one stores the value with it (the lock, restored after a restart)
@@ -378,7 +382,12 @@ class Validator:
             self._seen_next = True
             if self._pending_start is not None:
                 self._start_next(now, actions)
-        inp = ProposalReceived(message) if isinstance(message, Proposal) else VoteReceived(message)
+        inp: Input
+        if isinstance(message, Proposal):
+            ignored = self.core.ignores(message)
+            inp = ProposalReceived(message, ignored or self._timely(message))
+        else:
+            inp = VoteReceived(message)
         self._run([inp], now, actions)
         return actions
 
@@ -458,14 +467,11 @@ class Validator:
             inp = queue.pop(0)
             if isinstance(inp, StartHeight):
                 self._own = []
-                self._pol = {}
                 self._executed = {}
                 self._values = {}
                 self._deferred = {}
                 self._seen_next = False
                 self._pending_start = None
-            elif isinstance(inp, ProposalReceived):
-                self._note_pol(inp.proposal)
             for out in self.core.handle(inp, now):
                 self._execute(out, now, queue, actions)
 
@@ -545,11 +551,20 @@ class Validator:
         if message not in self._own:
             self._own.append(message)
 
-    def _note_pol(self, p: Proposal) -> None:
-        if p.height != self.core.height or len(self._pol) >= MAX_POL_ENTRIES:
-            return
-        key = (p.round, self.config.value_id(p.value))
-        self._pol.setdefault(key, p.pol_round)
+    def _timely(self, p: Proposal) -> bool:
+        """Whether a peer's proposal is timely on arrival (only a fresh one can be late)."""
+        if p.pol_round != NIL_ROUND:
+            return True
+        try:
+            header = decode_block(p.value, self.genesis.limits).header
+            check_timely(header, now_ms=self.unix_ms(),
+                         proposer=self.core.proposer(p.height, p.round))
+        except PsError as exc:
+            self.stats.untimely += 1
+            log.info("fresh proposal at height %d round %d not timely (L22 prevotes nil): %s",
+                     p.height, p.round, exc)
+            return False
+        return True
 
     # ------------------------------------------------------------------ the application
 
@@ -597,12 +612,9 @@ class Validator:
             return False
         try:
             block = decode_block(out.value, self.genesis.limits)
-            timely = self._pol.get((out.round, vid), NIL_ROUND) == NIL_ROUND
-            validate_block(
-                block, self.state.tip(), limits=self.genesis.limits, now_ms=self.unix_ms(),
-                timely=timely,
-                proposer=self.core.proposer(out.height, out.round) if timely else None,
-            )
+            # valid(v) without clock bounds: timeliness is checked on arrival (_timely)
+            validate_block(block, self.state.tip(), limits=self.genesis.limits, now_ms=None,
+                           timely=False)
             new, result = execute_block(self.state, block)
             failed = [r for r in result.tx_results if not r.ok]
             if failed:
