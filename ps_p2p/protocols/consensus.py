@@ -29,9 +29,14 @@ relayed once to the other validators; a refused one is counted, not reset (the s
 may differ).
 
 Outbound: a :class:`~ps_p2p.protocols.links.LinkManager` (bounded per-peer queues, dial
-back-off). Every ``rebroadcast_interval`` seconds (default the core's ``timeout_prevote``) the
-validator sends again its own messages of the current height's last two rounds, so a validator
-that reconnects, or lost a frame with a link, catches up.
+back-off) and :class:`~ps_p2p.consensus.gossip.Gossip` (Algorithm 1's "gossip communication",
+issue 17): a peer is sent what it lacks, never twice while its link stays up. A new own message
+goes to every peer; a proposal with a POL round goes with its POL certificate (the 2f+1
+prevotes of that round, L28) to the peers that lack them. Every ``rebroadcast_interval`` seconds
+(default the core's ``timeout_prevote``) the gossip plan sends each peer its missing own
+messages (after a lost link or a restart), the relay set of other validators' messages when it
+is behind in round or has not moved for ``relay_after`` seconds (default twice the interval),
+and the last commit when it is still in a later round of the height we decided.
 
 Block sync (:mod:`ps_p2p.protocols.blocksync`, served here too, to the validators and the
 nodes listed in the committed registry only, with rates): a validator fetches, verifies
@@ -65,6 +70,7 @@ from libp2p.custom_types import TProtocol
 from ps_p2p.consensus.app import Genesis, Mempool
 from ps_p2p.consensus.block import decode_block, encode_block, make_block
 from ps_p2p.consensus.core import ConsensusConfig
+from ps_p2p.consensus.gossip import Gossip
 from ps_p2p.consensus.signing import (
     sign_proposal,
     sign_vote,
@@ -121,8 +127,11 @@ class ConsensusServiceConfig:
     """Settings of :class:`ConsensusService` (seconds unless said otherwise).
 
     Attributes:
-        rebroadcast_interval: own messages are sent again this often; None: the core's
-            ``timeout_prevote``.
+        rebroadcast_interval: the gossip plan runs this often (what a peer lacks is sent);
+            None: the core's ``timeout_prevote``.
+        relay_after: a peer that has not moved for this long is sent the other validators'
+            messages it lacks; None: twice ``rebroadcast_interval`` (above a healthy height's
+            decision time, so a healthy committee relays nothing).
         sync_after: a message of the next height waits this long before a block sync; None:
             the sum of the core's three base timeouts.
         empty_block_interval: an idle chain makes an empty block this often.
@@ -134,6 +143,7 @@ class ConsensusServiceConfig:
     """
 
     rebroadcast_interval: float | None = None
+    relay_after: float | None = None
     sync_after: float | None = None
     empty_block_interval: float = EMPTY_BLOCK_INTERVAL
     queue_frames: int = 1024
@@ -255,6 +265,8 @@ class ConsensusService:
             core.timeout_propose + core.timeout_prevote + core.timeout_precommit)
         self.address = identity.peer_id
         self.peers = tuple(v.address for v in genesis.validators if v.address != self.address)
+        self.gossip = Gossip(self.address, self.peers, relay_after=(
+            self.config.relay_after or 2 * self.rebroadcast_interval))
         self.on_commit = on_commit
         self._clock = clock
         self.driver: CoreDriver[Action] = CoreDriver(
@@ -299,6 +311,7 @@ class ConsensusService:
                     self._links = LinkManager(
                         self.host, nursery, CONSENSUS_PROTOCOL_ID,
                         queue_frames=self.config.queue_frames,
+                        on_link_down=lambda peer, _reason: self.gossip.link_down(peer),
                     )
                     await nursery.start(self.driver.run)
                     now = self._clock()
@@ -385,16 +398,22 @@ class ConsensusService:
         if not v.is_validator(signer):
             self._refuse("signer not a validator", peer)
             raise RemoteProtocolError(f"a message signed by {peer_label(signer)}, no validator")
-        if message.height < v.height:
+        if message.height < v.height - 1:
+            self.refused["stale height"] += 1
+            return
+        if message.height < v.height:  # the peer is one height behind: where it is (gossip)
+            self.gossip.heard(peer, message, self._clock())
             self.refused["stale height"] += 1
             return
         if message.height > v.height + 1 and not self._sync_due(peer):
             self.refused["future height"] += 1  # a sync from this peer runs or just ran
             return
         if message.height <= v.height + 1 and v.ignores(message):
+            self.gossip.heard(peer, message, self._clock())  # it has it (unchecked: its loss)
             self.refused["ignored"] += 1  # would change nothing: no signature check
             return
         self._check_signature(peer, data, message)
+        self.gossip.heard(peer, message, self._clock())
         if message.height > v.height + 1:
             self._refuse("future height", peer, f"(height {message.height}, ours {v.height})")
             self._request_sync(peer)
@@ -465,9 +484,17 @@ class ConsensusService:
     def _execute(self, action: Action) -> None:
         assert self._links is not None
         if isinstance(action, SendMessage):
-            data = cc.encode_message(action.message)
+            message = action.message
+            data = cc.encode_message(message)
             for peer in self.peers:
-                self._links.send(peer, data)
+                if self.gossip.lacks(peer, message):
+                    self._send(peer, message, data)
+            if isinstance(message, Proposal) and message.pol_round >= 0:
+                # L28 at the receiver needs the POL certificate: send it with the proposal
+                certificate = self.validator.pol_certificate(message)
+                for peer in self.peers:
+                    for vote in self.gossip.certificate_for(peer, certificate):
+                        self._send(peer, vote, cc.encode_message(vote))
             if self.byzantine is not None:  # TEST ONLY: equivocate, bypassing the WAL
                 conflict = self.byzantine.conflicting(action.message)
                 if conflict is not None:
@@ -480,11 +507,34 @@ class ConsensusService:
                 if peer != action.exclude:
                     self._links.send(peer, data)
         elif isinstance(action, Committed):
+            self.gossip.new_height(self.validator.height)
             self._ahead = None
             self._committed.set()
             self._committed = trio.Event()
             if self.on_commit is not None:
                 self.on_commit(action)
+
+    def _send(self, peer: bytes, message: Proposal | Vote, data: bytes) -> None:
+        assert self._links is not None
+        self.gossip.sent(peer, message)
+        if not self._links.send(peer, data):
+            self.gossip.unsent(peer, message)
+
+    def _gossip(self, now: float) -> None:
+        """Send each peer what it lacks (:meth:`~ps_p2p.consensus.gossip.Gossip.plan`)."""
+        v = self.validator
+        core = v.core
+        if core.height is None:
+            return
+        plan = self.gossip.plan(
+            now, height=core.height, round_=core.round, own=v.own_messages(),
+            relay=v.relay_set(), commit=v.last_commit)
+        encoded: dict[Proposal | Vote, bytes] = {}
+        for peer, message in plan:
+            data = encoded.get(message)
+            if data is None:
+                data = encoded[message] = cc.encode_message(message)
+            self._send(peer, message, data)
 
     def _next_deadline(self) -> float:
         deadline = self.validator.next_deadline()
@@ -497,7 +547,7 @@ class ConsensusService:
         actions = self._guard(self.validator.tick, now)
         if now >= self._next_rebroadcast:
             self._next_rebroadcast = now + self.rebroadcast_interval
-            actions.extend(SendMessage(m) for m in self.validator.own_messages())
+            self._gossip(now)
         ahead = self._ahead
         if ahead is not None:
             if ahead[0] != self.validator.height:
