@@ -12,7 +12,6 @@ real py-libp2p hosts in one process (:class:`~ps_p2p.testing.committee.LocalComm
 
 from __future__ import annotations
 
-import time
 
 import trio
 
@@ -83,3 +82,95 @@ async def test_kill_two_restart_one_commits_again(tmp_path):
         with trio.fail_after(30):
             await committee.wait_committed(target)
         nursery.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------ the service's gossip wiring
+
+
+class _Links:
+    """A LinkManager stand-in that records what would be queued to whom."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, object]] = []
+
+    def send(self, peer: bytes, data: bytes) -> bool:
+        from ps_p2p.protocols import consensus_codec as cc
+        self.sent.append((peer, cc.decode_message(data)))
+        return True
+
+
+def _service():
+    from libp2p.peer.id import ID
+
+    from ps_p2p.consensus.store import ConsensusStore
+    from ps_p2p.protocols.consensus import ConsensusService
+    from ps_p2p.testing.committee import LocalCommittee as LC
+
+    async def build(tmp):
+        async with trio.open_nursery() as nursery:
+            return LC(nursery, tmp, 4)
+
+    import tempfile
+    committee = trio.run(build, tempfile.mkdtemp())
+    me = committee.members[0].identity
+
+    class Host:
+        def get_id(self):
+            return ID(me.peer_id)
+
+    service = ConsensusService(Host(), me, committee.genesis, ConsensusStore(":memory:"),
+                               committee.consensus)
+    service._links = _Links()
+    service.validator.start(0.0)
+    return service, committee
+
+
+def test_a_re_proposal_goes_out_with_its_pol_certificate_to_peers_that_lack_it():
+    """L28 at a validator that missed round 0 (down, or behind a slow link while an
+    equivocator sent it its other vote) needs the 2f+1 prevotes of the POL round: the
+    proposer sends them with the proposal, to each peer that lacks them."""
+    from ps_p2p.consensus.block import encode_block, make_block
+    from ps_p2p.consensus.types import Proposal, Vote, VoteType
+    from ps_p2p.consensus.validator import SendMessage
+
+    service, committee = _service()
+    v = service.validator
+    block = make_block(chain_id=v.genesis.chain_id, height=1, time_ms=v.genesis.time_ms + 5,
+                       prev_block_id=v.state.block_id, app_hash=v.state.app_hash,
+                       proposer=v.address)
+    raw = encode_block(block)
+    vid = v.config.value_id(raw)
+    prevotes = [Vote(VoteType.PREVOTE, 1, 0, vid, m.peer_id, b"s" * 64) for m in committee.members]
+    for pv in prevotes:
+        v.receive(pv, 0.0)
+    peer_b = committee.members[1].peer_id
+    service.gossip.heard(peer_b, prevotes[2], 0.0)  # B relayed C's prevote to us: B has it
+    service._execute(SendMessage(Proposal(1, 1, raw, 0, v.address, b"s" * 64)))
+    to_b = [m for p, m in service._links.sent if p == peer_b]
+    assert isinstance(to_b[0], Proposal)
+    assert set(to_b[1:]) == {prevotes[0], prevotes[3]}  # not its own, not C's (it has it)
+    for other in committee.members[2:]:
+        got = {m for p, m in service._links.sent if p == other.peer_id}
+        assert set(prevotes) - {pv for pv in prevotes if pv.validator == other.peer_id} <= got
+
+
+def test_own_messages_are_not_sent_again_every_interval_to_peers_that_have_them():
+    """Issue 17 finding 4: every 0.2 s each validator re-sent its last two rounds' messages
+    to every peer (1,287 frames a height at 10 validators where ~270 suffice)."""
+    from ps_p2p.consensus.types import Vote, VoteType
+    from ps_p2p.consensus.validator import SendMessage
+
+    service, committee = _service()
+    v = service.validator
+    service._gossip(0.0)  # what start() signed (a proposal, if ours) goes out once
+    mine = Vote(VoteType.PREVOTE, 1, 0, None, v.address, b"s" * 64)
+    v._remember_own(mine)
+    service._execute(SendMessage(mine))
+    sent = len(service._links.sent)
+    assert [m for _, m in service._links.sent].count(mine) == 3
+    for k in range(1, 6):  # the periodic gossip (the service's tick, timers aside)
+        service._gossip(k * service.rebroadcast_interval)
+    assert len(service._links.sent) == sent
+    service.gossip.link_down(committee.members[2].peer_id)  # frames may be lost: send again
+    service._gossip(10 * service.rebroadcast_interval)
+    assert (committee.members[2].peer_id, mine) in service._links.sent[sent:]
