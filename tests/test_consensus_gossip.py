@@ -56,7 +56,7 @@ def test_a_peer_is_never_sent_what_it_sent_us_nor_its_own_messages():
     relay = [theirs, vote(PV, 0, D)]
     for peer in (B, C, D):
         g.heard(peer, vote(PV, 0, peer), 0.0)
-    out = plan(g, 5.0, relay=relay)  # all stalled: relay what each lacks
+    out = plan(g, 1.5, relay=relay)  # all stalled: relay what each lacks
     assert set(out) == {(B, relay[1]), (C, relay[1]), (D, theirs)}
 
 
@@ -101,14 +101,30 @@ def test_the_last_commit_goes_to_a_peer_in_a_later_round_of_the_decided_height()
     assert {m for _, m in out} == {commit[2][0], commit[2][2], proposal}  # not C's own
 
 
-def test_a_peer_resending_an_older_message_lost_what_we_sent_it():
-    """After a restart a peer replays its WAL (an older position): we send ours again."""
+def test_a_peer_resending_its_own_message_lost_what_we_sent_it_forgotten_once_a_period():
+    """After a restart a peer replays its WAL (messages it sent before): we send ours again;
+    a peer that re-sends often costs one resend per ``forget_after``, not a storm."""
     g = gossip()
     mine = vote(PV, 2, A)
-    g.heard(B, vote(PC, 2, B), 0.0)
+    replayed = vote(PV, 2, B)
+    g.heard(B, replayed, 0.0)
     plan(g, 0.0, round_=2, own=[mine])
-    g.heard(B, vote(PV, 1, B), 0.1)
+    g.heard(B, replayed, 0.1)
     assert plan(g, 0.2, round_=2, own=[mine]) == [(B, mine)]
+    g.heard(B, replayed, 0.3)
+    assert plan(g, 0.4, round_=2, own=[mine]) == []  # within forget_after of the last
+    g.heard(B, replayed, 2.5)
+    assert plan(g, 2.6, round_=2, own=[mine]) == [(B, mine)]
+
+
+def test_a_peer_stalled_at_our_height_is_sent_what_it_may_have_lost_once_a_period():
+    g = gossip()
+    mine = vote(PV, 0, A)
+    g.heard(B, vote(PV, 0, B), 0.0)
+    plan(g, 0.0, own=[mine], relay=[mine])
+    assert [m for p, m in plan(g, 1.5, own=[mine], relay=[mine]) if p == B] == []
+    assert [m for p, m in plan(g, 2.0, own=[mine], relay=[mine]) if p == B] == [mine]
+    assert [m for p, m in plan(g, 2.5, own=[mine], relay=[mine]) if p == B] == []
 
 
 def test_what_is_remembered_per_peer_is_bounded_and_pruned_by_height():

@@ -174,3 +174,50 @@ def test_own_messages_are_not_sent_again_every_interval_to_peers_that_have_them(
     service.gossip.link_down(committee.members[2].peer_id)  # frames may be lost: send again
     service._gossip(10 * service.rebroadcast_interval)
     assert (committee.members[2].peer_id, mine) in service._links.sent[sent:]
+
+
+async def test_lost_precommits_then_two_crash_and_one_restarts_the_committee_commits_again(
+        tmp_path, monkeypatch):
+    """All four lock on height 3's value and precommit it, but every precommit is lost on
+    the way (silently: the links stay up), so nobody decides and nobody leaves round 0 (L47
+    needs 2f+1 precommits); two crash, one restarts and replays its WAL. The survivors learn
+    from the replay (messages it sent before) that it lost what they sent it, and from its
+    standing still that frames may be lost: they send it again what it lacks, at most once
+    per ``forget_after``. (The first version of the per-peer gossip believed every frame
+    queued on a live link arrived and stayed stuck here for good.)"""
+    from ps_p2p.consensus.types import Vote, VoteType
+    from ps_p2p.protocols import consensus_codec as cc
+    from ps_p2p.protocols.links import LinkManager
+
+    lossy = {"on": True}
+    send = LinkManager.send
+
+    def lose_precommits(self, peer_id: bytes, message: bytes) -> bool:
+        if lossy["on"]:
+            m = cc.decode_message(message)
+            if isinstance(m, Vote) and m.type == VoteType.PRECOMMIT and m.height >= 3:
+                return True  # lost on the way
+        return send(self, peer_id, message)
+
+    monkeypatch.setattr(LinkManager, "send", lose_precommits)
+    async with trio.open_nursery() as nursery:
+        committee = LocalCommittee(nursery, tmp_path, 4,
+                                   config=ConsensusServiceConfig(empty_block_interval=0.1))
+        m = committee.members
+        with trio.fail_after(20):
+            await committee.start_all()
+            await committee.wait_committed(2)
+            # everyone locked on height 3's value (L36-L40), nobody decided (L49)
+            while not all(x.service.validator.core.height == 3
+                          and x.service.validator.core.locked_round >= 0 for x in m):
+                await trio.sleep(0.05)  # polling other tasks' state: no event to await
+        await committee.kill(m[3])
+        await committee.kill(m[2])
+        lossy["on"] = False
+        await committee.start(m[2])
+        with trio.fail_after(30):
+            await committee.wait_committed(3)
+        assert m[2].service.validator.stats.locks_restored == 1
+        nursery.cancel_scope.cancel()
+    ids = {c.block.header for x in m[:3] for c in x.commits if c.height == 3}
+    assert len(ids) == 1

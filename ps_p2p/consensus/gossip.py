@@ -14,7 +14,12 @@ same with what it can learn without a message of its own:
 
 * **What a peer has** (:class:`PeerView`): every message it sent us, and every message we
   sent it (a link is reliable while up; when it goes down, :meth:`Gossip.link_down` forgets
-  what we sent). Nothing is sent twice to a peer that has it: no re-broadcast storm.
+  what we sent). Nothing is sent twice to a peer that has it: no re-broadcast storm. What we
+  cannot see is forgotten too, at most once per ``forget_after`` seconds per peer: a peer that
+  sends again one of its own messages it sent before (it restarted and replays its WAL, or
+  lost its link to us), and a peer of our height that has not moved for ``forget_after``
+  (a frame lost on a link that stayed up, a restart we did not notice; a crashed peer's
+  stream to it may look healthy until the next write).
 * **Where a peer is**: the highest (height, round, step) among the messages it signed itself;
   when it last moved.
 * **What it is sent** (:meth:`Gossip.plan`, called every gossip interval):
@@ -77,6 +82,8 @@ class PeerView:
     position: tuple[int, int, int] = (-1, -1, -1)
     #: ``now`` when ``position`` last grew
     moved_at: float = -math.inf
+    #: ``now`` when what it has was last forgotten (a resend or a stall)
+    forgot_at: float = -math.inf
 
     def has(self, message: Message) -> bool:
         return message in self.known
@@ -96,12 +103,15 @@ class Gossip:
         relay_after: seconds a peer may stay at one (height, round, step) before it is sent
             the relay set it lacks (default 1.0: above a healthy height's decision time, so a
             committee that decides at once relays nothing).
+        forget_after: at most this often per peer, what it has is forgotten (module
+            docstring); default twice ``relay_after``.
     """
 
-    def __init__(self, address: bytes, peers: Sequence[bytes], *, relay_after: float = 1.0
-                 ) -> None:
+    def __init__(self, address: bytes, peers: Sequence[bytes], *, relay_after: float = 1.0,
+                 forget_after: float | None = None) -> None:
         self.address = address
         self.relay_after = relay_after
+        self.forget_after = 2 * relay_after if forget_after is None else forget_after
         self.views: dict[bytes, PeerView] = {p: PeerView() for p in peers if p != address}
         #: frames planned, by kind (own, relay, certificate, commit)
         self.planned: dict[str, int] = {"own": 0, "relay": 0, "certificate": 0, "commit": 0}
@@ -118,9 +128,14 @@ class Gossip:
             pos = position(message)
             if pos > view.position:
                 view.position, view.moved_at = pos, now
-            elif pos < view.position and message not in view.known:
-                view.known.clear()
+            elif message in view.known:  # it sends again what it sent: restart, lost link
+                self._forget(view, now)
         view.add(message)
+
+    def _forget(self, view: PeerView, now: float) -> None:
+        if now - view.forgot_at >= self.forget_after:
+            view.forgot_at = now
+            view.known.clear()
 
     def link_down(self, peer: bytes) -> None:
         """Our link to ``peer`` failed: frames may have been lost; forget what we sent."""
@@ -179,8 +194,10 @@ class Gossip:
         out: list[tuple[bytes, Message]] = []
         for peer, view in self.views.items():
             ph, pr, _ = view.position
-            todo = [("own", m) for m in own if self.lacks(peer, m)]
             stalled = now - view.moved_at >= self.relay_after
+            if ph == height and relay and now - view.moved_at >= self.forget_after:
+                self._forget(view, now)  # it may have lost what we sent: once a period
+            todo = [("own", m) for m in own if self.lacks(peer, m)]
             if ph == height and (pr < round_ or stalled):
                 todo += [("relay", m) for m in relay if self.lacks(peer, m)]
             if commit is not None and ph == commit[0] and pr > commit[1]:
