@@ -221,3 +221,56 @@ async def test_lost_precommits_then_two_crash_and_one_restarts_the_committee_com
         nursery.cancel_scope.cancel()
     ids = {c.block.header for x in m[:3] for c in x.commits if c.height == 3}
     assert len(ids) == 1
+
+
+async def test_validators_that_missed_the_polka_prevote_the_locked_validators_re_proposal(
+        tmp_path, monkeypatch):
+    """Issue 17 finding 2's halt, made deterministic: at height 3 two validators lose frames of
+    round 0 (the equivocator's other vote and a slow link did this in the issue): X and Y lose
+    Q's prevote, Y the proposal too. P (the proposer) and Q see the polka and lock on the value
+    (L36-L40); X and Y do not. With own-messages-only re-broadcast of the last two rounds the
+    POL of round 0 was never sent again: X and Y prevoted nil on every re-proposal (L28 never
+    fires), P and Q nil on every other value (L29): no decision, ever. Now the POL certificate
+    goes with each re-proposal (and again to a validator that prevotes against it)."""
+    from ps_p2p.consensus.types import Proposal, Vote, VoteType
+    from ps_p2p.protocols import consensus_codec as cc
+    from ps_p2p.protocols.links import LinkManager
+
+    roles: dict[str, bytes] = {}
+    lossy = {"on": True}
+    send = LinkManager.send
+
+    def lose(self, peer_id: bytes, message: bytes) -> bool:
+        if lossy["on"] and roles:
+            m = cc.decode_message(message)
+            if isinstance(m, (Vote, Proposal)) and m.height == 3 and m.round == 0:
+                if (isinstance(m, Vote) and m.type == VoteType.PREVOTE
+                        and m.validator == roles["Q"] and peer_id in (roles["X"], roles["Y"])):
+                    return True  # lost on the way
+                if isinstance(m, Proposal) and peer_id == roles["Y"]:
+                    return True
+        return send(self, peer_id, message)
+
+    monkeypatch.setattr(LinkManager, "send", lose)
+    async with trio.open_nursery() as nursery:
+        committee = LocalCommittee(nursery, tmp_path, 4,
+                                   config=ConsensusServiceConfig(empty_block_interval=0.1))
+        m = committee.members
+        locked: list[bytes] = []
+        with trio.fail_after(20):
+            await committee.start_all()
+            p = m[0].service.validator.core.proposer(3, 0)
+            q, x, y = [z.peer_id for z in m if z.peer_id != p]
+            roles.update(P=p, Q=q, X=x, Y=y)
+            await committee.wait_committed(2)
+            # every validator past round 1 at height 3 (the old re-broadcast's window)
+            while not all(z.service.validator.committed_height >= 3
+                          or z.service.validator.core.round >= 2 for z in m):
+                await trio.sleep(0.05)  # polling other tasks' state: no event to await
+            locked = [z.peer_id for z in m if z.service.validator.core.locked_round == 0]
+        lossy["on"] = False
+        with trio.fail_after(30):
+            await committee.wait_committed(3)
+        nursery.cancel_scope.cancel()
+    assert len({c.block.header for z in m for c in z.commits if c.height == 3}) == 1
+    assert set(locked) <= {p, q}

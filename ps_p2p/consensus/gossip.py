@@ -36,6 +36,10 @@ same with what it can learn without a message of its own:
 * A proposal with a POL round travels with its POL certificate (the 2f+1 prevotes of that
   round, L28) to every peer that lacks them, at once (:meth:`Gossip.certificate_for`): a
   validator that was down or behind a slow link can prevote a re-proposal without waiting.
+  A peer that prevotes against a re-proposal whose certificate we hold (nil or another value)
+  may lack it after all (a frame lost with a peer's crash, or a certificate we never had in
+  full): the proposal and certificate are sent to it again, once per (height, round)
+  (:meth:`Gossip.resend`); it can then prevote the next re-proposal (L28).
 
 Bounds: peers are the validators of the genesis (a fixed set); per peer at most
 :data:`MAX_KNOWN_PER_PEER` messages remembered (beyond it the memory is cleared: at worst
@@ -84,6 +88,8 @@ class PeerView:
     moved_at: float = -math.inf
     #: ``now`` when what it has was last forgotten (a resend or a stall)
     forgot_at: float = -math.inf
+    #: (height, round) whose proposal and certificate were sent again (:meth:`Gossip.resend`)
+    resent: set[tuple[int, int]] = field(default_factory=set)
 
     def has(self, message: Message) -> bool:
         return message in self.known
@@ -158,6 +164,7 @@ class Gossip:
     def new_height(self, height: int) -> None:
         """Our height is now ``height``: forget messages below ``height - 1``."""
         for view in self.views.values():
+            view.resent = {k for k in view.resent if k[0] >= height}
             if any(m.height < height - 1 for m in view.known):
                 view.known = {m: None for m in view.known if m.height >= height - 1}
 
@@ -171,6 +178,21 @@ class Gossip:
         out = [m for m in certificate if self.lacks(peer, m)]
         self._mark(peer, out, "certificate")
         return out
+
+    def resend(self, peer: bytes, key: tuple[int, int], messages: Sequence[Message]
+               ) -> list[Message]:
+        """``peer`` prevoted against the proposal of ``key`` = (height, round) whose POL
+        certificate we hold: the proposal and certificate ``messages`` it may lack after all,
+        once per ``key`` (marked sent); [] after the first time."""
+        view = self.views.get(peer)
+        if view is None or key in view.resent:
+            return []
+        if len(view.resent) >= 64:
+            view.resent.clear()
+        view.resent.add(key)
+        for m in messages:
+            view.known.pop(m, None)
+        return self.certificate_for(peer, messages)
 
     def plan(
         self,

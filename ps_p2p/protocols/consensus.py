@@ -78,7 +78,7 @@ from ps_p2p.consensus.signing import (
     verify_vote,
 )
 from ps_p2p.consensus.store import ConsensusStore
-from ps_p2p.consensus.types import Proposal, Vote
+from ps_p2p.consensus.types import Proposal, Vote, VoteType
 from ps_p2p.consensus.validator import (
     EMPTY_BLOCK_INTERVAL,
     Action,
@@ -414,6 +414,9 @@ class ConsensusService:
             return
         self._check_signature(peer, data, message)
         self.gossip.heard(peer, message, self._clock())
+        if (isinstance(message, Vote) and message.type == VoteType.PREVOTE
+                and message.validator == peer and message.height == v.height):
+            self._resend_pol(peer, message)
         if message.height > v.height + 1:
             self._refuse("future height", peer, f"(height {message.height}, ours {v.height})")
             self._request_sync(peer)
@@ -513,6 +516,20 @@ class ConsensusService:
             self._committed = trio.Event()
             if self.on_commit is not None:
                 self.on_commit(action)
+
+    def _resend_pol(self, peer: bytes, prevote: Vote) -> None:
+        """``peer`` prevoted against a re-proposal of that round whose POL certificate we
+        hold: it may lack the certificate (L28); send it and the proposal again, once."""
+        v = self.validator
+        for p in v.core.proposals(prevote.round):
+            if p.pol_round < 0 or prevote.value_id == v.config.value_id(p.value):
+                continue
+            certificate = v.pol_certificate(p)
+            if not v.core.keeper or not v.core.keeper.is_quorum(
+                    sum(v.core.keeper.power_of(c.validator) for c in certificate)):
+                continue  # we do not hold it in full either
+            for m in self.gossip.resend(peer, (p.height, p.round), (p, *certificate)):
+                self._send(peer, m, cc.encode_message(m))
 
     def _send(self, peer: bytes, message: Proposal | Vote, data: bytes) -> None:
         assert self._links is not None
