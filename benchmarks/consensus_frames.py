@@ -9,6 +9,11 @@
   other two run on alone for ``--down`` seconds (rounds pass; no quorum), validator 2 is started
   again from its store; the seconds from that restart until all three running validators have
   committed a new height (``--limit`` s at most: "stuck").
+* missed polka (finding 2's halt, deterministic): at height 3 two validators lose frames of
+  round 0 (X and Y lose Q's prevote, Y the proposal: what the equivocator's other vote and
+  the slow link did in the issue), so the proposer P and Q lock on the value and X and Y do
+  not; once every validator is past round 1 the links are healed; the seconds from then
+  until all four committed height 3 (``--limit`` s at most: "stuck").
 
 Usage: ``python benchmarks/consensus_frames.py [--sizes 4 10] [--heights 10] [--down 3]``
 (about 30 s).
@@ -88,6 +93,54 @@ async def kill_two_restart_one(down: float, limit: float) -> float | None:
     return result
 
 
+async def missed_polka(limit: float) -> float | None:
+    """Seconds from healing the links to height 3 on every validator; None: stuck."""
+    from ps_p2p.consensus.types import Proposal, Vote, VoteType
+    from ps_p2p.protocols import consensus_codec as cc
+    from ps_p2p.protocols.links import LinkManager
+
+    roles: dict[str, bytes] = {}
+    lossy = {"on": True}
+    send = LinkManager.send
+
+    def lose(self, peer_id: bytes, message: bytes) -> bool:  # type: ignore[no-untyped-def]
+        if lossy["on"] and roles:
+            m = cc.decode_message(message)
+            if isinstance(m, (Vote, Proposal)) and m.height == 3 and m.round == 0:
+                if (isinstance(m, Vote) and m.type == VoteType.PREVOTE
+                        and m.validator == roles["Q"] and peer_id in (roles["X"], roles["Y"])):
+                    return True
+                if isinstance(m, Proposal) and peer_id == roles["Y"]:
+                    return True
+        return send(self, peer_id, message)
+
+    LinkManager.send = lose  # type: ignore[method-assign]
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            async with trio.open_nursery() as nursery:
+                committee = LocalCommittee(nursery, pathlib.Path(folder), 4,
+                                           config=ConsensusServiceConfig(empty_block_interval=0.1))
+                m = committee.members
+                await committee.start_all()
+                p = m[0].service.validator.core.proposer(3, 0)
+                q, x, y = [z.peer_id for z in m if z.peer_id != p]
+                roles.update(P=p, Q=q, X=x, Y=y)
+                await committee.wait_committed(2)
+                while not all(z.service.validator.committed_height >= 3
+                              or z.service.validator.core.round >= 2 for z in m):
+                    await trio.sleep(0.05)
+                lossy["on"] = False
+                start = time.perf_counter()
+                result: float | None = None
+                with trio.move_on_after(limit):
+                    await committee.wait_committed(3)
+                    result = time.perf_counter() - start
+                nursery.cancel_scope.cancel()
+    finally:
+        LinkManager.send = send  # type: ignore[method-assign]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=[4, 10])
@@ -106,6 +159,11 @@ def main() -> None:
         print("kill two, restart one: " + (
             f"new height {took:.1f} s after the restart" if took is not None
             else f"STUCK: no new height within {args.limit:.0f} s"))
+    for i in range(args.runs):
+        took = trio.run(missed_polka, args.limit)
+        print("missed polka: " + (
+            f"height 3 committed {took:.1f} s after the links healed" if took is not None
+            else f"STUCK: no height 3 within {args.limit:.0f} s of healing the links"))
 
 
 if __name__ == "__main__":
