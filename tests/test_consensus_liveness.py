@@ -1,10 +1,11 @@
 """Liveness of the committee under crashes and equivocation (issue 17, findings 1 and 2), on
 real py-libp2p hosts in one process (:class:`~ps_p2p.testing.committee.LocalCommittee`).
 
-* one equivocating validator plus one slow link between two correct ones: before the gossip
-  relayed other validators' votes and carried a re-proposal's POL certificate, the proposer
-  stayed locked on its round-0 value while the others, who never saw its polka (the
-  equivocator sent them its other vote), prevoted nil on every re-proposal (L28-L32);
+* validators that missed a round-0 polka (the issue's equivocator and slow link did this):
+  before the gossip carried a re-proposal's POL certificate, the locked validators prevoted
+  nil on every other value (L29) and the others nil on every re-proposal (L28 never fired);
+* lost precommits, then two crash and one restarts: the survivors must notice what the
+  restarted one lost;
 * kill two of four, restart one: the restarted validator must reach the others' round (L55)
   and prevote their re-proposal (L28) although it saw its first proposal late (timeliness is
   read by L22 only).
@@ -44,6 +45,10 @@ def heights(committee: LocalCommittee) -> list[int]:
 
 
 async def test_an_equivocator_and_one_slow_link_do_not_halt_the_committee(tmp_path):
+    """The issue's perturbation as such (one validator equivocates, the link between two
+    correct ones delays every frame by 1.5 s): four more heights, one block each. On loopback
+    with the fast timeouts this did not halt the old gossip either (it needs the polka to be
+    missed for good: see the missed-polka test below); it guards the new one."""
     async with trio.open_nursery() as nursery:
         committee = LocalCommittee(nursery, tmp_path, 4, byzantine=(3,),
                                    config=ConsensusServiceConfig(empty_block_interval=0.1))
@@ -56,13 +61,10 @@ async def test_an_equivocator_and_one_slow_link_do_not_halt_the_committee(tmp_pa
         start = max(heights(committee))
         with trio.fail_after(45):
             await committee.wait_committed(start + 4, committee.members[:3])
-        relayed = sum(m.service.gossip.planned["relay"] + m.service.gossip.planned["certificate"]
-                      for m in committee.members[:3])
         nursery.cancel_scope.cancel()
     for h in range(1, start + 5):  # and no fork
         ids = {c.block.header for m in committee.members for c in m.commits if c.height == h}
         assert len(ids) == 1, h
-    assert relayed >= 0
 
 
 async def test_kill_two_restart_one_commits_again(tmp_path):
