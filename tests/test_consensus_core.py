@@ -846,3 +846,47 @@ def test_L38_a_lock_restored_after_a_restart_makes_the_validator_prevote_nil_for
     # an older lock never replaces a newer one
     core.handle(RestoreLock(0, 0, V), 0.3)
     assert core.state().locked_value == W
+
+
+# ----------------------------------------------------------------------------- issue 17
+
+
+def test_L22_a_fresh_proposal_late_on_arrival_gets_a_nil_prevote():
+    core = make(B)
+    out = core.handle(ProposalReceived(prop(0), timely=False), 0.0)
+    assert out == [ValidateValue(0, 0, V)]
+    out = core.handle(ValueValidated(0, 0, IV, True), 0.0)
+    assert out == [BroadcastVote(vote(PV, 0, None, B))]  # L26: not timely
+    assert core.state().step == Step.PREVOTE
+
+
+def test_L28_a_value_late_at_round_0_is_prevoted_when_re_proposed_with_its_pol():
+    """Timeliness is read by L22 only: the value stays valid(v) for L28 at round r > 0."""
+    core = make(B)
+    core.handle(ProposalReceived(prop(0), timely=False), 0.0)
+    core.handle(ValueValidated(0, 0, IV, True), 0.0)  # L26: nil prevote in round 0
+    core.handle(TimeoutFired(TimeoutKind.PROPOSE, 0, 0), 0.0)
+    for v in precommits(0, None, A, C, D):  # round 0 ends
+        core.handle(VoteReceived(v), 0.0)
+    core.handle(TimeoutFired(TimeoutKind.PRECOMMIT, 0, 0), 0.0)
+    assert core.state().round == 1 and core.state().step == Step.PROPOSE
+    out = core.handle(ProposalReceived(prop(1, V, vr=0)), 1.0)
+    assert out == []  # valid(v) is known; the POL is not held yet
+    for v in prevotes(0, IV, A, C, D):  # the POL certificate of round 0 (L28)
+        out += core.handle(VoteReceived(v), 1.0)
+    assert out == [BroadcastVote(vote(PV, 1, IV, B))]  # L30
+
+
+def test_L28_a_restarted_validator_prevotes_a_re_proposal_once_its_pol_certificate_arrives():
+    """A validator that never saw round 0 (it was down) gets the re-proposal of round 2 and
+    the 2f+1 prevotes of its valid round 0 (what the proposer sends with it): L28 fires."""
+    core = make(B, round_=2)
+    out = core.handle(ProposalReceived(prop(2, V, vr=0)), 0.0)
+    assert out == [ValidateValue(0, 2, V)]
+    out = core.handle(ValueValidated(0, 2, IV, True), 0.0)
+    assert out == []  # L28 waits for the POL
+    for v in prevotes(0, IV, A, C, D):
+        out += core.handle(VoteReceived(v), 0.0)
+    assert out == [BroadcastVote(vote(PV, 2, IV, B))]
+    assert core.proposals(2) == (prop(2, V, vr=0),)
+    assert core.proposal_for(2, IV) == prop(2, V, vr=0) and core.proposal_for(1, IV) is None

@@ -319,3 +319,67 @@ def test_an_idle_validator_waits_no_longer_than_the_epochs_next_attempt():
     assert v.idle_delay() == pytest.approx(9.001)  # attempt 1 starts at T0 + 10 s
     clock["ms"] = T0 + 9_900
     assert v.idle_delay() == 1.0  # due in 0.1 s, but at least MIN_IDLE_DELAY
+
+
+def _signed_block_proposal(v: Validator, round_: int, time_ms: int, pol_round: int = -1):
+    """A proposal of (v.height, round_) by that round's proposer, holding an empty block."""
+    from ps_p2p.consensus.block import encode_block, make_block
+    from ps_p2p.consensus.signing import sign_proposal
+    from ps_p2p.consensus.types import Proposal
+    proposer = v.core.proposer(v.height, round_)
+    key = next(k for k in KEYS if k.peer_id == proposer)
+    s = v.state
+    block = make_block(chain_id=CHAIN, height=v.height, time_ms=time_ms,
+                       prev_block_id=s.block_id, app_hash=s.app_hash, proposer=proposer)
+    raw = encode_block(block)
+    return sign_proposal(key, CHAIN, Proposal(v.height, round_, raw, pol_round, proposer)), raw
+
+
+def _signed_vote(who: Identity, t: VoteType, h: int, r: int, vid):
+    from ps_p2p.consensus.signing import sign_vote
+    return sign_vote(who, CHAIN, Vote(t, h, r, vid, who.peer_id))
+
+
+def _sent_votes(actions, t: VoteType, r: int):
+    return [a.message.value_id for a in actions if isinstance(a, SendMessage)
+            and isinstance(a.message, Vote) and a.message.type == t and a.message.round == r]
+
+
+def test_a_late_fresh_proposal_is_refused_only_at_l22_not_when_re_proposed_with_its_pol():
+    """Issue 17 finding 1: a validator restarted 28 s late saw the round-0 proposal "28438 ms
+    behind our clock" and refused that value for the whole height, so it prevoted nil on every
+    re-proposal (L28-L32) while the locked validators prevoted nil (L29): halt. Timeliness is
+    the arrival check of a fresh proposal (L22), never valid(v)."""
+    clock = {"ms": T0 + 1000 + 28_438}
+    h = 1
+    probe = Validator(KEYS[0], GENESIS, ConsensusStore(":memory:"), WIRE, FAST)
+    probe.start(0.0)
+    p0, p1 = probe.core.proposer(h, 0), probe.core.proposer(h, 1)
+    me = next(k for k in KEYS if k.peer_id not in (p0, p1))
+    others = [k for k in KEYS if k is not me]
+    v = Validator(me, GENESIS, ConsensusStore(":memory:"), WIRE, FAST,
+                  unix_ms=lambda: clock["ms"])
+    v.start(0.0)
+    fresh, raw = _signed_block_proposal(v, 0, T0 + 1000)
+    vid = v.config.value_id(raw)
+    actions = v.receive(fresh, 0.0)
+    assert _sent_votes(actions, VoteType.PREVOTE, 0) == [None]  # L22-L26: late, prevote nil
+    # round 1: the proposer re-proposes the value with POL round 0 (L16), then the polka
+    again = dataclasses_replace_proposal(v, raw, 1, 0)
+    actions = v.receive(again, 0.1)
+    p1_key = next(k for k in KEYS if k.peer_id == p1)
+    third = next(k for k in others if k is not p1_key)
+    actions += v.receive(_signed_vote(third, VoteType.PREVOTE, h, 1, vid), 0.1)  # L55: f+1
+    for k in others:
+        actions += v.receive(_signed_vote(k, VoteType.PREVOTE, h, 0, vid), 0.2)
+    assert v.core.round == 1
+    assert _sent_votes(actions, VoteType.PREVOTE, 1) == [vid]  # L28-L30
+    assert v.stats.untimely == 1 and v.stats.values_refused == 0
+
+
+def dataclasses_replace_proposal(v: Validator, raw: bytes, round_: int, pol_round: int):
+    from ps_p2p.consensus.signing import sign_proposal
+    from ps_p2p.consensus.types import Proposal
+    proposer = v.core.proposer(v.height, round_)
+    key = next(k for k in KEYS if k.peer_id == proposer)
+    return sign_proposal(key, CHAIN, Proposal(v.height, round_, raw, pol_round, proposer))

@@ -13,7 +13,10 @@ Pure cores (no I/O, clock or randomness; DESIGN.md "Layers"):
                (11-21 StartRound, 22-54 the upon rules, 55-56 round skipping, 57-67 timeouts)
     encoding   strict reading of canonical byte strings
     signing    signing bytes of proposals and votes, sign/verify, verify_commit (quorum certificate)
-    block      block header, canonical encoding, block ID, limits, validate_block
+    block      block header, canonical encoding, block ID, limits, validate_block,
+               check_timely (a fresh proposal's time on arrival; L22 only)
+    gossip     Gossip: per-peer views (what a peer has, where it is) and what to send it:
+               own messages once, relays, POL certificates, the last commit
     app        the registry state machine: transactions, sybil admission policy, check_tx,
                execute_block (expiry by block time), app_hash, Mempool
     directory  the committed directory as paged deltas plus a commit; verify_directory (node side)

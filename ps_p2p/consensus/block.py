@@ -281,7 +281,7 @@ def validate_block(
     tip: ChainTip,
     *,
     limits: BlockLimits,
-    now_ms: int,
+    now_ms: int | None,
     max_clock_drift_ms: int = MAX_CLOCK_DRIFT_MS,
     timely: bool = True,
     proposer: bytes | None = None,
@@ -294,6 +294,9 @@ def validate_block(
     ``timely`` (a fresh proposal, POL round -1) it must also be at most ``max_clock_drift_ms``
     behind ``now_ms``; a value re-proposed after a polka (POL round >= 0) keeps the time it was
     first proposed with, which may be older, so the driver passes ``timely=False`` for it.
+    ``now_ms`` None skips both clock bounds: Algorithm 1's ``valid(v)`` as the validator caches
+    it per value must not depend on when it is asked (issue 17); the clock bounds are then
+    checked once per fresh proposal, on arrival, by :func:`check_timely`.
 
     Args:
         proposer: the round's proposer, when known: the header must name it.
@@ -320,19 +323,43 @@ def validate_block(
         raise InvalidBlockError(
             f"block {h.height} time {h.time_ms} not after the previous block's {tip.time_ms}"
         )
+    if now_ms is not None:
+        _check_clock(h, now_ms, max_clock_drift_ms, behind=timely)
+    if proposer is not None and h.proposer != proposer:
+        raise InvalidBlockError(f"block {h.height} names another proposer than the round's")
+    check_block_body(block, limits)
+
+
+def check_timely(
+    header: Header, *, now_ms: int, proposer: bytes,
+    max_clock_drift_ms: int = MAX_CLOCK_DRIFT_MS,
+) -> None:
+    """Whether a *fresh* proposal (POL round -1) is timely on arrival (proposer-based
+    timestamps): its block time at most ``max_clock_drift_ms`` ahead of or behind ``now_ms``
+    (this validator's clock, unix ms) and its header naming ``proposer``, the round's proposer.
+
+    Evaluated once, when the proposal arrives, and read only by Algorithm 1's L22 (through
+    :attr:`~ps_p2p.consensus.types.ProposalReceived.timely`); never part of ``valid(v)``.
+
+    Raises:
+        InvalidBlockError: the block time is beyond the drift, or another proposer is named.
+    """
+    _check_clock(header, now_ms, max_clock_drift_ms, behind=True)
+    if header.proposer != proposer:
+        raise InvalidBlockError(f"block {header.height} names another proposer than the round's")
+
+
+def _check_clock(h: Header, now_ms: int, max_clock_drift_ms: int, *, behind: bool) -> None:
     if h.time_ms > now_ms + max_clock_drift_ms:
         raise InvalidBlockError(
             f"block {h.height} time is {h.time_ms - now_ms} ms ahead of our clock "
             f"(max {max_clock_drift_ms} ms)"
         )
-    if timely and h.time_ms < now_ms - max_clock_drift_ms:
+    if behind and h.time_ms < now_ms - max_clock_drift_ms:
         raise InvalidBlockError(
             f"block {h.height} time is {now_ms - h.time_ms} ms behind our clock "
             f"(max {max_clock_drift_ms} ms for a fresh proposal)"
         )
-    if proposer is not None and h.proposer != proposer:
-        raise InvalidBlockError(f"block {h.height} names another proposer than the round's")
-    check_block_body(block, limits)
 
 
 __all__ = [
@@ -349,6 +376,7 @@ __all__ = [
     "Header",
     "block_id",
     "check_block_body",
+    "check_timely",
     "decode_block",
     "decode_header",
     "encode_block",

@@ -24,7 +24,12 @@ Contract with the driver:
 * **Validity is the application's.** Every proposed value is sent out once per height as
   :class:`ValidateValue`; the rules that need ``valid(v)`` (L22, L28, L36, L49) wait for the
   :class:`ValueValidated` answer. A value the application gave us (:class:`ProposeValue`) is
-  valid without asking.
+  valid without asking. ``valid(v)`` is a property of the value and is cached for the height;
+  whether a *fresh* proposal was timely (proposer-based timestamps) is a property of that
+  proposal's arrival: the driver decides it once, when the proposal arrives
+  (:attr:`ProposalReceived.timely`), and only L22 reads it. It never enters ``valid(v)``, so a
+  value refused as late in its round is still valid when re-proposed with a POL round (L28),
+  when its polka forms (L36) and when its commit arrives (L49).
 * **Timeouts** are asked for with :class:`ScheduleTimeout`; a stale :class:`TimeoutFired` (other
   height, round or step) does nothing (L58, L62, L66).
 
@@ -229,6 +234,8 @@ class ConsensusCore:
         self._wanted: dict[int, set[bytes]] = {}
         self._proposal_evidence: set[int] = set()  # rounds whose double proposal was reported
         self._validity: dict[bytes, bool] = {}  # value ID -> valid(v)
+        # (round, value ID) -> timely, of the fresh proposals kept (L22 only)
+        self._timely: dict[tuple[int, bytes], bool] = {}
         self._validating: set[bytes] = set()  # ValidateValue sent, no answer yet
         self._awaiting_value: tuple[int, int] | None = None  # GetValue sent for (h, r)
         # "for the first time" rules of the current round
@@ -299,6 +306,15 @@ class ConsensusCore:
             return True
         return self._keeper.round_refused(p.proposer, p.round)
 
+    def proposals(self, round_: int) -> tuple[Proposal, ...]:
+        """The proposals of ``round_`` kept at the current height (at most two; signed, as
+        received): what a validator relays to a peer that lacks them."""
+        return tuple(self._proposals.get(round_, {}).values())
+
+    def proposal_for(self, round_: int, value_id: bytes) -> Proposal | None:
+        """The kept proposal of ``round_`` whose value has ID ``value_id``, or None."""
+        return self._proposals.get(round_, {}).get(value_id)
+
     # ------------------------------------------------------------------ input
 
     def handle(self, inp: Input, now: float) -> list[Output]:
@@ -367,6 +383,7 @@ class ConsensusCore:
         self._wanted = {}
         self._proposal_evidence = set()
         self._validity = {}
+        self._timely = {}
         self._validating = set()
         self._awaiting_value = None
         self._next, self._next_seen, self._next_count = [], set(), {}
@@ -457,6 +474,7 @@ class ConsensusCore:
         if not self._keeper.add_proposal(p.round, p.proposer):  # L55 counts it
             return
         self._proposals.setdefault(p.round, {})[vid] = p
+        self._timely[(p.round, vid)] = inp.timely
         if vid not in self._validity and vid not in self._validating:
             self._validating.add(vid)
             out.append(ValidateValue(p.height, p.round, p.value))
@@ -559,9 +577,10 @@ class ConsensusCore:
                 if valid is None:
                     continue  # valid(v) not known yet
                 if p.pol_round == NIL_ROUND:  # L22
-                    ok = valid and (
+                    # L23; "timely" is the arrival check of this fresh proposal, not valid(v)
+                    ok = valid and self._timely.get((r, vid), True) and (
                         self.locked_round == NIL_ROUND or self.locked_value == p.value
-                    )  # L23
+                    )
                     self._vote(VoteType.PREVOTE, vid if ok else None, out)  # L24 / L26
                     self.step = Step.PREVOTE  # L27
                     return True

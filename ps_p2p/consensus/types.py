@@ -111,9 +111,18 @@ class StartHeight:
 
 @dataclass(frozen=True)
 class ProposalReceived:
-    """A proposal from a peer (or our own, looped back), its signature already checked."""
+    """A proposal from a peer (or our own, looped back), its signature already checked.
+
+    ``timely``: for a fresh proposal (``pol_round`` -1), whether the driver found it timely
+    when it arrived (its block time near the driver's clock, its block naming the round's
+    proposer: proposer-based timestamps). Only L22 reads it; it is a property of this
+    proposal's arrival, never part of ``valid(v)`` (issue 17: a validator that restarted 28 s
+    late refused the value of a round-0 proposal for the whole height, re-proposals included).
+    Ignored for a re-proposal (``pol_round >= 0``: L28 asks for its POL, not its time).
+    """
 
     proposal: Proposal
+    timely: bool = True
 
 
 @dataclass(frozen=True)

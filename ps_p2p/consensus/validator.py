@@ -10,9 +10,14 @@ which only moves bytes:
   proposer, the transactions :meth:`~ps_p2p.consensus.app.Mempool.reap` gives that execute
   without error) -> ``ProposeValue``. After a restart, a proposal already signed at that
   (height, round) in the write-ahead log is proposed again instead.
+* A peer's fresh proposal (POL round -1) is checked for timeliness once, when it arrives
+  (:func:`~ps_p2p.consensus.block.check_timely`: block time within the clock drift of ours, the
+  round's proposer named) and handed to the core with the answer
+  (:attr:`~ps_p2p.consensus.types.ProposalReceived.timely`, read by L22 only).
 * ``ValidateValue`` -> decode, :func:`~ps_p2p.consensus.block.validate_block` against the chain
-  tip (a fresh proposal, POL round -1, must name the round's proposer and carry a timely time),
-  a proposer of the validator set, every transaction applies
+  tip, with no clock bound (``valid(v)`` is cached per value for the height, so it must not
+  depend on when it is asked: issue 17, a validator restarted 28 s late refused the round-0
+  value for the whole height), a proposer of the validator set, every transaction applies
   (:func:`~ps_p2p.consensus.app.execute_block` reports no failed one), and every EPOCH_REPORT
   passes this validator's own ``value_check`` (its reference model re-scores the answers:
   :mod:`ps_p2p.verification.service`) -> ``ValueValidated``. A proposer leaves out of its block
@@ -95,6 +100,7 @@ from ps_p2p.consensus.app import (
 from ps_p2p.consensus.block import (
     Block,
     block_id,
+    check_timely,
     consensus_value_id,
     decode_block,
     encode_block,
@@ -167,9 +173,6 @@ PROOF_BLOCK_DELAY = 1.0
 #: (~0.25 s for empty ones); one snapshot is O(records) (~0.1 s and ~10 MB at 100,000 records),
 #: so 1,000 keeps its cost under a millisecond a height on average.
 SNAPSHOT_EVERY = 1000
-#: POL rounds remembered per height (what ``ValidateValue`` needs to know whether a value is a
-#: fresh proposal); beyond it a value is checked as fresh (the stricter rule).
-MAX_POL_ENTRIES = 64
 #: Executed candidate blocks kept per height (proposed or validated, reused at Decide).
 MAX_EXECUTED = 8
 #: The WAL is pruned of decided heights every this many heights (one write less per height;
@@ -243,6 +246,8 @@ class ValidatorStats:
     #: state snapshots written; the height of the one the last start loaded (0: none)
     snapshots_taken: int = 0
     snapshot_height: int = 0
+    #: fresh proposals found late (or early, or naming another proposer) on arrival
+    untimely: int = 0
     #: last reason a proposed value was refused
     last_refusal: str = ""
 
@@ -331,13 +336,15 @@ class Validator:
         self._pending_start: int | None = None  # decided; this height starts on a trigger
         self._seen_next = False  # a message of core.height + 1 came in
         self._own: list[Proposal | Vote] = []  # own signed messages of the current height
-        self._pol: dict[tuple[int, bytes], int] = {}  # (round, value ID) -> POL round
         self._executed: dict[bytes, tuple[AppState, BlockResult]] = {}
         # value ID -> value, of the values of this height validated or proposed by us: a
         # precommit for one stores the value with it (the lock, restored after a restart)
         self._values: dict[bytes, bytes] = {}
         self._deferred: dict[tuple[int, int, bytes], ValidateValue] = {}
         self._started = False
+        #: (height, round, messages) of the last decision taken here: the decided round's
+        #: proposal and the precommits of its commit (L49), relayed to a peer that missed it
+        self.last_commit: tuple[int, int, tuple[Proposal | Vote, ...]] | None = None
 
     # ------------------------------------------------------------------ views
 
@@ -367,6 +374,36 @@ class Validator:
         reached (what a periodic re-broadcast sends again)."""
         low = self.core.round - rounds + 1
         return [m for m in self._own if m.round >= low]
+
+    def relay_set(self) -> list[Proposal | Vote]:
+        """Signed proposals and votes of the current height to relay to a peer that lacks them
+        (:mod:`ps_p2p.consensus.gossip`): the proposals and votes held of our round and the one
+        before (L36, L44, L49, and f+1 of a higher round for L55), with the POL certificates of
+        those proposals and of our valid round (2f+1 prevotes, L28). Empty once decided."""
+        core, keeper = self.core, self.core.keeper
+        if core.height is None or keeper is None or core.decision is not None:
+            return []
+        out: list[Proposal | Vote] = []
+        for r in (core.round - 1, core.round):
+            if r < 0:
+                continue
+            for p in core.proposals(r):
+                out.append(p)
+                out.extend(self.pol_certificate(p))
+            out.extend(keeper.votes_of(r))
+        if core.valid_value is not None and core.valid_round >= 0:
+            out.extend(keeper.votes_for(core.valid_round, VoteType.PREVOTE,
+                                        self.config.value_id(core.valid_value)))
+        return out
+
+    def pol_certificate(self, proposal: Proposal) -> tuple[Vote, ...]:
+        """The 2f+1 prevotes of ``proposal``'s POL round for its value that we hold (L28); ()
+        for a fresh proposal or another height."""
+        keeper = self.core.keeper
+        if proposal.pol_round < 0 or keeper is None or proposal.height != self.core.height:
+            return ()
+        return keeper.votes_for(proposal.pol_round, VoteType.PREVOTE,
+                                self.config.value_id(proposal.value))
 
     def ignores(self, message: Proposal | Vote) -> bool:
         """Whether :meth:`receive` would drop this message without any change or action,
@@ -508,7 +545,12 @@ class Validator:
             self._seen_next = True
             if self._pending_start is not None:
                 self._start_next(now, actions)
-        inp = ProposalReceived(message) if isinstance(message, Proposal) else VoteReceived(message)
+        inp: Input
+        if isinstance(message, Proposal):
+            ignored = self.core.ignores(message)
+            inp = ProposalReceived(message, ignored or self._timely(message))
+        else:
+            inp = VoteReceived(message)
         self._run([inp], now, actions)
         return actions
 
@@ -588,14 +630,11 @@ class Validator:
             inp = queue.pop(0)
             if isinstance(inp, StartHeight):
                 self._own = []
-                self._pol = {}
                 self._executed = {}
                 self._values = {}
                 self._deferred = {}
                 self._seen_next = False
                 self._pending_start = None
-            elif isinstance(inp, ProposalReceived):
-                self._note_pol(inp.proposal)
             for out in self.core.handle(inp, now):
                 self._execute(out, now, queue, actions)
 
@@ -680,11 +719,20 @@ class Validator:
         if message not in self._own:
             self._own.append(message)
 
-    def _note_pol(self, p: Proposal) -> None:
-        if p.height != self.core.height or len(self._pol) >= MAX_POL_ENTRIES:
-            return
-        key = (p.round, self.config.value_id(p.value))
-        self._pol.setdefault(key, p.pol_round)
+    def _timely(self, p: Proposal) -> bool:
+        """Whether a peer's proposal is timely on arrival (only a fresh one can be late)."""
+        if p.pol_round != NIL_ROUND:
+            return True
+        try:
+            header = decode_block(p.value, self.genesis.limits).header
+            check_timely(header, now_ms=self.unix_ms(),
+                         proposer=self.core.proposer(p.height, p.round))
+        except PsError as exc:
+            self.stats.untimely += 1
+            log.info("fresh proposal at height %d round %d not timely (L22 prevotes nil): %s",
+                     p.height, p.round, exc)
+            return False
+        return True
 
     # ------------------------------------------------------------------ the application
 
@@ -732,12 +780,9 @@ class Validator:
             return False
         try:
             block = decode_block(out.value, self.genesis.limits)
-            timely = self._pol.get((out.round, vid), NIL_ROUND) == NIL_ROUND
-            validate_block(
-                block, self.state.tip(), limits=self.genesis.limits, now_ms=self.unix_ms(),
-                timely=timely,
-                proposer=self.core.proposer(out.height, out.round) if timely else None,
-            )
+            # valid(v) without clock bounds: timeliness is checked on arrival (_timely)
+            validate_block(block, self.state.tip(), limits=self.genesis.limits, now_ms=None,
+                           timely=False)
             new, result = execute_block(self.state, block)
             failed = [r for r in result.tx_results if not r.ok]
             if failed:
@@ -786,6 +831,9 @@ class Validator:
         bid = block_id(block.header)
         verify_commit(self.genesis.chain_id, self.state.validators, d.height, bid, d.commit)
         executed = self._executed.get(bid)
+        proposal = self.core.proposal_for(d.round, self.config.value_id(d.value))
+        if proposal is not None:
+            self.last_commit = (d.height, d.round, (*d.commit, proposal))
         new, result = executed if executed is not None else execute_block(self.state, block)
         self._commit(block, d.value, d.commit, new, result, actions, synced=False)
         self.mempool.update(self.state, block.txs, self.unix_ms())

@@ -329,6 +329,20 @@ class VoteKeeper:
                 votes.append(tally.extra[addr][value_id])
         return tuple(sorted(votes, key=lambda v: v.validator))
 
+    def votes_of(self, round_: int) -> tuple[Vote, ...]:
+        """Every vote held of ``round_`` (both types; conflicting ones the keeper counts
+        too): what a validator relays to a peer that lacks them (gossip)."""
+        rnd = self._rounds.get(round_)
+        if rnd is None:
+            return ()
+        out: list[Vote] = []
+        for vote_type in (VoteType.PREVOTE, VoteType.PRECOMMIT):
+            tally = rnd.tally(vote_type)
+            out.extend(tally.by_validator.values())
+            for extra in tally.extra.values():
+                out.extend(extra.values())
+        return tuple(out)
+
     def rounds(self) -> list[int]:
         """The rounds tracked, ascending."""
         return sorted(self._rounds)

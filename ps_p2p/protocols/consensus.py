@@ -29,12 +29,18 @@ relayed once to the other validators; a refused one is counted, not reset (the s
 may differ).
 
 Outbound: a :class:`~ps_p2p.protocols.links.LinkManager` (bounded per-peer queues, dial
-back-off). Own signed messages are written to the WAL without an fsync on the event loop; the
-fsync runs in a worker thread and the messages written before it are sent once it returned,
-in order (group commit, ``deferred_sync``; issue 17: a signed message is still durable before
-it leaves). Every ``rebroadcast_interval`` seconds (default the core's ``timeout_prevote``) the
-validator sends again its own messages of the current height's last two rounds, so a validator
-that reconnects, or lost a frame with a link, catches up.
+back-off) and :class:`~ps_p2p.consensus.gossip.Gossip` (Algorithm 1's "gossip communication",
+issue 17): a peer is sent what it lacks, never twice while its link stays up. A new own message
+goes to every peer; a proposal with a POL round goes with its POL certificate (the 2f+1
+prevotes of that round, L28) to the peers that lack them. Every ``rebroadcast_interval`` seconds
+(default the core's ``timeout_prevote``) the gossip plan sends each peer its missing own
+messages (after a lost link or a restart), the relay set of other validators' messages when it
+is behind in round or has not moved for ``relay_after`` seconds (default twice the interval),
+and the last commit when it is still in a later round of the height we decided.
+Own signed messages are written to the WAL without an fsync on the event loop; the fsync runs
+in a worker thread and the messages written before it are sent once it returned, in order
+(group commit, ``deferred_sync``; issue 17: a signed message is still durable before it
+leaves).
 
 Block sync (:mod:`ps_p2p.protocols.blocksync`, served here too, to the validators and the
 nodes listed in the committed registry only, with rates): a validator fetches, verifies
@@ -68,6 +74,7 @@ from libp2p.custom_types import TProtocol
 from ps_p2p.consensus.app import AppState, Genesis, Mempool
 from ps_p2p.consensus.block import decode_block, encode_block, make_block
 from ps_p2p.consensus.core import ConsensusConfig
+from ps_p2p.consensus.gossip import Gossip
 from ps_p2p.consensus.signing import (
     sign_proposal,
     sign_vote,
@@ -76,7 +83,7 @@ from ps_p2p.consensus.signing import (
 )
 from ps_p2p.consensus.snapshot import encode_state
 from ps_p2p.consensus.store import ConsensusStore
-from ps_p2p.consensus.types import Proposal, Vote
+from ps_p2p.consensus.types import Proposal, Vote, VoteType
 from ps_p2p.consensus.validator import (
     EMPTY_BLOCK_INTERVAL,
     SNAPSHOT_EVERY,
@@ -126,8 +133,11 @@ class ConsensusServiceConfig:
     """Settings of :class:`ConsensusService` (seconds unless said otherwise).
 
     Attributes:
-        rebroadcast_interval: own messages are sent again this often; None: the core's
-            ``timeout_prevote``.
+        rebroadcast_interval: the gossip plan runs this often (what a peer lacks is sent);
+            None: the core's ``timeout_prevote``.
+        relay_after: a peer that has not moved for this long is sent the other validators'
+            messages it lacks; None: twice ``rebroadcast_interval`` (above a healthy height's
+            decision time, so a healthy committee relays nothing).
         sync_after: a message of the next height waits this long before a block sync; None:
             the sum of the core's three base timeouts.
         empty_block_interval: an idle chain makes an empty block this often.
@@ -146,6 +156,7 @@ class ConsensusServiceConfig:
     """
 
     rebroadcast_interval: float | None = None
+    relay_after: float | None = None
     sync_after: float | None = None
     empty_block_interval: float = EMPTY_BLOCK_INTERVAL
     queue_frames: int = 1024
@@ -272,6 +283,8 @@ class ConsensusService:
         self.sync_after = self.config.sync_after or (
             core.timeout_propose + core.timeout_prevote + core.timeout_precommit)
         self.address = identity.peer_id
+        self.gossip = Gossip(self.address, self.peers, relay_after=(
+            self.config.relay_after or 2 * self.rebroadcast_interval))
         self.on_commit = on_commit
         self._clock = clock
         self.driver: CoreDriver[Action] = CoreDriver(
@@ -341,6 +354,7 @@ class ConsensusService:
                     self._links = LinkManager(
                         self.host, nursery, CONSENSUS_PROTOCOL_ID,
                         queue_frames=self.config.queue_frames,
+                        on_link_down=lambda peer, _reason: self.gossip.link_down(peer),
                     )
                     await nursery.start(self.driver.run)
                     now = self._clock()
@@ -427,16 +441,25 @@ class ConsensusService:
         if not v.is_validator(signer):
             self._refuse("signer not a validator", peer)
             raise RemoteProtocolError(f"a message signed by {peer_label(signer)}, no validator")
-        if message.height < v.height:
+        if message.height < v.height - 1:
+            self.refused["stale height"] += 1
+            return
+        if message.height < v.height:  # the peer is one height behind: where it is (gossip)
+            self.gossip.heard(peer, message, self._clock())
             self.refused["stale height"] += 1
             return
         if message.height > v.height + 1 and not self._sync_due(peer):
             self.refused["future height"] += 1  # a sync from this peer runs or just ran
             return
         if message.height <= v.height + 1 and v.ignores(message):
+            self.gossip.heard(peer, message, self._clock())  # it has it (unchecked: its loss)
             self.refused["ignored"] += 1  # would change nothing: no signature check
             return
         self._check_signature(peer, data, message)
+        self.gossip.heard(peer, message, self._clock())
+        if (isinstance(message, Vote) and message.type == VoteType.PREVOTE
+                and message.validator == peer and message.height == v.height):
+            self._resend_pol(peer, message)
         if message.height > v.height + 1:
             self._refuse("future height", peer, f"(height {message.height}, ours {v.height})")
             self._request_sync(peer)
@@ -517,6 +540,7 @@ class ConsensusService:
                 if peer != action.exclude:
                     self._links.send(peer, data)
         elif isinstance(action, Committed):
+            self.gossip.new_height(self.validator.height)
             self._ahead = None
             self._committed.set()
             self._committed = trio.Event()
@@ -528,7 +552,7 @@ class ConsensusService:
         commits them without one: ``deferred_sync``); starts the flush task if none runs."""
         if self._nursery is None:  # not running: fsync here
             self.validator.store.sync_target()()
-            self._send(action)
+            self._send_own(action)
             return
         self._held.append(action)
         if not self._flushing:
@@ -551,7 +575,7 @@ class ConsensusService:
                     self.fsync_seconds += trio.current_time() - start
                     self.fsyncs += 1
                 for action in batch:
-                    self._send(action)
+                    self._send_own(action)
         except (OSError, StoreError) as exc:
             self._held = []
             self._stop(exc if isinstance(exc, StoreError)
@@ -559,17 +583,64 @@ class ConsensusService:
         finally:
             self._flushing = False
 
-    def _send(self, action: SendMessage) -> None:
+    def _send_own(self, action: SendMessage) -> None:
+        """Send an own message (durable by now) to every peer that lacks it; a proposal with a
+        POL round goes with its POL certificate (L28 at the receiver needs it)."""
         assert self._links is not None
-        data = cc.encode_message(action.message)
+        message = action.message
+        data = cc.encode_message(message)
+        self.gossip.set_peers(self.peers)
         for peer in self.peers:
-            self._links.send(peer, data)
+            if self.gossip.lacks(peer, message):
+                self._send(peer, message, data)
+        if isinstance(message, Proposal) and message.pol_round >= 0:
+            certificate = self.validator.pol_certificate(message)
+            for peer in self.peers:
+                for vote in self.gossip.certificate_for(peer, certificate):
+                    self._send(peer, vote, cc.encode_message(vote))
         if self.byzantine is not None:  # TEST ONLY: equivocate, bypassing the WAL
             conflict = self.byzantine.conflicting(action.message)
             if conflict is not None:
                 data = cc.encode_message(conflict)
                 for peer in self.byzantine.targets:
                     self._links.send(peer, data)
+
+    def _resend_pol(self, peer: bytes, prevote: Vote) -> None:
+        """``peer`` prevoted against a re-proposal of that round whose POL certificate we
+        hold: it may lack the certificate (L28); send it and the proposal again, once."""
+        v = self.validator
+        for p in v.core.proposals(prevote.round):
+            if p.pol_round < 0 or prevote.value_id == v.config.value_id(p.value):
+                continue
+            certificate = v.pol_certificate(p)
+            if not v.core.keeper or not v.core.keeper.is_quorum(
+                    sum(v.core.keeper.power_of(c.validator) for c in certificate)):
+                continue  # we do not hold it in full either
+            for m in self.gossip.resend(peer, (p.height, p.round), (p, *certificate)):
+                self._send(peer, m, cc.encode_message(m))
+
+    def _send(self, peer: bytes, message: Proposal | Vote, data: bytes) -> None:
+        assert self._links is not None
+        self.gossip.sent(peer, message)
+        if not self._links.send(peer, data):
+            self.gossip.unsent(peer, message)
+
+    def _gossip(self, now: float) -> None:
+        """Send each peer what it lacks (:meth:`~ps_p2p.consensus.gossip.Gossip.plan`)."""
+        v = self.validator
+        core = v.core
+        if core.height is None:
+            return
+        self.gossip.set_peers(self.peers)
+        plan = self.gossip.plan(
+            now, height=core.height, round_=core.round, own=v.own_messages(),
+            relay=v.relay_set(), commit=v.last_commit)
+        encoded: dict[Proposal | Vote, bytes] = {}
+        for peer, message in plan:
+            data = encoded.get(message)
+            if data is None:
+                data = encoded[message] = cc.encode_message(message)
+            self._send(peer, message, data)
 
     def _next_deadline(self) -> float:
         deadline = self.validator.next_deadline()
@@ -582,7 +653,7 @@ class ConsensusService:
         actions = self._guard(self.validator.tick, now)
         if now >= self._next_rebroadcast:
             self._next_rebroadcast = now + self.rebroadcast_interval
-            actions.extend(SendMessage(m) for m in self.validator.own_messages())
+            self._gossip(now)
         ahead = self._ahead
         if ahead is not None:
             if ahead[0] != self.validator.height:

@@ -1,0 +1,138 @@
+"""The consensus gossip plan (ps_p2p.consensus.gossip, pure): a peer is sent what it lacks,
+once; other validators' messages are relayed to a peer behind or stalled; a re-proposal's POL
+certificate and the last commit reach the peers that lack them (issue 17)."""
+
+from __future__ import annotations
+
+from ps_p2p.consensus.gossip import MAX_KNOWN_PER_PEER, Gossip
+from ps_p2p.consensus.types import Proposal, Vote, VoteType
+
+A, B, C, D = b"val-a", b"val-b", b"val-c", b"val-d"
+PV, PC = VoteType.PREVOTE, VoteType.PRECOMMIT
+
+
+def vote(t: VoteType, r: int, who: bytes, vid: bytes | None = b"v", h: int = 1) -> Vote:
+    return Vote(t, h, r, vid, who, b"sig")
+
+
+def gossip() -> Gossip:
+    return Gossip(A, (B, C, D), relay_after=1.0)
+
+
+def plan(g: Gossip, now: float, *, round_: int = 0, own=(), relay=(), commit=None):
+    return g.plan(now, height=1, round_=round_, own=list(own), relay=list(relay),
+                  commit=commit)
+
+
+def test_own_messages_are_sent_once_to_each_peer_not_every_interval():
+    g = gossip()
+    mine = vote(PV, 0, A)
+    first = plan(g, 0.0, own=[mine])
+    assert sorted(p for p, _ in first) == [B, C, D]
+    for t in (0.2, 0.4, 5.0):
+        assert plan(g, t, own=[mine]) == []  # no re-broadcast storm
+
+
+def test_a_peer_whose_link_went_down_gets_our_messages_again():
+    g = gossip()
+    mine = vote(PV, 0, A)
+    plan(g, 0.0, own=[mine])
+    g.link_down(C)
+    assert plan(g, 0.2, own=[mine]) == [(C, mine)]
+
+
+def test_a_message_that_could_not_be_queued_is_planned_again():
+    g = gossip()
+    mine = vote(PV, 0, A)
+    plan(g, 0.0, own=[mine])
+    g.unsent(B, mine)
+    assert plan(g, 0.2, own=[mine]) == [(B, mine)]
+
+
+def test_a_peer_is_never_sent_what_it_sent_us_nor_its_own_messages():
+    g = gossip()
+    theirs = vote(PV, 0, C)
+    g.heard(B, theirs, 0.0)  # B relayed C's vote to us: B has it
+    relay = [theirs, vote(PV, 0, D)]
+    for peer in (B, C, D):
+        g.heard(peer, vote(PV, 0, peer), 0.0)
+    out = plan(g, 1.5, relay=relay)  # all stalled: relay what each lacks
+    assert set(out) == {(B, relay[1]), (C, relay[1]), (D, theirs)}
+
+
+def test_other_validators_votes_are_relayed_to_a_peer_behind_in_round_at_once():
+    """A restarted validator at round 0 gets f+1 messages of our round (L55) and the polka."""
+    g = gossip()
+    g.heard(B, vote(PV, 0, B), 0.0)  # B is at round 0
+    g.heard(C, vote(PV, 3, C), 0.0)
+    g.heard(D, vote(PV, 3, D), 0.0)
+    relay = [vote(PV, 3, C), vote(PV, 3, D)]
+    out = plan(g, 0.1, round_=3, relay=relay)
+    assert set(out) == {(B, relay[0]), (B, relay[1])}  # C, D are in our round and moving
+
+
+def test_a_healthy_peer_that_keeps_moving_is_relayed_nothing():
+    g = gossip()
+    relay = [vote(PV, 0, C)]
+    for t, step in ((0.0, PV), (0.5, PC)):
+        g.heard(B, vote(step, 0, B), t)
+    assert all(p != B for p, _ in plan(g, 0.9, relay=relay))
+    assert (B, relay[0]) in plan(g, 1.6, relay=relay)  # stalled for relay_after: relayed
+
+
+def test_a_re_proposals_pol_certificate_goes_to_each_peer_that_lacks_it():
+    g = gossip()
+    cert = [vote(PV, 0, x) for x in (A, C, D)]
+    g.heard(C, cert[2], 0.0)  # C has D's prevote
+    assert g.certificate_for(B, cert) == cert
+    assert g.certificate_for(C, cert) == [cert[0]]  # not its own, not what it sent
+    assert g.certificate_for(B, cert) == []  # sent once
+    assert g.planned["certificate"] == 4
+
+
+def test_the_last_commit_goes_to_a_peer_in_a_later_round_of_the_decided_height():
+    g = gossip()
+    proposal = Proposal(1, 0, b"block", -1, B, b"sig")
+    commit = (1, 0, (vote(PC, 0, A), vote(PC, 0, C), vote(PC, 0, D), proposal))
+    g.heard(B, vote(PC, 0, B), 0.0)  # B decided with us: nothing to send
+    g.heard(C, vote(PV, 2, C), 0.0)  # C went on to round 2: it missed the decision
+    out = g.plan(0.1, height=2, round_=0, own=[], relay=[], commit=commit)
+    assert {p for p, _ in out} == {C}
+    assert {m for _, m in out} == {commit[2][0], commit[2][2], proposal}  # not C's own
+
+
+def test_a_peer_resending_its_own_message_lost_what_we_sent_it_forgotten_once_a_period():
+    """After a restart a peer replays its WAL (messages it sent before): we send ours again;
+    a peer that re-sends often costs one resend per ``forget_after``, not a storm."""
+    g = gossip()
+    mine = vote(PV, 2, A)
+    replayed = vote(PV, 2, B)
+    g.heard(B, replayed, 0.0)
+    plan(g, 0.0, round_=2, own=[mine])
+    g.heard(B, replayed, 0.1)
+    assert plan(g, 0.2, round_=2, own=[mine]) == [(B, mine)]
+    g.heard(B, replayed, 0.3)
+    assert plan(g, 0.4, round_=2, own=[mine]) == []  # within forget_after of the last
+    g.heard(B, replayed, 2.5)
+    assert plan(g, 2.6, round_=2, own=[mine]) == [(B, mine)]
+
+
+def test_a_peer_stalled_at_our_height_is_sent_what_it_may_have_lost_once_a_period():
+    g = gossip()
+    mine = vote(PV, 0, A)
+    g.heard(B, vote(PV, 0, B), 0.0)
+    plan(g, 0.0, own=[mine], relay=[mine])
+    assert [m for p, m in plan(g, 1.5, own=[mine], relay=[mine]) if p == B] == []
+    assert [m for p, m in plan(g, 2.0, own=[mine], relay=[mine]) if p == B] == [mine]
+    assert [m for p, m in plan(g, 2.5, own=[mine], relay=[mine]) if p == B] == []
+
+
+def test_what_is_remembered_per_peer_is_bounded_and_pruned_by_height():
+    g = gossip()
+    for i in range(MAX_KNOWN_PER_PEER + 10):
+        g.heard(B, vote(PV, i, C), 0.0)
+    assert len(g.views[B].known) <= MAX_KNOWN_PER_PEER
+    g.heard(C, vote(PV, 0, D, h=1), 0.0)
+    g.heard(C, vote(PV, 0, D, h=3), 0.0)
+    g.new_height(3)
+    assert [m.height for m in g.views[C].known] == [3]
