@@ -533,7 +533,7 @@ class ConsensusService:
             if self.validator.store.needs_sync or self._flushing:
                 self._hold(action)
             else:
-                self._send(action)
+                self._send_own(action)
         elif isinstance(action, RelayTx):
             data = cc.encode_message(cc.Tx(action.tx))
             for peer in self.peers:
