@@ -287,7 +287,7 @@ def validate_block(
     proposer: bytes | None = None,
 ) -> None:
     """Check a proposed block against the chain before voting for it (Algorithm 1's
-    ``valid(v)``; the transactions are checked by the application, :mod:`~.app`).
+    ``valid(v)``; the transactions are checked by the application, :mod:`ps_p2p.registry`).
 
     Time: ``time_ms`` must be after ``tip.time_ms`` (strictly monotonic) and at most
     ``max_clock_drift_ms`` ahead of ``now_ms``, this validator's own clock (unix ms). When

@@ -188,7 +188,7 @@ class DirectoryHistory:
 
     def add_block(self, header: Header, commit: Sequence[Vote], new_state: AppState,
                   result: BlockResult) -> None:
-        """Record a decided block: ``new_state`` (from :func:`~.app.execute_block` on
+        """Record a decided block: ``new_state`` (from :func:`~ps_p2p.registry.execution.execute_block` on
         :attr:`latest`) becomes the latest; the state before it is served with ``header`` and
         ``commit`` (checked by the caller: they came out of consensus).
 
