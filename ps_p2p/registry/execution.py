@@ -73,6 +73,7 @@ from ps_p2p.verification.ledger import (
 )
 from ps_p2p.verification.reputation import ReputationState, update as reputation_step
 
+
 def validators_at(genesis_validators: Sequence[Validator], chain_id: str,
                   updates: Sequence[ValsetUpdateTx], height: int) -> tuple[Validator, ...]:
     """The validator set that decides ``height``, from the genesis set and the executed

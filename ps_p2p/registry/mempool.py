@@ -26,6 +26,7 @@ from ps_p2p.registry.execution import _admit, _verify_tx
 from ps_p2p.registry.state import AppState
 from ps_p2p.registry.tx import DeregisterTx, RegisterTx, Tx, TxKind, decode_tx, tx_hash
 
+
 class Lane(enum.IntEnum):
     """The two parts of the :class:`Mempool`: what a new identity may take, and what it may not."""
 

@@ -35,6 +35,7 @@ from ps_p2p.registry.tx import ReputationEntry, SignedProposalDigest, ValsetUpda
 from ps_p2p.verification.ledger import EpochLedger, VerificationParams
 from ps_p2p.verification.reputation import ReputationParams
 
+
 APP_STATE_DOMAIN = b"planetserve/v1/app-state\x00"
 APP_AUX_DOMAIN = b"planetserve/v1/app-aux\x00"
 EVIDENCE_KEY_DOMAIN = b"planetserve/v1/evidence-key\x00"

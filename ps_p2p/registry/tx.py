@@ -47,6 +47,7 @@ from ps_p2p.verification.reputation import (
     check_score,
 )
 
+
 TX_DOMAIN = b"planetserve/v1/registry-tx\x00"
 DEREGISTER_DOMAIN = b"planetserve/v1/deregister\x00"
 VALSET_UPDATE_DOMAIN = b"planetserve/v1/valset-update\x00"
