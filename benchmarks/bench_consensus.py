@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_devnet import machine  # noqa: E402
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.consensus import ConsensusServiceConfig

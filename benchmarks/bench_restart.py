@@ -2,7 +2,7 @@
 
 Builds a store of N empty blocks quickly, a block a second (each with a commit of 3 precommits'
 size; a restart does not verify stored commits, they were verified when stored), then times
-:meth:`~ps_p2p.consensus.validator.Validator.start` on it, once with the blocks alone (what a
+:meth:`~ps_p2p.registry.validator.Validator.start` on it, once with the blocks alone (what a
 restart cost before state snapshots: every block executed from the genesis) and once with
 state snapshots every ``--snapshot-every`` heights (the newest one loaded, only the later
 blocks executed). Also prints the store's size per block.
@@ -21,16 +21,16 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.block import block_id, encode_block, make_block
 from ps_p2p.consensus.signing import sign_vote
-from ps_p2p.consensus.snapshot import encode_state
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Validator as Member
 from ps_p2p.consensus.types import Vote, VoteType
-from ps_p2p.consensus.validator import Validator
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.consensus import WIRE
+from ps_p2p.registry.snapshot import encode_state
+from ps_p2p.registry.validator import Validator
 
 KEYS = [Identity.from_private_bytes(bytes([i + 1]) * 32) for i in range(4)]
 T0 = 1_700_000_000_000

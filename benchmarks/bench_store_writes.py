@@ -19,7 +19,7 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Validator as Member
 from ps_p2p.keys import Identity

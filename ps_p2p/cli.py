@@ -347,7 +347,7 @@ def _read_validator_set(path: str) -> tuple[Any, ...]:
 def _cmd_valset(args: argparse.Namespace) -> int:
     from libp2p.peer.id import ID
 
-    from ps_p2p.consensus import app
+    from ps_p2p import registry as app
     from ps_p2p.keys import NodeKeys
 
     if args.valset_command == "submit":
@@ -389,7 +389,7 @@ def _cmd_valset(args: argparse.Namespace) -> int:
 
 
 def _valset_submit(args: argparse.Namespace) -> int:
-    from ps_p2p.consensus import app
+    from ps_p2p import registry as app
     from ps_p2p.keys import Identity
     from ps_p2p.protocols.committee_directory import submit_valset_update
     from ps_p2p.protocols.host import connect, open_host
@@ -504,7 +504,7 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
     import ipaddress
 
     from ps_p2p.config import group_key_toml, new_group_key
-    from ps_p2p.consensus.app import Genesis
+    from ps_p2p.registry import Genesis
     from ps_p2p.consensus.block import BlockLimits
     from ps_p2p.consensus.core import ConsensusConfig
     from ps_p2p.consensus.types import Validator

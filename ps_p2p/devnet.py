@@ -387,7 +387,7 @@ class Devnet:
 
     def _write_genesis(self) -> pathlib.Path:
         """Committee: the verifiers' keys, ports and genesis file, before any starts."""
-        from ps_p2p.consensus.app import AdmissionPolicy, Genesis
+        from ps_p2p.registry import AdmissionPolicy, Genesis
         from ps_p2p.consensus.types import Validator
         from ps_p2p.genesis import genesis_json
         from ps_p2p.keys import load_or_create_keys

@@ -5,7 +5,7 @@
 is a REGISTER transaction of the committee, given to f+1 verifiers (at least one honest one
 relays it to the rest), and a directory needs a commit of more than 2/3 of the genesis
 validators' power, the committed app hash, a height not below the one held and a block time at
-most ``max_age_ms`` old (:class:`~ps_p2p.consensus.replica.CommitteeReplica`).
+most ``max_age_ms`` old (:class:`~ps_p2p.registry.replica.CommitteeReplica`).
 
 Which committee: the genesis file the node was given (``--genesis``), or, without one, the
 genesis its configured verifiers (``--verifier`` peer IDs, else the bootstrap peers) serve. A
@@ -25,9 +25,9 @@ import time
 
 from libp2p.abc import IHost
 
-from ps_p2p.consensus.app import Genesis, sign_deregister
-from ps_p2p.consensus.replica import CommitteeReplica
 from ps_p2p.errors import ConfigError, RemoteProtocolError, UntrustedGenesisError
+from ps_p2p.registry import Genesis, sign_deregister
+from ps_p2p.registry.replica import CommitteeReplica
 
 
 class GenesisPendingError(RemoteProtocolError):

@@ -5,14 +5,14 @@ time, the validators (peer IDs in base58 and voting powers), the consensus timeo
 committed rules of the registry (the sybil admission policy, the block limits and the
 reputation rule's parameters, paper sec. 3.4). Every
 validator runs the chain from it, and every node checks directories against its validator set
-(:func:`ps_p2p.consensus.directory.verify_directory`), so it must be the same file everywhere:
+(:func:`ps_p2p.registry.directory.verify_directory`), so it must be the same file everywhere:
 :func:`genesis_hash` names it in logs and status. This module reads and writes the file (the
 service layer, beside :mod:`ps_p2p.config`); the pure consensus package only sees the parsed
-:class:`~ps_p2p.consensus.app.Genesis`.
+:class:`~ps_p2p.registry.Genesis`.
 
 Format (all keys required except ``consensus``, ``admission``, ``block_limits`` and
 ``reputation``, whose missing fields take the defaults of
-:class:`~ps_p2p.consensus.core.ConsensusConfig`, :class:`~ps_p2p.consensus.app.AdmissionPolicy`,
+:class:`~ps_p2p.consensus.core.ConsensusConfig`, :class:`~ps_p2p.registry.AdmissionPolicy`,
 :class:`~ps_p2p.consensus.block.BlockLimits` and
 :class:`~ps_p2p.verification.reputation.ReputationParams`)::
 
@@ -50,11 +50,11 @@ from typing import Any
 
 from libp2p.peer.id import ID
 
-from ps_p2p.consensus.app import AdmissionPolicy, Genesis
 from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.types import Validator
 from ps_p2p.errors import ConfigError, PsError
+from ps_p2p.registry import AdmissionPolicy, Genesis
 from ps_p2p.verification.ledger import SamplingOption, VerificationParams
 from ps_p2p.verification.reputation import ReputationParams
 
@@ -71,7 +71,7 @@ class GenesisFile:
     """A parsed genesis file.
 
     Attributes:
-        genesis: the chain's committed start (:class:`~ps_p2p.consensus.app.Genesis`).
+        genesis: the chain's committed start (:class:`~ps_p2p.registry.Genesis`).
         consensus: the consensus timeouts every validator uses.
         names: validator peer ID -> its name in the file ("" when none).
         text: the file's bytes as read (what a verifier serves to nodes that ask for its

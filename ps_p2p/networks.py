@@ -5,9 +5,9 @@ one site usually holds: an IPv4 /24 or an IPv6 /48 by default. They all name a n
 way, ``"ip4:203.0.113.0/24"`` or ``"ip6:2001:db8:1::/48"`` (:func:`network_key`):
 
 * the committee's admission caps on the networks a node record claims
-  (:func:`ps_p2p.consensus.app.source_networks`; those keys are committed state);
+  (:func:`ps_p2p.registry.source_networks`; those keys are committed state);
 * the verifier's rate of new identities per observed source network
-  (:class:`ps_p2p.consensus.sources.NewIdentityLimiter`);
+  (:class:`ps_p2p.registry.sources.NewIdentityLimiter`);
 * a relay's pool of paths for predecessors outside the directory
   (:func:`ps_p2p.protocols.host.peer_network` -> :class:`ps_p2p.overlay.relay_table.RelayTable`);
 * inbound connections and streams per address and per network

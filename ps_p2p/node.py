@@ -52,14 +52,15 @@ from libp2p.peer.id import ID
 
 from ps_p2p import records
 from ps_p2p.config import NodeConfig
+from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.directory_client import CommitteeClient
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import ConfigError, PsError
 from ps_p2p.genesis import GenesisFile, init_genesis, load_genesis
-from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import NodeKeys, load_membership
 from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import committee_directory as committee_proto
+from ps_p2p.protocols.forward import FORWARD_PROTOCOL_ID
 from ps_p2p.protocols.handlers import registered_protocols
 from ps_p2p.protocols.host import (
     check_foreign_host,
@@ -69,6 +70,11 @@ from ps_p2p.protocols.host import (
     listen_multiaddrs,
     open_host,
 )
+from ps_p2p.protocols.hrtree_gossip import (
+    GOSSIPSUB_PROTOCOLS,
+    HRTREE_SYNC_PROTOCOL_ID,
+    running_pubsub,
+)
 from ps_p2p.protocols.overlay import (
     CLOVE_PROTOCOL_ID,
     DELIVER_PROTOCOL_ID,
@@ -77,12 +83,6 @@ from ps_p2p.protocols.overlay import (
     OverlayService,
 )
 from ps_p2p.records import Directory, NodeRecord, Role
-from ps_p2p.protocols.forward import FORWARD_PROTOCOL_ID
-from ps_p2p.protocols.hrtree_gossip import (
-    GOSSIPSUB_PROTOCOLS,
-    HRTREE_SYNC_PROTOCOL_ID,
-    running_pubsub,
-)
 from ps_p2p.roles.forwarding import GroupForwarding
 from ps_p2p.roles.model import ModelNodeService
 from ps_p2p.roles.user import UserClient
@@ -599,7 +599,7 @@ class Node:
         Raises:
             InvalidTransactionError, AdmissionError: refused by ``check_tx`` or a full mempool.
         """
-        from ps_p2p.consensus.app import encode_tx
+        from ps_p2p.registry import encode_tx
         from ps_p2p.errors import InvalidTransactionError, LocalProtocolError
 
         assert self.consensus is not None
@@ -611,7 +611,7 @@ class Node:
 
     def _submit_record(self, record: NodeRecord) -> bool:
         """Verifiers: this node's own record into the mempool (a REGISTER transaction)."""
-        from ps_p2p.consensus.app import RegisterTx
+        from ps_p2p.registry import RegisterTx
 
         return self._submit_tx(RegisterTx(record))
 
@@ -855,7 +855,7 @@ class Node:
         Returns:
             verifiers that took the deregistration (or the short-lived record).
         """
-        from ps_p2p.consensus.app import sign_deregister
+        from ps_p2p.registry import sign_deregister
 
         self._withdrawn = True
         if self.host is None:

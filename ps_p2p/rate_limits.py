@@ -21,7 +21,7 @@ This module holds the project's one token bucket (:class:`TokenBucket`) and its 
 table of buckets by key (:class:`TokenBuckets`); the other budgets are built on them:
 :class:`ps_p2p.gossip.budget.PeerBudget` and :class:`~ps_p2p.gossip.budget.PublisherBudget`
 (HR-tree snapshots and gossip; refused charges cost nothing there) and
-:class:`ps_p2p.consensus.sources.NewIdentityLimiter` (new identities per source network).
+:class:`ps_p2p.registry.sources.NewIdentityLimiter` (new identities per source network).
 """
 
 from __future__ import annotations

@@ -9,19 +9,19 @@ import pytest
 import trio
 from libp2p.peer.id import ID
 
+from ps_p2p import registry as app
 from ps_p2p.config import NodeConfig, load_config
-from ps_p2p.consensus import app
 from ps_p2p.consensus.block import block_id, make_block
-from ps_p2p.consensus.directory import (
-    DirectoryHistory,
-    directory_delta,
-    verify_directory,
-)
 from ps_p2p.consensus.signing import sign_vote
 from ps_p2p.consensus.types import Proposal, Validator, Vote, VoteType
 from ps_p2p.errors import ConfigError, InvalidCommitError
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.consensus import ByzantineSender
+from ps_p2p.registry.directory import (
+    DirectoryHistory,
+    directory_delta,
+    verify_directory,
+)
 from ps_p2p.testing.committee import LocalCommittee
 from ps_p2p.testing.localnet import open_localnet
 

@@ -2,7 +2,7 @@
 ``/planetserve/directory/2.0.0``, and nodes that trust a directory only with 2f+1 commit
 signatures of the genesis validators.
 
-The replica core (ps_p2p.consensus.replica) is tested without hosts; the protocol with a local
+The replica core (ps_p2p.registry.replica) is tested without hosts; the protocol with a local
 committee of real hosts (ps_p2p.testing.committee) and a lying verifier, with a committee of one
 and bad peers (malformed, oversized and cut-short frames, forged records, other nodes' records
 and deregistrations), and with blocks executed by hand served from a real host (2000 records of
@@ -24,11 +24,10 @@ import trio
 from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.id import ID
 
+from ps_p2p import registry as app
 from ps_p2p.config import NodeConfig
-from ps_p2p.consensus import app
 from ps_p2p.consensus.block import block_id, make_block
-from ps_p2p.consensus.directory import DeltaPage, DirectoryHistory, directory_delta
-from ps_p2p.consensus.replica import CommitteeReplica
+from ps_p2p.consensus.encoding import lp
 from ps_p2p.consensus.signing import sign_vote
 from ps_p2p.consensus.types import Validator, Vote, VoteType
 from ps_p2p.crypto.onion import OnionKeyPair
@@ -71,6 +70,8 @@ from ps_p2p.records import (
     sign_membership,
     sign_record,
 )
+from ps_p2p.registry.directory import DeltaPage, DirectoryHistory, directory_delta
+from ps_p2p.registry.replica import CommitteeReplica
 from ps_p2p.testing.committee import FAST_CONSENSUS, LocalCommittee
 from ps_p2p.testing.localnet import open_localnet, write_genesis
 from ps_p2p.verification.reputation import subject_of
@@ -263,9 +264,9 @@ def test_a_page_whose_reputations_differ_from_the_committed_app_hash_is_refused(
     pages = chain.serve(replica.since())[2]
     data = b"".join(p.data for p in pages)
     entry = honest.reputation(lone)
-    true = b"\x03" + app.lp(lone) + entry.encode()
+    true = b"\x03" + lp(lone) + entry.encode()
     assert data.count(true) == 1
-    raised = b"\x03" + app.lp(lone) + dataclasses.replace(entry, reputation=900_000).encode()
+    raised = b"\x03" + lp(lone) + dataclasses.replace(entry, reputation=900_000).encode()
     liar = honest.copy()  # the served state with an older reputation epoch
     liar.reputation_epoch = 1
     liar._reputation_root = None
@@ -275,7 +276,7 @@ def test_a_page_whose_reputations_differ_from_the_committed_app_hash_is_refused(
     held = dict(replica.view.reputations)
     for lie in (data.replace(true, raised),  # the node kept its reputation
                 data.replace(true, b""),  # ... or the change is left out
-                data + b"\x03" + app.lp(subject_of(b"", who(1001).peer_id))  # an extra subject
+                data + b"\x03" + lp(subject_of(b"", who(1001).peer_id))  # an extra subject
                 + app.ReputationEntry(100_000).encode(),
                 epoch_back):
         assert lie != data
@@ -286,10 +287,10 @@ def test_a_page_whose_reputations_differ_from_the_committed_app_hash_is_refused(
     assert not d.trusted(who(2).peer_id)
 
     data = b"".join(p.data for p in chain.serve(0)[2])  # a reset; "node..." < "org..."
-    last = data.index(b"\x03" + app.lp(subject_of(b"", ACME.peer_id)))
+    last = data.index(b"\x03" + lp(subject_of(b"", ACME.peer_id)))
     for tail, reason in ((data[last:], "ascending subject"),
-                         (b"\x02" + app.lp(who(5).peer_id), "after the reputations"),
-                         (b"\x03" + app.lp(b"who\x00x"), "neither")):
+                         (b"\x02" + lp(who(5).peer_id), "after the reputations"),
+                         (b"\x03" + lp(b"who\x00x"), "neither")):
         with pytest.raises(InvalidDirectoryError, match=reason):
             CommitteeReplica(GENESIS).apply(header, commit, [DeltaPage(0, True, data + tail)],
                                             header.time_ms)

@@ -9,9 +9,9 @@ import hashlib
 import pytest
 from hypothesis import strategies as st
 
-from ps_p2p.consensus import app
-from ps_p2p.consensus import directory as cdir
+from ps_p2p import registry as app
 from ps_p2p.consensus.block import ZERO_ID, BlockLimits, block_id, make_block
+from ps_p2p.consensus.encoding import u32, u64
 from ps_p2p.consensus.signing import sign_vote
 from ps_p2p.consensus.types import Validator, Vote, VoteType
 from ps_p2p.crypto.onion import OnionKeyPair
@@ -28,6 +28,7 @@ from ps_p2p.errors import (
 )
 from ps_p2p.keys import Identity
 from ps_p2p.records import RECORD_DOMAIN, NodeRecord, Role, sign_membership, sign_record
+from ps_p2p.registry import directory as cdir
 from ps_p2p.verification import ledger
 from ps_p2p.verification.reputation import ReputationState, is_trusted, subject_of
 from ps_p2p.verification.reputation import update as reputation_step
@@ -740,9 +741,9 @@ def test_a_reputation_entry_decodes_strictly():
     r = Reader(good.encode(), InvalidTransactionError, "entry")
     assert app.ReputationEntry.read(r) == good
     r.done()
-    over = app.u32(app.MICRO + 1) + app.u64(0) + bytes([0])
+    over = u32(app.MICRO + 1) + u64(0) + bytes([0])
     with pytest.raises(InvalidTransactionError, match="over"):
         app.ReputationEntry.read(Reader(over, InvalidTransactionError, "entry"))
-    long = app.u32(0) + app.u64(0) + bytes([65])
+    long = u32(0) + u64(0) + bytes([65])
     with pytest.raises(InvalidTransactionError, match="window of 65"):
         app.ReputationEntry.read(Reader(long, InvalidTransactionError, "entry"))

@@ -133,7 +133,7 @@ def test_a_re_proposal_goes_out_with_its_pol_certificate_to_peers_that_lack_it()
     proposer sends them with the proposal, to each peer that lacks them."""
     from ps_p2p.consensus.block import encode_block, make_block
     from ps_p2p.consensus.types import Proposal, Vote, VoteType
-    from ps_p2p.consensus.validator import SendMessage
+    from ps_p2p.registry.validator import SendMessage
 
     service, committee = _service()
     v = service.validator
@@ -160,7 +160,7 @@ def test_own_messages_are_not_sent_again_every_interval_to_peers_that_have_them(
     """Issue 17 finding 4: every 0.2 s each validator re-sent its last two rounds' messages
     to every peer (1,287 frames a height at 10 validators where ~270 suffice)."""
     from ps_p2p.consensus.types import Vote, VoteType
-    from ps_p2p.consensus.validator import SendMessage
+    from ps_p2p.registry.validator import SendMessage
 
     service, committee = _service()
     v = service.validator

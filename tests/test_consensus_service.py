@@ -10,7 +10,7 @@ import pytest
 import trio
 from libp2p.peer.id import ID
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.block import (
     block_id,
     decode_block,
@@ -19,7 +19,7 @@ from ps_p2p.consensus.block import (
 )
 from ps_p2p.consensus.core import proposer_cycle
 from ps_p2p.consensus.signing import sign_proposal, sign_vote, verify_commit
-from ps_p2p.consensus.types import Proposal, Vote, VoteType
+from ps_p2p.consensus.types import Proposal, Validator, Vote, VoteType
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import Identity
 from ps_p2p.protocols import consensus_codec as cc
@@ -298,12 +298,12 @@ async def test_an_own_vote_leaves_only_after_the_wal_fsync_that_runs_off_the_eve
     import threading
 
     from ps_p2p.consensus.store import ConsensusStore
-    from ps_p2p.consensus.validator import SendMessage
+    from ps_p2p.registry.validator import SendMessage
     from ps_p2p.protocols.consensus import ConsensusService
 
     key = Identity.from_private_bytes(b"\x01" * 32)
     other = Identity.from_private_bytes(b"\x02" * 32)  # the one peer the votes go to
-    validators = sorted((app.Validator(key.peer_id), app.Validator(other.peer_id)),
+    validators = sorted((Validator(key.peer_id), Validator(other.peer_id)),
                         key=lambda v: v.address)
     genesis = app.Genesis("fsync-test", 1_700_000_000_000, tuple(validators))
 

@@ -7,7 +7,6 @@ import pytest
 import trio
 
 from ps_p2p.config import NodeConfig
-from ps_p2p.consensus.app import Genesis
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.types import Validator
 from ps_p2p.directory_client import CommitteeClient, GenesisPendingError
@@ -15,6 +14,7 @@ from ps_p2p.errors import RemoteProtocolError, UntrustedGenesisError
 from ps_p2p.genesis import genesis_json
 from ps_p2p.keys import Identity, NodeKeys
 from ps_p2p.node import Node
+from ps_p2p.registry import Genesis
 
 V = [Identity.generate().peer_id for _ in range(5)]
 

@@ -1,6 +1,6 @@
 """Verification epochs as the committee's application executes them: when an epoch starts, the
 leader's report (revealed seed, plan, signed answers), misses, recent prompts and the ledger in
-the app hash (:mod:`ps_p2p.verification.ledger` run by :mod:`ps_p2p.consensus.app`); pure table
+the app hash (:mod:`ps_p2p.verification.ledger` run by :mod:`ps_p2p.registry`); pure table
 tests, no network, no engine."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ps_p2p import responses
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.block import block_id, make_block
 from ps_p2p.consensus.types import Validator
 from ps_p2p.crypto.onion import OnionKeyPair
@@ -33,8 +33,8 @@ from ps_p2p.verification.ledger import (
     pool_digest,
 )
 from ps_p2p.verification.reputation import ReputationState
-from ps_p2p.verification.sealing import open_request, seal_request
 from ps_p2p.verification.reputation import update as reputation_step
+from ps_p2p.verification.sealing import open_request, seal_request
 
 CHAIN = "planetserve-epochs"
 T0 = 1_700_000_000_000  # genesis time, unix ms

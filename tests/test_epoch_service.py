@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.block import BlockLimits, make_block
 from ps_p2p.consensus.types import Validator
 from ps_p2p.crypto.onion import OnionKeyPair

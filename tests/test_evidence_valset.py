@@ -8,15 +8,15 @@ import dataclasses
 
 import pytest
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.block import block_id, make_block
 from ps_p2p.consensus.signing import sign_proposal, verify_commit
+from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Proposal, Validator
 from ps_p2p.errors import InvalidCommitError, InvalidTransactionError
 from ps_p2p.keys import Identity
-from ps_p2p.consensus.store import ConsensusStore
-from ps_p2p.consensus.validator import Validator as Validator_
 from ps_p2p.protocols.consensus import WIRE
+from ps_p2p.registry.validator import Validator as Validator_
 from ps_p2p.testing.committee import MemoryCommittee
 from ps_p2p.verification import ledger
 
@@ -330,8 +330,8 @@ def test_ps_node_valset_sign_and_make_build_an_update_the_chain_takes(tmp_path):
 
 
 def test_a_node_follows_the_directory_across_a_validator_set_change():
-    from ps_p2p.consensus.directory import directory_delta
-    from ps_p2p.consensus.replica import CommitteeReplica
+    from ps_p2p.registry.directory import directory_delta
+    from ps_p2p.registry.replica import CommitteeReplica
 
     net = MemoryCommittee(KEYS[:5], GENESIS)
     assert net.run_until(lambda: all(v.committed_height >= 2 for v in net.vals[:4]))
@@ -361,7 +361,7 @@ def test_a_node_follows_the_directory_across_a_validator_set_change():
 
 
 def test_a_verifier_takes_a_valset_update_from_anyone_over_the_directory_protocol(genesis):
-    from ps_p2p.consensus.directory import DirectoryHistory
+    from ps_p2p.registry.directory import DirectoryHistory
     from ps_p2p.protocols.committee_directory import ERROR_REFUSED, CommitteeDirectoryService
     from libp2p.utils import encode_varint_prefixed
 
@@ -454,7 +454,7 @@ async def test_a_local_committee_of_processes_replaces_a_validator_and_keeps_com
 
 def test_a_state_snapshot_keeps_the_validator_set_its_pending_update_and_the_executed_ones(
         genesis):
-    from ps_p2p.consensus.snapshot import decode_state, encode_state
+    from ps_p2p.registry.snapshot import decode_state, encode_state
 
     tx = app.encode_tx(update())
     s1, _ = run(genesis, [tx])  # pending: block 3 is the new set's

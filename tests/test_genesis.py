@@ -8,13 +8,13 @@ import pytest
 
 from ps_p2p import cli
 from ps_p2p.config import load_config
-from ps_p2p.consensus.app import AdmissionPolicy, Genesis
 from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
-from ps_p2p.genesis import genesis_hash, genesis_json, load_genesis
 from ps_p2p.consensus.types import Validator
 from ps_p2p.errors import ConfigError
+from ps_p2p.genesis import genesis_hash, genesis_json, load_genesis
 from ps_p2p.keys import NodeKeys, load_or_create_keys
+from ps_p2p.registry import AdmissionPolicy, Genesis
 from ps_p2p.verification.reputation import ReputationParams
 
 pytestmark = pytest.mark.usefixtures("restore_logging")

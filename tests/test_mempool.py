@@ -9,10 +9,8 @@ import hashlib
 import pytest
 import trio
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.block import BlockLimits, make_block
-from ps_p2p.consensus.directory import DirectoryHistory
-from ps_p2p.consensus.sources import OTHER_NETWORK, NewIdentityLimiter
 from ps_p2p.consensus.types import Validator
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.errors import AdmissionError, InvalidTransactionError
@@ -26,6 +24,9 @@ from ps_p2p.protocols.committee_directory import (
 from ps_p2p.protocols.framing import encode_varint
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 from ps_p2p.records import NodeRecord, Role, sign_record
+from ps_p2p.registry import execution
+from ps_p2p.registry.directory import DirectoryHistory
+from ps_p2p.registry.sources import OTHER_NETWORK, NewIdentityLimiter
 from ps_p2p.testing.committee import MemoryCommittee
 
 CHAIN = "mempool-test"
@@ -130,8 +131,8 @@ def test_update_rechecks_without_verifying_signatures_again(listed, monkeypatch)
     def no_signature_checks(*args, **kwargs):
         raise AssertionError("signature checked again")
 
-    monkeypatch.setattr(app, "check_record", no_signature_checks)
-    monkeypatch.setattr(app, "verify_signature", no_signature_checks)
+    monkeypatch.setattr(execution, "check_record", no_signature_checks)
+    monkeypatch.setattr(execution, "verify_signature", no_signature_checks)
     assert pool.update(run(listed, []), [], T0 + 2 * SECOND) == 0
     assert len(pool) == 4
 

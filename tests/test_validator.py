@@ -1,4 +1,4 @@
-"""The validator glue (ps_p2p.consensus.validator) without libp2p: 4 validators exchange their
+"""The validator glue (ps_p2p.registry.validator) without libp2p: 4 validators exchange their
 actions in memory on a fake clock. Blocks, WAL refusal of a second value, restart from the store."""
 
 from __future__ import annotations
@@ -7,19 +7,19 @@ import hashlib
 
 import pytest
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.block import block_id, decode_block
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.signing import verify_commit
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Validator as Member
 from ps_p2p.consensus.types import Vote, VoteType
-from ps_p2p.consensus.validator import SendMessage, Validator
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.errors import DoubleSignError, LocalProtocolError
 from ps_p2p.keys import Identity
 from ps_p2p.protocols.consensus import WIRE
 from ps_p2p.records import NodeRecord, Role, sign_record
+from ps_p2p.registry.validator import SendMessage, Validator
 from ps_p2p.testing.committee import MemoryCommittee
 
 CHAIN = "validator-test"
@@ -230,7 +230,7 @@ def test_a_store_pruned_without_a_usable_snapshot_is_refused(tmp_path):
 
 
 def test_a_state_snapshot_round_trips_and_refuses_a_changed_byte(tmp_path):
-    from ps_p2p.consensus.snapshot import decode_state, encode_state
+    from ps_p2p.registry.snapshot import decode_state, encode_state
     from ps_p2p.errors import RemoteProtocolError
     net, _ = _snapshot_net(tmp_path, snapshot_every=0)
     state = net.vals[0].state
@@ -279,8 +279,8 @@ def test_an_idle_chain_makes_a_block_when_a_listed_record_expires():
 
 def test_the_default_interval_keeps_an_idle_directory_fresh():
     from ps_p2p.config import NodeConfig
-    from ps_p2p.consensus.directory import MAX_DIRECTORY_AGE_MS
-    from ps_p2p.consensus.validator import EMPTY_BLOCK_INTERVAL
+    from ps_p2p.registry.directory import MAX_DIRECTORY_AGE_MS
+    from ps_p2p.registry.validator import EMPTY_BLOCK_INTERVAL
     assert NodeConfig().block_interval == EMPTY_BLOCK_INTERVAL >= 10  # not a block a second
     # the newest header of an idle chain is at most one interval (plus a commit and a
     # refresh) old: a node accepts it with a wide margin

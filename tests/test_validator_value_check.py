@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import hashlib
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.types import Validator as Member
-from ps_p2p.consensus.validator import (
-    VALUE_CHECK_PENDING,
-)
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.inference import InferenceReply
 from ps_p2p.keys import Identity
 from ps_p2p.records import NodeRecord, Role, sign_record
+from ps_p2p.registry.validator import (
+    VALUE_CHECK_PENDING,
+)
 from ps_p2p.responses import ResponseContent, request_hash, sign_response
 from ps_p2p.testing.committee import MemoryCommittee
 from ps_p2p.verification import epochs, ledger

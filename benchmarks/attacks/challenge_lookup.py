@@ -52,7 +52,7 @@ if "PYTHONPATH" not in os.environ:  # this checkout's ps_p2p (PYTHONPATH picks a
     sys.path.insert(0, str(REPO))
 
 from ps_p2p import responses  # noqa: E402
-from ps_p2p.consensus import app  # noqa: E402
+from ps_p2p import registry as app  # noqa: E402
 from ps_p2p.consensus.types import Validator  # noqa: E402
 from ps_p2p.errors import PsError  # noqa: E402
 from ps_p2p.inference import InferenceQuery, InferenceReply, ReplyProxy  # noqa: E402

@@ -25,9 +25,8 @@ import time
 
 import trio
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.block import block_id, make_block
-from ps_p2p.consensus.directory import DirectoryHistory
 from ps_p2p.consensus.signing import sign_vote
 from ps_p2p.consensus.types import Validator, Vote, VoteType
 from ps_p2p.crypto.onion import OnionKeyPair
@@ -37,6 +36,7 @@ from ps_p2p.protocols import committee_directory as cd
 from ps_p2p.protocols.framing import encode_frame, read_frame
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 from ps_p2p.records import NodeRecord, Role, sign_record
+from ps_p2p.registry.directory import DirectoryHistory
 
 CHAIN = "amplify"
 T0 = 1_700_000_000_000

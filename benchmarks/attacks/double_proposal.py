@@ -26,7 +26,7 @@ import argparse
 import hashlib
 import sys
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.signing import sign_proposal
 from ps_p2p.consensus.types import Proposal
 from ps_p2p.consensus.types import Validator as Member

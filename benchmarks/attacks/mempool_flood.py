@@ -4,10 +4,10 @@ renewals are refused, and the directory empties.
 What runs (one validator's view, in process, on a fake clock; seconds of wall time): the
 validator's real submission path (:class:`~ps_p2p.protocols.committee_directory.
 CommitteeDirectoryService`'s ``register``: the path a REGISTER takes from a node's connection),
-its real :class:`~ps_p2p.consensus.app.Mempool` and a block every second (the default
-``block_interval``) built as :class:`~ps_p2p.consensus.validator.Validator` builds it (``reap``,
+its real :class:`~ps_p2p.registry.Mempool` and a block every second (the default
+``block_interval``) built as :class:`~ps_p2p.registry.validator.Validator` builds it (``reap``,
 ``execute_block``, ``Mempool.update``). The genesis policy is the default
-:class:`~ps_p2p.consensus.app.AdmissionPolicy`; the nodes' record lifetime and renewal interval
+:class:`~ps_p2p.registry.AdmissionPolicy`; the nodes' record lifetime and renewal interval
 are the defaults of :class:`~ps_p2p.config.NodeConfig`.
 
 * ``--honest`` nodes (default 7) are listed at t = 0, each connected from its own /24, and
@@ -53,16 +53,16 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent.parent))
 
+from ps_p2p import registry as app  # noqa: E402
 from ps_p2p.config import NodeConfig  # noqa: E402
-from ps_p2p.consensus import app  # noqa: E402
 from ps_p2p.consensus.block import make_block  # noqa: E402
-from ps_p2p.consensus.directory import DirectoryHistory  # noqa: E402
 from ps_p2p.consensus.types import Validator as Member  # noqa: E402
 from ps_p2p.crypto.onion import OnionKeyPair  # noqa: E402
 from ps_p2p.keys import Identity  # noqa: E402
 from ps_p2p.pb.planetserve.v1 import directory_pb2  # noqa: E402
 from ps_p2p.protocols.committee_directory import CommitteeDirectoryService  # noqa: E402
 from ps_p2p.records import NodeRecord, Role, sign_record  # noqa: E402
+from ps_p2p.registry.directory import DirectoryHistory  # noqa: E402
 
 ONION = OnionKeyPair.from_private_bytes(b"\x07" * 32).public
 GENESIS_MS = 1_795_000_000_000

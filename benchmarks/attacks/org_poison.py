@@ -1,6 +1,6 @@
 """Attack reproduction (issue 16, HIGH 3): poisoning an honest organization's reputation.
 
-The committee's application (:mod:`ps_p2p.consensus.app`) is driven in-process, block by block,
+The committee's application (:mod:`ps_p2p.registry`) is driven in-process, block by block,
 with real signed transactions: four validators, challenge epochs of one model, and three model
 nodes: ``honest`` (organization "acme"), ``sybil`` (an attacker's node that also says "acme",
 without anything from acme) and ``control`` (no organization). Every epoch the leader reports
@@ -38,7 +38,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from ps_p2p import records, responses  # noqa: E402
-from ps_p2p.consensus import app  # noqa: E402
+from ps_p2p import registry as app  # noqa: E402
 from ps_p2p.consensus.block import make_block  # noqa: E402
 from ps_p2p.consensus.types import Validator  # noqa: E402
 from ps_p2p.crypto.onion import OnionKeyPair  # noqa: E402

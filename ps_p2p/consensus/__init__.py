@@ -17,15 +17,12 @@ Pure cores (no I/O, clock or randomness; DESIGN.md "Layers"):
                check_timely (a fresh proposal's time on arrival; L22 only)
     gossip     Gossip: per-peer views (what a peer has, where it is) and what to send it:
                own messages once, relays, POL certificates, the last commit
-    app        the registry state machine: transactions, sybil admission policy, check_tx,
-               execute_block (expiry by block time), app_hash, Mempool
-    directory  the committed directory as paged deltas plus a commit; verify_directory (node side)
-    replica    CommitteeReplica: a node's verified view, adopted only with 2f+1 commit signatures
-               of the genesis validators, as the records.Directory the node uses
 
 Durable state: ``store`` (sqlite3: the write-ahead log of own signed messages, the block store).
-Glue: ``validator`` (Validator: the core, the application, mempool, directory history and store
-of one validator; signing, WAL, timers, restart; no libp2p).
+The engine knows nothing of PlanetServe: it orders opaque values (blocks of transactions) and
+never imports the application. The registry application (transactions, state, execution,
+mempool, the directory and a node's replica of it) and ``Validator``, the glue that joins this
+engine's core with it, live above, in :mod:`ps_p2p.registry`.
 Wire: ``ps_p2p.protocols.consensus_codec`` and ``ps_p2p.protocols.blocksync``; the service that
 runs a validator among real hosts is ``ps_p2p.protocols.consensus``; nodes register and fetch
 the committed directory over ``ps_p2p.protocols.committee_directory``

@@ -18,7 +18,7 @@ encoding is the hashing form too: no protobuf is hashed.
 
 The block ID is the hash of the header alone, which commits to the transactions through
 ``txs_hash``: a node checks a commit (2f+1 precommits of the block ID) from the header alone,
-without the transactions (:mod:`ps_p2p.consensus.directory`). The consensus core identifies
+without the transactions (:mod:`ps_p2p.registry.directory`). The consensus core identifies
 values by ``types.value_id`` (SHA-256 of the whole value); for this application the driver maps
 an encoded block to its ID with :func:`value_block_id`, so votes and commits carry the block ID.
 
@@ -287,7 +287,7 @@ def validate_block(
     proposer: bytes | None = None,
 ) -> None:
     """Check a proposed block against the chain before voting for it (Algorithm 1's
-    ``valid(v)``; the transactions are checked by the application, :mod:`~.app`).
+    ``valid(v)``; the transactions are checked by the application, :mod:`ps_p2p.registry`).
 
     Time: ``time_ms`` must be after ``tip.time_ms`` (strictly monotonic) and at most
     ``max_clock_drift_ms`` ahead of ``now_ms``, this validator's own clock (unix ms). When

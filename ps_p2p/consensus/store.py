@@ -14,7 +14,7 @@ message, so a retransmission is byte-identical).
 
 Committed blocks are kept with their commits (the 2f+1 precommits), for block sync and for a
 restarted validator to rebuild its state, and so are state snapshots
-(:mod:`ps_p2p.consensus.snapshot`, :meth:`ConsensusStore.save_snapshot`): a restart loads the
+(:mod:`ps_p2p.registry.snapshot`, :meth:`ConsensusStore.save_snapshot`): a restart loads the
 latest one and executes only the blocks after it. Blocks below the oldest snapshot kept (and
 below the last ``keep`` heights) may be pruned (:meth:`ConsensusStore.prune_blocks`).
 
@@ -320,7 +320,7 @@ class ConsensusStore:
     # ------------------------------------------------------------------ state snapshots
 
     def save_snapshot(self, height: int, app_hash: bytes, state: bytes, *, keep: int = 2) -> None:
-        """Keep the state snapshot of ``height`` (:mod:`ps_p2p.consensus.snapshot`) and forget
+        """Keep the state snapshot of ``height`` (:mod:`ps_p2p.registry.snapshot`) and forget
         all but the newest ``keep`` ones. Not fsynced on its own (module docstring)."""
         with self._transaction(durable=False) as db:
             db.execute("INSERT OR REPLACE INTO snapshots VALUES (?, ?, ?)",

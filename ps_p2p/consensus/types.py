@@ -100,7 +100,7 @@ class StartHeight:
     """Begin height ``height`` with ``validators`` (Algorithm 1's ``StartRound(0)``).
 
     ``excluded``: addresses of validators that vote but never propose (committed evidence
-    against them, :attr:`ps_p2p.consensus.app.AppState.excluded`); the proposer rotation runs
+    against them, :attr:`ps_p2p.registry.AppState.excluded`); the proposer rotation runs
     over the others (all of them when every validator is excluded). Both come from the
     committed state of height ``height - 1``, so every validator rotates alike."""
 

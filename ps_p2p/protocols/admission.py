@@ -11,7 +11,7 @@ A ticket is counted
 
 per remote IP (an IPv4 address, or the IPv6 /64 that one host or home network gets) and per
 network (IPv4 /24, IPv6 /48: one site's usual allocation, the same grouping as the committee's
-admission of node records, :mod:`ps_p2p.consensus.app`). A connection over a cap is refused
+admission of node records, :mod:`ps_p2p.registry`). A connection over a cap is refused
 at once: at the accept (pending caps) or right after its handshake (established caps).
 
 Addresses in :attr:`InboundLimits.exempt` (CIDR networks) are counted by nobody: only an explicit

@@ -195,7 +195,7 @@ def verify_synced(
     ``validators`` is the set of the first block's height; a VALSET_UPDATE executed by a block
     of the batch changes the set after it, so a later commit that does not verify ends the
     batch there (the verified blocks are returned; the caller executes them and asks again
-    from the next height with the new set, :meth:`~ps_p2p.consensus.validator.Validator.
+    from the next height with the new set, :meth:`~ps_p2p.registry.validator.Validator.
     apply_synced` checking every commit against the set of its height).
 
     Raises:

@@ -10,23 +10,23 @@ by every verifier of the genesis validator set; one stream carries up to
   peer ID of the connection (a node registers only itself; the record's signature proves the
   rest); a record of a peer the registry does not list (a new identity) must also find a
   token in the bucket of the connection's observed source network (its remote IP's /24 or
-  /48: :class:`~ps_p2p.consensus.sources.NewIdentityLimiter`, loopback exempt; renewals are
+  /48: :class:`~ps_p2p.registry.sources.NewIdentityLimiter`, loopback exempt; renewals are
   never limited). Then it turns it into a REGISTER transaction and gives it to its consensus
   service
   (:meth:`~ps_p2p.protocols.consensus.ConsensusService.submit_tx`: ``check_tx``, mempool,
   relayed to the other validators). Answer: one frame, ``ack`` (the record's expiry, unix ms:
   the transaction is in the mempool; it is listed once a block commits it) or ``error``.
-* ``get`` (``since_height`` S): what the verifier serves (:class:`~ps_p2p.consensus.directory.
+* ``get`` (``since_height`` S): what the verifier serves (:class:`~ps_p2p.registry.directory.
   DirectoryHistory`): the header of the last decided block H and its commit in one ``head``
   frame, then the delta pages from S to the state at H - 1
-  (:func:`~ps_p2p.consensus.directory.iter_delta_pages`) one ``page`` frame each, the last one
+  (:func:`~ps_p2p.registry.directory.iter_delta_pages`) one ``page`` frame each, the last one
   flagged in the page itself. Every frame is at most :data:`MAX_RESPONSE_BYTES` (pages of at
   most :data:`PAGE_BYTES`) whatever the directory's size. The pages come from one snapshot
   taken before the first frame is written, so a block decided while they are sent changes
   nothing in them; they are built once per height and shared by every request that asks the
-  same (:meth:`~ps_p2p.consensus.directory.DirectoryHistory.pages`). ``error`` with code
+  same (:meth:`~ps_p2p.registry.directory.DirectoryHistory.pages`). ``error`` with code
   ``ERROR_UNAVAILABLE`` before the first block, and for a peer over its rate (below).
-* ``deregister``: a DEREGISTER transaction (:mod:`ps_p2p.consensus.app` canonical bytes) of
+* ``deregister``: a DEREGISTER transaction (:mod:`ps_p2p.registry` canonical bytes) of
   the node on the other end of the connection, signed by it (a draining model node leaves the
   directory at the next block instead of when its record expires). Answer: ``ack`` (expiry 0)
   or ``error``.
@@ -55,7 +55,7 @@ people. The record itself travels as ``planetserve.v1.NodeRecord``
 (:mod:`ps_p2p.protocols.record_codec`).
 
 The client (:func:`fetch_committed_directory`) trusts nothing it reads: it bounds every frame
-and the whole delta, and :class:`~ps_p2p.consensus.replica.CommitteeReplica` verifies the
+and the whole delta, and :class:`~ps_p2p.registry.replica.CommitteeReplica` verifies the
 commit (2f+1 of the genesis validators), the app hash, freshness and monotonic height before
 anything is used. A frame that is too large or malformed resets that stream only.
 """
@@ -70,15 +70,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
 
-from ps_p2p.consensus.app import DeregisterTx, RegisterTx, ValsetUpdateTx, decode_tx, encode_tx
 from ps_p2p.consensus.block import Header, decode_header, header_bytes
-from ps_p2p.consensus.directory import (
-    MAX_PAGE_BYTES,
-    DeltaPage,
-    DirectoryHistory,
-)
-from ps_p2p.consensus.replica import CommitteeReplica
-from ps_p2p.consensus.sources import NewIdentityLimiter
 from ps_p2p.consensus.types import Vote
 from ps_p2p.errors import LocalProtocolError, PsError, RemoteProtocolError
 from ps_p2p.pb.planetserve.v1 import directory_pb2
@@ -90,6 +82,14 @@ from ps_p2p.protocols.wire import parse
 from ps_p2p.rate_limits import PeerBudgets
 from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.records.types import Directory, NodeRecord
+from ps_p2p.registry import DeregisterTx, RegisterTx, ValsetUpdateTx, decode_tx, encode_tx
+from ps_p2p.registry.directory import (
+    MAX_PAGE_BYTES,
+    DeltaPage,
+    DirectoryHistory,
+)
+from ps_p2p.registry.replica import CommitteeReplica
+from ps_p2p.registry.sources import NewIdentityLimiter
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class CommitteeDirectoryService:
         genesis_text: the genesis file served to ``genesis`` requests (UTF-8 JSON, at most
             :data:`MAX_GENESIS_FRAME_BYTES`); empty: such requests get ``ERROR_UNAVAILABLE``.
         new_identities: how fast one observed source network may register unlisted peers
-            (default :class:`~ps_p2p.consensus.sources.NewIdentityLimiter` ``()``).
+            (default :class:`~ps_p2p.registry.sources.NewIdentityLimiter` ``()``).
         budgets: the rates of answers (module docstring); default the ``*_ANSWER_*`` bounds.
         clock: seconds, monotonic (trio's by default), for ``new_identities`` and ``budgets``.
 
@@ -437,7 +437,7 @@ async def deregister_from_committee(
     host: IHost, verifier: bytes, tx: DeregisterTx, *, timeout: float = 5.0
 ) -> None:
     """Give a committee verifier this node's own signed DEREGISTER transaction
-    (:func:`~ps_p2p.consensus.app.sign_deregister`); returns once it is in the mempool (the
+    (:func:`~ps_p2p.registry.sign_deregister`); returns once it is in the mempool (the
     node leaves the directory when a block commits it).
 
     Raises:

@@ -1,5 +1,5 @@
 """``/planetserve/consensus/1.0.0``: a verifier's consensus service, a thin libp2p adapter around
-:class:`ps_p2p.consensus.validator.Validator` (DESIGN.md "Verifier committee", "Layers").
+:class:`ps_p2p.registry.validator.Validator` (DESIGN.md "Verifier committee", "Layers").
 
 Wire: one-way message links among the committee (:mod:`ps_p2p.protocols.links`): each frame is
 one ``ConsensusMessage`` (:mod:`ps_p2p.protocols.consensus_codec`): a signed proposal, a signed
@@ -15,7 +15,7 @@ Inbound, on the stream handler's task, cheapest first, before the driver sees an
 3. a proposal's or vote's signer must be a validator, then, with no signature check: heights
    below the one being decided are dropped (stale), heights above the next one while a block
    sync from that peer is not due (``min_sync_interval``), and messages the validator would
-   drop whatever their signature (:meth:`~ps_p2p.consensus.validator.Validator.ignores`: a
+   drop whatever their signature (:meth:`~ps_p2p.registry.validator.Validator.ignores`: a
    round the vote keeper refuses, a vote already held, a full next-height buffer; issue 16: a
    validator's flood of such valid votes cost a signature check and a pass of the core each);
    then the signature must verify (:func:`~ps_p2p.consensus.signing.verify_proposal` /
@@ -24,7 +24,7 @@ Inbound, on the stream handler's task, cheapest first, before the driver sees an
 
 A frame that fails 1-3 (but for stale or future heights) resets that stream only; every
 refusal is counted by reason in :attr:`ConsensusService.refused`. Transactions go to the
-mempool (:func:`~ps_p2p.consensus.app.check_tx` first) in the driver task and a new one is
+mempool (:func:`~ps_p2p.registry.check_tx` first) in the driver task and a new one is
 relayed once to the other validators; a refused one is counted, not reset (the sender's state
 may differ).
 
@@ -71,7 +71,6 @@ import trio
 from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 
-from ps_p2p.consensus.app import AppState, Genesis, Mempool
 from ps_p2p.consensus.block import decode_block, encode_block, make_block
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.gossip import Gossip
@@ -81,20 +80,8 @@ from ps_p2p.consensus.signing import (
     verify_proposal,
     verify_vote,
 )
-from ps_p2p.consensus.snapshot import encode_state
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Proposal, Vote, VoteType
-from ps_p2p.consensus.validator import (
-    EMPTY_BLOCK_INTERVAL,
-    SNAPSHOT_EVERY,
-    Action,
-    Committed,
-    RelayTx,
-    SendMessage,
-    Validator,
-    WireCodec,
-    unix_ms,
-)
 from ps_p2p.errors import (
     ConfigError,
     InvalidSignatureError,
@@ -110,6 +97,19 @@ from ps_p2p.protocols.host import is_connected
 from ps_p2p.protocols.links import LinkManager, make_frame_handler
 from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.records.types import Signer
+from ps_p2p.registry import AppState, Genesis, Mempool
+from ps_p2p.registry.snapshot import encode_state
+from ps_p2p.registry.validator import (
+    EMPTY_BLOCK_INTERVAL,
+    SNAPSHOT_EVERY,
+    Action,
+    Committed,
+    RelayTx,
+    SendMessage,
+    Validator,
+    WireCodec,
+    unix_ms,
+)
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class ConsensusServiceConfig:
         sync_timeout: one block-sync request's deadline.
         min_sync_interval: between two syncs from one peer.
         snapshot_every, keep_blocks: state snapshots and block pruning
-            (:class:`~ps_p2p.consensus.validator.Validator`).
+            (:class:`~ps_p2p.registry.validator.Validator`).
         deferred_sync: the WAL's fsync runs in a worker thread, grouped, and own messages
             are sent once it returned (:meth:`ConsensusService._flush_held`); False: each
             own message's write fsyncs on the event loop.
@@ -238,10 +238,10 @@ class ConsensusService:
         on_commit: called (synchronously, in the driver task) with each :class:`Committed`.
         clock: trio's clock (seconds). unix_ms: wall clock (unix ms) for block times.
         value_check: the validator's own check of an EPOCH_REPORT
-            (:attr:`~ps_p2p.consensus.validator.Validator.value_check`).
+            (:attr:`~ps_p2p.registry.validator.Validator.value_check`).
 
     Attributes:
-        validator: the :class:`~ps_p2p.consensus.validator.Validator`.
+        validator: the :class:`~ps_p2p.registry.validator.Validator`.
         refused: inbound frames refused or dropped, by reason.
         fatal: the StoreError that stopped the service, if any.
 
@@ -388,7 +388,7 @@ class ConsensusService:
 
         Raises:
             InvalidTransactionError, AdmissionError: refused (see
-                :func:`~ps_p2p.consensus.app.check_tx`); nothing is relayed.
+                :func:`~ps_p2p.registry.check_tx`); nothing is relayed.
         """
         actions = self.validator.add_tx(tx, self._clock())
         self.driver.run_commands(actions)
@@ -397,7 +397,7 @@ class ConsensusService:
 
     def revalidate(self) -> None:
         """The validator's value check may have finished: answer the validations it deferred
-        (:meth:`~ps_p2p.consensus.validator.Validator.revalidate`)."""
+        (:meth:`~ps_p2p.registry.validator.Validator.revalidate`)."""
         actions = self.validator.revalidate(self._clock())
         if actions:
             self.driver.run_commands(actions)

@@ -9,7 +9,7 @@ bounds it at 1 KiB)::
     | membership (organization key 38, expiry, signature 64; with an organization only)
 
 Times are unix milliseconds (``*_MS``); the lifetime and clock-skew bounds are those of the
-registry of PlanetServe sec. 3.4 (:mod:`ps_p2p.consensus.app` applies them). Every signature covers a byte string that starts with one
+registry of PlanetServe sec. 3.4 (:mod:`ps_p2p.registry` applies them). Every signature covers a byte string that starts with one
 of the ``*_DOMAIN`` prefixes (DESIGN.md "Wire"; the layouts are in
 :mod:`ps_p2p.records.canonical` and :mod:`ps_p2p.records.recordset`), so a signature made for one
 kind of message never verifies as another. Integers on the wire are u32 or u64, big-endian:

@@ -1,7 +1,7 @@
 """The record set of a directory and its root, kept up to date incrementally, pure.
 
 The committee's app hash commits to the whole set of node records (PlanetServe sec. 3.4;
-:mod:`ps_p2p.consensus.app`) through its *root*, a two-level hash (a Merkle tree of fixed shape,
+:mod:`ps_p2p.registry`) through its *root*, a two-level hash (a Merkle tree of fixed shape,
 so one change costs one bucket, not the whole set)::
 
     leaf(r)   = SHA-256(b"planetserve/v1/record-leaf\\x00" || bytes(record(r)) || bytes(sig(r)))

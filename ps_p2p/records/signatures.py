@@ -2,7 +2,7 @@
 
 A node signs its own :class:`~ps_p2p.records.types.NodeRecord` (PlanetServe sec. 3.2);
 :func:`verify_signature` also checks responses, response cloves and the committee's votes and
-transactions (:mod:`ps_p2p.consensus.signing`, :mod:`ps_p2p.consensus.app`). Signatures are 64
+transactions (:mod:`ps_p2p.consensus.signing`, :mod:`ps_p2p.registry`). Signatures are 64
 bytes, public keys 32 bytes read out of the signer's peer ID
 (:func:`~ps_p2p.records.peer_ids.public_key_from_peer_id`).
 

@@ -9,7 +9,7 @@ shares its reputation (issue 16: a sybil naming "acme" pulled acme's shared repu
 trust threshold). The *directory*
 (:class:`Directory`) is the set of records the verifier committee committed at a height
 (:mod:`ps_p2p.consensus`), as a node's verified view holds it
-(:class:`~ps_p2p.consensus.replica.CommitteeReplica`).
+(:class:`~ps_p2p.registry.replica.CommitteeReplica`).
 
 Field sizes (bytes) and times (unix milliseconds) are bounded by :mod:`ps_p2p.records.limits`;
 the bytes each signature covers are in :mod:`ps_p2p.records.canonical`. Frozen dataclasses only:
@@ -168,7 +168,7 @@ class Directory:
         issued_at_ms, expires_at_ms: unix milliseconds: the time of the block header that
             commits the state, and until when a node uses it without a fresher one.
         records: sorted by peer ID when built by a
-            :class:`~ps_p2p.consensus.replica.CommitteeReplica`.
+            :class:`~ps_p2p.registry.replica.CommitteeReplica`.
         reputations: reputation subject (:func:`reputation_subject`) -> committed reputation
             R in [0, 1] (verified against the app hash like the records; empty when the
             committee scored nobody). Not compared by ``==``.

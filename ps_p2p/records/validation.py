@@ -9,9 +9,9 @@ usable X25519 point (RFC 7748 sec. 6.1). :class:`VerifiedCache` remembers, by le
 signed records that passed, so a client checks each distinct record once.
 
 A directory is trusted for its commit, not here: the committee checks every record it lists
-(:func:`check_record`, in :func:`ps_p2p.consensus.app.check_tx`), and a node checks the commit,
+(:func:`check_record`, in :func:`ps_p2p.registry.check_tx`), and a node checks the commit,
 the app hash and each new record of what a verifier serves
-(:func:`ps_p2p.consensus.directory.verify_directory`, with a :class:`VerifiedCache`).
+(:func:`ps_p2p.registry.directory.verify_directory`, with a :class:`VerifiedCache`).
 """
 
 from __future__ import annotations

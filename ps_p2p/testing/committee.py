@@ -6,7 +6,7 @@ sqlite store under ``folder``. Each member runs in its own cancel scope, so a te
 (:meth:`LocalCommittee.kill`: host, links and service stop at once; the store file stays) and
 start it again from its store (:meth:`LocalCommittee.start`), reconnected to the running ones.
 
-:class:`MemoryCommittee` runs the validators' glue (:class:`~ps_p2p.consensus.validator.
+:class:`MemoryCommittee` runs the validators' glue (:class:`~ps_p2p.registry.validator.
 Validator`) without libp2p: every action delivered in memory, on a fake clock.
 """
 
@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ps_p2p.consensus import app
+from ps_p2p import registry as app
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Validator as CommitteeMember
-from ps_p2p.consensus.validator import Committed, RelayTx, SendMessage, Validator
 from ps_p2p.errors import InvalidTransactionError
 from ps_p2p.keys import Identity
-from ps_p2p.protocols.consensus import WIRE, ConsensusService, ConsensusServiceConfig
 from ps_p2p.protocols.admission import LOOPBACK, InboundLimits
+from ps_p2p.protocols.consensus import WIRE, ConsensusService, ConsensusServiceConfig
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
+from ps_p2p.registry.validator import Committed, RelayTx, SendMessage, Validator
 
 #: Connection limits of the members: every member is on 127.0.0.1, so per-address caps would
 #: group them all (a committee of 31 dials one member 30 times at once).
@@ -208,7 +208,7 @@ class LocalCommittee:
 class MemoryCommittee:
     """Validators exchanging their actions in memory on a fake clock (tests; no trio).
 
-    Every :class:`~ps_p2p.consensus.validator.SendMessage` / ``RelayTx`` reaches the other
+    Every :class:`~ps_p2p.registry.validator.SendMessage` / ``RelayTx`` reaches the other
     running validators in FIFO order; a validator behind a message's height first takes the
     sender's stored blocks (block sync). Time jumps to the earliest deadline when nothing is
     queued.

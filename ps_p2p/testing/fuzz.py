@@ -83,8 +83,6 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from ps_p2p.config import NodeConfig
-from ps_p2p.consensus.app import encode_tx, sign_deregister
-from ps_p2p.consensus.replica import CommitteeReplica
 from ps_p2p.crypto import onion, sida
 from ps_p2p.keys import Identity, NodeKeys
 from ps_p2p.node import Node
@@ -97,6 +95,8 @@ from ps_p2p.protocols.framing import encode_frame, encode_varint
 from ps_p2p.protocols.host import connect, open_host
 from ps_p2p.protocols.record_codec import record_to_pb
 from ps_p2p.records import NodeRecord, Role, sign_record
+from ps_p2p.registry import encode_tx, sign_deregister
+from ps_p2p.registry.replica import CommitteeReplica
 from ps_p2p.roles.user import UserConfig
 from ps_p2p.testing.localnet import LocalNet, open_localnet
 

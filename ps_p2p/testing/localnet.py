@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import trio
 
 from ps_p2p import records
+from ps_p2p import registry as app
 from ps_p2p.config import NodeConfig, VerificationConfig, new_group_key
-from ps_p2p.consensus import app
 from ps_p2p.consensus.block import BlockLimits
 from ps_p2p.consensus.core import ConsensusConfig
 from ps_p2p.consensus.types import Validator

@@ -1,6 +1,6 @@
 """Verification epochs on the chain: parameters, transactions, the epoch ledger; pure.
 
-The committee's application (:mod:`ps_p2p.consensus.app`) keeps an :class:`EpochLedger` next to
+The committee's application (:mod:`ps_p2p.registry`) keeps an :class:`EpochLedger` next to
 the registry and executes three transactions with it (PlanetServe sec. 3.4 and Algorithm 3; the
 arithmetic is :mod:`ps_p2p.verification.epochs`, the rule :mod:`~ps_p2p.verification.
 reputation`):
@@ -851,7 +851,7 @@ def maybe_start(ledger: EpochLedger, validators: Sequence[Validator],
         model_nodes: (peer ID, subject) of the listed model nodes of ``params.model_id``.
         block_id, time_ms: the block just executed.
         excluded: validators with committed evidence against them
-            (:attr:`ps_p2p.consensus.app.AppState.excluded`): their commitments count for the
+            (:attr:`ps_p2p.registry.AppState.excluded`): their commitments count for the
             2/3 but they are no eligible leaders; the epoch waits while no one else committed.
 
     Returns:

@@ -50,7 +50,7 @@ challenged in one epoch gets one update, with C(T) the mean of all their scores
 make a new organization key) and register a fresh identity: that subject has no committed
 reputation, and on a chain with challenge epochs a user treats it as *provisional*, below every
 proven node, until its own challenges score it (:meth:`~ps_p2p.records.Directory.trusted`), so a
-fresh start buys no trust; the admission caps of :mod:`ps_p2p.consensus.app` bound how many
+fresh start buys no trust; the admission caps of :mod:`ps_p2p.registry` bound how many
 such identities it can hold.
 """
 

@@ -52,15 +52,7 @@ from typing import Any
 
 import trio
 
-from ps_p2p.consensus.app import (
-    MICRO,
-    AppState,
-    decode_tx,
-    encode_tx,
-    tx_hash,
-)
 from ps_p2p.consensus.encoding import Reader
-from ps_p2p.consensus.validator import VALUE_CHECK_PENDING
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import (
     ConfigError,
@@ -75,6 +67,14 @@ from ps_p2p.inference import InferenceReply
 from ps_p2p.protocols.inference_codec import decode_query
 from ps_p2p.records import Signer
 from ps_p2p.records.peer_ids import peer_label
+from ps_p2p.registry import (
+    MICRO,
+    AppState,
+    decode_tx,
+    encode_tx,
+    tx_hash,
+)
+from ps_p2p.registry.validator import VALUE_CHECK_PENDING
 from ps_p2p.responses import request_hash
 from ps_p2p.verification import epochs
 from ps_p2p.verification.ledger import (

@@ -3,7 +3,7 @@
 How every user and model node follows the directory (PlanetServe sec. 3.4): it holds the
 registry state at some height S, asks any verifier
 for what changed since S, and adopts the answer only when
-:func:`~ps_p2p.consensus.directory.verify_directory` accepts it against the *genesis*
+:func:`~ps_p2p.registry.directory.verify_directory` accepts it against the *genesis*
 validator set, or the set the executed VALSET_UPDATEs made of it (each signed by more than 2/3
 of the set before it; the verifier serves them with the head): a commit of more than 2/3 of
 that set's voting power (2f+1 of N = 3f+1 equal validators) over block H's header, whose app hash is that of the state at H - 1 that the pages
@@ -25,20 +25,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import MappingProxyType
 
-from ps_p2p.consensus.app import Genesis, ValsetUpdateTx, validators_at
 from ps_p2p.consensus.block import Header
-from ps_p2p.consensus.directory import (
+from ps_p2p.consensus.types import Validator, Vote
+from ps_p2p.errors import InvalidCommitError
+from ps_p2p.records.limits import MAX_RECORDS
+from ps_p2p.records.types import Directory, NodeRecord
+from ps_p2p.records.validation import VerifiedCache
+from ps_p2p.registry import Genesis, ValsetUpdateTx, validators_at
+from ps_p2p.registry.directory import (
     MAX_DELTA_BYTES,
     MAX_DIRECTORY_AGE_MS,
     DeltaPage,
     DirectoryView,
     verify_directory,
 )
-from ps_p2p.consensus.types import Validator, Vote
-from ps_p2p.errors import InvalidCommitError
-from ps_p2p.records.limits import MAX_RECORDS
-from ps_p2p.records.types import Directory, NodeRecord
-from ps_p2p.records.validation import VerifiedCache
 
 
 class CommitteeReplica:
@@ -103,7 +103,7 @@ class CommitteeReplica:
 
         The commit is checked against the validator set of height H: the genesis set, changed
         by ``valset_updates`` (the executed VALSET_UPDATEs the verifier serves, in order, each
-        signed by more than 2/3 of the set before it: :func:`~ps_p2p.consensus.app.
+        signed by more than 2/3 of the set before it: :func:`~ps_p2p.registry.
         validators_at`; the last chain checked is remembered, so an unchanged one costs no
         signature check).
 
@@ -112,7 +112,7 @@ class CommitteeReplica:
 
         Raises:
             ExpiredError, DirectoryRollbackError, InvalidCommitError, InvalidDirectoryError:
-                as :func:`~ps_p2p.consensus.directory.verify_directory` (InvalidCommitError
+                as :func:`~ps_p2p.registry.directory.verify_directory` (InvalidCommitError
                 too for a validator-set chain that does not hold); the replica is left as it
                 was.
         """

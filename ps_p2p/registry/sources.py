@@ -2,7 +2,7 @@
 
 Why (issue 16, HIGH 1): identities are free, and the networks a record *claims* are not
 checked (a deterministic rule cannot dial), so the committed per-network caps
-(:class:`~ps_p2p.consensus.app.AdmissionPolicy`) cost a sybil nothing: each fresh identity
+(:class:`~ps_p2p.registry.AdmissionPolicy`) cost a sybil nothing: each fresh identity
 claimed a fresh /24, and 200 of 200 sybils were listed. What a verifier does know is the
 address a registration *came from*: a node registers over its own libp2p connection
 (``/planetserve/directory/2.0.0``, :mod:`ps_p2p.protocols.committee_directory`), whose remote

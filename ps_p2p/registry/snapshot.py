@@ -3,13 +3,13 @@
 Why (issue 17, finding 4): a restarted validator rebuilt its state by executing every stored
 block from the genesis (0.25 ms of CPU per empty block: ~22 s of restart per day of chain at a
 block a second). With a snapshot every ``snapshot_every`` heights
-(:class:`~ps_p2p.consensus.validator.Validator`) it loads the latest one and executes only the
+(:class:`~ps_p2p.registry.validator.Validator`) it loads the latest one and executes only the
 blocks after it, so the restart time no longer grows with the chain's age; the blocks before
 it may then be pruned (:meth:`~ps_p2p.consensus.store.ConsensusStore.prune_blocks`). CometBFT's
 application snapshots (ABCI ``ListSnapshots``/``LoadSnapshotChunk``) play the same part.
 
 The bytes are canonical and self-checking: :func:`decode_state` rebuilds the state, recomputes
-its app hash (:func:`~ps_p2p.consensus.app.app_hash`, which covers every field below) and
+its app hash (:func:`~ps_p2p.registry.app_hash`, which covers every field below) and
 refuses a snapshot whose hash differs from the one it carries; the caller also compares that
 hash with the app hash the next stored block's header commits to (a header with 2f+1
 precommits), so a snapshot that is corrupt, truncated, or of another version is never used::
@@ -28,7 +28,7 @@ precommits), so a snapshot that is corrupt, truncated, or of another version is 
                  || u8(pending?) [|| u64(effective_height) || u32(#new) || (bytes || u64)*]
                  || u32(#updates) || bytes(VALSET_UPDATE transaction)*
 
-(maps ascending by key; ``entry`` as in :mod:`ps_p2p.consensus.app`). Records are not
+(maps ascending by key; ``entry`` as in :mod:`ps_p2p.registry`). Records are not
 re-checked for signatures or expiry: they were executed before, and the app hash (the records
 root) proves them unchanged. Cost: O(records) both ways (~0.1 s and ~10 MB at 100,000 records).
 
@@ -40,7 +40,12 @@ from __future__ import annotations
 
 import heapq
 
-from ps_p2p.consensus.app import (
+from ps_p2p.consensus.block import ZERO_ID
+from ps_p2p.consensus.encoding import Reader, lp, u8, u32, u64
+from ps_p2p.consensus.types import Validator
+from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.records.canonical import record_signing_bytes
+from ps_p2p.registry import (
     AppState,
     ReputationEntry,
     ValsetUpdateTx,
@@ -49,11 +54,6 @@ from ps_p2p.consensus.app import (
     decode_tx,
     encode_tx,
 )
-from ps_p2p.consensus.block import ZERO_ID
-from ps_p2p.consensus.encoding import Reader, lp, u8, u32, u64
-from ps_p2p.consensus.types import Validator
-from ps_p2p.errors import RemoteProtocolError
-from ps_p2p.records.canonical import record_signing_bytes
 from ps_p2p.verification.ledger import LEDGER_DOMAIN, Credit, EpochLedger
 
 SNAPSHOT_DOMAIN = b"planetserve/v1/state-snapshot\x00"

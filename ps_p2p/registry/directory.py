@@ -14,7 +14,7 @@ view at height S asks for what changed since S and gets pages of one *delta stre
     page   = u32(index) || u8(last) || bytes(chunk of the stream)
 
 (record entries by ascending peer ID, then reputation entries by ascending subject; a
-reputation entry and the registry aux are as in :mod:`ps_p2p.consensus.app`; version 2 added
+reputation entry and the registry aux are as in :mod:`ps_p2p.registry`; version 2 added
 the reputations.)
 
 (``bytes``/``str``/``u*`` as in :mod:`ps_p2p.records.canonical`). The stream is cut into chunks,
@@ -27,7 +27,7 @@ against ``max_age_ms`` and its time against the node's clock, that the height do
 the view it holds (no rollback), the commit (:func:`~ps_p2p.consensus.signing.verify_commit`:
 more than 2/3 of the genesis validators' power), then applies the changes to its view (checking
 each changed record's fields and signature once, and each reputation's form) and compares the
-app hash (:func:`~ps_p2p.consensus.app.app_state_hash`) of the result with the header's. The
+app hash (:func:`~ps_p2p.registry.app_state_hash`) of the result with the header's. The
 registry's evidence and tombstones travel as a digest (the registry aux); the reputations
 travel in full (their changes), and the node recomputes the reputation root from all it holds,
 so the aux root it hashes covers every reputation it uses: a verifier that sends a wrong,
@@ -42,16 +42,6 @@ import collections
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ps_p2p.consensus.app import (
-    AppState,
-    BlockResult,
-    ReputationEntry,
-    app_state_hash,
-    aux_root_of,
-    check_subject,
-    decode_record,
-    reputation_root,
-)
 from ps_p2p.consensus.block import Header, block_id
 from ps_p2p.consensus.encoding import Reader, lp, lps, u8, u32, u64
 from ps_p2p.consensus.signing import VALUE_ID_BYTES, verify_commit
@@ -75,6 +65,16 @@ from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES
 from ps_p2p.records.recordset import RecordSet
 from ps_p2p.records.types import NodeRecord
 from ps_p2p.records.validation import VerifiedCache
+from ps_p2p.registry import (
+    AppState,
+    BlockResult,
+    ReputationEntry,
+    app_state_hash,
+    aux_root_of,
+    check_subject,
+    decode_record,
+    reputation_root,
+)
 
 DELTA_DOMAIN = b"planetserve/v2/directory-delta\x00"
 #: u32 index, u8 last, u32 chunk length.
@@ -188,7 +188,7 @@ class DirectoryHistory:
 
     def add_block(self, header: Header, commit: Sequence[Vote], new_state: AppState,
                   result: BlockResult) -> None:
-        """Record a decided block: ``new_state`` (from :func:`~.app.execute_block` on
+        """Record a decided block: ``new_state`` (from :func:`~ps_p2p.registry.execution.execute_block` on
         :attr:`latest`) becomes the latest; the state before it is served with ``header`` and
         ``commit`` (checked by the caller: they came out of consensus).
 
@@ -425,7 +425,7 @@ class DirectoryView:
         self._superseded = False
 
     def reputation_root(self) -> bytes:
-        """:func:`~ps_p2p.consensus.app.reputation_root` of the held reputations (cached)."""
+        """:func:`~ps_p2p.registry.reputation_root` of the held reputations (cached)."""
         if self._reputation_root is None:
             self._reputation_root = reputation_root(self.reputations, self.reputation_epoch)
         return self._reputation_root

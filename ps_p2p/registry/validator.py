@@ -7,7 +7,7 @@ which only moves bytes:
 
 * ``GetValue`` -> a block built from the mempool (height, time ``max(now_ms, previous block
   time + 1)``, previous block ID, app hash after the previous block, this validator as
-  proposer, the transactions :meth:`~ps_p2p.consensus.app.Mempool.reap` gives that execute
+  proposer, the transactions :meth:`~ps_p2p.registry.Mempool.reap` gives that execute
   without error) -> ``ProposeValue``. After a restart, a proposal already signed at that
   (height, round) in the write-ahead log is proposed again instead.
 * A peer's fresh proposal (POL round -1) is checked for timeliness once, when it arrives
@@ -18,7 +18,7 @@ which only moves bytes:
   tip, with no clock bound (``valid(v)`` is cached per value for the height, so it must not
   depend on when it is asked: issue 17, a validator restarted 28 s late refused the round-0
   value for the whole height), a proposer of the validator set, every transaction applies
-  (:func:`~ps_p2p.consensus.app.execute_block` reports no failed one), and every EPOCH_REPORT
+  (:func:`~ps_p2p.registry.execute_block` reports no failed one), and every EPOCH_REPORT
   passes this validator's own ``value_check`` (its reference model re-scores the answers:
   :mod:`ps_p2p.verification.service`) -> ``ValueValidated``. A proposer leaves out of its block
   the reports its own check does not pass (yet). While the check is still running
@@ -39,7 +39,7 @@ which only moves bytes:
   into the mempool (relayed).
 
 Each height starts with the validator set and the excluded proposers of the committed state
-(:attr:`~ps_p2p.consensus.app.AppState.validators`, :attr:`~ps_p2p.consensus.app.AppState.
+(:attr:`~ps_p2p.registry.AppState.validators`, :attr:`~ps_p2p.registry.AppState.
 excluded`), and its commit (decided or synced) is verified against that set: a VALSET_UPDATE
 takes effect at the same height on every validator.
 
@@ -57,7 +57,7 @@ clock, so these need a block past them). A transaction then waits one consensus 
 an empty block's.
 
 Snapshots: every ``snapshot_every`` heights (default 1,000) the committed state is kept in the
-store (:mod:`ps_p2p.consensus.snapshot`, the newest two), and with ``keep_blocks`` the blocks
+store (:mod:`ps_p2p.registry.snapshot`, the newest two), and with ``keep_blocks`` the blocks
 older than both the oldest snapshot and the last ``keep_blocks`` heights are pruned.
 
 Restart (:meth:`start`): the state is rebuilt from the newest snapshot below the stored height
@@ -84,19 +84,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ps_p2p.consensus.app import (
-    TX_DOMAIN,
-    AppState,
-    BlockResult,
-    EvidenceTx,
-    Genesis,
-    ProposalEvidenceTx,
-    Mempool,
-    TxKind,
-    encode_tx,
-    execute_block,
-    genesis_state,
-)
 from ps_p2p.consensus.block import (
     Block,
     block_id,
@@ -108,9 +95,7 @@ from ps_p2p.consensus.block import (
     validate_block,
 )
 from ps_p2p.consensus.core import ConsensusConfig, ConsensusCore
-from ps_p2p.consensus.directory import DirectoryHistory
 from ps_p2p.consensus.signing import sign_proposal, sign_vote, verify_commit
-from ps_p2p.consensus.snapshot import decode_state, encode_state
 from ps_p2p.consensus.store import ConsensusStore
 from ps_p2p.consensus.types import Validator as CommitteeMember
 from ps_p2p.consensus.types import (
@@ -146,6 +131,21 @@ from ps_p2p.errors import (
 )
 from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.records.types import Signer
+from ps_p2p.registry import (
+    TX_DOMAIN,
+    AppState,
+    BlockResult,
+    EvidenceTx,
+    Genesis,
+    ProposalEvidenceTx,
+    Mempool,
+    TxKind,
+    encode_tx,
+    execute_block,
+    genesis_state,
+)
+from ps_p2p.registry.directory import DirectoryHistory
+from ps_p2p.registry.snapshot import decode_state, encode_state
 from ps_p2p.verification.epochs import MAX_ATTEMPTS
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ MAX_DEFERRED = 8
 
 #: Default seconds an idle chain waits before an empty block (CometBFT's
 #: ``create_empty_blocks_interval``). A node refuses a directory whose header is older than
-#: :data:`~ps_p2p.consensus.directory.MAX_DIRECTORY_AGE_MS` (10 min): an idle chain's newest
+#: :data:`~ps_p2p.registry.directory.MAX_DIRECTORY_AGE_MS` (10 min): an idle chain's newest
 #: header is at most this interval plus one commit and one refresh old, a 20x margin; a
 #: transaction, a record's expiry or an epoch's deadline makes a block sooner
 #: (:meth:`Validator.idle_delay`). It was 1 s: 86,400 blocks (~66 MB, ~22 s of restart) a day.
@@ -522,7 +522,7 @@ class Validator:
             self.keep_snapshot(state.height, state.app_hash, encode_state(state))
 
     def keep_snapshot(self, height: int, app_hash: bytes, data: bytes) -> None:
-        """Keep the snapshot ``data`` (:func:`~ps_p2p.consensus.snapshot.encode_state` of the
+        """Keep the snapshot ``data`` (:func:`~ps_p2p.registry.snapshot.encode_state` of the
         committed state at ``height``), then prune the blocks no restart needs beyond the last
         ``keep_blocks`` (None: keep every block).
 
@@ -559,7 +559,7 @@ class Validator:
         relayed (:class:`RelayTx`) to the validators other than ``sender``.
 
         Raises:
-            InvalidTransactionError, AdmissionError: as :func:`~ps_p2p.consensus.app.check_tx`,
+            InvalidTransactionError, AdmissionError: as :func:`~ps_p2p.registry.check_tx`,
                 or the mempool is full.
         """
         actions: list[Action] = []
