@@ -403,8 +403,9 @@ class _Node:
         self.done = False
         self.down = False
         self.epoch = 0
-        # the WAL: (height, round, step) -> (message, locked value or None), in signing order
-        self.wal: dict[tuple[int, int, int], tuple[Proposal | Vote, bytes | None]] = {}
+        # the WAL: (height, round, step) -> (message, locked value or None, epoch written in),
+        # in signing order
+        self.wal: dict[tuple[int, int, int], tuple[Proposal | Vote, bytes | None, int]] = {}
         self.lock: dict[int, tuple[int, bytes]] = {}  # checker: height -> (round, value ID)
         self.seen_values: dict[int, list[bytes]] = {}  # Byzantine: value IDs per height
         self.seen_round: dict[tuple[int, int], set[bytes]] = {}  # and per (height, round)
@@ -604,7 +605,7 @@ class _Sim:
         if locks:
             r, locked = max(locks, key=lambda x: x[0])
             self.apply(nd, RestoreLock(height, r, locked))
-        for _, (m, _) in own:
+        for _, (m, _, _) in own:
             msg = ProposalReceived(m) if isinstance(m, Proposal) else VoteReceived(m)
             nd.policy.on_send(m, self.now)
             for i in range(len(self.nodes)):
@@ -649,14 +650,21 @@ class _Sim:
 
     def wal_write(self, nd: _Node, key: tuple[int, int, int], signed: Proposal | Vote,
                   locked: bytes | None) -> Proposal | Vote | None:
-        """The store's record_signed: the message to send, or None (a second value refused)."""
+        """The store's record_signed: the message to send, or None (a second value refused).
+
+        A second value signed before a restart is refused and counted (the core does not know
+        its step after a restart); one the core asks for in the same run of the validator is
+        its own double sign (``no-double-sign``), refused as well."""
         held = nd.wal.get(key)
         if held is None:
-            nd.wal[key] = (signed, locked)
+            nd.wal[key] = (signed, locked, nd.epoch)
             return signed
         if held[0] == signed:
             return held[0]
-        self.wal_refused += 1
+        if held[2] == nd.epoch:
+            self.violate("no-double-sign", f"{nd.address!r} asked to sign {held[0]} and {signed}")
+        else:
+            self.wal_refused += 1
         return None
 
     def execute(self, nd: _Node, out: object) -> None:
