@@ -426,15 +426,20 @@ class _Sim:
         n = params.n
         powers = params.powers or (1,) * n
         self.validators = tuple(Validator(b"val-%02d" % i, powers[i]) for i in range(n))
+        # Byzantine nodes of adversarial schedules follow heights and rounds with the reference
+        # core: a broken core under test must not also weaken the adversary
+        byz_factory = ConsensusCore if params.adversary else core_factory
         self.nodes = [
-            _Node(i, v.address, core_factory(v.address, config), params.byzantine.get(i), i)
+            _Node(i, v.address,
+                  (core_factory if i not in params.byzantine else byz_factory)(v.address, config),
+                  params.byzantine.get(i), i)
             for i, v in enumerate(self.validators)
         ]
         # twins: the copy of node i talks to ``group`` before GST, node i to the others
         self.twin_group: dict[int, tuple[frozenset[int], bool]] = {}
         for i, group in params.twins:
             copy = _Node(len(self.nodes), self.validators[i].address,
-                         core_factory(self.validators[i].address, config), "twin", i)
+                         byz_factory(self.validators[i].address, config), "twin", i)
             self.nodes.append(copy)
             self.twin_group[i] = (group, False)
             self.twin_group[copy.index] = (group, True)
