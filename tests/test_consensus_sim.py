@@ -174,7 +174,7 @@ def test_every_property_holds_on_300_adversarial_schedules():
     bad = [(r.seed, r.adversary, r.violations) for r in results if not r.ok]
     assert bad == []
     kinds = {r.adversary for r in results}
-    assert kinds == {"mixed", "quorum-split", "twins"}
+    assert kinds == {"mixed", "quorum-split", "twins", "one-third"}
     assert sum(r.wal_refused for r in results) > 0  # restarts re-derived votes the WAL refused
 
 
@@ -188,7 +188,11 @@ def test_adversarial_draws_cover_restarts_powers_slow_links_and_byzantine_power_
     assert any(p.delta > SIM_CONFIG.timeout_prevote for p in drawn)  # above the base timeout
     for p in drawn:
         powers = p.powers or (1,) * p.n
-        assert 3 * sum(powers[i] for i in p.byzantine) < sum(powers)
+        byz = 3 * sum(powers[i] for i in p.byzantine)
+        if p.adversary == "one-third":  # exactly 1/3: safety only
+            assert byz == sum(powers) and not p.termination
+        else:
+            assert byz < sum(powers) and p.termination
         assert all(crash <= restart <= p.gst for crash, restart, _ in p.restarts)
 
 
@@ -334,3 +338,16 @@ def test_mutation_check_short_form():
     rows = mod.check(mutants, ref=None, schedules=40, tests=True, sim=False, budget=60,
                      baseline=False)
     assert [r["mutant"] for r in rows if not r["caught"]] == []
+
+
+def test_byzantine_third_of_the_power_catches_quorum_read_as_two_thirds_or_more(monkeypatch):
+    import random
+
+    from ps_p2p.consensus.votes import VoteKeeper
+    from ps_p2p.testing.consensus_sim import one_third_params
+
+    drawn = [(s, one_third_params(random.Random(s), 1 + s % 3)) for s in range(30)]
+    assert all(run_schedule(s, params=p).ok for s, p in drawn)  # > 2/3 is safe at 1/3 faulty
+    monkeypatch.setattr(VoteKeeper, "is_quorum", lambda k, power: 3 * power >= 2 * k.total_power)
+    caught = [s for s, p in drawn if "agreement" in run_schedule(s, params=p).violations]
+    assert len(caught) >= 5, caught

@@ -72,7 +72,10 @@ issue 17: the classic draws above miss mutants that these catch):
   reach no other correct validator before GST and its proposal reaches only f of them, and f
   ``vote-all`` Byzantines vote for everything: the proposer alone sees 2f+1 prevotes and f+1
   precommits for its value;
-* **twins** (above).
+* **twins** (above);
+* **one third** (:func:`one_third_params`): N = 3f with f Byzantine validators, exactly 1/3 of
+  the power, and the correct ones cut in two halves before GST: quorums of more than 2/3 still
+  intersect in a correct validator, so agreement must hold (termination is not checked).
 
 Extra property ``lock`` (Algorithm 1 L23, L29): a correct validator that signed a precommit for
 a value v in round r never signs, in a later round, a prevote for another value unless a
@@ -133,6 +136,7 @@ __all__ = [
     "SimParams",
     "draw_adversarial_params",
     "draw_params",
+    "one_third_params",
     "quorum_split_params",
     "rounds_to_cover",
     "run_schedule",
@@ -146,7 +150,7 @@ PROPERTIES = ("agreement", "validity", "no-double-sign", "accountability", "lock
 #: Gossip modes of ``SimParams.gossip``.
 GOSSIP_MODES = ("relay", "service")
 #: Kinds of adversarial schedule drawn by :func:`draw_adversarial_params`.
-ADVERSARIES = ("mixed", "quorum-split", "twins")
+ADVERSARIES = ("mixed", "quorum-split", "twins", "one-third")
 
 #: Core timeouts in the simulation (seconds): a few times the post-GST delay bound.
 SIM_CONFIG = ConsensusConfig(
@@ -204,6 +208,9 @@ class SimParams:
     before ``until`` (and before GST). ``twins``: (Byzantine node, the correct nodes its copy
     talks to before GST). ``gossip``: one of :data:`GOSSIP_MODES`; ``rebroadcast_interval``
     the service mode's period (0: the core's ``timeout_prevote``, the service's default).
+    ``termination``: False where the correct validators hold no more than 2/3 of the power
+    (safety only is checked then). ``split``: the nodes an equivocating Byzantine proposer
+    shows its first value (the others get a second, valid one); empty: random halves.
     """
 
     f: int
@@ -224,6 +231,8 @@ class SimParams:
     gossip: str = "relay"
     rebroadcast_interval: float = 0.0
     adversary: str = ""
+    termination: bool = True
+    split: frozenset[int] = frozenset()
 
     @property
     def n(self) -> int:
@@ -284,6 +293,40 @@ def quorum_split_params(rng: random.Random, f: int, heights: int = 2,
     )
 
 
+def one_third_params(rng: random.Random, f: int, heights: int = 2,
+                     gossip: str = "relay") -> SimParams:
+    """Byzantine validators holding exactly 1/3 of the power (N = 3f, f of them): quorums of
+    more than 2/3 still intersect in a correct validator, so safety must hold (termination is
+    not checked: the correct ones hold only 2/3). Before GST the correct validators are split
+    in two halves; the Byzantine ones (``vote-all``) talk to both and vote for everything. A
+    core reading 2f+1 as ">= 2/3" decides two values here."""
+    n = 3 * f
+    gst = rng.uniform(1.0, 3.0)
+    correct = list(range(f, n))
+    rng.shuffle(correct)
+    half = frozenset(correct[: len(correct) // 2])
+    behaviours = ("vote-all",)
+    return SimParams(
+        f=f,
+        heights=heights,
+        gst=gst,
+        drop=rng.uniform(0.0, 0.1),
+        pre_gst_delay=rng.uniform(0.01, 0.2),
+        delta=0.05,
+        app_delay=rng.uniform(0.0, 0.01),
+        partitions=(),
+        byzantine={i: rng.choice(behaviours) for i in range(f)},
+        powers=(1,) * n,
+        cuts=tuple((a, b, "all", gst) for a in correct for b in correct
+                   if (a in half) != (b in half)),
+        gossip=gossip,
+        adversary="one-third",
+        split=half,
+        termination=False,
+        max_time=gst + 5.0 * heights,
+    )
+
+
 def _draw_powers(rng: random.Random, n: int, f: int) -> tuple[tuple[int, ...], list[int]]:
     """Powers 1..3 per validator, and up to f Byzantine nodes holding less than 1/3 of them."""
     powers = tuple(rng.randint(1, 3) for _ in range(n))
@@ -297,12 +340,14 @@ def _draw_powers(rng: random.Random, n: int, f: int) -> tuple[tuple[int, ...], l
 def draw_adversarial_params(rng: random.Random, f: int, heights: int,
                             gossip: str = "relay") -> SimParams:
     """Draw an adversarial schedule (module docstring): one of :data:`ADVERSARIES`
-    (weights 6:2:2). ``mixed`` combines unequal powers (half the schedules), restarts of up
+    (weights 5:2:2:1). ``mixed`` combines unequal powers (half the schedules), restarts of up
     to two correct validators, post-GST delays up to 0.5 s (half the schedules), partitions
     and link cuts, drops up to 30%, and Byzantine behaviours."""
-    kind = rng.choices(ADVERSARIES, weights=(6, 2, 2))[0]
+    kind = rng.choices(ADVERSARIES, weights=(5, 2, 2, 1))[0]
     if kind == "quorum-split":
         return quorum_split_params(rng, f, heights, gossip)
+    if kind == "one-third":
+        return one_third_params(rng, f, heights, gossip)
     n = 3 * f + 1
     gst = rng.uniform(0.5, 3.0)
     delta = 0.05 if rng.random() < 0.5 else rng.uniform(0.1, 0.5)
@@ -443,6 +488,12 @@ class _Sim:
             self.nodes.append(copy)
             self.twin_group[i] = (group, False)
             self.twin_group[copy.index] = (group, True)
+        if params.adversary:  # Byzantine validators collude: they share what they saw
+            seen_values: dict[int, list[bytes]] = {}
+            seen_round: dict[tuple[int, int], set[bytes]] = {}
+            for nd in self.nodes:
+                if nd.behaviour is not None:
+                    nd.seen_values, nd.seen_round = seen_values, seen_round
         self.by_address = {nd.address: nd for nd in self.nodes[:n]}
         self.correct = [nd for nd in self.nodes if nd.behaviour is None]
         self.queue: list[tuple[float, int, int, int, object]] = []
@@ -810,11 +861,20 @@ class _Sim:
             alt = Proposal(
                 p.height, p.round, prefix + self.rng.randbytes(15), p.pol_round, p.proposer
             )
-            self.rng.shuffle(others)
-            half = len(others) // 2
-            for i in others[:half]:
+            if self.p.split:
+                alt = Proposal(p.height, p.round, b"V" + alt.value[1:], p.pol_round, p.proposer)
+                first = [i for i in others if i in self.p.split]
+                second = [i for i in others if i not in self.p.split]
+            else:
+                self.rng.shuffle(others)
+                half = len(others) // 2
+                first, second = others[:half], others[half:]
+            if self.p.adversary:  # it knows its own second value: vote-all votes for it too
+                nd.seen_values.setdefault(p.height, []).append(alt.value_id)
+                nd.seen_round.setdefault((p.height, p.round), set()).add(alt.value_id)
+            for i in first:
                 self.send(nd, i, ProposalReceived(p))
-            for i in others[half:]:
+            for i in second:
                 self.send(nd, i, ProposalReceived(alt))
         elif nd.behaviour == "invalid":
             bad = Proposal(
@@ -887,9 +947,11 @@ class _Sim:
                 rounds.append(top)
                 start = max(self.round_at_gst.get(h, 0), self.cover)
                 bound = start + termination_rounds(self.cycle)
-                if top > bound:
+                if top > bound and self.p.termination:
                     self.violate("termination", f"height {h} decided in round {top} > {bound}")
             else:
+                if not self.p.termination:
+                    break
                 missing = [nd.address for nd, d in zip(self.correct, ds) if d is None]
                 self.violate(
                     "termination", f"height {h} undecided by {missing} at {self.max_time:.1f} s"
