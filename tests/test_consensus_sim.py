@@ -326,10 +326,12 @@ def test_mutation_check_short_form():
     simulator (the full table: ``python scripts/consensus_mutants.py``)."""
     import importlib.util
     import pathlib
+    import sys
 
     path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "consensus_mutants.py"
     spec = importlib.util.spec_from_file_location("consensus_mutants", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("consensus_mutants", mod)  # dataclasses look their module up
     spec.loader.exec_module(mod)
     names = ("quorum read as >= 2/3", "L49 decide on f+1 precommits",
              "L61 precommit the proposal on timeoutPrevote", "L29 ignore the lock")

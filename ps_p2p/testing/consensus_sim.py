@@ -65,8 +65,9 @@ issue 17: the classic draws above miss mutants that these catch):
   replayed). The simulated WAL refuses a second value for one (height, round, step), as
   :meth:`ps_p2p.consensus.store.ConsensusStore.record_signed` does (``ScheduleResult.wal_refused``);
 * **delays around and above the timeouts**: after GST a message takes up to ``delta``, drawn up
-  to 0.5 s against base timeouts of 0.2-0.3 s (so only the growing timeouts of later rounds let
-  a round succeed; the termination bound counts those rounds, :func:`rounds_to_cover`);
+  to 0.5 s against base timeouts of 0.2-0.3 s, in half of those schedules at least
+  ``min_delay`` (60-95% of ``delta``), so only the growing timeouts of later rounds let a round
+  succeed; the termination bound counts those rounds (:func:`rounds_to_cover`);
 * **correlated drops**: directed link cuts (``SimParams.cuts``) besides partitions;
 * **quorum split** (:func:`quorum_split_params`): the proposer of round 0 is correct, its votes
   reach no other correct validator before GST and its proposal reaches only f of them, and f
@@ -211,6 +212,8 @@ class SimParams:
     ``termination``: False where the correct validators hold no more than 2/3 of the power
     (safety only is checked then). ``split``: the nodes an equivocating Byzantine proposer
     shows its first value (the others get a second, valid one); empty: random halves.
+    ``min_delay``: after GST a message takes at least this long (slow links: every message
+    late, not just some).
     """
 
     f: int
@@ -233,6 +236,7 @@ class SimParams:
     adversary: str = ""
     termination: bool = True
     split: frozenset[int] = frozenset()
+    min_delay: float = 0.0
 
     @property
     def n(self) -> int:
@@ -383,6 +387,8 @@ def draw_adversarial_params(rng: random.Random, f: int, heights: int,
     for _ in range(rng.randint(0, 3)):
         src, dst = rng.sample(range(n), 2)
         cuts.append((src, dst, rng.choice(("vote", "proposal", "all")), rng.uniform(0, gst)))
+    # slow links: every message late, so only the grown timeouts of later rounds let one succeed
+    min_delay = rng.uniform(0.6, 0.95) * delta if delta > 0.05 and rng.random() < 0.5 else 0.0
     return SimParams(
         f=f,
         heights=heights,
@@ -398,6 +404,7 @@ def draw_adversarial_params(rng: random.Random, f: int, heights: int,
         cuts=tuple(cuts),
         gossip=gossip,
         adversary="mixed",
+        min_delay=min_delay,
     )
 
 
@@ -574,7 +581,7 @@ class _Sim:
         if self.now < self.p.gst:
             delay = self.rng.uniform(0.0, self.p.pre_gst_delay)
         else:
-            delay = self.rng.uniform(0.001, self.p.delta)
+            delay = self.rng.uniform(max(0.001, self.p.min_delay), self.p.delta)
         self.push(self.now + delay, _DELIVER, dst, (src.index, msg))
 
     def broadcast(self, src: _Node, msg: ProposalReceived | VoteReceived) -> None:
@@ -622,8 +629,27 @@ class _Sim:
                     self.apply(nd, inp)
             if all(c.done for c in self.correct):
                 break
+            if gst_seen and self.past_bound(nd):
+                break  # termination already failed: no need to run to max_time
         if not gst_seen:
             self.snapshot_gst()
+
+    def bound(self, height: int) -> int:
+        """The highest round in which ``height`` may be decided (module docstring)."""
+        start = max(self.round_at_gst.get(height, 0), self.cover)
+        return start + termination_rounds(self.cycle)
+
+    def past_bound(self, nd: _Node) -> bool:
+        """Whether correct ``nd`` went four rounds past its height's bound undecided (then the
+        height is not decided within the bound: messages take less than a round by then, so a
+        commit of a round within the bound would have reached it; recorded)."""
+        h = nd.core.height
+        if (nd.behaviour is not None or not self.p.termination or h is None
+                or nd.core.decision is not None or nd.core.round <= self.bound(h) + 3):
+            return False
+        self.violate("termination", f"height {h}: {nd.address!r} reached round "
+                     f"{nd.core.round} > bound {self.bound(h)} at {self.now:.1f} s")
+        return True
 
     def snapshot_gst(self) -> None:
         for nd in self.correct:
@@ -945,8 +971,7 @@ class _Sim:
                 decided += 1
                 top = max(d.round for d in ds if d is not None)
                 rounds.append(top)
-                start = max(self.round_at_gst.get(h, 0), self.cover)
-                bound = start + termination_rounds(self.cycle)
+                bound = self.bound(h)
                 if top > bound and self.p.termination:
                     self.violate("termination", f"height {h} decided in round {top} > {bound}")
             else:
