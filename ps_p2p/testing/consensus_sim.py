@@ -49,6 +49,8 @@ forge others' messages):
   quorum intersection, since the core counts conflicting votes for proposed values);
 * ``split``: per (height, round, type) shows its own core's vote to a random part of the
   committee and nil to the rest, so that correct validators see different quorums;
+* ``fake-pol`` (adversarial schedules only): votes as its core does, but as a proposer of a
+  round r > 0 claims POL round r - 1 for a value that has no polka there (L28 must wait);
 * ``twin``: the validator's key runs as two correct cores (its copy has index ``n + k``); before
   GST each copy talks only to its own part of the correct validators (``SimParams.twins``), from
   GST on both talk to everyone (the Twins approach of Bano et al., arXiv 2004.10617).
@@ -78,10 +80,11 @@ issue 17: the classic draws above miss mutants that these catch):
   the power, and the correct ones cut in two halves before GST: quorums of more than 2/3 still
   intersect in a correct validator, so agreement must hold (termination is not checked).
 
-Extra property ``lock`` (Algorithm 1 L23, L29): a correct validator that signed a precommit for
-a value v in round r never signs, in a later round, a prevote for another value unless a
-proposal of that value with POL round >= r reached it. Checked on what is signed, across
-restarts (the WAL is the record).
+Extra property ``lock`` (Algorithm 1 L22-23, L28-29): a correct validator signs a prevote for a
+value only with the round's proposal of it in hand, and either its POL round is -1 and the
+validator is not locked on another value, or it holds 2f+1 prevotes for the value in the POL
+round and that round is at or above its lock round (or it is locked on that value). The lock is
+that of its last signed precommit for a value, kept across restarts (the WAL is the record).
 
 Gossip (``SimParams.gossip``): ``"relay"`` is the idealised gossip described above
 (:class:`~ps_p2p.consensus.gossip_policy.RelayAll`); ``"service"`` is the service's re-broadcast
@@ -128,6 +131,7 @@ from ps_p2p.consensus.types import (
 )
 
 __all__ = [
+    "ADVERSARIAL_BEHAVIOURS",
     "ADVERSARIES",
     "BEHAVIOURS",
     "GOSSIP_MODES",
@@ -146,6 +150,8 @@ __all__ = [
 
 #: Byzantine behaviours (see the module docstring).
 BEHAVIOURS = ("silent", "equivocate", "random", "invalid", "vote-all", "split")
+#: Behaviours of adversarial schedules: the classic ones and ``fake-pol``.
+ADVERSARIAL_BEHAVIOURS = BEHAVIOURS + ("fake-pol",)
 #: The properties checked on every schedule.
 PROPERTIES = ("agreement", "validity", "no-double-sign", "accountability", "lock", "termination")
 #: Gossip modes of ``SimParams.gossip``.
@@ -360,7 +366,7 @@ def draw_adversarial_params(rng: random.Random, f: int, heights: int,
         rest = [i for i in range(n) if i != twin]
         group = frozenset(rng.sample(rest, len(rest) // 2))
         others = rng.sample(rest, rng.randint(0, f - 1))
-        byz = {i: rng.choice(BEHAVIOURS) for i in others}
+        byz = {i: rng.choice(ADVERSARIAL_BEHAVIOURS) for i in others}
         byz[twin] = "twin"
         return SimParams(
             f=f, heights=heights, gst=gst, drop=rng.uniform(0.0, 0.1),
@@ -372,7 +378,7 @@ def draw_adversarial_params(rng: random.Random, f: int, heights: int,
         powers, byz_nodes = _draw_powers(rng, n, f)
     else:
         powers, byz_nodes = (), rng.sample(range(n), rng.randint(0, f))
-    byz = {i: rng.choice(BEHAVIOURS) for i in byz_nodes}
+    byz = {i: rng.choice(ADVERSARIAL_BEHAVIOURS) for i in byz_nodes}
     correct = [i for i in range(n) if i not in byz]
     restarts = []
     for i in rng.sample(correct, min(len(correct), rng.randint(0, 2))):
@@ -512,7 +518,8 @@ class _Sim:
         self.signed: dict[tuple[bytes, int, int, int], object] = {}  # correct validators only
         self.round_at_gst: dict[int, int] = {}
         self.cover = rounds_to_cover(params.delta, config)
-        self.cycle = len(proposer_cycle(self.validators))
+        self.proposers = proposer_cycle(self.validators)
+        self.cycle = len(self.proposers)
         self.max_time = params.max_time or self._default_max_time()
 
     def _default_max_time(self) -> float:
@@ -702,7 +709,8 @@ class _Sim:
             p = msg.proposal
             nd.proposals[(p.height, p.round, p.value_id)] = p
             nd.values.setdefault(p.value_id, p.value)
-            nd.pols.setdefault((p.height, p.round, p.value_id), set()).add(p.pol_round)
+            if p.proposer == self.proposers[(p.height + p.round) % len(self.proposers)]:
+                nd.pols.setdefault((p.height, p.round, p.value_id), set()).add(p.pol_round)
             if nd.behaviour is not None:
                 nd.seen_values.setdefault(p.height, []).append(p.value_id)
                 nd.seen_round.setdefault((p.height, p.round), set()).add(p.value_id)
@@ -826,7 +834,10 @@ class _Sim:
             self.violate("no-double-sign", f"{nd.address!r} signed {held} and {signed}")
 
     def check_lock(self, nd: _Node, v: Vote) -> None:
-        """The ``lock`` property (module docstring) on a vote about to be signed."""
+        """The ``lock`` property (module docstring) on a vote about to be signed: a prevote
+        for a value needs its proposal in that round with POL round -1 and no lock on another
+        value (L22-23), or with a POL round vr >= 0 whose 2f+1 prevotes the validator holds
+        and vr at or above its lock round, or its lock on that value (L28-29)."""
         if v.value_id is None:
             return
         held = nd.lock.get(v.height)
@@ -834,15 +845,21 @@ class _Sim:
             if held is None or v.round > held[0]:
                 nd.lock[v.height] = (v.round, v.value_id)
             return
-        if held is None or held[0] >= v.round or held[1] == v.value_id:
-            return
-        pols = nd.pols.get((v.height, v.round, v.value_id), ())
-        if not any(vr >= held[0] for vr in pols):
-            self.violate(
-                "lock",
-                f"{nd.address!r} locked in round {held[0]} of height {v.height} prevoted "
-                f"another value in round {v.round} (POL rounds {sorted(pols)})",
-            )
+        free = held is None or held[1] == v.value_id
+        keeper = nd.core.keeper
+        for vr in nd.pols.get((v.height, v.round, v.value_id), ()):
+            if vr == -1 and free:
+                return
+            if (vr >= 0 and keeper is not None
+                    and keeper.has_quorum(vr, VoteType.PREVOTE, v.value_id)
+                    and (free or vr >= held[0])):  # type: ignore[index]
+                return
+        pols = sorted(nd.pols.get((v.height, v.round, v.value_id), ()))
+        self.violate(
+            "lock",
+            f"{nd.address!r} (lock {held}) prevoted a value in round {v.round} of height "
+            f"{v.height} without L22/L28 (POL rounds {pols})",
+        )
 
     def on_decide(self, nd: _Node, d: Decide) -> None:
         if nd.behaviour is not None:
@@ -909,6 +926,10 @@ class _Sim:
             nd.seen_values.setdefault(p.height, []).append(bad.value_id)
             for i in others:
                 self.send(nd, i, ProposalReceived(bad))
+        elif nd.behaviour == "fake-pol" and p.round > 0:
+            fake = Proposal(p.height, p.round, p.value, p.round - 1, p.proposer)
+            for i in others:
+                self.send(nd, i, ProposalReceived(fake))
         else:
             for i in others:
                 self.send(nd, i, ProposalReceived(p))
@@ -927,7 +948,10 @@ class _Sim:
             return
         self.send(nd, nd.index, VoteReceived(v))
         others = [i for i in range(len(self.nodes)) if i != nd.index]
-        if nd.behaviour == "equivocate":
+        if nd.behaviour == "fake-pol":
+            for i in others:
+                self.send(nd, i, VoteReceived(v))
+        elif nd.behaviour == "equivocate":
             for i in others:
                 choice = self.rng.random()
                 vid = v.value_id if choice < 0.4 else self._some_value(nd, v.height)
