@@ -337,7 +337,7 @@ def test_mutation_check_short_form():
              "L61 precommit the proposal on timeoutPrevote", "L29 ignore the lock")
     mutants = tuple(m for m in mod.MUTANTS if m.name in names)
     assert len(mutants) == len(names)
-    rows = mod.check(mutants, ref=None, schedules=40, tests=True, sim=False, budget=60,
+    rows = mod.check(mutants, ref=None, schedules=15, tests=True, sim=True, budget=60,
                      baseline=False)
     assert [r["mutant"] for r in rows if not r["caught"]] == []
 

@@ -49,8 +49,10 @@ forge others' messages):
   quorum intersection, since the core counts conflicting votes for proposed values);
 * ``split``: per (height, round, type) shows its own core's vote to a random part of the
   committee and nil to the rest, so that correct validators see different quorums;
-* ``fake-pol`` (adversarial schedules only): votes as its core does, but as a proposer of a
-  round r > 0 claims POL round r - 1 for a value that has no polka there (L28 must wait);
+* ``fake-pol`` (adversarial schedules only): votes as its core does; as a proposer of a round
+  r > 0 re-proposes the value of the oldest polka it saw with that old POL round (validators
+  locked in a later round must prevote nil, L29), or, without one, claims POL round r - 1 for
+  its value, which has no polka there (L28 must wait);
 * ``twin``: the validator's key runs as two correct cores (its copy has index ``n + k``); before
   GST each copy talks only to its own part of the correct validators (``SimParams.twins``), from
   GST on both talk to everyone (the Twins approach of Bano et al., arXiv 2004.10617).
@@ -928,6 +930,13 @@ class _Sim:
                 self.send(nd, i, ProposalReceived(bad))
         elif nd.behaviour == "fake-pol" and p.round > 0:
             fake = Proposal(p.height, p.round, p.value, p.round - 1, p.proposer)
+            k = nd.core.keeper
+            for vr in range(p.round if k is not None else 0):  # the oldest real polka
+                found, vid = k.quorum_value(vr, VoteType.PREVOTE)  # type: ignore[union-attr]
+                old = nd.proposals.get((p.height, vr, vid)) if found and vid else None
+                if old is not None and vid != p.value_id:
+                    fake = Proposal(p.height, p.round, old.value, vr, p.proposer)
+                    break
             for i in others:
                 self.send(nd, i, ProposalReceived(fake))
         else:
