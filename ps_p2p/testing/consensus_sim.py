@@ -1,8 +1,9 @@
 """A deterministic simulator of the verifier committee's consensus under faults.
 
-It drives N = 3f+1 :class:`~ps_p2p.consensus.core.ConsensusCore` instances (equal power) through
-a simulated network and application, with up to f Byzantine validators, and checks on every
-schedule the properties of Algorithm 1 (Buchman, Kwon, Milosevic, arXiv 1807.04938):
+It drives N = 3f+1 :class:`~ps_p2p.consensus.core.ConsensusCore` instances (equal power in the
+classic draws; see "Adversarial schedules" below for unequal powers, restarts and the rest)
+through a simulated network and application, with up to f Byzantine validators, and checks on
+every schedule the properties of Algorithm 1 (Buchman, Kwon, Milosevic, arXiv 1807.04938):
 
 * **agreement**: no two correct validators decide different values at one height;
 * **validity**: every value a correct validator decides is valid, and that validator's
@@ -10,6 +11,7 @@ schedule the properties of Algorithm 1 (Buchman, Kwon, Milosevic, arXiv 1807.049
 * **no-double-sign**: a correct validator never emits two different votes (nor proposals) for
   one (type, height, round);
 * **accountability**: equivocation evidence never names a correct validator;
+* **lock**: every prevote a correct validator signs is allowed by L22-23 or L28-29 (below);
 * **termination**: after GST every height decides, each in at most
   ``termination_rounds(n)`` rounds more than the highest round a correct validator of that
   height had reached at GST (the one with the highest validRound proposes within n rounds,
