@@ -174,7 +174,7 @@ def test_every_property_holds_on_300_adversarial_schedules():
     bad = [(r.seed, r.adversary, r.violations) for r in results if not r.ok]
     assert bad == []
     kinds = {r.adversary for r in results}
-    assert kinds == {"mixed", "quorum-split", "twins", "one-third"}
+    assert kinds == {"mixed", "quorum-split", "twins", "one-third", "lock-race"}
     assert sum(r.wal_refused for r in results) > 0  # restarts re-derived votes the WAL refused
 
 
@@ -353,3 +353,15 @@ def test_byzantine_third_of_the_power_catches_quorum_read_as_two_thirds_or_more(
     monkeypatch.setattr(VoteKeeper, "is_quorum", lambda k, power: 3 * power >= 2 * k.total_power)
     caught = [s for s, p in drawn if "agreement" in run_schedule(s, params=p).violations]
     assert len(caught) >= 5, caught
+
+
+def test_the_lock_race_catches_ignoring_the_lock_at_L29_every_time():
+    import random
+
+    from ps_p2p.testing.consensus_sim import lock_race_params
+
+    for seed in range(10):
+        params = lock_race_params(random.Random(seed))
+        assert run_schedule(seed, params=params).ok
+        result = run_schedule(seed, params=params, core_factory=IgnoresLockAtL29)
+        assert "lock" in result.violations, seed

@@ -145,6 +145,7 @@ __all__ = [
     "SimParams",
     "draw_adversarial_params",
     "draw_params",
+    "lock_race_params",
     "one_third_params",
     "quorum_split_params",
     "rounds_to_cover",
@@ -161,7 +162,7 @@ PROPERTIES = ("agreement", "validity", "no-double-sign", "accountability", "lock
 #: Gossip modes of ``SimParams.gossip``.
 GOSSIP_MODES = ("relay", "service")
 #: Kinds of adversarial schedule drawn by :func:`draw_adversarial_params`.
-ADVERSARIES = ("mixed", "quorum-split", "twins", "one-third")
+ADVERSARIES = ("mixed", "quorum-split", "twins", "one-third", "lock-race")
 
 #: Core timeouts in the simulation (seconds): a few times the post-GST delay bound.
 SIM_CONFIG = ConsensusConfig(
@@ -215,8 +216,8 @@ class SimParams:
     (a set of node indices) and the rest are lost. ``byzantine``: node index -> behaviour.
     ``powers``: voting power per validator (empty: N = 3f+1 of power 1). ``restarts``:
     (crash time, restart time, node) of correct validators, both before GST. ``cuts``: (src,
-    dst, "vote" | "proposal" | "all", until): messages of that kind from src to dst are lost
-    before ``until`` (and before GST). ``twins``: (Byzantine node, the correct nodes its copy
+    dst, "vote" | "prevote" | "precommit" | "proposal" | "all", until[, start]): messages of
+    that kind from src to dst are lost from ``start`` (default 0) to ``until`` (and before GST). ``twins``: (Byzantine node, the correct nodes its copy
     talks to before GST). ``gossip``: one of :data:`GOSSIP_MODES`; ``rebroadcast_interval``
     the service mode's period (0: the core's ``timeout_prevote``, the service's default).
     ``termination``: False where the correct validators hold no more than 2/3 of the power
@@ -239,7 +240,7 @@ class SimParams:
     max_time: float = 0.0  # 0: derived from gst, heights, delta and the timeouts
     powers: tuple[int, ...] = ()
     restarts: tuple[tuple[float, float, int], ...] = ()
-    cuts: tuple[tuple[int, int, str, float], ...] = ()
+    cuts: tuple[tuple, ...] = ()  # (src, dst, kind, until[, start])
     twins: tuple[tuple[int, frozenset[int]], ...] = ()
     gossip: str = "relay"
     rebroadcast_interval: float = 0.0
@@ -341,6 +342,40 @@ def one_third_params(rng: random.Random, f: int, heights: int = 2,
     )
 
 
+def lock_race_params(rng: random.Random, heights: int = 1, gossip: str = "relay") -> SimParams:
+    """A scripted race for the lock (L29), N = 4: nodes 0-2 correct, node 3 ``lock-race``.
+
+    Round 0 (proposer 0, value v'): prevotes between 0 and 1 are cut, node 3 shows node 2 a
+    prevote for v' and the others nil, so only node 2 sees the polka and locks v' (round 0).
+    Round 1 (proposer 1, value v): node 0's prevotes to node 2 are cut and node 3 prevotes v to
+    0 and 1 only, so 0 and 1 lock v (round 1); node 0's precommits to node 1 are cut and node 3
+    precommits v to node 0 only, so node 0 decides v and node 1 does not. Round 2: node 2
+    re-proposes v' with POL round 0 and node 3 sends node 1 a round-0 prevote for v', which
+    completes that polka: node 1, locked in round 1, must prevote nil (L29); a core that
+    ignores the lock prevotes v' (``lock``) and v' may be decided (``agreement``). Node 0's
+    messages reach the others again at GST (its commit of v then ends the height). Timing is
+    the classic timeouts' with delays of at most 5 ms before GST (2 s)."""
+    t1 = 0.3  # after the round-0 prevotes, before round 1 (starts about 0.4 s)
+    gst = 2.0
+    return SimParams(
+        f=1,
+        heights=heights,
+        gst=gst,
+        drop=0.0,
+        pre_gst_delay=rng.uniform(0.001, 0.005),
+        delta=0.05,
+        app_delay=0.0,
+        partitions=(),
+        byzantine={3: "lock-race"},
+        cuts=((0, 1, "prevote", t1), (1, 0, "prevote", t1), (0, 1, "precommit", gst),
+              (0, 2, "prevote", gst, t1),
+              # node 0 decides at about 0.7 s: its commit reaches the others only after GST
+              (0, 1, "all", gst, 0.5), (0, 2, "all", gst, 0.5)),
+        gossip=gossip,
+        adversary="lock-race",
+    )
+
+
 def _draw_powers(rng: random.Random, n: int, f: int) -> tuple[tuple[int, ...], list[int]]:
     """Powers 1..3 per validator, and up to f Byzantine nodes holding less than 1/3 of them."""
     powers = tuple(rng.randint(1, 3) for _ in range(n))
@@ -354,10 +389,12 @@ def _draw_powers(rng: random.Random, n: int, f: int) -> tuple[tuple[int, ...], l
 def draw_adversarial_params(rng: random.Random, f: int, heights: int,
                             gossip: str = "relay") -> SimParams:
     """Draw an adversarial schedule (module docstring): one of :data:`ADVERSARIES`
-    (weights 5:2:2:1). ``mixed`` combines unequal powers (half the schedules), restarts of up
+    (weights 5:2:2:1:1). ``mixed`` combines unequal powers (half the schedules), restarts of up
     to two correct validators, post-GST delays up to 0.5 s (half the schedules), partitions
     and link cuts, drops up to 30%, and Byzantine behaviours."""
-    kind = rng.choices(ADVERSARIES, weights=(5, 2, 2, 1))[0]
+    kind = rng.choices(ADVERSARIES, weights=(5, 2, 2, 1, 1))[0]
+    if kind == "lock-race":
+        return lock_race_params(rng, heights, gossip)
     if kind == "quorum-split":
         return quorum_split_params(rng, f, heights, gossip)
     if kind == "one-third":
@@ -567,9 +604,14 @@ class _Sim:
         if t >= self.p.gst:
             return False
         if self.p.cuts:
-            kind = "proposal" if isinstance(msg, ProposalReceived) else "vote"
-            for s, d, what, until in self.p.cuts:
-                if s == src and d == dst and t < until and what in ("all", kind):
+            if isinstance(msg, ProposalReceived):
+                kinds: tuple[str, ...] = ("all", "proposal")
+            else:
+                step = "prevote" if msg.vote.type == VoteType.PREVOTE else "precommit"
+                kinds = ("all", "vote", step)
+            for s, d, what, until, *start in self.p.cuts:
+                if (s == src and d == dst and t < until and what in kinds
+                        and t >= (start[0] if start else 0.0)):
                     return True
         if self.twin_group:
             if src in self.twin_group and self._twin_blocks(src, dst):
@@ -945,6 +987,33 @@ class _Sim:
             for i in others:
                 self.send(nd, i, ProposalReceived(p))
 
+    def lock_race_vote(self, nd: _Node, v: Vote, others: list[int]) -> None:
+        """The ``lock-race`` script (:func:`lock_race_params`) at height 0; honest after."""
+        def vote(vid: bytes | None, to: list[int], r: int = v.round) -> None:
+            for i in to:
+                self.send(nd, i, VoteReceived(Vote(v.type, v.height, r, vid, v.validator)))
+
+        proposed = sorted(nd.seen_round.get((v.height, v.round), ()))
+        value = proposed[0] if proposed else None
+        if v.height != 0 or v.round > 2:
+            vote(v.value_id, others)
+        elif v.round == 0:
+            if v.type == VoteType.PREVOTE:
+                vote(value, [2])
+                vote(None, [0, 1])
+            else:
+                vote(None, others)
+        elif v.round == 1:
+            vote(value, [0] if v.type == VoteType.PRECOMMIT else [0, 1])
+            vote(None, [1, 2] if v.type == VoteType.PRECOMMIT else [2])
+        else:
+            if v.type == VoteType.PREVOTE:
+                first = sorted(nd.seen_round.get((0, 0), ()))
+                if first:  # completes node 1's round-0 polka for v'
+                    self.send(nd, 1, VoteReceived(
+                        Vote(VoteType.PREVOTE, 0, 0, first[0], v.validator)))
+            vote(value, others)
+
     def _some_value(self, nd: _Node, height: int) -> bytes | None:
         seen = nd.seen_values.get(height)
         x = self.rng.random()
@@ -959,7 +1028,9 @@ class _Sim:
             return
         self.send(nd, nd.index, VoteReceived(v))
         others = [i for i in range(len(self.nodes)) if i != nd.index]
-        if nd.behaviour == "fake-pol":
+        if nd.behaviour == "lock-race":
+            self.lock_race_vote(nd, v, others)
+        elif nd.behaviour == "fake-pol":
             for i in others:
                 self.send(nd, i, VoteReceived(v))
         elif nd.behaviour == "equivocate":
