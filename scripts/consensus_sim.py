@@ -2,9 +2,11 @@
 """Run the consensus simulator over many seeded schedules and print what happened.
 
 Usage: ``python scripts/consensus_sim.py --schedules 10000 [--heights 3] [--first-seed 0]
-[--f 1|2|3]``. Prints schedules, heights decided, the distribution of rounds per height
+[--f 1|2|3] [--mode classic|adversarial] [--gossip relay|service]``. Prints schedules, heights decided, the distribution of rounds per height
 (decision round + 1), violations by property (schedules in which each failed), the first
-failing seeds, and schedules per second. Exit status 1 if any property failed.
+failing seeds, and schedules per second. ``--mode adversarial`` draws restarts, unequal powers,
+slow links, quorum splits and twins; ``--gossip service`` re-sends as the service does today
+(own messages of the last two rounds only; issue 17 finding 2). Exit status 1 if any property failed.
 See :mod:`ps_p2p.testing.consensus_sim`.
 """
 
@@ -15,7 +17,7 @@ import json
 import sys
 import time
 
-from ps_p2p.testing.consensus_sim import run_schedule, summarize
+from ps_p2p.testing.consensus_sim import GOSSIP_MODES, run_schedule, summarize
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,16 +26,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heights", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--f", type=int, choices=(1, 2, 3), default=None, help="default: 1 + seed % 3")
+    ap.add_argument("--mode", choices=("classic", "adversarial"), default="classic")
+    ap.add_argument("--gossip", choices=GOSSIP_MODES, default=None,
+                    help="default: the drawn schedule's (relay)")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     results = []
     for seed in range(args.first_seed, args.first_seed + args.schedules):
-        results.append(run_schedule(seed, f=args.f, heights=args.heights))
+        results.append(run_schedule(seed, f=args.f, heights=args.heights, mode=args.mode,
+                                    gossip=args.gossip))
     elapsed = time.perf_counter() - start
     summary = summarize(results)
     summary["byzantine_validators"] = sum(len(r.byzantine) for r in results)
     summary["deliveries"] = sum(r.deliveries for r in results)
     summary["failing_seeds"] = [r.seed for r in results if not r.ok][:20]
+    summary["mode"], summary["gossip"] = args.mode, args.gossip or "relay"
+    summary["wal_refused"] = sum(r.wal_refused for r in results)
     summary["seconds"] = round(elapsed, 1)
     summary["schedules_per_second"] = round(len(results) / elapsed, 1)
     print(json.dumps(summary, indent=2))

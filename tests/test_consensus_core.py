@@ -890,3 +890,48 @@ def test_L28_a_restarted_validator_prevotes_a_re_proposal_once_its_pol_certifica
     assert out == [BroadcastVote(vote(PV, 2, IV, B))]
     assert core.proposals(2) == (prop(2, V, vr=0),)
     assert core.proposal_for(2, IV) == prop(2, V, vr=0) and core.proposal_for(1, IV) is None
+# ----------------------------------------------------------------------------- issue 17: tests
+# that kill mutants the tests above let through (scripts/consensus_mutants.py)
+
+
+def test_keeper_quorum_is_strictly_more_than_two_thirds_with_unequal_powers():
+    # total 6: power 4 is exactly 2/3 (a ">= 2/3" reading would count it), 5 is more
+    k = keeper(2, 2, 1, 1)
+    for who in (A, B):
+        k.add_vote(vote(PC, 0, IV, who))
+        k.add_vote(vote(PV, 0, None, who))
+    assert k.power_for(0, PC, IV) == 4
+    assert not k.has_quorum(0, PC, IV) and not k.has_quorum_any(0, PC)
+    assert k.quorum_value(0, PC) == (False, None) and k.rounds_with_quorum(PC) == []
+    assert not k.has_quorum(0, PV, None)
+    k.add_vote(vote(PC, 0, IV, C))
+    assert k.has_quorum(0, PC, IV) and k.quorum_value(0, PC) == (True, IV)
+    assert k.has_quorum_any(0, PC)  # L47 counts power too: 5 of 6, though 3 of 4 heads
+    # f+1 likewise: 2 of 6 is exactly 1/3, 3 is more
+    assert not k.is_one_third(2) and k.is_one_third(3)
+
+
+def test_L61_timeout_prevote_precommits_nil_even_while_holding_the_proposal():
+    core = make(B, step=Step.PREVOTE, proposals=(prop(0, V),), votes=prevotes(0, IV, A, B),
+                validity={IV: True})
+    out = core.handle(TimeoutFired(TimeoutKind.PREVOTE, 0, 0), 1.0)
+    assert out == [BroadcastVote(vote(PC, 0, None, B))]  # L63: nil, never the proposal
+    assert core.state() == st(0, Step.PRECOMMIT)
+
+
+def test_L49_f_plus_1_precommits_for_the_proposal_do_not_decide():
+    core = make(B, step=Step.PRECOMMIT, proposals=(prop(0, V),),
+                votes=precommits(0, IV, A, C), validity={IV: True})
+    out = core.handle(VoteReceived(vote(PC, 0, None, D)), 1.0)
+    assert not [o for o in out if isinstance(o, Decide)]  # f+1 = 2 of 4: no decision
+    assert core.state().decided is None
+    out = core.handle(VoteReceived(vote(PC, 0, IV, B)), 1.1)
+    assert [o.value for o in out if isinstance(o, Decide)] == [V]  # 2f+1 = 3
+
+
+def test_L58_L62_L66_a_timeout_of_an_earlier_round_does_nothing_in_a_later_one():
+    for kind, step in ((TimeoutKind.PROPOSE, Step.PROPOSE), (TimeoutKind.PREVOTE, Step.PREVOTE),
+                       (TimeoutKind.PRECOMMIT, Step.PRECOMMIT)):
+        core = make(C, round_=2, step=step)
+        assert core.handle(TimeoutFired(kind, 0, 1), 1.0) == []
+        assert core.state() == st(2, step)
