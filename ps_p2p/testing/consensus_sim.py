@@ -69,7 +69,8 @@ issue 17: the classic draws above miss mutants that these catch):
   does: ``StartHeight`` of the height after its last decision, ``RestoreLock`` of its
   highest-round precommit of a value and the 2f+1 prevotes of the polka behind it (its POL
   certificate, kept with the lock and replayed as received votes), then its own WAL messages
-  of that height re-sent and replayed). The simulated WAL refuses a second value for one (height, round, step), as
+  of that height re-sent and replayed). The simulated WAL refuses a second value for one
+  (height, round, step), as
   :meth:`ps_p2p.consensus.store.ConsensusStore.record_signed` does (``ScheduleResult.wal_refused``);
 * **delays around and above the timeouts**: after GST a message takes up to ``delta``, drawn up
   to 0.5 s against base timeouts of 0.2-0.3 s, in half of those schedules at least
