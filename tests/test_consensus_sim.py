@@ -369,12 +369,12 @@ def test_the_lock_race_catches_ignoring_the_lock_at_L29_every_time():
 
 # Found by the adversarial campaign (4 of 10,000 schedules, relay gossip: seeds 2268, 2529,
 # 5802, 9265): a correct validator locks in round 0 on a polka that includes a Byzantine
-# vote only it received, then crashes; RestoreLock gives it back its lock and validRound but
-# not the 2f+1 prevotes behind them (the WAL holds own messages only), so no correct validator
-# can ever accept its re-proposal (L28) while it prevotes nil for every other value (L29) and
-# the Byzantine one withholds the third vote. Strict: passes once the POL certificate survives
-# a restart (e.g. stored with the lock and carried by the re-proposal); make it a plain test.
-@pytest.mark.xfail(strict=True, reason="a restarted locked validator loses its POL evidence")
-def test_a_restarted_locked_validator_can_still_get_its_value_accepted():
-    result = run_schedule(2529, mode="adversarial", heights=2)
+# vote only it received, then crashes; RestoreLock gave it back its lock and validRound but
+# not the 2f+1 prevotes behind them, so no correct validator could ever accept its
+# re-proposal (L28) while it prevoted nil for every other value (L29) and the Byzantine one
+# withheld the third vote. The WAL now keeps the polka's prevotes with the lock and a restart
+# replays them (the POL certificate of the re-proposal).
+@pytest.mark.parametrize("seed", [2268, 2529, 5802, 9265])
+def test_a_restarted_locked_validator_can_still_get_its_value_accepted(seed):
+    result = run_schedule(seed, mode="adversarial", heights=2)
     assert result.ok, result.violations

@@ -114,8 +114,47 @@ def test_a_schema_2_store_opens_and_gains_the_snapshot_table(tmp_path):
     db = sqlite3.connect(path)
     db.execute("UPDATE meta SET value='2' WHERE key='schema'")
     db.execute("DROP TABLE snapshots")
+    db.execute("DROP TABLE lock_votes")
     db.commit()
     db.close()
     store = ConsensusStore(path)
     assert store.snapshots() == []
-    assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "3"
+    assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "4"
+
+
+def test_a_lock_keeps_its_pol_certificate_across_a_restart_and_pruning_drops_it(tmp_path):
+    """Issue 17 (simulator seeds 2268, 2529, 5802, 9265): a precommit of a value keeps the
+    2f+1 prevotes of its polka with the lock, so a restart can replay them (L28 needs them
+    for the re-proposal); a nil or unlocked message carries none; pruning forgets them."""
+    path = tmp_path / "c.sqlite"
+    store = ConsensusStore(path)
+    store.record_signed(5, 0, Step.PREVOTE, A, b"own prevote")
+    store.record_signed(5, 0, Step.PRECOMMIT, A, b"own precommit", locked=b"value A",
+                        certificate=[b"prevote 1", b"prevote 2", b"prevote 3"])
+    store.record_signed(5, 1, Step.PRECOMMIT, None, b"nil precommit")
+    store.close()
+
+    restarted = ConsensusStore(path)
+    by_key = {(e.round, e.step): e for e in restarted.signed_at(5)}
+    lock = by_key[(0, Step.PRECOMMIT)]
+    assert lock.locked == b"value A"
+    assert lock.certificate == (b"prevote 1", b"prevote 2", b"prevote 3")
+    assert by_key[(0, Step.PREVOTE)].certificate == ()
+    assert by_key[(1, Step.PRECOMMIT)].certificate == ()
+    assert restarted.prune_signed(6) == 3
+    assert restarted._db.execute("SELECT COUNT(*) FROM lock_votes").fetchone()[0] == 0
+
+
+def test_a_schema_3_store_opens_and_gains_the_lock_certificate_table(tmp_path):
+    import sqlite3
+    path = tmp_path / "old.sqlite"
+    ConsensusStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE meta SET value='3' WHERE key='schema'")
+    db.execute("DROP TABLE lock_votes")
+    db.commit()
+    db.close()
+    store = ConsensusStore(path)
+    store.record_signed(1, 0, Step.PRECOMMIT, A, b"pc", locked=b"v", certificate=[b"p"])
+    assert store.signed_at(1)[0].certificate == (b"p",)
+    assert store._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "4"

@@ -159,6 +159,45 @@ def test_a_validator_restarted_after_locking_a_value_keeps_its_lock(tmp_path):
     assert (state.valid_value, state.valid_round) == (signed.locked, signed.round)
 
 
+def test_a_restarted_locked_validator_keeps_the_polka_behind_its_lock_for_its_reproposal(
+        tmp_path):
+    """Issue 17 (simulator seeds 2268, 2529, 5802, 9265): the 2f+1 prevotes that made a
+    validator lock (L36) are written with its precommit and replayed as received votes on a
+    restart, so its re-proposal of the locked value (L16, validRound) carries them as its POL
+    certificate (what the service sends with it) and the others can accept it (L28), even
+    when one of those prevotes reached only this validator."""
+    from ps_p2p.consensus.signing import has_quorum, verify_vote
+    from ps_p2p.consensus.types import Proposal, Step
+
+    stores = [ConsensusStore(tmp_path / f"v{i}.sqlite") for i in range(4)]
+    net = Net(stores)
+    v0 = net.vals[0]
+    height = v0.height
+
+    def precommitted() -> list:
+        return [s for s in v0.store.signed_at(height)
+                if s.step == Step.PRECOMMIT and s.value_id is not None]
+
+    net.run_until(lambda: bool(precommitted()))
+    (signed,) = precommitted()
+    assert len(signed.certificate) >= 3
+    stores[0].close()
+    stores[0] = ConsensusStore(tmp_path / "v0.sqlite")
+    net.stores = stores
+    fresh = net.make(0)
+    fresh.start(net.now)
+    reproposal = Proposal(height, signed.round + 1, signed.locked, signed.round, fresh.address)
+    certificate = fresh.pol_certificate(reproposal)
+    assert {WIRE.encode_message(v) for v in certificate} == set(signed.certificate)
+    others = {v.validator for v in certificate} - {fresh.address}
+    assert len(others) >= 2  # not only its own replayed prevote
+    for vote in certificate:
+        assert (vote.type, vote.height, vote.round, vote.value_id) == (
+            VoteType.PREVOTE, height, signed.round, signed.value_id)
+        verify_vote(CHAIN, vote)
+    assert has_quorum(len(certificate), len(KEYS))
+
+
 # ------------------------------------------------------------------ state snapshots (issue 17)
 
 

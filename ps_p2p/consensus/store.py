@@ -45,7 +45,7 @@ import os
 import pathlib
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -54,9 +54,10 @@ from ps_p2p.errors import DoubleSignError, StoreError
 #: Version of the tables below; a database of another version is refused.
 #: 2: own precommits keep the value they lock (``signed.locked``).
 #: 3: state snapshots (``snapshots``); blocks may be pruned below the oldest snapshot.
-SCHEMA_VERSION = 3
-#: Schemas this version opens (and upgrades in place: 3 only adds a table).
-_READABLE = {"2", "3"}
+#: 4: a lock keeps its POL certificate (``lock_votes``: the 2f+1 prevotes of the polka).
+SCHEMA_VERSION = 4
+#: Schemas this version opens (and upgrades in place: 3 and 4 only add a table).
+_READABLE = {"2", "3", "4"}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -73,6 +74,13 @@ CREATE TABLE IF NOT EXISTS blocks (
     height INTEGER PRIMARY KEY,
     block BLOB NOT NULL,
     commit_votes BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS lock_votes (
+    height INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    idx INTEGER NOT NULL,
+    message BLOB NOT NULL,
+    PRIMARY KEY (height, round, idx)
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     height INTEGER PRIMARY KEY,
@@ -92,6 +100,8 @@ class SignedMessage:
         message: the signed message's bytes, as sent.
         locked: for a precommit of a value, the value itself (what the validator locked on,
             Algorithm 1 L38); else None.
+        certificate: with ``locked``, the encoded prevotes of the polka behind the lock (its
+            POL certificate: 2f+1 of the power, signed by others, L36); else ().
     """
 
     height: int
@@ -100,6 +110,7 @@ class SignedMessage:
     value_id: bytes | None
     message: bytes
     locked: bytes | None = None
+    certificate: tuple[bytes, ...] = ()
 
 
 class ConsensusStore:
@@ -205,12 +216,18 @@ class ConsensusStore:
 
     def record_signed(
         self, height: int, round: int, step: int, value_id: bytes | None, message: bytes,
-        *, locked: bytes | None = None,
+        *, locked: bytes | None = None, certificate: Sequence[bytes] = (),
     ) -> bytes:
         """Write one own signed message durably, before it is sent.
 
         ``locked``: with a precommit for a value, the value (the lock it sets, restored after a
         restart; a restarted validator that forgot its lock could prevote another value).
+        ``certificate``: with ``locked``, the encoded prevotes of the polka behind the lock
+        (at most one per validator, so bounded by the set's size; written in the same
+        transaction, pruned with the message). A restart replays them as received votes, so
+        the validator's re-proposal of its locked value (L16, validRound) carries its POL
+        certificate and the others can accept it (L28): without them a polka that counted a
+        vote only this validator received is lost with its crash and the height can halt.
 
         Returns:
             the message to send: ``message``, or the one written earlier for the same
@@ -237,6 +254,11 @@ class ConsensusStore:
                 "INSERT INTO signed VALUES (?, ?, ?, ?, ?, ?)",
                 (height, round, step, value_id, message, locked),
             )
+            if locked is not None:
+                db.executemany(
+                    "INSERT OR REPLACE INTO lock_votes VALUES (?, ?, ?, ?)",
+                    [(height, round, i, m) for i, m in enumerate(certificate)],
+                )
         if self.deferred_sync:
             self.needs_sync = True
         return message
@@ -248,8 +270,15 @@ class ConsensusStore:
             "ORDER BY round, step",
             (height,),
         ).fetchall()
+        certs: dict[int, list[bytes]] = {}
+        for r, m in self._db.execute(
+            "SELECT round, message FROM lock_votes WHERE height=? ORDER BY round, idx",
+            (height,),
+        ).fetchall():
+            certs.setdefault(r, []).append(bytes(m))
         return [SignedMessage(h, r, s, None if v is None else bytes(v), bytes(m),
-                              None if lk is None else bytes(lk))
+                              None if lk is None else bytes(lk),
+                              tuple(certs.get(r, ())) if lk is not None else ())
                 for h, r, s, v, m, lk in rows]
 
     def last_signed_height(self) -> int | None:
@@ -261,7 +290,9 @@ class ConsensusStore:
         """Forget own messages below ``below_height`` (decided heights); returns how many."""
         with self._transaction(durable=False) as db:
             cursor = db.execute("DELETE FROM signed WHERE height < ?", (below_height,))
-        return cursor.rowcount
+            count = cursor.rowcount
+            db.execute("DELETE FROM lock_votes WHERE height < ?", (below_height,))
+        return count
 
     # ------------------------------------------------------------------ block store
 

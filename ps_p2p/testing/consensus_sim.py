@@ -67,8 +67,10 @@ issue 17: the classic draws above miss mutants that these catch):
 * **restarts with WAL replay** (``SimParams.restarts``: a correct validator crashes, loses its
   core and gossip state, and restarts before GST as :meth:`ps_p2p.consensus.validator.Validator.start`
   does: ``StartHeight`` of the height after its last decision, ``RestoreLock`` of its
-  highest-round precommit of a value, then its own WAL messages of that height re-sent and
-  replayed). The simulated WAL refuses a second value for one (height, round, step), as
+  highest-round precommit of a value and the 2f+1 prevotes of the polka behind it (its POL
+  certificate, kept with the lock and replayed as received votes), then its own WAL messages
+  of that height re-sent and replayed). The simulated WAL refuses a second value for one
+  (height, round, step), as
   :meth:`ps_p2p.consensus.store.ConsensusStore.record_signed` does (``ScheduleResult.wal_refused``);
 * **delays around and above the timeouts**: after GST a message takes up to ``delta``, drawn up
   to 0.5 s against base timeouts of 0.2-0.3 s, in half of those schedules at least
@@ -505,6 +507,9 @@ class _Node:
         # the WAL: (height, round, step) -> (message, locked value or None, epoch written in),
         # in signing order
         self.wal: dict[tuple[int, int, int], tuple[Proposal | Vote, bytes | None, int]] = {}
+        # with a lock: (height, round) -> the 2f+1 prevotes of its polka (the POL certificate,
+        # kept as ConsensusStore.record_signed keeps it with a precommit of a value)
+        self.wal_cert: dict[tuple[int, int], tuple[Vote, ...]] = {}
         self.lock: dict[int, tuple[int, bytes]] = {}  # checker: height -> (round, value ID)
         self.seen_values: dict[int, list[bytes]] = {}  # Byzantine: value IDs per height
         self.seen_round: dict[tuple[int, int], set[bytes]] = {}  # and per (height, round)
@@ -740,6 +745,13 @@ class _Sim:
         if locks:
             r, locked = max(locks, key=lambda x: x[0])
             self.apply(nd, RestoreLock(height, r, locked))
+            # the polka behind the lock, replayed as received votes (signed by others), so a
+            # re-proposal of the locked value (L16, validRound) carries its POL certificate
+            # and L28 can fire at the others
+            for v in nd.wal_cert.get((height, r), ()):
+                if nd.policy is not None:
+                    nd.policy.on_receive(v, v.validator, self.now)
+                self.apply(nd, VoteReceived(v))
         for _, (m, _, _) in own:
             msg = ProposalReceived(m) if isinstance(m, Proposal) else VoteReceived(m)
             nd.policy.on_send(m, self.now)
@@ -824,6 +836,9 @@ class _Sim:
                     locked = nd.values.get(v.value_id)
                 if self.wal_write(nd, (v.height, v.round, int(v.type)), v, locked) is None:
                     return
+                if locked is not None and nd.core.keeper is not None:
+                    nd.wal_cert.setdefault((v.height, v.round), tuple(nd.core.keeper.votes_for(
+                        v.round, VoteType.PREVOTE, v.value_id)))
                 self.check_sign(nd, (int(v.type), v.height, v.round), v)
                 self.check_lock(nd, v)
                 self.broadcast(nd, VoteReceived(v))
