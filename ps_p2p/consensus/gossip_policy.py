@@ -10,10 +10,14 @@ share, and a change of the service's policy is simulated before it runs.
 
 Interface (:class:`GossipPolicy`), per validator:
 
-* ``on_send(message, now)``: an own proposal or vote was signed (after the WAL write) and sent;
-* ``on_receive(message, sender, now)``: a peer's message passed its signature check and was
-  handed to the core (``sender``: the address of the peer it came from, which may differ from
-  the signer when relayed);
+* ``on_send(message, now) -> [(peer, message)]``: an own proposal or vote was signed (after
+  the WAL write) and sent to every peer; returns what else to send now (a re-proposal's POL
+  certificate);
+* ``on_receive(message, sender, now) -> [(peer, message)]``: a peer's message passed its
+  signature check and was handed to the core (``sender``: the address of the peer it came
+  from, which may differ from the signer when relayed); returns what to send now;
+* ``on_link_down(peer, now)``: frames to ``peer`` were lost (its link failed);
+* ``on_decide(decision, now)``: the core decided (before the next height starts);
 * ``tick(now, height, round_) -> [(peer or None, message)]``: what to send now (``None``: every
   other validator); ``height``/``round_`` are the core's current ones; called at least at
   ``next_tick()``;
@@ -29,8 +33,15 @@ validator (``SimParams.gossip``).
 
 Policies here:
 
-* :class:`OwnRecentRounds` — the service's behaviour today (issue 17): every ``interval``
-  seconds, the own messages of the current height in the last two rounds, to everyone;
+* :class:`ServiceGossip` — the service's gossip: the same
+  :class:`~ps_p2p.consensus.gossip.Gossip` object :class:`~ps_p2p.protocols.consensus.
+  ConsensusService` runs, fed the same inputs and the same relay set / POL certificate / last
+  commit (:func:`~ps_p2p.consensus.gossip.relay_set`, :func:`~ps_p2p.consensus.gossip.
+  pol_certificate`, :func:`~ps_p2p.consensus.gossip.commit_of`, which the service's validator
+  calls too), so the simulator and the service cannot drift;
+* :class:`OwnRecentRoundsBefore` — the service's behaviour *before* issue 17 (kept as the
+  "before" model): every ``interval`` seconds, the own messages of the current height in the
+  last two rounds, to everyone;
 * :class:`RelayAll` — the simulator's idealised gossip: from its first tick, whenever the
   height did not change since the last tick, every message heard at the current height (own
   and relayed), to everyone.
@@ -42,11 +53,23 @@ by the core's own bounds (:mod:`ps_p2p.consensus.votes`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
-from ps_p2p.consensus.types import Proposal, Vote
+from ps_p2p.consensus.gossip import (
+    Gossip,
+    commit_of,
+    pol_certificate,
+    proposals_against,
+    relay_set,
+)
+from ps_p2p.consensus.types import Decide, Proposal, Vote, VoteType
 
-__all__ = ["GossipPolicy", "Message", "OwnRecentRounds", "RelayAll", "Send"]
+if TYPE_CHECKING:
+    from ps_p2p.consensus.core import ConsensusCore
+
+__all__ = ["GossipPolicy", "Message", "OwnRecentRoundsBefore", "RelayAll", "Send",
+           "ServiceGossip"]
 
 Message = Proposal | Vote
 #: (peer address or None for every other validator, message)
@@ -56,17 +79,31 @@ Send = tuple[bytes | None, Message]
 class GossipPolicy(Protocol):
     """A validator's re-send policy (see the module docstring)."""
 
-    def on_send(self, message: Message, now: float) -> None: ...
+    def on_send(self, message: Message, now: float) -> list[Send]: ...
 
-    def on_receive(self, message: Message, sender: bytes, now: float) -> None: ...
+    def on_receive(self, message: Message, sender: bytes, now: float) -> list[Send]: ...
+
+    def on_link_down(self, peer: bytes, now: float) -> None: ...
+
+    def on_decide(self, decision: Decide, now: float) -> None: ...
 
     def tick(self, now: float, height: int | None, round_: int) -> list[Send]: ...
 
     def next_tick(self) -> float: ...
 
 
-class OwnRecentRounds:
-    """Today's service policy: every ``interval`` seconds, the own messages of the current
+class _Quiet:
+    """No-op hooks of the policies that react to nothing but ticks."""
+
+    def on_link_down(self, peer: bytes, now: float) -> None:
+        return None
+
+    def on_decide(self, decision: Decide, now: float) -> None:
+        return None
+
+
+class OwnRecentRoundsBefore(_Quiet):
+    """The service's policy before issue 17 (the "before" model): every ``interval`` seconds, the own messages of the current
     height whose round is at least ``round_ - rounds + 1`` (``rounds`` = 2), to everyone.
 
     Args:
@@ -84,13 +121,14 @@ class OwnRecentRounds:
         self._next = start
         self._own: dict[int, list[Message]] = {}
 
-    def on_send(self, message: Message, now: float) -> None:
+    def on_send(self, message: Message, now: float) -> list[Send]:
         mine = self._own.setdefault(message.height, [])
         if message not in mine:
             mine.append(message)
+        return []
 
-    def on_receive(self, message: Message, sender: bytes, now: float) -> None:
-        return None  # nothing relayed
+    def on_receive(self, message: Message, sender: bytes, now: float) -> list[Send]:
+        return []  # nothing relayed
 
     def tick(self, now: float, height: int | None, round_: int) -> list[Send]:
         if now < self._next:
@@ -107,7 +145,7 @@ class OwnRecentRounds:
         return self._next
 
 
-class RelayAll:
+class RelayAll(_Quiet):
     """Idealised gossip: every ``interval`` seconds from ``start``, if the height did not
     change since the previous tick (or at the first tick), every message heard at the current
     height (own ones and peers'), in arrival order, to everyone.
@@ -126,11 +164,13 @@ class RelayAll:
         self._ticked = False
         self._tick_height: int | None = None
 
-    def on_send(self, message: Message, now: float) -> None:
+    def on_send(self, message: Message, now: float) -> list[Send]:
         self._heard.setdefault(message.height, {})[message] = None
+        return []
 
-    def on_receive(self, message: Message, sender: bytes, now: float) -> None:
+    def on_receive(self, message: Message, sender: bytes, now: float) -> list[Send]:
         self._heard.setdefault(message.height, {})[message] = None
+        return []
 
     def tick(self, now: float, height: int | None, round_: int) -> list[Send]:
         if now < self._next:
@@ -147,3 +187,96 @@ class RelayAll:
 
     def next_tick(self) -> float:
         return self._next
+
+
+class ServiceGossip:
+    """The service's gossip (:mod:`ps_p2p.consensus.gossip`) as a policy: one
+    :class:`~ps_p2p.consensus.gossip.Gossip` fed what
+    :class:`~ps_p2p.protocols.consensus.ConsensusService` feeds it, where it feeds it:
+
+    * ``on_send`` = ``_send_own``: the own message is marked sent to every peer; a proposal
+      with a POL round goes with its POL certificate to each peer that lacks it (L28);
+    * ``on_receive`` = the verified-frame path: ``Gossip.heard`` (messages of the core's
+      height or the one below), and for a prevote of its own signer at the core's height,
+      ``_resend_pol`` (the re-proposals it votes against and their certificates, once);
+    * ``on_link_down`` = the link manager's ``on_link_down``: ``Gossip.link_down``;
+    * ``on_decide`` = the validator's ``last_commit``; ``tick`` = ``_gossip`` every
+      ``interval`` (the service's ``rebroadcast_interval``), with ``Gossip.new_height`` when
+      the height moved (the service's ``Committed``), the own messages of the last two rounds
+      (``Validator.own_messages``) and :func:`~ps_p2p.consensus.gossip.relay_set` of the core.
+
+    Args:
+        address: this validator's address; ``peers``: every validator's (own one skipped).
+        core: returns the validator's current core (read at each call, never kept).
+        interval: seconds between plans; ``start``: the first plan's time.
+        relay_after: ``Gossip``'s; default ``2 * interval`` (the service's default).
+    """
+
+    def __init__(self, address: bytes, peers: Sequence[bytes],
+                 core: Callable[[], ConsensusCore], interval: float, start: float = 0.0,
+                 relay_after: float | None = None) -> None:
+        if interval <= 0:
+            raise ValueError("interval must be > 0")
+        self.gossip = Gossip(address, peers, relay_after=relay_after or 2 * interval)
+        self.interval = interval
+        self._core = core
+        self._next = start
+        self._own: dict[int, list[Message]] = {}
+        self._height: int | None = None
+        self._commit: tuple[int, int, tuple[Message, ...]] | None = None
+
+    def on_send(self, message: Message, now: float) -> list[Send]:
+        mine = self._own.setdefault(message.height, [])
+        if message not in mine:
+            mine.append(message)
+        out: list[Send] = []
+        for peer in self.gossip.views:
+            if self.gossip.lacks(peer, message):
+                self.gossip.sent(peer, message)
+        if isinstance(message, Proposal) and message.pol_round >= 0:
+            certificate = pol_certificate(self._core(), message)
+            for peer in self.gossip.views:
+                out += [(peer, v) for v in self.gossip.certificate_for(peer, certificate)]
+        return out
+
+    def on_receive(self, message: Message, sender: bytes, now: float) -> list[Send]:
+        core = self._core()
+        height = core.height
+        if height is not None and message.height < height - 1:
+            return []
+        self.gossip.heard(sender, message, now)
+        out: list[Send] = []
+        if (isinstance(message, Vote) and message.type == VoteType.PREVOTE
+                and message.validator == sender and message.height == height):
+            for p, certificate in proposals_against(core, message):
+                out += [(sender, m) for m in self.gossip.resend(
+                    sender, (p.height, p.round), (p, *certificate))]
+        return out
+
+    def on_link_down(self, peer: bytes, now: float) -> None:
+        self.gossip.link_down(peer)
+
+    def on_decide(self, decision: Decide, now: float) -> None:
+        commit = commit_of(self._core(), decision)
+        if commit is not None:
+            self._commit = commit
+
+    def tick(self, now: float, height: int | None, round_: int) -> list[Send]:
+        if now < self._next:
+            return []
+        self._next = now + self.interval
+        if height is None:
+            return []
+        if height != self._height:
+            self._height = height
+            self.gossip.new_height(height)
+            for h in [h for h in self._own if h < height]:
+                del self._own[h]
+        own = [m for m in self._own.get(height, ()) if m.round >= round_ - 1]
+        plan = self.gossip.plan(now, height=height, round_=round_, own=own,
+                                relay=relay_set(self._core()), commit=self._commit)
+        return list(plan)
+
+    def next_tick(self) -> float:
+        return self._next
+

@@ -73,7 +73,7 @@ from libp2p.custom_types import TProtocol
 
 from ps_p2p.consensus.block import decode_block, encode_block, make_block
 from ps_p2p.consensus.core import ConsensusConfig
-from ps_p2p.consensus.gossip import Gossip
+from ps_p2p.consensus.gossip import Gossip, proposals_against
 from ps_p2p.consensus.signing import (
     sign_proposal,
     sign_vote,
@@ -608,14 +608,7 @@ class ConsensusService:
     def _resend_pol(self, peer: bytes, prevote: Vote) -> None:
         """``peer`` prevoted against a re-proposal of that round whose POL certificate we
         hold: it may lack the certificate (L28); send it and the proposal again, once."""
-        v = self.validator
-        for p in v.core.proposals(prevote.round):
-            if p.pol_round < 0 or prevote.value_id == v.config.value_id(p.value):
-                continue
-            certificate = v.pol_certificate(p)
-            if not v.core.keeper or not v.core.keeper.is_quorum(
-                    sum(v.core.keeper.power_of(c.validator) for c in certificate)):
-                continue  # we do not hold it in full either
+        for p, certificate in proposals_against(self.validator.core, prevote):
             for m in self.gossip.resend(peer, (p.height, p.round), (p, *certificate)):
                 self._send(peer, m, cc.encode_message(m))
 
