@@ -23,13 +23,14 @@ Interface (:class:`GossipPolicy`), per validator:
   ``next_tick()``;
 * ``next_tick() -> float``: when ``tick`` is next due (``now`` seconds).
 
-Where the service plugs it in: ``ConsensusService._tick`` today calls
-``Validator.own_messages()`` every ``rebroadcast_interval``; with this interface it calls
-``policy.tick(now, core.height, core.round)`` and sends each returned message, calls
-``policy.on_send`` where a :class:`~ps_p2p.consensus.validator.SendMessage` is carried out and
-``policy.on_receive`` where a verified frame is handed to the validator, and takes
-``policy.next_tick()`` into ``_next_deadline``. The simulator runs the same policy object per
-validator (``SimParams.gossip``).
+Where the service stands: :class:`~ps_p2p.protocols.consensus.ConsensusService` runs a
+:class:`~ps_p2p.consensus.gossip.Gossip` directly (``_send_own``, the verified-frame path,
+``_resend_pol``, ``on_link_down``, ``Committed``, ``_gossip``); :class:`ServiceGossip` makes the
+same object, fed at the same points with the same relay set / POL certificate / last commit
+functions, a policy the simulator runs (``SimParams.gossip = "service"``). The decisions (what
+a peer lacks, when it is behind or stalled, what to forget) live in ``Gossip`` and those
+functions only; the glue that feeds them is the one part written twice (here and in the
+service), kept to one call per input.
 
 Policies here:
 
@@ -46,9 +47,11 @@ Policies here:
   height did not change since the last tick, every message heard at the current height (own
   and relayed), to everyone.
 
-Bounds: both keep messages of the current height only (older heights are dropped at the first
-tick after the height moves); :class:`RelayAll` holds what the core accepted, so it is bounded
-by the core's own bounds (:mod:`ps_p2p.consensus.votes`).
+Bounds: :class:`ServiceGossip` has :class:`~ps_p2p.consensus.gossip.Gossip`'s bounds plus its
+own messages of the current height; the other two keep messages of the current height only
+(older heights are dropped at the first tick after the height moves); :class:`RelayAll` holds
+what the core accepted, so it is bounded by the core's own bounds
+(:mod:`ps_p2p.consensus.votes`).
 """
 
 from __future__ import annotations
@@ -103,8 +106,9 @@ class _Quiet:
 
 
 class OwnRecentRoundsBefore(_Quiet):
-    """The service's policy before issue 17 (the "before" model): every ``interval`` seconds, the own messages of the current
-    height whose round is at least ``round_ - rounds + 1`` (``rounds`` = 2), to everyone.
+    """The service's policy before issue 17 (the "before" model): every ``interval`` seconds,
+    the own messages of the current height whose round is at least ``round_ - rounds + 1``
+    (``rounds`` = 2), to everyone.
 
     Args:
         interval: seconds between re-sends (the service's ``rebroadcast_interval``, default the
