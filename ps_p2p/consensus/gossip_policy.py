@@ -23,14 +23,14 @@ Interface (:class:`GossipPolicy`), per validator:
   ``next_tick()``;
 * ``next_tick() -> float``: when ``tick`` is next due (``now`` seconds).
 
-Where the service stands: :class:`~ps_p2p.protocols.consensus.ConsensusService` runs a
-:class:`~ps_p2p.consensus.gossip.Gossip` directly (``_send_own``, the verified-frame path,
-``_resend_pol``, ``on_link_down``, ``Committed``, ``_gossip``); :class:`ServiceGossip` makes the
-same object, fed at the same points with the same relay set / POL certificate / last commit
-functions, a policy the simulator runs (``SimParams.gossip = "service"``). The decisions (what
-a peer lacks, when it is behind or stalled, what to forget) live in ``Gossip`` and those
-functions only; the glue that feeds them is the one part written twice (here and in the
-service), kept to one call per input.
+Where the service plugs it in: :class:`~ps_p2p.protocols.consensus.ConsensusService` holds a
+:class:`ServiceGossip` (``policy``; ``policy.gossip`` is its
+:class:`~ps_p2p.consensus.gossip.Gossip`): ``_send_own`` calls ``on_send`` (and sends the own
+message to the peers that lacked it), the verified-frame path ``on_receive``, the link
+manager's ``on_link_down`` ``Gossip.link_down``, and ``_gossip`` (every
+``rebroadcast_interval``) :meth:`ServiceGossip.plan`, with the validator's own messages and last
+commit. The simulator runs the same class per validator (``SimParams.gossip = "service"``), so
+the two cannot drift.
 
 Policies here:
 
@@ -209,30 +209,46 @@ class ServiceGossip:
       the height moved (the service's ``Committed``), the own messages of the last two rounds
       (``Validator.own_messages``) and :func:`~ps_p2p.consensus.gossip.relay_set` of the core.
 
+    The service holds one too (``ConsensusService.policy``; ``.gossip`` is its ``Gossip``), with
+    ``own`` and ``commit`` read from its validator, and calls :meth:`plan` on its own schedule.
+
     Args:
         address: this validator's address; ``peers``: every validator's (own one skipped).
         core: returns the validator's current core (read at each call, never kept).
         interval: seconds between plans; ``start``: the first plan's time.
         relay_after: ``Gossip``'s; default ``2 * interval`` (the service's default).
+        own: returns the own signed messages of the current height in its last two rounds
+            (the service: ``Validator.own_messages``); None: those recorded by ``on_send``.
+        commit: returns the last decision's (height, round, messages) (the service:
+            ``Validator.last_commit``); None: the one recorded by ``on_decide``.
     """
 
     def __init__(self, address: bytes, peers: Sequence[bytes],
                  core: Callable[[], ConsensusCore], interval: float, start: float = 0.0,
-                 relay_after: float | None = None) -> None:
+                 relay_after: float | None = None,
+                 own: Callable[[], Sequence[Message]] | None = None,
+                 commit: Callable[[], tuple[int, int, tuple[Message, ...]] | None] | None = None,
+                 ) -> None:
         if interval <= 0:
             raise ValueError("interval must be > 0")
         self.gossip = Gossip(address, peers, relay_after=relay_after or 2 * interval)
         self.interval = interval
         self._core = core
+        self._own_of = own
+        self._commit_of = commit
         self._next = start
         self._own: dict[int, list[Message]] = {}
         self._height: int | None = None
         self._commit: tuple[int, int, tuple[Message, ...]] | None = None
 
-    def on_send(self, message: Message, now: float) -> list[Send]:
-        mine = self._own.setdefault(message.height, [])
-        if message not in mine:
-            mine.append(message)
+    def on_send(self, message: Message, now: float = 0.0) -> list[Send]:
+        """Own ``message`` goes to every peer that lacks it (the caller sends it: marked sent
+        here); returns its POL certificate for each peer that lacks it (marked sent).
+        ``now`` is not used (the service calls this without a clock)."""
+        if self._own_of is None:
+            mine = self._own.setdefault(message.height, [])
+            if message not in mine:
+                mine.append(message)
         out: list[Send] = []
         for peer in self.gossip.views:
             if self.gossip.lacks(peer, message):
@@ -269,6 +285,11 @@ class ServiceGossip:
         if now < self._next:
             return []
         self._next = now + self.interval
+        return self.plan(now, height, round_)
+
+    def plan(self, now: float, height: int | None, round_: int) -> list[Send]:
+        """What each peer lacks now (:meth:`~ps_p2p.consensus.gossip.Gossip.plan`), whatever
+        the interval (the service's ``_gossip`` calls this on its own schedule)."""
         if height is None:
             return []
         if height != self._height:
@@ -276,9 +297,13 @@ class ServiceGossip:
             self.gossip.new_height(height)
             for h in [h for h in self._own if h < height]:
                 del self._own[h]
-        own = [m for m in self._own.get(height, ()) if m.round >= round_ - 1]
+        if self._own_of is not None:
+            own: Sequence[Message] = self._own_of()
+        else:
+            own = [m for m in self._own.get(height, ()) if m.round >= round_ - 1]
+        commit = self._commit_of() if self._commit_of is not None else self._commit
         plan = self.gossip.plan(now, height=height, round_=round_, own=own,
-                                relay=relay_set(self._core()), commit=self._commit)
+                                relay=relay_set(self._core()), commit=commit)
         return list(plan)
 
     def next_tick(self) -> float:
