@@ -2,11 +2,14 @@
 """Run the consensus simulator over many seeded schedules and print what happened.
 
 Usage: ``python scripts/consensus_sim.py --schedules 10000 [--heights 3] [--first-seed 0]
-[--f 1|2|3] [--mode classic|adversarial] [--gossip relay|service]``. Prints schedules, heights decided, the distribution of rounds per height
-(decision round + 1), violations by property (schedules in which each failed), the first
-failing seeds, and schedules per second. ``--mode adversarial`` draws restarts, unequal powers,
-slow links, quorum splits and twins; ``--gossip service`` re-sends as the service does today
-(own messages of the last two rounds only; issue 17 finding 2). Exit status 1 if any property failed.
+[--f 1|2|3] [--mode classic|adversarial] [--gossip relay|service|before]``. Prints
+schedules, heights decided, the distribution of rounds per height (decision round + 1),
+violations by property (schedules in which each failed), the first failing seeds, and
+schedules per second. ``--mode adversarial`` draws restarts, unequal powers, slow links, quorum
+splits and twins; ``--gossip service`` runs the service's own gossip object
+(:class:`~ps_p2p.consensus.gossip_policy.ServiceGossip`), ``--gossip before`` the service's
+re-broadcast before issue 17 (own messages of the last two rounds only; finding 2). Exit
+status 1 if any property failed.
 See :mod:`ps_p2p.testing.consensus_sim`.
 """
 

@@ -276,3 +276,19 @@ async def test_validators_that_missed_the_polka_prevote_the_locked_validators_re
         nursery.cancel_scope.cancel()
     assert len({c.block.header for z in m for c in z.commits if c.height == 3}) == 1
     assert set(locked) <= {p, q}
+
+
+def test_the_service_runs_the_gossip_policy_the_simulator_runs():
+    """Issue 17: one gossip implementation for the service and the simulator's
+    ``gossip="service"`` (:class:`~ps_p2p.consensus.gossip_policy.ServiceGossip`)."""
+    import dataclasses
+    import random
+
+    from ps_p2p.consensus.core import ConsensusCore
+    from ps_p2p.consensus.gossip_policy import ServiceGossip
+    from ps_p2p.testing.consensus_sim import SIM_CONFIG, _Sim, draw_params
+
+    service, _ = _service()
+    assert type(service.policy) is ServiceGossip and service.gossip is service.policy.gossip
+    params = dataclasses.replace(draw_params(random.Random(0), 1, 1), gossip="service")
+    assert type(_Sim(0, params, ConsensusCore, SIM_CONFIG).new_policy(0)) is ServiceGossip

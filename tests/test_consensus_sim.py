@@ -4,6 +4,8 @@ catching deliberately broken cores."""
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import time
 
 import pytest
@@ -159,7 +161,7 @@ def test_a_validator_that_saw_an_equivocators_other_value_still_catches_up():
 # adversarial schedules (restarts with WAL replay, unequal powers, delays above the timeouts,
 # link cuts, quorum split, twins) and the gossip policies shared with the service
 
-from ps_p2p.consensus.gossip_policy import OwnRecentRounds, RelayAll  # noqa: E402
+from ps_p2p.consensus.gossip_policy import OwnRecentRoundsBefore, RelayAll  # noqa: E402
 from ps_p2p.consensus.types import Proposal, Vote  # noqa: E402
 from ps_p2p.testing.consensus_sim import (  # noqa: E402
     SIM_CONFIG,
@@ -286,7 +288,7 @@ def test_unequal_powers_weight_the_quorums():
 
 
 def test_own_recent_rounds_resends_only_own_messages_of_the_last_two_rounds():
-    policy = OwnRecentRounds(0.2)
+    policy = OwnRecentRoundsBefore(0.2)
     mine = [Vote(VoteType.PREVOTE, 1, r, None, b"a") for r in range(4)]
     old = Vote(VoteType.PREVOTE, 0, 5, None, b"a")
     for m in (*mine, old):
@@ -310,14 +312,55 @@ def test_relay_all_resends_everything_heard_while_the_height_is_stuck():
     assert policy.tick(2.0, 1, 0) == []  # the height moved since the last tick
 
 
-# Issue 17, finding 2: the service re-sends only its own messages of its last two rounds, and
-# the simulator with that policy fails termination (seeds found with run_schedule(seed,
-# gossip="service")). Strict: when the service's policy is fixed (and the simulator's
-# "service" mode runs the new policy), this passes and must become a plain test.
-@pytest.mark.xfail(strict=True, reason="issue 17 finding 2: own-messages-only re-broadcast")
+# Issue 17, finding 2: the service re-sent only its own messages of its last two rounds, and
+# the simulator with that policy failed termination (seeds 78, 88, 105 of run_schedule(seed,
+# gossip="before")). The simulator's "service" mode now runs the service's own Gossip object
+# (ServiceGossip), and those schedules terminate.
 def test_the_services_rebroadcast_policy_terminates_on_every_schedule():
-    results = [run_schedule(s, gossip="service") for s in (78, 88, 105)]
+    seeds = (78, 88, 105, 114, *range(40))
+    results = [run_schedule(s, gossip="service") for s in seeds]
     assert all(r.ok for r in results), [(r.seed, r.violations) for r in results if not r.ok]
+    adversarial = [run_schedule(s, gossip="service", mode="adversarial", heights=2)
+                   for s in (203, 296, 305, *range(20))]
+    assert all(r.ok for r in adversarial), [
+        (r.seed, r.adversary, r.violations) for r in adversarial if not r.ok]
+
+
+def test_the_old_own_messages_only_rebroadcast_halts_where_the_service_gossip_does_not():
+    """The "before" model still shows finding 2 (so the simulator would catch a return to it)."""
+    for seed in (78, 88, 105):
+        assert "termination" in run_schedule(seed, gossip="before").violations
+        assert run_schedule(seed, gossip="service").ok
+
+
+def test_the_simulators_service_mode_runs_the_services_gossip_object():
+    from ps_p2p.consensus.gossip import Gossip
+    from ps_p2p.consensus.gossip_policy import ServiceGossip
+    from ps_p2p.testing.consensus_sim import _Sim
+
+    sim = _Sim(0, dataclasses.replace(draw_adversarial_params(random.Random(0), 1, 1),
+                                      gossip="service"), ConsensusCore, SIM_CONFIG)
+    policy = sim.new_policy(0)
+    assert isinstance(policy, ServiceGossip) and type(policy.gossip) is Gossip
+
+
+def test_service_gossip_sends_a_re_proposals_pol_certificate_to_peers_that_lack_it():
+    from ps_p2p.consensus.core import ConsensusConfig
+    from ps_p2p.consensus.gossip_policy import ServiceGossip
+    from ps_p2p.consensus.types import StartHeight, Validator, VoteReceived, value_id
+
+    addrs = [b"a", b"b", b"c", b"d"]
+    core = ConsensusCore(b"a", ConsensusConfig())
+    core.handle(StartHeight(0, tuple(Validator(x, 1) for x in addrs)), 0.0)
+    policy = ServiceGossip(b"a", addrs, lambda: core, 0.2)
+    pol = [Vote(VoteType.PREVOTE, 0, 0, value_id(b"V1"), x) for x in (b"b", b"c", b"d")]
+    for v in pol:
+        core.handle(VoteReceived(v), 0.0)
+        policy.on_receive(v, v.validator, 0.0)
+    sends = policy.on_send(Proposal(0, 1, b"V1", 0, b"a"), 0.1)
+    # each peer lacks the two prevotes it did not sign
+    assert sorted((peer, m.validator) for peer, m in sends) == [
+        (b"b", b"c"), (b"b", b"d"), (b"c", b"b"), (b"c", b"d"), (b"d", b"b"), (b"d", b"c")]
 
 
 @pytest.mark.slow

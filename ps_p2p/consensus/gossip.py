@@ -55,9 +55,15 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ps_p2p.consensus.types import Proposal, Vote
+from typing import TYPE_CHECKING
 
-__all__ = ["MAX_KNOWN_PER_PEER", "Gossip", "PeerView"]
+from ps_p2p.consensus.types import Decide, Proposal, Vote, VoteType
+
+if TYPE_CHECKING:
+    from ps_p2p.consensus.core import ConsensusCore
+
+__all__ = ["MAX_KNOWN_PER_PEER", "Gossip", "PeerView", "commit_of", "pol_certificate",
+           "proposals_against", "relay_set"]
 
 #: Messages remembered per peer (its own and relayed ones it has), at most.
 MAX_KNOWN_PER_PEER = 4096
@@ -74,6 +80,69 @@ def position(message: Message) -> tuple[int, int, int]:
     """(height, round, step) of a message (step: 0 proposal, 1 prevote, 2 precommit)."""
     step = 0 if isinstance(message, Proposal) else int(message.type)
     return (message.height, message.round, step)
+
+
+def pol_certificate(core: ConsensusCore, proposal: Proposal) -> tuple[Vote, ...]:
+    """The 2f+1 prevotes of ``proposal``'s POL round for its value that ``core`` holds (L28);
+    () for a fresh proposal or another height than the core's."""
+    keeper = core.keeper
+    if proposal.pol_round < 0 or keeper is None or proposal.height != core.height:
+        return ()
+    return keeper.votes_for(proposal.pol_round, VoteType.PREVOTE,
+                            core.config.value_id(proposal.value))
+
+
+def relay_set(core: ConsensusCore) -> list[Message]:
+    """Signed proposals and votes of ``core``'s height to relay to a peer that lacks them
+    (:meth:`Gossip.plan`): the proposals and votes held of its round and the one before (L36,
+    L44, L49, and f+1 of a higher round for L55), with the POL certificates of those proposals
+    and of its valid round (2f+1 prevotes, L28). Empty once decided. The service
+    (:meth:`ps_p2p.registry.validator.Validator.relay_set`) and the simulator
+    (:class:`ps_p2p.consensus.gossip_policy.ServiceGossip`) both call this."""
+    keeper = core.keeper
+    if core.height is None or keeper is None or core.decision is not None:
+        return []
+    out: list[Message] = []
+    for r in (core.round - 1, core.round):
+        if r < 0:
+            continue
+        for p in core.proposals(r):
+            out.append(p)
+            out.extend(pol_certificate(core, p))
+        out.extend(keeper.votes_of(r))
+    if core.valid_value is not None and core.valid_round >= 0:
+        out.extend(keeper.votes_for(core.valid_round, VoteType.PREVOTE,
+                                    core.config.value_id(core.valid_value)))
+    return out
+
+
+def commit_of(core: ConsensusCore, decision: Decide
+              ) -> tuple[int, int, tuple[Message, ...]] | None:
+    """(height, round, messages) of ``decision`` for :meth:`Gossip.plan`'s ``commit``: its
+    precommits and the decided round's proposal as ``core`` holds it (call before the next
+    height starts); None when the core does not hold that proposal."""
+    proposal = core.proposal_for(decision.round, core.config.value_id(decision.value))
+    if proposal is None:
+        return None
+    return (decision.height, decision.round, (*decision.commit, proposal))
+
+
+def proposals_against(core: ConsensusCore, prevote: Vote) -> list[tuple[Proposal, tuple[
+        Vote, ...]]]:
+    """Re-proposals of ``prevote``'s round whose value it votes against and whose POL
+    certificate ``core`` holds in full, each with that certificate: what
+    :meth:`Gossip.resend` sends its signer again (it may lack the certificate, L28)."""
+    keeper = core.keeper
+    out = []
+    for p in core.proposals(prevote.round):
+        if p.pol_round < 0 or prevote.value_id == core.config.value_id(p.value):
+            continue
+        certificate = pol_certificate(core, p)
+        if keeper is None or not keeper.is_quorum(
+                sum(keeper.power_of(c.validator) for c in certificate)):
+            continue  # we do not hold it in full either
+        out.append((p, certificate))
+    return out
 
 
 @dataclass

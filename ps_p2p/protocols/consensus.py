@@ -73,7 +73,7 @@ from libp2p.custom_types import TProtocol
 
 from ps_p2p.consensus.block import decode_block, encode_block, make_block
 from ps_p2p.consensus.core import ConsensusConfig
-from ps_p2p.consensus.gossip import Gossip
+from ps_p2p.consensus.gossip_policy import ServiceGossip
 from ps_p2p.consensus.signing import (
     sign_proposal,
     sign_vote,
@@ -81,7 +81,7 @@ from ps_p2p.consensus.signing import (
     verify_vote,
 )
 from ps_p2p.consensus.store import ConsensusStore
-from ps_p2p.consensus.types import Proposal, Vote, VoteType
+from ps_p2p.consensus.types import Proposal, Vote
 from ps_p2p.errors import (
     ConfigError,
     InvalidSignatureError,
@@ -283,8 +283,13 @@ class ConsensusService:
         self.sync_after = self.config.sync_after or (
             core.timeout_propose + core.timeout_prevote + core.timeout_precommit)
         self.address = identity.peer_id
-        self.gossip = Gossip(self.address, self.peers, relay_after=(
-            self.config.relay_after or 2 * self.rebroadcast_interval))
+        v = self.validator
+        #: the gossip policy the simulator runs too (gossip="service"); ``gossip`` its Gossip
+        self.policy = ServiceGossip(
+            self.address, self.peers, lambda: v.core, self.rebroadcast_interval,
+            relay_after=self.config.relay_after or 2 * self.rebroadcast_interval,
+            own=v.own_messages, commit=lambda: v.last_commit)
+        self.gossip = self.policy.gossip
         self.on_commit = on_commit
         self._clock = clock
         self.driver: CoreDriver[Action] = CoreDriver(
@@ -456,10 +461,8 @@ class ConsensusService:
             self.refused["ignored"] += 1  # would change nothing: no signature check
             return
         self._check_signature(peer, data, message)
-        self.gossip.heard(peer, message, self._clock())
-        if (isinstance(message, Vote) and message.type == VoteType.PREVOTE
-                and message.validator == peer and message.height == v.height):
-            self._resend_pol(peer, message)
+        # it has it; a prevote against a re-proposal whose certificate we hold: send it again
+        self._send_planned(self.policy.on_receive(message, peer, self._clock()))
         if message.height > v.height + 1:
             self._refuse("future height", peer, f"(height {message.height}, ours {v.height})")
             self._request_sync(peer)
@@ -590,34 +593,17 @@ class ConsensusService:
         message = action.message
         data = cc.encode_message(message)
         self.gossip.set_peers(self.peers)
-        for peer in self.peers:
-            if self.gossip.lacks(peer, message):
-                self._send(peer, message, data)
-        if isinstance(message, Proposal) and message.pol_round >= 0:
-            certificate = self.validator.pol_certificate(message)
-            for peer in self.peers:
-                for vote in self.gossip.certificate_for(peer, certificate):
-                    self._send(peer, vote, cc.encode_message(vote))
+        targets = [peer for peer in self.peers if self.gossip.lacks(peer, message)]
+        certificate = self.policy.on_send(message)  # marks ``targets`` sent
+        for peer in targets:
+            self._send(peer, message, data)
+        self._send_planned(certificate)
         if self.byzantine is not None:  # TEST ONLY: equivocate, bypassing the WAL
             conflict = self.byzantine.conflicting(action.message)
             if conflict is not None:
                 data = cc.encode_message(conflict)
                 for peer in self.byzantine.targets:
                     self._links.send(peer, data)
-
-    def _resend_pol(self, peer: bytes, prevote: Vote) -> None:
-        """``peer`` prevoted against a re-proposal of that round whose POL certificate we
-        hold: it may lack the certificate (L28); send it and the proposal again, once."""
-        v = self.validator
-        for p in v.core.proposals(prevote.round):
-            if p.pol_round < 0 or prevote.value_id == v.config.value_id(p.value):
-                continue
-            certificate = v.pol_certificate(p)
-            if not v.core.keeper or not v.core.keeper.is_quorum(
-                    sum(v.core.keeper.power_of(c.validator) for c in certificate)):
-                continue  # we do not hold it in full either
-            for m in self.gossip.resend(peer, (p.height, p.round), (p, *certificate)):
-                self._send(peer, m, cc.encode_message(m))
 
     def _send(self, peer: bytes, message: Proposal | Vote, data: bytes) -> None:
         assert self._links is not None
@@ -632,11 +618,14 @@ class ConsensusService:
         if core.height is None:
             return
         self.gossip.set_peers(self.peers)
-        plan = self.gossip.plan(
-            now, height=core.height, round_=core.round, own=v.own_messages(),
-            relay=v.relay_set(), commit=v.last_commit)
+        self._send_planned(self.policy.plan(now, core.height, core.round))
+
+    def _send_planned(self, plan: list[tuple[bytes | None, Proposal | Vote]]) -> None:
+        """Send (peer, message) pairs of the gossip policy, each message encoded once."""
         encoded: dict[Proposal | Vote, bytes] = {}
         for peer, message in plan:
+            if peer is None:
+                continue  # ServiceGossip names every peer
             data = encoded.get(message)
             if data is None:
                 data = encoded[message] = cc.encode_message(message)

@@ -90,6 +90,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ps_p2p.consensus import gossip
 from ps_p2p.consensus.block import (
     Block,
     block_id,
@@ -382,34 +383,15 @@ class Validator:
         return [m for m in self._own if m.round >= low]
 
     def relay_set(self) -> list[Proposal | Vote]:
-        """Signed proposals and votes of the current height to relay to a peer that lacks them
-        (:mod:`ps_p2p.consensus.gossip`): the proposals and votes held of our round and the one
-        before (L36, L44, L49, and f+1 of a higher round for L55), with the POL certificates of
-        those proposals and of our valid round (2f+1 prevotes, L28). Empty once decided."""
-        core, keeper = self.core, self.core.keeper
-        if core.height is None or keeper is None or core.decision is not None:
-            return []
-        out: list[Proposal | Vote] = []
-        for r in (core.round - 1, core.round):
-            if r < 0:
-                continue
-            for p in core.proposals(r):
-                out.append(p)
-                out.extend(self.pol_certificate(p))
-            out.extend(keeper.votes_of(r))
-        if core.valid_value is not None and core.valid_round >= 0:
-            out.extend(keeper.votes_for(core.valid_round, VoteType.PREVOTE,
-                                        self.config.value_id(core.valid_value)))
-        return out
+        """Signed proposals and votes of the current height to relay to a peer that lacks them:
+        :func:`ps_p2p.consensus.gossip.relay_set` of the core (one implementation, shared with
+        the simulator's service gossip)."""
+        return gossip.relay_set(self.core)
 
     def pol_certificate(self, proposal: Proposal) -> tuple[Vote, ...]:
         """The 2f+1 prevotes of ``proposal``'s POL round for its value that we hold (L28); ()
-        for a fresh proposal or another height."""
-        keeper = self.core.keeper
-        if proposal.pol_round < 0 or keeper is None or proposal.height != self.core.height:
-            return ()
-        return keeper.votes_for(proposal.pol_round, VoteType.PREVOTE,
-                                self.config.value_id(proposal.value))
+        for a fresh proposal or another height (:func:`ps_p2p.consensus.gossip.pol_certificate`)."""
+        return gossip.pol_certificate(self.core, proposal)
 
     def ignores(self, message: Proposal | Vote) -> bool:
         """Whether :meth:`receive` would drop this message without any change or action,
@@ -859,9 +841,9 @@ class Validator:
         bid = block_id(block.header)
         verify_commit(self.genesis.chain_id, self.state.validators, d.height, bid, d.commit)
         executed = self._executed.get(bid)
-        proposal = self.core.proposal_for(d.round, self.config.value_id(d.value))
-        if proposal is not None:
-            self.last_commit = (d.height, d.round, (*d.commit, proposal))
+        commit = gossip.commit_of(self.core, d)
+        if commit is not None:
+            self.last_commit = commit
         new, result = executed if executed is not None else execute_block(self.state, block)
         self._commit(block, d.value, d.commit, new, result, actions, synced=False)
         self.mempool.update(self.state, block.txs, self.unix_ms())

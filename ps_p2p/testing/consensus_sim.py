@@ -93,11 +93,16 @@ round and that round is at or above its lock round (or it is locked on that valu
 that of its last signed precommit for a value, kept across restarts (the WAL is the record).
 
 Gossip (``SimParams.gossip``): ``"relay"`` is the idealised gossip described above
-(:class:`~ps_p2p.consensus.gossip_policy.RelayAll`); ``"service"`` is the service's re-broadcast
-today (:class:`~ps_p2p.consensus.gossip_policy.OwnRecentRounds`: every ``rebroadcast_interval``
-seconds from time 0, its own messages of its last two rounds, nothing relayed). Both are the
-policy objects of :mod:`ps_p2p.consensus.gossip_policy`, the interface the service is meant to
-call as well, so a change of the service's policy can be simulated as it will run.
+(:class:`~ps_p2p.consensus.gossip_policy.RelayAll`); ``"service"`` is the service's gossip
+(:class:`~ps_p2p.consensus.gossip_policy.ServiceGossip`: the same
+:class:`~ps_p2p.consensus.gossip.Gossip` object and relay set / POL certificate / last commit
+functions the service runs, every ``rebroadcast_interval`` seconds from time 0: each peer is
+sent what it lacks); ``"before"`` is the service's re-broadcast before issue 17
+(:class:`~ps_p2p.consensus.gossip_policy.OwnRecentRoundsBefore`: its own messages of its last
+two rounds, nothing relayed). A message lost on a link (a drop, a partition, a cut, a crashed
+receiver) is reported to the sender's policy as the service's link manager reports a failed
+link (``on_link_down``): the service's links are reliable streams, so a frame is lost only with
+its link.
 """
 
 from __future__ import annotations
@@ -111,7 +116,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ps_p2p.consensus.core import ConsensusConfig, ConsensusCore, proposer_cycle
-from ps_p2p.consensus.gossip_policy import GossipPolicy, OwnRecentRounds, RelayAll
+from ps_p2p.consensus.gossip_policy import (
+    GossipPolicy,
+    OwnRecentRoundsBefore,
+    RelayAll,
+    ServiceGossip,
+)
 from ps_p2p.consensus.types import (
     BroadcastProposal,
     BroadcastVote,
@@ -162,7 +172,7 @@ ADVERSARIAL_BEHAVIOURS = BEHAVIOURS + ("fake-pol",)
 #: The properties checked on every schedule.
 PROPERTIES = ("agreement", "validity", "no-double-sign", "accountability", "lock", "termination")
 #: Gossip modes of ``SimParams.gossip``.
-GOSSIP_MODES = ("relay", "service")
+GOSSIP_MODES = ("relay", "service", "before")
 #: Kinds of adversarial schedule drawn by :func:`draw_adversarial_params`.
 ADVERSARIES = ("mixed", "quorum-split", "twins", "one-third", "lock-race")
 
@@ -579,10 +589,14 @@ class _Sim:
         )
         return p.gst + max(5.0, per_height) * p.heights + 10.0
 
-    def new_policy(self) -> GossipPolicy:
+    def new_policy(self, index: int) -> GossipPolicy:
+        interval = self.p.rebroadcast_interval or self.config.timeout_prevote
         if self.p.gossip == "service":
-            interval = self.p.rebroadcast_interval or self.config.timeout_prevote
-            return OwnRecentRounds(interval, start=self.now)
+            nd = self.nodes[index]
+            return ServiceGossip(nd.address, [v.address for v in self.validators],
+                                 lambda: nd.core, interval, start=self.now)
+        if self.p.gossip == "before":
+            return OwnRecentRoundsBefore(interval, start=self.now)
         if self.p.gossip != "relay":
             raise ValueError(f"unknown gossip mode {self.p.gossip!r}")
         return RelayAll(self.p.resend_interval, start=max(self.now, self.p.gst))
@@ -635,6 +649,8 @@ class _Sim:
         if self.nodes[dst].base == src.base:
             return  # a twin's copies share a key: never each other's peers
         if self.lost(src.index, dst, msg):
+            if src.policy is not None:  # the service's link manager reports the failure
+                src.policy.on_link_down(self.nodes[dst].address, self.now)
             return
         if self.now < self.p.gst:
             delay = self.rng.uniform(0.0, self.p.pre_gst_delay)
@@ -643,8 +659,13 @@ class _Sim:
         self.push(self.now + delay, _DELIVER, dst, (src.index, msg))
 
     def broadcast(self, src: _Node, msg: ProposalReceived | VoteReceived) -> None:
+        planned: list[tuple[bytes | None, Proposal | Vote]] = []
+        if src.policy is not None:  # an own message: the policy marks it sent first
+            m = msg.proposal if isinstance(msg, ProposalReceived) else msg.vote
+            planned = src.policy.on_send(m, self.now)
         for i in range(len(self.nodes)):
             self.send(src, i, msg)
+        self.send_planned(src, planned)
 
     # -------------------------------------------------------------- running
 
@@ -653,7 +674,7 @@ class _Sim:
             if nd.behaviour != "silent":
                 self.apply(nd, StartHeight(0, self.validators))
         for nd in self.correct:
-            nd.policy = self.new_policy()
+            nd.policy = self.new_policy(nd.index)
             self.push(nd.policy.next_tick(), _TICK, nd.index, None)
         for crash, restart, i in self.p.restarts:
             self.push(crash, _CRASH, i, None)
@@ -669,7 +690,10 @@ class _Sim:
             self.now = at
             nd = self.nodes[idx]
             if kind == _DELIVER:
-                if nd.down:
+                if nd.down:  # the sender's link to it fails (the service's on_link_down)
+                    sender = self.nodes[payload[0]]  # type: ignore[index]
+                    if sender.policy is not None and sender is not nd:
+                        sender.policy.on_link_down(nd.address, at)
                     continue
                 self.deliveries += 1
                 src, msg = payload  # type: ignore[misc]
@@ -721,21 +745,25 @@ class _Sim:
             return
         assert nd.policy is not None
         if not nd.down:
-            for peer, m in nd.policy.tick(self.now, nd.core.height, nd.core.round):
-                msg = ProposalReceived(m) if isinstance(m, Proposal) else VoteReceived(m)
-                targets = (range(len(self.nodes)) if peer is None
-                           else [self.by_address[peer].index])
-                for i in targets:
-                    if i != nd.index:
-                        self.send(nd, i, msg)
+            self.send_planned(nd, nd.policy.tick(self.now, nd.core.height, nd.core.round))
         self.push(max(nd.policy.next_tick(), self.now + 1e-3), _TICK, nd.index, None)
+
+    def send_planned(self, nd: _Node, plan: list[tuple[bytes | None, Proposal | Vote]]) -> None:
+        """Send what a policy returned: (peer address or None for every other node, message)."""
+        for peer, m in plan:
+            msg = ProposalReceived(m) if isinstance(m, Proposal) else VoteReceived(m)
+            targets = (range(len(self.nodes)) if peer is None
+                       else [self.by_address[peer].index])
+            for i in targets:
+                if i != nd.index:
+                    self.send(nd, i, msg)
 
     def restart(self, nd: _Node) -> None:
         """Restart from the store and WAL, as Validator.start does (module docstring)."""
         nd.down = False
         nd.epoch += 1
         nd.core = self.core_factory(nd.address, self.config)
-        nd.policy = self.new_policy()
+        nd.policy = self.new_policy(nd.index)
         height = max(nd.decisions) + 1 if nd.decisions else 0
         if height >= self.p.heights:
             return
@@ -754,10 +782,11 @@ class _Sim:
                 self.apply(nd, VoteReceived(v))
         for _, (m, _, _) in own:
             msg = ProposalReceived(m) if isinstance(m, Proposal) else VoteReceived(m)
-            nd.policy.on_send(m, self.now)
+            planned = nd.policy.on_send(m, self.now)
             for i in range(len(self.nodes)):
                 if i != nd.index:
                     self.send(nd, i, msg)
+            self.send_planned(nd, planned)
             self.apply(nd, msg)
 
     def receive(self, nd: _Node, src: int, msg: ProposalReceived | VoteReceived) -> None:
@@ -777,11 +806,11 @@ class _Sim:
         else:
             height = msg.vote.height
             m = msg.vote
-        if nd.policy is not None:
-            if src == nd.index:
-                nd.policy.on_send(m, self.now)
-            else:
-                nd.policy.on_receive(m, self.nodes[src].address, self.now)
+        if nd.policy is not None and src != nd.index:  # own ones: on_send in broadcast
+            self.send_planned(nd, nd.policy.on_receive(m, self.nodes[src].address, self.now))
+        if (self.p.gossip == "service" and nd.behaviour is None and src != nd.index
+                and nd.core.height is not None and height > nd.core.height):
+            self.sync_from(self.nodes[src], nd, nd.core.height)
         if nd.behaviour is None and src != nd.index and height in nd.certs:
             last = nd.cert_sent.get((src, height))
             if last is None or self.now - last >= self.p.resend_interval:
@@ -789,6 +818,22 @@ class _Sim:
                 for c in nd.certs[height]:
                     self.send(nd, src, c)
         self.apply(nd, msg)
+
+    def sync_from(self, peer: _Node, nd: _Node, height: int) -> None:
+        """The service's block sync (``ConsensusService._ahead``): ``nd`` heard ``peer`` at a
+        higher height, so it fetches ``height``'s proposal and commit from it, at most once
+        per ``resend_interval`` (the service waits ``sync_after`` first; here at once). Its
+        gossip sends a commit only to a peer in a later round of the decided height, and
+        nothing of a height it left: a validator that missed precommits of the decided round
+        catches up by block sync in the service, and must here too."""
+        if peer.behaviour is not None or height not in peer.certs:
+            return
+        last = peer.cert_sent.get((nd.index, height))
+        if last is not None and self.now - last < self.p.resend_interval:
+            return
+        peer.cert_sent[(nd.index, height)] = self.now
+        for c in peer.certs[height]:
+            self.send(peer, nd.index, c)
 
     def apply(self, nd: _Node, inp: Input) -> None:
         for out in nd.core.handle(inp, self.now):
@@ -943,6 +988,8 @@ class _Sim:
                 break
         if not is_valid(d.value) or not (nd.validated.get(vid) or vid in nd.own_values):
             self.violate("validity", f"{nd.address!r} decided unvalidated {d.value.hex()[:8]}")
+        if nd.policy is not None:
+            nd.policy.on_decide(d, self.now)
         prop = nd.proposals.get((d.height, d.round, vid))
         cert: list[ProposalReceived | VoteReceived] = [VoteReceived(v) for v in d.commit]
         if prop is not None:
