@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedules", type=int, default=1000)
     ap.add_argument("--heights", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--f", type=int, choices=(1, 2, 3), default=None, help="default: 1 + seed % 3")
+    ap.add_argument("--f", type=int, choices=(1, 2, 3), default=None, help="default: 1 + seed %% 3")
     ap.add_argument("--mode", choices=("classic", "adversarial"), default="classic")
     ap.add_argument("--gossip", choices=GOSSIP_MODES, default=None,
                     help="default: the drawn schedule's (relay)")
