@@ -421,3 +421,11 @@ def test_the_lock_race_catches_ignoring_the_lock_at_L29_every_time():
 def test_a_restarted_locked_validator_can_still_get_its_value_accepted(seed):
     result = run_schedule(seed, mode="adversarial", heights=2)
     assert result.ok, result.violations
+
+
+@pytest.mark.xfail(strict=True, reason="open: a 10,000-schedule adversarial campaign with the "
+                   "service's gossip left height 1 of this lock-race schedule undecided by two "
+                   "correct validators (relay-everything gossip decides it); not yet diagnosed")
+def test_the_service_gossip_decides_the_lock_race_schedule_9984():
+    result = run_schedule(9984, gossip="service", mode="adversarial", heights=2)
+    assert result.ok, result.violations
