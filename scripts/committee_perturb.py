@@ -102,6 +102,10 @@ def main() -> int:
                         help="seconds a killed verifier stays down")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to wait for a new commit before calling it a halt")
+    parser.add_argument("--block-interval", type=float, default=1.0,
+                        help="the verifiers' config block_interval: seconds an idle chain waits "
+                        "before an empty block (default 1, so a new height is due every second; "
+                        "the node's default of 30 s would hide recovery behind idling)")
     parser.add_argument("--load", action="store_true", help="run 2 CPU-burning processes")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
@@ -112,6 +116,9 @@ def main() -> int:
     halts: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="perturb-") as folder:
         vs = make_testnet(pathlib.Path(folder) / "net", 4)
+        for v in vs:  # a top-level key first, before any table the testnet writes
+            config = v.net / v.name / "config.toml"
+            config.write_text(f"block_interval = {args.block_interval}\n" + config.read_text())
         try:
             if args.load:
                 burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
