@@ -311,11 +311,16 @@ async def test_an_own_vote_leaves_only_after_the_wal_fsync_that_runs_off_the_eve
         def get_id(self):  # type: ignore[no-untyped-def]
             return ID(key.peer_id)
 
+    both_sent = trio.Event()
+
     class Links:
         sent: list[bytes] = []
 
-        def send(self, peer: bytes, data: bytes) -> None:
+        def send(self, peer: bytes, data: bytes) -> bool:
             self.sent.append(data)
+            if len(self.sent) == 2:
+                both_sent.set()
+            return True
 
     store = ConsensusStore(tmp_path / "c.sqlite")
     service = ConsensusService(Host(), key, genesis, store)  # type: ignore[arg-type]
@@ -348,8 +353,7 @@ async def test_an_own_vote_leaves_only_after_the_wal_fsync_that_runs_off_the_eve
         assert Links.sent == []  # ... and nothing left before it returned
         gate.set()
         with trio.fail_after(10):
-            while len(Links.sent) < 2:
-                await trio.sleep(0.01)
+            await both_sent.wait()
     assert fsyncs == [1] and service.fsyncs == 1
     assert Links.sent == [cc.encode_message(first), cc.encode_message(second)]
     store.close()

@@ -15,6 +15,7 @@ from ps_p2p.keys import Identity
 from ps_p2p.protocols import hrtree_gossip as wire
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 from ps_p2p.records import Directory, NodeRecord, Role
+from ps_p2p.testing.waits import wait_until
 
 CONFIG = ForwardingConfig(group_key="22" * 32, load_interval=0.2, delta_interval=0.2)
 TOPIC = wire.topic_for("sim")
@@ -30,11 +31,6 @@ def _directory(*ids: Identity) -> Directory:
                                                 key=lambda r: r.peer_id)))
 
 
-async def _until(condition, timeout: float = 15.0) -> None:
-    """Wait until ``condition()`` holds (network state: no event to await)."""
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.02)
 
 
 async def _host(stack: AsyncExitStack, identity: Identity):  # type: ignore[no-untyped-def]
@@ -78,12 +74,12 @@ async def test_an_outsider_subscribing_to_the_groups_topic_is_refused_and_reads_
         await connect(o_host, listen_multiaddrs(a_host)[0])
         gate = wire.member_gate(a_pubsub)
         # its subscription reaches A's topic peers (no gate), or its stream is refused (gate)
-        await _until(lambda: gate.refused >= 1
+        await wait_until(lambda: gate.refused >= 1
                      or outsider.peer_id in {p.to_bytes()
                                              for p in a_pubsub.peer_topics.get(TOPIC, ())})
         await connect(b_host, listen_multiaddrs(a_host)[0])
         # members still gossip: B's load reports reach A
-        await _until(lambda: fa.book.get(b.peer_id) is not None)
+        await wait_until(lambda: fa.book.get(b.peer_id) is not None)
         assert outsider.peer_id not in {p.to_bytes() for p in a_pubsub.peer_topics.get(TOPIC, ())}
         assert outsider.peer_id not in {p.to_bytes() for p in a_pubsub.router.mesh.get(TOPIC, ())}
         assert a_pubsub.peers.get(ID_of(outsider)) is None  # nothing of ours goes to it
@@ -114,14 +110,14 @@ async def test_a_member_that_leaves_the_directory_is_dropped_from_the_topic():
         await _start(nursery, b, b_host, b_pubsub, both)
         await connect(b_host, listen_multiaddrs(a_host)[0])
         b_id = ID_of(b)
-        await _until(lambda: b_id in a_pubsub.peer_topics.get(TOPIC, ())
+        await wait_until(lambda: b_id in a_pubsub.peer_topics.get(TOPIC, ())
                      and b_id in a_pubsub.peers)
         fa.set_directory(_directory(a))  # B is no model node of the group any more
-        await _until(lambda: b_id not in a_pubsub.peers
+        await wait_until(lambda: b_id not in a_pubsub.peers
                      and b_id not in a_pubsub.peer_topics.get(TOPIC, ())
                      and b_id not in a_pubsub.router.mesh.get(TOPIC, ()))
         assert wire.member_gate(a_pubsub).evicted == 1
         fa.set_directory(both)  # and back: admitted again, over the same connection
-        await _until(lambda: b_id in a_pubsub.peers
+        await wait_until(lambda: b_id in a_pubsub.peers
                      and b_id in a_pubsub.peer_topics.get(TOPIC, ()))
         nursery.cancel_scope.cancel()

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import pytest
 import trio
@@ -26,8 +25,13 @@ from ps_p2p.protocols import host as host_module
 from ps_p2p.protocols.admission import InboundLimits
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 from ps_p2p.testing.conn_attack import (
-    Held, honest_dials, negotiated_dials, raw_sockets, source_ips,
+    Held,
+    honest_dials,
+    negotiated_dials,
+    raw_sockets,
+    source_ips,
 )
+from ps_p2p.testing.waits import wait_until
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -38,11 +42,6 @@ def _admission(host):
     return host.get_network()._ps_inbound_guard.admission
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 15.0) -> None:
-    """Wait until ``condition()`` holds (counts change inside py-libp2p's tasks: no event)."""
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.01)
 
 
 class _Disconnections:
@@ -106,7 +105,7 @@ async def test_a_socket_that_never_starts_its_handshake_is_closed_at_the_deadlin
             with trio.fail_after(10):
                 while await sock.recv(4096):  # the target's multistream header, then its close
                     pass
-            await _until(lambda: _admission(target).counts() == NOTHING_OPEN)
+            await wait_until(lambda: _admission(target).counts() == NOTHING_OPEN)
 
             # its place is back: the same address completes a handshake
             assert await negotiated_dials(addr, ["127.0.2.1"], 1, keep=None) == 1
@@ -121,9 +120,9 @@ async def test_connections_over_the_per_address_open_cap_are_closed_after_their_
         held = Held()
         try:
             assert await negotiated_dials(addr, ["127.0.1.1"], 3, keep=held, concurrency=1) == 3
-            await _until(lambda: held.secured_closed_by_target() == 1)
+            await wait_until(lambda: held.secured_closed_by_target() == 1)
             assert await negotiated_dials(addr, ["127.0.1.2"], 2, keep=held, concurrency=1) == 2
-            await _until(lambda: held.secured_closed_by_target() == 2)  # the /24 is full
+            await wait_until(lambda: held.secured_closed_by_target() == 2)  # the /24 is full
 
             assert _admission(target).counts()["established"] == 3
             assert await honest_dials(addr, 1) == [True]  # 127.0.0.1: another network
@@ -149,11 +148,11 @@ async def test_abandoned_connections_are_ended_by_the_keepalive_and_give_their_p
             assert await negotiated_dials(addr, ["127.0.1.1"], 2, keep=held, concurrency=1) == 2
             with trio.fail_after(20):
                 await gone.wait_for(2)
-            await _until(lambda: held.secured_closed_by_target() == 2)
-            await _until(lambda: _admission(target).counts()["established"] == 1)  # honest
+            await wait_until(lambda: held.secured_closed_by_target() == 2)
+            await wait_until(lambda: _admission(target).counts()["established"] == 1)  # honest
 
             assert await negotiated_dials(addr, ["127.0.1.1"], 2, keep=held, concurrency=1) == 2
-            await _until(lambda: _admission(target).counts()["established"] == 3)
+            await wait_until(lambda: _admission(target).counts()["established"] == 3)
             assert target.get_network().get_connections(honest.get_id())
             assert honest.get_network().get_connections(target.get_id())
         finally:
@@ -187,11 +186,11 @@ async def test_every_count_is_given_back_however_connections_end():
             async with trio.open_nursery() as nursery:
                 for _ in range(12):
                     nursery.start_soon(not_libp2p)
-            await _until(lambda: _admission(target).counts() == NOTHING_OPEN)
+            await wait_until(lambda: _admission(target).counts() == NOTHING_OPEN)
 
             # every place is back: the /24's whole open cap, from one address
             assert await negotiated_dials(addr, ["127.0.3.1"], 8, keep=held, concurrency=1) == 8
-            await _until(lambda: _admission(target).counts()["established"] == 8)
+            await wait_until(lambda: _admission(target).counts()["established"] == 8)
             assert held.secured_closed_by_target() == 0
         finally:
             await held.aclose()
@@ -245,7 +244,7 @@ async def test_a_ps_node_process_stays_reachable_through_close_abandon_and_idle_
             # the attacker lets go: every place comes back (the same /24 fills its cap again)
             await held.aclose()
             await negotiated_dials(addr, source_ips(1, 10), 200, keep=held)
-            await _until(lambda: len(held.secured) - held.secured_closed_by_target() <= 128)
+            await wait_until(lambda: len(held.secured) - held.secured_closed_by_target() <= 128)
             reopened = len(held.secured) - held.secured_closed_by_target()
 
         assert results == [True, True, True]

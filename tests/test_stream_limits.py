@@ -4,8 +4,6 @@ ever)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
@@ -16,15 +14,12 @@ from ps_p2p.protocols import handlers as handlers_module
 from ps_p2p.protocols.framing import encode_frame, read_frame
 from ps_p2p.protocols.handlers import StreamBudget, serve_handlers
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
+from ps_p2p.testing.waits import wait_until
 
 PROTOCOL = "/planetserve/test-echo/1.0.0"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 15.0) -> None:
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.01)
 
 
 class _Echo:
@@ -60,12 +55,12 @@ async def test_a_stream_that_never_sends_a_byte_is_reset_and_gives_its_place_bac
         talking = await client.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
         await talking.write(encode_frame(b"hello"))
         assert await read_frame(talking, 1024) == b"hello"
-        await _until(lambda: echo.endings != [])
+        await wait_until(lambda: echo.endings != [])
 
         assert echo.endings == ["no data 0.3 s after the stream was opened"]
-        await _until(lambda: budget.open == 1)  # the talking one: quiet between frames is fine
+        await wait_until(lambda: budget.open == 1)  # the talking one: quiet between frames is fine
         await talking.close()
-        await _until(lambda: budget.open == 0)
+        await wait_until(lambda: budget.open == 0)
         del silent
         nursery.cancel_scope.cancel()
 
@@ -87,7 +82,7 @@ async def test_streams_over_the_per_peer_bound_are_reset_before_their_handler_ru
             stream = await client.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
             await stream.write(encode_frame(b"x"))
             streams.append(stream)
-        await _until(lambda: echo.started == 2 and budget.open == 2)
+        await wait_until(lambda: echo.started == 2 and budget.open == 2)
         with trio.fail_after(10):
             try:  # the server resets it, during or after the protocol negotiation
                 third = await client.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
@@ -103,7 +98,7 @@ async def test_streams_over_the_per_peer_bound_are_reset_before_their_handler_ru
         await stream.write(encode_frame(b"y"))
         assert await read_frame(stream, 1024) == b"y"
         await streams[0].close()
-        await _until(lambda: budget.open == 2)
+        await wait_until(lambda: budget.open == 2)
         again = await client.new_stream(server.get_id(), [TProtocol(PROTOCOL)])
         await again.write(encode_frame(b"z"))
         assert await read_frame(again, 1024) == b"z"
