@@ -16,7 +16,6 @@ import multiaddr
 import pytest
 import trio
 from libp2p import new_host
-from libp2p.abc import INotifee
 from libp2p.custom_types import TProtocol
 from libp2p.host.ping import ID as PING_PROTOCOL_ID
 from libp2p.host.ping import perform_ping_roundtrip
@@ -36,6 +35,7 @@ from ps_p2p.protocols.host import (
     open_host,
     parse_multiaddr,
 )
+from ps_p2p.testing.notifee import QuietNotifee
 
 
 async def test_hosts_connect_over_noise_and_yamux_and_answer_ping():
@@ -97,7 +97,7 @@ async def _close(stream) -> None:
 # --- connection limits and listen addresses (DESIGN.md "py-libp2p 0.8.1: measured pitfalls") ---
 
 
-class _ConnectionEvents(INotifee):
+class _ConnectionEvents(QuietNotifee):
     """The peer ID of each connection a host registers goes down ``connected``, and of each it
     has removed (closed, no longer counted) down ``disconnected``."""
 
@@ -110,18 +110,6 @@ class _ConnectionEvents(INotifee):
 
     async def disconnected(self, network, conn) -> None:
         self._disconnected.send_nowait(conn.muxed_conn.peer_id)
-
-    async def opened_stream(self, network, stream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from ps_p2p.testing.conn_attack import (
     raw_sockets,
     source_ips,
 )
+from ps_p2p.testing.notifee import QuietNotifee
 from ps_p2p.testing.waits import wait_until
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def _admission(host):
 
 
 
-class _Disconnections:
+class _Disconnections(QuietNotifee):
     """Counts the connections a host has removed (py-libp2p ``INotifee``)."""
 
     def __init__(self) -> None:
@@ -59,21 +60,6 @@ class _Disconnections:
     async def wait_for(self, count: int) -> None:
         while self.count < count:
             await self.changed.wait()
-
-    async def connected(self, network, conn) -> None:
-        pass
-
-    async def opened_stream(self, network, stream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass
 
 
 async def test_idle_sockets_from_one_network_cannot_keep_an_honest_peer_out():
