@@ -1,0 +1,30 @@
+"""A py-libp2p network notifee that ignores every event; tests override the ones they count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libp2p.abc import INotifee
+
+
+class QuietNotifee(INotifee):
+    """``INotifee`` with every method a no-op; register a subclass with
+    ``host.get_network().register_notifee``."""
+
+    async def connected(self, network: Any, conn: Any) -> None:
+        return None
+
+    async def disconnected(self, network: Any, conn: Any) -> None:
+        return None
+
+    async def opened_stream(self, network: Any, stream: Any) -> None:
+        return None
+
+    async def closed_stream(self, network: Any, stream: Any) -> None:
+        return None
+
+    async def listen(self, network: Any, multiaddr: Any) -> None:
+        return None
+
+    async def listen_close(self, network: Any, multiaddr: Any) -> None:
+        return None
