@@ -60,7 +60,7 @@ from ps_p2p.genesis import GenesisFile, init_genesis, load_genesis
 from ps_p2p.keys import NodeKeys, load_membership
 from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import committee_directory as committee_proto
-from ps_p2p.protocols.addresses import replace_peer_addrs
+from ps_p2p.protocols.addresses import forget_dial_failures, replace_peer_addrs
 from ps_p2p.protocols.forward import FORWARD_PROTOCOL_ID
 from ps_p2p.protocols.handlers import registered_protocols
 from ps_p2p.protocols.host import (
@@ -1024,6 +1024,9 @@ class Node:
         if self.host.get_network().get_connections(ID(peer)):
             return True
         addr = self._bootstrap.get(peer)
+        # this loop paces its own retries (back-off, suspects): a verifier that was not up a
+        # moment ago must not stay blocked by py-libp2p's negative dial cache
+        forget_dial_failures(self.host.get_network(), ID(peer))
         try:
             if addr is not None:
                 with trio.fail_after(5):

@@ -122,3 +122,27 @@ async def test_a_model_node_restarted_on_a_new_port_is_reachable_by_every_peer_w
             assert answer.ok, answer.error
             assert answer.served_by == model_id
         nursery.cancel_scope.cancel()
+
+
+async def test_a_verifier_that_starts_after_the_node_is_reached_within_a_few_refreshes(tmp_path):
+    """py-libp2p blocks a peer for 60 s once a dial of it failed; the directory client paces its
+    own retries, so a verifier that was not listening yet is dialled again at the next refresh."""
+    from ps_p2p.config import NodeConfig
+    from ps_p2p.testing.localnet import write_genesis
+
+    vkeys = NodeKeys.generate()
+    genesis = write_genesis(tmp_path, [vkeys])
+    port = int(str(_dead_tcp_addr()).rsplit("/", 1)[1])
+    vaddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{vkeys.identity.peer_id_str}"
+    user = Node(NodeConfig(roles=["user"], bootstrap=[vaddr], genesis=str(genesis),
+                           directory_refresh=0.5, register_interval=1.0), NodeKeys.generate())
+    verifier = Node(NodeConfig(roles=["verifier"], home=str(tmp_path / "v"),
+                               genesis=str(genesis), listen=f"/ip4/127.0.0.1/tcp/{port}",
+                               block_interval=0.25), vkeys)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(user.run)
+        # the user's first registration and fetch fail: nothing listens there yet
+        await wait_until(lambda: bool(user._verifier_failed), timeout=10)
+        await nursery.start(verifier.run)
+        await user.wait_directory(timeout=15)  # py-libp2p alone: blocked for 60 s
+        nursery.cancel_scope.cancel()

@@ -12,7 +12,9 @@ failed over 180 s). This module gives the three remedies:
   the new address at once;
 * :func:`install_dial_fallback`: when ``dial_peer`` failed, the peer's other known TCP addresses
   are tried one at a time (at most :data:`MAX_FALLBACK_ADDRS`), and one that answers is moved to
-  the front of the peerstore;
+  the front of the peerstore; a peer whose every address failed is blocked for
+  :data:`NEGATIVE_CACHE_SECONDS` (py-libp2p: 60 s), and :func:`forget_dial_failures` lifts the
+  block for a dial the caller paces itself (the directory client's verifier dials);
 * :class:`ReidentifyNotifee`: once the last connection to a peer closes, the protocols cached
   for it are forgotten, so the next connection runs identify again; identify replaces the
   peer's addresses with the listen addresses it reports (py-libp2p's
@@ -39,6 +41,11 @@ log = logging.getLogger(__name__)
 #: Addresses of one peer tried after ``dial_peer`` failed (a record holds at most
 #: ``records.MAX_ADDRS`` of them).
 MAX_FALLBACK_ADDRS = 8
+#: Seconds py-libp2p refuses to dial a peer again after every address of it failed (its
+#: default, 60 s, keeps a node that restarted, or a verifier that started a moment later than
+#: its peers, unreachable for a minute; the overlay and the directory client back off on their
+#: own).
+NEGATIVE_CACHE_SECONDS = 5.0
 
 
 def _parse(addrs: Iterable[bytes | str | multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
@@ -98,13 +105,18 @@ def _dialable(addr: multiaddr.Multiaddr) -> bool:
 def install_dial_fallback(network: INetwork) -> None:
     """Make ``network.dial_peer`` try every known TCP address of a peer when py-libp2p's own
     dial (its first TCP address only) failed; the address that answers moves to the front of
-    the peerstore, so later dials use it first. Installed once per network (idempotent).
+    the peerstore, so later dials use it first; and shorten py-libp2p's block of a peer whose
+    every address failed to :data:`NEGATIVE_CACHE_SECONDS`. Installed once per network
+    (idempotent).
 
     Raises (from the wrapped ``dial_peer``): the original ``SwarmException`` when no other
     address answers either.
     """
     if getattr(network, "_ps_dial_fallback", False):
         return
+    cache = getattr(network, "_negative_peer_cache", None)
+    if cache is not None and hasattr(cache, "_ttl"):
+        cache._ttl = min(cache._ttl, NEGATIVE_CACHE_SECONDS)
     original = network.dial_peer
 
     async def dial_peer(peer_id: ID) -> list[INetConn]:
@@ -172,6 +184,7 @@ class ReidentifyNotifee(INotifee):
 
 __all__ = [
     "MAX_FALLBACK_ADDRS",
+    "NEGATIVE_CACHE_SECONDS",
     "ReidentifyNotifee",
     "forget_dial_failures",
     "install_dial_fallback",
