@@ -100,6 +100,7 @@ class Host:
         public_ip: the address others see it at (its router's WAN address when NATed).
         nat: behind a home router: can dial out, cannot be dialled.
         router_ns: the router's namespace (NATed hosts), else None.
+        port: index of its bridge port (``p<port>`` in the switch namespace).
     """
 
     name: str
@@ -108,6 +109,7 @@ class Host:
     public_ip: str
     nat: bool = False
     router_ns: str | None = None
+    port: int = 0
 
 
 def new_prefix() -> str:
@@ -358,7 +360,7 @@ class Testbed:
         if not nat:
             self._add_namespace(ns)
             ip = self._plug(ns, index)
-            host = Host(name, ns, ip, ip)
+            host = Host(name, ns, ip, ip, port=index)
         else:
             router = f"{ns}-gw"
             self._add_namespace(router)
@@ -392,9 +394,20 @@ table inet {self.prefix}fw {{
   }}
 }}
 """)
-            host = Host(name, ns, ip, wan, nat=True, router_ns=router)
+            host = Host(name, ns, ip, wan, nat=True, router_ns=router, port=index)
         self.hosts[name] = host
         return host
+
+    def remove_host(self, host: Host) -> None:
+        """Take ``host`` off the network as a machine that vanished: SIGKILL its processes and
+        delete its namespace (and its router's); its address is not reused in the run."""
+        for ns in (host.ns, host.router_ns):
+            if ns is not None:
+                _kill_namespace(ns)
+                if ns in self._namespaces:
+                    self._namespaces.remove(ns)
+        self.hosts.pop(host.name, None)
+        self._partitioned = [h for h in self._partitioned if h.name != host.name]
 
     def nft(self, ns: str, ruleset: str) -> None:
         """Load an nftables ruleset (``nft -f -``) in namespace ``ns``.
@@ -453,7 +466,7 @@ table inet {self.prefix}cut {{
             NetnsError: tc refused it.
         """
         ns = host.router_ns or host.ns
-        port = f"p{list(self.hosts).index(host.name)}"
+        port = f"p{host.port}"
         for where, dev in ((ns, "eth0"), (self.switch, port)):
             _run(["ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root",
                   "tbf", "rate", rate, "burst", burst, "latency", latency])
@@ -462,10 +475,16 @@ table inet {self.prefix}cut {{
     # ------------------------------------------------------------------ processes
 
     def popen(self, host: Host, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` in ``host``'s namespace (its own session; killed with this process
-        and by :meth:`close`); ``kwargs`` go to ``subprocess.Popen``."""
+        """Start ``argv`` in ``host``'s namespace (its own session; killed by :meth:`close`,
+        and by the kernel when the thread that started it dies: call it from the main thread,
+        not from a worker thread that may exit); ``kwargs`` go to ``subprocess.Popen``."""
+        if shutil.which("setpriv"):  # util-linux: no preexec_fn (unsafe beside threads)
+            argv = ["setpriv", "--pdeathsig", "KILL", *argv]
+            extra: dict[str, Any] = {}
+        else:
+            extra = {"preexec_fn": _pdeathsig}
         proc = subprocess.Popen(["ip", "netns", "exec", host.ns, *argv],
-                                start_new_session=True, preexec_fn=_pdeathsig, **kwargs)
+                                start_new_session=True, **extra, **kwargs)
         self._processes.append(proc)
         return proc
 
