@@ -1,0 +1,33 @@
+"""A multi-host testnet (issue 20): ten ``ps-node run`` processes, each on a network namespace
+host of its own, one user behind a NAT; prompts through the users' APIs while a model node is
+killed and started again with its key on a new IP address; every prompt is answered, every
+user reaches the restarted node, and nothing of the run is left behind, also when it fails.
+Needs root and ip/nft/tc (CI runs as root on Debian); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from ps_p2p.testing import multihost, netns
+
+REASON = netns.unavailable_reason()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REASON is not None, reason=f"no multi-host testbed here: {REASON}")
+def test_every_prompt_is_answered_while_a_model_node_moves_to_a_new_address(tmp_path):
+    opts = multihost.MultihostOptions(verifiers=1, models=2, users=6, nat_users=1, prompts=8,
+                                      perturb="restart-model", start_timeout=90.0)
+    bed = netns.Testbed()
+    prefix = bed.prefix
+    try:
+        bed.open()
+        result = trio.run(multihost.run_multihost, opts, bed, tmp_path, print)
+    finally:
+        bed.close()
+        assert netns.leftovers(prefix) == []  # also when the run failed
+    print(result.summary())
+    assert result.sent == 8 and result.answered == 8, result.errors
+    assert result.recovered_s is not None  # every user got an answer from the moved node
+    assert result.committee_height >= 1 and result.path_setups > 0
