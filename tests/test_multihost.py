@@ -6,6 +6,12 @@ Needs root and ip/nft/tc (CI runs as root on Debian); skipped with the reason ot
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+
 import pytest
 import trio
 
@@ -31,3 +37,30 @@ def test_every_prompt_is_answered_while_a_model_node_moves_to_a_new_address(tmp_
     assert result.sent == 8 and result.answered == 8, result.errors
     assert result.recovered_s is not None  # every user got an answer from the moved node
     assert result.committee_height >= 1 and result.path_setups > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REASON is not None, reason=f"no multi-host testbed here: {REASON}")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_leaves_no_namespace_or_process_behind(signum, tmp_path):
+    """Ctrl-C (SIGINT) or SIGTERM while the nodes start: ps-node multihost removes everything."""
+    env = dict(os.environ, PYTHONPATH=str(multihost.REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ps_p2p.cli", "multihost", "--verifiers", "1", "--models", "1",
+         "--users", "5", "--nat-users", "1", "--workdir", str(tmp_path / "w")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        cwd=multihost.REPO)
+    prefix = None
+    for line in proc.stdout:  # blocks until the hosts are built
+        m = re.search(r"hosts on (psnet\d+x[0-9a-f]+)-", line)
+        if m:
+            prefix = m.group(1)
+            break
+    assert prefix is not None, proc.communicate()[0]
+    assert netns.leftovers(prefix)
+    proc.send_signal(signum)
+    out = proc.communicate(timeout=60)[0]
+    assert netns.leftovers(prefix) == [], out
+    pids = subprocess.run(["pgrep", "-f", str(tmp_path / "w")], capture_output=True,
+                          text=True, check=False).stdout.split()
+    assert pids == [], out  # no ps-node run of this run is left

@@ -434,7 +434,7 @@ class Multihost:
         """Path setups and failures (users' /metrics) and the committee height."""
         for user in self._users():
             try:
-                status, raw = await trio.to_thread.run_sync(
+                _status, raw = await trio.to_thread.run_sync(
                     self._http, user, "GET", "/metrics", None, METRICS_PORT, 10.0)
             except (OSError, http.client.HTTPException):
                 continue

@@ -121,7 +121,7 @@ def new_prefix() -> str:
 def _run(argv: Sequence[str], *, stdin: str | None = None, check: bool = True) -> str:
     try:
         done = subprocess.run(list(argv), input=stdin, capture_output=True, text=True,
-                              timeout=30)
+                              timeout=30, check=False)
     except FileNotFoundError as exc:
         raise NetnsError(f"{argv[0]} not found: install iproute2 and nftables") from exc
     except subprocess.TimeoutExpired as exc:
@@ -168,7 +168,7 @@ def _kill_namespace(ns: str) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
-    done = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
+    done = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True, check=False)
     if done.returncode != 0 and ns in namespaces():
         raise NetnsError(f"cannot delete namespace {ns}: {done.stderr.strip()}")
 
@@ -527,9 +527,9 @@ def testbed(prefix: str | None = None) -> Iterator[Testbed]:
 
 
 __all__ = [
-    "Host",
     "PREFIX_ROOT",
     "PROFILES",
+    "Host",
     "Testbed",
     "leftovers",
     "link_delays",
