@@ -25,11 +25,11 @@ model node of the model). Then every user asks until it got an answer served by 
 ``m0`` (the API cannot name a model node; these probes are not counted as prompts):
 "recovered" is the time from its new start until every user got one.
 
-WAN profiles (``profile``): only ``lan`` here. The per-link delays of the other profiles
-(:func:`~ps_p2p.testing.netns.link_delays`) are written to ``<workdir>/links.json``
-(``{"<ip a> <ip b>": delay_ms}``, and the profile's loss rate) for the test-only delaying
-transport of ``ps_p2p.testing.faults`` to apply inside each process; until that transport
-reads it, asking for another profile is refused rather than silently run at LAN speed.
+WAN profiles (``profile``): only ``lan`` here. The other profiles' per-link delays
+(:func:`~ps_p2p.testing.netns.link_delays`) are to be applied inside each process by the
+test-only fault injector of issue 17 (``ps_p2p.testing.faults``: a per-peer ``faults_file``);
+docs/network.md says how it plugs in. Until then asking for another profile is refused rather
+than silently run at LAN speed.
 
 Everything the run creates is removed when it ends, also on Ctrl-C, SIGTERM or an error
 (:class:`~ps_p2p.testing.netns.Testbed`); the work directory (configs, keys, logs, status
