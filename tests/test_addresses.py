@@ -124,6 +124,27 @@ async def test_a_model_node_restarted_on_a_new_port_is_reachable_by_every_peer_w
         nursery.cancel_scope.cancel()
 
 
+async def test_a_relay_restarted_on_a_new_port_is_reachable_by_every_other_user_within_one_refresh():
+    """Users and relays take the same path as model nodes (Node._install, every record)."""
+    async with open_localnet(users=6, models=1) as net, trio.open_nursery() as nursery:
+        old = net.users[0]
+        relay_id = old.peer_id
+        await net.crash(old)
+        new = await nursery.start(Node(old.config, old.keys).run)
+        new_addrs = set(new.own_record(0).addrs)
+        assert not new_addrs & set(old.own_record(0).addrs)
+
+        def listed_at_new_address(node: Node) -> bool:
+            record = node.directory.record(relay_id) if node.directory is not None else None
+            return record is not None and set(record.addrs) == new_addrs
+
+        for node in net.users[1:]:
+            await wait_until(lambda n=node: listed_at_new_address(n), timeout=30)
+            with trio.fail_after(5):
+                await node.host.get_network().dial_peer(ID(relay_id))
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_verifier_that_starts_after_the_node_is_reached_within_a_few_refreshes(tmp_path):
     """py-libp2p blocks a peer for 60 s once a dial of it failed; the directory client paces its
     own retries, so a verifier that was not listening yet is dialled again at the next refresh."""
