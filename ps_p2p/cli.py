@@ -279,9 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="prompts in flight (default 4)")
     multihost.add_argument("--max-tokens", type=int, default=16,
                            help="tokens per answer (default 16)")
-    multihost.add_argument("--perturb", default="none", choices=["none", "restart-model"],
+    multihost.add_argument("--perturb", default="none",
+                           choices=["none", "restart-model", "partition-model"],
                            help="restart-model: halfway, kill model node m0 and start it again "
-                                "with its key on a new host (new IP address)")
+                                "with its key on a new host (new IP address); partition-model: "
+                                "halfway, cut m0 off from the users for 10 s, then heal")
     multihost.add_argument("--profile", default="lan",
                            choices=["lan", "continental", "intercontinental", "lossy"],
                            help="WAN delay profile (only lan until the delaying transport is in)")

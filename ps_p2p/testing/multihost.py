@@ -25,6 +25,11 @@ model node of the model). Then every user asks until it got an answer served by 
 ``m0`` (the API cannot name a model node; these probes are not counted as prompts):
 "recovered" is the time from its new start until every user got one.
 
+Perturbation ``partition-model``: after the first half of the prompts, nftables rules cut model
+node ``m0`` off from every user (both ways; open TCP connections stall, as behind a failed
+link) for :data:`PARTITION_SECONDS` while the second half is sent, then heal; "recovered" is the
+time from the heal until every user got an answer served by ``m0`` again.
+
 WAN profiles (``profile``): only ``lan`` here. The other profiles' per-link delays
 (:func:`~ps_p2p.testing.netns.link_delays`) are to be applied inside each process by the
 test-only fault injector of issue 17 (``ps_p2p.testing.faults``: a per-peer ``faults_file``);
@@ -63,7 +68,9 @@ log = logging.getLogger(__name__)
 REPO = pathlib.Path(__file__).resolve().parents[2]
 #: Ports every node uses inside its own namespace (each namespace has its own ports).
 P2P_PORT, API_PORT, METRICS_PORT = 4001, 8080, 9464
-PERTURBATIONS = ("none", "restart-model")
+PERTURBATIONS = ("none", "restart-model", "partition-model")
+#: Seconds model node m0 stays cut off from the users in ``partition-model``.
+PARTITION_SECONDS = 10.0
 
 
 @dataclasses.dataclass
@@ -104,8 +111,8 @@ class MultihostOptions:
             raise ConfigError(f"at most {netns.MAX_HOSTS} hosts (a NATed user takes two)")
         if self.perturb not in PERTURBATIONS:
             raise ConfigError(f"--perturb: one of {', '.join(PERTURBATIONS)}")
-        if self.perturb == "restart-model" and self.models < 2:
-            raise ConfigError("--perturb restart-model needs --models >= 2 (the prompts sent "
+        if self.perturb != "none" and self.models < 2:
+            raise ConfigError(f"--perturb {self.perturb} needs --models >= 2 (the prompts sent "
                               "while m0 is away go to the others)")
         if self.profile not in netns.PROFILES:
             raise ConfigError(f"--profile: one of {', '.join(netns.PROFILES)}")
@@ -172,8 +179,9 @@ class Result:
                 f"p99 {p99:.2f} s, path setups {self.path_setups} (failed {self.setups_failed}), "
                 f"committee height {self.committee_height}, ready in {self.ready_s:.1f} s")
         if self.perturb != "none":
+            event = "its restart" if self.perturb == "restart-model" else "the heal"
             rec = "not recovered" if self.recovered_s is None else \
-                f"every user reached it {self.recovered_s:.1f} s after its restart"
+                f"every user reached it {self.recovered_s:.1f} s after {event}"
             line += f", {self.perturb}: {rec}"
         return line
 
@@ -515,6 +523,22 @@ async def run_multihost(opts: MultihostOptions, bed: netns.Testbed, workdir: pat
             result.recovered_s = await net.until_every_user_reaches(
                 restarted.read_status()["peer_id"], opts.start_timeout)
         say(f"every user reached the restarted m0 {result.recovered_s:.1f} s after its start")
+    elif opts.perturb == "partition-model":
+        half = len(prompts) // 2
+        await net.send_prompts(prompts[:half], result)
+        m0 = net.nodes["m0"]
+        users = [n.host for n in net.nodes.values() if n.role == "user"]
+        async with trio.open_nursery() as nursery:
+            bed.partition([m0.host], users)
+            say(f"m0 cut off from the users for {PARTITION_SECONDS:.0f} s")
+            nursery.start_soon(net.send_prompts, prompts[half:], result)
+            await trio.sleep(PARTITION_SECONDS)  # the perturbation's length, not a wait
+            bed.heal()
+            healed = time.monotonic()
+            result.recovered_s = await net.until_every_user_reaches(
+                m0.read_status()["peer_id"], opts.start_timeout)
+        result.recovered_s = time.monotonic() - healed
+        say(f"every user reached m0 {result.recovered_s:.1f} s after the heal")
     else:
         await net.send_prompts(prompts, result)
     await net.collect(result)
