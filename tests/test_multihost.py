@@ -15,6 +15,7 @@ import sys
 import pytest
 import trio
 
+from ps_p2p.errors import ConfigError, NetnsError
 from ps_p2p.testing import multihost, netns
 
 REASON = netns.unavailable_reason()
@@ -64,3 +65,23 @@ def test_an_interrupted_run_leaves_no_namespace_or_process_behind(signum, tmp_pa
     pids = subprocess.run(["pgrep", "-f", str(tmp_path / "w")], capture_output=True,
                           text=True, check=False).stdout.split()
     assert pids == [], out  # no ps-node run of this run is left
+
+
+def test_link_delays_follow_the_profile_and_the_seed():
+    hosts = ["v0", "m0", "u0", "u1"]
+    d = netns.link_delays(hosts, "continental", seed=3)
+    assert len(d) == 6 and all(20.0 <= ms <= 60.0 for ms in d.values())
+    assert d == netns.link_delays(list(reversed(hosts)), "continental", seed=3)
+    assert set(netns.link_delays(hosts, "lan").values()) == {0.0}
+    with pytest.raises(NetnsError):
+        netns.link_delays(hosts, "moon")
+
+
+def test_options_that_cannot_run_are_refused_before_anything_is_built():
+    with pytest.raises(ConfigError, match="public users"):
+        multihost.MultihostOptions(users=3).validate()
+    with pytest.raises(ConfigError, match="models >= 2"):
+        multihost.MultihostOptions(models=1, perturb="restart-model").validate()
+    with pytest.raises(ConfigError, match="delaying transport"):
+        multihost.MultihostOptions(profile="continental").validate()
+    multihost.MultihostOptions().validate()
