@@ -264,6 +264,41 @@ def build_parser() -> argparse.ArgumentParser:
     devnet.add_argument("--show", type=int, default=300,
                         help="print at most this many characters of each answer (default 300)")
 
+    multihost = sub.add_parser(
+        "multihost", help="run a testnet of separate hosts (Linux network namespaces, NATed "
+                          "users; root, ip, nft, tc) and send prompts through it")
+    multihost.add_argument("--verifiers", type=int, default=4, help="verifiers (default 4)")
+    multihost.add_argument("--models", type=int, default=2,
+                           help="model nodes, sim engine (default 2)")
+    multihost.add_argument("--users", type=int, default=6,
+                           help="public users: relays and proxies (default 6)")
+    multihost.add_argument("--nat-users", type=int, default=2,
+                           help="users behind a NAT of their own: ask only for now (default 2)")
+    multihost.add_argument("--prompts", type=int, default=20, help="prompts sent (default 20)")
+    multihost.add_argument("--concurrency", type=int, default=4,
+                           help="prompts in flight (default 4)")
+    multihost.add_argument("--max-tokens", type=int, default=16,
+                           help="tokens per answer (default 16)")
+    multihost.add_argument("--perturb", default="none",
+                           choices=["none", "restart-model", "partition-model"],
+                           help="restart-model: halfway, kill model node m0 and start it again "
+                                "with its key on a new host (new IP address); partition-model: "
+                                "halfway, cut m0 off from the users for 10 s, then heal")
+    multihost.add_argument("--profile", default="lan",
+                           choices=["lan", "continental", "intercontinental", "lossy"],
+                           help="WAN delay profile (only lan until the delaying transport is in)")
+    multihost.add_argument("--bandwidth", metavar="RATE",
+                           help="limit every host's link each way (tc rate, e.g. 20mbit)")
+    multihost.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
+                           help="seconds until every user has its paths (default 120)")
+    multihost.add_argument("--timeout", type=float, default=60.0,
+                           help="deadline per prompt, s (default 60)")
+    multihost.add_argument("--workdir", help="keep configs, keys, status files and logs here "
+                                             "(default: a temp dir, removed at exit)")
+    multihost.add_argument("--sweep", action="store_true",
+                           help="only remove the namespaces (and processes) of earlier runs "
+                                "whose controller is gone, then exit")
+
     ask = sub.add_parser("ask", help="join a running network as a user, ask once, print the answer")
     ask.add_argument("--multiaddr", action="append", dest="bootstrap", required=True, metavar="MADDR",
                      help="a verifier's multiaddr with /p2p/<peer ID>; repeatable")
@@ -498,6 +533,22 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"  {v['peer_id']}  power {v['power']}  "
                   f"{'connected' if v['connected'] else 'NOT connected'}")
     return 0 if not stale else 1
+
+
+def _cmd_multihost(args: argparse.Namespace) -> int:
+    from ps_p2p.testing import multihost, netns
+
+    if args.sweep:
+        gone = netns.sweep()
+        print(f"removed {len(gone)} namespaces of earlier runs" + (f": {' '.join(gone)}"
+                                                                   if gone else ""))
+        return 0
+    return multihost.main(multihost.MultihostOptions(
+        verifiers=args.verifiers, models=args.models, users=args.users,
+        nat_users=args.nat_users, prompts=args.prompts, concurrency=args.concurrency,
+        max_tokens=args.max_tokens, perturb=args.perturb, profile=args.profile,
+        bandwidth=args.bandwidth, start_timeout=args.start_timeout,
+        prompt_timeout=args.timeout, workdir=args.workdir, log_level=args.log_level))
 
 
 def _cmd_testnet(args: argparse.Namespace) -> int:
@@ -1012,6 +1063,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_ask(args)
         if args.command == "devnet":
             return _cmd_devnet(args)
+        if args.command == "multihost":
+            return _cmd_multihost(args)
     except ConfigError as exc:
         print(f"ps-node: {exc}", file=sys.stderr)
         return 2

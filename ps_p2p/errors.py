@@ -4,6 +4,7 @@ Every error this package raises on purpose derives from :class:`PsError`::
 
     PsError
     ├── ConfigError                 bad configuration, key file or command line
+    ├── NetnsError                  a multi-host testbed (network namespaces) cannot run here
     ├── AddressInUseError           (also an OSError, EADDRINUSE) a listen/API/metrics address
     │                               another socket holds
     ├── LocalProtocolError          we were about to break a protocol (a bug on our side)
@@ -87,6 +88,12 @@ class PsError(Exception):
 
 class ConfigError(PsError):
     """Bad configuration value, key file or command line."""
+
+
+class NetnsError(PsError):
+    """A multi-host testbed (:mod:`ps_p2p.testing.netns`) cannot be built or run here: not
+    root, ``ip``/``nft``/``tc`` missing, network namespaces refused, or a command of them
+    failed (the message names it and its output)."""
 
 
 class AddressInUseError(PsError, OSError):

@@ -60,6 +60,7 @@ from ps_p2p.genesis import GenesisFile, init_genesis, load_genesis
 from ps_p2p.keys import NodeKeys, load_membership
 from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import committee_directory as committee_proto
+from ps_p2p.protocols.addresses import forget_dial_failures, replace_peer_addrs
 from ps_p2p.protocols.forward import FORWARD_PROTOCOL_ID
 from ps_p2p.protocols.handlers import registered_protocols
 from ps_p2p.protocols.host import (
@@ -216,6 +217,8 @@ class Node:
         self._withdrawn = False
         self._last_issued_ms = 0
         self._notifee: _DisconnectNotifee | None = None
+        #: peer -> the record addresses last put in the peerstore (bounded by the directory)
+        self._record_addrs: dict[bytes, tuple[bytes, ...]] = {}
         self._verifier_failed: dict[bytes, float] = {}  # verifier -> suspect until (trio time)
         self._bootstrap: dict[bytes, str] = {}
         for addr in config.bootstrap:
@@ -1021,6 +1024,9 @@ class Node:
         if self.host.get_network().get_connections(ID(peer)):
             return True
         addr = self._bootstrap.get(peer)
+        # this loop paces its own retries (back-off, suspects): a verifier that was not up a
+        # moment ago must not stay blocked by py-libp2p's negative dial cache
+        forget_dial_failures(self.host.get_network(), ID(peer))
         try:
             if addr is not None:
                 with trio.fail_after(5):
@@ -1071,8 +1077,9 @@ class Node:
             return
 
     def _install(self, directory: Directory, changed: tuple[NodeRecord, ...] | None = None) -> None:
-        """Adopt a verified directory; add the addresses of ``changed`` records (None: of every
-        record, unless the record list is the one already held) to the peerstore."""
+        """Adopt a verified directory; the addresses of ``changed`` records (None: of every
+        record, unless the record list is the one already held) replace the peers' addresses
+        in the peerstore (:func:`~ps_p2p.protocols.addresses.replace_peer_addrs`)."""
         assert self.host is not None
         old = self.directory
         if old is not None and directory.height < old.height and directory.issued_at_ms <= old.issued_at_ms:
@@ -1084,18 +1091,18 @@ class Node:
         if changed is None:
             unchanged = old is not None and directory.records is old.records
             changed = () if unchanged else directory.records
-        store = self.host.get_peerstore()
         for record in changed:
             if record.peer_id == self.peer_id:
                 continue
-            addrs = []
-            for a in record.addrs:
-                try:
-                    addrs.append(multiaddr.Multiaddr(a))
-                except Exception:
-                    continue
-            if addrs:
-                store.add_addrs(ID(record.peer_id), addrs, 0)
+            # the latest committed record's addresses replace the ones held (a node restarted
+            # on another port or IP is dialled there at once); unchanged ones are left alone, so
+            # what identify learnt since is not overwritten by an older copy of the same record
+            if self._record_addrs.get(record.peer_id) != record.addrs:
+                replace_peer_addrs(self.host, record.peer_id, record.addrs)
+                self._record_addrs[record.peer_id] = record.addrs
+        if len(self._record_addrs) > 2 * len(directory.records) + 64:  # departed nodes
+            listed = {r.peer_id for r in directory.records}
+            self._record_addrs = {p: a for p, a in self._record_addrs.items() if p in listed}
         if old is None or old.height != directory.height or len(old.records) != len(directory.records):
             self._directory_changed_at = trio.current_time()
             self._quiet_refreshes = 0

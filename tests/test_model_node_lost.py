@@ -137,6 +137,21 @@ def test_more_than_n_minus_k_lost_moves_the_request_to_another_model_node_at_onc
     assert len(done) == 1 and done[0].outcome.ok and done[0].outcome.reply.model_node == M2
 
 
+def test_a_late_notice_about_the_node_a_request_left_does_not_blame_the_new_one():
+    """Found by the multi-host testnet (issue 20): a proxy whose dial of a vanished host timed
+    out told its notice after the request had moved; it was counted against the new model
+    node, which was then taken for lost too, and the request failed."""
+    core = _core(model_nodes=(M1, M2))
+    sent = _started(core)
+    core.delivery_failed(sent[0].reply_tag, sent[0].path_id, 1.0)
+    core.delivery_failed(sent[1].reply_tag, sent[1].path_id, 1.0)  # moves to M2 (next tick)
+
+    assert core.delivery_failed(sent[2].reply_tag, sent[2].path_id, 1.2) == []  # about M1
+    assert core.delivery_failed(sent[3].reply_tag, sent[3].path_id, 1.3) == []
+    resent = _of(core.tick(1.5, READY), SendClove)
+    assert len(resent) == 4 and {s.destination for s in resent} == {M2}
+
+
 def test_with_no_other_model_node_the_request_fails_at_once_naming_the_lost_node():
     core = _core(model_nodes=(M1,))
     sent = _started(core)

@@ -518,6 +518,8 @@ class RequestCore:
         request = self._by_response_id.get(registered.response_id)
         if request is None or request.attempts[-1].response_id != registered.response_id:
             return []  # ended, or an earlier attempt's
+        if registered.destination != request.spec.destination:
+            return []  # about the model node the request already left (a late notice)
         attempt = request.attempts[-1]
         attempt.undeliverable.add(registered.index)
         if len(attempt.undeliverable) <= self.config.total - self.config.threshold:

@@ -103,6 +103,7 @@ from libp2p.transport.tcp import tcp as _tcp
 from ps_p2p.errors import AddressInUseError, ConfigError
 from ps_p2p.keys import Identity
 from ps_p2p.networks import network_key, parse_ip
+from ps_p2p.protocols.addresses import ReidentifyNotifee, install_dial_fallback
 from ps_p2p.protocols.admission import InboundAdmission, InboundLimits, Ticket
 
 log = logging.getLogger(__name__)
@@ -378,7 +379,9 @@ def tune_host(
     * inbound connections are bounded per remote address by ``inbound`` (default
       :class:`~ps_p2p.protocols.admission.InboundLimits`), and a handshake not done
       ``inbound.handshake_timeout`` seconds after the accept is closed;
-    * py-libp2p's connection tracker (a 256-inbound cap whose slots leak) is turned off.
+    * py-libp2p's connection tracker (a 256-inbound cap whose slots leak) is turned off;
+    * a failed dial tries the peer's other known addresses, and a peer whose last connection
+      closed is identified again on its next one (:mod:`ps_p2p.protocols.addresses`).
 
     Raises:
         ConfigError: ``max_connections_per_peer`` below 1.
@@ -399,6 +402,9 @@ def tune_host(
         manager.connection_lifecycle = None
         manager.connection_tracker = None
     _InboundConnectionGuard(network, max_connections_per_peer, inbound).install()  # type: ignore[arg-type]
+    # a peer restarted elsewhere: try its other addresses, re-identify it on reconnection
+    install_dial_fallback(network)
+    network.register_notifee(ReidentifyNotifee(host))
 
 
 async def _no_auto_connect(*args: object, **kwargs: object) -> None:
