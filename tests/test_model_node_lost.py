@@ -203,8 +203,12 @@ async def test_a_model_node_killed_mid_request_is_replaced_then_reported_without
     gate = trio.Event()
     engines = [InstantEngine(gate=gate), InstantEngine(gate=gate)]
     config = UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=60.0)
+    # no forwarding between the two model nodes: the request whose engine we hold must be the
+    # one its entry node serves itself (a loaded machine could otherwise see the entry node
+    # forward it, and the forwarder, not the user, replace the killed node: attempts == 1)
     async with open_localnet(
-        users=6, models=2, engine_factory=lambda i: engines[i], user_config=config
+        users=6, models=2, engine_factory=lambda i: engines[i], user_config=config,
+        forwarding=False,
     ) as net:
         asker = net.users[0].user
         answers = []
