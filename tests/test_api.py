@@ -130,7 +130,7 @@ async def test_completion_without_parameters_asks_with_the_defaults(api):
 
     assert r.status_code == 200, r.text
     assert api.user.calls == [AskCall(
-        prompt=PROMPT, model_id=None, max_tokens=128, temperature=0.0, top_p=1.0, seed=0,
+        prompt=PROMPT, model_id=None, max_tokens=128, temperature=0.0, top_p=1.0, seed=None,
         model_node=None, timeout=None,
     )]
 
@@ -376,3 +376,86 @@ async def test_completion_through_a_real_local_network_is_answered_and_signed():
     assert body["planetserve"]["served_by"] == net.models[0].keys.identity.peer_id_str
     assert body["planetserve"]["signature_valid"] is True
     assert body["planetserve"]["cloves_received"] >= 3
+
+
+# ------------------------------------------------------------------------------ first-day defects
+# (issue 21): seed 0, null parameters, the model of streamed chunks, image parts
+
+
+async def test_seed_zero_is_asked_as_seed_zero_and_no_seed_as_unseeded(api):
+    await api.client.post("/v1/completions", json={"prompt": PROMPT, "seed": 0,
+                                                   "temperature": 1.0})
+    await api.client.post("/v1/completions", json={"prompt": PROMPT, "temperature": 1.0})
+
+    assert [c.seed for c in api.user.calls] == [0, None]
+
+
+async def test_seed_zero_with_n_gives_each_choice_its_own_seed(api):
+    r = await api.client.post("/v1/completions", json={"prompt": PROMPT, "seed": 0, "n": 3})
+
+    assert r.status_code == 200, r.text
+    assert sorted(c.seed for c in api.user.calls) == [0, 1, 2]
+
+
+def test_seed_zero_survives_the_wire_and_absent_stays_unseeded():
+    from ps_p2p.inference import InferenceQuery, SamplingParams
+    from ps_p2p.protocols.inference_codec import decode_query, encode_query
+
+    def roundtrip(seed: int | None) -> int | None:
+        q = InferenceQuery(request_id=b"r" * 16, model_id="m", prompt="p",
+                           params=SamplingParams(seed=seed), reply_proxies=())
+        return decode_query(encode_query(q)).params.seed
+
+    assert [roundtrip(0), roundtrip(None), roundtrip(7)] == [0, None, 7]
+
+
+@pytest.mark.parametrize("param", ["temperature", "top_p", "n", "stream", "max_tokens", "seed",
+                                   "stop", "stream_options", "model"])
+async def test_null_for_an_optional_parameter_means_its_default(api, param):
+    r = await api.client.post("/v1/completions", json={"prompt": PROMPT, param: None})
+
+    assert r.status_code == 200, r.text
+    call = api.user.calls[0]
+    assert (call.temperature, call.top_p, call.max_tokens, call.seed, call.stop) == (
+        0.0, 1.0, 128, None, ())
+    assert r.json()["object"] == "text_completion"  # stream null: not streamed
+
+
+async def test_null_parameters_of_a_chat_mean_their_defaults(api):
+    r = await api.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "temperature": None, "top_p": None,
+        "n": None, "stream": None, "max_completion_tokens": None})
+
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+async def test_every_streamed_chunk_names_the_model_when_the_request_names_none(api, path, body):
+    async with api.client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+
+    import json
+    chunks = [json.loads(line[len("data: "):]) for line in lines]
+    assert len(chunks) >= 3
+    assert {c["model"] for c in chunks} == {"fake-model"}
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+])
+async def test_a_chat_with_a_non_text_part_is_refused_as_only_text_supported(api, part):
+    r = await api.client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]})
+
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "only text content is supported" in error["message"]
+    assert error["param"] == "messages"
+    assert len(error["message"]) < 200
+    assert api.user.calls == []

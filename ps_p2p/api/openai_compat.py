@@ -39,7 +39,14 @@ from typing import Annotated, Any, Literal
 
 import trio
 from libp2p.peer.id import ID
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -99,6 +106,14 @@ class _Body(BaseModel):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """``null`` for an optional parameter means its default, as OpenAI and vLLM take it."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -141,19 +156,27 @@ class CompletionBody(_Body):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-class _ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
 class _Message(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[_ContentPart] | None = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_parts(cls, value: str | list[dict[str, Any]] | None) -> Any:
+        """Content parts must be ``{"type": "text", "text": str}``: a model node serves text
+        only, so an image, audio or file part is refused by name, not by a schema dump."""
+        for part in value if isinstance(value, list) else ():
+            if part.get("type") != "text":
+                raise ValueError(
+                    f"only text content is supported (got a {part.get('type')!r} part)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text part needs a 'text' string")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 
@@ -403,10 +426,15 @@ class UserAPI:
             raise ApiError(503, "this node has no user role", code="no_user_role")
         if body.model is not None and body.model not in self.model_ids():
             raise _unknown_model(body.model)
+        model_id = body.model
+        if body.stream and model_id is None:
+            # every chunk names the model (OpenAI's chunks do), so fix it before the first:
+            # the model of the trusted model node listed first (highest reputation)
+            model_id = next((r.model_id for r in user.model_nodes()), None)
         ask = _Ask(
-            user, prompt=prompt, messages=messages, model_id=body.model,
+            user, prompt=prompt, messages=messages, model_id=model_id,
             max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=body.temperature,
-            top_p=body.top_p, seed=body.seed or 0, stop=body.stops(), timeout=body.timeout,
+            top_p=body.top_p, seed=body.seed, stop=body.stops(), timeout=body.timeout,
         )
         if body.stream:
             return _EventStream(ask, chat=chat, include_usage=body.include_usage())
@@ -451,7 +479,7 @@ class _Ask:
 
     async def one(self, index: int = 0, on_text: Any = None) -> Answer:
         kwargs = dict(self.kwargs)
-        if index and kwargs["seed"]:
+        if index and kwargs["seed"] is not None:
             kwargs["seed"] = (kwargs["seed"] + index) % 2**63  # n seeded choices differ
         return await self.user.ask(**kwargs, on_text=on_text)
 

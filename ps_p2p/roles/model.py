@@ -307,7 +307,7 @@ class ModelNodeService:
                 max_tokens=p.max_tokens or self.config.default_max_tokens,
                 temperature=p.temperature,
                 top_p=p.top_p or 1.0,
-                seed=p.seed or None,
+                seed=p.seed,
             )
             if query.messages:
                 prompt = await self.engine.chat_prompt(query.messages)

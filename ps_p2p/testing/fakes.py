@@ -129,7 +129,7 @@ class AskCall:
     max_tokens: int
     temperature: float
     top_p: float
-    seed: int
+    seed: int | None
     model_node: bytes | None
     timeout: float | None
     messages: tuple[ChatMessage, ...] = ()
@@ -216,7 +216,7 @@ class FakeUserClient:
         max_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | None = None,
         stop: Sequence[str] = (),
         model_node: bytes | None = None,
         timeout: float | None = None,
