@@ -794,23 +794,25 @@ async def _run_node(  # type: ignore[no-untyped-def]
 async def _stop_on_sigterm(  # type: ignore[no-untyped-def]
     scope: trio.CancelScope, node=None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """SIGTERM (systemd, docker, the devnet) stops the node as cleanly as Ctrl-C does; a model
+    """SIGINT (Ctrl-C) and SIGTERM (systemd, docker, the devnet) stop the node cleanly; a model
     node first drains (:meth:`ps_p2p.node.Node.drain`: new requests refused, its record
-    withdrawn, the requests in service finished within ``--drain-timeout``). A second SIGTERM
-    stops it at once. ``task_status.started()`` once the signal is caught."""
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+    withdrawn, the requests in service finished within ``--drain-timeout``). A second SIGINT
+    or SIGTERM stops it at once. ``task_status.started()`` once the signals are caught (before
+    that, during start-up, SIGINT stops the process as KeyboardInterrupt)."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         task_status.started()
-        async for _ in signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
             if node is None or node.model is None:
-                log.info("SIGTERM: stopping the node")
+                log.info("%s: stopping the node", name)
                 scope.cancel()
                 return
-            log.info("SIGTERM: draining (up to %.0f s; SIGTERM again stops at once)",
-                     node.config.drain_timeout)
+            log.info("%s: draining (up to %.0f s; SIGINT or SIGTERM again stops at once)",
+                     name, node.config.drain_timeout)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_drain_then_stop, node, scope)
-                async for _ in signals:
-                    log.info("second SIGTERM: stopping at once")
+                async for again in signals:
+                    log.info("second signal (%s): stopping at once", signal.Signals(again).name)
                     break
                 scope.cancel()
             return
