@@ -23,6 +23,7 @@ from ps_p2p.errors import (
     ContextLengthError,
     DecodeError,
     ModelNodeError,
+    ModelNodeLostError,
     NoModelNodeError,
     NoPathError,
     OverloadedError,
@@ -203,6 +204,7 @@ async def test_completion_for_an_unknown_model_id_gets_404_model_not_found(api):
         (RequestTimeoutError("no answer within 3 s"), 504),
         (NoPathError("only 2 of 4 paths ready"), 503),
         (NoModelNodeError("no model node in the directory"), 503),
+        (ModelNodeLostError("model node 12D3KooWabc stopped answering"), 503),
         (OverloadedError("OVERLOADED: queue full", status=ResponseStatus.OVERLOADED), 503),
         (RequestRefusedError("BAD_REQUEST: top_p", status=ResponseStatus.BAD_REQUEST), 400),
         (RequestRefusedError("WRONG_MODEL: other", status=ResponseStatus.WRONG_MODEL), 400),
@@ -212,7 +214,8 @@ async def test_completion_for_an_unknown_model_id_gets_404_model_not_found(api):
         (RequestError("something else"), 502),
         (DecodeError("no 3-subset decodes"), 502),
     ],
-    ids=["timeout-504", "no-path-503", "no-model-node-503", "overloaded-503",
+    ids=["timeout-504", "no-path-503", "no-model-node-503", "model-node-lost-503",
+         "overloaded-503",
          "bad-request-400", "wrong-model-400", "prompt-too-long-400", "too-large-400",
          "engine-error-502", "other-request-error-502", "decode-error-502"],
 )
@@ -459,3 +462,39 @@ async def test_a_chat_with_a_non_text_part_is_refused_as_only_text_supported(api
     assert error["param"] == "messages"
     assert len(error["message"]) < 200
     assert api.user.calls == []
+
+
+async def test_after_the_only_model_node_is_lost_no_model_is_listed_and_nothing_is_ready(api):
+    assert (await api.client.get("/status")).json()["ready"] is True
+    api.user.lose(api.node.model_record.peer_id)
+
+    assert (await api.client.get("/v1/models")).json()["data"] == []
+    assert (await api.client.get("/status")).json()["ready"] is False
+
+
+@pytest.mark.parametrize("model", [None, "fake-model"])
+async def test_after_the_only_model_node_is_lost_requests_get_503_no_model_node(api, model):
+    await api.client.get("/v1/models")  # the model was listed once
+    api.user.lose(api.node.model_record.peer_id)
+
+    body = {"prompt": PROMPT} if model is None else {"prompt": PROMPT, "model": model}
+    r = await api.client.post("/v1/completions", json=body)
+
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "NoModelNodeError"
+
+
+async def test_a_model_seen_before_whose_node_left_the_directory_gets_503_not_404(api):
+    from ps_p2p.records import Directory
+
+    await api.client.get("/v1/models")
+    d = api.node.directory
+    api.node.directory = Directory(
+        height=2, issued_at_ms=d.issued_at_ms, expires_at_ms=d.expires_at_ms,
+        records=tuple(r for r in d.records if r.peer_id != api.node.model_record.peer_id))
+
+    seen = await api.client.post("/v1/completions", json={"prompt": PROMPT, "model": "fake-model"})
+    never = await api.client.post("/v1/completions", json={"prompt": PROMPT, "model": "other"})
+
+    assert (seen.status_code, seen.json()["error"]["code"]) == (503, "NoModelNodeError")
+    assert (never.status_code, never.json()["error"]["code"]) == (404, "model_not_found")

@@ -56,6 +56,7 @@ from starlette.types import Receive, Scope, Send
 
 from ps_p2p.errors import (
     DirectoryError,
+    ModelNodeLostError,
     OverloadedError,
     PathError,
     PsError,
@@ -266,6 +267,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[PsError], int], ...] = (
     (OverloadedError, 503),
     (PathError, 503),  # NoPathError: too few paths ready
     (DirectoryError, 503),  # NoModelNodeError: no model node for the model ID
+    (ModelNodeLostError, 503),  # the model node died under the request, none other left
     (RequestRefusedError, 400),  # BAD_REQUEST, WRONG_MODEL, PROMPT_TOO_LONG (signed)
     (RequestTooLargeError, 400),
 )
@@ -273,7 +275,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[PsError], int], ...] = (
 
 def http_status(error: PsError | None) -> int:
     """The HTTP status of a request's typed outcome: 504 deadline passed; 503 no paths, no
-    model node or overloaded; 400 the request itself is at fault; 502 anything else (another
+    model node (none listed, or the one asked stopped answering) or overloaded; 400 the request itself is at fault; 502 anything else (another
     signed error status, a bug)."""
     for cls, code in _STATUS_BY_ERROR:
         if isinstance(error, cls):
@@ -321,6 +323,9 @@ class UserAPI:
 
     def __init__(self, node: Any) -> None:
         self.node = node
+        #: model IDs listed since start: asked for while no model node serves them, they get
+        #: 503 "no model node" (the network cannot serve it now), not 404 (never heard of)
+        self._seen_models: set[str] = set()
         self.app = Starlette(
             routes=[
                 Route("/status", self._status, methods=["GET"]),
@@ -376,14 +381,18 @@ class UserAPI:
             },
             "ready_paths": paths,
             "ready": (
-                directory is not None and bool(directory.model_nodes())
+                directory is not None and bool(self.model_ids())
                 and len({p["proxy"] for p in paths}) >= node.config.user.total
             ),
         }
 
     def model_ids(self) -> list[str]:
+        """The models of the reachable trusted model nodes (a model node found lost is left
+        out until it renews its record: :meth:`UserClient.reachable_model_nodes`)."""
         user = self.node.user
-        return sorted({r.model_id for r in (user.model_nodes() if user else [])})
+        ids = sorted({r.model_id for r in (user.reachable_model_nodes() if user else [])})
+        self._seen_models.update(ids)
+        return ids
 
     @staticmethod
     def _model_object(model_id: str) -> dict[str, Any]:
@@ -424,8 +433,9 @@ class UserAPI:
         user = self.node.user
         if user is None:
             raise ApiError(503, "this node has no user role", code="no_user_role")
-        if body.model is not None and body.model not in self.model_ids():
-            raise _unknown_model(body.model)
+        if (body.model is not None and body.model not in self.model_ids()
+                and body.model not in self._seen_models):
+            raise _unknown_model(body.model)  # a model seen before fails below with 503
         model_id = body.model
         if body.stream and model_id is None:
             # every chunk names the model (OpenAI's chunks do), so fix it before the first:
