@@ -486,6 +486,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     stale = f"  (STALE: written {age:.0f} s ago; the node is not running)" if age > STATUS_STALE_S else ""
     print(f"peer ID    {status.get('peer_id')}{stale}")
     print(f"roles      {', '.join(status.get('roles') or [])}")
+    health = status.get("health")
+    if health is not None:  # the same answer as GET /health (ps_p2p.health)
+        print("health     " + ("ok" if health["ok"] else
+                               "UNAVAILABLE: " + "; ".join(health["reasons"])))
     for addr in status.get("listen") or []:
         print(f"listening  {addr}")
     d = status.get("directory")
@@ -784,8 +788,6 @@ async def _run_node(  # type: ignore[no-untyped-def]
                  status_file)
         for addr in node.listen_addrs:  # stdout is for scripts: the addresses only
             print(addr, flush=True)
-        if node.metrics.url:
-            print(f"metrics on {node.metrics.url}", file=sys.stderr)
         if status_file:
             nursery.start_soon(_status_writer, node, pathlib.Path(status_file), api_url)
         task_status.started(node)
@@ -827,6 +829,8 @@ async def _drain_then_stop(node, scope: trio.CancelScope) -> None:  # type: igno
 
 
 async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:  # type: ignore[no-untyped-def]
+    from ps_p2p.health import node_health
+
     while True:
         d = node.directory
         status = {
@@ -841,6 +845,7 @@ async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:
             "ready_paths": len(node.user.ready_paths()) if node.user else 0,
             "committee": node.committee_status(),
             "reputation": node.reputation_status(),
+            "health": node_health(node).as_json(),
             "written_at_ms": int(time.time() * 1000),
         }
         tmp = path.with_suffix(".tmp")

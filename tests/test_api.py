@@ -368,7 +368,12 @@ async def test_completion_through_a_real_local_network_is_answered_and_signed():
             models = await client.get("/v1/models")
             status = await client.get("/status")
             r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 64})
+            health = await client.get("/health")
+            metrics = await client.get("/metrics")
 
+    assert (health.status_code, health.json()) == (200, {"ok": True, "reasons": []})
+    assert metrics.status_code == 200
+    assert 'planetserve_requests_total{outcome="ok"} 1.0' in metrics.text
     assert [m["id"] for m in models.json()["data"]] == ["fake-model"]
     assert status.json()["directory"]["users"] == 6
     assert all(len(p["relays"]) == 3 for p in status.json()["ready_paths"])

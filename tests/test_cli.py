@@ -527,3 +527,40 @@ def test_status_imports_neither_libp2p_nor_torch(tmp_path):
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[] 0"
+
+
+async def test_a_node_with_metrics_says_where_once_and_its_status_file_carries_its_health(
+    tmp_path, capsys, caplog
+):
+    import logging
+
+    import trio.testing
+
+    from ps_p2p.cli import _status_writer
+    from ps_p2p.health import node_health
+
+    caplog.set_level(logging.INFO)
+    config = _config("--role", "verifier", "--home", str(tmp_path / "v"),
+                     "--metrics", "127.0.0.1:0")
+    status = tmp_path / "status.json"
+    async with trio.open_nursery() as nursery:
+        node = await nursery.start(_run_node_at_home, config, None, None)
+        nursery.start_soon(_status_writer, node, status, None)
+        await trio.testing.wait_all_tasks_blocked()  # the writer wrote, and sleeps
+        expected = node_health(node).as_json()
+        nursery.cancel_scope.cancel()
+
+    said = capsys.readouterr().err + caplog.text
+    assert said.count(f"metrics on {node.metrics.url}") == 1
+    assert json.loads(status.read_text())["health"] == expected
+
+
+def test_status_prints_the_health_of_the_status_file(tmp_path, capsys):
+    (tmp_path / "status.json").write_text(json.dumps(
+        {"peer_id": "12D3KooWx", "roles": ["user"], "listen": [], "directory": None,
+         "ready_paths": 0, "written_at_ms": int(time.time() * 1000),
+         "health": {"ok": False, "reasons": ["no verified directory yet"]}}))
+
+    assert main(["status", "--home", str(tmp_path)]) == 0
+
+    assert "health     UNAVAILABLE: no verified directory yet" in capsys.readouterr().out

@@ -18,6 +18,10 @@ Endpoints (bind to loopback: anyone who can reach it can spend the user's anonym
   ``cloves_received``, ``latency_ms``, ``attempts``.
 * ``GET /v1/models`` and ``GET /v1/models/{id}`` — the model IDs of the directory's model nodes.
 * ``GET /status`` — peer ID, directory size, ready paths and ``ready`` (what a script waits for).
+* ``GET /health`` — 200 ``{"ok": true, "reasons": []}`` when the node can serve its roles, else
+  503 with the reasons (:func:`ps_p2p.health.node_health`), as vLLM's ``/health``.
+* ``GET /metrics`` — the node's Prometheus metrics (:mod:`ps_p2p.metrics`), as vLLM serves them
+  on its API port (``--metrics`` serves them on a port of their own, for nodes without an API).
 
 Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 bad body or a request the model node refused (``invalid_request_error``), 404 for an unknown
@@ -329,6 +333,8 @@ class UserAPI:
         self.app = Starlette(
             routes=[
                 Route("/status", self._status, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
@@ -403,6 +409,21 @@ class UserAPI:
 
     async def _status(self, request: Request) -> Response:
         return JSONResponse(self.status())
+
+    async def _health(self, request: Request) -> Response:
+        from ps_p2p.health import node_health
+
+        health = node_health(self.node)
+        return JSONResponse(health.as_json(), status_code=200 if health.ok else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        metrics = getattr(self.node, "metrics", None)
+        if metrics is None:
+            raise ApiError(404, "this node keeps no metrics", code="not_found")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        # on the node's trio thread: the collector reads the node directly (ps_p2p.metrics)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse(self.models())
