@@ -28,7 +28,7 @@ def readme_block(after: str, language: str) -> str:
     """The first fenced ``language`` block of README.md after the line containing ``after``."""
     text = (REPO / "README.md").read_text()
     start = text.index(after)
-    match = re.compile(rf"```{language}\n(.*?)```", re.S).search(text, start)
+    match = re.compile(rf"```{language}\n(.*?)```", re.DOTALL).search(text, start)
     assert match is not None, f"no {language} block after {after!r} in README.md"
     return match.group(1)
 
@@ -105,7 +105,7 @@ async def test_the_readme_readiness_check_passes_on_a_ready_api_and_fails_on_one
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
     shell = readme_block("A long-running network, by hand", "bash")
-    (condition,) = re.findall(r"^until (curl .*?); do sleep 1; done", shell, re.M)
+    (condition,) = re.findall(r"^until (curl .*?); do sleep 1; done", shell, re.MULTILINE)
     node = FakeUserNode()
 
     async def check() -> int:
