@@ -73,6 +73,12 @@ def _setup_logging(
 
     logging.getLogger("libp2p").setLevel(getattr(logging, libp2p_level.upper(), logging.WARNING))
     logging.getLogger("libp2p").propagate = True
+    from ps_p2p.log_limits import LIBP2P_HOST_LOGGER, StreamFailureFilter
+
+    host_logger = logging.getLogger(LIBP2P_HOST_LOGGER)
+    for old in [f for f in host_logger.filters if isinstance(f, StreamFailureFilter)]:
+        host_logger.removeFilter(old)
+    host_logger.addFilter(StreamFailureFilter(verbose=level.upper() == "DEBUG"))
     if level.upper() != "DEBUG":
         # a dial to a peer that went away logs an ERROR there; our link manager already logs
         # "link down" with the reason, and a dead relay is routine in an overlay
