@@ -503,3 +503,31 @@ async def test_a_model_seen_before_whose_node_left_the_directory_gets_503_not_40
 
     assert (seen.status_code, seen.json()["error"]["code"]) == (503, "NoModelNodeError")
     assert (never.status_code, never.json()["error"]["code"]) == (404, "model_not_found")
+
+
+async def test_a_client_that_leaves_mid_stream_cancels_its_request():
+    """The stream is written by Starlette's StreamingResponse, which notices the disconnect;
+    the request through the overlay is then cancelled, not left running."""
+    node = FakeUserNode()
+    cancelled = trio.Event()
+    started = trio.Event()
+
+    async def ask_forever(*args, on_text=None, **kwargs):
+        on_text("Once")
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    node.user.ask = ask_forever
+    async with _serve(node) as client:
+        async with client.stream("POST", "/v1/completions",
+                                 json={"prompt": PROMPT, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # the first chunk came: leave
+        with trio.fail_after(10):
+            await cancelled.wait()
+    assert started.is_set()

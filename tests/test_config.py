@@ -124,10 +124,10 @@ def test_every_wrong_type_is_reported_with_its_key_before_anything_starts(tmp_pa
     assert lines[0] == "bad configuration:"
     assert sorted(line.strip() for line in lines[1:]) == sorted([
         "roles = 'user': Input should be a valid list",
-        "directory_refresh = 'fast': Input should be a valid number, unable to parse string "
-        "as a number",
-        "user.paths = 'many': Input should be a valid integer, unable to parse string as an "
-        "integer",
+        ("directory_refresh = 'fast': Input should be a valid number, unable to parse string "
+         "as a number"),
+        ("user.paths = 'many': Input should be a valid integer, unable to parse string as an "
+         "integer"),
         "[sim]: max_batch must be an int >= 1, not 0",
     ])
 

@@ -38,7 +38,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, Literal
 
 import trio
@@ -54,7 +54,7 @@ from pydantic import (
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -176,7 +176,7 @@ class _Message(BaseModel):
                 raise ValueError(
                     f"only text content is supported (got a {part.get('type')!r} part)")
             if not isinstance(part.get("text"), str):
-                raise ValueError("a text part needs a 'text' string")
+                raise ValueError("a text part needs a 'text' string")  # noqa: TRY004 (pydantic)
         return value
 
     def text(self) -> str:
@@ -555,12 +555,14 @@ def _completion_object(answers: Sequence[Answer], *, chat: bool) -> dict[str, An
 
 
 class _EventStream(Response):
-    """Server-sent events of one streamed request (OpenAI's chunk format).
+    """Server-sent events of one streamed request (OpenAI's chunk format), written by
+    Starlette's :class:`~starlette.responses.StreamingResponse` (which also stops the stream
+    when the client disconnects; the request is then cancelled).
 
-    The HTTP status is chosen once the first text or the outcome arrives: a request that fails
-    before any text gets its error status and object, like an unstreamed one; once text has
-    been sent, a failure is an error event before ``[DONE]``. A client that goes away cancels
-    the request.
+    What Starlette does not do, and this class does: the HTTP status is chosen once the first
+    text or the outcome arrives, so a request that fails before any text gets its error status
+    and object, like an unstreamed one (a ``StreamingResponse`` sends 200 before its first
+    chunk); once text has been sent, a failure is an error event before ``[DONE]``.
     """
 
     def __init__(self, ask: _Ask, *, chat: bool, include_usage: bool) -> None:
@@ -601,47 +603,43 @@ class _EventStream(Response):
             nursery.start_soon(run)
             first = await events_out.receive()
             if isinstance(first, Answer) and not first.ok:
-                await answer_error(first).response()(scope, receive, send)
-                return
-            await send({
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                            (b"cache-control", b"no-cache")],
-            })
-            await self._events(first, events_out, send)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                response: Response = answer_error(first).response()
+            else:
+                response = StreamingResponse(
+                    self._events(first, events_out), media_type="text/event-stream",
+                    headers={"cache-control": "no-cache"})
+            await response(scope, receive, send)
+            nursery.cancel_scope.cancel()  # the client went away mid-stream: stop the request
 
     async def _events(
-        self, first: str | Answer, events: trio.MemoryReceiveChannel[str | Answer], send: Send
-    ) -> None:
+        self, first: str | Answer, events: trio.MemoryReceiveChannel[str | Answer]
+    ) -> AsyncIterator[str]:
         answer_id = ("chatcmpl-" if self.chat else "cmpl-") + self.ask.stream_id
         model = self.ask.kwargs.get("model_id") or ""
 
-        async def emit(payload: dict[str, Any] | str) -> None:
+        def event(payload: dict[str, Any] | str) -> str:
             data = payload if isinstance(payload, str) else json.dumps(payload)
-            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(),
-                        "more_body": True})
+            return f"data: {data}\n\n"
 
         if self.chat:
-            await emit(self._chunk(answer_id, model, "", role=True))
-        event = first
-        while not isinstance(event, Answer):
-            await emit(self._chunk(answer_id, model, event))
-            event = await events.receive()
-        answer = event
+            yield event(self._chunk(answer_id, model, "", role=True))
+        item = first
+        while not isinstance(item, Answer):
+            yield event(self._chunk(answer_id, model, item))
+            item = await events.receive()
+        answer = item
         if answer.ok:
-            await emit(self._chunk(answer_id, answer.model_id or model, None if self.chat else "",
-                                   answer.finish_reason or "stop"))
+            yield event(self._chunk(answer_id, answer.model_id or model,
+                                    None if self.chat else "", answer.finish_reason or "stop"))
             if self.include_usage:
                 chunk = self._chunk(answer_id, answer.model_id or model, None)
                 chunk["choices"] = []
                 chunk["usage"] = _usage([answer])
                 chunk["planetserve"] = _meta(answer)
-                await emit(chunk)
+                yield event(chunk)
         else:
-            await emit(answer_error(answer).payload())
-        await emit("[DONE]")
+            yield event(answer_error(answer).payload())
+        yield event("[DONE]")
 
 
 async def serve_api(
