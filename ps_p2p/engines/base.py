@@ -18,7 +18,7 @@ methods. The fake vLLM server (:mod:`ps_p2p.testing.fake_vllm`) needs it for tok
 Errors: :class:`~ps_p2p.errors.PromptTooLongError` when the prompt leaves no room for one token
 in the context window; a ``max_tokens`` that overflows it is cut to what fits, the answer then
 ending with ``finish_reason`` "length" (what a vLLM server >= 0.32 does, and the transformers
-engine does the same: see :mod:`~ps_p2p.engines.vllm_engine`; the test fake
+engine and the sim engine do the same: see :mod:`~ps_p2p.engines.vllm_engine`; the test fake
 :class:`~ps_p2p.testing.fakes.InstantEngine` still refuses an overflow);
 :class:`~ps_p2p.errors.EngineParameterError` (also a ``ValueError``) for a parameter the engine
 refuses whatever the prompt, such as ``max_tokens`` above the whole context window;
