@@ -221,9 +221,37 @@ async def test_a_model_node_killed_mid_request_is_replaced_then_reported_without
         assert "stopped answering" in answer.error
         print(f"failed {trio.current_time() - started:.2f} s after the ask: {answer.error}")
 
-        # both found lost, their records still listed: nothing reachable, the next ask fails
-        # at once with "no model node" (the local API's 503) instead of trying a dead node
-        assert [r.peer_id for r in asker.model_nodes()] != []
+
+async def test_a_user_that_found_the_only_model_node_lost_sends_nothing_more_to_it():
+    """Issue 21: after the only model node died, /v1/models listed it and requests went to it
+    (502) until its record expired. Once a request found it lost (its record still listed),
+    nothing is reachable and the next ask fails at once with "no model node" (the API's 503)."""
+    import trio
+
+    from ps_p2p.roles.user import UserConfig
+    from ps_p2p.testing.fakes import InstantEngine
+    from ps_p2p.testing.localnet import open_localnet
+
+    gate = trio.Event()
+    engine = InstantEngine(gate=gate)
+    config = UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=60.0)
+    async with open_localnet(
+        users=6, models=1, engine_factory=lambda i: engine, user_config=config
+    ) as net:
+        asker = net.users[0].user
+        answers = []
+
+        async def ask() -> None:
+            answers.append(await asker.ask("Once upon a time", timeout=50))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            await engine.entered.wait()  # in service: kill it there
+            await net.crash(net.models[0])
+        (lost,) = answers
+        assert lost.error_type is ModelNodeLostError, lost.error
+
+        assert [r.peer_id for r in asker.model_nodes()] == [net.models[0].peer_id]  # listed
         assert asker.reachable_model_nodes() == []
         answer = await asker.ask("Once upon a time", timeout=50)
         assert answer.error_type is NoModelNodeError and answer.attempts == 0, answer.error

@@ -605,9 +605,12 @@ class UserClient:
         request_id = self._random_bytes(16)
         started = self._clock()
         directory = self._directory()
-        listed = (self.reachable_model_nodes(model_id) if model_node is None else
-                  self.model_nodes(model_id) if not include_untrusted or directory is None else
-                  [r for r in directory.model_nodes() if model_id in (None, r.model_id)])
+        if include_untrusted and directory is not None:
+            listed = [r for r in directory.model_nodes() if model_id in (None, r.model_id)]
+        elif model_node is None:  # not to a model node found lost (until it renews its record)
+            listed = self.reachable_model_nodes(model_id)
+        else:
+            listed = self.model_nodes(model_id)
         candidates = [r for r in listed if model_node is None or r.peer_id == model_node]
         if not candidates:
             error = NoModelNodeError(
