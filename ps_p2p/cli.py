@@ -34,10 +34,28 @@ log = logging.getLogger("ps_p2p.cli")
 ASK_DIAL_TIMEOUT = 5.0
 
 
-def _setup_logging(level: str, *, libp2p_level: str = "WARNING") -> None:
+#: ``--log-level`` values (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Subcommands that start py-libp2p hosts; only they pay for importing libp2p (~0.5 s) and
+#: torch, so that ``ps-node status`` and friends answer at once.
+NETWORK_COMMANDS = frozenset({"run", "ask", "devnet", "valset"})
+
+
+def _log_level(value: str) -> str:
+    """argparse type of ``--log-level``: one of :data:`LOG_LEVELS`, any case."""
+    if value.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a log level (one of {', '.join(LOG_LEVELS)})")
+    return value.upper()
+
+
+def _setup_logging(
+    level: str, *, libp2p_level: str = "WARNING", network: bool = True
+) -> None:
     """Logs to stderr at ``level``; repeated warnings limited to one a minute per template
     (:class:`~ps_p2p.log_limits.RepeatFilter`; at DEBUG nothing is limited). Does nothing to
-    the root logger's handlers when it already has some (an embedding program's)."""
+    the root logger's handlers when it already has some (an embedding program's). Without
+    ``network`` libp2p is not imported (its loggers are set only when it will be used)."""
     from ps_p2p.log_limits import RepeatFilter
 
     handler = logging.StreamHandler(sys.stderr)
@@ -47,19 +65,39 @@ def _setup_logging(level: str, *, libp2p_level: str = "WARNING") -> None:
     if level.upper() != "DEBUG":
         handler.addFilter(RepeatFilter())
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
+    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if not network:
+        return
     import libp2p  # noqa: F401  (import first: it resets its logger's level on import)
 
     logging.getLogger("libp2p").setLevel(getattr(logging, libp2p_level.upper(), logging.WARNING))
     logging.getLogger("libp2p").propagate = True
+    from ps_p2p.log_limits import LIBP2P_HOST_LOGGER, StreamFailureFilter
+
+    host_logger = logging.getLogger(LIBP2P_HOST_LOGGER)
+    for old in [f for f in host_logger.filters if isinstance(f, StreamFailureFilter)]:
+        host_logger.removeFilter(old)
+    host_logger.addFilter(StreamFailureFilter(verbose=level.upper() == "DEBUG"))
     if level.upper() != "DEBUG":
         # a dial to a peer that went away logs an ERROR there; our link manager already logs
         # "link down" with the reason, and a dead relay is routine in an overlay
         logging.getLogger("libp2p.transport.tcp").setLevel(logging.CRITICAL)
-    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 # ---------------------------------------------------------------------- parser
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's own when not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("ps_p2p")
+    except metadata.PackageNotFoundError:
+        from ps_p2p import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ps-node",
         description="PlanetServe node: anonymous, verified LLM serving over py-libp2p.",
     )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", type=_log_level, default=None, metavar="LEVEL",
+                        help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO; WARNING "
+                             "for ask, whose answer is the output)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     keygen = sub.add_parser("keygen", help="create a key file and print its peer ID")
@@ -468,11 +509,11 @@ STATUS_STALE_S = 5.0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from ps_p2p.config import NodeConfig
-    from ps_p2p.home import STATUS_FILE
+    from ps_p2p import home  # not ps_p2p.config: status answers without the network's imports
 
-    config = NodeConfig(name=args.name, home=args.home)
-    path = config.home_path / STATUS_FILE
+    home_path = (pathlib.Path(args.home).expanduser() if args.home
+                 else home.default_home(args.name or home.node_name(["user"])))
+    path = home_path / home.STATUS_FILE
     try:
         status = json.loads(path.read_text())
     except FileNotFoundError:
@@ -486,6 +527,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     stale = f"  (STALE: written {age:.0f} s ago; the node is not running)" if age > STATUS_STALE_S else ""
     print(f"peer ID    {status.get('peer_id')}{stale}")
     print(f"roles      {', '.join(status.get('roles') or [])}")
+    health = status.get("health")
+    if health is not None:  # the same answer as GET /health (ps_p2p.health)
+        print("health     " + ("ok" if health["ok"] else
+                               "UNAVAILABLE: " + "; ".join(health["reasons"])))
     for addr in status.get("listen") or []:
         print(f"listening  {addr}")
     d = status.get("directory")
@@ -565,9 +610,10 @@ def _cmd_testnet(args: argparse.Namespace) -> int:
     if not 1 <= args.verifiers <= 128:
         raise ConfigError("--verifiers must be in 1..128")
     if args.verifiers % 3 != 1:
-        print(f"ps-node: note: {args.verifiers} verifiers tolerate no more faults than "
-              f"{args.verifiers - (args.verifiers - 1) % 3}; N = 3f+1 uses every one",
-              file=sys.stderr)
+        f = (args.verifiers - 1) // 3  # faulty verifiers a committee of N tolerates
+        print(f"ps-node: note: {args.verifiers} verifiers tolerate {f} faulty one"
+              f"{'' if f == 1 else 's'}, no more than {3 * f + 1} would; N = 3f+1 "
+              f"(4, 7, 10, ...) uses every one", file=sys.stderr)
     try:
         version = ipaddress.ip_address(args.host).version
     except ValueError as exc:
@@ -799,8 +845,6 @@ async def _run_node(  # type: ignore[no-untyped-def]
                  status_file)
         for addr in node.listen_addrs:  # stdout is for scripts: the addresses only
             print(addr, flush=True)
-        if node.metrics.url:
-            print(f"metrics on {node.metrics.url}", file=sys.stderr)
         if status_file:
             nursery.start_soon(_status_writer, node, pathlib.Path(status_file), api_url)
         task_status.started(node)
@@ -809,23 +853,25 @@ async def _run_node(  # type: ignore[no-untyped-def]
 async def _stop_on_sigterm(  # type: ignore[no-untyped-def]
     scope: trio.CancelScope, node=None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """SIGTERM (systemd, docker, the devnet) stops the node as cleanly as Ctrl-C does; a model
+    """SIGINT (Ctrl-C) and SIGTERM (systemd, docker, the devnet) stop the node cleanly; a model
     node first drains (:meth:`ps_p2p.node.Node.drain`: new requests refused, its record
-    withdrawn, the requests in service finished within ``--drain-timeout``). A second SIGTERM
-    stops it at once. ``task_status.started()`` once the signal is caught."""
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+    withdrawn, the requests in service finished within ``--drain-timeout``). A second SIGINT
+    or SIGTERM stops it at once. ``task_status.started()`` once the signals are caught (before
+    that, during start-up, SIGINT stops the process as KeyboardInterrupt)."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         task_status.started()
-        async for _ in signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
             if node is None or node.model is None:
-                log.info("SIGTERM: stopping the node")
+                log.info("%s: stopping the node", name)
                 scope.cancel()
                 return
-            log.info("SIGTERM: draining (up to %.0f s; SIGTERM again stops at once)",
-                     node.config.drain_timeout)
+            log.info("%s: draining (up to %.0f s; SIGINT or SIGTERM again stops at once)",
+                     name, node.config.drain_timeout)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_drain_then_stop, node, scope)
-                async for _ in signals:
-                    log.info("second SIGTERM: stopping at once")
+                async for again in signals:
+                    log.info("second signal (%s): stopping at once", signal.Signals(again).name)
                     break
                 scope.cancel()
             return
@@ -840,6 +886,8 @@ async def _drain_then_stop(node, scope: trio.CancelScope) -> None:  # type: igno
 
 
 async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:  # type: ignore[no-untyped-def]
+    from ps_p2p.health import node_health
+
     while True:
         d = node.directory
         status = {
@@ -854,6 +902,7 @@ async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:
             "ready_paths": len(node.user.ready_paths()) if node.user else 0,
             "committee": node.committee_status(),
             "reputation": node.reputation_status(),
+            "health": node_health(node).as_json(),
             "written_at_ms": int(time.time() * 1000),
         }
         tmp = path.with_suffix(".tmp")
@@ -1043,7 +1092,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``ps-node``; returns the process exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.log_level)
+    if args.log_level is None:
+        args.log_level = "WARNING" if args.command == "ask" else "INFO"
+    _setup_logging(args.log_level, network=args.command in NETWORK_COMMANDS)
     try:
         if args.command == "keygen":
             return _cmd_keygen(args)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import dataclasses
+import functools
 import math
 import pathlib
 import tomllib
@@ -547,6 +548,40 @@ _NESTED = {"user": UserConfig, "model_node": ModelNodeConfig, "sim": SimParams,
            "forwarding": ForwardingConfig, "verification": VerificationConfig}
 
 
+@functools.cache
+def _node_config_adapter() -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(NodeConfig)
+
+
+def check_types(data: dict[str, Any]) -> None:
+    """Check every key of a config (the TOML file's tables merged with the flags) against the
+    type of its :class:`NodeConfig` field, nested tables included, and the range checks of the
+    nested dataclasses (their ``__post_init__``), with pydantic (``TypeAdapter`` over the
+    dataclasses themselves: one set of types, no second schema to keep in step). Values pydantic
+    converts losslessly pass (an integer for seconds, a list for a tuple).
+
+    Raises:
+        ConfigError: every error found, one line each, naming its key (``user.paths``) and
+            the value given: ``directory_refresh = 'fast': Input should be a valid number``.
+    """
+    from pydantic import ValidationError
+
+    try:
+        _node_config_adapter().validate_python(data)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors(include_url=False):
+            key = ".".join(str(part) for part in error["loc"]) or "config"
+            message = error["msg"].removeprefix("Value error, ")
+            if error["type"] == "value_error":  # a nested table's own range check
+                lines.append(f"[{key}]: {message}")
+            else:
+                lines.append(f"{key} = {error['input']!r}: {message}")
+        raise ConfigError("bad configuration:\n  " + "\n  ".join(lines)) from None
+
+
 def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:
     """Build a :class:`NodeConfig` from defaults, the TOML file at ``path`` and ``overrides``.
 
@@ -569,11 +604,13 @@ def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | Non
             data[key] = value
     known = {f.name for f in dataclasses.fields(NodeConfig)} - {"byzantine"}  # test only
     kwargs: dict[str, Any] = {}
-    for key, value in data.items():
+    for key in data:
         if key in _REMOVED:
             raise ConfigError(f"config key {key!r} was removed: {_REMOVED[key]}")
         if key not in known:
             raise ConfigError(f"unknown config key {key!r}")
+    check_types(data)
+    for key, value in data.items():
         if key in _NESTED:
             cls = _NESTED[key]
             if isinstance(value, cls):

@@ -7,8 +7,11 @@ workers' status lines and from the prompts it sends); a display task shows them:
   lines, redrawn 4 times a second: the phase, nodes up, nodes holding the full directory, users
   with their paths, then a bar of the prompts answered and failed;
 * :class:`PlainDisplay` (a pipe, a file, CI): while the network starts, one line every 5 s when
-  the counts changed, e.g. ``waiting for user paths: 14/14 nodes up, 10/10 with the directory,
-  6/8 users ready (21 s)``; afterwards nothing (each prompt prints its own line).
+  the counts changed, e.g. ``waiting for user paths: 14/14 nodes up, 10/10 directories
+  complete, 6/8 users have their paths (21 s)``; afterwards nothing (each prompt prints its own
+  line). A directory is complete when it lists every user and model node of the devnet; a user
+  has its paths as soon as its directory lists enough relays, often before it is complete, so
+  the two counts are independent.
 
 :func:`progress_line` and :func:`progress_table` are pure: counts and the time in, text out.
 """
@@ -66,7 +69,7 @@ class Progress:
 def progress_line(p: Progress, now: float) -> str:
     """One plain line of ``p`` at trio time ``now``."""
     line = (f"{p.phase}: {p.nodes_up}/{p.nodes} nodes up, {p.with_directory}/{p.directory_nodes} "
-            f"with the directory, {p.users_ready}/{p.users} users ready")
+            f"directories complete, {p.users_ready}/{p.users} users have their paths")
     if p.nodes_down:
         line += f", {p.nodes_down} down"
     if p.prompts:
@@ -88,8 +91,8 @@ def progress_table(p: Progress, now: float) -> Any:
 
     sep = Text(" · ", style="dim")
     parts = [Text(p.phase, style="bold"), count(p.nodes_up, p.nodes, "nodes up"),
-             count(p.with_directory, p.directory_nodes, "with the directory"),
-             count(p.users_ready, p.users, "users ready")]
+             count(p.with_directory, p.directory_nodes, "directories complete"),
+             count(p.users_ready, p.users, "users have their paths")]
     if p.nodes_down:
         parts.append(Text(f"{p.nodes_down} down", style="red"))
     parts.append(Text(f"{now - p.started_at:.0f} s", style="dim"))

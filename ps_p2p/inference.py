@@ -33,7 +33,7 @@ class SamplingParams:
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None  # None: unseeded
     stop: tuple[str, ...] = ()
 
 

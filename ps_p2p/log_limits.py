@@ -84,4 +84,40 @@ class RepeatFilter(logging.Filter):
         return True
 
 
-__all__ = ["DEFAULT_INTERVAL", "MAX_KEYS", "RepeatFilter"]
+#: The py-libp2p logger whose stream failures :class:`StreamFailureFilter` quiets.
+LIBP2P_HOST_LOGGER = "libp2p.host.basic_host"
+
+
+class StreamFailureFilter(logging.Filter):
+    """Quiet py-libp2p 0.8.1's report of a stream it could not open.
+
+    ``BasicHost.new_stream`` logs an ERROR of seven lines (error, protocols, timeout,
+    connection state, registry stats) for every stream it could not open, then raises
+    ``StreamFailure`` to its caller, who decides what it means: GossipSub asks every new peer
+    for ``/meshsub/...`` and gives up quietly on one that does not speak it (every user and
+    verifier, seen from a model node), and our own services log their failures themselves. So
+    the record is dropped, or with ``verbose`` (``--log-level DEBUG``) passed as one DEBUG line.
+    Install it on the :data:`LIBP2P_HOST_LOGGER` logger (a logger's filters see the records it
+    creates). Other records pass unchanged.
+    """
+
+    PREFIX = "Failed to open stream to peer"
+
+    def __init__(self, verbose: bool = False) -> None:
+        super().__init__()
+        self.verbose = verbose
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return True
+        if not self.verbose:
+            return False
+        record.msg = " ".join(line.strip() for line in message.splitlines())
+        record.args = None
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+__all__ = ["DEFAULT_INTERVAL", "LIBP2P_HOST_LOGGER", "MAX_KEYS", "RepeatFilter",
+           "StreamFailureFilter"]

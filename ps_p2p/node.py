@@ -56,7 +56,13 @@ from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.directory_client import CommitteeClient
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import ConfigError, PsError
-from ps_p2p.genesis import GenesisFile, init_genesis, load_genesis
+from ps_p2p.genesis import (
+    GenesisFile,
+    genesis_hash,
+    init_genesis,
+    load_genesis,
+    parse_genesis_text,
+)
 from ps_p2p.keys import NodeKeys, load_membership
 from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import committee_directory as committee_proto
@@ -102,6 +108,12 @@ WITHDRAW_LIFETIME_MS = 1000
 DRAIN_FLUSH_TIMEOUT = 5.0
 #: Seconds a verifier that failed to answer is tried after the others.
 VERIFIER_SUSPECT_SECONDS = 10.0
+#: Directory rounds in a row with no verifier answering before a node given ``--genesis`` asks
+#: its bootstrap peers outside that genesis which chain they serve (:meth:`Node._check_chain`).
+CHAIN_CHECK_AFTER = 3
+#: Most seconds between directory rounds while no verifier answers (then 30 s once the
+#: bootstrap peers turned out to serve another chain).
+REFRESH_BACKOFF_MAX = 4.0
 #: Committee verifiers: the consensus store (WAL and blocks) in the node's home.
 CONSENSUS_STORE_FILE = "consensus.sqlite"
 #: A verifier's genesis when none is given: ``<home>/genesis.json`` (a committee of one).
@@ -220,6 +232,7 @@ class Node:
         #: peer -> the record addresses last put in the peerstore (bounded by the directory)
         self._record_addrs: dict[bytes, tuple[bytes, ...]] = {}
         self._verifier_failed: dict[bytes, float] = {}  # verifier -> suspect until (trio time)
+        self._wrong_chain = False  # a bootstrap peer serves another chain (_check_chain)
         self._bootstrap: dict[bytes, str] = {}
         for addr in config.bootstrap:
             peer = ID.from_base58(addr.rsplit("/p2p/", 1)[1]).to_bytes()
@@ -977,6 +990,7 @@ class Node:
         self._quiet_refreshes = 0
         next_register = 0.0
         register_failures = 0
+        refresh_failures = 0
         while True:
             now = trio.current_time()
             # a host of another application may listen on more (or other) addresses by now
@@ -1006,8 +1020,49 @@ class Node:
                     register_failures += 1
                     wait = min(REGISTER_BACKOFF_MAX, 2.0 ** (register_failures - 1))
                     next_register = now + wait * (0.5 + self.rng.random())
-            await self._refresh_directory(targets)
-            await trio.sleep(self._refresh_delay())
+            delay = self._refresh_delay()
+            if await self._refresh_directory(targets):
+                refresh_failures = 0
+            else:  # no verifier answered: back off, and after a few rounds ask which chain
+                refresh_failures += 1
+                if refresh_failures == CHAIN_CHECK_AFTER:
+                    await self._check_chain()
+                cap = REGISTER_BACKOFF_MAX if self._wrong_chain else REFRESH_BACKOFF_MAX
+                wait = min(cap, 0.5 * 2.0 ** (refresh_failures - 1))
+                delay = max(delay, wait * (0.5 + self.rng.random()))
+            await trio.sleep(delay)
+
+    async def _check_chain(self) -> None:
+        """No verifier of this node's ``--genesis`` chain answered: ask each bootstrap peer
+        outside its validators for the genesis it serves, and when one serves another chain say
+        so once, at WARNING, naming both chains (the node then retries every 30 s at most)."""
+        assert self.host is not None
+        ours = self.genesis_file
+        if ours is None or self.config.genesis is None:
+            return
+        for peer, addr in self._bootstrap.items():
+            if peer in self.trusted_verifiers:
+                continue
+            try:
+                with trio.fail_after(5):
+                    await connect(self.host, addr)
+                    text = await committee_proto.fetch_genesis(self.host, peer, timeout=5.0)
+                theirs = parse_genesis_text(text, source=f"genesis of {addr}")
+            except (Exception, trio.TooSlowError) as exc:
+                log.debug("cannot ask %s for its genesis: %s", addr, exc)
+                continue
+            if theirs.genesis == ours.genesis:
+                continue
+            self._wrong_chain = True
+            log.warning(
+                "wrong chain: this node's genesis %s is chain %r (sha256 %s, %d validators), "
+                "but the bootstrap verifier %s serves chain %r (sha256 %s), and no validator "
+                "of %r answered; give the genesis file of the chain you join, or bootstrap "
+                "from a validator of %r (retrying every 30 s)",
+                self.config.genesis, ours.genesis.chain_id, genesis_hash(ours.text)[:16],
+                len(ours.genesis.validators), addr, theirs.genesis.chain_id,
+                genesis_hash(theirs.text)[:16], ours.genesis.chain_id, ours.genesis.chain_id)
+            return
 
     def _refresh_delay(self) -> float:
         d = self.directory
@@ -1033,7 +1088,7 @@ class Node:
                     await connect(self.host, addr)
                 return True
         except (Exception, trio.TooSlowError) as exc:
-            log.info("cannot reach verifier %s: %s", ID(peer).to_base58()[-8:], exc)
+            self._log_verifier_failure("cannot reach verifier %s: %s", peer, exc)
             return False
         return True  # known from the directory; new_stream dials it
 
@@ -1045,19 +1100,20 @@ class Node:
         try:
             await self._client.register(self.host, verifier, self.own_record(_now_ms()), 5.0)
         except _REMOTE_FAILURES as exc:
-            log.info("registration with %s failed: %s", ID(verifier).to_base58()[-8:], exc)
+            self._log_verifier_failure("registration with %s failed: %s", verifier, exc)
             self._verifier_answered(verifier, False)
             return 0
         self._verifier_answered(verifier, True)
         return 1
 
-    async def _refresh_directory(self, targets: list[bytes]) -> None:
+    async def _refresh_directory(self, targets: list[bytes]) -> bool:
+        """One directory round; False when no verifier answered (a committee member: True)."""
         assert self.host is not None
         if self.consensus is not None:  # a committee member serves its own committed state
             committed = self._committed_directory()
             if committed is not None:
                 self._install(committed)
-            return
+            return True
         source = self._client.preferred()
         suspect = self._verifier_failed.get(source or b"", -math.inf) > trio.current_time()
         if source in targets and not suspect:  # whose heights we hold: a delta, not everything
@@ -1069,12 +1125,19 @@ class Node:
             try:
                 directory, changed = await self._client.fetch(self.host, verifier, 5.0)
             except _REMOTE_FAILURES as exc:
-                log.info("directory from %s refused: %s", ID(verifier).to_base58()[-8:], exc)
+                self._log_verifier_failure("directory from %s refused: %s", verifier, exc)
                 self._verifier_answered(verifier, False)
                 continue
             self._verifier_answered(verifier, True)
             self._install(directory, changed)
-            return
+            return True
+        return False
+
+    def _log_verifier_failure(self, message: str, verifier: bytes, exc: BaseException) -> None:
+        """INFO for a verifier's first failure since it last answered, DEBUG for the next ones
+        (a verifier that stays away would otherwise log every round)."""
+        level = logging.DEBUG if verifier in self._verifier_failed else logging.INFO
+        log.log(level, message, ID(verifier).to_base58()[-8:], exc)
 
     def _install(self, directory: Directory, changed: tuple[NodeRecord, ...] | None = None) -> None:
         """Adopt a verified directory; the addresses of ``changed`` records (None: of every

@@ -42,7 +42,8 @@ def shared() -> pathlib.Path:
 def restore_logging():
     """``ps_p2p.cli.main()`` configures logging for a process; undo that for the rest of the
     test session."""
-    names = ["", "libp2p", "libp2p.transport.tcp", "hypercorn.error", "httpx"]
+    names = ["", "libp2p", "libp2p.transport.tcp", "libp2p.host.basic_host", "hypercorn.error",
+             "httpx"]
     saved = [(logging.getLogger(n), logging.getLogger(n).level, logging.getLogger(n).propagate,
               list(logging.getLogger(n).handlers), list(logging.getLogger(n).filters))
              for n in names]

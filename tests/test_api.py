@@ -23,6 +23,7 @@ from ps_p2p.errors import (
     ContextLengthError,
     DecodeError,
     ModelNodeError,
+    ModelNodeLostError,
     NoModelNodeError,
     NoPathError,
     OverloadedError,
@@ -130,7 +131,7 @@ async def test_completion_without_parameters_asks_with_the_defaults(api):
 
     assert r.status_code == 200, r.text
     assert api.user.calls == [AskCall(
-        prompt=PROMPT, model_id=None, max_tokens=128, temperature=0.0, top_p=1.0, seed=0,
+        prompt=PROMPT, model_id=None, max_tokens=128, temperature=0.0, top_p=1.0, seed=None,
         model_node=None, timeout=None,
     )]
 
@@ -203,6 +204,7 @@ async def test_completion_for_an_unknown_model_id_gets_404_model_not_found(api):
         (RequestTimeoutError("no answer within 3 s"), 504),
         (NoPathError("only 2 of 4 paths ready"), 503),
         (NoModelNodeError("no model node in the directory"), 503),
+        (ModelNodeLostError("model node 12D3KooWabc stopped answering"), 503),
         (OverloadedError("OVERLOADED: queue full", status=ResponseStatus.OVERLOADED), 503),
         (RequestRefusedError("BAD_REQUEST: top_p", status=ResponseStatus.BAD_REQUEST), 400),
         (RequestRefusedError("WRONG_MODEL: other", status=ResponseStatus.WRONG_MODEL), 400),
@@ -212,7 +214,8 @@ async def test_completion_for_an_unknown_model_id_gets_404_model_not_found(api):
         (RequestError("something else"), 502),
         (DecodeError("no 3-subset decodes"), 502),
     ],
-    ids=["timeout-504", "no-path-503", "no-model-node-503", "overloaded-503",
+    ids=["timeout-504", "no-path-503", "no-model-node-503", "model-node-lost-503",
+         "overloaded-503",
          "bad-request-400", "wrong-model-400", "prompt-too-long-400", "too-large-400",
          "engine-error-502", "other-request-error-502", "decode-error-502"],
 )
@@ -365,7 +368,12 @@ async def test_completion_through_a_real_local_network_is_answered_and_signed():
             models = await client.get("/v1/models")
             status = await client.get("/status")
             r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 64})
+            health = await client.get("/health")
+            metrics = await client.get("/metrics")
 
+    assert (health.status_code, health.json()) == (200, {"ok": True, "reasons": []})
+    assert metrics.status_code == 200
+    assert 'planetserve_requests_total{outcome="ok"} 1.0' in metrics.text
     assert [m["id"] for m in models.json()["data"]] == ["fake-model"]
     assert status.json()["directory"]["users"] == 6
     assert all(len(p["relays"]) == 3 for p in status.json()["ready_paths"])
@@ -376,3 +384,150 @@ async def test_completion_through_a_real_local_network_is_answered_and_signed():
     assert body["planetserve"]["served_by"] == net.models[0].keys.identity.peer_id_str
     assert body["planetserve"]["signature_valid"] is True
     assert body["planetserve"]["cloves_received"] >= 3
+
+
+# ------------------------------------------------------------------------------ first-day defects
+# (issue 21): seed 0, null parameters, the model of streamed chunks, image parts
+
+
+async def test_seed_zero_is_asked_as_seed_zero_and_no_seed_as_unseeded(api):
+    await api.client.post("/v1/completions", json={"prompt": PROMPT, "seed": 0,
+                                                   "temperature": 1.0})
+    await api.client.post("/v1/completions", json={"prompt": PROMPT, "temperature": 1.0})
+
+    assert [c.seed for c in api.user.calls] == [0, None]
+
+
+async def test_seed_zero_with_n_gives_each_choice_its_own_seed(api):
+    r = await api.client.post("/v1/completions", json={"prompt": PROMPT, "seed": 0, "n": 3})
+
+    assert r.status_code == 200, r.text
+    assert sorted(c.seed for c in api.user.calls) == [0, 1, 2]
+
+
+def test_seed_zero_survives_the_wire_and_absent_stays_unseeded():
+    from ps_p2p.inference import InferenceQuery, SamplingParams
+    from ps_p2p.protocols.inference_codec import decode_query, encode_query
+
+    def roundtrip(seed: int | None) -> int | None:
+        q = InferenceQuery(request_id=b"r" * 16, model_id="m", prompt="p",
+                           params=SamplingParams(seed=seed), reply_proxies=())
+        return decode_query(encode_query(q)).params.seed
+
+    assert [roundtrip(0), roundtrip(None), roundtrip(7)] == [0, None, 7]
+
+
+@pytest.mark.parametrize("param", ["temperature", "top_p", "n", "stream", "max_tokens", "seed",
+                                   "stop", "stream_options", "model"])
+async def test_null_for_an_optional_parameter_means_its_default(api, param):
+    r = await api.client.post("/v1/completions", json={"prompt": PROMPT, param: None})
+
+    assert r.status_code == 200, r.text
+    call = api.user.calls[0]
+    assert (call.temperature, call.top_p, call.max_tokens, call.seed, call.stop) == (
+        0.0, 1.0, 128, None, ())
+    assert r.json()["object"] == "text_completion"  # stream null: not streamed
+
+
+async def test_null_parameters_of_a_chat_mean_their_defaults(api):
+    r = await api.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "temperature": None, "top_p": None,
+        "n": None, "stream": None, "max_completion_tokens": None})
+
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+async def test_every_streamed_chunk_names_the_model_when_the_request_names_none(api, path, body):
+    async with api.client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+
+    import json
+    chunks = [json.loads(line[len("data: "):]) for line in lines]
+    assert len(chunks) >= 3
+    assert {c["model"] for c in chunks} == {"fake-model"}
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+])
+async def test_a_chat_with_a_non_text_part_is_refused_as_only_text_supported(api, part):
+    r = await api.client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]})
+
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "only text content is supported" in error["message"]
+    assert error["param"] == "messages"
+    assert len(error["message"]) < 200
+    assert api.user.calls == []
+
+
+async def test_after_the_only_model_node_is_lost_no_model_is_listed_and_nothing_is_ready(api):
+    assert (await api.client.get("/status")).json()["ready"] is True
+    api.user.lose(api.node.model_record.peer_id)
+
+    assert (await api.client.get("/v1/models")).json()["data"] == []
+    assert (await api.client.get("/status")).json()["ready"] is False
+
+
+@pytest.mark.parametrize("model", [None, "fake-model"])
+async def test_after_the_only_model_node_is_lost_requests_get_503_no_model_node(api, model):
+    await api.client.get("/v1/models")  # the model was listed once
+    api.user.lose(api.node.model_record.peer_id)
+
+    body = {"prompt": PROMPT} if model is None else {"prompt": PROMPT, "model": model}
+    r = await api.client.post("/v1/completions", json=body)
+
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "NoModelNodeError"
+
+
+async def test_a_model_seen_before_whose_node_left_the_directory_gets_503_not_404(api):
+    from ps_p2p.records import Directory
+
+    await api.client.get("/v1/models")
+    d = api.node.directory
+    api.node.directory = Directory(
+        height=2, issued_at_ms=d.issued_at_ms, expires_at_ms=d.expires_at_ms,
+        records=tuple(r for r in d.records if r.peer_id != api.node.model_record.peer_id))
+
+    seen = await api.client.post("/v1/completions", json={"prompt": PROMPT, "model": "fake-model"})
+    never = await api.client.post("/v1/completions", json={"prompt": PROMPT, "model": "other"})
+
+    assert (seen.status_code, seen.json()["error"]["code"]) == (503, "NoModelNodeError")
+    assert (never.status_code, never.json()["error"]["code"]) == (404, "model_not_found")
+
+
+async def test_a_client_that_leaves_mid_stream_cancels_its_request():
+    """The stream is written by Starlette's StreamingResponse, which notices the disconnect;
+    the request through the overlay is then cancelled, not left running."""
+    node = FakeUserNode()
+    cancelled = trio.Event()
+    started = trio.Event()
+
+    async def ask_forever(*args, on_text=None, **kwargs):
+        on_text("Once")
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    node.user.ask = ask_forever
+    async with _serve(node) as client:
+        async with client.stream("POST", "/v1/completions",
+                                 json={"prompt": PROMPT, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # the first chunk came: leave
+        with trio.fail_after(10):
+            await cancelled.wait()
+    assert started.is_set()

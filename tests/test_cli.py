@@ -457,3 +457,108 @@ def test_group_key_makes_a_fresh_secret_and_writes_it_for_the_owner_only(tmp_pat
     assert out.stat().st_mode & 0o777 == 0o600
     assert ForwardingConfig(**tomllib.loads(out.read_text())["forwarding"]).active
     assert main(["group-key", "--out", str(out)]) == 2  # never overwrites a secret
+
+
+# ---------------------------------------------------------------------- first-day defects (issue 21)
+
+
+def test_version_prints_the_package_version_and_exits_0(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ps-node {metadata.version('ps_p2p')}"
+
+
+@pytest.mark.parametrize("level", ["foo", "verbose", "20"])
+def test_an_unknown_log_level_is_a_usage_error_naming_the_levels(level, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--log-level", level, "status", "--home", "/nonexistent"])
+
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{level!r} is not a log level" in err and "WARNING" in err
+
+
+@pytest.mark.parametrize("argv, level", [
+    (["ask", "--multiaddr", BOOT, "hi"], "WARNING"),
+    (["--log-level", "info", "ask", "--multiaddr", BOOT, "hi"], "INFO"),
+    (["run"], "INFO"),
+    (["--log-level", "debug", "run"], "DEBUG"),
+])
+def test_ask_logs_warnings_only_unless_asked_and_other_commands_info(argv, level, monkeypatch):
+    from ps_p2p import cli
+
+    levels: list[str] = []
+    monkeypatch.setattr(cli, "_setup_logging", lambda lvl, **kw: levels.append(lvl))
+    monkeypatch.setattr(cli, "_cmd_ask", lambda args: 0)
+    monkeypatch.setattr(cli, "_cmd_run", lambda args: 0)
+
+    assert main(argv) == 0
+    assert levels == [level]
+
+
+@pytest.mark.parametrize("verifiers, f", [(2, 0), (3, 0), (5, 1), (6, 1), (8, 2)])
+def test_testnet_of_a_size_not_3f_plus_1_names_the_faults_it_tolerates(
+    verifiers, f, tmp_path, capsys
+):
+    assert main(["testnet", "--verifiers", str(verifiers), "--out", str(tmp_path / "t")]) == 0
+
+    err = capsys.readouterr().err
+    assert f"{verifiers} verifiers tolerate {f} faulty one" in err
+    assert f"no more than {3 * f + 1} would" in err
+
+
+@pytest.mark.slow
+def test_status_imports_neither_libp2p_nor_torch(tmp_path):
+    """``ps-node status`` answers without the network's imports (was 3-10 s on a loaded
+    machine: every subcommand imported libp2p)."""
+    (tmp_path / "status.json").write_text(json.dumps(
+        {"peer_id": "12D3KooWx", "roles": ["user"], "listen": [], "directory": None,
+         "ready_paths": 0, "written_at_ms": int(time.time() * 1000)}))
+    code = ("import sys; from ps_p2p.cli import main; "
+            f"rc = main(['status', '--home', {str(tmp_path)!r}]); "
+            "print(sorted(m for m in ('libp2p', 'torch', 'transformers') if m in sys.modules), rc)")
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(), cwd=REPO, timeout=60, check=False)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[] 0"
+
+
+async def test_a_node_with_metrics_says_where_once_and_its_status_file_carries_its_health(
+    tmp_path, capsys, caplog
+):
+    import trio.testing
+
+    from ps_p2p.cli import _status_writer
+    from ps_p2p.health import node_health
+
+    caplog.set_level(logging.INFO)
+    config = _config("--role", "verifier", "--home", str(tmp_path / "v"),
+                     "--metrics", "127.0.0.1:0")
+    status = tmp_path / "status.json"
+    async with trio.open_nursery() as nursery:
+        node = await nursery.start(_run_node_at_home, config, None, None)
+        nursery.start_soon(_status_writer, node, status, None)
+        await trio.testing.wait_all_tasks_blocked()  # the writer wrote, and sleeps
+        expected = node_health(node).as_json()
+        nursery.cancel_scope.cancel()
+
+    said = capsys.readouterr().err + caplog.text
+    assert said.count(f"metrics on {node.metrics.url}") == 1
+    assert json.loads(status.read_text())["health"] == expected
+
+
+def test_status_prints_the_health_of_the_status_file(tmp_path, capsys):
+    (tmp_path / "status.json").write_text(json.dumps(
+        {"peer_id": "12D3KooWx", "roles": ["user"], "listen": [], "directory": None,
+         "ready_paths": 0, "written_at_ms": int(time.time() * 1000),
+         "health": {"ok": False, "reasons": ["no verified directory yet"]}}))
+
+    assert main(["status", "--home", str(tmp_path)]) == 0
+
+    assert "health     UNAVAILABLE: no verified directory yet" in capsys.readouterr().out

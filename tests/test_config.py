@@ -105,3 +105,44 @@ def test_snapshot_and_pruning_options_are_checked(tmp_path):
         path.write_text(roles + bad + "\n")
         with pytest.raises(ConfigError, match=bad.split(" ")[0]):
             load_config(path)
+
+
+# ------------------------------------------------------------------ types (issue 21)
+
+
+def test_every_wrong_type_is_reported_with_its_key_before_anything_starts(tmp_path):
+    """Was: ``directory_refresh = "fast"`` a 79-line traceback after start-up, ``roles =
+    "user"`` "unknown role 'u'"."""
+    path = tmp_path / "node.toml"
+    path.write_text('directory_refresh = "fast"\nroles = "user"\n'
+                    '[user]\npaths = "many"\n[sim]\nmax_batch = 0\n')
+
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+
+    lines = str(info.value).splitlines()
+    assert lines[0] == "bad configuration:"
+    assert sorted(line.strip() for line in lines[1:]) == sorted([
+        "roles = 'user': Input should be a valid list",
+        ("directory_refresh = 'fast': Input should be a valid number, unable to parse string "
+         "as a number"),
+        ("user.paths = 'many': Input should be a valid integer, unable to parse string as an "
+         "integer"),
+        "[sim]: max_batch must be an int >= 1, not 0",
+    ])
+
+
+def test_lossless_conversions_of_toml_values_still_pass(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text('roles = ["verifier"]\ndirectory_refresh = 2\n'
+                    '[connections]\nexempt = ["127.0.0.0/8"]\n')
+
+    config = load_config(path)
+
+    assert config.directory_refresh == 2
+    assert tuple(config.connections.exempt) == ("127.0.0.0/8",)
+
+
+def test_a_wrong_type_from_a_flag_is_reported_with_its_key():
+    with pytest.raises(ConfigError, match=r"status_interval = 'often': Input should be a valid"):
+        load_config(None, {"status_interval": "often"})

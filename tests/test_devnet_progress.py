@@ -25,14 +25,15 @@ def _progress(**counts) -> Progress:
 @pytest.mark.parametrize(
     "counts, now, expected",
     [
-        ({}, 0.0, "starting: 0/14 nodes up, 0/10 with the directory, 0/8 users ready (0 s)"),
+        ({}, 0.0, "starting: 0/14 nodes up, 0/10 directories complete, 0/8 users have their "
+                  "paths (0 s)"),
         ({"phase": "waiting for user paths", "nodes_up": 14, "with_directory": 10,
           "users_ready": 6, "started_at": 100.0}, 121.2,
-         "waiting for user paths: 14/14 nodes up, 10/10 with the directory, 6/8 users ready "
-         "(21 s)"),
+         "waiting for user paths: 14/14 nodes up, 10/10 directories complete, 6/8 users have "
+         "their paths (21 s)"),
         ({"phase": "sending prompts", "nodes_up": 13, "with_directory": 10, "users_ready": 8,
           "nodes_down": 1, "prompts": 80, "answered": 23, "failed": 1, "in_flight": 4}, 60.0,
-         "sending prompts: 13/14 nodes up, 10/10 with the directory, 8/8 users ready, 1 down; prompts 23 "
+         "sending prompts: 13/14 nodes up, 10/10 directories complete, 8/8 users have their paths, 1 down; prompts 23 "
          "answered, 1 failed, 4 in flight (60 s)"),
     ],
     ids=["nothing-yet", "waiting-for-paths", "prompts-with-a-node-down"],
@@ -51,7 +52,7 @@ def test_progress_table_shows_the_counts_and_the_prompt_bar():
     Console(file=out, width=160).print(progress_table(progress, 30.0))
 
     text = out.getvalue()
-    assert "14/14 nodes up" in text and "8/8 users ready" in text
+    assert "14/14 nodes up" in text and "8/8 users have their paths" in text
     assert "23/80 answered" in text and "4 in flight" in text
 
 
@@ -91,8 +92,8 @@ async def test_plain_display_prints_a_line_when_the_counts_changed_until_the_net
 
     lines = out.getvalue().splitlines()
     assert [line.split(" (")[0] for line in lines] == [
-        "  waiting for user paths: 0/14 nodes up, 0/10 with the directory, 0/8 users ready",
-        "  waiting for user paths: 0/14 nodes up, 0/10 with the directory, 3/8 users ready",
+        "  waiting for user paths: 0/14 nodes up, 0/10 directories complete, 0/8 users have their paths",
+        "  waiting for user paths: 0/14 nodes up, 0/10 directories complete, 3/8 users have their paths",
     ]
 
 

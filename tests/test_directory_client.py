@@ -74,3 +74,41 @@ async def test_a_user_without_a_genesis_file_follows_a_lone_verifier_started_wit
                 await user.wait_directory_update()
         assert user._client.genesis == verifier.genesis_file.genesis
         nursery.cancel_scope.cancel()
+
+
+async def test_a_user_given_another_chains_genesis_says_so_once_at_warning_and_backs_off(
+    tmp_path, caplog
+):
+    """Issue 21: such a user logged ~450 INFO lines a minute ("directory from ... refused")
+    and never named the cause."""
+    import logging
+
+    from ps_p2p.testing.waits import wait_until
+
+    other = tmp_path / "other-genesis.json"
+    other.write_text(_text([Identity.generate().peer_id], chain="the-other-chain").decode())
+    caplog.set_level(logging.DEBUG, logger="ps_p2p.node")
+    async with trio.open_nursery() as nursery:
+        verifier = Node(NodeConfig(roles=["verifier"], home=str(tmp_path / "v"),
+                                   directory_refresh=0.5), NodeKeys.generate())
+        await nursery.start(verifier.run)
+        user = Node(NodeConfig(roles=["user"], bootstrap=verifier.listen_addrs[:1],
+                               genesis=str(other), home=str(tmp_path / "u"),
+                               directory_refresh=0.5), NodeKeys.generate())
+        await nursery.start(user.run)
+        await wait_until(lambda: "wrong chain" in caplog.text, timeout=30)
+        with trio.move_on_after(3):  # what the next seconds log
+            await trio.sleep_forever()
+        nursery.cancel_scope.cancel()
+
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING
+                and r.name == "ps_p2p.node" and "wrong chain" in r.getMessage()]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    chain = verifier.genesis_file.genesis.chain_id
+    assert "'the-other-chain'" in message and f"'{chain}'" in message and str(other) in message
+    failures = [r.getMessage() for r in caplog.records
+                if r.name == "ps_p2p.node" and r.levelno == logging.INFO
+                and ("refused" in r.getMessage() or "failed" in r.getMessage())]
+    assert len(failures) <= 2, failures  # the first of each kind, not one a round
+    assert user.directory is None

@@ -156,7 +156,10 @@ async def test_a_draining_model_node_withdraws_its_record_from_the_verifier():
 
 
 @pytest.mark.slow
-def test_sigterm_drains_a_model_node_process_withdraws_it_and_exits_0(shared, tmp_path):
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_sigterm_or_sigint_drains_a_model_node_process_withdraws_it_and_exits_0(
+    shared, tmp_path, signame
+):
     import signal
     import subprocess
     import sys
@@ -178,13 +181,48 @@ def test_sigterm_drains_a_model_node_process_withdraws_it_and_exits_0(shared, tm
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         assert node.stdout.readline().strip(), "the model node did not start"
-        node.send_signal(signal.SIGTERM)
+        node.send_signal(getattr(signal, signame))
         _, err = node.communicate(timeout=60)
     finally:
         verifier.terminate()
         verifier.wait(timeout=30)
 
     assert node.returncode == 0, err
-    assert "SIGTERM: draining" in err
+    assert f"{signame}: draining" in err
     assert "record withdrawn from 1 verifier(s)" in err
     assert "drained in" in err and "0 abandoned" in err
+
+
+class _StuckDrainNode:
+    """What ``ps_p2p.cli._stop_on_sigterm`` uses of a model node, with a drain that never ends."""
+
+    class config:
+        drain_timeout = 30.0
+
+    model = object()
+
+    def __init__(self) -> None:
+        self.draining = trio.Event()
+
+    async def drain(self) -> None:
+        self.draining.set()
+        await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("first, second", [("SIGINT", "SIGINT"), ("SIGTERM", "SIGINT"),
+                                           ("SIGINT", "SIGTERM")])
+async def test_first_signal_drains_a_model_node_and_a_second_stops_it_at_once(first, second):
+    import signal
+
+    from ps_p2p.cli import _stop_on_sigterm
+
+    node = _StuckDrainNode()
+    with trio.CancelScope() as node_scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_stop_on_sigterm, node_scope, node)
+            os.kill(os.getpid(), getattr(signal, first))
+            await node.draining.wait()
+            assert not node_scope.cancel_called  # draining, not stopped
+            os.kill(os.getpid(), getattr(signal, second))
+            await trio.sleep_forever()  # until the second signal cancels the node's scope
+    assert node_scope.cancel_called

@@ -288,18 +288,56 @@ async def test_likely_continuation_scores_higher_than_random_tokens(engine):
     assert likely_scores.perplexity < noise_scores.perplexity
 
 
-async def test_prompt_and_max_tokens_over_the_context_raise_prompt_too_long(engine):
-    prompt_tokens = len(await engine.tokenize(PROMPT))
-    too_many = SamplingParams(max_tokens=engine.max_context - prompt_tokens + 1)
+async def test_max_tokens_beyond_the_context_is_cut_to_the_room_left_as_vllm_does(engine):
+    """Issue 21: one behaviour for both engines, vLLM's (>= 0.32): the answer uses the room the
+    prompt leaves and ends with "length"; only a prompt that leaves no room, or a max_tokens
+    above the whole context, is refused."""
+    room = 5
+    prompt = " a" * (engine.max_context - room)
+    prompt_tokens = len(await engine.tokenize(prompt))
+    prompt = " a" * (engine.max_context - room - (prompt_tokens - (engine.max_context - room)))
+    prompt_tokens = len(await engine.tokenize(prompt))
+    assert engine.max_context - prompt_tokens == room
+    over = SamplingParams(max_tokens=100)
+
+    completion = await engine.complete(prompt, over)
+    chunks = [chunk async for chunk in engine.stream(prompt, over)]
+
+    assert (completion.completion_tokens, completion.finish_reason) == (room, "length")
+    assert (chunks[-1].completion_tokens, chunks[-1].finish_reason) == (room, "length")
+
+
+async def test_a_prompt_leaving_no_room_or_max_tokens_above_the_context_is_refused(engine):
     with pytest.raises(PromptTooLongError):
-        await engine.complete(PROMPT, too_many)
+        await engine.complete(" a" * engine.max_context, SamplingParams(max_tokens=1))
+    with pytest.raises(EngineParameterError):
+        await engine.complete(PROMPT, SamplingParams(max_tokens=engine.max_context + 1))
     with pytest.raises(PromptTooLongError):
-        async for _ in engine.generate(PROMPT, too_many):
+        async for _ in engine.generate(" a" * engine.max_context, SamplingParams(max_tokens=1)):
             pass
     with pytest.raises(PromptTooLongError):
         await engine.score(PROMPT, " a" * engine.max_context)
-    exactly = SamplingParams(max_tokens=engine.max_context - prompt_tokens)
-    assert exactly.max_tokens > 0  # fits: no error up front (not run to the end here)
+
+
+async def test_loading_shows_no_progress_bar_and_generating_no_future_warning(shared, capsys):
+    """Issue 21: a transformers tqdm bar and a FutureWarning (``past_key_values``) in every
+    model node's log."""
+    import warnings
+
+    pytest.importorskip("transformers")
+    from ps_p2p.engines.transformers_engine import TransformersEngine
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = TransformersEngine.load(shared / "models" / "stories260K")
+        try:
+            await engine.complete(PROMPT, SamplingParams(max_tokens=4))
+        finally:
+            await engine.aclose()
+
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err, err
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
 
 
 @pytest.mark.parametrize("device", ["no-such-device", "cuda:99"])

@@ -97,3 +97,53 @@ def test_ps_node_logging_setup_installs_the_limit(monkeypatch):
 
     (handler,) = root.handlers
     assert any(isinstance(f, RepeatFilter) for f in handler.filters)
+
+
+# ------------------------------------------------------------------ py-libp2p's stream failures
+
+_STREAM_FAILURE = (
+    "Failed to open stream to peer 12D3KooWabc:\n"
+    "  Error: protocol not supported\n"
+    "  Protocols: ['/meshsub/1.1.0', '/meshsub/1.0.0']\n"
+    "  Timeout: 5s\n"
+    "  Connection: outbound\n"
+    "  Connection State: established=True, handshake=True\n"
+    "  Registry Stats: None"
+)
+
+
+def _record(message: str, level: int = logging.ERROR) -> logging.LogRecord:
+    return logging.LogRecord("libp2p.host.basic_host", level, __file__, 1, message, None, None)
+
+
+def test_stream_failure_report_is_dropped_unless_verbose_then_one_debug_line():
+    from ps_p2p.log_limits import StreamFailureFilter
+
+    quiet, verbose = StreamFailureFilter(), StreamFailureFilter(verbose=True)
+    record = _record(_STREAM_FAILURE)
+
+    assert quiet.filter(_record(_STREAM_FAILURE)) is False
+    assert verbose.filter(record) is True
+    assert record.levelno == logging.DEBUG and "\n" not in record.getMessage()
+    assert "/meshsub/1.1.0" in record.getMessage()
+    other = _record("something else failed")
+    assert quiet.filter(other) is True and other.levelno == logging.ERROR
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_a_node_logs_no_seven_line_error_for_a_peer_without_gossipsub():
+    """Issue 21: a model node logged a 7-line ERROR per user or verifier (none speaks
+    GossipSub); ``ps-node``'s logging setup now quiets it."""
+    from ps_p2p.cli import _setup_logging
+
+    _setup_logging("INFO")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    logging.getLogger().addHandler(handler)
+    try:
+        logging.getLogger("libp2p.host.basic_host").error(_STREAM_FAILURE)
+        logging.getLogger("libp2p.host.basic_host").error("another error")
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+    assert out.getvalue() == "another error\n"

@@ -136,3 +136,25 @@ async def test_a_malformed_clove_is_dropped_without_raising():
         service.on_delivery(PROXIES[0], b"\xff\x00 not a clove")
         assert service.dropped_cloves == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_request_is_logged_as_refused_with_its_status_not_as_served(caplog):
+    """Issue 21: a prompt too long for the model was logged "served ...: 0+0 tokens"."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="ps_p2p.roles.model")
+    async with trio.open_nursery() as nursery:
+        engine = InstantEngine(max_context=16)
+        service = ModelNodeService(Identity.generate(), engine, ModelNodeConfig(capacity=1))
+        overlay = RecordingOverlay()
+        overlay.identity = service.identity
+        service.attach(overlay)
+        await nursery.start(service.run)
+        rid = os.urandom(16)
+        _deliver(service, _request("a prompt far longer than the sixteen of the context", rid, b"A"))
+        await overlay.wait_replies(4)
+        nursery.cancel_scope.cancel()
+
+    lines = [r.getMessage() for r in caplog.records if rid.hex()[:8] in r.getMessage()]
+    assert lines and not any(line.startswith("served") for line in lines), lines
+    assert any(line.startswith(f"refused {rid.hex()[:8]}: PROMPT_TOO_LONG: ") for line in lines)

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from ps_p2p.errors import ModelNodeLostError
+from ps_p2p.errors import ModelNodeLostError, NoModelNodeError
 from ps_p2p.overlay import relay as r
 from ps_p2p.overlay.requests import RequestConfig, RequestCore, RequestDone, RequestSpec, SendClove
 from ps_p2p.pb.planetserve.v1 import clove_pb2
@@ -241,7 +241,76 @@ async def test_a_model_node_killed_mid_request_is_replaced_then_reported_without
         print(f"failed {trio.current_time() - started:.2f} s after the ask: {answer.error}")
 
 
+async def test_a_user_that_found_the_only_model_node_lost_sends_nothing_more_to_it():
+    """Issue 21: after the only model node died, /v1/models listed it and requests went to it
+    (502) until its record expired. Once a request found it lost (its record still listed),
+    nothing is reachable and the next ask fails at once with "no model node" (the API's 503)."""
+    import trio
+
+    from ps_p2p.roles.user import UserConfig
+    from ps_p2p.testing.fakes import InstantEngine
+    from ps_p2p.testing.localnet import open_localnet
+
+    gate = trio.Event()
+    engine = InstantEngine(gate=gate)
+    config = UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=60.0)
+    async with open_localnet(
+        users=6, models=1, engine_factory=lambda i: engine, user_config=config
+    ) as net:
+        asker = net.users[0].user
+        answers = []
+
+        async def ask() -> None:
+            answers.append(await asker.ask("Once upon a time", timeout=50))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            await engine.entered.wait()  # in service: kill it there
+            await net.crash(net.models[0])
+        (lost,) = answers
+        assert lost.error_type is ModelNodeLostError, lost.error
+
+        assert [r.peer_id for r in asker.model_nodes()] == [net.models[0].peer_id]  # listed
+        assert asker.reachable_model_nodes() == []
+        answer = await asker.ask("Once upon a time", timeout=50)
+        assert answer.error_type is NoModelNodeError and answer.attempts == 0, answer.error
+
+
 async def _first_entered(engine, index, scope, out) -> None:
     await engine.entered.wait()
     out.append(index)
     scope.cancel()
+
+
+# ------------------------------------------------------------------ user: who is still reachable
+
+
+def test_the_core_names_each_model_node_it_found_lost_once():
+    core = _core(model_nodes=(M1,))
+    sent = _started(core)
+
+    core.delivery_failed(sent[0].reply_tag, sent[0].path_id, 1.0)
+    assert core.take_lost_model_nodes() == []  # one proxy of four: not lost yet
+    core.delivery_failed(sent[1].reply_tag, sent[1].path_id, 1.0)
+
+    assert core.take_lost_model_nodes() == [M1]
+    assert core.take_lost_model_nodes() == []
+
+
+def _model_record(peer: bytes, issued_at_ms: int):
+    from ps_p2p.records import NodeRecord, Role
+
+    return NodeRecord(peer, (), frozenset({Role.MODEL}), b"k" * 32, model_id="fake-model",
+                      capacity=2, issued_at_ms=issued_at_ms, expires_at_ms=issued_at_ms + 1)
+
+
+def test_a_lost_model_node_is_left_out_until_it_renews_its_record():
+    from ps_p2p.roles.user import reachable_model_nodes
+
+    lost = {M1: 1000}
+    same = [_model_record(M1, 1000), _model_record(M2, 1000)]
+    renewed = [_model_record(M1, 31_000), _model_record(M2, 1000)]
+
+    assert [r.peer_id for r in reachable_model_nodes(same, lost)] == [M2]
+    assert [r.peer_id for r in reachable_model_nodes(renewed, lost)] == [M1, M2]
+    assert lost == {}  # a renewed record clears the loss

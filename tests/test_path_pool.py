@@ -493,3 +493,22 @@ def test_pool_counters_count_builds_failures_losses_repairs_and_rotations(scenar
     scenario(pool)
 
     assert pool.stats == expected
+
+
+def test_paths_rotating_at_one_tick_are_logged_in_one_line_naming_each_once(caplog):
+    """Issue 21: "rotating path via X" came once per path, so two paths of one first hop read
+    as the same line twice."""
+    import logging
+
+    pool = _pool(rotate_period=10.0, retire_grace=5.0, probe_interval=100.0)
+    opened = _open_all(pool, 0.0)
+    caplog.set_level(logging.INFO, logger="ps_p2p.overlay.path_pool")
+
+    pool.tick(10.0, RELAYS)
+
+    (line,) = [r.getMessage() for r in caplog.records if "rotating" in r.getMessage()]
+    assert line.startswith(f"rotating {len(opened)} path(s) older than 10 s")
+    from ps_p2p.records import short_peer_id
+
+    for command in opened:  # distinct proxies: each path named exactly once
+        assert line.count(f"..{short_peer_id(command.relays[-1])}") == 1

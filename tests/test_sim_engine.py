@@ -16,7 +16,7 @@ from ps_p2p.engines import load_engine, sim_cost
 from ps_p2p.engines.base import SamplingParams
 from ps_p2p.engines.kv_events import AllBlocksCleared, BlockStored
 from ps_p2p.engines.sim_engine import SimCostModel, SimEngine, SimParams
-from ps_p2p.errors import ConfigError, EngineError, PromptTooLongError
+from ps_p2p.errors import ConfigError, EngineError, EngineParameterError, PromptTooLongError
 
 # round numbers so expected durations are easy to read
 PARAMS = SimParams(prefill_tokens_per_s=1000.0, step_time=0.02, batch_growth=0.5, max_batch=4,
@@ -226,11 +226,17 @@ async def test_token_id_prompts_are_served_as_text_prompts(autojump_clock):
         [c async for c in engine.stream_ids([1, -5], SamplingParams(max_tokens=3))]
 
 
-async def test_prompt_and_max_tokens_over_the_context_raise_prompt_too_long(autojump_clock):
+async def test_max_tokens_beyond_the_context_is_cut_to_the_room_left_as_vllm_does(autojump_clock):
     engine = SimEngine("sim", SimParams(max_context=64))
-    with pytest.raises(PromptTooLongError):
-        await engine.complete(_prompt(60), SamplingParams(max_tokens=5))
+
+    cut = await engine.complete(_prompt(60), SamplingParams(max_tokens=50))
+
+    assert (cut.completion_tokens, cut.finish_reason) == (4, "length")
     assert (await engine.complete(_prompt(60), SamplingParams(max_tokens=4))).completion_tokens == 4
+    with pytest.raises(PromptTooLongError):
+        await engine.complete(_prompt(64), SamplingParams(max_tokens=1))
+    with pytest.raises(EngineParameterError):
+        await engine.complete(_prompt(8), SamplingParams(max_tokens=65))
 
 
 async def test_score_raises_and_a_closed_engine_refuses_requests(autojump_clock):

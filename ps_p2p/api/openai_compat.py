@@ -18,6 +18,10 @@ Endpoints (bind to loopback: anyone who can reach it can spend the user's anonym
   ``cloves_received``, ``latency_ms``, ``attempts``.
 * ``GET /v1/models`` and ``GET /v1/models/{id}`` — the model IDs of the directory's model nodes.
 * ``GET /status`` — peer ID, directory size, ready paths and ``ready`` (what a script waits for).
+* ``GET /health`` — 200 ``{"ok": true, "reasons": []}`` when the node can serve its roles, else
+  503 with the reasons (:func:`ps_p2p.health.node_health`), as vLLM's ``/health``.
+* ``GET /metrics`` — the node's Prometheus metrics (:mod:`ps_p2p.metrics`), as vLLM serves them
+  on its API port (``--metrics`` serves them on a port of their own, for nodes without an API).
 
 Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 bad body or a request the model node refused (``invalid_request_error``), 404 for an unknown
@@ -34,21 +38,29 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, Literal
 
 import trio
 from libp2p.peer.id import ID
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ps_p2p.errors import (
     DirectoryError,
+    ModelNodeLostError,
     OverloadedError,
     PathError,
     PsError,
@@ -99,6 +111,14 @@ class _Body(BaseModel):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """``null`` for an optional parameter means its default, as OpenAI and vLLM take it."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -141,19 +161,27 @@ class CompletionBody(_Body):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-class _ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
 class _Message(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[_ContentPart] | None = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_parts(cls, value: str | list[dict[str, Any]] | None) -> Any:
+        """Content parts must be ``{"type": "text", "text": str}``: a model node serves text
+        only, so an image, audio or file part is refused by name, not by a schema dump."""
+        for part in value if isinstance(value, list) else ():
+            if part.get("type") != "text":
+                raise ValueError(
+                    f"only text content is supported (got a {part.get('type')!r} part)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text part needs a 'text' string")  # noqa: TRY004 (pydantic)
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 
@@ -243,6 +271,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[PsError], int], ...] = (
     (OverloadedError, 503),
     (PathError, 503),  # NoPathError: too few paths ready
     (DirectoryError, 503),  # NoModelNodeError: no model node for the model ID
+    (ModelNodeLostError, 503),  # the model node died under the request, none other left
     (RequestRefusedError, 400),  # BAD_REQUEST, WRONG_MODEL, PROMPT_TOO_LONG (signed)
     (RequestTooLargeError, 400),
 )
@@ -250,7 +279,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[PsError], int], ...] = (
 
 def http_status(error: PsError | None) -> int:
     """The HTTP status of a request's typed outcome: 504 deadline passed; 503 no paths, no
-    model node or overloaded; 400 the request itself is at fault; 502 anything else (another
+    model node (none listed, or the one asked stopped answering) or overloaded; 400 the request itself is at fault; 502 anything else (another
     signed error status, a bug)."""
     for cls, code in _STATUS_BY_ERROR:
         if isinstance(error, cls):
@@ -298,9 +327,14 @@ class UserAPI:
 
     def __init__(self, node: Any) -> None:
         self.node = node
+        #: model IDs listed since start: asked for while no model node serves them, they get
+        #: 503 "no model node" (the network cannot serve it now), not 404 (never heard of)
+        self._seen_models: set[str] = set()
         self.app = Starlette(
             routes=[
                 Route("/status", self._status, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
@@ -353,14 +387,18 @@ class UserAPI:
             },
             "ready_paths": paths,
             "ready": (
-                directory is not None and bool(directory.model_nodes())
+                directory is not None and bool(self.model_ids())
                 and len({p["proxy"] for p in paths}) >= node.config.user.total
             ),
         }
 
     def model_ids(self) -> list[str]:
+        """The models of the reachable trusted model nodes (a model node found lost is left
+        out until it renews its record: :meth:`UserClient.reachable_model_nodes`)."""
         user = self.node.user
-        return sorted({r.model_id for r in (user.model_nodes() if user else [])})
+        ids = sorted({r.model_id for r in (user.reachable_model_nodes() if user else [])})
+        self._seen_models.update(ids)
+        return ids
 
     @staticmethod
     def _model_object(model_id: str) -> dict[str, Any]:
@@ -371,6 +409,21 @@ class UserAPI:
 
     async def _status(self, request: Request) -> Response:
         return JSONResponse(self.status())
+
+    async def _health(self, request: Request) -> Response:
+        from ps_p2p.health import node_health
+
+        health = node_health(self.node)
+        return JSONResponse(health.as_json(), status_code=200 if health.ok else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        metrics = getattr(self.node, "metrics", None)
+        if metrics is None:
+            raise ApiError(404, "this node keeps no metrics", code="not_found")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        # on the node's trio thread: the collector reads the node directly (ps_p2p.metrics)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse(self.models())
@@ -401,12 +454,18 @@ class UserAPI:
         user = self.node.user
         if user is None:
             raise ApiError(503, "this node has no user role", code="no_user_role")
-        if body.model is not None and body.model not in self.model_ids():
-            raise _unknown_model(body.model)
+        if (body.model is not None and body.model not in self.model_ids()
+                and body.model not in self._seen_models):
+            raise _unknown_model(body.model)  # a model seen before fails below with 503
+        model_id = body.model
+        if body.stream and model_id is None:
+            # every chunk names the model (OpenAI's chunks do), so fix it before the first:
+            # the model of the trusted model node listed first (highest reputation)
+            model_id = next((r.model_id for r in user.model_nodes()), None)
         ask = _Ask(
-            user, prompt=prompt, messages=messages, model_id=body.model,
+            user, prompt=prompt, messages=messages, model_id=model_id,
             max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=body.temperature,
-            top_p=body.top_p, seed=body.seed or 0, stop=body.stops(), timeout=body.timeout,
+            top_p=body.top_p, seed=body.seed, stop=body.stops(), timeout=body.timeout,
         )
         if body.stream:
             return _EventStream(ask, chat=chat, include_usage=body.include_usage())
@@ -451,7 +510,7 @@ class _Ask:
 
     async def one(self, index: int = 0, on_text: Any = None) -> Answer:
         kwargs = dict(self.kwargs)
-        if index and kwargs["seed"]:
+        if index and kwargs["seed"] is not None:
             kwargs["seed"] = (kwargs["seed"] + index) % 2**63  # n seeded choices differ
         return await self.user.ask(**kwargs, on_text=on_text)
 
@@ -496,12 +555,14 @@ def _completion_object(answers: Sequence[Answer], *, chat: bool) -> dict[str, An
 
 
 class _EventStream(Response):
-    """Server-sent events of one streamed request (OpenAI's chunk format).
+    """Server-sent events of one streamed request (OpenAI's chunk format), written by
+    Starlette's :class:`~starlette.responses.StreamingResponse` (which also stops the stream
+    when the client disconnects; the request is then cancelled).
 
-    The HTTP status is chosen once the first text or the outcome arrives: a request that fails
-    before any text gets its error status and object, like an unstreamed one; once text has
-    been sent, a failure is an error event before ``[DONE]``. A client that goes away cancels
-    the request.
+    What Starlette does not do, and this class does: the HTTP status is chosen once the first
+    text or the outcome arrives, so a request that fails before any text gets its error status
+    and object, like an unstreamed one (a ``StreamingResponse`` sends 200 before its first
+    chunk); once text has been sent, a failure is an error event before ``[DONE]``.
     """
 
     def __init__(self, ask: _Ask, *, chat: bool, include_usage: bool) -> None:
@@ -542,47 +603,43 @@ class _EventStream(Response):
             nursery.start_soon(run)
             first = await events_out.receive()
             if isinstance(first, Answer) and not first.ok:
-                await answer_error(first).response()(scope, receive, send)
-                return
-            await send({
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                            (b"cache-control", b"no-cache")],
-            })
-            await self._events(first, events_out, send)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                response: Response = answer_error(first).response()
+            else:
+                response = StreamingResponse(
+                    self._events(first, events_out), media_type="text/event-stream",
+                    headers={"cache-control": "no-cache"})
+            await response(scope, receive, send)
+            nursery.cancel_scope.cancel()  # the client went away mid-stream: stop the request
 
     async def _events(
-        self, first: str | Answer, events: trio.MemoryReceiveChannel[str | Answer], send: Send
-    ) -> None:
+        self, first: str | Answer, events: trio.MemoryReceiveChannel[str | Answer]
+    ) -> AsyncIterator[str]:
         answer_id = ("chatcmpl-" if self.chat else "cmpl-") + self.ask.stream_id
         model = self.ask.kwargs.get("model_id") or ""
 
-        async def emit(payload: dict[str, Any] | str) -> None:
+        def event(payload: dict[str, Any] | str) -> str:
             data = payload if isinstance(payload, str) else json.dumps(payload)
-            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(),
-                        "more_body": True})
+            return f"data: {data}\n\n"
 
         if self.chat:
-            await emit(self._chunk(answer_id, model, "", role=True))
-        event = first
-        while not isinstance(event, Answer):
-            await emit(self._chunk(answer_id, model, event))
-            event = await events.receive()
-        answer = event
+            yield event(self._chunk(answer_id, model, "", role=True))
+        item = first
+        while not isinstance(item, Answer):
+            yield event(self._chunk(answer_id, model, item))
+            item = await events.receive()
+        answer = item
         if answer.ok:
-            await emit(self._chunk(answer_id, answer.model_id or model, None if self.chat else "",
-                                   answer.finish_reason or "stop"))
+            yield event(self._chunk(answer_id, answer.model_id or model,
+                                    None if self.chat else "", answer.finish_reason or "stop"))
             if self.include_usage:
                 chunk = self._chunk(answer_id, answer.model_id or model, None)
                 chunk["choices"] = []
                 chunk["usage"] = _usage([answer])
                 chunk["planetserve"] = _meta(answer)
-                await emit(chunk)
+                yield event(chunk)
         else:
-            await emit(answer_error(answer).payload())
-        await emit("[DONE]")
+            yield event(answer_error(answer).payload())
+        yield event("[DONE]")
 
 
 async def serve_api(

@@ -15,9 +15,11 @@ the defaults here raise :class:`~ps_p2p.errors.EngineError` or approximate from 
 methods. The fake vLLM server (:mod:`ps_p2p.testing.fake_vllm`) needs it for token-ID prompts and
 ``prompt_logprobs``.
 
-Errors: :class:`~ps_p2p.errors.PromptTooLongError` when prompt tokens + ``max_tokens`` exceed the
-context window (a vLLM server >= 0.32 instead cuts ``max_tokens`` to what fits, and refuses only a
-prompt that leaves no room: see :mod:`~ps_p2p.engines.vllm_engine`);
+Errors: :class:`~ps_p2p.errors.PromptTooLongError` when the prompt leaves no room for one token
+in the context window; a ``max_tokens`` that overflows it is cut to what fits, the answer then
+ending with ``finish_reason`` "length" (what a vLLM server >= 0.32 does, and the transformers
+engine and the sim engine do the same: see :mod:`~ps_p2p.engines.vllm_engine`; the test fake
+:class:`~ps_p2p.testing.fakes.InstantEngine` still refuses an overflow);
 :class:`~ps_p2p.errors.EngineParameterError` (also a ``ValueError``) for a parameter the engine
 refuses whatever the prompt, such as ``max_tokens`` above the whole context window;
 :class:`~ps_p2p.errors.EngineError` for every other failure of the engine.

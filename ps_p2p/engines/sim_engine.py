@@ -42,7 +42,7 @@ from ps_p2p.engines.base import (
 from ps_p2p.engines.kv_events import KVCacheEvent
 from ps_p2p.engines.prefix_cache import PrefixCacheIndex
 from ps_p2p.engines.sim_cost import SimCostModel, SimParams, SimTiming
-from ps_p2p.errors import EngineError, PromptTooLongError
+from ps_p2p.errors import EngineError, EngineParameterError, PromptTooLongError
 
 __all__ = ["SimCostModel", "SimEngine", "SimParams", "SimTiming"]
 
@@ -90,7 +90,9 @@ class SimEngine(Engine):
         """One chunk per token; the last carries ``"length"`` and the token counts.
 
         Raises:
-            PromptTooLongError: prompt tokens + ``max_tokens`` > ``max_context``.
+            PromptTooLongError: the prompt leaves no room in ``max_context`` (a ``max_tokens``
+                beyond the room is cut to it, as vLLM does).
+            EngineParameterError: ``max_tokens`` > ``max_context``.
             EngineError: the engine is closed.
         """
         self._check_open()
@@ -103,21 +105,29 @@ class SimEngine(Engine):
         """:meth:`stream` of a prompt given as token IDs (BOS included if wanted).
 
         Raises:
-            PromptTooLongError: ``len(prompt_ids)`` + ``max_tokens`` > ``max_context``.
+            PromptTooLongError: ``len(prompt_ids)`` >= ``max_context`` (a ``max_tokens`` beyond
+                the room left is cut to it, as vLLM does).
+            EngineParameterError: ``max_tokens`` > ``max_context``.
             EngineError: the engine is closed, no prompt tokens, or an ID outside the sim
                 vocabulary (:data:`~ps_p2p.engines.sim_cost.MAX_TOKEN_ID`).
         """
         self._check_open()
         if not prompt_ids:
             raise EngineError("the sim engine needs at least one prompt token")
-        if len(prompt_ids) + params.max_tokens > self.max_context:  # first: bounds the work below
+        # first: bounds the work below. Like a vLLM server >= 0.32 (and the other engines), an
+        # overflowing max_tokens is cut to the room the prompt leaves
+        if params.max_tokens > self.max_context:
+            raise EngineParameterError(
+                f"max_tokens={params.max_tokens} cannot be greater than the context of "
+                f"{self.max_context} tokens of {self.model_id}")
+        if len(prompt_ids) >= self.max_context:
             raise PromptTooLongError(
-                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
-                f"context of {self.max_context} tokens of {self.model_id}"
-            )
+                f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
+                f"{self.max_context} tokens of {self.model_id}")
+        max_tokens = min(params.max_tokens, self.max_context - len(prompt_ids))
         ids = self._check_ids(prompt_ids)
         seed = 0 if params.greedy or params.seed is None else params.seed
-        pieces = sim_cost.dummy_text(ids, params.max_tokens, seed)
+        pieces = sim_cost.dummy_text(ids, max_tokens, seed)
         self.waiting += 1
         try:
             await self._slots.acquire()

@@ -45,13 +45,15 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
 import logging  # noqa: E402
 import pathlib  # noqa: E402
 import threading  # noqa: E402
-from collections.abc import AsyncIterator, Callable, Sequence  # noqa: E402
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence  # noqa: E402
 from typing import Any, TypeVar  # noqa: E402
 
 import torch  # noqa: E402
@@ -72,7 +74,7 @@ from ps_p2p.engines.base import (  # noqa: E402
 )
 from ps_p2p.engines.kv_events import KVCacheEvent  # noqa: E402
 from ps_p2p.engines.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCacheIndex  # noqa: E402
-from ps_p2p.errors import EngineError, PromptTooLongError  # noqa: E402
+from ps_p2p.errors import EngineError, EngineParameterError, PromptTooLongError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,9 @@ class TransformersEngine(Engine):
         except (TypeError, ValueError):
             params = {}
         self._logits_to_keep = "logits_to_keep" in params
+        #: the KV cache's argument and output name: ``cache`` since transformers 5.x (which
+        #: warns, FutureWarning, on ``past_key_values``), ``past_key_values`` before
+        self._cache_name = "cache" if "cache" in params else "past_key_values"
 
     # -- construction ---------------------------------------------------------------------
 
@@ -291,7 +296,9 @@ class TransformersEngine(Engine):
         """
         self._check_open()
         prompt_ids = self._prompt_ids(prompt)
-        self._check_fits(len(prompt_ids), params.max_tokens)
+        max_tokens = self._fit(len(prompt_ids), params.max_tokens)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
         return prompt_ids, _Generation(self, prompt_ids, params)
 
     async def complete(self, prompt: str, params: SamplingParams) -> Completion:
@@ -487,12 +494,25 @@ class TransformersEngine(Engine):
         if self._closed:
             raise EngineError(f"engine of {self.model_id} is closed")
 
-    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        if prompt_tokens + max_tokens > self.max_context:
+    def _fit(self, prompt_tokens: int, max_tokens: int) -> int:
+        """``max_tokens`` cut to the room the prompt leaves in the context, as a vLLM server
+        >= 0.32 cuts it (one behaviour for both engines: the answer ends with
+        ``finish_reason`` "length" when it used all the room).
+
+        Raises:
+            EngineParameterError: ``max_tokens`` alone exceeds the context (vLLM: "max_tokens=X
+                cannot be greater than max_model_len=Y").
+            PromptTooLongError: the prompt leaves no room for one token.
+        """
+        if max_tokens > self.max_context:
+            raise EngineParameterError(
+                f"max_tokens={max_tokens} cannot be greater than the context of "
+                f"{self.max_context} tokens of {self.model_id}")
+        if prompt_tokens >= self.max_context:
             raise PromptTooLongError(
-                f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the context "
-                f"of {self.max_context} tokens of {self.model_id}"
-            )
+                f"prompt of {prompt_tokens} tokens leaves no room in the context of "
+                f"{self.max_context} tokens of {self.model_id}")
+        return min(max_tokens, self.max_context - prompt_tokens)
 
     def _adds_bos(self) -> bool:
         """True when encoding with special tokens puts BOS first."""
@@ -620,8 +640,9 @@ class _Generation:
                 engine.prompt_tokens_cached += cached
                 engine.prompt_tokens_prefilled += len(self._pending)
             input_ids = torch.tensor([self._pending], device=engine.device)
-            out = model(input_ids=input_ids, past_key_values=self._past, use_cache=True)
-            self._past = out.past_key_values
+            cache = engine._cache_name
+            out = model(input_ids=input_ids, use_cache=True, **{cache: self._past})
+            self._past = out[cache]
             if prefill:
                 self._prefilled = True
                 engine._store_prefix(self._prompt_ids, self._past)
@@ -774,14 +795,30 @@ def _dtype_kwargs(dtype: torch.dtype | str | None) -> dict[str, Any]:
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Without transformers' progress bars (its "Loading weights" tqdm bar on stderr: a node's
+    log says "model ... loaded" instead)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _load_folder(path: pathlib.Path, dtype: torch.dtype | str | None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, **_dtype_kwargs(dtype)
-        )
+        with _no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, **_dtype_kwargs(dtype)
+            )
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError...
         raise EngineError(f"cannot load the model folder {path}: {exc}") from exc
     return model, tokenizer
@@ -800,9 +837,11 @@ def _load_gguf(path: pathlib.Path, dtype: torch.dtype | str | None) -> tuple[Any
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, local_files_only=True, **_dtype_kwargs(dtype)
-            )
+            with _no_progress_bars():
+                model = AutoModelForCausalLM.from_pretrained(
+                    path.parent, gguf_file=path.name, local_files_only=True,
+                    **_dtype_kwargs(dtype),
+                )
         except Exception as exc:  # noqa: BLE001
             log.warning(
                 "transformers' GGUF loader failed on %s (%s); dequantizing instead", path, exc

@@ -42,9 +42,9 @@ Errors
 
 Context window (vLLM >= 0.32): prompt + ``max_tokens`` beyond ``max_model_len`` is **accepted**:
 the server cuts ``max_tokens`` to what fits, and the completion is a normal one, ending with
-``finish_reason: "length"`` when it used all the room (so unlike
-:class:`~ps_p2p.engines.transformers_engine.TransformersEngine`, this engine raises no
-``PromptTooLongError`` for an overflowing ``max_tokens``). The server answers 400 only when the
+``finish_reason: "length"`` when it used all the room (this engine raises no
+``PromptTooLongError`` for an overflowing ``max_tokens``, and
+:class:`~ps_p2p.engines.transformers_engine.TransformersEngine` cuts it the same way). The server answers 400 only when the
 prompt alone does not leave room for one token ("... your prompt contains M input tokens, which
 exceeds this limit even without any output tokens"), or when ``max_tokens`` alone exceeds the
 window ("max_tokens=X cannot be greater than max_model_len=Y").

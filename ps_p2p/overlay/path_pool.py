@@ -442,6 +442,7 @@ class PathPool:
         """
         cfg = self.config
         commands: list[Command] = []
+        rotating: list[str] = []
         for path in list(self._paths.values()):
             if path.probe_nonce is not None and now >= self._probe_deadline(path):
                 if len(path.lost_nonces) + 1 < cfg.probe_attempts:
@@ -461,11 +462,15 @@ class PathPool:
                 path.retiring = True
                 path.retired_at = now
                 self._next_maintenance = None
-                log.info("rotating path via %s", _short(path.relays[0]))
+                rotating.append(f"{_short(path.relays[0])}..{_short(path.relays[-1])}")
             # a retired path still carries the answers of requests sent before it retired
             if path.retiring and now - path.retired_at >= cfg.retire_grace:
                 self.stats.rotated += 1
                 commands += self._drop(path, "rotated")
+        if rotating:  # paths built together rotate together: one line, each path named once
+            log.info("rotating %d path(s) older than %.0f s (first hop..proxy: %s); replacing "
+                     "them, they close in %.0f s", len(rotating), cfg.rotate_period,
+                     ", ".join(rotating), cfg.retire_grace)
         if self._next_maintenance is None or now >= self._next_maintenance:
             self._next_maintenance = now + self._interval
             self._forgive(now)

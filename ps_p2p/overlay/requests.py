@@ -405,6 +405,9 @@ class RequestCore:
         self._reply_tags: OrderedDict[bytes, ReplyTag] = OrderedDict()
         self.audits: OrderedDict[bytes, Audit] = OrderedDict()
         self.misrouted_cloves = 0
+        #: model nodes found lost (more than n - k proxies of a request lost them), oldest
+        #: first, until :meth:`take_lost_model_nodes`
+        self._lost_model_nodes: list[bytes] = []
         self.token_time = config.token_time
 
     # ------------------------------------------------------------------ queries
@@ -526,6 +529,7 @@ class RequestCore:
             return []
         lost = request.spec.destination
         request.lost_model_nodes.add(lost)
+        self._lost_model_nodes.append(lost)
         others = [
             peer for peer in self._model_nodes(request.spec.model_id)
             if peer not in request.lost_model_nodes
@@ -544,6 +548,12 @@ class RequestCore:
         request.waiting = True  # a fresh attempt as soon as paths allow
         request.ready_since = None
         return []
+
+    def take_lost_model_nodes(self) -> list[bytes]:
+        """The model nodes :meth:`delivery_failed` found lost since the last call (peer IDs,
+        in the order found; a node lost by two requests is named twice)."""
+        lost, self._lost_model_nodes = self._lost_model_nodes, []
+        return lost
 
     def unsigned_clove(self) -> list[Command]:
         """An unsigned response clove came back (nothing any proxy vouched for): dropped."""

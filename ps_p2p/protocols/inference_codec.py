@@ -52,7 +52,7 @@ def decode_query(data: bytes) -> InferenceQuery:
             max_tokens=m.params.max_tokens,
             temperature=m.params.temperature,
             top_p=m.params.top_p,
-            seed=m.params.seed,
+            seed=m.params.seed if m.params.HasField("seed") else None,
             stop=tuple(m.params.stop),
         ),
         reply_proxies=tuple(ReplyProxy(p.peer_id, p.reply_tag) for p in m.reply_proxies),

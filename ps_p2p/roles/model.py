@@ -294,11 +294,16 @@ class ModelNodeService:
                     ResponseStatus.ENGINE_ERROR, f"{type(exc).__name__}: {exc}"
                 )
             self.driver.submit(functools.partial(self.dispatcher.job_finished, job.key, content))
-            log.info(
-                "served %s: %d+%d tokens in %.0f ms (load factor %.3f)",
-                job.query.request_id.hex()[:8], content.prompt_tokens, content.completion_tokens,
-                (self._clock() - started) * 1000, self.load.load_factor(),
-            )
+            if content.status == ResponseStatus.OK:
+                log.info(
+                    "served %s: %d+%d tokens in %.0f ms (load factor %.3f)",
+                    job.query.request_id.hex()[:8], content.prompt_tokens,
+                    content.completion_tokens, (self._clock() - started) * 1000,
+                    self.load.load_factor(),
+                )
+            else:  # refused or failed: say so, with the status the user receives signed
+                log.info("refused %s: %s: %s", job.query.request_id.hex()[:8],
+                         ResponseStatus(content.status).name, content.error)
 
     async def _serve(self, key: bytes, query: InferenceQuery) -> responses.ResponseContent:
         p = query.params
@@ -307,7 +312,7 @@ class ModelNodeService:
                 max_tokens=p.max_tokens or self.config.default_max_tokens,
                 temperature=p.temperature,
                 top_p=p.top_p or 1.0,
-                seed=p.seed or None,
+                seed=p.seed,
             )
             if query.messages:
                 prompt = await self.engine.chat_prompt(query.messages)

@@ -281,6 +281,25 @@ def trusted_model_nodes(directory: Directory, model_id: str | None = None) -> li
     return nodes
 
 
+def reachable_model_nodes(
+    records: Sequence[NodeRecord], lost: dict[bytes, int]
+) -> list[NodeRecord]:
+    """``records`` without the model nodes found lost: ``lost`` maps a peer ID to the
+    ``issued_at_ms`` of its record when it was lost, and the node stays left out while the
+    directory still lists that record. A live node renews its record every
+    ``register_interval`` and so comes back within one; a dead one stays out until its record
+    expires and leaves the directory. Entries of renewed records are removed from ``lost``.
+    Order kept."""
+    kept = []
+    for r in records:
+        lost_under = lost.get(r.peer_id)
+        if lost_under is not None and r.issued_at_ms <= lost_under:
+            continue
+        lost.pop(r.peer_id, None)
+        kept.append(r)
+    return kept
+
+
 def choose_model_node(peers: Sequence[bytes], directory: Directory,
                       rng: random.Random) -> bytes:
     """One of ``peers`` (model nodes equal in what the user asked for: same model), preferring
@@ -364,6 +383,8 @@ class UserClient:
         )
         self._handles: dict[int, PathHandle] = {}
         self._path_ids: dict[tuple[bytes, bytes], int] = {}
+        #: model nodes found lost -> ``issued_at_ms`` of the record they were lost under
+        self._lost_model_nodes: dict[bytes, int] = {}
         self._waiters: dict[bytes, _Waiter] = {}
         self._changed = trio.Event()
         # the ready paths changed (or a request lost a path) since the last tick: the request
@@ -467,6 +488,21 @@ class UserClient:
             return []
         return trusted_model_nodes(directory, model_id)
 
+    def reachable_model_nodes(self, model_id: str | None = None) -> list[NodeRecord]:
+        """:meth:`model_nodes` without those found lost (:func:`reachable_model_nodes`): what
+        a new request is sent to, and what the local API lists and calls ready."""
+        return reachable_model_nodes(self.model_nodes(model_id), self._lost_model_nodes)
+
+    def _note_lost_model_nodes(self) -> None:
+        directory = self._directory()
+        for peer in self._requests.take_lost_model_nodes():
+            record = directory.record(peer) if directory is not None else None
+            if record is None or self._lost_model_nodes.get(peer) == record.issued_at_ms:
+                continue
+            self._lost_model_nodes[peer] = record.issued_at_ms
+            log.warning("model node %s stopped answering: no new request goes to it until it "
+                        "renews its record", describe(peer))
+
     def _choose_model_node(self, peers: Sequence[bytes]) -> bytes:
         directory = self._directory()
         if directory is None:
@@ -482,7 +518,7 @@ class UserClient:
         max_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | None = None,
         stop: Sequence[str] = (),
         model_node: bytes | None = None,
         timeout: float | None = None,
@@ -558,7 +594,7 @@ class UserClient:
         max_tokens: int,
         temperature: float,
         top_p: float,
-        seed: int,
+        seed: int | None,
         stop: tuple[str, ...],
         model_node: bytes | None,
         timeout: float | None,
@@ -569,8 +605,12 @@ class UserClient:
         request_id = self._random_bytes(16)
         started = self._clock()
         directory = self._directory()
-        listed = (self.model_nodes(model_id) if not include_untrusted or directory is None else
-                  [r for r in directory.model_nodes() if model_id in (None, r.model_id)])
+        if include_untrusted and directory is not None:
+            listed = [r for r in directory.model_nodes() if model_id in (None, r.model_id)]
+        elif model_node is None:  # not to a model node found lost (until it renews its record)
+            listed = self.reachable_model_nodes(model_id)
+        else:
+            listed = self.model_nodes(model_id)
         candidates = [r for r in listed if model_node is None or r.peer_id == model_node]
         if not candidates:
             error = NoModelNodeError(
@@ -861,10 +901,12 @@ class UserClient:
         """A proxy lost the model node of one of our reply tags; a request that moves to
         another model node sends its next attempt on the next tick, at once."""
         self._tick_due = True
-        return [
+        commands = [
             *self._pool.heard_from(path_id, now),
             *self._requests.delivery_failed(reply_tag, path_id, now),
         ]
+        self._note_lost_model_nodes()
+        return commands
 
     def _unsigned_clove(self, path_id: int, now: float) -> Sequence[object]:
         return [*self._pool.heard_from(path_id, now), *self._requests.unsigned_clove()]
@@ -880,5 +922,6 @@ __all__ = [
     "choose_model_node",
     "describe",
     "outcome_label",
+    "reachable_model_nodes",
     "trusted_model_nodes",
 ]

@@ -259,7 +259,8 @@ def retry_key(query: InferenceQuery) -> bytes:
         + lp(query.request_id)
         + lp(query.model_id.encode())
         + lp(query.prompt.encode("utf-8", "surrogatepass"))
-        + struct.pack(">IddQ", p.max_tokens, p.temperature, p.top_p, p.seed)
+        + struct.pack(">Idd?Q", p.max_tokens, p.temperature, p.top_p, p.seed is not None,
+                      p.seed or 0)
         + lp(query.preferred_model_node)
         + struct.pack(">?II", query.stream, len(p.stop), len(query.messages))
         + b"".join(lp(s.encode("utf-8", "surrogatepass")) for s in p.stop)

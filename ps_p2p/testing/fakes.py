@@ -129,7 +129,7 @@ class AskCall:
     max_tokens: int
     temperature: float
     top_p: float
-    seed: int
+    seed: int | None
     model_node: bytes | None
     timeout: float | None
     messages: tuple[ChatMessage, ...] = ()
@@ -189,6 +189,8 @@ class FakeUserClient:
         self.stream_piece = 4
         self.calls: list[AskCall] = []
         self.answers: list[Answer] = []
+        #: model nodes found lost (:meth:`lose`)
+        self.lost: set[bytes] = set()
 
     def fail_next(self, *errors: PsError) -> None:
         """Make the next ``len(errors)`` requests fail with these errors, in order."""
@@ -207,6 +209,15 @@ class FakeUserClient:
             return []
         return trusted_model_nodes(directory, model_id)
 
+    def lose(self, peer_id: bytes) -> None:
+        """Find the model node ``peer_id`` lost (as the real client does when more than n - k
+        proxies lost it): :meth:`reachable_model_nodes` and :meth:`ask` leave it out."""
+        self.lost.add(peer_id)
+
+    def reachable_model_nodes(self, model_id: str | None = None) -> list[NodeRecord]:
+        """:meth:`model_nodes` without those :meth:`lose` named."""
+        return [r for r in self.model_nodes(model_id) if r.peer_id not in self.lost]
+
     async def ask(
         self,
         prompt: str = "",
@@ -216,7 +227,7 @@ class FakeUserClient:
         max_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | None = None,
         stop: Sequence[str] = (),
         model_node: bytes | None = None,
         timeout: float | None = None,
@@ -241,7 +252,8 @@ class FakeUserClient:
             prompt = default_chat_prompt(messages)
         request_id = len(self.calls).to_bytes(16, "big")
         candidates = [
-            r for r in self.model_nodes(model_id) if model_node is None or r.peer_id == model_node
+            r for r in self.reachable_model_nodes(model_id)
+            if model_node is None or r.peer_id == model_node
         ]
         if not candidates:
             error: PsError = NoModelNodeError(

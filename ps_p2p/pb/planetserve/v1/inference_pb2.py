@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eplanetserve/v1/inference.proto\x12\x0eplanetserve.v1\"d\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0c\n\x04stop\x18\x05 \x03(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\nReplyProxy\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x11\n\treply_tag\x18\x02 \x01(\x0c\"\x88\x02\n\x10InferenceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12.\n\x06params\x18\x04 \x01(\x0b\x32\x1e.planetserve.v1.SamplingParams\x12\x31\n\rreply_proxies\x18\x05 \x03(\x0b\x32\x1a.planetserve.v1.ReplyProxy\x12\x1c\n\x14preferred_model_node\x18\x06 \x01(\x0c\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12-\n\x08messages\x18\x08 \x03(\x0b\x32\x1b.planetserve.v1.ChatMessage\"\xd3\x02\n\x11InferenceResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12.\n\x06status\x18\x02 \x01(\x0e\x32\x1e.planetserve.v1.ResponseStatus\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x14\n\x0crequest_hash\x18\x08 \x01(\x0c\x12\x14\n\x0csigned_at_ms\x18\t \x01(\x04\x12\x12\n\nmodel_node\x18\n \x01(\x0c\x12\x11\n\tsignature\x18\x0b \x01(\x0c\x12\x15\n\rfinish_reason\x18\x0c \x01(\t\x12\x14\n\x0c\x66orwarded_by\x18\r \x01(\x0c\x12\x19\n\x11\x66orward_signature\x18\x0e \x01(\x0c\"\x93\x01\n\x0fResponseSegment\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\x05\x66inal\x18\x05 \x01(\x0b\x32!.planetserve.v1.InferenceResponse\x12\x0f\n\x07padding\x18\x06 \x01(\x0c*\xd1\x01\n\x0eResponseStatus\x12\x16\n\x12RESPONSE_STATUS_OK\x10\x00\x12\x1e\n\x1aRESPONSE_STATUS_OVERLOADED\x10\x01\x12#\n\x1fRESPONSE_STATUS_PROMPT_TOO_LONG\x10\x02\x12 \n\x1cRESPONSE_STATUS_ENGINE_ERROR\x10\x03\x12\x1f\n\x1bRESPONSE_STATUS_BAD_REQUEST\x10\x04\x12\x1f\n\x1bRESPONSE_STATUS_WRONG_MODEL\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eplanetserve/v1/inference.proto\x12\x0eplanetserve.v1\"r\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\tB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\nReplyProxy\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x11\n\treply_tag\x18\x02 \x01(\x0c\"\x88\x02\n\x10InferenceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12.\n\x06params\x18\x04 \x01(\x0b\x32\x1e.planetserve.v1.SamplingParams\x12\x31\n\rreply_proxies\x18\x05 \x03(\x0b\x32\x1a.planetserve.v1.ReplyProxy\x12\x1c\n\x14preferred_model_node\x18\x06 \x01(\x0c\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12-\n\x08messages\x18\x08 \x03(\x0b\x32\x1b.planetserve.v1.ChatMessage\"\xd3\x02\n\x11InferenceResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12.\n\x06status\x18\x02 \x01(\x0e\x32\x1e.planetserve.v1.ResponseStatus\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x14\n\x0crequest_hash\x18\x08 \x01(\x0c\x12\x14\n\x0csigned_at_ms\x18\t \x01(\x04\x12\x12\n\nmodel_node\x18\n \x01(\x0c\x12\x11\n\tsignature\x18\x0b \x01(\x0c\x12\x15\n\rfinish_reason\x18\x0c \x01(\t\x12\x14\n\x0c\x66orwarded_by\x18\r \x01(\x0c\x12\x19\n\x11\x66orward_signature\x18\x0e \x01(\x0c\"\x93\x01\n\x0fResponseSegment\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x30\n\x05\x66inal\x18\x05 \x01(\x0b\x32!.planetserve.v1.InferenceResponse\x12\x0f\n\x07padding\x18\x06 \x01(\x0c*\xd1\x01\n\x0eResponseStatus\x12\x16\n\x12RESPONSE_STATUS_OK\x10\x00\x12\x1e\n\x1aRESPONSE_STATUS_OVERLOADED\x10\x01\x12#\n\x1fRESPONSE_STATUS_PROMPT_TOO_LONG\x10\x02\x12 \n\x1cRESPONSE_STATUS_ENGINE_ERROR\x10\x03\x12\x1f\n\x1bRESPONSE_STATUS_BAD_REQUEST\x10\x04\x12\x1f\n\x1bRESPONSE_STATUS_WRONG_MODEL\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'planetserve.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESPONSESTATUS']._serialized_start=1008
-  _globals['_RESPONSESTATUS']._serialized_end=1217
+  _globals['_RESPONSESTATUS']._serialized_start=1022
+  _globals['_RESPONSESTATUS']._serialized_end=1231
   _globals['_SAMPLINGPARAMS']._serialized_start=50
-  _globals['_SAMPLINGPARAMS']._serialized_end=150
-  _globals['_CHATMESSAGE']._serialized_start=152
-  _globals['_CHATMESSAGE']._serialized_end=196
-  _globals['_REPLYPROXY']._serialized_start=198
-  _globals['_REPLYPROXY']._serialized_end=246
-  _globals['_INFERENCEREQUEST']._serialized_start=249
-  _globals['_INFERENCEREQUEST']._serialized_end=513
-  _globals['_INFERENCERESPONSE']._serialized_start=516
-  _globals['_INFERENCERESPONSE']._serialized_end=855
-  _globals['_RESPONSESEGMENT']._serialized_start=858
-  _globals['_RESPONSESEGMENT']._serialized_end=1005
+  _globals['_SAMPLINGPARAMS']._serialized_end=164
+  _globals['_CHATMESSAGE']._serialized_start=166
+  _globals['_CHATMESSAGE']._serialized_end=210
+  _globals['_REPLYPROXY']._serialized_start=212
+  _globals['_REPLYPROXY']._serialized_end=260
+  _globals['_INFERENCEREQUEST']._serialized_start=263
+  _globals['_INFERENCEREQUEST']._serialized_end=527
+  _globals['_INFERENCERESPONSE']._serialized_start=530
+  _globals['_INFERENCERESPONSE']._serialized_end=869
+  _globals['_RESPONSESEGMENT']._serialized_start=872
+  _globals['_RESPONSESEGMENT']._serialized_end=1019
 # @@protoc_insertion_point(module_scope)
