@@ -238,6 +238,52 @@ async def test_a_streamed_chat_ends_with_the_signer_and_its_verified_signature()
     assert last["planetserve"]["signature_valid"] is True
 
 
+# ------------------------------------------------------------------------------ ps-node run --web
+
+
+async def test_ps_node_run_with_web_serves_the_page_of_a_verifier(tmp_path, caplog):
+    import logging
+    import re
+
+    from ps_p2p.cli import _run_config, _run_node_at_home, build_parser
+
+    caplog.set_level(logging.INFO)
+    config = _run_config(build_parser().parse_args(
+        ["run", "--role", "verifier", "--home", str(tmp_path / "v"), "--web", "127.0.0.1:0"]))
+    async with trio.open_nursery() as nursery:
+        node = await nursery.start(_run_node_at_home, config, None, None)
+        (url,) = re.findall(r"web page on (http://\S+)/web", caplog.text)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            view = (await client.get("/web/network.json")).json()
+            page = await client.get("/web")
+        nursery.cancel_scope.cancel()
+
+    assert view["node"]["peer_id"] == node.keys.identity.peer_id_str
+    committee = view["committee"]
+    assert committee["member"] is True
+    assert [v["peer_id"] for v in committee["validators"]] == [view["node"]["peer_id"]]
+    assert committee["validators"][0]["connected"] is True
+    assert page.status_code == 200 and "deciding height" in page.text
+
+
+def test_ps_node_run_with_a_web_address_in_use_exits_1_naming_it(tmp_path, capsys):
+    import socket
+
+    from ps_p2p.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+
+        status = main(["run", "--role", "verifier", "--key-file", str(tmp_path / "node.key"),
+                       "--web", address])
+
+    assert status == 1
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ps-node: ")]
+    assert f"--web {address}" in line and "in use" in line
+
+
 # ------------------------------------------------------------------------------ config
 
 
