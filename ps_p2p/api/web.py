@@ -34,6 +34,9 @@ to every node; the anonymity is that no node learns which user sent which prompt
   link this user's traffic to it for anyone who can reach the page, so they are never listed;
   no prompt, answer or request is ever kept or shown by the page itself.
 
+The page is read-only and asks the network for nothing, but it is plain HTTP (hypercorn, no
+limits of its own per client): bind ``--web`` to loopback, or put it behind a reverse proxy.
+
 Every string from a peer's record (a model ID, an organization's name) is free text: the
 templates autoescape it, JSON is embedded with ``tojson`` and the chat's script writes only
 ``textContent``, never HTML.
