@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                                            "ready paths) here and keep it current")
     run.add_argument("--metrics", metavar="HOST:PORT",
                      help="serve Prometheus /metrics of this node here (e.g. 127.0.0.1:9100)")
+    run.add_argument("--web", metavar="HOST:PORT",
+                     help="serve this node's web page here: the network as it sees it "
+                          "(e.g. 127.0.0.1:8080; a user's --api port serves it at /web too)")
     run.add_argument("--status-interval", type=float, metavar="S",
                      help="seconds between one-line status logs (default 60; 0: none)")
     run.add_argument("--drain-timeout", type=float, metavar="S",
@@ -765,6 +768,7 @@ def _run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "membership": args.membership,
         "tamper": args.tamper,
         "metrics": args.metrics,
+        "web": args.web,
         "status_interval": args.status_interval,
         "drain_timeout": args.drain_timeout,
     }
@@ -839,6 +843,10 @@ async def _run_node(  # type: ignore[no-untyped-def]
             from ps_p2p.api.openai_compat import serve_api
 
             api_url = await nursery.start(serve_api, node, api)
+        if config.web:
+            from ps_p2p.api.web import serve_web
+
+            await nursery.start(serve_web, node, config.web)
         # before the addresses are printed: a script that reads them may send SIGTERM at once
         await nursery.start(_stop_on_sigterm, nursery.cancel_scope, node)
         log.info("peer ID %s, keys %s, status %s", keys.identity.peer_id_str, config.key_path,
@@ -929,6 +937,9 @@ def _preflight(config, api: str | None) -> None:  # type: ignore[no-untyped-def]
     if api is not None:
         host, port = parse_host_port(api, "--api")
         preflight.check_address_free(host, port, f"--api {api}")
+    if config.web is not None:
+        host, port = parse_host_port(config.web, "--web")
+        preflight.check_address_free(host, port, f"--web {config.web}")
     if config.metrics is not None:
         host, port = parse_host_port(config.metrics, "--metrics")
         try:

@@ -335,6 +335,8 @@ class NodeConfig:
             validators (``devnet --perturb byzantine-verifier``).
         metrics: ``"HOST:PORT"`` (``[HOST]:PORT`` for IPv6; port 0 picks a free one) where this
             node serves Prometheus ``/metrics`` (:mod:`ps_p2p.metrics`); None: not served.
+        web: ``"HOST:PORT"`` where this node serves its web page (the network as it sees it:
+            :mod:`ps_p2p.api.web`); None: not served (a user's ``--api`` port serves it too).
         status_interval: seconds between the node's one-line status logs (INFO); 0: none.
         drain_timeout: model role: seconds a node stopped by SIGTERM waits for the requests in
             service (:mod:`ps_p2p.serving.drain`); new ones are refused meanwhile.
@@ -373,6 +375,7 @@ class NodeConfig:
     tamper: bool = False
     byzantine: bool = False
     metrics: str | None = None
+    web: str | None = None
     status_interval: float = 1 * MINUTES
     drain_timeout: float = 30 * SECONDS
     user: UserConfig = field(default_factory=UserConfig)
@@ -430,6 +433,8 @@ class NodeConfig:
             raise ConfigError("byzantine (test only) is for a verifier")
         if self.metrics is not None:
             parse_host_port(self.metrics, "--metrics")
+        if self.web is not None:
+            parse_host_port(self.web, "--web")
         if not self.status_interval >= 0:
             raise ConfigError("status_interval must be >= 0 seconds")
         if not (isinstance(self.drain_timeout, (int, float)) and 0 <= self.drain_timeout < math.inf):

@@ -20,6 +20,8 @@ Endpoints (bind to loopback: anyone who can reach it can spend the user's anonym
 * ``GET /status`` — peer ID, directory size, ready paths and ``ready`` (what a script waits for).
 * ``GET /health`` — 200 ``{"ok": true, "reasons": []}`` when the node can serve its roles, else
   503 with the reasons (:func:`ps_p2p.health.node_health`), as vLLM's ``/health``.
+* ``GET /``, ``GET /web``, ``GET /web/network.json``, ``GET /web/chat`` — the node's web page
+  (the network as it sees it, and a chat over this API: :mod:`ps_p2p.api.web`).
 * ``GET /metrics`` — the node's Prometheus metrics (:mod:`ps_p2p.metrics`), as vLLM serves them
   on its API port (``--metrics`` serves them on a port of their own, for nodes without an API).
 
@@ -58,6 +60,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ps_p2p.api.web import web_routes
 from ps_p2p.errors import (
     DirectoryError,
     ModelNodeLostError,
@@ -339,6 +342,7 @@ class UserAPI:
                 Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                *web_routes(node, chat=True),  # the web page and its chat (ps_p2p.api.web)
             ],
             exception_handlers={HTTPException: self._http_error, ApiError: self._api_error},
         )
