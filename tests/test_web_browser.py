@@ -4,8 +4,9 @@ as README "Tests" says), against an in-process network (ps_p2p.testing.localnet)
 user serves its local API.
 
 It checks that the network page lists the model nodes and that a chat message gets a streamed
-answer signed by the model node, and saves the screenshots the README shows (docs/web.png,
-docs/web-chat.png). The model nodes serve the shared TinyStories model when ``../shared`` has it
+answer signed by the model node, and saves two screenshots (web.png, web-chat.png) in the folder
+``PS_WEB_SCREENSHOTS`` names (``PS_WEB_SCREENSHOTS=docs`` refreshes the ones the README shows),
+else in a temporary folder, so a test run never rewrites tracked files. The model nodes serve the shared TinyStories model when ``../shared`` has it
 (the screenshot then shows a real answer), else :class:`~ps_p2p.testing.fakes.InstantEngine`.
 Skipped, with the reason, when chromium, chromedriver or selenium is absent.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import tempfile
 
 import pytest
 import trio
@@ -28,7 +30,6 @@ from ps_p2p.testing.localnet import open_localnet
 pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-DOCS = REPO / "docs"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 MODEL = "stories260K"
@@ -43,6 +44,15 @@ def _engine(i: int):  # type: ignore[no-untyped-def]
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return load_engine("transformers", model=str(path), device="cpu")
+
+
+def _screenshots() -> pathlib.Path:
+    """The folder for the screenshots: ``$PS_WEB_SCREENSHOTS`` (relative to the repository),
+    else a fresh temporary folder."""
+    named = os.environ.get("PS_WEB_SCREENSHOTS")
+    folder = REPO / named if named else pathlib.Path(tempfile.mkdtemp(prefix="ps_p2p-web-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def _browser():  # type: ignore[no-untyped-def]
@@ -75,8 +85,8 @@ def _drive(url: str, expected_peers: set[str]) -> dict[str, object]:
             "groups": [h.text for h in driver.find_elements(By.CSS_SELECTOR, "h3.model-id")],
             "organizations": [r.find_element(By.CLASS_NAME, "organization").text for r in rows],
         }
-        DOCS.mkdir(exist_ok=True)
-        driver.save_screenshot(str(DOCS / "web.png"))
+        shots = _screenshots()
+        driver.save_screenshot(str(shots / "web.png"))
 
         driver.get(url + "/web/chat")
         box = WebDriverWait(driver, 30).until(
@@ -93,7 +103,7 @@ def _drive(url: str, expected_peers: set[str]) -> dict[str, object]:
             "answer": bubble.text,
             "chunks": int(bubble.get_attribute("data-chunks") or 0),
         }
-        driver.save_screenshot(str(DOCS / "web-chat.png"))
+        driver.save_screenshot(str(shots / "web-chat.png"))
         return {"page": page, "chat": chat, "expected": expected_peers}
     finally:
         driver.quit()
