@@ -740,12 +740,18 @@ class _Sim:
                 self.round_at_gst[h] = max(self.round_at_gst.get(h, 0), nd.core.round)
 
     def tick(self, nd: _Node) -> None:
-        """Gossip: send what the node's policy says (:mod:`ps_p2p.consensus.gossip_policy`)."""
-        if nd.done:
-            return
+        """Gossip: send what the node's policy says (:mod:`ps_p2p.consensus.gossip_policy`).
+
+        A node that decided the last simulated height keeps gossiping, as the service does
+        (it never stops at a last height): as a node at the next height, where it has nothing
+        of its own to say, so its policy can still send the last commit to peers that lack it
+        (Algorithm 1's gossip assumption; a silent decider left seed 9984 undecided)."""
         assert nd.policy is not None
         if not nd.down:
-            self.send_planned(nd, nd.policy.tick(self.now, nd.core.height, nd.core.round))
+            height, round_ = nd.core.height, nd.core.round
+            if nd.done and height is not None:
+                height, round_ = height + 1, 0
+            self.send_planned(nd, nd.policy.tick(self.now, height, round_))
         self.push(max(nd.policy.next_tick(), self.now + 1e-3), _TICK, nd.index, None)
 
     def send_planned(self, nd: _Node, plan: list[tuple[bytes | None, Proposal | Vote]]) -> None:
