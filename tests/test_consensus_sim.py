@@ -151,6 +151,23 @@ def test_summary_counts_rounds_and_violations_by_property():
     assert termination_rounds(4) == 6
 
 
+def test_summary_counts_schedules_and_failures_by_adversary_and_feature():
+    import random
+
+    from ps_p2p.testing.consensus_sim import features
+
+    restarted = next(p for p in (draw_adversarial_params(random.Random(s), 1, 1)
+                                 for s in range(100)) if p.restarts)
+    assert features(restarted)[0] == "mixed" and "restarts" in features(restarted)
+    results = [run_schedule(s, mode="adversarial", heights=1) for s in range(40)]
+    results.append(run_schedule(1, params=dataclasses.replace(
+        restarted, byzantine={0: "silent", 1: "silent"}, restarts=(), max_time=3.0)))
+    s = summarize(results)
+    assert s["schedules_by_feature"]["mixed"] == sum(r.adversary == "mixed" for r in results)
+    assert s["schedules_by_feature"]["quorum-split"] > 0
+    assert s["failed_by_feature"] == {f: 1 for f in results[-1].features}
+
+
 def test_a_validator_that_saw_an_equivocators_other_value_still_catches_up():
     # seed 5012: a Byzantine proposer showed val-05 another value; it must count the commit
     result = run_schedule(5012)

@@ -157,6 +157,7 @@ __all__ = [
     "SimParams",
     "draw_adversarial_params",
     "draw_params",
+    "features",
     "lock_race_params",
     "one_third_params",
     "quorum_split_params",
@@ -484,10 +485,39 @@ class ScheduleResult:
     end_time: float = 0.0
     wal_refused: int = 0
     adversary: str = ""
+    #: what the schedule exercised (:func:`features`)
+    features: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+
+def features(p: SimParams) -> tuple[str, ...]:
+    """What a schedule exercises, for campaign counts: its adversary kind (``classic`` for
+    :func:`draw_params`), then ``restarts`` (WAL replay), ``unequal-powers``, ``slow-links``
+    (every post-GST message at least ``min_delay``), ``delay-above-timeouts`` (``delta``
+    beyond the base timeouts' cover), ``link-cuts``, ``partitions``, ``drops``, ``twins``
+    and each Byzantine behaviour present (``byz:<behaviour>``)."""
+    out = [p.adversary or "classic"]
+    if p.restarts:
+        out.append("restarts")
+    if p.powers and len(set(p.powers)) > 1:
+        out.append("unequal-powers")
+    if p.min_delay > 0:
+        out.append("slow-links")
+    if rounds_to_cover(p.delta, SIM_CONFIG) > 0:
+        out.append("delay-above-timeouts")
+    if p.cuts:
+        out.append("link-cuts")
+    if p.partitions:
+        out.append("partitions")
+    if p.drop > 0:
+        out.append("drops")
+    if p.twins:
+        out.append("twins")
+    out.extend(sorted({f"byz:{b}" for b in p.byzantine.values()}))
+    return tuple(out)
 
 
 # event kinds
@@ -1168,6 +1198,7 @@ class _Sim:
             end_time=self.now,
             wal_refused=self.wal_refused,
             adversary=self.p.adversary,
+            features=features(self.p),
         )
 
 
@@ -1224,14 +1255,21 @@ def summarize(results: list[ScheduleResult]) -> dict[str, object]:
     1) distribution, violations by property, schedules failed."""
     rounds: Counter[int] = Counter()
     violations: Counter[str] = Counter()
+    by_feature: Counter[str] = Counter()
+    failed_by_feature: Counter[str] = Counter()
     for r in results:
         rounds.update(x + 1 for x in r.rounds)
         for prop in r.violations:
             violations[prop] += 1
+        by_feature.update(r.features)
+        if not r.ok:
+            failed_by_feature.update(r.features)
     return {
         "schedules": len(results),
         "heights_decided": sum(r.heights_decided for r in results),
         "rounds_per_height": dict(sorted(rounds.items())),
         "violations": {p: violations.get(p, 0) for p in PROPERTIES},
         "failed_schedules": sum(1 for r in results if not r.ok),
+        "schedules_by_feature": dict(sorted(by_feature.items())),
+        "failed_by_feature": dict(sorted(failed_by_feature.items())),
     }
