@@ -497,8 +497,8 @@ def features(p: SimParams) -> tuple[str, ...]:
     """What a schedule exercises, for campaign counts: its adversary kind (``classic`` for
     :func:`draw_params`), then ``restarts`` (WAL replay), ``unequal-powers``, ``slow-links``
     (every post-GST message at least ``min_delay``), ``delay-above-timeouts`` (``delta``
-    beyond the base timeouts' cover), ``link-cuts``, ``partitions``, ``drops``, ``twins``
-    and each Byzantine behaviour present (``byz:<behaviour>``)."""
+    beyond the base timeouts' cover), ``link-cuts``, ``partitions``, ``drops`` and each
+    Byzantine behaviour present (``byz:<behaviour>``, ``byz:twin`` in the twins adversary)."""
     out = [p.adversary or "classic"]
     if p.restarts:
         out.append("restarts")
@@ -514,8 +514,6 @@ def features(p: SimParams) -> tuple[str, ...]:
         out.append("partitions")
     if p.drop > 0:
         out.append("drops")
-    if p.twins:
-        out.append("twins")
     out.extend(sorted({f"byz:{b}" for b in p.byzantine.values()}))
     return tuple(out)
 
