@@ -7,9 +7,11 @@ consensus simulator's speed.
   holding it; p50 / p99 over ``--rounds`` transactions, one at a time; with the process's CPU
   time per committed height (all N validators, and per validator), the milliseconds a
   validator spends in sqlite per height (on its event loop), and the consensus frames all
-  validators' links wrote per height against the protocol's minimum ``(N - 1) * (1 + 2N)``
-  (a proposal to N - 1 peers, a prevote and a precommit from each validator to N - 1 peers;
-  ``benchmarks/consensus_frames.py``);
+  validators' links wrote per height against the protocol's minimum: ``(N - 1) * (1 + 2N)``
+  for consensus (a proposal to N - 1 peers, a prevote and a precommit from each validator to
+  N - 1 peers; ``benchmarks/consensus_frames.py``) plus ``(N - 1) ** 2`` for the height's one
+  transaction (every validator relays a new transaction once to each peer but the one it came
+  from: ``RelayTx``);
 * throughput: ``--txs`` REGISTER transactions submitted at once to validator 0 of 4; committed
   transactions per second until every validator committed all of them;
 * simulator: schedules per second of ``ps_p2p.testing.consensus_sim.run_schedule`` (f = 1, 3
@@ -67,9 +69,10 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def minimum_frames(n: int) -> int:
-    """Frames per height of the protocol alone: a proposal and two votes per validator."""
-    return (n - 1) * (1 + 2 * n)
+def minimum_frames(n: int, txs: int = 0) -> int:
+    """Frames per height of the protocol alone: a proposal and two votes per validator, and
+    ``txs`` transactions each relayed once by every validator to every peer but its sender."""
+    return (n - 1) * (1 + 2 * n) + txs * (n - 1) ** 2
 
 
 def frames_sent(committee: LocalCommittee) -> int:
@@ -198,8 +201,8 @@ def main() -> None:
               f"{statistics.mean(samples) * 1000:6.1f} ms  ({len(samples)} transactions); "
               f"CPU per height {cpu * 1000:6.1f} ms (all {n}, {cpu * 1000 / n:5.1f} ms each); "
               f"sqlite per height and validator {sqlite_ms:5.2f} ms; frames per height "
-              f"{frames:6.1f} (minimum {minimum_frames(n)}, "
-              f"{frames / minimum_frames(n):.2f}x)")
+              f"{frames:6.1f} (minimum {minimum_frames(n, 1)} with its transaction, "
+              f"{frames / minimum_frames(n, 1):.2f}x)")
     tps, blocks, elapsed = trio.run(throughput, 4, args.txs)
     print(f"throughput, 4 validators: {tps:7.1f} committed transactions/s "
           f"({args.txs} transactions in {blocks} blocks, {elapsed:.2f} s)")
