@@ -24,7 +24,12 @@ import multiprocessing
 import sys
 import time
 
-from ps_p2p.testing.consensus_sim import GOSSIP_MODES, ScheduleResult, run_schedule, summarize
+from ps_p2p.testing.consensus_sim import (
+    GOSSIP_MODES,
+    ScheduleResult,
+    run_schedule,
+    summarize,
+)
 
 
 def _one(seed: int, *, f: int | None, heights: int, mode: str,
