@@ -5,8 +5,13 @@ consensus simulator's speed.
   validators (4, 7, 10, 16: ``--sizes``), each a real py-libp2p host on 127.0.0.1 in this one
   process (one CPU core carries all of them), until every validator has committed a block
   holding it; p50 / p99 over ``--rounds`` transactions, one at a time; with the process's CPU
-  time per committed height (all N validators, and per validator) and the milliseconds a
-  validator spends in sqlite per height (on its event loop);
+  time per committed height (all N validators, and per validator), the milliseconds a
+  validator spends in sqlite per height (on its event loop), and the consensus frames all
+  validators' links wrote per height against the protocol's minimum: ``(N - 1) * (1 + 2N)``
+  for consensus (a proposal to N - 1 peers, a prevote and a precommit from each validator to
+  N - 1 peers; ``benchmarks/consensus_frames.py``) plus ``(N - 1) ** 2`` for the height's one
+  transaction (every validator relays a new transaction once to each peer but the one it came
+  from: ``RelayTx``);
 * throughput: ``--txs`` REGISTER transactions submitted at once to validator 0 of 4; committed
   transactions per second until every validator committed all of them;
 * simulator: schedules per second of ``ps_p2p.testing.consensus_sim.run_schedule`` (f = 1, 3
@@ -64,10 +69,28 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def latency(n: int, rounds: int, warmup: int = 5) -> tuple[list[float], float, float]:
+def minimum_frames(n: int, txs: int = 0) -> int:
+    """Frames per height of the protocol alone: a proposal and two votes per validator, and
+    ``txs`` transactions each relayed once by every validator to every peer but its sender."""
+    return (n - 1) * (1 + 2 * n) + txs * (n - 1) ** 2
+
+
+def frames_sent(committee: LocalCommittee) -> int:
+    """Consensus frames written so far by every running validator's links."""
+    total = 0
+    for m in committee.members:
+        stats = m.service.link_stats() if m.service is not None else None
+        if stats is not None:
+            total += stats.frames_sent
+    return total
+
+
+async def latency(n: int, rounds: int, warmup: int = 5
+                  ) -> tuple[list[float], float, float, float]:
     """Seconds from submit to committed on every validator, per transaction; with the CPU
-    seconds of the whole process (all n validators) per committed height, and the
-    milliseconds one validator spent in sqlite (its event loop's time) per height."""
+    seconds of the whole process (all n validators) per committed height, the milliseconds
+    one validator spent in sqlite (its event loop's time) per height, and the consensus
+    frames of all validators per height."""
     txs = register_txs(rounds + warmup, b"latency %d " % n)
     pending: dict[bytes, set[int]] = {}
     done = trio.Event()
@@ -94,6 +117,7 @@ async def latency(n: int, rounds: int, warmup: int = 5) -> tuple[list[float], fl
             for store in stores:
                 store.sqlite_seconds = 0.0
             h0 = committee.members[0].service.validator.committed_height
+            frames0 = frames_sent(committee)
             cpu0 = time.process_time()
             for i, tx in enumerate(txs):
                 done = trio.Event()
@@ -106,9 +130,10 @@ async def latency(n: int, rounds: int, warmup: int = 5) -> tuple[list[float], fl
                     samples.append(time.perf_counter() - start)
             cpu = time.process_time() - cpu0
             heights = max(1, committee.members[0].service.validator.committed_height - h0)
+            frames = (frames_sent(committee) - frames0) / heights
             sqlite_ms = sum(s.sqlite_seconds for s in stores) * 1000 / n / heights
             nursery.cancel_scope.cancel()
-    return samples, cpu / heights, sqlite_ms
+    return samples, cpu / heights, sqlite_ms, frames
 
 
 async def throughput(n: int, count: int) -> tuple[float, int, float]:
@@ -170,12 +195,14 @@ def main() -> None:
     print(f"machine: {machine()}")
     print("consensus timeouts 0.2 s (+0.1 s a round); loopback, all validators in one process")
     for n in (int(s) for s in args.sizes.split(",")):
-        samples, cpu, sqlite_ms = trio.run(latency, n, args.rounds)
+        samples, cpu, sqlite_ms, frames = trio.run(latency, n, args.rounds)
         print(f"commit latency, {n:2d} validators: p50 {pct(samples, 50) * 1000:6.1f} ms  "
               f"p99 {pct(samples, 99) * 1000:6.1f} ms  mean "
               f"{statistics.mean(samples) * 1000:6.1f} ms  ({len(samples)} transactions); "
               f"CPU per height {cpu * 1000:6.1f} ms (all {n}, {cpu * 1000 / n:5.1f} ms each); "
-              f"sqlite per height and validator {sqlite_ms:5.2f} ms")
+              f"sqlite per height and validator {sqlite_ms:5.2f} ms; frames per height "
+              f"{frames:6.1f} (minimum {minimum_frames(n, 1)} with its transaction, "
+              f"{frames / minimum_frames(n, 1):.2f}x)")
     tps, blocks, elapsed = trio.run(throughput, 4, args.txs)
     print(f"throughput, 4 validators: {tps:7.1f} committed transactions/s "
           f"({args.txs} transactions in {blocks} blocks, {elapsed:.2f} s)")

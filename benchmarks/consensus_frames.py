@@ -15,7 +15,7 @@
   not; once every validator is past round 1 the links are healed; the seconds from then
   until all four committed height 3 (``--limit`` s at most: "stuck").
 
-Usage: ``python benchmarks/consensus_frames.py [--sizes 4 10] [--heights 10] [--down 3]``
+Usage: ``python benchmarks/consensus_frames.py [--sizes 4 7 10 16] [--heights 10] [--down 3]``
 (about 30 s).
 """
 
@@ -49,8 +49,9 @@ def _frames(committee: LocalCommittee) -> int:
     return total
 
 
-async def frames_per_height(n: int, heights: int) -> tuple[float, float]:
-    """(frames per height, seconds per height) over ``heights`` heights after height 2."""
+async def frames_per_height(n: int, heights: int) -> tuple[float, float, float]:
+    """(frames per height, seconds per height, CPU seconds of the process per height) over
+    ``heights`` heights after height 2."""
     with tempfile.TemporaryDirectory() as folder:
         async with trio.open_nursery() as nursery:
             committee = LocalCommittee(
@@ -60,13 +61,15 @@ async def frames_per_height(n: int, heights: int) -> tuple[float, float]:
             with trio.fail_after(60):
                 await committee.wait_committed(2)
             start_frames, start = _frames(committee), time.perf_counter()
+            cpu0 = time.process_time()
             first = committee.members[0].service.validator.committed_height
             with trio.fail_after(120):
                 await committee.wait_committed(first + heights)
             frames, seconds = _frames(committee) - start_frames, time.perf_counter() - start
+            cpu = time.process_time() - cpu0
             done = committee.members[0].service.validator.committed_height - first
             nursery.cancel_scope.cancel()
-    return frames / done, seconds / done
+    return frames / done, seconds / done, cpu / done
 
 
 async def kill_two_restart_one(down: float, limit: float) -> float | None:
@@ -143,7 +146,7 @@ async def missed_polka(limit: float) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="*", default=[4, 10])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[4, 7, 10, 16])
     parser.add_argument("--heights", type=int, default=10)
     parser.add_argument("--down", type=float, default=3.0)
     parser.add_argument("--limit", type=float, default=60.0)
@@ -151,9 +154,10 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.CRITICAL)
     for n in args.sizes:
-        fph, sph = trio.run(frames_per_height, n, args.heights)
+        fph, sph, cph = trio.run(frames_per_height, n, args.heights)
         print(f"{n:3d} validators: {fph:8.1f} frames/height (minimum {minimum_frames(n)}, "
-              f"{fph / minimum_frames(n):.2f}x), {sph * 1000:.0f} ms/height")
+              f"{fph / minimum_frames(n):.2f}x), {sph * 1000:.0f} ms/height, "
+              f"CPU {cph * 1000:.0f} ms/height (all {n} validators, one process)")
     for i in range(args.runs):
         took = trio.run(kill_two_restart_one, args.down, args.limit)
         print("kill two, restart one: " + (

@@ -507,6 +507,7 @@ class Node:
             master_key,
             overlay_ask,
         )
+        from ps_p2p import registry
         from ps_p2p.verification.sealing import load_committee_key
 
         assert self.consensus is not None and self.genesis_file is not None
@@ -524,7 +525,7 @@ class Node:
         ask = overlay_ask(user, params.model_id)
         pool = await trio.to_thread.run_sync(load_pool, vcfg.pool, vcfg.pool_limit or None)
         self.epochs = EpochService(
-            self.keys.identity, params, state=lambda: validator.state,
+            self.keys.identity, params, state=lambda: validator.state, txs=registry,
             submit=self.consensus.submit_tx, ask=ask, engine=self.engine, pool=pool,
             master=master_key(self.keys.identity.private_bytes()),
             committee_key=load_committee_key(vcfg.committee_key),

@@ -4,7 +4,7 @@
 Usage::
 
     python scripts/consensus_mutants.py [--only NAME ...] [--schedules 300] [--ref REV]
-        [--no-tests] [--no-sim] [--json]
+        [--no-tests] [--no-sim] [--json] [--gossip relay|service|before]
 
 Each mutant (:data:`MUTANTS`: one line of ``ps_p2p/consensus/core.py`` or ``votes.py`` changed,
 named after the line of Algorithm 1 it breaks; arXiv 1807.04938) is applied to a temporary copy
@@ -13,7 +13,8 @@ of the package (the real files are never edited), and then:
 * the consensus tests (``tests/test_consensus_core.py``, ``tests/test_consensus_sim.py``) run
   against the copy (pytest ``-x``; the first failing test is the catch);
 * the simulator (:mod:`ps_p2p.testing.consensus_sim`) runs ``--schedules`` classic schedules
-  (seeds 0.., 3 heights) and as many adversarial ones (seeds 0.., 2 heights, relay gossip); the
+  (seeds 0.., 3 heights) and as many adversarial ones (seeds 0.., 2 heights), with the
+  schedules' relay gossip or, with ``--gossip service``, the service's own gossip object; the
   first seed with a violation is the catch.
 
 It prints a table (mutant, caught by test / simulator seed / not caught) and the totals, and
@@ -167,14 +168,17 @@ def run_tests(root: pathlib.Path, budget: float) -> str | None:
 _SIM_RUNNER = r"""
 import inspect, sys, time
 from ps_p2p.testing import consensus_sim as cs
-n, budget = int(sys.argv[1]), float(sys.argv[2])
+n, budget, gossip = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+params = inspect.signature(cs.run_schedule).parameters
 modes = [("classic", 3)]
-if "mode" in inspect.signature(cs.run_schedule).parameters:
+if "mode" in params:
     modes.append(("adversarial", 2))
 end = time.monotonic() + budget
 for seed in range(n):
     for mode, heights in modes:
         kw = {"mode": mode} if mode != "classic" else {}
+        if gossip and "gossip" in params:
+            kw["gossip"] = gossip
         r = cs.run_schedule(seed, heights=heights, **kw)
         if r.violations:
             print(f"{mode} seed {seed}: {sorted(r.violations)[0]}")
@@ -186,11 +190,13 @@ print("")
 """
 
 
-def run_sim(root: pathlib.Path, schedules: int, budget: float) -> str | None:
+def run_sim(root: pathlib.Path, schedules: int, budget: float, gossip: str = "") -> str | None:
     """The first schedule with a violation under ``root`` (None: none in ``schedules`` seeds
-    per mode, or in the budget: then the answer starts with "(budget")."""
+    per mode, or in the budget: then the answer starts with "(budget"). ``gossip``: the
+    simulator's gossip mode ("" for each schedule's own: relay)."""
     try:
-        proc = subprocess.run([sys.executable, "-c", _SIM_RUNNER, str(schedules), str(budget)],
+        proc = subprocess.run([sys.executable, "-c", _SIM_RUNNER, str(schedules), str(budget),
+                               gossip],
                               cwd=root, capture_output=True, text=True, timeout=budget + 120)
     except subprocess.TimeoutExpired:
         return None
@@ -203,7 +209,8 @@ def run_sim(root: pathlib.Path, schedules: int, budget: float) -> str | None:
 
 
 def check(mutants: tuple[Mutant, ...], *, ref: str | None, schedules: int, tests: bool,
-          sim: bool, budget: float, baseline: bool = True) -> list[dict[str, object]]:
+          sim: bool, budget: float, baseline: bool = True, gossip: str = ""
+          ) -> list[dict[str, object]]:
     """Run every mutant; returns one row per mutant (name, test, sim, caught, seconds).
 
     Raises:
@@ -216,7 +223,7 @@ def check(mutants: tuple[Mutant, ...], *, ref: str | None, schedules: int, tests
         if baseline:
             if tests and (failed := run_tests(base, budget * 4)) is not None:
                 raise RuntimeError(f"the unmutated copy fails {failed}")
-            if sim and (seed := run_sim(base, schedules, budget * 4)) is not None:
+            if sim and (seed := run_sim(base, schedules, budget * 4, gossip)) is not None:
                 raise RuntimeError(f"the unmutated copy fails the simulator: {seed}")
         for i, m in enumerate(mutants):
             root = pathlib.Path(tmp) / f"m{i}"
@@ -224,7 +231,7 @@ def check(mutants: tuple[Mutant, ...], *, ref: str | None, schedules: int, tests
             apply(root, m)
             start = time.perf_counter()
             test = run_tests(root, budget) if tests else None
-            seed = run_sim(root, schedules, budget) if sim else None
+            seed = run_sim(root, schedules, budget, gossip) if sim else None
             rows.append({
                 "mutant": m.name, "test": test, "sim": seed,
                 "caught": test is not None or seed is not None,
@@ -244,13 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-sim", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--gossip", default="", choices=("", "relay", "service", "before"),
+                    help="the simulator's gossip (default: relay, the schedules' own)")
     args = ap.parse_args(argv)
     mutants = MUTANTS
     if args.only:
         mutants = tuple(m for m in MUTANTS if any(o in m.name for o in args.only))
     start = time.perf_counter()
     rows = check(mutants, ref=args.ref, schedules=args.schedules, tests=not args.no_tests,
-                 sim=not args.no_sim, budget=args.budget)
+                 sim=not args.no_sim, budget=args.budget, gossip=args.gossip)
     caught = sum(1 for r in rows if r["caught"])
     by_tests = sum(1 for r in rows if r["test"])
     by_sim = sum(1 for r in rows if r["sim"])
@@ -264,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['mutant']:<{width}}  {str(r['test'] or '-'):<70}  {r['sim'] or '-'}")
         print(f"caught {caught}/{len(rows)} (tests {by_tests}, simulator {by_sim}) in "
               f"{time.perf_counter() - start:.0f} s"
-              + (f"; tests and simulator of {args.ref}" if args.ref else ""))
+              + (f"; tests and simulator of {args.ref}" if args.ref else "")
+              + (f"; simulator gossip {args.gossip}" if args.gossip else ""))
     return 0 if caught == len(rows) else 1
 
 

@@ -94,11 +94,36 @@ def test_the_last_commit_goes_to_a_peer_in_a_later_round_of_the_decided_height()
     g = gossip()
     proposal = Proposal(1, 0, b"block", -1, B, b"sig")
     commit = (1, 0, (vote(PC, 0, A), vote(PC, 0, C), vote(PC, 0, D), proposal))
+    for peer in (B, C, D):
+        g.sent(peer, commit[2][0])  # our precommit went out to everyone (on_send)
     g.heard(B, vote(PC, 0, B), 0.0)  # B decided with us: nothing to send
     g.heard(C, vote(PV, 2, C), 0.0)  # C went on to round 2: it missed the decision
     out = g.plan(0.1, height=2, round_=0, own=[], relay=[], commit=commit)
     assert {p for p, _ in out} == {C}
-    assert {m for _, m in out} == {commit[2][0], commit[2][2], proposal}  # not C's own
+    assert {m for _, m in out} == {commit[2][2], proposal}  # not C's own, nor ours it has
+
+
+def test_the_last_commit_goes_to_a_peer_in_the_decided_round_that_lost_our_precommit():
+    """Simulator seed 9984 (service gossip, lock race): B and C precommitted in the decided
+    round, our precommit to them was lost and the fourth validator never precommitted: they
+    hold two precommits, too few for L49 and for L47 (no timeout, no later round). We moved
+    on to the next height, so our precommit is no longer among our own messages: the commit
+    must reach them (Algorithm 1's gossip assumption), and only them."""
+    g = gossip()
+    proposal = Proposal(1, 0, b"block", -1, D, b"sig")
+    ours = vote(PC, 0, A)
+    commit = (1, 0, (ours, vote(PC, 0, B), vote(PC, 0, C), proposal))
+    for peer in (B, C, D):
+        g.sent(peer, ours)
+        g.heard(peer, vote(PC, 0, peer) if peer != D else vote(PV, 0, D), 0.0)
+    g.link_down(B)  # our frames to B were lost
+    g.link_down(C)
+    g.heard(B, vote(PC, 0, B), 0.0)
+    g.heard(C, vote(PC, 0, C), 0.0)
+    out = g.plan(0.1, height=2, round_=0, own=[], relay=[], commit=commit)
+    assert {p for p, _ in out} == {B, C}  # D has our precommit: nothing to send it
+    assert {m for p, m in out if p == B} == {ours, commit[2][2], proposal}
+    assert g.plan(0.2, height=2, round_=0, own=[], relay=[], commit=commit) == []  # once
 
 
 def test_a_peer_resending_its_own_message_lost_what_we_sent_it_forgotten_once_a_period():

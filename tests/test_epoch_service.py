@@ -144,7 +144,7 @@ class Stubs:
 def service(stubs: Stubs, engine: Engine, params: VerificationParams,
             identity: Identity = ME) -> EpochService:
     return EpochService(
-        identity, params, state=lambda: stubs.state, submit=stubs.submit, ask=stubs.ask,
+        identity, params, state=lambda: stubs.state, txs=app, submit=stubs.submit, ask=stubs.ask,
         engine=engine, pool=POOL, master=master_key(identity.private_bytes()),
         committee_key=COMMITTEE_KEY, challenge_timeout=30.0, unix_ms=lambda: stubs.now_ms, rng=random.Random(1))
 
@@ -367,7 +367,8 @@ def test_a_verifier_without_the_committed_committee_key_refuses_to_start(key, co
     params = dataclasses.replace(verification("fake-model"), committee_key_sha256=commitment)
     stubs = Stubs(genesis_state(params))
     with pytest.raises(ConfigError, match=match):
-        EpochService(ME, params, state=lambda: stubs.state, submit=stubs.submit, ask=stubs.ask,
+        EpochService(ME, params, state=lambda: stubs.state, txs=app, submit=stubs.submit,
+                     ask=stubs.ask,
                      engine=InstantEngine(), pool=POOL, master=master_key(ME.private_bytes()),
                      committee_key=key, unix_ms=lambda: stubs.now_ms)
 

@@ -299,7 +299,8 @@ class Gossip:
             todo = [("own", m) for m in own if self.lacks(peer, m)]
             if ph == height and (pr < round_ or stalled):
                 todo += [("relay", m) for m in relay if self.lacks(peer, m)]
-            if commit is not None and ph == commit[0] and pr > commit[1]:
+            if commit is not None and ph == commit[0] and (
+                    pr > commit[1] or self._lost_own(peer, commit[2])):
                 todo += [("commit", m) for m in commit[2] if self.lacks(peer, m)]
             seen: set[Message] = set()
             for kind, m in todo:
@@ -309,6 +310,11 @@ class Gossip:
                 self._mark(peer, [m], kind)
                 out.append((peer, m))
         return out
+
+    def _lost_own(self, peer: bytes, messages: Sequence[Message]) -> bool:
+        """Whether ``peer`` may lack one of *our own* ``messages`` (we sent it, then its link
+        failed, or it re-sent its own or stalled, so what we sent it was forgotten)."""
+        return any(signer(m) == self.address and self.lacks(peer, m) for m in messages)
 
     def _mark(self, peer: bytes, messages: Sequence[Message], kind: str) -> None:
         view = self.views[peer]

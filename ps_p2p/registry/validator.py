@@ -153,12 +153,13 @@ from ps_p2p.registry import (
 )
 from ps_p2p.registry.directory import DirectoryHistory
 from ps_p2p.registry.snapshot import decode_state, encode_state
-from ps_p2p.verification.epochs import MAX_ATTEMPTS
+from ps_p2p.verification.epochs import MAX_ATTEMPTS, VALUE_CHECK_PENDING
 
 log = logging.getLogger(__name__)
 
-#: What ``value_check`` answers while its check is still running (module docstring).
-VALUE_CHECK_PENDING = "value check pending"
+# VALUE_CHECK_PENDING (imported above, re-exported): what ``value_check`` answers while its
+# check is still running (module docstring); the verification layer defines it (it sits below
+# the registry: issue 17, no import cycle).
 #: Deferred validations kept (this height's proposals waiting for a value check).
 MAX_DEFERRED = 8
 

@@ -157,6 +157,7 @@ __all__ = [
     "SimParams",
     "draw_adversarial_params",
     "draw_params",
+    "features",
     "lock_race_params",
     "one_third_params",
     "quorum_split_params",
@@ -484,10 +485,37 @@ class ScheduleResult:
     end_time: float = 0.0
     wal_refused: int = 0
     adversary: str = ""
+    #: what the schedule exercised (:func:`features`)
+    features: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return not self.violations
+
+
+def features(p: SimParams) -> tuple[str, ...]:
+    """What a schedule exercises, for campaign counts: its adversary kind (``classic`` for
+    :func:`draw_params`), then ``restarts`` (WAL replay), ``unequal-powers``, ``slow-links``
+    (every post-GST message at least ``min_delay``), ``delay-above-timeouts`` (``delta``
+    beyond the base timeouts' cover), ``link-cuts``, ``partitions``, ``drops`` and each
+    Byzantine behaviour present (``byz:<behaviour>``, ``byz:twin`` in the twins adversary)."""
+    out = [p.adversary or "classic"]
+    if p.restarts:
+        out.append("restarts")
+    if p.powers and len(set(p.powers)) > 1:
+        out.append("unequal-powers")
+    if p.min_delay > 0:
+        out.append("slow-links")
+    if rounds_to_cover(p.delta, SIM_CONFIG) > 0:
+        out.append("delay-above-timeouts")
+    if p.cuts:
+        out.append("link-cuts")
+    if p.partitions:
+        out.append("partitions")
+    if p.drop > 0:
+        out.append("drops")
+    out.extend(sorted({f"byz:{b}" for b in p.byzantine.values()}))
+    return tuple(out)
 
 
 # event kinds
@@ -740,12 +768,18 @@ class _Sim:
                 self.round_at_gst[h] = max(self.round_at_gst.get(h, 0), nd.core.round)
 
     def tick(self, nd: _Node) -> None:
-        """Gossip: send what the node's policy says (:mod:`ps_p2p.consensus.gossip_policy`)."""
-        if nd.done:
-            return
+        """Gossip: send what the node's policy says (:mod:`ps_p2p.consensus.gossip_policy`).
+
+        A node that decided the last simulated height keeps gossiping, as the service does
+        (it never stops at a last height): as a node at the next height, where it has nothing
+        of its own to say, so its policy can still send the last commit to peers that lack it
+        (Algorithm 1's gossip assumption; a silent decider left seed 9984 undecided)."""
         assert nd.policy is not None
         if not nd.down:
-            self.send_planned(nd, nd.policy.tick(self.now, nd.core.height, nd.core.round))
+            height, round_ = nd.core.height, nd.core.round
+            if nd.done and height is not None:
+                height, round_ = height + 1, 0
+            self.send_planned(nd, nd.policy.tick(self.now, height, round_))
         self.push(max(nd.policy.next_tick(), self.now + 1e-3), _TICK, nd.index, None)
 
     def send_planned(self, nd: _Node, plan: list[tuple[bytes | None, Proposal | Vote]]) -> None:
@@ -1162,6 +1196,7 @@ class _Sim:
             end_time=self.now,
             wal_refused=self.wal_refused,
             adversary=self.p.adversary,
+            features=features(self.p),
         )
 
 
@@ -1218,14 +1253,21 @@ def summarize(results: list[ScheduleResult]) -> dict[str, object]:
     1) distribution, violations by property, schedules failed."""
     rounds: Counter[int] = Counter()
     violations: Counter[str] = Counter()
+    by_feature: Counter[str] = Counter()
+    failed_by_feature: Counter[str] = Counter()
     for r in results:
         rounds.update(x + 1 for x in r.rounds)
         for prop in r.violations:
             violations[prop] += 1
+        by_feature.update(r.features)
+        if not r.ok:
+            failed_by_feature.update(r.features)
     return {
         "schedules": len(results),
         "heights_decided": sum(r.heights_decided for r in results),
         "rounds_per_height": dict(sorted(rounds.items())),
         "violations": {p: violations.get(p, 0) for p in PROPERTIES},
         "failed_schedules": sum(1 for r in results if not r.ok),
+        "schedules_by_feature": dict(sorted(by_feature.items())),
+        "failed_by_feature": dict(sorted(failed_by_feature.items())),
     }

@@ -123,6 +123,10 @@ MAX_POOL_SIZE = 2**32 - 1
 MAX_SAMPLING_OPTIONS = 256
 #: Most retries of a failed epoch (attempts are u32; far more than the validators).
 MAX_ATTEMPTS = 2**32 - 1
+#: What a verifier's check of an EPOCH_REPORT answers while it still re-scores the report:
+#: the validator (:mod:`ps_p2p.registry.validator`, its ``value_check``) then defers its
+#: answer instead of refusing the value.
+VALUE_CHECK_PENDING = "value check pending"
 #: Largest epoch number (u64).
 MAX_EPOCH = 2**64 - 1
 #: Default |own - proposed| accepted per credibility score (docstring of within_tolerance).
@@ -652,6 +656,7 @@ __all__ = [
     "MAX_CHALLENGES_PER_NODE",
     "MAX_PLAN_CHALLENGES",
     "MAX_POOL_SIZE",
+    "VALUE_CHECK_PENDING",
     "Challenge",
     "MissTally",
     "Plan",

@@ -48,7 +48,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -67,18 +67,12 @@ from ps_p2p.inference import InferenceReply
 from ps_p2p.protocols.inference_codec import decode_query
 from ps_p2p.records import Signer
 from ps_p2p.records.peer_ids import peer_label
-from ps_p2p.registry import (
-    MICRO,
-    AppState,
-    decode_tx,
-    encode_tx,
-    tx_hash,
-)
-from ps_p2p.registry.validator import VALUE_CHECK_PENDING
 from ps_p2p.responses import request_hash
 from ps_p2p.verification import epochs
+from ps_p2p.verification.epochs import VALUE_CHECK_PENDING
 from ps_p2p.verification.ledger import (
     MAX_REQUEST_BYTES,
+    MICRO,
     ChallengeResult,
     EpochLedger,
     EpochReportTx,
@@ -120,6 +114,23 @@ _TEMPERATURE_SLACK = 1e-6  # protobuf carries temperature and top_p as float32
 Ask = Callable[[str, bytes, SamplingOption, float], Awaitable[object]]
 """``ask(prompt, model_node, option, timeout) -> Answer``: one request through the overlay
 (:meth:`~ps_p2p.roles.user.UserClient.ask` with ``include_untrusted=True``)."""
+
+
+class TxCodec(Protocol):
+    """The application's transaction codec, which the service encodes its transactions with
+    and decodes the reports it re-scores with. The node passes the registry package
+    (:mod:`ps_p2p.registry`: ``encode_tx``, ``decode_tx``): the registry executes these
+    transactions, so it imports :mod:`ps_p2p.verification` and not the other way round (issue
+    17: no import cycle between the two)."""
+
+    def encode_tx(self, tx: Any) -> bytes: ...
+
+    def decode_tx(self, data: bytes, max_tx_bytes: int) -> Any: ...
+
+
+def _tx_key(raw: bytes) -> bytes:
+    """The key of an encoded transaction in the verdict cache: SHA-256, 32 bytes."""
+    return hashlib.sha256(raw).digest()
 
 
 def overlay_ask(user: Any, model_id: str) -> Ask:
@@ -166,7 +177,10 @@ class EpochService:
     Args:
         identity: the validator's identity (signs its transactions).
         params: the genesis' verification parameters.
-        state: the validator's committed state now (``lambda: validator.state``).
+        state: the validator's committed state now (``lambda: validator.state``, a
+            :class:`ps_p2p.registry.AppState`).
+        txs: the application's transaction codec (:class:`TxCodec`; the node passes
+            :mod:`ps_p2p.registry`).
         submit: a transaction into the validator's mempool (raises InvalidTransactionError).
         ask: :data:`Ask`.
         engine: the reference engine of ``params.model_id``.
@@ -186,7 +200,7 @@ class EpochService:
 
     def __init__(
         self, identity: Signer, params: VerificationParams, *,
-        state: Callable[[], AppState], submit: Callable[[bytes], object], ask: Ask,
+        state: Callable[[], Any], txs: TxCodec, submit: Callable[[bytes], object], ask: Ask,
         engine: Engine, pool: Sequence[str], master: bytes, committee_key: bytes,
         challenge_timeout: float = 60.0, unix_ms: Callable[[], int],
         rng: random.Random | None = None,
@@ -201,6 +215,7 @@ class EpochService:
         self.address = identity.peer_id
         self.params = params
         self._state = state
+        self._txs = txs
         self._submit = submit
         self._ask = ask
         self.engine = engine
@@ -236,7 +251,7 @@ class EpochService:
     def value_check(self, tx: bytes) -> str | None:
         """The validator's own check of an EPOCH_REPORT (module docstring, 3): None when this
         verifier's scores agree; else why not (also while it is still re-scoring)."""
-        key = tx_hash(tx)
+        key = _tx_key(tx)
         if key in self._verdicts:
             return self._verdicts[key]
         if key not in self._checking:
@@ -294,11 +309,11 @@ class EpochService:
         self._led = {k for k in self._led if k[0] >= ledger.epoch}
         return delay
 
-    def _commit(self, state: AppState, epoch: int) -> None:
+    def _commit(self, state: Any, epoch: int) -> None:
         secret = epochs.derive_secret(self._master, state.chain_id, epoch)
         commitment = epochs.seed_commitment(state.chain_id, epoch, self.address, secret)
         tx = sign_seed_commit(self.identity, state.chain_id, epoch, commitment)
-        if self._try_submit(encode_tx(tx), f"seed commitment for epoch {epoch}"):
+        if self._try_submit(self._txs.encode_tx(tx), f"seed commitment for epoch {epoch}"):
             self.stats.commits += 1
 
     def _try_submit(self, raw: bytes, what: str) -> bool:
@@ -311,7 +326,7 @@ class EpochService:
 
     # ------------------------------------------------------------------ leading
 
-    async def _lead(self, state: AppState, attempt: int) -> None:
+    async def _lead(self, state: Any, attempt: int) -> None:
         ledger, chain = state.ledger, state.chain_id
         epoch = ledger.epoch
         secret = epochs.derive_secret(self._master, chain, epoch)
@@ -338,18 +353,18 @@ class EpochService:
                 nursery.start_soon(one, challenge)
         ordered = [results[c] for c in plan.challenges]
         tx = sign_epoch_report(self.identity, chain, epoch, attempt, secret, ordered)
-        raw = encode_tx(tx)
+        raw = self._txs.encode_tx(tx)
         limit = state.genesis.limits.max_tx_bytes
         if len(raw) > limit:  # a model node signs its text's length: the longest answers go
             ordered = _fit_report(ordered, len(raw) - limit, epoch)
             tx = sign_epoch_report(self.identity, chain, epoch, attempt, secret, ordered)
-            raw = encode_tx(tx)
+            raw = self._txs.encode_tx(tx)
         if len(raw) > limit:
             log.error("epoch %d report of %d bytes is over the genesis' max_tx_bytes (%d): "
                       "raise block_limits.max_tx_bytes or lower verification.max_nodes",
                       epoch, len(raw), limit)
             return
-        self._remember(tx_hash(raw), None)  # its own scores
+        self._remember(_tx_key(raw), None)  # its own scores
         answered = sum(r.answer is not None for r in ordered)
         if self._try_submit(raw, f"epoch {epoch} report"):
             if self.on_reported is not None:
@@ -418,7 +433,7 @@ class EpochService:
 
     async def _check_worker(self) -> None:
         async for raw in self._checks_receive:
-            key = tx_hash(raw)
+            key = _tx_key(raw)
             try:
                 reason = await self._check_report(raw)
             except PsError as exc:
@@ -442,7 +457,7 @@ class EpochService:
     async def _check_report(self, raw: bytes) -> str | None:
         """This verifier's check of one report: None (agreed) or the reason."""
         try:
-            tx = decode_tx(raw, 1 << 30)
+            tx = self._txs.decode_tx(raw, 1 << 30)
         except InvalidTransactionError as exc:
             return str(exc)
         if not isinstance(tx, EpochReportTx):
@@ -497,7 +512,7 @@ class EpochService:
 
     # ------------------------------------------------------------------ misses
 
-    async def _confirm(self, state: AppState, epoch: int, node: bytes) -> None:
+    async def _confirm(self, state: Any, epoch: int, node: bytes) -> None:
         """Challenge an open miss ourselves (a prompt and option of our own drawing); report it
         only when that fails too."""
         self.stats.confirmations += 1
@@ -529,7 +544,7 @@ class EpochService:
                      epoch, getattr(answer, "error", "") or "no answer")
             return
         tx = sign_miss_report(self.identity, state.chain_id, epoch, node)
-        if self._try_submit(encode_tx(tx), f"miss report of {peer_label(node)}"):
+        if self._try_submit(self._txs.encode_tx(tx), f"miss report of {peer_label(node)}"):
             self.stats.misses_reported += 1
             log.info("reported %s: no answer to its epoch-%d challenge nor to ours (%s)",
                      peer_label(node), epoch, problem or getattr(answer, "error", ""))
@@ -580,4 +595,4 @@ def load_pool(paths: Sequence[str], limit: int | None = None) -> list[str]:
     return pool[:limit] if limit else pool
 
 
-__all__ = ["EpochService", "EpochStats", "load_pool", "master_key", "overlay_ask"]
+__all__ = ["EpochService", "EpochStats", "TxCodec", "load_pool", "master_key", "overlay_ask"]
