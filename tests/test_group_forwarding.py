@@ -19,7 +19,8 @@ from ps_p2p.protocols import hrtree_gossip as wire
 from ps_p2p.records import Directory, NodeRecord, Role
 
 FAST = SimParams(prefill_tokens_per_s=1e9, step_time=1e-6)
-CONFIG = ForwardingConfig(group_key="11" * 32, chunk_default=4, load_max_age=1e9)
+CONFIG = ForwardingConfig(group_key="11" * 32, chunk_default=4, load_max_age=1e9,
+                          prefill_tokens_per_s=100.0)  # a slow engine: a cached prefix matters
 
 
 def _node(identity: Identity, model_id: str = "sim") -> NodeRecord:
