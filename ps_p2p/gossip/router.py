@@ -20,6 +20,21 @@ simulator (``ps_p2p.testing.forwarding_sim``), with the same objects, in the sam
 (search, decide, record in the ledger, count the forward in the book, mark it sent), and the
 same defaults (``ps_p2p.config.ForwardingConfig``; issue 19 finding 5).
 
+**Own routing decisions.** Load: a forward is counted against its peer until the peer's next
+report (``LoadBook.note_forwarded``) as *k* requests, k the nodes of the group: every entry node
+read the same report and, the group being symmetric, sends about as much as this one
+(without it, all entry nodes piled onto the node that reported the shortest queue; toolbench at
+1.1 of saturation, 3 seeds: mean latency 6.96 s with 1, 6.70 s with k, central router 6.10 s).
+Cache: a node that sent a
+prompt to a peer (or kept it) knows that node will hold the prompt's prefix well before the
+node's delta says so (its engine caches the prompt when it prefills it; the delta follows within
+``load_interval + delta_interval`` and a gossip delay). Until then the next prompts with that
+prefix would miss it and spread the prefix over the group. The router therefore counts, for
+:data:`RECENT_HORIZON_INTERVALS` x (``load_interval`` + ``delta_interval``) seconds, each of its
+own routes as that node holding the prompt's chunk chain (:class:`_RecentRoutes`, at most
+:data:`MAX_RECENT_HASHES` chunk hashes); a search takes, per node, the longer of the tree's and
+these matches.
+
 **Tree bounds** (issue 19 finding 4): each peer may hold :func:`tree_limits` entries, sized from
 the engine's KV cache (blocks x block size / chunk length, +25%), not a fixed share of a global
 cap that a single node's cache overflowed. Past the bound nothing is dropped silently: an own
@@ -36,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -48,6 +64,7 @@ from ps_p2p.gossip.forwarding import (
     ForwardingConfig,
     HRTreeForwarding,
     LeastLoad,
+    Reason,
     RequestContext,
 )
 from ps_p2p.gossip.hr_tree import (
@@ -69,8 +86,8 @@ from ps_p2p.gossip.load import (
 )
 from ps_p2p.gossip.sentry import ChunkLengths
 
-__all__ = ["DEFAULT_ASSUMED_CACHE_BLOCKS", "TREE_MARGIN", "GroupRouter", "RouterSettings",
-           "tree_limits"]
+__all__ = ["DEFAULT_ASSUMED_CACHE_BLOCKS", "MAX_RECENT_HASHES", "RECENT_HORIZON_INTERVALS",
+           "TREE_MARGIN", "GroupRouter", "RouterSettings", "tree_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +99,72 @@ TREE_MARGIN = 1.25
 of a delta arrive with the inserts that replaced them)."""
 
 
+RECENT_HORIZON_INTERVALS = 1.0
+"""Own routes are remembered for this many (load_interval + delta_interval): the time until the
+chosen node's delta can carry the prefix."""
+MAX_RECENT_HASHES = 1 << 16
+"""Chunk hashes of remembered routes at most (the oldest routes are forgotten first)."""
+
+
+class _RecentRoutes:
+    """The chunk chains this node recently routed, by the node it routed them to (pure).
+
+    Chunk hashes are chained, so one hash names its whole prefix: a per-hash count of routes per
+    node is a trie of the routes, and a walk along a prompt's chain finds each node's depth.
+    """
+
+    def __init__(self, horizon: float, max_hashes: int = MAX_RECENT_HASHES) -> None:
+        self.horizon = horizon
+        self.max_hashes = max_hashes
+        self._routes: deque[tuple[float, bytes, Sequence[bytes]]] = deque()
+        self._held: dict[bytes, dict[bytes, int]] = {}  # chunk hash -> node -> routes
+        self._hashes = 0
+
+    def add(self, node: bytes, chain: Sequence[bytes], now: float) -> None:
+        self.expire(now)
+        if not chain:
+            return
+        self._routes.append((now + self.horizon, node, chain))
+        self._hashes += len(chain)
+        for h in chain:
+            by_node = self._held.setdefault(h, {})
+            by_node[node] = by_node.get(node, 0) + 1
+        while self._hashes > self.max_hashes and self._routes:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, node, chain = self._routes.popleft()
+        self._hashes -= len(chain)
+        for h in chain:
+            by_node = self._held[h]
+            left = by_node[node] - 1
+            if left:
+                by_node[node] = left
+            else:
+                del by_node[node]
+                if not by_node:
+                    del self._held[h]
+
+    def expire(self, now: float) -> None:
+        while self._routes and self._routes[0][0] <= now:
+            self._drop_oldest()
+
+    def depths(self, chain: Sequence[bytes]) -> dict[bytes, int]:
+        """Chunks of ``chain`` each node was recently routed, for nodes with at least one."""
+        out: dict[bytes, int] = {}
+        alive: set[bytes] | None = None
+        for d, h in enumerate(chain, start=1):
+            by_node = self._held.get(h)
+            if not by_node:
+                break
+            alive = set(by_node) if alive is None else alive & by_node.keys()
+            if not alive:
+                break
+            for node in alive:
+                out[node] = d
+        return out
+
+
 class RouterSettings(Protocol):
     """What :class:`GroupRouter` reads of ``ps_p2p.config.ForwardingConfig``."""
 
@@ -90,6 +173,8 @@ class RouterSettings(Protocol):
     hop_seconds: float
     busy_weight: float
     load_max_age: float
+    load_interval: float
+    delta_interval: float
     max_peers: int
     cache_blocks: int
 
@@ -180,7 +265,10 @@ class GroupRouter:
             if least_load else
             HRTreeForwarding(self_id, tracker, self.book, policy_config, choose, self.ledger))
         self.use_tree = not least_load
+        self.recent = _RecentRoutes(RECENT_HORIZON_INTERVALS
+                                    * (settings.load_interval + settings.delta_interval))
         self.count_forwards = count_forwards
+
         self.members: frozenset[bytes] = frozenset()
         self.decisions: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
@@ -234,7 +322,13 @@ class GroupRouter:
         """
         if previous is not None and previous != self.me and previous not in self.members:
             previous = None
-        depths = self.tree.match_depths(chain) if self.use_tree else {}
+        depths: dict[bytes, int] = {}
+        if self.use_tree:
+            depths = self.tree.match_depths(chain)
+            self.recent.expire(now)
+            for node, d in self.recent.depths(chain).items():
+                if d > depths.get(node, 0):
+                    depths[node] = d
         request = RequestContext.from_depths(depths, self.lengths.end, prompt_tokens,
                                              self.tau_c, previous_node=previous)
         decision = self.policy.decide(request, now)
@@ -242,9 +336,12 @@ class GroupRouter:
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
         if self.ledger is not None:
             self.ledger.record(decision.forward_to, now)
+        if self.use_tree and decision.reason is not Reason.NO_CANDIDATES:
+            self.recent.add(decision.forward_to or self.me, chain, now)
         if decision.forward_to is not None:
             if self.count_forwards:
-                self.book.note_forwarded(decision.forward_to)
+                # every entry node saw the same report: ours stands for one of each
+                self.book.note_forwarded(decision.forward_to, len(self.members) + 1)
             if self.ledger is not None:
                 self.ledger.sent(decision.forward_to, now)
         return decision

@@ -532,6 +532,8 @@ class _Node:
         #: the node's routing state (gossiping policies): the object a deployed node runs
         self.router: GroupRouter | None = None
         self.load_seq = 0
+        self.snapshot_state: tuple[int, int] | None = None  # (incarnation, seq) measured
+        self.snapshot_bytes = 0
 
 
 def _peer_id(i: int) -> bytes:
@@ -852,9 +854,13 @@ class _Sim:
             self.gossip.delta_bytes += (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
             self._push(self.now + self.config.gossip_delay, _GOT_DELTA, node.index,
                        Delta.decode(data))
-        snapshot = node.router.snapshot().encode()
+        publisher = node.router.publisher
+        state = (publisher.incarnation, publisher.seq)
+        if node.snapshot_state != state:  # the subtree changed: measure its snapshot again
+            node.snapshot_state = state
+            node.snapshot_bytes = len(node.router.snapshot().encode())
         self.gossip.full_messages += 1
-        self.gossip.full_bytes += (len(snapshot) + ENVELOPE_OVERHEAD_BYTES) * receivers
+        self.gossip.full_bytes += (node.snapshot_bytes + ENVELOPE_OVERHEAD_BYTES) * receivers
 
     def _got_load(self, sender: object, report: object) -> None:
         assert isinstance(report, LoadReport)
