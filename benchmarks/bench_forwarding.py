@@ -280,8 +280,8 @@ def load_workload(name: str, shared: pathlib.Path, count: int, *, seed: int,
         prompts.append(parts[k].prompts[taken[k]])
         outs.append(parts[k].outputs[taken[k]])
         taken[k] += 1
-    return Workload(prompts, outs, "mixed 3:6:1 of " + "; ".join(
-        parts[k].description for k, _ in MIX))
+    described = "; ".join(parts[k].description for k, _ in MIX)
+    return Workload(prompts, outs, f"mixed 3:6:1 of {described}")
 
 
 def sentry_lengths(prompts: Sequence[Sequence[int]], sample: int) -> tuple[ChunkLengths, tuple]:

@@ -16,11 +16,11 @@ import pytest
 import trio
 import trio.testing
 
+from ps_p2p.config import ForwardingConfig
 from ps_p2p.devnet import shared_dir
 from ps_p2p.engines.base import SamplingParams
 from ps_p2p.engines.sim_engine import SimEngine, SimParams
 from ps_p2p.errors import ConfigError
-from ps_p2p.config import ForwardingConfig
 from ps_p2p.testing import forwarding_sim as fs
 
 # round numbers, as in test_sim_engine.py

@@ -202,7 +202,7 @@ def test_forwarded_requests_steer_the_next_decisions_until_the_peer_reports():
 
 
 def test_forwards_beyond_a_peers_free_slots_count_as_waiting():
-    tracker, book = setup(peers={A: (3, 0)})
+    _, book = setup(peers={A: (3, 0)})
     book.note_forwarded(A, 3)
     load = book.get(A)
     assert (load.running, load.waiting) == (4, 2)

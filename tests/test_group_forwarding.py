@@ -9,8 +9,8 @@ import math
 import pytest
 
 from ps_p2p.config import ForwardingConfig
-from ps_p2p.engines.sim_cost import SimParams
 from ps_p2p.engines.base import SamplingParams as EngineParams
+from ps_p2p.engines.sim_cost import SimParams
 from ps_p2p.engines.sim_engine import SimEngine
 from ps_p2p.errors import ConfigError, InvalidSignatureError, RemoteProtocolError
 from ps_p2p.gossip.load import LoadTracker

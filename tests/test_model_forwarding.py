@@ -219,9 +219,10 @@ async def test_an_idle_entry_that_holds_the_prefix_serves_it_itself(monkeypatch,
     # the dispatcher admits a user's request as being routed: the router (the real
     # GroupForwarding on the real cores) must not count it in this node's own Q, or an idle
     # entry holding the prefix forwards it to an equally idle peer that holds it too
+    from test_group_forwarding import CONFIG, FAST, _directory, _forwarding, _node
+
     from ps_p2p.engines.base import SamplingParams as EngineParams
     from ps_p2p.engines.sim_engine import SimEngine
-    from test_group_forwarding import CONFIG, FAST, _directory, _forwarding, _node
 
     forwarded = []
 
@@ -258,7 +259,7 @@ async def test_an_idle_entry_that_holds_the_prefix_serves_it_itself(monkeypatch,
     monkeypatch.setattr(model_mod, "forward_request", forward)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        q, rid = _q(prompt)
+        q, _ = _q(prompt)
         _deliver(service, q)
         await _until(service, lambda: any(_final_or_none(p) for p in sent))
         assert forwarded == [] and service.forwards["sent"] == 0
