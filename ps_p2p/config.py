@@ -81,11 +81,17 @@ class ForwardingConfig:
         chunk_lengths, chunk_default, chunk_version: the group's L (Appendix A3; the Sentry's
             output, ``ps_p2p.gossip.sentry``): the first chunks' lengths in tokens, the length
             of every later chunk, and L's version (all nodes of a group must agree).
-        tau_c: chunks a prompt must match to count as a cache hit (Algorithm 2's threshold).
-        overload_threshold: F_LB above which a cache holder is passed over (seconds; default
-            10: in the forwarding experiment 5 s made every cache-aware policy fall back to the
-            no-forwarding hit rate just past saturation, 10 s kept it, for ~4% more latency
-            below saturation; benchmarks/README.md, "Overlay forwarding").
+        tau_c: chunks a node must hold of a prompt for its match to count (Algorithm 2's
+            threshold; a match then weighs the prefill it saves, ``ps_p2p.gossip.forwarding``).
+        prefill_tokens_per_s: the engine's prefill throughput estimate (tokens/s): converts
+            matched tokens into seconds saved, weighed against queueing delay (issue 19).
+        hop_seconds: what a forward costs (seconds); a smaller gain is served here.
+        busy_weight: weight of a node's occupancy, in prefills of the prompt per full batch
+            (``ps_p2p.gossip.forwarding``: 1 lets an idle node take a request a busier holder
+            would save less than its extra occupancy on, so hot prefixes replicate).
+        cache_blocks: the engine's KV-cache blocks, sizing each peer's HR-tree share
+            (``ps_p2p.gossip.router.tree_limits``); 0: the engine's own count when it has one,
+            else 32,768.
         load_interval: seconds between load reports (about 1 s: stale load is the enemy).
         delta_interval: seconds between subtree deltas (the paper syncs every 5 s).
         load_max_age: a peer's load report older than this is unknown (not idle).
@@ -98,7 +104,10 @@ class ForwardingConfig:
     chunk_default: int = 16
     chunk_version: int = 0
     tau_c: int = 1
-    overload_threshold: float = 10.0
+    prefill_tokens_per_s: float = 4000.0
+    hop_seconds: float = 0.05
+    busy_weight: float = 1.0
+    cache_blocks: int = 0
     load_interval: float = 1.0
     delta_interval: float = 2.0
     load_max_age: float = 3.0
@@ -115,12 +124,17 @@ class ForwardingConfig:
         if self.group_key:
             self.key_bytes("")
         self.lengths()
-        for name in ("load_interval", "delta_interval", "load_max_age", "overload_threshold"):
+        for name in ("load_interval", "delta_interval", "load_max_age", "prefill_tokens_per_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ConfigError(f"forwarding.{name} must be > 0, not {value!r}")
-        if self.tau_c < 1 or self.max_peers < 1:
-            raise ConfigError("forwarding.tau_c and forwarding.max_peers must be >= 1")
+        for name in ("hop_seconds", "busy_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ConfigError(f"forwarding.{name} must be >= 0, not {value!r}")
+        if self.tau_c < 1 or self.max_peers < 1 or self.cache_blocks < 0:
+            raise ConfigError("forwarding.tau_c and forwarding.max_peers must be >= 1, "
+                              "forwarding.cache_blocks >= 0")
 
     def key_bytes(self, model_id: str) -> bytes:
         """The HR-tree key of ``model_id``'s group: 32 bytes, BLAKE2b-256 keyed with the

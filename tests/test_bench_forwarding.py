@@ -16,11 +16,11 @@ import pytest
 import trio
 import trio.testing
 
+from ps_p2p.config import ForwardingConfig
 from ps_p2p.devnet import shared_dir
 from ps_p2p.engines.base import SamplingParams
 from ps_p2p.engines.sim_engine import SimEngine, SimParams
 from ps_p2p.errors import ConfigError
-from ps_p2p.gossip.sentry import ChunkLengths
 from ps_p2p.testing import forwarding_sim as fs
 
 # round numbers, as in test_sim_engine.py
@@ -120,7 +120,7 @@ def test_parallel_prefill_matches_sim_engine_within_one_decode_step():
 # -- the policies on a shared-prefix workload --------------------------------------------------
 
 
-def synthetic(nodes: int = 4, requests: int = 500, seed: int = 7, cache_blocks: int = 1024,
+def synthetic(nodes: int = 4, requests: int = 500, seed: int = 7, cache_blocks: int = 384,
               rate_fraction: float = 0.8) -> tuple[fs.Trace, fs.ClusterConfig]:
     """A 40-token system prompt, 24 tool-schema-like prefixes (Zipf-1.1), short suffixes."""
     rng = random.Random(seed)
@@ -132,8 +132,8 @@ def synthetic(nodes: int = 4, requests: int = 500, seed: int = 7, cache_blocks: 
     prompts, _ = fs.zipf_prompts(prefixes, suffixes, requests, rng)
     params = SimParams(prefill_tokens_per_s=4000.0, step_time=0.025, batch_growth=0.03,
                        max_batch=8, block_size=16, cache_blocks=cache_blocks)
-    config = fs.ClusterConfig(nodes=nodes, params=params, lengths=ChunkLengths(1, (40, 4), 16),
-                              seed=seed)
+    forwarding = ForwardingConfig(chunk_lengths=[40, 4], chunk_default=16, chunk_version=1)
+    config = fs.ClusterConfig(nodes=nodes, params=params, forwarding=forwarding, seed=seed)
     unit = fs.make_trace(prompts, 1.0, nodes=nodes, output_tokens=20, seed=seed)
     rate = rate_fraction * fs.saturation_rate(unit, config)
     return fs.make_trace(prompts, rate, nodes=nodes, output_tokens=20, seed=seed), config
@@ -262,9 +262,67 @@ def test_bench_quick_run_writes_its_results(tmp_path):
     import bench_forwarding
 
     out = tmp_path / "fwd.json"
-    assert bench_forwarding.main(["--quick", "--requests", "300", "--rates", "0.8",
+    assert bench_forwarding.main(["--quick", "--requests", "300", "--loads", "0.8",
+                                  "--policies", ",".join(fs.POLICIES),
                                   "--shared", str(shared), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     policies = {r["policy"] for r in report["results"]}
     assert policies == set(fs.POLICIES)
     assert all(r["latency"]["p99"] >= r["latency"]["p50"] > 0 for r in report["results"])
+
+
+# -- one routing path (issue 19 finding 5) -----------------------------------------------------
+
+
+def test_the_simulator_runs_the_deployed_forwarding_defaults():
+    # the benchmark builds its group with ForwardingConfig() unchanged: the policy a node runs
+    assert fs.ClusterConfig().forwarding == ForwardingConfig()
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_forwarding
+
+    seen = []
+    real = fs.ClusterConfig
+
+    def spy(**kwargs):
+        config = real(**kwargs)
+        seen.append(config)
+        return config
+
+    shared = shared_dir()
+    if not (shared / "data" / "toolbench").is_dir():
+        pytest.skip(f"{shared} has no data/toolbench (shared data absent)")
+    fs.ClusterConfig = spy  # type: ignore[misc]
+    try:
+        assert bench_forwarding.main(["--quick", "--requests", "120", "--loads", "0.5",
+                                      "--policies", fs.NO_FORWARDING,
+                                      "--shared", str(shared)]) == 0
+    finally:
+        fs.ClusterConfig = real  # type: ignore[misc]
+    assert seen and all(c.forwarding == ForwardingConfig() for c in seen)
+
+
+def test_every_simulated_node_routes_through_the_deployed_router_object():
+    from ps_p2p.gossip.router import GroupRouter
+
+    trace, config = synthetic(requests=60)
+    sim = fs._Sim(trace, fs.HR_TREE, config, fs.PreparedPrompts(trace.prompts, config))
+    assert all(isinstance(n.router, GroupRouter) for n in sim.nodes)
+    assert all(n.router.settings == config.forwarding for n in sim.nodes)
+
+
+def test_the_simulated_entry_node_routes_before_it_queues_the_request():
+    # as the model node's dispatcher (routing=True) and router: while routed, the request is
+    # not in the entry node's Q, so an idle entry holding the prefix keeps it
+    trace, config = synthetic(requests=60)
+    sim = fs._Sim(trace, fs.HR_TREE, config, fs.PreparedPrompts(trace.prompts, config))
+    seen = []
+    real = sim._route
+
+    def route(job):
+        entry = sim.nodes[job.entry].tracker
+        seen.append((entry.routing, entry.queued))
+        return real(job)
+
+    sim._route = route
+    sim.run()
+    assert seen and all(routing == 1 for routing, _ in seen)

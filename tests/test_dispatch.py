@@ -381,3 +381,20 @@ def test_negative_forward_shares_are_config_errors():
         DispatchConfig(max_forwarded_per_peer=-1)
     assert DispatchConfig(capacity=4, max_queue=12).forwarded_limit == 8
     assert DispatchConfig(capacity=4, max_queue=12).forwarded_per_peer_limit == 4
+
+
+def test_with_a_router_a_users_request_is_routed_before_it_joins_q():
+    # issue 19 finding 3: the request being routed holds an admission place, not a place in Q
+    d = _dispatcher(capacity=1, max_queue=1)
+    d.routes = True
+    (start,) = _deliver(d, _query("first"))
+    assert (d.load.routing, d.load.queued) == (1, 0)
+    (other,) = _deliver(d, _query("second"), now=0.1)
+    assert (d.load.routing, d.load.queued) == (2, 0)
+    (refused,) = _deliver(d, _query("third"), now=0.2)  # the bound still counts them
+    assert refused.content.status == ResponseStatus.OVERLOADED
+    d.job_routed_here(start.key, now=0.3)  # kept here: it joins Q
+    d.job_forwarded(other.key, PEER, now=0.3)  # sent on: its place is free again
+    assert (d.load.routing, d.load.queued) == (0, 1)
+    d.job_started(start.key, now=0.4)
+    assert (d.load.queued, d.load.in_service) == (0, 1)

@@ -11,7 +11,8 @@ from ps_p2p.gossip import hr_tree
 from ps_p2p.testing.localnet import open_localnet
 
 FAST = SimParams(prefill_tokens_per_s=1e6, step_time=0.001)
-PREFIX = "You are a tool-using assistant. Tools: " + "search(query), calc(expr); " * 12
+# long enough that its prefill (about 400 tokens at the default 4,000 tokens/s) is worth a hop
+PREFIX = "You are a tool-using assistant. Tools: " + "search(query), calc(expr); " * 40
 
 
 async def _until(node_forwarding, condition, timeout: float = 30.0) -> None:

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from ps_p2p.config import ForwardingConfig
-from ps_p2p.engines.sim_cost import SimParams
 from ps_p2p.engines.base import SamplingParams as EngineParams
+from ps_p2p.engines.sim_cost import SimParams
 from ps_p2p.engines.sim_engine import SimEngine
 from ps_p2p.errors import ConfigError, InvalidSignatureError, RemoteProtocolError
 from ps_p2p.gossip.load import LoadTracker
@@ -19,7 +20,8 @@ from ps_p2p.protocols import hrtree_gossip as wire
 from ps_p2p.records import Directory, NodeRecord, Role
 
 FAST = SimParams(prefill_tokens_per_s=1e9, step_time=1e-6)
-CONFIG = ForwardingConfig(group_key="11" * 32, chunk_default=4, load_max_age=1e9)
+CONFIG = ForwardingConfig(group_key="11" * 32, chunk_default=4, load_max_age=1e9,
+                          prefill_tokens_per_s=100.0)  # a slow engine: a cached prefix matters
 
 
 def _node(identity: Identity, model_id: str = "sim") -> NodeRecord:
@@ -95,7 +97,8 @@ async def test_a_prompt_cached_on_a_peer_is_routed_there_once_its_delta_and_load
         me.receive(B.peer_id, envelope)
     assert await me.route(_query(prefix + "second question")) == B.peer_id
     assert me.decisions["cache_hit"] == 1
-    assert me.book.get(B.peer_id).forwarded == 1  # counted against B until its next report
+    # counted against B until its next report, once for each entry node of the group (2)
+    assert me.book.get(B.peer_id).forwarded == 2
     assert await me.route(_query("an unrelated prompt, nothing cached anywhere")) is None
 
 
@@ -223,3 +226,65 @@ def _gossip_of(identity: Identity, tracker: LoadTracker):
     from ps_p2p.roles.forwarding import GroupForwarding
 
     return GroupForwarding(identity, SimEngine("sim", FAST), tracker, CONFIG)
+
+
+# -- issue 19: tie-breaks and the tree's bound ---------------------------------------------------
+
+
+async def test_on_a_miss_entry_nodes_do_not_all_pick_the_same_idle_peer():
+    # finding 3: without a random tie-break every busy entry node forwarded a miss to the
+    # lowest-ID idle peer
+    peers = [Identity.generate() for _ in range(3)]
+    reports = []
+    for p in peers:
+        f, _ = _forwarding(p)
+        reports.append((p.peer_id, f.load_envelope()))
+    chosen = set()
+    for _ in range(24):
+        entry = Identity.generate()
+        me, _ = _forwarding(entry)
+        me.load.in_service = me.load.capacity  # busy: a miss is worth a hop to an idle peer
+        me.set_directory(_directory(_node(entry), *(_node(p) for p in peers)))
+        for peer_id, envelope in reports:
+            me.receive(peer_id, envelope)
+        chosen.add(await me.route(_query("nothing cached anywhere " * 10)))
+    assert None not in chosen and len(chosen) >= 2  # all three: probability 1 - 3 * (2/3)^24
+
+
+def test_the_tree_bound_is_sized_from_the_engines_cache():
+    # finding 4: 2**20 // 65 = 16,131 entries per peer was below one node's 18,750 blocks
+    from ps_p2p.gossip.router import tree_limits
+    from ps_p2p.gossip.sentry import ChunkLengths
+
+    per_peer, total = tree_limits(ChunkLengths(0, (), 16), 18_750, 16, 64)
+    assert per_peer >= 18_750 * 1.25 and total == per_peer * 65
+    me, engine = _forwarding(A)
+    assert me.router.per_peer == math.ceil(engine.params.cache_blocks * 4 * 1.25)  # 4-token chunks
+    explicit = dataclasses.replace(CONFIG, cache_blocks=100)
+    from ps_p2p.roles.forwarding import GroupForwarding
+
+    sized = GroupForwarding(A, engine, LoadTracker(2, 8), explicit)
+    assert sized.router.per_peer == 500
+
+
+async def test_past_the_tree_bound_prefixes_are_counted_and_logged_not_dropped_silently(caplog):
+    from ps_p2p.roles.forwarding import GroupForwarding
+
+    tiny = dataclasses.replace(CONFIG, cache_blocks=2)  # 10 entries per peer
+    engine = SimEngine("sim", FAST)
+    me = GroupForwarding(A, engine, LoadTracker(2, 8), tiny)
+    peer = GroupForwarding(B, SimEngine("sim", FAST), LoadTracker(2, 8), CONFIG)
+    directory = _directory(_node(A), _node(B))
+    me.set_directory(directory)
+    peer.set_directory(directory)
+    await engine.complete("x" * 200, EngineParams(max_tokens=1))
+    with caplog.at_level("WARNING"):
+        me.absorb_engine_events()  # our own subtree: over its bound
+        await peer.engine.complete("y" * 200, EngineParams(max_tokens=1))
+        peer.absorb_engine_events()
+        for envelope in peer.delta_envelopes():
+            me.receive(B.peer_id, envelope)  # a peer's subtree over our bound
+    assert me.dropped["own_tree_full"] >= 1 and me.dropped["peer_tree_full"] == 1
+    assert me.tree.entries(A) <= me.router.per_peer and me.tree.entries(B) == 0
+    assert "own HR-subtree full" in caplog.text and "routed by load only" in caplog.text
+    assert B.peer_id in me._need_snapshot  # asked again (paced) until it fits

@@ -49,7 +49,8 @@ def test_accepted_report_gives_the_peers_load_factor():
         == ReportOutcome.ACCEPTED
     load = b.fresh(A, 10.0)
     assert (load.requests, load.capacity, load.seq, load.received_at) == (3, 2, 1, 10.0)
-    assert load.load_factor() == pytest.approx(0.5 * 3 / 2)
+    assert load.load_factor() == pytest.approx(0.5 * 2 / 2)  # Q: the two waiting
+    assert (load.waiting, load.running) == (2, 1)
 
 
 @pytest.mark.parametrize("replayed_seq", [5, 4, 0])
@@ -66,7 +67,9 @@ def test_forwarded_requests_add_to_q_until_the_next_report():
     b.note_forwarded(A)
     b.note_forwarded(A, 2)
     assert b.fresh(A, 0.5).requests == 1 + 3
-    assert b.fresh(A, 0.5).load_factor() == pytest.approx(4.0)
+    # its one slot takes one of them, the other two wait with the one it reported waiting
+    assert (b.fresh(A, 0.5).running, b.fresh(A, 0.5).waiting) == (1, 3)
+    assert b.fresh(A, 0.5).load_factor() == pytest.approx(3.0)
     b.receive(report(seq=2, queued=2, capacity=1, latency_us=1_000_000), 1.0)
     assert (b.fresh(A, 1.0).forwarded, b.fresh(A, 1.0).requests) == (0, 2)
 
@@ -149,7 +152,7 @@ def test_unknown_latency_prior_makes_a_busy_new_node_look_busy():
     b = book(unknown_latency=2.0)
     b.receive(report(queued=3, in_service=1, capacity=2, latency_us=None), 0.0)
     assert b.fresh(A, 0.0).latency_ewma is None
-    assert b.fresh(A, 0.0).load_factor(b.unknown_latency) == pytest.approx(2.0 * 4 / 2)
+    assert b.fresh(A, 0.0).load_factor(b.unknown_latency) == pytest.approx(2.0 * 3 / 2)
     assert load_factor(None, 0, 4, 2.0) == 0.0
 
 

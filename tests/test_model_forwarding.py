@@ -210,3 +210,61 @@ async def test_one_member_cannot_hold_more_than_its_share_of_forward_streams(aut
         assert sum(s.was_reset for s in streams[:3]) == 1 and not streams[3].was_reset
         assert service.refused == 1 and service.open == 3
         nursery.cancel_scope.cancel()
+
+
+# -- routing before admission (issue 19 finding 3) ---------------------------------------------
+
+
+async def test_an_idle_entry_that_holds_the_prefix_serves_it_itself(monkeypatch, autojump_clock):
+    # the dispatcher admits a user's request as being routed: the router (the real
+    # GroupForwarding on the real cores) must not count it in this node's own Q, or an idle
+    # entry holding the prefix forwards it to an equally idle peer that holds it too
+    from test_group_forwarding import CONFIG, FAST, _directory, _forwarding, _node
+
+    from ps_p2p.engines.base import SamplingParams as EngineParams
+    from ps_p2p.engines.sim_engine import SimEngine
+
+    forwarded = []
+
+    async def forward(host, peer, q, on_text, **kwargs):
+        forwarded.append(peer)
+        raise AssertionError("forwarded")
+
+    me = Identity.generate()
+    service = ModelNodeService(me, InstantEngine(), ModelNodeConfig(capacity=2, max_queue=8))
+    service.attach(_Overlay())
+    sent: list[bytes] = []
+    service._send_message = lambda waiter, payload, message_id: sent.append(payload)
+    engine = SimEngine("sim", FAST)
+    from ps_p2p.roles.forwarding import GroupForwarding
+
+    router = GroupForwarding(me, engine, service.load, CONFIG, clock=trio.current_time)
+    peer, peer_engine = _forwarding(B, clock=trio.current_time)
+    directory = _directory(_node(me), _node(B))
+    router.set_directory(directory)
+    peer.set_directory(directory)
+    prompt = "a long shared tool schema that both nodes hold, " * 6 + "and the question"
+    for e, f in ((engine, router), (peer_engine, peer)):
+        await e.complete(prompt, EngineParams(max_tokens=1))
+        assert f.absorb_engine_events() > 0
+    for envelope in [peer.load_envelope(), *peer.delta_envelopes()]:
+        router.receive(B.peer_id, envelope)
+
+    async def no_server(host, *, task_status=trio.TASK_STATUS_IGNORED):
+        task_status.started()
+        await trio.sleep_forever()
+
+    service.enable_forwarding(None, router.route, lambda p: True, router.forward_done)
+    service.forward_service.serve = no_server
+    monkeypatch.setattr(model_mod, "forward_request", forward)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        q, _ = _q(prompt)
+        _deliver(service, q)
+        await _until(service, lambda: any(_final_or_none(p) for p in sent))
+        assert forwarded == [] and service.forwards["sent"] == 0
+        assert router.decisions == {"cache_hit": 1}
+        final = next(r for r in map(_final_or_none, sent) if r is not None)
+        assert final.status == ResponseStatus.OK and final.model_node == me.peer_id
+        assert (service.load.routing, service.load.queued) == (0, 0)
+        nursery.cancel_scope.cancel()

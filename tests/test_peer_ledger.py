@@ -115,7 +115,7 @@ def test_forwards_outstanding_at_a_peer_are_capped_and_count_in_its_q():
     load = book.get(LIAR)
     assert ledger.judge(load, 1.0) == 0.0  # what it claims: nothing queued
     ledger.sent(LIAR, NOW)
-    assert ledger.judge(load, 1.0) == pytest.approx(1.0 * 1 / 4096)
+    assert ledger.adjust(load).requests == 1  # our forward is in service there at least
     ledger.sent(LIAR, NOW)  # a peer that holds our forwards without answering...
     assert ledger.refusal(LIAR, NOW, 4) == "outstanding"  # ...gets no more
     assert policy.decide(RequestContext(), NOW).forward_to != LIAR
@@ -129,8 +129,12 @@ def test_a_peer_slower_than_it_claims_is_judged_by_what_this_node_measured():
     ledger.sent(LIAR, NOW)
     ledger.answered(LIAR, 4.0, NOW)  # its answers take 4 s
     ledger.sent(LIAR, NOW)
-    # L = 4 s measured, Q = 1 outstanding, C = 2 as listed in the directory (not 4096)
-    assert ledger.judge(load, 1.0) == pytest.approx(4.0 * 1 / 2)
+    # L = 4 s measured, 1 outstanding, C = 2 as listed in the directory (not 4096)
+    judged = ledger.adjust(load)
+    assert (judged.latency_ewma, judged.requests, judged.capacity) == (4.0, 1, 2)
+    for _ in range(2):
+        ledger.sent(LIAR, NOW)
+    assert ledger.judge(load, 1.0) == pytest.approx(4.0 * 1 / 2)  # 3 outstanding: 1 waits
     assert policy.decide(RequestContext(), NOW).forward_to in (B, C, None)
 
 

@@ -131,7 +131,22 @@ def test_prompts_are_cut_to_max_prefix_tokens():
     document = words(rng, 300)
     prompts = [document + words(rng, 10) for _ in range(20)]
     assert common_prefix_lengths(prompts, min_count=10) == (300,)
-    assert common_prefix_lengths(prompts, min_count=10, max_prefix_tokens=200) == (200,)
+    # cut at 200 tokens, the shared document does not end there: no boundary at the cut
+    assert common_prefix_lengths(prompts, min_count=10, max_prefix_tokens=200) == ()
+
+
+def test_the_truncation_is_not_counted_as_a_common_prefix():
+    # issue 19 finding 6: two long documents after one system prompt; the Sentry cuts every
+    # prompt to max_prefix_tokens, which must not show up as a "common prefix length"
+    rng = random.Random(18)
+    system = words(rng, 40)
+    docs = [words(rng, 500), words(rng, 500)]
+    prompts = [system + docs[i % 2] + words(rng, 10) for i in range(40)]
+    assert common_prefix_lengths(prompts, min_count=10, max_prefix_tokens=300) == (40,)
+    sentry = Sentry(ChunkLengths(0), refresh_requests=40, max_samples=40, max_prefix_tokens=300)
+    for p in prompts:
+        sentry.observe(p)
+    assert sentry.prefix_lengths() == (40,)
 
 
 def test_at_most_max_prefixes_lengths_are_kept_those_most_prompts_leave_at():

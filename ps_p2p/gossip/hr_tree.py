@@ -451,6 +451,41 @@ class HRTree:
             return SearchResult(frozenset(), d)  # L19
         return SearchResult(self._peers_of(node.mask), d)  # L21
 
+    def match_depths(self, chain: Sequence[bytes]) -> dict[bytes, int]:
+        """How deep each peer holds the prompt: Algorithm 1's walk, every holder's depth.
+
+        :meth:`search` answers only the holders of the deepest match; a cost-aware decision
+        (:mod:`ps_p2p.gossip.forwarding`) weighs each node's matched length against its load,
+        so it needs every node's. A peer that holds a prefix holds all its ancestors, so the
+        holders along the walk only ever drop out: one pass, O(depth + peers).
+
+        Args:
+            chain: :func:`chunk_hashes` of the prompt.
+
+        Returns:
+            Chunks matched by peer, for every peer holding at least the first chunk.
+        """
+        depths: dict[bytes, int] = {}
+        node = self._root
+        previous = 0
+        d = 0
+        for h in chain:
+            children = node.children
+            child = children.get(h) if children else None
+            if child is None:
+                break
+            gone = previous & ~child.mask
+            if gone:
+                for peer in self._peers_of(gone):
+                    depths[peer] = d
+            previous = child.mask
+            node = child
+            d += 1
+        if previous:
+            for peer in self._peers_of(previous):
+                depths[peer] = d
+        return depths
+
     # ---- updates
 
     def _register(self, peer: bytes) -> int:

@@ -1,8 +1,14 @@
 """Load factor of a model node and the load its peers report (PlanetServe sec. 3.3), pure.
 
 F_LB = L * (Q / C), where L is an exponentially weighted moving average of service latency
-(alpha = 1/8, as TCP's SRTT estimator, RFC 6298), Q the requests queued or running and C the
-node's concurrent capacity (PlanetServe sec. 3.3, "Load balancing"). Three pieces:
+(alpha = 1/8, as TCP's SRTT estimator, RFC 6298), Q the requests *waiting* for a slot and C the
+node's concurrent capacity (PlanetServe sec. 3.3, "Load balancing": "Q is the number of requests
+waiting"). With Q waiting, F_LB is the expected queueing delay of one more request (Q requests
+ahead, C slots freeing one every L / C seconds); a node with free slots has F_LB 0 whatever its
+output lengths (issue 19: Q counted running requests too, so with 30 s outputs a node with 11
+of its 32 slots busy already passed a fixed 10 s threshold). Running requests are kept apart
+(``in_service``): the forwarding policy weighs them separately (:mod:`ps_p2p.gossip.forwarding`).
+Three pieces:
 
 * :class:`LoadTracker`: this node's own L, Q and C (admission, logs, metrics);
 * :class:`LoadReport`: what a node gossips of its load to its model group ("each node
@@ -146,7 +152,12 @@ class LoadTracker:
         max_queue: requests allowed to wait beyond ``capacity``; more are refused ("overloaded").
         latency_ewma: L in seconds; None until the first completion.
         in_service: requests being served now (<= capacity).
-        queued: requests waiting for a slot.
+        queued: requests waiting for a slot (Q of F_LB).
+        routing: requests admitted (they hold an admission place, so the queue bound counts
+            them) whose forwarding decision is not made yet: not in Q, so the node routing a
+            request never counts that request against itself (issue 19: an idle entry node
+            that held the prefix forwarded to an equally idle peer). :meth:`routed_here` moves
+            one into the queue, :meth:`cancel` drops one that was forwarded.
     """
 
     capacity: int
@@ -156,6 +167,7 @@ class LoadTracker:
     queued: int = 0
     served: int = 0
     refused: int = 0
+    routing: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -165,20 +177,33 @@ class LoadTracker:
 
     @property
     def requests(self) -> int:
-        """Q: requests queued or in service."""
+        """Requests queued or in service (not those still being routed)."""
         return self.queued + self.in_service
 
-    def try_admit(self) -> bool:
-        """Admit one request into the queue; False (and counted as refused) when full."""
-        if self.queued >= self.max_queue + max(0, self.capacity - self.in_service):
+    def try_admit(self, routing: bool = False) -> bool:
+        """Admit one request; False (and counted as refused) when full. ``routing``: it is
+        still to be routed (:attr:`routing`), not queued yet."""
+        if self.queued + self.routing >= self.max_queue + max(0, self.capacity - self.in_service):
             self.refused += 1
             return False
-        self.queued += 1
+        if routing:
+            self.routing += 1
+        else:
+            self.queued += 1
         return True
 
+    def routed_here(self) -> None:
+        """A request being routed is served here: it joins the queue."""
+        if self.routing > 0:
+            self.routing -= 1
+            self.queued += 1
+
     def cancel(self) -> None:
-        """A queued request left without being served here (forwarded to another node)."""
-        if self.queued > 0:
+        """A request being routed (else a queued one) left without being served here
+        (forwarded to another node)."""
+        if self.routing > 0:
+            self.routing -= 1
+        elif self.queued > 0:
             self.queued -= 1
 
     def start(self) -> None:
@@ -196,10 +221,10 @@ class LoadTracker:
             self.latency_ewma += EWMA_ALPHA * (latency - self.latency_ewma)
 
     def load_factor(self) -> float:
-        """F_LB = L * (Q / C) with Q = queued + in service; 0.0 before the first sample."""
+        """F_LB = L * (Q / C) with Q = requests waiting; 0.0 before the first sample."""
         if self.latency_ewma is None:
             return 0.0
-        return self.latency_ewma * ((self.queued + self.in_service) / self.capacity)
+        return self.latency_ewma * (self.queued / self.capacity)
 
     def report(self, peer_id: bytes, model_id: str, seq: int) -> LoadReport:
         """This node's load as a report to gossip (values beyond the wire limits are clamped).
@@ -381,7 +406,7 @@ class PeerLoad:
     Attributes:
         peer_id: the peer.
         latency_ewma: L in seconds as reported; None before its first finished request.
-        reported_requests: Q as reported (queued + in service).
+        reported_requests: requests as reported, queued + in service.
         capacity: C as reported.
         received_at: local time (the ``now`` of :meth:`LoadBook.receive`) the report arrived;
             ages are measured on this node's clock, never the reporter's.
@@ -396,19 +421,34 @@ class PeerLoad:
     received_at: float
     seq: int
     forwarded: int = 0
+    reported_queued: int = 0
 
     @property
     def requests(self) -> int:
-        """Q as this node estimates it: reported plus forwarded since the report."""
+        """Requests queued or running as this node estimates them: reported plus forwarded
+        since the report."""
         return self.reported_requests + self.forwarded
+
+    @property
+    def running(self) -> int:
+        """Requests in service as this node estimates it: what it reported running plus what we
+        forwarded since, up to its capacity."""
+        return min(self.capacity, self.requests - self.waiting) if self.capacity else 0
+
+    @property
+    def waiting(self) -> int:
+        """Q: requests waiting for a slot as this node estimates it (the reported queue, plus
+        the requests forwarded since the report beyond its free slots)."""
+        in_service = self.reported_requests - self.reported_queued
+        return self.reported_queued + max(0, in_service + self.forwarded - self.capacity)
 
     def age(self, now: float) -> float:
         """Seconds since the report arrived (0.0 if ``now`` is earlier)."""
         return max(0.0, now - self.received_at)
 
     def load_factor(self, unknown_latency: float = DEFAULT_UNKNOWN_LATENCY) -> float:
-        """F_LB of the peer with :attr:`requests` as Q (see :func:`load_factor`)."""
-        return load_factor(self.latency_ewma, self.requests, self.capacity, unknown_latency)
+        """F_LB of the peer with :attr:`waiting` as Q (see :func:`load_factor`)."""
+        return load_factor(self.latency_ewma, self.waiting, self.capacity, unknown_latency)
 
 
 class LoadBook:
@@ -507,6 +547,7 @@ class LoadBook:
             capacity=report.capacity,
             received_at=now,
             seq=report.seq,
+            reported_queued=report.queued,
         )
         return ReportOutcome.ACCEPTED
 
@@ -796,18 +837,26 @@ class PeerLedger:
             return "share"
         return None
 
-    def judge(self, load: PeerLoad, unknown_latency: float) -> float:
-        """``load``'s F_LB in seconds with what this node observed (class docstring)."""
+    def adjust(self, load: PeerLoad) -> PeerLoad:
+        """``load`` as this node judges it (class docstring): L the measured latency when the
+        reported one is contradicted, C at most the listed capacity, at least the forwards
+        outstanding there as requests."""
         latency = load.latency_ewma
-        requests = load.requests
         capacity = load.capacity
         listed = self._capacity.get(load.peer_id, 0)
         if listed > 0:
             capacity = min(capacity, listed)
+        forwarded = load.forwarded
         obs = self._peers.get(load.peer_id)
         if obs is not None:
-            requests = max(requests, obs.outstanding)
+            forwarded = max(forwarded, obs.outstanding - load.reported_requests)
             if obs.latency is not None and (
                     latency is None or obs.latency > self.contradiction * latency):
                 latency = obs.latency
-        return load_factor(latency, requests, capacity, unknown_latency)
+        if (latency, capacity, forwarded) == (load.latency_ewma, load.capacity, load.forwarded):
+            return load
+        return replace(load, latency_ewma=latency, capacity=capacity, forwarded=forwarded)
+
+    def judge(self, load: PeerLoad, unknown_latency: float) -> float:
+        """``load``'s F_LB in seconds with what this node observed (:meth:`adjust`)."""
+        return self.adjust(load).load_factor(unknown_latency)

@@ -243,9 +243,12 @@ def _lcp_tokens(a: bytes, b: bytes, known: int) -> int:
 
 
 def _detect(
-    packed: list[bytes], min_count: int, min_prefix_tokens: int, max_prefixes: int
+    packed: list[bytes], min_count: int, min_prefix_tokens: int, max_prefixes: int,
+    cut: int | None = None,
 ) -> tuple[int, ...]:
-    """S from a sorted sample of packed prompts (see the module docstring, step 1)."""
+    """S from a sorted sample of packed prompts (see the module docstring, step 1). ``cut``:
+    the tokens each prompt was cut to; a shared path that reaches it is not reported there
+    (the prompts were cut, they did not end or branch: issue 19 finding 6)."""
     found: list[tuple[int, int]] = []  # (prompts off the most common branch, length)
     stack = [(0, len(packed), 0)] if len(packed) >= min_count else []
     while stack:
@@ -267,7 +270,8 @@ def _detect(
                 stack.append((k, j, depth + 1))
             k = j
         leaving = (hi - lo) - biggest
-        if depth >= min_prefix_tokens and (biggest < min_count or leaving >= min_count):
+        if depth >= min_prefix_tokens and (cut is None or depth < cut) and (
+                biggest < min_count or leaving >= min_count):
             found.append((leaving, depth))  # the shared path ends or branches here
     found.sort(key=lambda item: (-item[0], item[1]))
     return tuple(sorted({length for _, length in found[:max_prefixes]}))
@@ -305,7 +309,8 @@ def common_prefix_lengths(
     if min_count < 2:
         raise LocalProtocolError("min_count must be >= 2 (a prefix of one prompt is not common)")
     packed = sorted(_pack(p, max_prefix_tokens) for p in prompts)
-    return _detect(packed, min_count, max(1, min_prefix_tokens), max_prefixes)
+    return _detect(packed, min_count, max(1, min_prefix_tokens), max_prefixes,
+                   max_prefix_tokens)
 
 
 def lengths_from_prefixes(prefixes: Iterable[int], separator_tokens: int) -> tuple[int, ...]:
@@ -425,7 +430,8 @@ class Sentry:
         """S of the current sample (:func:`common_prefix_lengths` with this Sentry's limits)."""
         need = max(self.min_count, math.ceil(self.min_fraction * len(self._samples)))
         return _detect(
-            sorted(self._samples), need, max(1, self.min_prefix_tokens), self.max_prefixes
+            sorted(self._samples), need, max(1, self.min_prefix_tokens), self.max_prefixes,
+            self.max_prefix_tokens,
         )
 
     def propose(self) -> ChunkLengths:

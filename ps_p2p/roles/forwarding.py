@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,20 +44,15 @@ from libp2p.peer.id import ID
 from ps_p2p.config import ForwardingConfig
 from ps_p2p.engines.base import Engine
 from ps_p2p.errors import PsError, RemoteProtocolError
-from ps_p2p.gossip import hr_tree
-from ps_p2p.gossip.cache_view import CacheView
-from ps_p2p.gossip.forwarding import ForwardingConfig as PolicyConfig
-from ps_p2p.gossip.forwarding import HRTreeForwarding, RequestContext
-from ps_p2p.gossip.hr_tree import Delta, HRTree, NeedSnapshot, Snapshot, SubtreePublisher, SubtreeReplica
+from ps_p2p.gossip.hr_tree import Delta, NeedSnapshot, Snapshot
 from ps_p2p.gossip.load import (
     ForwardOutcome,
-    LoadBook,
     LoadTracker,
-    PeerLedger,
     ReportOutcome,
     decode_report,
     encode_report,
 )
+from ps_p2p.gossip.router import GroupRouter
 from ps_p2p.inference import InferenceQuery
 from ps_p2p.keys import Identity
 from ps_p2p.protocols import hrtree_gossip as wire
@@ -67,6 +63,16 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two snapshot fetches from one peer (twice that after a failure).
 SNAPSHOT_INTERVAL = 10.0
+
+def engine_cache_blocks(engine: Engine) -> int | None:
+    """The engine's KV-cache blocks when it tells (sim engine's params, transformers' prefix
+    cache), else None (vLLM: set ``[forwarding] cache_blocks``)."""
+    for value in (getattr(getattr(engine, "params", None), "cache_blocks", None),
+                  getattr(engine, "prefix_cache_blocks", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
 
 class GroupForwarding:
     """The forwarding state and gossip of one model node (module docstring).
@@ -86,34 +92,25 @@ class GroupForwarding:
 
     def __init__(self, identity: Identity, engine: Engine, load: LoadTracker,
                  config: ForwardingConfig | None = None, *,
-                 clock: Callable[[], float] = trio.current_time) -> None:
+                 clock: Callable[[], float] = trio.current_time,
+                 choose: Callable[[int], int] | None = None) -> None:
         self.identity = identity
         self.me = identity.peer_id
         self.engine = engine
         self.model_id = engine.model_id
         self.config = config or ForwardingConfig()
         self._key = self.config.key_bytes(self.model_id)  # ConfigError without a group_key
-        self.lengths = self.config.lengths()
         self._clock = clock
-        # one peer can never fill the tree for the others (per-peer share of the total)
-        self.tree = HRTree(version=self.lengths.version, max_peers=self.config.max_peers + 1,
-                           max_entries_per_peer=min(hr_tree.DEFAULT_MAX_ENTRIES_PER_PEER,
-                                                    hr_tree.DEFAULT_MAX_ENTRIES
-                                                    // (self.config.max_peers + 1)))
-        self.publisher = SubtreePublisher(self.tree, self.me, incarnation=time.time_ns())
-        self.view = CacheView(self.lengths, self._key)
-        self.replicas: dict[bytes, SubtreeReplica] = {}
-        self.book = LoadBook(self.me, self.model_id, (), max_age=self.config.load_max_age,
-                             max_peers=self.config.max_peers)
+        #: the pure routing state and decisions, the very object the simulator drives
+        #: (:mod:`ps_p2p.gossip.router`); ties among peers are drawn at random (issue 19)
+        self.router = GroupRouter(
+            self.me, self.model_id, self._key, load, self.config,
+            incarnation=time.time_ns(),
+            choose=choose or random.SystemRandom().randrange,
+            cache_blocks=engine_cache_blocks(engine),
+            block_size=getattr(engine, "block_size", None) or 16)
+        self.lengths = self.router.lengths
         self.load = load
-        # a peer holds at most as many of our forwards as we serve at once ourselves
-        self.ledger = PeerLedger(max_outstanding=max(1, load.capacity),
-                                 max_peers=self.config.max_peers)
-        self.policy = HRTreeForwarding(
-            self.me, load, self.book,
-            PolicyConfig(tau_c=self.config.tau_c,
-                         overload_threshold=self.config.overload_threshold),
-            ledger=self.ledger)
         #: the model nodes of our model in the verified directory; ``members``: those (at most
         #: ``max_peers``) whose gossip we follow
         self.group: frozenset[bytes] = frozenset()
@@ -122,10 +119,19 @@ class GroupForwarding:
         self._load_seq = time.time_ns()  # increasing across restarts
         self._need_snapshot: set[bytes] = set()
         self._snapshot_wanted = trio.Event()
-        self.dropped: dict[str, int] = {}
-        self.decisions: dict[str, int] = {}
         self._changed = trio.Event()
         self._gate: wire.MemberGate | None = None
+
+    # the router's parts, under the names the node, metrics and tests use
+    tree = property(lambda self: self.router.tree)
+    book = property(lambda self: self.router.book)
+    ledger = property(lambda self: self.router.ledger)
+    policy = property(lambda self: self.router.policy)
+    publisher = property(lambda self: self.router.publisher)
+    view = property(lambda self: self.router.view)
+    replicas = property(lambda self: self.router.replicas)
+    decisions = property(lambda self: self.router.decisions)
+    dropped = property(lambda self: self.router.dropped)
 
     # ------------------------------------------------------------------ membership
 
@@ -150,15 +156,8 @@ class GroupForwarding:
                 b"planetserve/v1/group-sample\x00" + self.me + p).digest())
                 [: self.config.max_peers])
         listed = {r.peer_id: r.capacity for r in directory.model_nodes()}
-        self.ledger.set_members({p: listed.get(p, 0) for p in members})  # capacities may change
-        if members == self.members:
-            return
-        for gone in self.members - members:
-            replica = self.replicas.pop(gone, None)
-            if replica is not None:
-                replica.drop()
+        self.router.set_members({p: listed.get(p, 0) for p in members})  # capacities may change
         self.members = members
-        self.book.set_members(members)
 
     async def wait_changed(self) -> None:
         """Wait until the next gossip message or snapshot from a peer is applied."""
@@ -176,33 +175,25 @@ class GroupForwarding:
     # ------------------------------------------------------------------ routing
 
     async def route(self, query: InferenceQuery) -> bytes | None:
-        """Where to serve ``query``: a peer of the group, or None for here (Algorithms 1-2)."""
+        """Where to serve ``query``, admitted here and not yet queued (``LoadTracker.routing``:
+        it is not in our own Q while routed): a peer of the group, or None for here
+        (Algorithms 1-2, :meth:`ps_p2p.gossip.router.GroupRouter.route`)."""
         if not self.config.enabled or not self.members:
             return None
         try:
             prompt = query.prompt or await self.engine.chat_prompt(query.messages)
             ids = await self.engine.encode(prompt)
-            chain = hr_tree.chunk_hashes(ids, self.lengths, self._key)
+            chain = self.router.chain(ids)
         except PsError as exc:
             log.info("routing %s: cannot hash the prompt (%s); served here",
                      query.request_id.hex()[:8], exc)
             return None
-        found = self.tree.search(chain, self.config.tau_c)
-        previous = query.preferred_model_node or None
-        if previous is not None and previous != self.me and previous not in self.members:
-            previous = None
-        now = self._clock()
-        decision = self.policy.decide(
-            RequestContext.from_search(found, previous_node=previous), now)
-        reason = decision.reason.value
-        self.decisions[reason] = self.decisions.get(reason, 0) + 1
-        self.ledger.record(decision.forward_to, now)
+        decision = self.router.route_chain(chain, len(ids), self._clock(),
+                                           query.preferred_model_node or None)
         if decision.forward_to is not None:
-            self.book.note_forwarded(decision.forward_to)
-            self.ledger.sent(decision.forward_to, now)
-            log.info("request %s -> %s (%s, %d of %d chunks cached there)",
-                     query.request_id.hex()[:8], peer_label(decision.forward_to), reason,
-                     found.depth, len(chain))
+            log.info("request %s -> %s (%s, %d of %d tokens cached there)",
+                     query.request_id.hex()[:8], peer_label(decision.forward_to),
+                     decision.reason.value, decision.matched_tokens, len(ids))
         return decision.forward_to
 
     def forward_done(self, peer: bytes, outcome: ForwardOutcome, seconds: float) -> None:
@@ -210,7 +201,7 @@ class GroupForwarding:
         (:class:`~ps_p2p.gossip.load.ForwardOutcome`): counted in the ledger (a failure bans
         the peer for a while, OVERLOADED pauses forwards to it). The caller reports every
         forward it sent, once."""
-        self.ledger.done(peer, outcome, seconds, self._clock())
+        self.router.forward_done(peer, outcome, seconds, self._clock())
         if outcome is ForwardOutcome.FAILED:
             log.info("forward to %s failed; no forwards to it for a while", peer_label(peer))
 
@@ -218,26 +209,18 @@ class GroupForwarding:
 
     def absorb_engine_events(self) -> int:
         """Turn the engine's new KV-cache events into subtree operations; returns how many."""
-        ops = 0
-        for event in self.engine.drain_kv_events():
-            try:
-                for op in self.view.apply(event):
-                    ops += self.publisher.apply(op)
-            except PsError as exc:
-                self._drop("engine_event")
-                log.warning("KV-cache event not applied: %s", exc)
-        return ops
+        return self.router.absorb(self.engine.drain_kv_events())
 
     def load_envelope(self) -> bytes:
         """This node's signed load report, now."""
         self._load_seq += 1
-        report = self.load.report(self.me, self.model_id, self._load_seq)
+        report = self.router.load_report(self._load_seq)
         return wire.seal(self.identity, wire.KIND_LOAD, encode_report(report))
 
     def delta_envelopes(self) -> list[bytes]:
         """The subtree operations not yet published, as signed delta envelopes."""
         return [wire.seal(self.identity, wire.KIND_DELTA, d.encode())
-                for d in self.publisher.take_deltas()]
+                for d in self.router.take_deltas()]
 
     def snapshot_envelope(self) -> bytes:
         """This node's whole subtree, signed (the sync protocol's answer)."""
@@ -246,7 +229,7 @@ class GroupForwarding:
     # ------------------------------------------------------------------ peers' state in
 
     def _drop(self, reason: str) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        self.router._drop(reason)
 
     def receive(self, publisher: bytes, data: bytes) -> None:
         """A gossip message ``publisher`` published (pubsub's authenticated ``from_id``):
@@ -262,7 +245,7 @@ class GroupForwarding:
                 report = decode_report(body)
                 if report.peer_id != publisher:
                     raise RemoteProtocolError("load report of another node")
-                outcome = self.book.receive(report, self._clock())
+                outcome = self.router.receive_load(report, self._clock())
                 if outcome is not ReportOutcome.ACCEPTED:
                     self._drop(f"load_{outcome.value}")
                     return
@@ -275,14 +258,8 @@ class GroupForwarding:
             self._drop(type(exc).__name__)
             log.debug("gossip from %s dropped: %s", peer_label(publisher), exc)
 
-    def _replica(self, peer: bytes) -> SubtreeReplica:
-        replica = self.replicas.get(peer)
-        if replica is None:
-            replica = self.replicas[peer] = SubtreeReplica(self.tree, peer)
-        return replica
-
     def _apply_delta(self, peer: bytes, delta: Delta) -> None:
-        outcome = self._replica(peer).apply_delta(delta)
+        outcome = self.router.apply_delta(peer, delta)
         if isinstance(outcome, NeedSnapshot) and peer not in self._need_snapshot:
             self._need_snapshot.add(peer)
             self._snapshot_wanted.set()
@@ -297,7 +274,7 @@ class GroupForwarding:
         if kind != wire.KIND_SNAPSHOT:
             raise RemoteProtocolError("sync answer is not a snapshot")
         if peer in self.members:
-            self._replica(peer).apply_snapshot(Snapshot.decode(body))
+            self.router.apply_snapshot(peer, Snapshot.decode(body))
             self._signal()
 
     # ------------------------------------------------------------------ the service

@@ -13,7 +13,8 @@ One :class:`~ps_p2p.protocols.driver.CoreDriver` task owns the dispatcher: deliv
 reports are submitted to it, and it executes the commands (queue a job, sign and send an answer).
 
 Forwarding (sec. 3.3, :meth:`ModelNodeService.enable_forwarding`): a job the dispatcher admits
-goes through the router first (an async ``route(query) -> peer or None``: the HR-tree search and
+(as *being routed*: it holds an admission place but is not in this node's Q, so the router never
+counts the request it routes against this node; issue 19) goes through the router first (an async ``route(query) -> peer or None``: the HR-tree search and
 Algorithm 2, :mod:`ps_p2p.roles.forwarding`); a job routed to another model node of the group
 is handed over ``/planetserve/forward/1.0.0`` (:mod:`ps_p2p.protocols.forward`), that node's
 text and signed answer come back on the stream, and this node relays them to the reply proxies
@@ -210,6 +211,7 @@ class ModelNodeService:
         """
         self._host = host
         self._route = route
+        self.dispatcher.routes = True  # users' requests are routed before they join our Q
         self._may_forward_to_us = may_forward_to_us
         self._forward_done = forward_done
 
@@ -385,7 +387,7 @@ class ModelNodeService:
             # forwards in flight are bounded like local jobs: past that, serve here (asked
             # before routing: the router counts every peer it answers as forwarded to)
             if self._forwarding_now >= self.config.capacity + self.config.max_queue:
-                self._jobs_in.send_nowait(job)
+                self._keep(job)
                 continue
             try:
                 peer = await self._route(job.query)
@@ -393,12 +395,18 @@ class ModelNodeService:
                 log.exception("routing %s failed; served here", job.query.request_id.hex()[:8])
                 peer = None
             if peer is None or peer == self.identity.peer_id:
-                self._jobs_in.send_nowait(job)
+                self._keep(job)
                 continue
             self._forwarding_now += 1
             self.driver.submit(functools.partial(self.dispatcher.job_forwarded, job.key, peer),
                                essential=True)
             self._nursery.start_soon(self._forward, job, peer)
+
+    def _keep(self, job: StartJob) -> None:
+        """Serve a routed job here: it joins the dispatcher's queue (Q), then a worker's."""
+        self.driver.submit(functools.partial(self.dispatcher.job_routed_here, job.key),
+                           essential=True)
+        self._jobs_in.send_nowait(job)
 
     async def _forward(self, job: StartJob, peer: bytes) -> None:
         """Hand ``job`` to ``peer`` and relay its text and verified answer (module docstring);

@@ -25,6 +25,10 @@ job progress (streamed Q)      the new text goes to every waiter as a segment (a
                                the last one
 job started / finished         load tracking (F_LB); the answer goes to every waiter (the last
                                segment of a streamed Q), an OK one is cached ``cache_ttl`` s
+job routed here                (sec. 3.3; with ``routes`` set, a user's request is admitted as
+                               *being routed*: it holds an admission place but is not in Q
+                               until the router keeps it here, so the router never counts the
+                               request it routes against this node; issue 19) it joins Q
 job forwarded to peer P        (sec. 3.3; the model node's router chose P) the job's admission
                                slot is given back (P's load counts it); its progress and its
                                answer come from P, signed by P (``signed``), and go to the
@@ -314,6 +318,10 @@ class Dispatcher:
         #: set when the node stops (:mod:`ps_p2p.serving.drain`): new requests are answered
         #: OVERLOADED; resent copies still join their job, cached answers are still sent
         self.draining = False
+        #: a router decides where users' requests are served (the model node sets it when it
+        #: forwards): they are admitted as being routed, and :meth:`job_routed_here` or
+        #: :meth:`job_forwarded` follows each one
+        self.routes = False
 
     @property
     def in_service(self) -> int:
@@ -439,7 +447,7 @@ class Dispatcher:
                 return [SendAnswer(waiter, self.error_content(
                     ResponseStatus.OVERLOADED, f"model node overloaded ({share}); retry later"
                 ))]
-        if not self.load.try_admit():
+        if not self.load.try_admit(routing=self.routes and channel is None):
             self._count(REQUEST_OVERLOADED)
             log.warning("overloaded: request %s refused", query.request_id.hex()[:8])
             return [SendAnswer(waiter, self.error_content(
@@ -539,6 +547,13 @@ class Dispatcher:
         sent[0] += 1
         sent[1] += len(text.encode("utf-8", "surrogatepass"))
         return [SendSegment(job.waiters[index], seq, offset, text)]
+
+    def job_routed_here(self, key: bytes, now: float) -> list[Command]:
+        """The router keeps job ``key`` here: it joins this node's queue (Q)."""
+        job = self._jobs.get(key)
+        if job is not None and job.forwarded_to is None and job.started_at is None:
+            self.load.routed_here()
+        return []
 
     def job_forwarded(self, key: bytes, peer: bytes, now: float) -> list[Command]:
         """The router handed the job ``key`` to model node ``peer`` (sec. 3.3): its admission

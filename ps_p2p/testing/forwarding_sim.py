@@ -83,6 +83,7 @@ trace's seed: the same inputs give the same results (no clock reads; the caller 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import heapq
 import itertools
@@ -92,38 +93,33 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from ps_p2p.config import ForwardingConfig
 from ps_p2p.engines.prefix_cache import PrefixCacheIndex, block_hash
 from ps_p2p.engines.sim_cost import SimCostModel, SimParams
 from ps_p2p.errors import ConfigError
-from ps_p2p.gossip.cache_view import CacheView
 from ps_p2p.gossip.forwarding import (
-    ForwardingConfig,
-    HRTreeForwarding,
-    LeastLoad,
-    NoForwarding,
+    ForwardingConfig as PolicyConfig,
+)
+from ps_p2p.gossip.forwarding import (
+    NodeLoad,
     RequestContext,
+    load_balance,
 )
-from ps_p2p.gossip.hr_tree import (
-    Delta,
-    HRTree,
-    NeedSnapshot,
-    SubtreePublisher,
-    SubtreeReplica,
-    chunk_hashes,
-)
+from ps_p2p.gossip.hr_tree import Delta, NeedSnapshot, chunk_hashes
 from ps_p2p.gossip.load import (
     DEFAULT_UNKNOWN_LATENCY,
-    LoadBook,
+    ForwardOutcome,
     LoadReport,
     LoadTracker,
-    PeerLedger,
     decode_report,
     encode_report,
     load_factor,
 )
+from ps_p2p.gossip.router import GroupRouter
 from ps_p2p.gossip.sentry import ChunkLengths
 
 __all__ = [
+    "CENTRAL_LPM",
     "CENTRAL_RADIX",
     "ENVELOPE_OVERHEAD_BYTES",
     "HR_TREE",
@@ -148,9 +144,10 @@ __all__ = [
 NO_FORWARDING = "no-forwarding"
 LEAST_LOAD = "least-load"
 CENTRAL_RADIX = "central-radix"
+CENTRAL_LPM = "central-lpm"
 HR_TREE = "hr-tree"
 HR_TREE_STALE = "hr-tree-stale"
-POLICIES = (NO_FORWARDING, LEAST_LOAD, CENTRAL_RADIX, HR_TREE, HR_TREE_STALE)
+POLICIES = (NO_FORWARDING, LEAST_LOAD, CENTRAL_RADIX, CENTRAL_LPM, HR_TREE, HR_TREE_STALE)
 
 ENVELOPE_OVERHEAD_BYTES = 29 + 1 + 4 + 64
 """Bytes a signed gossip envelope adds to its body: ``b"planetserve/v1/hrtree-gossip\\x00"``
@@ -244,10 +241,12 @@ def make_trace(
     rate: float,
     *,
     nodes: int,
-    output_tokens: int,
+    output_tokens: int | Sequence[int],
     seed: int,
 ) -> Trace:
     """Poisson arrivals at ``rate`` per second, one per prompt in order, entry nodes uniform.
+
+    ``output_tokens``: tokens every request generates, or one count per prompt.
 
     The same ``seed`` gives the same unit-rate gaps and entry nodes at every rate (the gaps are
     divided by ``rate``), so runs at different rates differ only in time scale. Draw order: per
@@ -256,14 +255,17 @@ def make_trace(
     Raises:
         ConfigError: ``rate`` <= 0, ``nodes`` < 1 or ``output_tokens`` < 1.
     """
-    if not rate > 0 or nodes < 1 or output_tokens < 1:
-        raise ConfigError("make_trace needs rate > 0, nodes >= 1 and output_tokens >= 1")
+    outputs = ([output_tokens] * len(prompts) if isinstance(output_tokens, int)
+               else list(output_tokens))
+    if not rate > 0 or nodes < 1 or len(outputs) != len(prompts) or min(outputs, default=1) < 1:
+        raise ConfigError("make_trace needs rate > 0, nodes >= 1 and output_tokens >= 1 (one "
+                          "per prompt when a sequence)")
     rng = random.Random(seed)
     t = 0.0
     requests = []
     for i in range(len(prompts)):
         t += rng.expovariate(1.0) / rate
-        requests.append(Request(t, rng.randrange(nodes), i, output_tokens))
+        requests.append(Request(t, rng.randrange(nodes), i, outputs[i]))
     return Trace(tuple(tuple(p) for p in prompts), tuple(requests), nodes, rate)
 
 
@@ -285,14 +287,12 @@ class ClusterConfig:
         nodes: model nodes (>= 1).
         params: the cost model and the cache (``cache_blocks`` per node, ``max_batch`` = C).
         serial_prefill: one prefill at a time per node (module docstring).
-        lengths: the group's chunk lengths L (HR-tree chunking).
+        forwarding: the nodes' ``[forwarding]`` settings, :class:`ps_p2p.config.ForwardingConfig`
+            (its defaults unless a run says otherwise: the policy a node deploys). Its L
+            (``lengths()``), tau_c, cost-model parameters, ``load_interval``,
+            ``delta_interval``, ``load_max_age`` and ``max_peers`` are used as a node uses them.
         key: the group's HR-tree key (16..64 bytes).
-        tau_c: chunks matched for an HR-tree hit (Algorithm 2).
-        overload_threshold: F_LB in seconds from which a holder is passed over.
-        load_interval: seconds between load reports (and absorbing cache events).
-        delta_interval: seconds between subtree deltas (and full-broadcast snapshots counted).
         stale_load_interval: load period of ``hr-tree-stale``.
-        load_max_age: a report older than this is unknown (LoadBook's ``max_age``).
         gossip_delay: network delay of a gossip message.
         hop_delay: network delay of a forwarded request.
         warmup_fraction: leading fraction of arrivals left out of the metrics, in [0, 1).
@@ -300,35 +300,37 @@ class ClusterConfig:
         ledger: gossiping policies hold peers' reports to what the forwarder observed and cap
             each peer's share (:class:`~ps_p2p.gossip.load.PeerLedger`, as a deployed node
             does: ``ps_p2p.roles.forwarding``); False: reports taken at their word.
+        lpm_threshold: F_LB (Q queued + running) from which ``central-lpm`` passes a holder over.
     """
 
     nodes: int = 8
     params: SimParams = field(default_factory=lambda: SimParams(cache_blocks=2048))
     serial_prefill: bool = True
-    lengths: ChunkLengths = field(default_factory=lambda: ChunkLengths(0))
+    forwarding: ForwardingConfig = field(default_factory=ForwardingConfig)
     key: bytes = b"ps-forwarding-sim-group-key-0001"
-    tau_c: int = 1
-    overload_threshold: float = 5.0
-    load_interval: float = 1.0
-    delta_interval: float = 2.0
     stale_load_interval: float = 5.0
-    load_max_age: float = 3.0
     gossip_delay: float = 0.05
     hop_delay: float = 0.02
     warmup_fraction: float = 0.1
     seed: int = 0
     ledger: bool = True
+    lpm_threshold: float = 5.0
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ConfigError("nodes must be >= 1")
-        for name in ("load_interval", "delta_interval", "stale_load_interval", "load_max_age"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0 seconds")
+        self.forwarding.validate()
+        if not self.stale_load_interval > 0:
+            raise ConfigError("stale_load_interval must be > 0 seconds")
         if self.gossip_delay < 0 or self.hop_delay < 0:
             raise ConfigError("delays must be >= 0 seconds")
         if not 0 <= self.warmup_fraction < 1:
             raise ConfigError("warmup_fraction must be in [0, 1)")
+
+    @property
+    def lengths(self) -> ChunkLengths:
+        """The group's chunk lengths L."""
+        return self.forwarding.lengths()
 
 
 class PreparedPrompts:
@@ -508,7 +510,7 @@ class _Job:
 
 
 class _Node:
-    """One model node: engine state, own load, and (when gossiping) its forwarding state."""
+    """One model node: engine state, own load, and (when gossiping) its router."""
 
     def __init__(self, index: int, peer_id: bytes, config: ClusterConfig) -> None:
         p = config.params
@@ -527,15 +529,11 @@ class _Node:
         self.inbound = 0  # requests routed here, on their way (the central router counts them)
         self.served = 0
         self.last_finish = 0.0
-        # forwarding state (gossiping policies)
-        self.tree: HRTree | None = None
-        self.publisher: SubtreePublisher | None = None
-        self.view: CacheView | None = None
-        self.replicas: dict[int, SubtreeReplica] = {}
-        self.book: LoadBook | None = None
-        self.ledger: PeerLedger | None = None
-        self.policy: NoForwarding | LeastLoad | HRTreeForwarding = NoForwarding()
+        #: the node's routing state (gossiping policies): the object a deployed node runs
+        self.router: GroupRouter | None = None
         self.load_seq = 0
+        self.snapshot_state: tuple[int, int] | None = None  # (incarnation, seq) measured
+        self.snapshot_bytes = 0
 
 
 def _peer_id(i: int) -> bytes:
@@ -552,6 +550,7 @@ class _Sim:
         self.trace = trace
         self.policy = policy
         self.config = config
+        self.fwd = config.forwarding
         self.prepared = prepared
         self.cost = SimCostModel(config.params)
         self.params = config.params
@@ -564,9 +563,13 @@ class _Sim:
         self.jobs = [_Job(i, r, trace.prompts[r.prompt]) for i, r in enumerate(trace.requests)]
         self.remaining = len(self.jobs)
         self.nodes = [_Node(i, _peer_id(i), config) for i in range(config.nodes)]
+        self.index_of = {n.peer_id: n.index for n in self.nodes}
         self.gossiping = policy in (LEAST_LOAD, HR_TREE, HR_TREE_STALE)
         self.trees = policy in (HR_TREE, HR_TREE_STALE)
         self.stale = policy == HR_TREE_STALE
+        self.policy_config = PolicyConfig(
+            tau_c=self.fwd.tau_c, prefill_tokens_per_s=self.fwd.prefill_tokens_per_s,
+            hop_seconds=self.fwd.hop_seconds, busy_weight=self.fwd.busy_weight)
         self._setup_nodes()
 
     # ---- setup
@@ -574,36 +577,25 @@ class _Sim:
     def _setup_nodes(self) -> None:
         c = self.config
         ids = [n.peer_id for n in self.nodes]
-        fwd = ForwardingConfig(tau_c=c.tau_c, overload_threshold=c.overload_threshold)
-        load_interval = c.stale_load_interval if self.stale else c.load_interval
-        max_age = max(c.load_max_age, 3 * load_interval)
+        load_interval = c.stale_load_interval if self.stale else self.fwd.load_interval
+        fwd = self.fwd
+        if self.stale:  # the stale variant: a report stays valid over its longer period
+            fwd = dataclasses.replace(fwd, load_max_age=max(fwd.load_max_age, 3 * load_interval))
+        if not self.gossiping:
+            return
         for node in self.nodes:
             draw = random.Random(f"{c.seed}/{self.policy}/choose/{node.index}").randrange
-            if not self.gossiping:
-                continue
-            node.book = LoadBook(node.peer_id, _MODEL_ID, [p for p in ids if p != node.peer_id],
-                                 max_age=max_age)
-            if c.ledger:  # as GroupForwarding builds it
-                node.ledger = PeerLedger(max_outstanding=max(1, node.tracker.capacity))
-                node.ledger.set_members({p: node.tracker.capacity for p in ids
-                                         if p != node.peer_id})
-            if self.policy == LEAST_LOAD:
-                node.policy = LeastLoad(node.peer_id, node.tracker, node.book, draw,
-                                        ledger=node.ledger)
-                continue
-            node.tree = HRTree(version=c.lengths.version)
-            node.publisher = SubtreePublisher(node.tree, node.peer_id, incarnation=1)
-            node.view = CacheView(c.lengths, c.key)
-            node.replicas = {j: SubtreeReplica(node.tree, ids[j])
-                             for j in range(c.nodes) if j != node.index}
-            node.policy = HRTreeForwarding(node.peer_id, node.tracker, node.book, fwd, draw,
-                                           ledger=node.ledger)
-        if self.gossiping:
-            n = c.nodes
-            for node in self.nodes:
-                self._push(node.index * load_interval / n, _LOAD_TICK, node.index, None)
-                if self.trees and not self.stale:  # stale: deltas go with the load reports
-                    self._push(node.index * c.delta_interval / n, _DELTA_TICK, node.index, None)
+            node.router = GroupRouter(  # as ps_p2p.roles.forwarding.GroupForwarding builds it
+                node.peer_id, _MODEL_ID, c.key, node.tracker, fwd, incarnation=1,
+                choose=draw, cache_blocks=c.params.cache_blocks,
+                block_size=c.params.block_size, least_load=self.policy == LEAST_LOAD,
+                count_forwards=not self.stale, ledger=c.ledger)
+            node.router.set_members({p: node.tracker.capacity for p in ids})
+        n = c.nodes
+        for node in self.nodes:
+            self._push(node.index * load_interval / n, _LOAD_TICK, node.index, None)
+            if self.trees and not self.stale:  # stale: deltas go with the load reports
+                self._push(node.index * fwd.delta_interval / n, _DELTA_TICK, node.index, None)
 
     # ---- event loop
 
@@ -627,20 +619,27 @@ class _Sim:
     # ---- routing
 
     def _arrive(self, job: _Job, _: object) -> None:
+        entry = self.nodes[job.entry]
+        # admitted as being routed, then queued only if routed here: the order of the model
+        # node's dispatcher and router (issue 19 finding 3), for every policy
+        if not entry.tracker.try_admit(routing=True):  # max_queue is unbounded here
+            raise AssertionError("the simulated queue refused a request")
         target = self._route(job)
-        node = self.nodes[target]
         job.node = target
         if target == job.entry:
-            self._admit(node, job)
+            entry.tracker.routed_here()
+            entry.queue.append(job)
+            self._fill_slots(entry)
         else:
-            node.inbound += 1
+            entry.tracker.cancel()
+            self.nodes[target].inbound += 1
             self._push(self.now + self.config.hop_delay, _DELIVER, job, None)
 
     def _deliver(self, job: _Job, _: object) -> None:
         node = self.nodes[job.node]
         node.inbound -= 1
-        if self.gossiping:  # the receiving node runs the policy too: a forwarded request stays
-            decision = node.policy.decide(RequestContext(forwarded=True), self.now)
+        if node.router is not None:  # the receiving node runs the policy too: it stays here
+            decision = node.router.policy.decide(RequestContext(forwarded=True), self.now)
             assert decision.serve_locally
         self._admit(node, job)
 
@@ -654,39 +653,29 @@ class _Sim:
             return entry.index
         if self.policy == CENTRAL_RADIX:
             return self._central(job)
-        if self.trees:
-            assert entry.tree is not None
-            found = entry.tree.search(self.prepared.chunk_chain(job.prompt), self.config.tau_c)
-            context = RequestContext.from_search(found)
-        else:
-            context = RequestContext()
-        decision = entry.policy.decide(context, self.now)
+        if self.policy == CENTRAL_LPM:
+            return self._central_lpm(job)
+        router = entry.router
+        assert router is not None
+        chain = self.prepared.chunk_chain(job.prompt) if self.trees else []
+        decision = router.route_chain(chain, len(job.tokens), self.now)
         self._count(decision.reason.value)
-        if entry.ledger is not None:
-            entry.ledger.record(decision.forward_to, self.now)
         if decision.forward_to is None:
             return entry.index
-        assert entry.book is not None
-        if entry.ledger is not None:
-            entry.ledger.sent(decision.forward_to, self.now)
-        if not self.stale:  # count our own forwards until the peer's next report
-            entry.book.note_forwarded(decision.forward_to)
-        return next(n.index for n in self.nodes if n.peer_id == decision.forward_to)
+        return self.index_of[decision.forward_to]
 
-    def _exact_load(self, node: _Node) -> float:
+    def _exact_load(self, node: _Node) -> NodeLoad:
+        """The node's load now, with the requests on their way to it as if arrived."""
         t = node.tracker
-        return load_factor(t.latency_ewma, t.requests + node.inbound, t.capacity,
-                           DEFAULT_UNKNOWN_LATENCY)
+        latency = DEFAULT_UNKNOWN_LATENCY if t.latency_ewma is None else t.latency_ewma
+        over = max(0, t.in_service + node.inbound - t.capacity)
+        return NodeLoad(latency, t.queued + over, min(t.capacity, t.in_service + node.inbound),
+                        t.capacity)
 
-    def _least(self, candidates: list[int], loads: list[float]) -> int:
-        best = min(loads[i] for i in candidates)
-        tied = [i for i in candidates if loads[i] == best]
-        return tied[0] if len(tied) == 1 else tied[self.rng.randrange(len(tied))]
-
-    def _central(self, job: _Job) -> int:
-        """SGLang-like central router with exact state (module docstring)."""
+    def _cached_tokens(self, job: _Job) -> list[int]:
+        """Per node, the tokens of the prompt its cache holds now (exact, LRU untouched)."""
         chain = self.prepared.block_chain(job.prompt)
-        matches = []
+        out = []
         for node in self.nodes:
             cache = node.cache
             m = 0
@@ -694,13 +683,40 @@ class _Sim:
                 if h not in cache:
                     break
                 m += 1
-            matches.append(m)
-        loads = [self._exact_load(n) for n in self.nodes]
+            out.append(m * self.params.block_size)
+        return out
+
+    def _central(self, job: _Job) -> int:
+        """Central router with exact state, the same cost rule (module docstring)."""
+        cached = self._cached_tokens(job)
+        entry = self.nodes[job.entry]
+        loads = {n.peer_id: self._exact_load(n) for n in self.nodes}
+        self_load = loads.pop(entry.peer_id)
+        request = RequestContext({n.peer_id: m for n, m in zip(self.nodes, cached) if m},
+                                 len(job.tokens))
+        decision = load_balance(entry.peer_id, self_load, loads, request, self.policy_config,
+                                self.rng.randrange)
+        self._count(decision.reason.value)
+        return entry.index if decision.forward_to is None else self.index_of[decision.forward_to]
+
+    def _least(self, candidates: list[int], loads: list[float]) -> int:
+        best = min(loads[i] for i in candidates)
+        tied = [i for i in candidates if loads[i] == best]
+        return tied[0] if len(tied) == 1 else tied[self.rng.randrange(len(tied))]
+
+    def _central_lpm(self, job: _Job) -> int:
+        """Longest-prefix-match central router with exact state (module docstring)."""
+        matches = self._cached_tokens(job)
+        loads = []
+        for n in self.nodes:
+            t = n.tracker
+            loads.append(load_factor(t.latency_ewma, t.requests + n.inbound, t.capacity,
+                                     DEFAULT_UNKNOWN_LATENCY))
         everyone = list(range(len(self.nodes)))
         best = max(matches)
         if best > 0:
             holder = self._least([i for i in everyone if matches[i] == best], loads)
-            if loads[holder] < self.config.overload_threshold:
+            if loads[holder] < self.config.lpm_threshold:
                 self._count("cache_hit")
                 return holder
             self._count("overloaded_fallback")
@@ -779,10 +795,10 @@ class _Sim:
             _, _, job = heapq.heappop(node.decoding)
             job.done = self.now
             node.tracker.finish(self.now - job.started)
-            ledger = self.nodes[job.entry].ledger
-            if job.entry != node.index and ledger is not None:  # its answer goes back
-                ledger.answered(node.peer_id, self.now + self.config.hop_delay
-                                - job.req.arrival, self.now)
+            router = self.nodes[job.entry].router
+            if job.entry != node.index and router is not None:  # its answer goes back
+                router.forward_done(node.peer_id, ForwardOutcome.ANSWERED,
+                                    self.now + self.config.hop_delay - job.req.arrival, self.now)
             node.served += 1
             node.last_finish = self.now
             finished += 1
@@ -794,23 +810,24 @@ class _Sim:
     # ---- gossip
 
     def _absorb(self, node: _Node) -> None:
-        publisher = node.publisher
-        assert node.view is not None and publisher is not None
-        entries = publisher.tree.entries(publisher.peer)
+        router = node.router
+        assert router is not None
+        peer = router.me
+        entries = router.tree.entries(peer)
         for event in node.cache.drain_events():
-            for op in node.view.apply(event):
-                publisher.apply(op)
-                now_entries = publisher.tree.entries(publisher.peer)
-                self.gossip.delta_entries += abs(now_entries - entries)
-                entries = now_entries
+            router.absorb((event,))
+            now_entries = router.tree.entries(peer)
+            self.gossip.delta_entries += abs(now_entries - entries)
+            entries = now_entries
 
     def _load_tick(self, node_index: object, _: object) -> None:
         node = self.nodes[node_index]  # type: ignore[index]
+        assert node.router is not None
         receivers = len(self.nodes) - 1
         if self.trees:
             self._absorb(node)
         node.load_seq += 1
-        data = encode_report(node.tracker.report(node.peer_id, _MODEL_ID, node.load_seq))
+        data = encode_report(node.router.load_report(node.load_seq))
         self.gossip.load_messages += 1
         self.gossip.load_bytes += (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
         self._push(self.now + self.config.gossip_delay, _GOT_LOAD, node.index,
@@ -819,46 +836,50 @@ class _Sim:
             self._publish_deltas(node)
             self._push(self.now + self.config.stale_load_interval, _LOAD_TICK, node.index, None)
         else:
-            self._push(self.now + self.config.load_interval, _LOAD_TICK, node.index, None)
+            self._push(self.now + self.fwd.load_interval, _LOAD_TICK, node.index, None)
 
     def _delta_tick(self, node_index: object, _: object) -> None:
         node = self.nodes[node_index]  # type: ignore[index]
         self._absorb(node)
         self._publish_deltas(node)
-        self._push(self.now + self.config.delta_interval, _DELTA_TICK, node.index, None)
+        self._push(self.now + self.fwd.delta_interval, _DELTA_TICK, node.index, None)
 
     def _publish_deltas(self, node: _Node) -> None:
         """Send the node's new deltas; count what a full broadcast of its subtree would cost."""
-        assert node.publisher is not None
+        assert node.router is not None
         receivers = len(self.nodes) - 1
-        for delta in node.publisher.take_deltas():
+        for delta in node.router.take_deltas():
             data = delta.encode()
             self.gossip.delta_messages += 1
             self.gossip.delta_bytes += (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
             self._push(self.now + self.config.gossip_delay, _GOT_DELTA, node.index,
                        Delta.decode(data))
-        snapshot = node.publisher.snapshot().encode()
+        publisher = node.router.publisher
+        state = (publisher.incarnation, publisher.seq)
+        if node.snapshot_state != state:  # the subtree changed: measure its snapshot again
+            node.snapshot_state = state
+            node.snapshot_bytes = len(node.router.snapshot().encode())
         self.gossip.full_messages += 1
-        self.gossip.full_bytes += (len(snapshot) + ENVELOPE_OVERHEAD_BYTES) * receivers
+        self.gossip.full_bytes += (node.snapshot_bytes + ENVELOPE_OVERHEAD_BYTES) * receivers
 
     def _got_load(self, sender: object, report: object) -> None:
         assert isinstance(report, LoadReport)
         for node in self.nodes:
             if node.index != sender:
-                assert node.book is not None
-                node.book.receive(report, self.now)
+                assert node.router is not None
+                node.router.receive_load(report, self.now)
 
     def _got_delta(self, sender: object, delta: object) -> None:
         assert isinstance(delta, Delta)
         src = self.nodes[sender]  # type: ignore[index]
+        assert src.router is not None
         for node in self.nodes:
             if node.index == sender:
                 continue
-            replica = node.replicas[src.index]
-            if isinstance(replica.apply_delta(delta), NeedSnapshot):
-                assert src.publisher is not None
+            assert node.router is not None
+            if isinstance(node.router.apply_delta(src.peer_id, delta), NeedSnapshot):
                 self.gossip.snapshot_syncs += 1
-                replica.apply_snapshot(src.publisher.snapshot())
+                node.router.apply_snapshot(src.peer_id, src.router.snapshot())
 
     # ---- results
 
