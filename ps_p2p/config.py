@@ -258,6 +258,9 @@ _REMOVED = {
     "directory_lifetime": "a directory's age is its commit's block time",
     "organization": "an organization is its organization key: set membership = PATH to the "
                     "certificate it signed for this node (ps-node org sign; docs/organizations.md)",
+    "forwarding.overload_threshold": "a node is passed over when it costs more than another "
+                    "(queueing, prefill left and a hop in seconds; issue 19): set "
+                    "prefill_tokens_per_s, hop_seconds or busy_weight instead (docs/forwarding.md)",
 }
 
 
@@ -638,6 +641,10 @@ def load_config(path: str | pathlib.Path | None, overrides: dict[str, Any] | Non
             if not isinstance(value, dict):
                 raise ConfigError(f"[{key}] must be a table")
             sub_known = {f.name for f in dataclasses.fields(cls)}
+            for sub in value:
+                if f"{key}.{sub}" in _REMOVED:
+                    raise ConfigError(
+                        f"config key [{key}] {sub!r} was removed: {_REMOVED[f'{key}.{sub}']}")
             unknown = set(value) - sub_known
             if unknown:
                 raise ConfigError(f"unknown key(s) in [{key}]: {', '.join(sorted(unknown))}")

@@ -43,6 +43,14 @@ def test_unknown_key_in_a_table_is_an_error(tmp_path):
         load_config(path)
 
 
+def test_a_removed_table_key_names_what_replaced_it(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text("[forwarding]\noverload_threshold = 10.0\n")
+    with pytest.raises(ConfigError, match=r"\[forwarding\] 'overload_threshold' was removed.*"
+                       r"prefill_tokens_per_s"):
+        load_config(path)
+
+
 def test_bad_toml_is_reported_with_the_file_name(tmp_path):
     path = tmp_path / "broken.toml"
     path.write_text("roles = [\n")
