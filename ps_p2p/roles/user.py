@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -358,6 +359,7 @@ class UserClient:
         rng: random.Random | None = None,
         clock: Callable[[], float] = trio.current_time,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         on_request_done: Callable[[str, float], None] | None = None,
         on_first_token: Callable[[float], None] | None = None,
     ) -> None:
@@ -370,6 +372,7 @@ class UserClient:
         self._rng = rng or random.SystemRandom()
         self._clock = clock
         self._random_bytes = random_bytes
+        self._wall_ms = wall_ms
         self.me = overlay.peer_id
         self._pool = PathPool(self.config.pool_config(), rng=self._rng)
         self._requests = RequestCore(
@@ -383,7 +386,8 @@ class UserClient:
         )
         self._handles: dict[int, PathHandle] = {}
         self._path_ids: dict[tuple[bytes, bytes], int] = {}
-        #: model nodes found lost -> ``issued_at_ms`` of the record they were lost under
+        #: model nodes found lost -> the newer of the issue time of the record they were lost
+        #: under and our wall clock then (ms): only a record issued after both is a renewal
         self._lost_model_nodes: dict[bytes, int] = {}
         self._waiters: dict[bytes, _Waiter] = {}
         self._changed = trio.Event()
@@ -497,9 +501,11 @@ class UserClient:
         directory = self._directory()
         for peer in self._requests.take_lost_model_nodes():
             record = directory.record(peer) if directory is not None else None
-            if record is None or self._lost_model_nodes.get(peer) == record.issued_at_ms:
+            if record is None or peer in self._lost_model_nodes:
                 continue
-            self._lost_model_nodes[peer] = record.issued_at_ms
+            # our directory may lag the node's last renewal before it died: a record issued
+            # before we found it lost says nothing of it being alive now (within clock skew)
+            self._lost_model_nodes[peer] = max(record.issued_at_ms, self._wall_ms())
             log.warning("model node %s stopped answering: no new request goes to it until it "
                         "renews its record", describe(peer))
 
