@@ -46,6 +46,13 @@ def test_kill_two_of_four_verifier_processes_restart_one_and_the_committee_commi
             v.stop()
 
 
+def _wait_logged(v, text: str, timeout: float) -> None:
+    start = time.monotonic()
+    while text not in v.log_path.read_text(errors="replace"):
+        assert time.monotonic() - start < timeout, v.log_tail()
+        time.sleep(0.1)  # waiting on a file another process writes
+
+
 @pytest.mark.slow
 def test_one_equivocating_validator_and_one_delayed_link_the_committee_keeps_committing(
         tmp_path):
@@ -57,9 +64,10 @@ def test_one_equivocating_validator_and_one_delayed_link_the_committee_keeps_com
             v.start()
         wait_committed(verifiers, 2, 60)
         left.set_faults({right.peer_id: LinkRule(4.5)})  # 4.5 s each way, both correct
+        _wait_logged(left, "delay 4.5 s", 10)  # in force (the node re-read its file)
         delayed_at = max(v.committed() for v in verifiers)
-        took = wait_committed(verifiers[3:], delayed_at + 2, RECOVERY_BOUND_S)
-        print(f"equivocator + 4.5 s link: 2 heights committed in {took:.1f} s")
+        took = wait_committed(verifiers[3:], delayed_at + 5, RECOVERY_BOUND_S)
+        print(f"equivocator + 4.5 s link: 5 heights committed in {took:.1f} s")
         assert "BYZANTINE" in byzantine.log_path.read_text()  # it did equivocate
         left.set_faults()
         lifted_at = max(v.committed() for v in verifiers)
