@@ -93,6 +93,16 @@ async def test_bytes_keep_their_order_when_the_delay_shrinks(autojump_clock):
         await conn.close()
 
 
+async def test_a_close_writes_the_bytes_held_first(autojump_clock):
+    near, far = _pair()
+    async with trio.open_nursery() as nursery:
+        conn = DelayedConn(near, lambda: 0.5, nursery)
+        await conn.write(b"goodbye")
+        await conn.close()
+        assert await far.read(100) == b"goodbye"
+        assert near.closed
+
+
 async def test_the_inner_end_of_stream_reaches_the_reader_after_the_bytes_before_it(
         autojump_clock):
     near, far = _pair()

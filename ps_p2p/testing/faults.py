@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 #: Bytes one direction of a :class:`DelayedConn` holds at most; a writer waits, the reader
 #: stops reading (the peer's TCP flow control then applies) beyond it.
 MAX_HELD_BYTES = 32 << 20
+#: Seconds a closing :class:`DelayedConn` waits for its held bytes (a Yamux GoAway...).
+CLOSE_FLUSH_S = 1.0
 #: Seconds between two checks of the control file's modification time.
 WATCH_INTERVAL = 0.2
 
@@ -226,6 +228,7 @@ class DelayedConn:
         self._out = _Direction()
         self._cut: BaseException | None = None
         self._closed = False
+        self._writing = False
         self._read_lock = trio.Lock()
         self._cancel = trio.CancelScope()
         nursery.start_soon(self._pumps)
@@ -269,9 +272,11 @@ class DelayedConn:
             out.chunks.popleft()
             assert isinstance(item, bytes)
             out.held -= len(item)
-            out.wake()
+            self._writing = True
             try:
                 await self.inner.write(item)
+                self._writing = False
+                out.wake()
             except trio.Cancelled:
                 raise
             except Exception as exc:  # noqa: BLE001  # a write failure of any kind cuts the link
@@ -347,7 +352,12 @@ class DelayedConn:
             self._out.put(self._clock() + self._delay(), bytes(data))
 
     async def close(self) -> None:
-        """Close now (held bytes are dropped, as a reset would) and close the inner one."""
+        """Write the bytes held (at most :data:`CLOSE_FLUSH_S` seconds: those due later are
+        dropped, as a reset would), then close the inner connection."""
+        if not self._closed and self._cut is None:
+            with trio.move_on_after(CLOSE_FLUSH_S):
+                while (self._out.chunks or self._writing) and self._cut is None:
+                    await self._out.changed.wait()
         if not self._closed:
             self._closed = True
             self._cancel.cancel()
