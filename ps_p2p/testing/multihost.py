@@ -14,27 +14,40 @@ paths, sends prompts through the users' local APIs (``POST /v1/completions`` on 
 each user's namespace, reached with ``setns(2)``: :meth:`~ps_p2p.testing.netns.Testbed.connect`),
 round robin over users, and prints one summary line::
 
-    multihost: answered 20/20, latency p50 0.31 s p99 0.92 s, path setups 48 (failed 2),
-    committee height 37, restart-model: recovered in 3.1 s
+    multihost (continental): answered 20/20, latency p50 0.94 s p99 1.60 s, path setups 40
+    (failed 0), committee height 6, ready in 20.6 s, kill-model: recovered in 10.7 s
 
-Perturbation ``restart-model`` (needs two model nodes, so prompts have somewhere to go while
-``m0`` is away): after the first half of the prompts, model node ``m0`` is SIGKILLed, its host
-(namespace and address) removed, and it is started again with the same key on a new host (a
-new IP address) while the second half is sent (a request to the lost ``m0`` moves to another
-model node of the model). Then every user asks until it got an answer served by the restarted
-``m0`` (the API cannot name a model node; these probes are not counted as prompts):
-"recovered" is the time from its new start until every user got one.
+Perturbations (``perturb``: a comma-separated list, run one after the other): the prompts are
+cut into ``len(list) + 1`` shares, the first sent before any perturbation and one share during
+each (while it happens and until it recovered). Each gives its seconds to recover (None: not
+within ``start_timeout``), measured from the end of the perturbation:
 
-Perturbation ``partition-model``: after the first half of the prompts, nftables rules cut model
-node ``m0`` off from every user (both ways; open TCP connections stall, as behind a failed
-link) for :data:`PARTITION_SECONDS` while the second half is sent, then heal; "recovered" is the
-time from the heal until every user got an answer served by ``m0`` again.
+* ``restart-model``: model node ``m0`` is SIGKILLed, its host (namespace and address) removed,
+  and it is started again with the same key on a new host (a new IP address); recovered when
+  every user got an answer served by it, from its new start (the API cannot name a model node:
+  a user asks again, 0.5 s after each miss, until the node it reached is ``m0``; these probes
+  are not counted as prompts);
+* ``kill-model``: ``m0`` SIGKILLed, started again on the same host :data:`KILL_SECONDS` later;
+  recovered as above, from its start;
+* ``freeze-model``: ``m0`` SIGSTOPped for :data:`FREEZE_SECONDS` (its TCP connections stay
+  open), then SIGCONT; recovered as above, from SIGCONT;
+* ``partition-model``: nftables rules cut ``m0`` off from every user (both ways) for
+  :data:`PARTITION_SECONDS`, then heal; recovered as above, from the heal;
+* ``nat-remap``: NATed user ``n0``'s home router takes a new public IP
+  (:meth:`~ps_p2p.testing.netns.Testbed.renumber_router`: its masquerade mappings die, so do
+  ``n0``'s connections); recovered when ``n0`` got an answer, from the change.
 
-WAN profiles (``profile``): only ``lan`` here. The other profiles' per-link delays
-(:func:`~ps_p2p.testing.netns.link_delays`) are to be applied inside each process by the
-test-only fault injector of issue 17 (``ps_p2p.testing.faults``: a per-peer ``faults_file``);
-docs/network.md says how it plugs in. Until then asking for another profile is refused rather
-than silently run at LAN speed.
+Every ``*-model`` perturbation needs two model nodes (the prompts sent while ``m0`` is away go
+to the other one); ``nat-remap`` a NATed user.
+
+WAN profiles (``profile``, :data:`~ps_p2p.testing.netns.PROFILES`): one one-way delay per pair
+of nodes (:func:`~ps_p2p.testing.netns.link_delays`, by node name and ``seed``), applied by the
+TEST ONLY delaying transport of :mod:`ps_p2p.testing.faults`: each node's config names a faults
+file (``[testing] faults_file``) giving, per peer ID, half the link's delay (both ends hold the
+bytes: one way ``d``, a round trip ``2 d``); ``lan`` uses no faults file at all. A profile's
+loss is IP packet loss set with nftables in every host's namespace
+(:meth:`~ps_p2p.testing.netns.Testbed.set_loss`); ``bandwidth`` a ``tc tbf`` on every link.
+Accuracy: docs/network.md.
 
 Everything the run creates is removed when it ends, also on Ctrl-C, SIGTERM or an error
 (:class:`~ps_p2p.testing.netns.Testbed`); the work directory (configs, keys, logs, status
