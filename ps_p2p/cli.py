@@ -323,14 +323,22 @@ def build_parser() -> argparse.ArgumentParser:
                            help="prompts in flight (default 4)")
     multihost.add_argument("--max-tokens", type=int, default=16,
                            help="tokens per answer (default 16)")
-    multihost.add_argument("--perturb", default="none",
-                           choices=["none", "restart-model", "partition-model"],
-                           help="restart-model: halfway, kill model node m0 and start it again "
-                                "with its key on a new host (new IP address); partition-model: "
-                                "halfway, cut m0 off from the users for 10 s, then heal")
+    multihost.add_argument("--perturb", default="none", metavar="LIST",
+                           help="comma-separated perturbations, run one after the other while "
+                                "the prompts go on (each during its share of them): "
+                                "restart-model (kill model node m0, start it with its key on a "
+                                "new IP address), kill-model (SIGKILL m0, start it again on its "
+                                "address 5 s later), freeze-model (SIGSTOP m0 for 20 s), "
+                                "partition-model (cut m0 off from the users for 10 s), "
+                                "nat-remap (NATed user n0's router takes a new public IP); "
+                                "the summary gives each one's time to recover")
     multihost.add_argument("--profile", default="lan",
                            choices=["lan", "continental", "intercontinental", "lossy"],
-                           help="WAN delay profile (only lan until the delaying transport is in)")
+                           help="WAN profile: one-way delay per host pair drawn in lan 0, "
+                                "continental 20-60 ms, intercontinental 80-200 ms, lossy "
+                                "20-60 ms + 1%% packet loss (default lan)")
+    multihost.add_argument("--seed", type=int, default=1,
+                           help="seed of the profile's per-link delays (default 1)")
     multihost.add_argument("--bandwidth", metavar="RATE",
                            help="limit every host's link each way (tc rate, e.g. 20mbit)")
     multihost.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
@@ -596,7 +604,8 @@ def _cmd_multihost(args: argparse.Namespace) -> int:
         nat_users=args.nat_users, prompts=args.prompts, concurrency=args.concurrency,
         max_tokens=args.max_tokens, perturb=args.perturb, profile=args.profile,
         bandwidth=args.bandwidth, start_timeout=args.start_timeout,
-        prompt_timeout=args.timeout, workdir=args.workdir, log_level=args.log_level))
+        prompt_timeout=args.timeout, workdir=args.workdir, log_level=args.log_level,
+        seed=args.seed))
 
 
 def _cmd_testnet(args: argparse.Namespace) -> int:

@@ -298,6 +298,23 @@ class VerificationConfig:
 
 
 @dataclass
+class TestingConfig:
+    """TEST ONLY (``[testing]``; no command-line flag, never set by users): faults a test
+    injects into a real ``ps-node run`` process; the node logs a warning when one is on.
+
+    Attributes:
+        byzantine: a committee verifier that equivocates (as ``NodeConfig.byzantine``; this
+            table makes it reachable from a config file, e.g. a process testnet's).
+        faults_file: a JSON control file of network faults (per-peer delay, partition) and a
+            wall-clock offset for the verifier, re-read when it changes
+            (:mod:`ps_p2p.testing.faults`); None: none.
+    """
+
+    byzantine: bool = False
+    faults_file: str | None = None
+
+
+@dataclass
 class NodeConfig:
     """Everything one ``ps-node run`` needs.
 
@@ -360,6 +377,7 @@ class NodeConfig:
         forwarding: model role: :class:`ForwardingConfig` (``[forwarding]``): HR-tree
             forwarding within the model group (:mod:`ps_p2p.roles.forwarding`).
         verification: verifier role: :class:`VerificationConfig` (``[verification]``).
+        testing: TEST ONLY faults (``[testing]``: :class:`TestingConfig`); never set by users.
         connections: inbound connections per remote IP and /24, and the handshake deadline
             (``[connections]``: :class:`~ps_p2p.protocols.admission.InboundLimits`; e.g.
             ``exempt = ["127.0.0.0/8", "::1/128"]`` where every node runs on one machine).
@@ -401,6 +419,7 @@ class NodeConfig:
     forwarding: ForwardingConfig = field(default_factory=ForwardingConfig)
     verification: VerificationConfig = field(default_factory=VerificationConfig)
     connections: InboundLimits = field(default_factory=InboundLimits)
+    testing: TestingConfig = field(default_factory=TestingConfig)
 
     def validate(self) -> None:
         """Raise ConfigError on an impossible combination."""
@@ -446,8 +465,10 @@ class NodeConfig:
                 raise ConfigError(
                     "a verifier running challenge epochs ([verification] pool) needs the "
                     "committee key ([verification] committee_key) to seal its reports")
-        if self.byzantine and "verifier" not in self.roles:
+        if (self.byzantine or self.testing.byzantine) and "verifier" not in self.roles:
             raise ConfigError("byzantine (test only) is for a verifier")
+        if self.testing.faults_file is not None and not isinstance(self.testing.faults_file, str):
+            raise ConfigError("[testing] faults_file must be a path")
         if self.metrics is not None:
             parse_host_port(self.metrics, "--metrics")
         if self.web is not None:
@@ -566,7 +587,7 @@ def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
 
 
 _NESTED = {"user": UserConfig, "model_node": ModelNodeConfig, "sim": SimParams,
-           "connections": InboundLimits,
+           "connections": InboundLimits, "testing": TestingConfig,
            "forwarding": ForwardingConfig, "verification": VerificationConfig}
 
 

@@ -231,6 +231,7 @@ class Node:
         self._notifee: _DisconnectNotifee | None = None
         #: peer -> the record addresses last put in the peerstore (bounded by the directory)
         self._record_addrs: dict[bytes, tuple[bytes, ...]] = {}
+        self._faults: Any = None  # TEST ONLY: a ps_p2p.testing.faults.FaultInjector
         self._verifier_failed: dict[bytes, float] = {}  # verifier -> suspect until (trio time)
         self._wrong_chain = False  # a bootstrap peer serves another chain (_check_chain)
         self._bootstrap: dict[bytes, str] = {}
@@ -436,6 +437,15 @@ class Node:
         """The services of the node's roles (``pubsub``: running, for forwarding, or None)."""
         network = host.get_network()
         async with trio.open_nursery() as nursery:
+            faults_file = self.config.testing.faults_file
+            if faults_file is not None:  # TEST ONLY (ps_p2p/testing/faults.py)
+                from ps_p2p.testing.faults import FaultInjector
+
+                log.warning("!!! TEST ONLY: network faults and a clock offset from %s !!!",
+                            faults_file)
+                self._faults = FaultInjector()
+                self._faults.install(host, nursery)
+                await nursery.start(self._faults.watch, faults_file)
             self._learn_bootstrap_addrs(host)
             if Role.VERIFIER in self.roles:
                 await nursery.start(self._run_committee_member, host)
@@ -577,6 +587,8 @@ class Node:
             home.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot use home directory {home}: {exc}") from exc
+        from ps_p2p.registry.validator import unix_ms
+
         store = ConsensusStore(home / CONSENSUS_STORE_FILE)
         try:
             consensus = ConsensusService(
@@ -585,7 +597,9 @@ class Node:
                 ConsensusServiceConfig(empty_block_interval=self.config.block_interval,
                                        snapshot_every=self.config.snapshot_every,
                                        keep_blocks=self.config.keep_blocks,
-                                       byzantine=self.config.byzantine),
+                                       byzantine=(self.config.byzantine
+                                                  or self.config.testing.byzantine)),
+                unix_ms=unix_ms if self._faults is None else self._faults.unix_ms(unix_ms),
             )
             self.consensus = consensus
             self.committee_directory = committee_proto.CommitteeDirectoryService(

@@ -11,21 +11,27 @@ import re
 import signal
 import subprocess
 import sys
+import types
 
+import base58
 import pytest
 import trio
 
 from ps_p2p.errors import ConfigError, NetnsError
 from ps_p2p.testing import multihost, netns
+from ps_p2p.testing.faults import load_faults
 
 REASON = netns.unavailable_reason()
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=f"no multi-host testbed here: {REASON}")
-def test_every_prompt_is_answered_while_a_model_node_moves_to_a_new_address(tmp_path):
+def test_every_prompt_is_answered_over_wan_links_while_a_model_node_moves_to_a_new_address(
+        tmp_path):
+    """Ten nodes, one user NATed, continental links (20-60 ms one way, median 40 ms)."""
     opts = multihost.MultihostOptions(verifiers=1, models=2, users=6, nat_users=1, prompts=8,
-                                      perturb="restart-model", start_timeout=90.0)
+                                      perturb="restart-model", profile="continental",
+                                      start_timeout=90.0)
     bed = netns.Testbed()
     prefix = bed.prefix
     try:
@@ -38,6 +44,10 @@ def test_every_prompt_is_answered_while_a_model_node_moves_to_a_new_address(tmp_
     assert result.sent == 8 and result.answered == 8, result.errors
     assert result.recovered_s is not None  # every user got an answer from the moved node
     assert result.committee_height >= 1 and result.path_setups > 0
+    # the profile's link delays were in force in every process (m0 and its restart included)
+    logs = sorted((tmp_path / "logs").glob("*.log"))
+    assert len(logs) == 11
+    assert all("TEST ONLY faults now" in log.read_text() for log in logs)
 
 
 @pytest.mark.slow
@@ -82,6 +92,44 @@ def test_options_that_cannot_run_are_refused_before_anything_is_built():
         multihost.MultihostOptions(users=3).validate()
     with pytest.raises(ConfigError, match="models >= 2"):
         multihost.MultihostOptions(models=1, perturb="restart-model").validate()
-    with pytest.raises(ConfigError, match="delaying transport"):
-        multihost.MultihostOptions(profile="continental").validate()
-    multihost.MultihostOptions().validate()
+    with pytest.raises(ConfigError, match="models >= 2"):
+        multihost.MultihostOptions(models=1, perturb="nat-remap,freeze-model").validate()
+    with pytest.raises(ConfigError, match="nat-users >= 1"):
+        multihost.MultihostOptions(nat_users=0, perturb="nat-remap").validate()
+    with pytest.raises(ConfigError, match="not 'unplug'"):
+        multihost.MultihostOptions(perturb="kill-model,unplug").validate()
+    with pytest.raises(ConfigError, match="--profile"):
+        multihost.MultihostOptions(profile="moon").validate()
+    for profile in netns.PROFILES:
+        multihost.MultihostOptions(profile=profile).validate()
+    opts = multihost.MultihostOptions(perturb="kill-model, freeze-model,nat-remap")
+    opts.validate()
+    assert opts.perturbations() == ["kill-model", "freeze-model", "nat-remap"]
+    assert multihost.MultihostOptions().perturbations() == []
+
+
+def test_each_end_of_a_link_holds_half_of_its_one_way_delay(tmp_path):
+    opts = multihost.MultihostOptions(profile="intercontinental", seed=5)
+    net = multihost.Multihost(opts, None, tmp_path)
+    names = ["v0", "m0", "u0", "n0"]
+    net.nodes = {n: types.SimpleNamespace(name=n) for n in names}
+    net.nodes["m0-r1"] = net.nodes.pop("m0")  # a restarted node keeps its key and links
+    net._write_faults()
+    assert net.link_delays == netns.link_delays(names, "intercontinental", seed=5)
+    ids = {n: net._peer_id(n) for n in names}
+    rules = {n: load_faults(tmp_path / "faults" / f"{n}.json") for n in names}
+    for (a, b), ms in net.link_delays.items():
+        assert 80.0 <= ms <= 200.0
+        there = rules[a].rule(base58.b58decode(ids[b])).delay_s
+        back = rules[b].rule(base58.b58decode(ids[a])).delay_s
+        assert there == back == pytest.approx(ms / 2000.0)
+    assert all(len(r.peers) == 3 for r in rules.values())
+
+
+def test_the_summary_names_the_profile_and_each_perturbations_recovery():
+    result = multihost.Result(sent=4, answered=4, latencies_ms=[100, 200, 300, 400],
+                              profile="lossy", perturb="kill-model,nat-remap",
+                              recoveries=[("kill-model", 3.31), ("nat-remap", None)])
+    line = result.summary()
+    assert line.startswith("multihost (lossy): answered 4/4, latency p50 0.25 s p99 0.40 s")
+    assert line.endswith("kill-model: recovered in 3.3 s, nat-remap: not recovered")

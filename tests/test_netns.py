@@ -79,6 +79,77 @@ def test_bandwidth_is_set_on_both_directions_of_the_link():
         assert "tbf" in port
 
 
+UDP_ECHO = ("import socket\n"
+            "s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('0.0.0.0', 7001))\n"
+            "print('up', flush=True)\n"
+            "while True:\n"
+            "    d, a = s.recvfrom(100); s.sendto(d, a)\n")
+
+
+TCP_ECHO = ("import socket,threading\n"
+            "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "s.bind(('0.0.0.0', 7002)); s.listen(8); print('up', flush=True)\n"
+            "def echo(c):\n"
+            "    while (d := c.recv(100)):\n        c.sendall(d)\n"
+            "while True:\n"
+            "    threading.Thread(target=echo, args=(s.accept()[0],), daemon=True).start()\n")
+
+
+def _udp_round_trips(bed: netns.Testbed, src: netns.Host, ip: str, count: int) -> int:
+    """Datagrams of ``count`` sent from ``src`` to the echo at ``ip`` that came back."""
+    client = ("import socket,sys\n"
+              "s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(0.05)\n"
+              f"got=0\nfor i in range({count}):\n"
+              "    try:\n"
+              f"        s.sendto(str(i).encode(), ('{ip}', 7001))\n"
+              "        got += s.recvfrom(100)[0] == str(i).encode()\n"
+              "    except OSError:\n        pass\n"
+              "print(got)\n")
+    proc = bed.popen(src, [sys.executable, "-c", client], stdout=subprocess.PIPE, text=True)
+    return int(proc.communicate(timeout=120)[0])
+
+
+def test_loss_drops_the_share_of_packets_it_is_set_to_and_spares_loopback():
+    with netns.Testbed() as bed:
+        a, b = bed.add_host("a"), bed.add_host("b")
+        echo = bed.popen(b, [sys.executable, "-c", UDP_ECHO], stdout=subprocess.PIPE, text=True)
+        assert echo.stdout.readline().strip() == "up"
+        assert _udp_round_trips(bed, a, b.ip, 200) == 200
+        bed.set_loss(a, 0.2)  # a's packets out: one draw per round trip
+        back = _udp_round_trips(bed, a, b.ip, 1000)
+        assert 700 <= back <= 900  # 800 expected; binomial sd 12.6
+        _serve(bed, a)
+        assert _ask(bed, a, "127.0.0.1") == "127.0.0.1"  # lo is never dropped
+        bed.set_loss(a, 0.0)
+        assert _udp_round_trips(bed, a, b.ip, 200) == 200
+        with pytest.raises(NetnsError):
+            bed.set_loss(a, 1.0)
+
+
+def test_a_renumbered_nat_router_breaks_open_connections_and_maps_new_ones_anew():
+    with netns.Testbed() as bed:
+        a = bed.add_host("a")
+        home = bed.add_host("home", nat=True)
+        echo = bed.popen(a, [sys.executable, "-c", TCP_ECHO], stdout=subprocess.PIPE, text=True)
+        assert echo.stdout.readline().strip() == "up"
+        _serve(bed, a)
+        old = home.public_ip
+        with bed.connect(home, a.ip, 7002, timeout=3.0) as sock:  # through the old mapping
+            sock.sendall(b"x")
+            assert sock.recv(10) == b"x"
+            new = bed.renumber_router(home)
+            assert new != old and home.public_ip == new
+            sock.sendall(b"y")  # its mapping is gone: reset by a, or never answered
+            try:
+                got = sock.recv(10)
+            except OSError:  # reset, or timed out
+                got = None
+            assert got != b"y"
+        assert _ask(bed, home, a.ip) == new  # a new connection is masqueraded to the new IP
+        with pytest.raises(NetnsError):
+            bed.renumber_router(a)
+
+
 def test_everything_of_a_run_is_removed_also_when_the_block_raises():
     with pytest.raises(RuntimeError, match="boom"):
         with netns.Testbed() as bed:

@@ -29,7 +29,7 @@ relayed once to the other validators; a refused one is counted, not reset (the s
 may differ).
 
 Outbound: a :class:`~ps_p2p.protocols.links.LinkManager` (bounded per-peer queues, dial
-back-off) and :class:`~ps_p2p.consensus.gossip.Gossip` (Algorithm 1's "gossip communication",
+back-off capped at :data:`VALIDATOR_REDIAL_MAX`, past py-libp2p's negative dial cache) and :class:`~ps_p2p.consensus.gossip.Gossip` (Algorithm 1's "gossip communication",
 issue 17): a peer is sent what it lacks, never twice while its link stays up. A new own message
 goes to every peer; a proposal with a POL round goes with its POL certificate (the 2f+1
 prevotes of that round, L28) to the peers that lack them. Every ``rebroadcast_interval`` seconds
@@ -118,6 +118,12 @@ CONSENSUS_PROTOCOL_ID = TProtocol("/planetserve/consensus/1.0.0")
 MAX_FRAME_BYTES = cc.MAX_VALUE_BYTES + 1024
 #: Verified frames remembered (their hashes), so a re-broadcast is not checked twice.
 VERIFIED_CACHE = 4096
+#: Seconds between two dials of an unreachable validator at most (times 0.5-1.5 jitter): the
+#: validators are few and must stay linked, so a healed partition is reconnected within a
+#: round's timeout, not after the overlay's 30 s back-off and py-libp2p's 60 s negative dial
+#: cache (issue 17: ~50 s after a 2|2 partition; :class:`~ps_p2p.protocols.links.LinkManager`
+#: ``persistent``).
+VALIDATOR_REDIAL_MAX = 2.0
 
 #: The wire form the validator stores its own messages and commits in.
 WIRE = WireCodec(
@@ -359,6 +365,7 @@ class ConsensusService:
                     self._links = LinkManager(
                         self.host, nursery, CONSENSUS_PROTOCOL_ID,
                         queue_frames=self.config.queue_frames,
+                        backoff_max=VALIDATOR_REDIAL_MAX, persistent=True,
                         on_link_down=lambda peer, _reason: self.gossip.link_down(peer),
                     )
                     await nursery.start(self.driver.run)

@@ -12,7 +12,12 @@ opened. A :class:`LinkManager` owns the outbound side for one protocol ID:
   reports the peer through ``on_link_down`` and forgets the link (the next send opens a new one);
 * a peer whose stream could not be opened is not dialled again at once: sends to it are refused
   for an exponentially growing, jittered back-off (0.5 s doubling up to 30 s, times 0.5-1.5),
-  cleared by the next link that opens.
+  cleared by the next link that opens;
+* ``persistent`` links (a committee's validators: few peers that must stay linked) use a lower
+  back-off cap and dial past py-libp2p's negative dial cache, which refuses every dial to a
+  peer for 60 s after one failed (``Swarm._negative_peer_cache``): after a 2|2 partition healed,
+  both sides were in it and the committee waited ~50 s to reconnect (issue 17). CometBFT
+  likewise redials persistent peers every 5 s (``p2p/switch.go``, ``reconnectToPeer``).
 
 The inbound side is :func:`make_frame_handler`: a guarded stream handler that reads size-limited
 frames and hands each one to a synchronous callback; a callback that raises
@@ -104,6 +109,8 @@ class LinkManager:
             a machine too busy to finish handshakes in 5 s does not fail every link it opens
             (which made a 100-user devnet tear down working paths and dial again, at once).
         clock: seconds (trio's clock); random: uniform [0, 1) draws for the back-off jitter.
+        backoff_max: the back-off's cap, seconds (default :data:`BACKOFF_MAX`).
+        persistent: dial past py-libp2p's negative dial cache (the back-off here replaces it).
     """
 
     def __init__(
@@ -117,8 +124,12 @@ class LinkManager:
         open_timeout: float = 5.0,
         clock: Callable[[], float] = trio.current_time,
         random: Callable[[], float] = _random.random,
+        backoff_max: float = BACKOFF_MAX,
+        persistent: bool = False,
     ) -> None:
         self._host = host
+        self._backoff_max = backoff_max
+        self._persistent = persistent
         self._nursery = nursery
         self._protocol_id = TProtocol(protocol_id)
         self._on_link_down = on_link_down
@@ -202,6 +213,8 @@ class LinkManager:
         allowance = self._open_rtt.rto
         try:
             started = self._clock()
+            if self._persistent:
+                _forget_failed_dial(self._host, link.peer_id)
             with trio.fail_after(allowance):
                 stream = await self._host.new_stream(ID(link.peer_id), [self._protocol_id])
             self._open_rtt.sample(self._clock() - started)
@@ -264,11 +277,19 @@ class LinkManager:
 
     def _back_off(self, peer_id: bytes) -> None:
         failures = self._backoff.pop(peer_id, (0, 0.0))[0] + 1
-        wait = min(BACKOFF_MAX, BACKOFF_INITIAL * 2 ** (failures - 1))
+        wait = min(self._backoff_max, BACKOFF_INITIAL * 2 ** (failures - 1))
         wait *= 0.5 + self._random()
         self._backoff[peer_id] = (failures, self._clock() + wait)
         while len(self._backoff) > MAX_BACKOFF_PEERS:
             self._backoff.popitem(last=False)
+
+
+def _forget_failed_dial(host: IHost, peer_id: bytes) -> None:
+    """Drop ``peer_id`` from py-libp2p 0.8.1's negative dial cache (a private attribute of
+    its swarm; nothing happens when it is not there)."""
+    cache = getattr(host.get_network(), "_negative_peer_cache", None)
+    if cache is not None:
+        cache.evict(str(ID(peer_id)))
 
 
 def make_frame_handler(

@@ -14,27 +14,40 @@ paths, sends prompts through the users' local APIs (``POST /v1/completions`` on 
 each user's namespace, reached with ``setns(2)``: :meth:`~ps_p2p.testing.netns.Testbed.connect`),
 round robin over users, and prints one summary line::
 
-    multihost: answered 20/20, latency p50 0.31 s p99 0.92 s, path setups 48 (failed 2),
-    committee height 37, restart-model: recovered in 3.1 s
+    multihost (continental): answered 20/20, latency p50 0.94 s p99 1.60 s, path setups 40
+    (failed 0), committee height 6, ready in 20.6 s, kill-model: recovered in 10.7 s
 
-Perturbation ``restart-model`` (needs two model nodes, so prompts have somewhere to go while
-``m0`` is away): after the first half of the prompts, model node ``m0`` is SIGKILLed, its host
-(namespace and address) removed, and it is started again with the same key on a new host (a
-new IP address) while the second half is sent (a request to the lost ``m0`` moves to another
-model node of the model). Then every user asks until it got an answer served by the restarted
-``m0`` (the API cannot name a model node; these probes are not counted as prompts):
-"recovered" is the time from its new start until every user got one.
+Perturbations (``perturb``: a comma-separated list, run one after the other): the prompts are
+cut into ``len(list) + 1`` shares, the first sent before any perturbation and one share during
+each (while it happens and until it recovered). Each gives its seconds to recover (None: not
+within ``start_timeout``), measured from the end of the perturbation:
 
-Perturbation ``partition-model``: after the first half of the prompts, nftables rules cut model
-node ``m0`` off from every user (both ways; open TCP connections stall, as behind a failed
-link) for :data:`PARTITION_SECONDS` while the second half is sent, then heal; "recovered" is the
-time from the heal until every user got an answer served by ``m0`` again.
+* ``restart-model``: model node ``m0`` is SIGKILLed, its host (namespace and address) removed,
+  and it is started again with the same key on a new host (a new IP address); recovered when
+  every user got an answer served by it, from its new start (the API cannot name a model node:
+  a user asks again, 0.5 s after each miss, until the node it reached is ``m0``; these probes
+  are not counted as prompts);
+* ``kill-model``: ``m0`` SIGKILLed, started again on the same host :data:`KILL_SECONDS` later;
+  recovered as above, from its start;
+* ``freeze-model``: ``m0`` SIGSTOPped for :data:`FREEZE_SECONDS` (its TCP connections stay
+  open), then SIGCONT; recovered as above, from SIGCONT;
+* ``partition-model``: nftables rules cut ``m0`` off from every user (both ways) for
+  :data:`PARTITION_SECONDS`, then heal; recovered as above, from the heal;
+* ``nat-remap``: NATed user ``n0``'s home router takes a new public IP
+  (:meth:`~ps_p2p.testing.netns.Testbed.renumber_router`: its masquerade mappings die, so do
+  ``n0``'s connections); recovered when ``n0`` got an answer, from the change.
 
-WAN profiles (``profile``): only ``lan`` here. The other profiles' per-link delays
-(:func:`~ps_p2p.testing.netns.link_delays`) are to be applied inside each process by the
-test-only fault injector of issue 17 (``ps_p2p.testing.faults``: a per-peer ``faults_file``);
-docs/network.md says how it plugs in. Until then asking for another profile is refused rather
-than silently run at LAN speed.
+Every ``*-model`` perturbation needs two model nodes (the prompts sent while ``m0`` is away go
+to the other one); ``nat-remap`` a NATed user.
+
+WAN profiles (``profile``, :data:`~ps_p2p.testing.netns.PROFILES`): one one-way delay per pair
+of nodes (:func:`~ps_p2p.testing.netns.link_delays`, by node name and ``seed``), applied by the
+TEST ONLY delaying transport of :mod:`ps_p2p.testing.faults`: each node's config names a faults
+file (``[testing] faults_file``) giving, per peer ID, half the link's delay (both ends hold the
+bytes: one way ``d``, a round trip ``2 d``); ``lan`` uses no faults file at all. A profile's
+loss is IP packet loss set with nftables in every host's namespace
+(:meth:`~ps_p2p.testing.netns.Testbed.set_loss`); ``bandwidth`` a ``tc tbf`` on every link.
+Accuracy: docs/network.md.
 
 Everything the run creates is removed when it ends, also on Ctrl-C, SIGTERM or an error
 (:class:`~ps_p2p.testing.netns.Testbed`); the work directory (configs, keys, logs, status
@@ -50,6 +63,7 @@ import json
 import logging
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,9 +82,14 @@ log = logging.getLogger(__name__)
 REPO = pathlib.Path(__file__).resolve().parents[2]
 #: Ports every node uses inside its own namespace (each namespace has its own ports).
 P2P_PORT, API_PORT, METRICS_PORT = 4001, 8080, 9464
-PERTURBATIONS = ("none", "restart-model", "partition-model")
+PERTURBATIONS = ("none", "restart-model", "partition-model", "kill-model", "freeze-model",
+                 "nat-remap")
 #: Seconds model node m0 stays cut off from the users in ``partition-model``.
 PARTITION_SECONDS = 10.0
+#: Seconds model node m0 stays SIGSTOPped in ``freeze-model`` (a powered-off laptop).
+FREEZE_SECONDS = 20.0
+#: Seconds model node m0 stays dead in ``kill-model`` before it starts again (same address).
+KILL_SECONDS = 5.0
 
 
 @dataclasses.dataclass
@@ -94,6 +113,10 @@ class MultihostOptions:
     log_level: str = "INFO"
     seed: int = 1
 
+    def perturbations(self) -> list[str]:
+        """The perturbations to run, in order (``perturb``: comma-separated; none: [])."""
+        return [p.strip() for p in self.perturb.split(",") if p.strip() not in ("", "none")]
+
     def validate(self) -> None:
         """Raises: ConfigError: a count or option out of range."""
         from ps_p2p.config import UserConfig
@@ -109,17 +132,17 @@ class MultihostOptions:
             raise ConfigError("--nat-users and --prompts must be >= 0, --concurrency >= 1")
         if self.verifiers + self.models + self.users + 2 * self.nat_users + 2 > netns.MAX_HOSTS:
             raise ConfigError(f"at most {netns.MAX_HOSTS} hosts (a NATed user takes two)")
-        if self.perturb not in PERTURBATIONS:
-            raise ConfigError(f"--perturb: one of {', '.join(PERTURBATIONS)}")
-        if self.perturb != "none" and self.models < 2:
-            raise ConfigError(f"--perturb {self.perturb} needs --models >= 2 (the prompts sent "
-                              "while m0 is away go to the others)")
+        for p in self.perturbations():
+            if p not in PERTURBATIONS:
+                raise ConfigError(f"--perturb: a comma-separated list of "
+                                  f"{', '.join(PERTURBATIONS)}, not {p!r}")
+            if p.endswith("-model") and self.models < 2:
+                raise ConfigError(f"--perturb {p} needs --models >= 2 (the prompts sent "
+                                  "while m0 is away go to the others)")
+            if p == "nat-remap" and self.nat_users < 1:
+                raise ConfigError("--perturb nat-remap needs --nat-users >= 1")
         if self.profile not in netns.PROFILES:
             raise ConfigError(f"--profile: one of {', '.join(netns.PROFILES)}")
-        if self.profile != "lan":
-            raise ConfigError(
-                f"--profile {self.profile}: the per-link delays need the test-only delaying "
-                "transport (ps_p2p.testing.faults), not wired in yet; only lan runs now")
 
 
 @dataclasses.dataclass
@@ -168,6 +191,9 @@ class Result:
     ready_s: float = 0.0
     recovered_s: float | None = None
     perturb: str = "none"
+    #: (perturbation, seconds to recover or None) in the order run
+    recoveries: list[tuple[str, float | None]] = dataclasses.field(default_factory=list)
+    profile: str = "lan"
     leftovers: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
@@ -175,14 +201,13 @@ class Result:
         p50 = statistics.median(lat) / 1000 if lat else float("nan")
         p99 = lat[min(len(lat) - 1, int(0.99 * len(lat) + 0.999999) - 1)] / 1000 if lat \
             else float("nan")
-        line = (f"multihost: answered {self.answered}/{self.sent}, latency p50 {p50:.2f} s "
-                f"p99 {p99:.2f} s, path setups {self.path_setups} (failed {self.setups_failed}), "
-                f"committee height {self.committee_height}, ready in {self.ready_s:.1f} s")
-        if self.perturb != "none":
-            event = "its restart" if self.perturb == "restart-model" else "the heal"
-            rec = "not recovered" if self.recovered_s is None else \
-                f"every user reached it {self.recovered_s:.1f} s after {event}"
-            line += f", {self.perturb}: {rec}"
+        line = (f"multihost ({self.profile}): answered {self.answered}/{self.sent}, latency p50 "
+                f"{p50:.2f} s p99 {p99:.2f} s, path setups {self.path_setups} "
+                f"(failed {self.setups_failed}), committee height {self.committee_height}, "
+                f"ready in {self.ready_s:.1f} s")
+        for name, seconds in self.recoveries:
+            line += f", {name}: " + ("not recovered" if seconds is None
+                                     else f"recovered in {seconds:.1f} s")
         return line
 
 
@@ -211,6 +236,10 @@ class Multihost:
         self.genesis = workdir / "genesis.json"
         self.boot: list[str] = []
         self._restarts = 0
+        #: base58 peer ID by base node name (``m0`` for ``m0-r1`` too: same key)
+        self.peer_ids: dict[str, str] = {}
+        #: one-way delay (ms) of each link, by (base name, base name), a < b
+        self.link_delays: dict[tuple[str, str], float] = {}
 
     # ------------------------------------------------------------------ start
 
@@ -229,6 +258,52 @@ class Multihost:
         return [f"/ip4/{self.bed.hosts[n].ip}/tcp/{P2P_PORT}/p2p/{k.identity.peer_id_str}"
                 for n, k in zip(names, keys)]
 
+    def _peer_id(self, base: str) -> str:
+        """The peer ID of node ``base`` (its key is created in its home on first use)."""
+        from ps_p2p.keys import load_or_create_keys
+
+        if base not in self.peer_ids:
+            keys = load_or_create_keys(self.work / "homes" / base / "node.key")
+            self.peer_ids[base] = keys.identity.peer_id_str
+        return self.peer_ids[base]
+
+    def _faults_path(self, base: str) -> pathlib.Path:
+        return self.work / "faults" / f"{base}.json"
+
+    def _write_faults(self) -> None:
+        """The WAN profile's delays: one faults file per node, holding half of each link's
+        one-way delay (the other end holds the other half: a byte from A to B waits
+        ``d/2`` in A's writer and ``d/2`` in B's reader, a round trip ``2 d``)."""
+        from ps_p2p.testing.faults import LinkRule, write_faults
+
+        bases = sorted({n.name.split("-r")[0] for n in self.nodes.values()})
+        self.link_delays = netns.link_delays(bases, self.opts.profile, self.opts.seed)
+        for base in bases:
+            peers: dict[str, LinkRule] = {}
+            for (a, b), ms in self.link_delays.items():
+                if base in (a, b):
+                    peers[self._peer_id(b if a == base else a)] = LinkRule(ms / 2000.0)
+            path = self._faults_path(base)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_faults(path, peers=peers)
+
+    def _add_host(self, name: str, *, nat: bool = False) -> netns.Host:
+        """A host of the run with the profile's loss and the run's bandwidth limit."""
+        host = self.bed.add_host(name, nat=nat)
+        loss = netns.PROFILES[self.opts.profile][2]
+        if loss > 0:
+            self.bed.set_loss(host, loss)
+        if self.opts.bandwidth:
+            self.bed.set_bandwidth(host, self.opts.bandwidth)
+        return host
+
+    def node(self, base: str) -> NodeProc:
+        """The current process of node ``base`` (``m0``: ``m0`` or its latest ``m0-rN``)."""
+        for node in self.nodes.values():
+            if node.name.split("-r")[0] == base:
+                return node
+        raise KeyError(base)
+
     def _node(self, name: str, role: str, host: netns.Host) -> NodeProc:
         home = self.work / "homes" / name.split("-r")[0]
         home.mkdir(parents=True, exist_ok=True)
@@ -243,6 +318,8 @@ class Multihost:
             "bootstrap": [b for b in self.boot if f"/{host.ip}/" not in b],
             "directory_refresh": self.opts.directory_refresh,
         }
+        if self.opts.profile != "lan":  # TEST ONLY delaying transport (ps_p2p.testing.faults)
+            cfg["testing"] = {"faults_file": str(self._faults_path(name.split("-r")[0]))}
         if role == "model":  # one model: a request to a lost node moves to another one
             cfg.update(engine="sim", model="sim-model")
         if role == "user":
@@ -279,19 +356,22 @@ class Multihost:
         t0 = time.monotonic()
         vnames = [f"v{i}" for i in range(o.verifiers)]
         for n in vnames:
-            self.bed.add_host(n)
+            self._add_host(n)
         self.boot = self._write_genesis(vnames)
         for n in vnames:
             self._node(n, "verifier", self.bed.hosts[n])
         for i in range(o.models):
-            self._node(f"m{i}", "model", self.bed.add_host(f"m{i}"))
+            self._node(f"m{i}", "model", self._add_host(f"m{i}"))
         for i in range(o.users):
-            self._node(f"u{i}", "user", self.bed.add_host(f"u{i}"))
+            self._node(f"u{i}", "user", self._add_host(f"u{i}"))
         for i in range(o.nat_users):
-            self._node(f"n{i}", "user", self.bed.add_host(f"n{i}", nat=True))
-        if o.bandwidth:
-            for host in list(self.bed.hosts.values()):
-                self.bed.set_bandwidth(host, o.bandwidth)
+            self._node(f"n{i}", "user", self._add_host(f"n{i}", nat=True))
+        if o.profile != "lan":
+            self._write_faults()
+            ms = sorted(self.link_delays.values())
+            self.say(f"profile {o.profile}: {len(ms)} links, one-way delay "
+                     f"{ms[0]:.0f}-{ms[-1]:.0f} ms (median {statistics.median(ms):.0f}), loss "
+                     f"{netns.PROFILES[o.profile][2]:.0%} per packet")
         self.say(f"{len(self.bed.hosts)} hosts on {self.bed.prefix}-*: "
                  + ", ".join(f"{h.name} {h.ip}" + (f" (NAT {h.public_ip})" if h.nat else "")
                              for h in self.bed.hosts.values()))
@@ -468,16 +548,84 @@ class Multihost:
         self._restarts += 1
         base = name.split("-r")[0]
         new_name = f"{base}-r{self._restarts}"
-        node = self._node(new_name, old.role, self.bed.add_host(new_name))
+        node = self._node(new_name, old.role, self._add_host(new_name))
         del self.nodes[name]
         self._start(node)
+        await self._wait_listening(node)
+        self.say(f"{name} restarted as {new_name} at {node.host.ip}")
+        return node
+
+    async def _wait_listening(self, node: NodeProc) -> None:
         with trio.fail_after(self.opts.start_timeout):
             while not node.read_status().get("listen"):
                 if not node.running():
-                    raise NetnsError(f"{new_name} exited\n{node.log_tail()}")
+                    raise NetnsError(f"{node.name} exited\n{node.log_tail()}")
                 await trio.sleep(0.2)  # its status file, written every 0.5 s
-        self.say(f"{name} restarted as {new_name} at {node.host.ip}")
-        return node
+
+    async def until_answered(self, user: NodeProc, timeout: float) -> float:
+        """Ask from ``user`` (again 0.5 s after each failure) until it gets an answer;
+        returns the seconds it took.
+
+        Raises:
+            NetnsError: no answer within ``timeout`` seconds.
+        """
+        t0 = time.monotonic()
+        with trio.move_on_after(timeout):
+            while True:
+                ok, _meta, _error = await self.ask(user, "Once upon a time")
+                if ok:
+                    return time.monotonic() - t0
+                await trio.sleep(0.5)  # the next try of a person who got an error
+        raise NetnsError(f"{user.name} got no answer within {timeout:.0f} s")
+
+    async def perturb(self, name: str) -> float | None:
+        """Run perturbation ``name`` (module docstring) and wait for the network to recover;
+        returns the seconds from the perturbation's end (restart, SIGCONT, heal, new address)
+        until it did, or None when it did not within ``start_timeout``."""
+        timeout = self.opts.start_timeout
+        m0_id = self._peer_id("m0")
+        try:
+            if name == "restart-model":
+                await self.restart_on_new_host(self.node("m0").name)
+                return await self.until_every_user_reaches(m0_id, timeout)
+            if name == "kill-model":
+                m0 = self.node("m0")
+                m0.process.kill()
+                m0.process.wait()
+                self.say(f"m0 killed; starting again on {m0.host.ip} in {KILL_SECONDS:.0f} s")
+                await trio.sleep(KILL_SECONDS)  # the perturbation's length, not a wait
+                self._start(m0)
+                await self._wait_listening(m0)
+                return await self.until_every_user_reaches(m0_id, timeout)
+            if name == "freeze-model":
+                m0 = self.node("m0")
+                os.killpg(m0.process.pid, signal.SIGSTOP)
+                self.say(f"m0 frozen (SIGSTOP) for {FREEZE_SECONDS:.0f} s")
+                try:
+                    await trio.sleep(FREEZE_SECONDS)  # the perturbation's length
+                finally:
+                    os.killpg(m0.process.pid, signal.SIGCONT)
+                return await self.until_every_user_reaches(m0_id, timeout)
+            if name == "partition-model":
+                m0 = self.node("m0")
+                users = [n.host for n in self.nodes.values() if n.role == "user"]
+                self.bed.partition([m0.host], users)
+                self.say(f"m0 cut off from the users for {PARTITION_SECONDS:.0f} s")
+                try:
+                    await trio.sleep(PARTITION_SECONDS)  # the perturbation's length
+                finally:
+                    self.bed.heal()
+                return await self.until_every_user_reaches(m0_id, timeout)
+            if name == "nat-remap":
+                n0 = self.node("n0")
+                old = n0.host.public_ip
+                new = self.bed.renumber_router(n0.host)
+                self.say(f"n0's NAT router moved from {old} to {new} (mappings lost)")
+                return await self.until_answered(n0, timeout)
+        except NetnsError as exc:
+            self.say(f"{name}: {exc}")
+            return None
+        raise ConfigError(f"unknown perturbation {name!r}")
 
 
 def default_prompts(count: int) -> list[str]:
@@ -510,37 +658,24 @@ async def run_multihost(opts: MultihostOptions, bed: netns.Testbed, workdir: pat
     """
     opts.validate()
     net = Multihost(opts, bed, workdir, say)
-    result = Result(perturb=opts.perturb)
+    result = Result(perturb=opts.perturb, profile=opts.profile)
     result.ready_s = await net.start()
     say(f"ready in {result.ready_s:.1f} s")
     prompts = default_prompts(opts.prompts)
-    if opts.perturb == "restart-model":
-        half = len(prompts) // 2
-        await net.send_prompts(prompts[:half], result)
-        async with trio.open_nursery() as nursery:  # prompts go on while m0 moves
-            nursery.start_soon(net.send_prompts, prompts[half:], result)
-            restarted = await net.restart_on_new_host("m0")
-            result.recovered_s = await net.until_every_user_reaches(
-                restarted.read_status()["peer_id"], opts.start_timeout)
-        say(f"every user reached the restarted m0 {result.recovered_s:.1f} s after its start")
-    elif opts.perturb == "partition-model":
-        half = len(prompts) // 2
-        await net.send_prompts(prompts[:half], result)
-        m0 = net.nodes["m0"]
-        users = [n.host for n in net.nodes.values() if n.role == "user"]
-        async with trio.open_nursery() as nursery:
-            bed.partition([m0.host], users)
-            say(f"m0 cut off from the users for {PARTITION_SECONDS:.0f} s")
-            nursery.start_soon(net.send_prompts, prompts[half:], result)
-            await trio.sleep(PARTITION_SECONDS)  # the perturbation's length, not a wait
-            bed.heal()
-            healed = time.monotonic()
-            result.recovered_s = await net.until_every_user_reaches(
-                m0.read_status()["peer_id"], opts.start_timeout)
-        result.recovered_s = time.monotonic() - healed
-        say(f"every user reached m0 {result.recovered_s:.1f} s after the heal")
-    else:
-        await net.send_prompts(prompts, result)
+    perturbs = opts.perturbations()
+    parts = len(perturbs) + 1  # prompts before the first perturbation, then during each
+    chunks = [prompts[len(prompts) * i // parts: len(prompts) * (i + 1) // parts]
+              for i in range(parts)]
+    await net.send_prompts(chunks[0], result)
+    for name, chunk in zip(perturbs, chunks[1:]):
+        async with trio.open_nursery() as nursery:  # prompts go on during the perturbation
+            nursery.start_soon(net.send_prompts, chunk, result)
+            seconds = await net.perturb(name)
+        result.recoveries.append((name, seconds))
+        say(f"{name}: " + ("not recovered" if seconds is None
+                           else f"recovered in {seconds:.1f} s"))
+    if result.recoveries:
+        result.recovered_s = result.recoveries[0][1]
     await net.collect(result)
     return result
 

@@ -17,10 +17,18 @@ A :class:`Testbed` (a context manager; root, ``ip``, ``nft`` and ``tc`` from Deb
 * partitions (:meth:`Testbed.partition`, :meth:`Testbed.heal`): nftables rules in each host's
   namespace that drop traffic to and from the hosts of the other groups;
 * bandwidth (:meth:`Testbed.set_bandwidth`): a ``tc`` token bucket (``tbf``) on both directions
-  of the host's link (its own veth for upload, the bridge port for download). This kernel has
-  no ``netem``, so delay and loss are not set here: a test-only delaying transport
-  (``ps_p2p.testing.faults``) does it inside the processes, and :func:`link_delays` gives it a
-  delay per pair of hosts for a named profile (:data:`PROFILES`).
+  of the host's link (its own veth for upload, the bridge port for download);
+* packet loss (:meth:`Testbed.set_loss`): an nftables rule in the host's namespace that drops
+  each IP packet it sends out of ``eth0`` with probability ``p`` (``numgen random``), so every
+  packet between two hosts crosses exactly one such draw: a real loss at the IP layer, which
+  TCP repairs by retransmission;
+* a NAT that changes its mapping (:meth:`Testbed.renumber_router`): the home router takes a new
+  WAN address; the kernel drops the masquerade mappings of the old one, so the host's open
+  connections die and it has to dial again.
+
+This kernel has no ``netem``, so delay is not set here: a test-only delaying transport
+(``ps_p2p.testing.faults``) does it inside the processes, and :func:`link_delays` gives it a
+delay per pair of hosts for a named profile (:data:`PROFILES`).
 
 Processes (:meth:`Testbed.popen`) run in a host's namespace through ``ip netns exec``, each in a
 session of its own, with ``PR_SET_PDEATHSIG`` = SIGKILL so that they die with the process that
@@ -76,7 +84,8 @@ MAX_HOSTS = 250
 TOOLS = ("ip", "nft", "tc")
 
 #: WAN profiles, name -> (least, most one-way delay of a link in ms, loss rate): issue 20.
-#: Applied by the test-only delaying transport, not by this module (no netem here).
+#: The delay is applied by the test-only delaying transport (no netem here), the loss by
+#: :meth:`Testbed.set_loss` (nftables, per packet sent).
 PROFILES: dict[str, tuple[float, float, float]] = {
     "lan": (0.0, 0.0, 0.0),
     "continental": (20.0, 60.0, 0.0),
@@ -471,6 +480,53 @@ table inet {self.prefix}cut {{
             _run(["ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root",
                   "tbf", "rate", rate, "burst", burst, "latency", latency])
             self._shaped.append((where, dev))
+
+    def set_loss(self, host: Host, rate: float) -> None:
+        """Drop each IP packet ``host`` sends out of its link with probability ``rate``
+        (0 <= rate < 1, resolution 1e-4): nftables ``numgen random mod 10000 < N drop`` on
+        ``eth0``'s output in its own namespace (a NATed host: towards its router). Packets on
+        ``lo`` (the controller's API calls) are never dropped. Replaces an earlier rate.
+
+        Raises:
+            NetnsError: a rate out of range, or nft refused it.
+        """
+        if not 0 <= rate < 1:
+            raise NetnsError(f"loss rate {rate} not in [0, 1)")
+        table = f"{self.prefix}loss"
+        _run(["ip", "netns", "exec", host.ns, "nft", "delete", "table", "inet", table],
+             check=False)
+        below = round(rate * 10000)
+        if below == 0:
+            return
+        self.nft(host.ns, f"""
+table inet {table} {{
+  chain loss_out {{
+    type filter hook output priority filter;
+    oifname "eth0" numgen random mod 10000 < {below} drop
+  }}
+}}
+""")
+
+    def renumber_router(self, host: Host) -> str:
+        """Give a NATed ``host``'s home router a new WAN address (an ISP handing out a new IP):
+        the kernel forgets the masquerade mappings of the old address, so the host's open
+        connections die (their packets reach no one, or a peer answers a reset) and it has to
+        dial again. Returns the new public address (``10.200.<i>.<k>``, k = 3, 4, ...).
+
+        Raises:
+            NetnsError: ``host`` is not NATed, or ip failed.
+        """
+        if not host.nat or host.router_ns is None:
+            raise NetnsError(f"{host.name} is not behind a NAT")
+        old = ipaddress.ip_address(host.public_ip)
+        new = old + 1
+        if int(new) & 0xFF >= 250:
+            new = ipaddress.ip_address(int(old) & ~0xFF | 3)
+        # delete first: deleting a primary address also deletes its secondaries
+        self._ip(host.router_ns, "addr", "del", f"{old}/16", "dev", "eth0")
+        self._ip(host.router_ns, "addr", "add", f"{new}/16", "dev", "eth0")
+        host.public_ip = str(new)
+        return host.public_ip
 
     # ------------------------------------------------------------------ processes
 

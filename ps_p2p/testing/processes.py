@@ -6,6 +6,12 @@ pauses it (SIGSTOP/SIGCONT) and reads its committed height from the status file 
 rewrites every 0.5 s. :func:`block_hashes` reads a stopped-or-running verifier's sqlite store
 read-only (block bytes per height: equal bytes, equal block ID; the encoding is deterministic).
 Used by ``tests/test_committee_processes.py`` and ``scripts/committee_perturb.py`` (issue 17).
+
+TEST ONLY faults (:mod:`ps_p2p.testing.faults`): with ``make_testnet(..., faults=True)`` every
+verifier's config names a control file (``net/verifier<i>.faults.json``, absent: no fault) that
+:meth:`VerifierProcess.set_faults` rewrites while the process runs (per-peer delay and
+partition, clock offset); :meth:`VerifierProcess.configure` turns the ``byzantine`` test flag
+on or off for the next start.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import sqlite3
 import subprocess
 import sys
 import time
+import tomllib
+
+from ps_p2p.testing.faults import LinkRule, write_faults
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -48,9 +57,16 @@ def free_base_port(count: int) -> int:
     raise RuntimeError("no free ports")
 
 
-def make_testnet(net: pathlib.Path, verifiers: int) -> list[VerifierProcess]:
+def make_testnet(net: pathlib.Path, verifiers: int, *, faults: bool = False,
+                 block_interval: float | None = None) -> list[VerifierProcess]:
     """Write a testnet of ``verifiers`` homes under ``net`` (``ps-node testnet``) and return
-    one (not started) :class:`VerifierProcess` per home."""
+    one (not started) :class:`VerifierProcess` per home.
+
+    Args:
+        faults: give every verifier a TEST ONLY faults control file (:meth:`~VerifierProcess.
+            set_faults`).
+        block_interval: the verifiers' ``block_interval`` (seconds); None: the node default.
+    """
     from ps_p2p import cli
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -58,7 +74,20 @@ def make_testnet(net: pathlib.Path, verifiers: int) -> list[VerifierProcess]:
                          "--base-port", str(free_base_port(verifiers))])
     if code != 0:
         raise RuntimeError(f"ps-node testnet failed ({code})")
-    return [VerifierProcess(net, i) for i in range(verifiers)]
+    processes = [VerifierProcess(net, i) for i in range(verifiers)]
+    by_port: dict[str, str] = {}
+    for v in processes:  # every other verifier's bootstrap list names this one's peer ID
+        for addr in tomllib.loads(v.config_path.read_text()).get("bootstrap", []):
+            by_port[addr.split("/tcp/")[1].split("/")[0]] = addr.rsplit("/p2p/", 1)[1]
+    for v in processes:
+        config = tomllib.loads(v.config_path.read_text())
+        v.peer_id = by_port[config["listen"].rsplit("/tcp/", 1)[1]]
+        if block_interval is not None:  # a top-level key, before any table
+            v.config_path.write_text(f"block_interval = {block_interval}\n"
+                                     + v.config_path.read_text())
+        v.faults = faults
+        v.configure()
+    return processes
 
 
 class VerifierProcess:
@@ -70,7 +99,34 @@ class VerifierProcess:
         self.status_path = net / f"{self.name}.status.json"
         self.log_path = net / f"{self.name}.log"
         self.store_path = net / self.name / "consensus.sqlite"
+        self.config_path = net / self.name / "config.toml"
+        self.faults_path = net / f"{self.name}.faults.json"
         self.process: subprocess.Popen | None = None
+        #: base58 peer ID (set by :func:`make_testnet`)
+        self.peer_id = ""
+        #: whether the config names the TEST ONLY faults control file
+        self.faults = False
+
+    def configure(self, *, byzantine: bool = False) -> None:
+        """Rewrite the config's TEST ONLY ``[testing]`` table (the last table of the file):
+        ``byzantine`` (an equivocating validator from its next start) and the faults file."""
+        text = self.config_path.read_text().split("\n[testing]\n", 1)[0].rstrip("\n")
+        lines = []
+        if byzantine:
+            lines.append("byzantine = true")
+        if self.faults:
+            lines.append(f"faults_file = {json.dumps(str(self.faults_path))}")
+        if lines:
+            text += "\n[testing]\n" + "\n".join(lines)
+        self.config_path.write_text(text + "\n")
+
+    def set_faults(self, peers: dict[str, LinkRule] | None = None,
+                   clock_offset_s: float = 0.0) -> None:
+        """Put TEST ONLY faults in force (the running process applies them within 0.2 s; a
+        process started later reads them at start): ``peers`` maps other verifiers' peer IDs
+        to a :class:`~ps_p2p.testing.faults.LinkRule`; no argument clears every fault."""
+        assert self.faults, "make_testnet(..., faults=True)"
+        write_faults(self.faults_path, peers=peers, clock_offset_s=clock_offset_s)
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -79,7 +135,7 @@ class VerifierProcess:
         """Start the process (its own session; children import this checkout's ps_p2p)."""
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "ps_p2p.cli", "run", "--config",
-               str(self.net / self.name / "config.toml"), "--status-file", str(self.status_path)]
+               str(self.config_path), "--status-file", str(self.status_path)]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env, cwd=REPO,
