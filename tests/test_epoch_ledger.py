@@ -15,15 +15,21 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ps_p2p import responses
 from ps_p2p import registry as app
+from ps_p2p import responses
 from ps_p2p.consensus.block import block_id, make_block
 from ps_p2p.consensus.types import Validator
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.errors import InvalidTransactionError, LocalProtocolError
 from ps_p2p.inference import InferenceReply
 from ps_p2p.keys import Identity
-from ps_p2p.records import NodeRecord, Role, record_subject, sign_membership, sign_record
+from ps_p2p.records import (
+    NodeRecord,
+    Role,
+    record_subject,
+    sign_membership,
+    sign_record,
+)
 from ps_p2p.records.limits import MAX_CLOCK_SKEW_MS
 from ps_p2p.verification import epochs, ledger
 from ps_p2p.verification.ledger import (

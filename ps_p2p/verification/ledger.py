@@ -932,6 +932,7 @@ __all__ = [
     "MissReportTx",
     "SamplingOption",
     "SeedCommitTx",
+    "ServedScores",
     "SignedAnswer",
     "VerificationParams",
     "apply_epoch_report",
@@ -945,6 +946,5 @@ __all__ = [
     "sign_epoch_report",
     "sign_miss_report",
     "sign_seed_commit",
-    "ServedScores",
     "subject_scores",
 ]

@@ -408,8 +408,8 @@ __all__ = [
 DEFAULT_STAT_FLOOR = math.log(1e-6)
 #: |z| at or below which a calibrated statistic costs nothing, and at or above which the
 #: score is 0 (linear between).
-DEFAULT_Z_OK = 3.5
-DEFAULT_Z_BAD = 6.0
+DEFAULT_Z_OK = 2.5
+DEFAULT_Z_BAD = 4.5
 #: Added to the variance of a sum of per-token terms: keeps z finite when the sampling
 #: distribution is (nearly) deterministic, and makes one surprising token in an otherwise
 #: certain answer cost at most |floor| / sqrt(1 + ...) standard deviations.
@@ -418,7 +418,7 @@ DEFAULT_VARIANCE_PRIOR = 1.0
 #: this many nats of the top one (numerics: fp32 vs bf16, a KV-cached decode vs one pass).
 DEFAULT_TIE_NATS = 0.05
 #: Clear non-top tokens that make a greedy answer score 0 (linear from 1 at none).
-DEFAULT_GREEDY_MISSES_BAD = 3
+DEFAULT_GREEDY_MISSES_BAD = 2
 #: An answer that says "stop" before max_tokens must end where the model gives the end of the
 #: sequence at least this probability under the asked sampling distribution (greedy: the end
 #: must be the top choice, within DEFAULT_TIE_NATS). An honest node stops at a point below it
@@ -426,6 +426,8 @@ DEFAULT_GREEDY_MISSES_BAD = 3
 DEFAULT_END_PROB = 1e-4
 #: Decoy prompts an answer's likelihood is compared against.
 DEFAULT_DECOYS = 4
+#: Most surprising tokens per answer left out of each statistic (re-tokenisation).
+DEFAULT_TRIM = 1
 
 
 @dataclass(frozen=True)
@@ -442,6 +444,9 @@ class ChallengeScoring:
         end_prob: in (0, 1), the least probability of a claimed end.
         decoys: decoy prompts per challenge, in [0, 64] (0: no prompt tie).
         min_tokens_slack: tokens a "length" answer may lack (re-tokenisation), >= 0.
+        trim: tokens per answer left out of each statistic (the most surprising ones; greedy:
+            misses forgiven), in [0, 64]: a re-tokenised answer may differ from what the model
+            generated in a token (measured: 1 of 40 answers at T = 0.3, top_p = 0.9).
     """
 
     stat_floor: float = DEFAULT_STAT_FLOOR
@@ -453,6 +458,7 @@ class ChallengeScoring:
     end_prob: float = DEFAULT_END_PROB
     decoys: int = DEFAULT_DECOYS
     min_tokens_slack: int = 8
+    trim: int = DEFAULT_TRIM
 
     def __post_init__(self) -> None:
         _check_floor(self.stat_floor)
@@ -462,7 +468,7 @@ class ChallengeScoring:
             raise ValueError("variance_prior must be > 0")
         if not _is_real(self.tie_nats) or self.tie_nats < 0:
             raise ValueError("tie_nats must be >= 0")
-        for name, lo, hi in (("greedy_misses_bad", 1, 1 << 20), ("decoys", 0, 64),
+        for name, lo, hi in (("greedy_misses_bad", 1, 1 << 20), ("decoys", 0, 64), ("trim", 0, 64),
                              ("min_tokens_slack", 0, 4096)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -530,13 +536,18 @@ def sampling_logprobs(rows, temperature: float, top_p: float = 1.0):  # type: ig
     return logq
 
 
-def _calibrated(values, weights, observed):  # type: ignore[no-untyped-def]
-    """(sum of observed - E) and sum of Var, of per-row values under the row weights q."""
+def _calibrated(values, weights, observed, trim: int = 0):  # type: ignore[no-untyped-def]
+    """(sum of observed - E) and sum of Var of per-row values under the row weights q, leaving
+    out the ``trim`` rows whose observed value falls furthest below its mean."""
     import numpy as np
 
     mean = (weights * values).sum(axis=-1)
     var = np.maximum((weights * values * values).sum(axis=-1) - mean * mean, 0.0)
-    return float((observed - mean).sum()), float(var.sum())
+    dev = observed - mean
+    if trim and len(dev) > trim:
+        keep = np.argsort(dev, kind="stable")[trim:]
+        dev, var = dev[keep], var[keep]
+    return float(dev.sum()), float(var.sum())
 
 
 def answer_stats(
@@ -591,7 +602,7 @@ def answer_stats(
         # answer) counts at its tempered probability before the nucleus, never -inf
         f = np.maximum(np.maximum(logq, sampling_logprobs(r, temperature)), params.stat_floor) \
             if top_p < 1.0 else np.maximum(logq, params.stat_floor)
-        s, v = _calibrated(f[:n], q[:n], f[pos, idx]) if n else (0.0, 0.0)
+        s, v = _calibrated(f[:n], q[:n], f[pos, idx], params.trim) if n else (0.0, 0.0)
         z_fit = s / math.sqrt(v + params.variance_prior)
         misses = 0
         plausible_end = bool(sum(q[n][e] for e in ends) >= params.end_prob) if ends else False
@@ -600,7 +611,7 @@ def answer_stats(
             d = np.mean([np.maximum(np.asarray(x, dtype=np.float64)[:n], params.stat_floor)
                          for x in decoy_rows], axis=0)
             x = np.maximum(r[:n], params.stat_floor) - d
-            s, v = _calibrated(x, q[:n], x[pos, idx])
+            s, v = _calibrated(x, q[:n], x[pos, idx], params.trim)
             z_tie = s / math.sqrt(v + params.variance_prior)
     if max_tokens <= 0:
         end_ok = True
@@ -627,7 +638,8 @@ def challenge_credibility(
     if stats.tokens == 0 or not stats.end_ok:
         return 0.0
     if stats.greedy:
-        return max(0.0, 1.0 - stats.misses / params.greedy_misses_bad)
+        misses = max(0, stats.misses - params.trim)
+        return max(0.0, 1.0 - misses / params.greedy_misses_bad)
     fit = _ramp(abs(stats.z_fit), params.z_ok, params.z_bad)
     tie = _ramp(-stats.z_tie, params.z_ok, params.z_bad)
     return min(fit, tie)
@@ -699,3 +711,30 @@ async def _tokens_containing(engine: Engine, char: str) -> set[int]:
         texts = [await engine.decode([i]) for i in range(size)]
         _VOCAB_TEXT[key] = texts
     return {i for i, t in enumerate(texts) if char in t}
+
+
+DECOY_DOMAIN = b"planetserve/v1/challenge-decoys\x00"
+
+
+def decoy_indices(key: bytes, pool_size: int, asked: int, count: int) -> list[int]:
+    """The pool indices of a challenge's decoy prompts: ``count`` distinct indices other than
+    ``asked``, drawn from SHA-256(DECOY_DOMAIN || key || u32(i)) (every verifier draws the same
+    ones for the same ``key``, e.g. the signed request hash); fewer when the pool is small.
+
+    Raises:
+        ValueError: ``pool_size`` < 1 or ``count`` < 0.
+    """
+    import hashlib
+
+    if pool_size < 1 or count < 0:
+        raise ValueError("pool_size must be >= 1 and count >= 0")
+    want = min(count, pool_size - (1 if 0 <= asked < pool_size else 0))
+    out: list[int] = []
+    i = 0
+    while len(out) < want:
+        digest = hashlib.sha256(DECOY_DOMAIN + bytes(key) + i.to_bytes(4, "big")).digest()
+        j = int.from_bytes(digest[:8], "big") % pool_size
+        i += 1
+        if j != asked and j not in out:
+            out.append(j)
+    return out
