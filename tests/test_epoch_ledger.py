@@ -1090,3 +1090,16 @@ def test_an_epoch_starts_exactly_when_committed_power_is_over_two_thirds(committ
         eligible = first if 3 * sum(v.power for v in first) > 2 * total else \
             [v for v, w in zip(genesis.validators, when) if w in (1, 2)]
         assert state.ledger.eligible == tuple(eligible)
+
+
+def test_the_lowest_greedy_score_caps_a_subjects_epoch_score(epoch1):
+    """Issue 18, finding 6: a greedy answer is deterministic, so its low score is no bad luck
+    and is not averaged away by sampled answers that pass."""
+    node = M3.peer_id
+    sampled_only = ledger.ServedScores([900_000, 900_000, 900_000])
+    with_greedy = ledger.ServedScores([900_000, 900_000, 100_000], binding=[100_000])
+    assert ledger.subject_scores({node: sampled_only}, epoch1.ledger) == {subject(node): 900_000}
+    assert ledger.subject_scores({node: with_greedy}, epoch1.ledger) == {subject(node): 100_000}
+    # without binding scores it is the plain mean (rounded half up)
+    plain = ledger.ServedScores([900_000, 900_000, 100_000])
+    assert ledger.subject_scores({node: plain}, epoch1.ledger) == {subject(node): 633_333}

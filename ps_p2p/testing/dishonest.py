@@ -239,6 +239,9 @@ class _TextEngine(Engine):
     def chat_template(self) -> str | None:
         return self.tok.chat_template()
 
+    async def aclose(self) -> None:
+        return None
+
 
 class FixedAnswerEngine(_TextEngine):
     """The same ``text`` for every prompt (no model run); finish reason "stop"."""
@@ -272,7 +275,8 @@ def _words(text: str) -> frozenset[str]:
 
 
 class NearestPromptEngine(_TextEngine):
-    """A cache of ``inner``'s answers to ``prompts`` (made lazily, per sampling parameters):
+    """A cache of ``inner``'s answers to ``prompts`` (made lazily, one per prompt, with the
+    sampling parameters of the first request that needed it):
     each request gets the cached answer of the most similar prompt (Jaccard similarity of word
     sets), never a fresh run: a node that serves from a cache of public prompts."""
 
@@ -280,7 +284,7 @@ class NearestPromptEngine(_TextEngine):
         super().__init__(inner)
         self.prompts = list(prompts)
         self._sets = [_words(p) for p in self.prompts]
-        self._cache: dict[tuple[int, SamplingParams], tuple[str, str]] = {}
+        self._cache: dict[int, tuple[str, str]] = {}
 
     def nearest(self, prompt: str) -> int:
         """Index of the cached prompt most similar to ``prompt`` (itself excluded)."""
@@ -294,9 +298,9 @@ class NearestPromptEngine(_TextEngine):
         return max(range(len(self.prompts)), key=sim)
 
     async def answer(self, prompt: str, params: SamplingParams) -> tuple[str, str]:
-        key = (self.nearest(prompt), params)
-        if key not in self._cache:
-            done = await self.tok.complete(self.prompts[key[0]], params)
+        key = self.nearest(prompt)
+        if key not in self._cache:  # one answer per cached prompt, whatever is asked now
+            done = await self.tok.complete(self.prompts[key], params)
             self._cache[key] = (done.text, done.finish_reason or FINISH_STOP)
         return self._cache[key]
 
@@ -307,17 +311,19 @@ class SelectiveEngine(_TextEngine):
     ``is_challenge`` is the node's guess (a trained classifier of the request's fields, or a
     stand-in); ``honest`` may be another node's engine (a node that forwards what it takes for
     challenges to an honest peer and serves the rest itself). Counts the requests of each kind
-    in ``routed``.
+    in ``routed``; ``last_route`` is the last one's ("honest" or "cheap").
     """
 
     def __init__(self, honest: Engine, cheap: Engine, is_challenge) -> None:  # type: ignore
         super().__init__(honest)
         self.honest, self.cheap, self.is_challenge = honest, cheap, is_challenge
         self.routed = {"honest": 0, "cheap": 0}
+        self.last_route = ""
 
     async def answer(self, prompt: str, params: SamplingParams) -> tuple[str, str]:
         flagged = bool(self.is_challenge(prompt, params))
-        self.routed["honest" if flagged else "cheap"] += 1
+        self.last_route = "honest" if flagged else "cheap"
+        self.routed[self.last_route] += 1
         done = await (self.honest if flagged else self.cheap).complete(prompt, params)
         return done.text, done.finish_reason or FINISH_STOP
 

@@ -426,6 +426,9 @@ DEFAULT_GREEDY_MISSES_BAD = 2
 DEFAULT_END_PROB = 1e-4
 #: Decoy prompts an answer's likelihood is compared against.
 DEFAULT_DECOYS = 4
+#: Tokens of a decoy prompt kept as the answer's context (its first, and its last ones): the
+#: answer's likelihood depends mostly on the recent context, and a shorter one costs less.
+DEFAULT_DECOY_TOKENS = 32
 #: Most surprising tokens per answer left out of each statistic (re-tokenisation).
 DEFAULT_TRIM = 1
 
@@ -447,6 +450,7 @@ class ChallengeScoring:
         trim: tokens per answer left out of each statistic (the most surprising ones; greedy:
             misses forgiven), in [0, 64]: a re-tokenised answer may differ from what the model
             generated in a token (measured: 1 of 40 answers at T = 0.3, top_p = 0.9).
+        decoy_tokens: tokens of each decoy prompt used, >= 2 (its first and its last ones).
     """
 
     stat_floor: float = DEFAULT_STAT_FLOOR
@@ -459,6 +463,7 @@ class ChallengeScoring:
     decoys: int = DEFAULT_DECOYS
     min_tokens_slack: int = 8
     trim: int = DEFAULT_TRIM
+    decoy_tokens: int = DEFAULT_DECOY_TOKENS
 
     def __post_init__(self) -> None:
         _check_floor(self.stat_floor)
@@ -469,6 +474,7 @@ class ChallengeScoring:
         if not _is_real(self.tie_nats) or self.tie_nats < 0:
             raise ValueError("tie_nats must be >= 0")
         for name, lo, hi in (("greedy_misses_bad", 1, 1 << 20), ("decoys", 0, 64), ("trim", 0, 64),
+                             ("decoy_tokens", 2, 1 << 20),
                              ("min_tokens_slack", 0, 4096)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -676,6 +682,8 @@ async def challenge_stats(
     if answer and temperature > 0:
         for decoy in decoys[: params.decoys]:
             d = list(await engine.tokenize(decoy))
+            if len(d) > params.decoy_tokens:  # its first token (BOS) and its last ones
+                d = d[:1] + d[len(d) - params.decoy_tokens + 1:]
             if d and len(d) + len(answer) <= engine.max_context:
                 sequences.append((d + answer, len(d)))
     rows = await engine.logprob_rows(sequences)
