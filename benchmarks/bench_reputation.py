@@ -227,8 +227,8 @@ def _draw(rng, table):  # type: ignore[no-untyped-def]
 async def _challenge_score(reference, pool, prompt, answer, t, top_p, max_tokens, key):  # type: ignore
     from ps_p2p.verification.scoring import (
         DEFAULT_CHALLENGE_SCORING,
-        challenge_stats,
         challenge_credibility,
+        challenge_stats,
         decoy_indices,
     )
 
@@ -316,24 +316,23 @@ async def _engines(args, pool, public, reference):  # type: ignore[no-untyped-de
     for kind in KINDS:
         if kind not in args.kinds:
             continue
-        ref_copy = model
         engines[kind] = {
             "noise5": lambda: degraded_copy(MODEL, noise=0.05, seed=args.seed),
             "int4": lambda: quantized_copy(MODEL, bits=4),
             "substitute": lambda: sub,
-            "fixed": lambda: FixedAnswerEngine(ref_copy, STORY),
-            "fixed-best": lambda: FixedAnswerEngine(ref_copy, best),
-            "other-prompt": lambda: OtherPromptEngine(ref_copy),
+            "fixed": lambda: FixedAnswerEngine(model, STORY),
+            "fixed-best": lambda: FixedAnswerEngine(model, best),
+            "other-prompt": lambda: OtherPromptEngine(model),
             "nearest": lambda: NearestPromptEngine(
                 TransformersEngine.load(MODEL, prefix_cache_blocks=0), public),
-            "cut-stop": lambda: DishonestEngine(ref_copy, keep_fraction=0.25,
+            "cut-stop": lambda: DishonestEngine(model, keep_fraction=0.25,
                                                 finish_reason="stop"),
-            "cut-length": lambda: DishonestEngine(ref_copy, keep_fraction=0.25),
-            "hotter": lambda: DishonestEngine(ref_copy, temperature_scale=1.5),
+            "cut-length": lambda: DishonestEngine(model, keep_fraction=0.25),
+            "hotter": lambda: DishonestEngine(model, temperature_scale=1.5),
             "selective": lambda: SelectiveEngine(
-                ref_copy, sub, lambda p, q: flag.random() < args.flag_rate),
+                model, sub, lambda p, q: flag.random() < args.flag_rate),
             "forwarder": lambda: SelectiveEngine(
-                honest[0], FixedAnswerEngine(ref_copy, STORY),
+                honest[0], FixedAnswerEngine(model, STORY),
                 lambda p, q: flag.random() < args.flag_rate),
         }[kind]()
     return engines, (model, sub)
@@ -495,7 +494,11 @@ async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore
     import hashlib
 
     from ps_p2p.engines.base import SamplingParams
-    from ps_p2p.verification.reputation import DEFAULT_REPUTATION, ReputationState, update
+    from ps_p2p.verification.reputation import (
+        DEFAULT_REPUTATION,
+        ReputationState,
+        update,
+    )
 
     params = DEFAULT_REPUTATION
     bank: dict[tuple[float, float], list[float]] = {}

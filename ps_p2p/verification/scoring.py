@@ -65,6 +65,49 @@ the context of every later one. Measured on 60 MT-Bench prompts, greedy 32-token
 stories260K scored by the same model: 22 of 60 below 0.5 (minimum 0.11) encoding the response
 alone; with the joint encoding see :mod:`~ps_p2p.verification.reputation`.
 
+Challenge scores (issue 18; what the verifier service uses: :func:`score_challenge`). The
+credibility above has two holes: after its first tokens an answer is conditioned on itself, so
+any fluent text scores well whatever the prompt (a fixed story scored 0.757, honest 0.858),
+and one scoring temperature cannot serve all asked temperatures (honest answers at T = 1
+scored 0.199). A challenge score instead tests the hypothesis "this answer was sampled from
+the reference model given THIS prompt at the ASKED temperature and top_p", with statistics
+whose distribution under that hypothesis is known, whatever T is. With q_i the distribution
+the engine samples from at answer position i (softmax(logits / T), then the top_p nucleus:
+:func:`sampling_logprobs`), and f(t) = max(log q_i(t), floor)::
+
+    z_fit = sum_i (f(t_i) - E_q_i[f]) / sqrt(sum_i Var_q_i[f] + v0)
+
+Each term has mean 0 given the answer so far when t_i is drawn from q_i, so the sum is a
+martingale and z_fit is about N(0, 1) for an honest answer at any temperature (measured on
+stories260K, 40 prompts x 32 tokens per setting: honest z_fit within [-2.7, 2.3] at T = 0.3,
+0.7, 1, 2 and top_p 1 or 0.9). A hotter sampler, another model, or an answer to another prompt
+gives z_fit < 0 (the answer is less likely than what the model produces at T); a colder
+sampler (greedy when T = 1 is asked) z_fit > 0; the test is two-sided. The prompt tie compares
+each token's log-probability given the prompt with its mean given ``decoys`` other prompts of
+the pool (only their last ``decoy_tokens`` tokens: a small model's next token depends mostly
+on the recent context), x_i(t) = log p(t | prompt, t_<i) - mean_j log p(t | decoy_j, t_<i),
+calibrated the same way under q_i::
+
+    z_tie = sum_i (x_i(t_i) - E_q_i[x_i]) / sqrt(sum_i Var_q_i[x_i] + v0)
+
+An honest answer has z_tie about N(0, 1); an answer written for another prompt (canned,
+copied, cached) has E[x] about 0 where the honest expectation is positive, so z_tie < 0 in
+proportion to how much the prompt shapes the answer. A greedy challenge has no distribution to
+calibrate: the honest answer is the argmax path, so every token must be the reference's top
+choice within ``tie_nats`` (numerics); a clear non-top token is a *miss*. The end: an answer
+signed "length" must have at least max_tokens - slack tokens, one signed "stop" before that
+must end where the model gives the end-of-sequence (or a stop string's tokens) probability at
+least ``end_prob`` under q (greedy: the top choice); an honest node stops below that with
+probability at most n * end_prob. The score (:func:`challenge_credibility`): 0 for an empty
+answer or an implausible end; greedy: 1 - (misses - trim) / greedy_misses_bad; sampled: 1 for
+|z_fit| and -z_tie up to z_ok, 0 from z_bad, linear between, the lower of the two. ``trim``
+(default 1) leaves the most surprising token out of each statistic (and forgives one greedy
+miss): the signed answer is text, and its re-tokenisation differed from the generated tokens
+in 1 of 40 answers at T = 0.3. Cost: one forward pass over prompt + answer and one per decoy
+(batched in :meth:`Engine.logprob_rows`); on stories260K with 4 decoys, 32-token answers,
+13.9 ms CPU per scored challenge against 6.5 ms for :func:`score_response` (2 shared cores,
+load average ~6).
+
 Measured (stories260K, CPU, greedy challenges, 128-token answers, 30 prompts): see
 :mod:`~ps_p2p.verification.reputation` (tau) for honest and dishonest scores. Scoring at
 T' = 0.1 instead of 0.25 separates a noised model slightly better but lowers honest scores where
@@ -381,21 +424,6 @@ async def _token_ids(engine: Engine, prompt: str, response: str) -> tuple[list[i
     return prompt_ids + response_ids, len(prompt_ids)
 
 
-__all__ = [
-    "DEFAULT_FLOOR_LOGPROB",
-    "DEFAULT_GREEDY_TEMPERATURE",
-    "DEFAULT_SCORING",
-    "DEFAULT_TOP_K",
-    "MAX_CHALLENGE_TEMPERATURE",
-    "MAX_SCORED_TOKENS",
-    "ScoringParams",
-    "credibility",
-    "mean_credibility",
-    "score_response",
-    "score_response_per_token",
-    "scoring_temperature",
-    "tempered_logprobs",
-]
 
 
 # ------------------------------------------------------------------ challenge scores (issue 18)
@@ -746,3 +774,29 @@ def decoy_indices(key: bytes, pool_size: int, asked: int, count: int) -> list[in
         if j != asked and j not in out:
             out.append(j)
     return out
+
+
+__all__ = [
+    "DEFAULT_CHALLENGE_SCORING",
+    "DEFAULT_FLOOR_LOGPROB",
+    "DEFAULT_GREEDY_TEMPERATURE",
+    "DEFAULT_SCORING",
+    "DEFAULT_TOP_K",
+    "MAX_CHALLENGE_TEMPERATURE",
+    "MAX_SCORED_TOKENS",
+    "AnswerStats",
+    "ChallengeScoring",
+    "ScoringParams",
+    "answer_stats",
+    "challenge_credibility",
+    "challenge_stats",
+    "credibility",
+    "decoy_indices",
+    "mean_credibility",
+    "sampling_logprobs",
+    "score_challenge",
+    "score_response",
+    "score_response_per_token",
+    "scoring_temperature",
+    "tempered_logprobs",
+]
