@@ -1103,3 +1103,11 @@ def test_the_lowest_greedy_score_caps_a_subjects_epoch_score(epoch1):
     # without binding scores it is the plain mean (rounded half up)
     plain = ledger.ServedScores([900_000, 900_000, 100_000])
     assert ledger.subject_scores({node: plain}, epoch1.ledger) == {subject(node): 633_333}
+
+
+def test_the_sampling_menu_takes_the_apis_temperatures_up_to_2():
+    """Issue 18: challenges ask what users ask (the API allows T up to 2), and the challenge
+    scores are calibrated at every temperature."""
+    assert SamplingOption(temperature=2.0).temperature == 2.0
+    with pytest.raises(LocalProtocolError, match=r"not in \[0, 2\]"):
+        SamplingOption(temperature=2.01)

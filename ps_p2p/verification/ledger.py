@@ -150,8 +150,8 @@ class SamplingOption:
 
     Attributes:
         max_tokens: tokens asked for, in [1, 4096].
-        temperature: in [0, 1] (0: greedy; :data:`~ps_p2p.verification.scoring.
-            MAX_CHALLENGE_TEMPERATURE`).
+        temperature: in [0, 2] (0: greedy; the API's range), scored at that temperature
+            (:func:`~ps_p2p.verification.scoring.score_challenge`).
         top_p: in (0, 1].
     """
 
@@ -163,8 +163,8 @@ class SamplingOption:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
                 or not 1 <= self.max_tokens <= 4096:
             raise LocalProtocolError(f"sampling max_tokens {self.max_tokens!r} not in [1, 4096]")
-        if not _real(self.temperature) or not 0.0 <= self.temperature <= 1.0:
-            raise LocalProtocolError(f"sampling temperature {self.temperature!r} not in [0, 1]")
+        if not _real(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise LocalProtocolError(f"sampling temperature {self.temperature!r} not in [0, 2]")
         if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise LocalProtocolError(f"sampling top_p {self.top_p!r} not in (0, 1]")
 
