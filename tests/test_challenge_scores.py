@@ -240,3 +240,17 @@ async def test_an_answer_cut_short_and_signed_stop_scores_zero_when_sampled(shar
     ref = _reference(shared)
     cut = DishonestEngine(ref, keep_fraction=0.25, finish_reason="stop")
     assert max(await _scores(ref, cut, 0.7)) < 0.5
+
+
+@pytest.mark.needs_shared
+async def test_logprob_rows_are_the_models_whole_distribution_at_each_scored_position(shared):
+    ref = _reference(shared)
+    ids = await ref.tokenize(PROMPTS[0] + " She liked to play.")
+    start = len(await ref.tokenize(PROMPTS[0]))
+    [rows, again] = await ref.logprob_rows([(ids, start), (ids, start)])
+    scores = await ref.score_ids(ids, start)
+    assert rows.shape == (len(ids) - start + 1, ref.vocab_size)  # one more: what follows
+    assert np.exp(rows).sum(axis=1) == pytest.approx(1.0)
+    got = [rows[i, t] for i, t in enumerate(ids[start:])]
+    assert got == pytest.approx(scores.logprobs, abs=1e-5)
+    assert np.array_equal(rows, again)
