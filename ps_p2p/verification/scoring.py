@@ -93,8 +93,11 @@ calibrated the same way under q_i::
 An honest answer has z_tie about N(0, 1); an answer written for another prompt (canned,
 copied, cached) has E[x] about 0 where the honest expectation is positive, so z_tie < 0 in
 proportion to how much the prompt shapes the answer. A greedy challenge has no distribution to
-calibrate: the honest answer is the argmax path, so every token must be the reference's top
-choice within ``tie_nats`` (numerics); a clear non-top token is a *miss*. The end: an answer
+calibrate: the honest answer is the argmax path. The verifier makes its own greedy answer
+first: the same text is honest. Otherwise (another platform's numerics may leave the path at a
+near-tie) every token must be the reference's top choice within ``tie_nats``; a clear non-top
+token is a *miss*. (Token by token alone, 8 of 489 honest greedy answers had 2 to 5 misses:
+the signed text re-tokenises differently from the generated tokens.) The end: an answer
 signed "length" must have at least max_tokens - slack tokens, one signed "stop" before that
 must end where the model gives the end-of-sequence (or a stop string's tokens) probability at
 least ``end_prob`` under q (greedy: the top choice); an honest node stops below that with
@@ -123,7 +126,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ps_p2p.engines.base import Engine, TokenScores
+from ps_p2p.engines.base import Engine, SamplingParams, TokenScores
 from ps_p2p.errors import EngineError
 
 #: Algorithm 3's epsilon as a log-probability: a token the reference model gives less than 1e-4
@@ -694,7 +697,9 @@ async def challenge_stats(
 ) -> AnswerStats:
     """:func:`answer_stats` of ``response`` to ``prompt`` under ``engine``'s model.
 
-    One :meth:`Engine.logprob_rows` call: the answer's tokens (module docstring, "Token
+    Greedy (``temperature`` 0, ``max_tokens`` given): first the reference's own greedy answer
+    (one :meth:`Engine.complete`); the same text scores as honest at once. Otherwise one
+    :meth:`Engine.logprob_rows` call: the answer's tokens (module docstring, "Token
     alignment") after the prompt and after each decoy prompt (a decoy that would not fit the
     context with the answer is left out). End tokens: the engine's end-of-sequence tokens, and
     for each ``stop`` string every token whose text contains its first character.
@@ -704,6 +709,14 @@ async def challenge_stats(
         PromptTooLongError: prompt + response exceed the engine's context.
         EngineError: the engine failed or has no ``logprob_rows``.
     """
+    if temperature == 0 and max_tokens > 0 and response:
+        # greedy is deterministic: the reference's own answer, text for text, is the honest
+        # one (its re-tokenisation may differ from the generated tokens: 8 of 489 honest
+        # greedy answers had 2 to 5 "misses" at the token level for that reason alone)
+        own = await engine.complete(prompt, SamplingParams(max_tokens=max_tokens))
+        if own.text == response:
+            n = len(await engine.encode(response, add_special_tokens=False))
+            return AnswerStats(n, True, 0.0, 0.0, 0, True)
     ids, start = await _token_ids(engine, prompt, response)
     answer = ids[start:]
     sequences: list[tuple[Sequence[int], int]] = [(ids, start)]
