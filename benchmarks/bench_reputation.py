@@ -282,13 +282,23 @@ def _memo(inner):  # type: ignore[no-untyped-def]
         async def decode(self, token_ids):  # type: ignore[no-untyped-def]
             return await self.inner.decode(token_ids)
 
+        async def score_ids(self, token_ids, start, *, top_k=0):  # type: ignore
+            return await self.inner.score_ids(token_ids, start, top_k=top_k)
+
+        async def logprob_rows(self, sequences):  # type: ignore[no-untyped-def]
+            return await self.inner.logprob_rows(sequences)
+
+        @property
+        def end_token_ids(self):  # type: ignore[no-untyped-def]
+            return self.inner.end_token_ids
+
         async def aclose(self) -> None:
             return None
 
     return Memo()
 
 
-async def _engines(args, pool, public, reference):  # type: ignore[no-untyped-def]
+async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
     """kind -> engine of every model node, and the forwarder's honest peer's kind."""
     import random
 
@@ -312,7 +322,7 @@ async def _engines(args, pool, public, reference):  # type: ignore[no-untyped-de
     sub = _memo(substitute_model(MODEL, seed=args.seed))
     print(f"substitute model ready ({time.monotonic() - started:.0f} s, "
           f"{sum(p.numel() for p in sub.model.parameters())} parameters)", flush=True)
-    best = await _best_fixed_answer(reference, public, args)
+    best = await _best_fixed_answer(model, public, args)
     for kind in KINDS:
         if kind not in args.kinds:
             continue
@@ -375,7 +385,6 @@ async def simulate(args: argparse.Namespace) -> int:
     import resource
 
     from ps_p2p.engines.base import SamplingParams
-    from ps_p2p.engines.transformers_engine import TransformersEngine
     from ps_p2p.verification.ledger import MICRO
     from ps_p2p.verification.reputation import (
         DEFAULT_REPUTATION,
@@ -389,9 +398,11 @@ async def simulate(args: argparse.Namespace) -> int:
     rng.shuffle(data)
     public = data[: len(data) // 3]  # what attackers know (fixed-best tuning, nearest's cache)
     pool = data[len(data) // 3:]  # the committee's challenge prompts
-    reference = TransformersEngine.load(MODEL, prefix_cache_blocks=0)
     print(machine())
-    engines, memo = await _engines(args, pool, public, reference)
+    engines, memo = await _engines(args, pool, public)
+    # the verifier's reference: the same weights; its own greedy answers (scoring regenerates
+    # them) come from the epoch's memo when a node already asked the same
+    reference = memo[0]
     score_memo: dict[object, float] = {}
     kinds = list(engines)
     print(f"model {reference.model_id}; {len(kinds)} model nodes ({', '.join(kinds)}); pool of "
@@ -584,7 +595,7 @@ def main() -> int:
     ap.add_argument("--log", default="WARNING", help="log level of ps_p2p")
     ap.add_argument("--localnet", action="store_true",
                     help="the network run (committee of 4, three dishonest kinds)")
-    ap.add_argument("--challenges", type=int, default=6, help="challenges per node per epoch")
+    ap.add_argument("--challenges", type=int, default=8, help="challenges per node per epoch")
     ap.add_argument("--kinds", default=",".join(KINDS), help="dishonest kinds to simulate")
     ap.add_argument("--flag-rate", type=float, default=0.6,
                     help="share of challenges the selective nodes' classifier flags")
