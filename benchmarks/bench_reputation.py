@@ -564,9 +564,11 @@ def plot(history: list[dict[str, object]], kinds: list[str], threshold: float,
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     epochs = [int(r["epoch"]) for r in history]  # type: ignore[call-overload]
-    for kind in kinds:
+    colors = plt.get_cmap("tab20")
+    for i, kind in enumerate(kinds):
         style = "-" if kind.startswith("honest") else "--"
-        ax.plot(epochs, [r[kind] for r in history], style, label=kind, linewidth=1.6)
+        ax.plot(epochs, [r[kind] for r in history], style, label=kind, linewidth=1.6,
+                color=colors(i % 20))
     ax.axhline(threshold, color="grey", linestyle=":", label=f"untrusted below {threshold}")
     ax.set_xlabel("epoch")
     ax.set_ylabel("committed reputation R")
@@ -577,6 +579,13 @@ def plot(history: list[dict[str, object]], kinds: list[str], threshold: float,
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def replot(json_path: str, plot_path: str, title: str) -> None:
+    """Plot a ``--json`` history again (e.g. with another title) without re-running."""
+    history = json.loads(pathlib.Path(json_path).read_text())
+    kinds = [k for k in history[0] if k not in ("epoch", "t", "cpu")]
+    plot(history, kinds, 0.4, pathlib.Path(plot_path), title=title)
 
 
 def main() -> int:
