@@ -4,6 +4,7 @@ dishonest model nodes under challenge epochs, on the real TinyStories model, in 
     python benchmarks/bench_reputation.py                        # 100 epochs, every adversary
     python benchmarks/bench_reputation.py --epochs 20 --plot ''   # a quick look
     python benchmarks/bench_reputation.py --localnet             # the network run (below)
+    python benchmarks/bench_reputation.py --epochs 0              # the honest simulation alone
 
 Default: the scoring simulation. The pure cores of an epoch without the network: every model
 node answers ``--challenges`` challenges per epoch with its engine (a prompt of the pool, the
@@ -399,6 +400,11 @@ async def simulate(args: argparse.Namespace) -> int:
     public = data[: len(data) // 3]  # what attackers know (fixed-best tuning, nearest's cache)
     pool = data[len(data) // 3:]  # the committee's challenge prompts
     print(machine())
+    if args.epochs == 0:  # the honest-score simulation alone
+        from ps_p2p.engines.transformers_engine import TransformersEngine
+
+        reference = _memo(TransformersEngine.load(MODEL, prefix_cache_blocks=0))
+        return 0 if await honest_simulation(args, reference, pool, rng) else 1
     engines, memo = await _engines(args, pool, public)
     # the verifier's reference: the same weights; its own greedy answers (scoring regenerates
     # them) come from the epoch's memo when a node already asked the same
@@ -457,6 +463,8 @@ async def simulate(args: argparse.Namespace) -> int:
             if not is_trusted(states[kind], params) and kind not in untrusted_at:
                 untrusted_at[kind] = epoch
         history.append(row)
+        if args.json and (epoch % 10 == 0 or epoch == args.epochs):
+            pathlib.Path(args.json).write_text(json.dumps(history, indent=1))
         if epoch % 10 == 0 or epoch == args.epochs:
             print(f"epoch {epoch:3d} ({row['t']:.0f} s): " + " ".join(
                 f"{k}={row[k]:.2f}" for k in kinds), flush=True)
