@@ -1,29 +1,50 @@
-"""The verification experiment (PlanetServe sec. 5, figs. 10-11): honest and dishonest model
-nodes under challenge epochs, on the real TinyStories model, in one command.
+"""The verification experiment (PlanetServe sec. 5, figs. 10-11; issue 18): honest and
+dishonest model nodes under challenge epochs, on the real TinyStories model, in one command.
 
-    python benchmarks/bench_reputation.py                       # 100 epochs, ~3 min
-    python benchmarks/bench_reputation.py --epochs 20 --plot ''  # a quick look
+    python benchmarks/bench_reputation.py                        # 100 epochs, every adversary
+    python benchmarks/bench_reputation.py --epochs 20 --plot ''   # a quick look
+    python benchmarks/bench_reputation.py --localnet             # the network run (below)
+    python benchmarks/bench_reputation.py --epochs 0              # the honest simulation alone
 
-A localnet (:func:`ps_p2p.testing.localnet.open_localnet`: every node its own py-libp2p host
-on loopback, one trio process) with a committee of 4 verifiers running the challenge epochs of
-:mod:`ps_p2p.verification.service` (each verifier a user too, with its own reference copy of
-the model), users, and model nodes that each serve ../shared/models/stories260K:
+Default: the scoring simulation. The pure cores of an epoch without the network: every model
+node answers ``--challenges`` challenges per epoch with its engine (a prompt of the pool, the
+sampling parameters drawn from the user-traffic menu ``MENU``: greedy 45%, temperatures 0.1 to
+2, top_p 0.9/0.95/1), the verifier scores each answer with
+:func:`~ps_p2p.verification.scoring.score_challenge` (decoy prompts drawn from the pool as the
+service does), the epoch's C per node is the ledger's (:func:`~ps_p2p.verification.ledger.
+subject_scores`: the mean, capped by the lowest greedy score; a forwarded challenge counts for
+the forwarder), and the reputation rule of :mod:`ps_p2p.verification.reputation` runs on it.
+The model nodes (``KINDS``):
 
 * ``honest-i``: the model itself;
-* ``substituted``: a degraded copy made at run time (every weight plus Gaussian noise of 0.1 of
-  its tensor's standard deviation: :func:`ps_p2p.testing.dishonest.degraded_copy`);
-* ``truncating``: answers cut to a quarter of the tokens asked, still saying "length";
-* ``hot``: the right model sampled at temperature 2 whatever the request asks.
+* ``noise5``: every weight plus N(0, 0.05 x the tensor's std)
+  (:func:`~ps_p2p.testing.dishonest.degraded_copy`);
+* ``int4``: every matrix rounded to 4 bits per group of 32 (:func:`~ps_p2p.testing.dishonest.
+  quantized_copy`);
+* ``substitute``: a 3-layer, 32-wide Llama (67K parameters) distilled from the model on the
+  shared text (:mod:`ps_p2p.testing.substitute`; trained once, cached in the temp folder);
+* ``fixed``: one story for every prompt; ``fixed-best``: the candidate answer that scored best
+  on public prompts (the attacker's own tuning with the verifier's scorer);
+* ``other-prompt``: the model's answer to the previous request's prompt;
+* ``nearest``: the model's cached answer to the most similar public prompt;
+* ``cut-stop`` / ``cut-length``: answers cut to a quarter, signed "stop" / "length";
+* ``hotter``: the model at 1.5 x the asked temperature (0.5 when greedy is asked);
+* ``selective``: the model on requests its classifier takes for challenges, the substitute on
+  the rest; ``forwarder``: forwards what its classifier takes for challenges to an honest peer
+  and answers the rest with the fixed story. Their classifier is a stand-in with 60% balanced
+  accuracy (the bound issue 18 sets for any classifier): it flags a challenge with probability
+  0.6 (``--flag-rate``).
 
-Epochs are short: each ends when its leader's report commits (about a second here), a leader
-that fails is replaced after ``--attempt-ms``. The pool is MT-Bench and ShareGPT first turns
-that fit the model's 512-token context with the answer. After every epoch a user sends one
-ordinary request (no model node named), to see whom users choose.
+Reported: per node the epochs until untrusted (R < 0.4; goal <= 3 scored epochs) and the share
+of later epochs it stayed untrusted (goal >= 95%), its mean challenge score; the CPU time per
+scored challenge. ``--honest-epochs`` (default 1000) then simulates honest nodes for that many
+epochs by drawing from a bank of honest scores measured for every (temperature, top_p) of the
+menu (``--bank`` answers each): no honest node may be untrusted, for the menu's mix and for a
+menu of each single temperature.
 
-Reported: the epochs each dishonest node needs to become untrusted (R < 0.4; goal <= 3), the
-honest nodes ever untrusted over the run (goal 0), the requests users sent to a node after it
-was untrusted in their directory (goal 0), and the reputation of every node after every epoch
-(``--json``), plotted to ``--plot`` (default docs/verification.png).
+``--localnet``: the network run of issue 9 (a localnet with a committee of 4 verifiers running
+the challenge epochs of :mod:`ps_p2p.verification.service`, 3 honest nodes, a 10%-noise copy, a
+truncating node and a T = 2 node; each epoch ends when its leader's report commits).
 """
 
 from __future__ import annotations
@@ -181,8 +202,369 @@ async def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# ------------------------------------------------------------------------ scoring simulation
+
+#: The challenge menu: (temperature, weight) and (top_p, weight) of a user-traffic model
+#: (issue 18's OpenAI-client mix: temperature left out, so the API's 0, or 0 in 45% of
+#: requests, 0.7 in 22%, rarely above 1, up to 2; top_p left out in 90%).
+MENU_T = ((0.0, 0.45), (0.1, 0.03), (0.2, 0.04), (0.5, 0.05), (0.7, 0.22), (0.8, 0.04),
+          (1.0, 0.12), (1.2, 0.02), (1.5, 0.02), (2.0, 0.01))
+MENU_TOP_P = ((1.0, 0.90), (0.9, 0.05), (0.95, 0.05))
+KINDS = ("noise5", "int4", "substitute", "fixed", "fixed-best", "other-prompt", "nearest",
+         "cut-stop", "cut-length", "hotter", "selective", "forwarder")
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
+         "the sun. One day, she saw a big")
+
+
+def _draw(rng, table):  # type: ignore[no-untyped-def]
+    x = rng.random() * sum(w for _, w in table)
+    for value, w in table:
+        x -= w
+        if x < 0:
+            return value
+    return table[-1][0]
+
+
+async def _challenge_score(reference, pool, prompt, answer, t, top_p, max_tokens, key):  # type: ignore
+    from ps_p2p.verification.scoring import (
+        DEFAULT_CHALLENGE_SCORING,
+        challenge_credibility,
+        challenge_stats,
+        decoy_indices,
+    )
+
+    decoys = [pool[i] for i in decoy_indices(key, len(pool), pool.index(prompt),
+                                             DEFAULT_CHALLENGE_SCORING.decoys)]
+    stats = await challenge_stats(
+        reference, prompt, answer.text, temperature=t, top_p=top_p, max_tokens=max_tokens,
+        finish_reason=answer.finish_reason, decoys=decoys)
+    return challenge_credibility(stats), stats
+
+
+def _memo(inner):  # type: ignore[no-untyped-def]
+    """``inner`` with its streams remembered by (prompt, sampling parameters) until
+    ``.clear()``: nodes that run the same model on the same challenge (same seed) get the
+    same answer without a second generation (the simulation asks every node the same
+    challenges in an epoch)."""
+    from ps_p2p.engines.base import Engine
+
+    class Memo(Engine):
+        def __init__(self) -> None:
+            self.inner, self.model_id, self.max_context = inner, inner.model_id, inner.max_context
+            self.cache: dict[object, list[object]] = {}
+
+        def clear(self) -> None:
+            self.cache.clear()
+
+        async def generate(self, prompt, params):  # type: ignore[no-untyped-def]
+            async for chunk in self.stream(prompt, params):
+                if chunk.text:
+                    yield chunk.text
+
+        async def stream(self, prompt, params):  # type: ignore[no-untyped-def]
+            key = (prompt, params)
+            if key not in self.cache:
+                self.cache[key] = [c async for c in self.inner.stream(prompt, params)]
+            for chunk in self.cache[key]:
+                yield chunk
+
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            return getattr(self.inner, name)
+
+        async def score(self, prompt, continuation):  # type: ignore[no-untyped-def]
+            return await self.inner.score(prompt, continuation)
+
+        async def tokenize(self, text):  # type: ignore[no-untyped-def]
+            return await self.inner.tokenize(text)
+
+        async def encode(self, text, *, add_special_tokens=True):  # type: ignore
+            return await self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+        async def decode(self, token_ids):  # type: ignore[no-untyped-def]
+            return await self.inner.decode(token_ids)
+
+        async def score_ids(self, token_ids, start, *, top_k=0):  # type: ignore
+            return await self.inner.score_ids(token_ids, start, top_k=top_k)
+
+        async def logprob_rows(self, sequences):  # type: ignore[no-untyped-def]
+            return await self.inner.logprob_rows(sequences)
+
+        @property
+        def end_token_ids(self):  # type: ignore[no-untyped-def]
+            return self.inner.end_token_ids
+
+        async def aclose(self) -> None:
+            return None
+
+    return Memo()
+
+
+async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
+    """kind -> engine of every model node, and the forwarder's honest peer's kind."""
+    import random
+
+    from ps_p2p.engines.transformers_engine import TransformersEngine
+    from ps_p2p.testing.dishonest import (
+        DishonestEngine,
+        FixedAnswerEngine,
+        NearestPromptEngine,
+        OtherPromptEngine,
+        SelectiveEngine,
+        degraded_copy,
+        quantized_copy,
+        substitute_model,
+    )
+
+    model = _memo(TransformersEngine.load(MODEL, prefix_cache_blocks=0))
+    honest = [model] * args.honest  # the same model and seed: the same answers, made once
+    engines: dict[str, object] = {f"honest-{i}": e for i, e in enumerate(honest)}
+    flag = random.Random(args.seed + 7)
+    started = time.monotonic()
+    sub = _memo(substitute_model(MODEL, seed=args.seed))
+    print(f"substitute model ready ({time.monotonic() - started:.0f} s, "
+          f"{sum(p.numel() for p in sub.model.parameters())} parameters)", flush=True)
+    best = await _best_fixed_answer(model, public, args)
+    for kind in KINDS:
+        if kind not in args.kinds:
+            continue
+        engines[kind] = {
+            "noise5": lambda: degraded_copy(MODEL, noise=0.05, seed=args.seed),
+            "int4": lambda: quantized_copy(MODEL, bits=4),
+            "substitute": lambda: sub,
+            "fixed": lambda: FixedAnswerEngine(model, STORY),
+            "fixed-best": lambda: FixedAnswerEngine(model, best),
+            "other-prompt": lambda: OtherPromptEngine(model),
+            "nearest": lambda: NearestPromptEngine(
+                TransformersEngine.load(MODEL, prefix_cache_blocks=0), public),
+            "cut-stop": lambda: DishonestEngine(model, keep_fraction=0.25,
+                                                finish_reason="stop"),
+            "cut-length": lambda: DishonestEngine(model, keep_fraction=0.25),
+            "hotter": lambda: DishonestEngine(model, temperature_scale=1.5),
+            "selective": lambda: SelectiveEngine(
+                model, sub, lambda p, q: flag.random() < args.flag_rate),
+            "forwarder": lambda: SelectiveEngine(
+                honest[0], FixedAnswerEngine(model, STORY),
+                lambda p, q: flag.random() < args.flag_rate),
+        }[kind]()
+    return engines, (model, sub)
+
+
+async def _best_fixed_answer(reference, public, args):  # type: ignore[no-untyped-def]
+    """The attacker's tuning: of the model's greedy answers to 12 public prompts (and STORY),
+    the one with the best mean score over 12 other public prompts, at greedy and T = 0.7."""
+    import hashlib
+
+    from ps_p2p.engines.base import SamplingParams
+
+    candidates = [STORY] + [(await reference.complete(p, SamplingParams(
+        max_tokens=args.max_tokens))).text for p in public[:12]]
+    tuning = public[12:24]
+
+    class _Answer:
+        def __init__(self, text: str) -> None:
+            self.text, self.finish_reason = text, "stop"
+
+    best, best_score = STORY, -1.0
+    for text in candidates:
+        total = 0.0
+        for p in tuning:
+            for t in (0.0, 0.7):
+                key = hashlib.sha256(f"{p}{t}".encode()).digest()
+                c, _ = await _challenge_score(reference, public, p, _Answer(text), t, 1.0,
+                                              args.max_tokens, key)
+                total += c
+        if total > best_score:
+            best, best_score = text, total
+    print(f"fixed-best: mean score {best_score / (2 * len(tuning)):.3f} on the tuning prompts: "
+          f"{best[:60]!r}...", flush=True)
+    return best
+
+
+async def simulate(args: argparse.Namespace) -> int:
+    import hashlib
+    import random
+    import resource
+
+    from ps_p2p.engines.base import SamplingParams
+    from ps_p2p.verification.ledger import MICRO
+    from ps_p2p.verification.reputation import (
+        DEFAULT_REPUTATION,
+        ReputationState,
+        is_trusted,
+        update,
+    )
+
+    rng = random.Random(args.seed)
+    data = load_pool()
+    rng.shuffle(data)
+    public = data[: len(data) // 3]  # what attackers know (fixed-best tuning, nearest's cache)
+    pool = data[len(data) // 3:]  # the committee's challenge prompts
+    print(machine())
+    if args.epochs == 0:  # the honest-score simulation alone
+        from ps_p2p.engines.transformers_engine import TransformersEngine
+
+        reference = _memo(TransformersEngine.load(MODEL, prefix_cache_blocks=0))
+        return 0 if await honest_simulation(args, reference, pool, rng) else 1
+    engines, memo = await _engines(args, pool, public)
+    # the verifier's reference: the same weights; its own greedy answers (scoring regenerates
+    # them) come from the epoch's memo when a node already asked the same
+    reference = memo[0]
+    score_memo: dict[object, float] = {}
+    kinds = list(engines)
+    print(f"model {reference.model_id}; {len(kinds)} model nodes ({', '.join(kinds)}); pool of "
+          f"{len(pool)} prompts (public: {len(public)}); {args.challenges} challenges per node "
+          f"per epoch of {args.max_tokens} tokens; {args.epochs} epochs", flush=True)
+    params = DEFAULT_REPUTATION
+    states = {k: ReputationState.fresh(params) for k in kinds}
+    history: list[dict[str, object]] = []
+    untrusted_at: dict[str, int] = {}
+    scores: dict[str, list[float]] = {k: [] for k in kinds}
+    score_cpu = 0.0
+    scored = 0
+    started = time.monotonic()
+    cpu_start = time.process_time()
+    for epoch in range(1, args.epochs + 1):
+        served: dict[str, list[float]] = {k: [] for k in kinds}
+        binding: dict[str, list[float]] = {k: [] for k in kinds}
+        for m in memo:
+            m.clear()
+        score_memo.clear()
+        # every node gets the same challenges in an epoch (module docstring)
+        asked = [(rng.choice(pool), _draw(rng, MENU_T), _draw(rng, MENU_TOP_P),
+                  rng.randrange(2**32)) for _ in range(args.challenges)]
+        for kind in kinds:
+            for prompt, t, top_p, seed in asked:
+                answer = await engines[kind].complete(prompt, SamplingParams(
+                    max_tokens=args.max_tokens, temperature=t, top_p=top_p, seed=seed))
+                key = hashlib.sha256(f"{epoch}/{seed}".encode()).digest()
+                memo_key = (prompt, t, top_p, answer.text, answer.finish_reason)
+                if memo_key not in score_memo:
+                    cpu = time.process_time()
+                    score_memo[memo_key], _ = await _challenge_score(
+                        reference, pool, prompt, answer, t, top_p, args.max_tokens, key)
+                    score_cpu += time.process_time() - cpu
+                    scored += 1
+                c = score_memo[memo_key]
+                scores[kind].append(c)
+                micro = round(c * MICRO) / MICRO
+                # the forwarder's forwarded answers count for it and for its honest peer
+                for who in (kind, "honest-0") if (
+                        kind == "forwarder" and engines[kind].last_route == "honest") else (kind,):
+                    served[who].append(micro)
+                    if t == 0:
+                        binding[who].append(micro)
+        row: dict[str, object] = {"epoch": epoch, "t": round(time.monotonic() - started, 2),
+                                  "cpu": round(time.process_time() - cpu_start, 2)}
+        for kind in kinds:
+            v = served[kind]
+            c_t = min([sum(v) / len(v)] + binding[kind])
+            states[kind] = update(states[kind], c_t, params)
+            row[kind] = round(states[kind].reputation, 4)
+            if not is_trusted(states[kind], params) and kind not in untrusted_at:
+                untrusted_at[kind] = epoch
+        history.append(row)
+        if args.json and (epoch % 10 == 0 or epoch == args.epochs):
+            pathlib.Path(args.json).write_text(json.dumps(history, indent=1))
+        if epoch % 10 == 0 or epoch == args.epochs:
+            print(f"epoch {epoch:3d} ({row['t']:.0f} s): " + " ".join(
+                f"{k}={row[k]:.2f}" for k in kinds), flush=True)
+    elapsed = time.monotonic() - started
+    cpu = time.process_time() - cpu_start
+    print(f"\n{args.epochs} epochs in {elapsed:.0f} s ({elapsed / args.epochs:.2f} s/epoch; CPU "
+          f"{cpu:.0f} s, {cpu / args.epochs:.2f} s/epoch); "
+          f"CPU per scored challenge {score_cpu / scored * 1000:.1f} ms ({scored} distinct "
+          f"answers scored); "
+          f"process CPU {resource.getrusage(resource.RUSAGE_SELF).ru_utime:.0f} s")
+    ok = True
+    print(f"{'node':14s} {'untrusted after':>16s} {'later epochs untrusted':>23s} "
+          f"{'mean score':>10s} {'final R':>8s}")
+    for kind in kinds:
+        at = untrusted_at.get(kind)
+        later = [r for r in history if at is not None and int(r["epoch"]) > at]  # type: ignore
+        share = (sum(1 for r in later if float(r[kind]) < params.untrusted_below)  # type: ignore
+                 / len(later)) if later else float("nan")
+        mean = sum(scores[kind]) / len(scores[kind])
+        if kind.startswith("honest"):
+            good = at is None
+            verdict = "never" if at is None else f"epoch {at}"
+            print(f"{kind:14s} {verdict:>16s} {'':>23s} {mean:10.3f} "
+                  f"{float(history[-1][kind]):8.3f}")  # type: ignore[arg-type]
+        else:
+            good = at is not None and at <= 3 and (not later or share >= 0.95)
+            verdict = "never" if at is None else f"{at} epoch(s)"
+            print(f"{kind:14s} {verdict:>16s} {share:23.1%} {mean:10.3f} "
+                  f"{float(history[-1][kind]):8.3f}{'' if good else '   <- goal missed'}")
+        ok &= good
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(history, indent=1))
+    if args.plot:
+        plot(history, kinds, params.untrusted_below, pathlib.Path(args.plot),
+             title=f"Reputation over challenge epochs (stories260K, {args.challenges} "
+                   f"challenges per node per epoch)")
+        print(f"plot: {args.plot}")
+    if args.honest_epochs:
+        ok &= await honest_simulation(args, reference, pool, rng)
+    return 0 if ok else 1
+
+
+async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore[no-untyped-def]
+    """``args.honest_epochs`` epochs of honest nodes from a bank of honest challenge scores:
+    ``args.bank`` answers of the right model for every (temperature, top_p) of the menu."""
+    import hashlib
+
+    from ps_p2p.engines.base import SamplingParams
+    from ps_p2p.verification.reputation import (
+        DEFAULT_REPUTATION,
+        ReputationState,
+        update,
+    )
+
+    params = DEFAULT_REPUTATION
+    bank: dict[tuple[float, float], list[float]] = {}
+    started = time.monotonic()
+    for t, _ in MENU_T:
+        for top_p, _ in MENU_TOP_P:
+            got = bank.setdefault((t, top_p), [])
+            for i in range(args.bank if t > 0 or top_p == 1.0 else 0):
+                prompt = rng.choice(pool)
+                answer = await reference.complete(prompt, SamplingParams(
+                    max_tokens=args.max_tokens, temperature=t, top_p=top_p, seed=i))
+                key = hashlib.sha256(f"bank/{t}/{top_p}/{i}".encode()).digest()
+                c, _ = await _challenge_score(reference, pool, prompt, answer, t, top_p,
+                                              args.max_tokens, key)
+                got.append(c)
+    bank = {k: v for k, v in bank.items() if v}
+    print(f"\nhonest bank: {sum(map(len, bank.values()))} answers in "
+          f"{time.monotonic() - started:.0f} s; per (T, top_p): min / mean / share below 0.5")
+    for (t, top_p), v in sorted(bank.items()):
+        print(f"  T={t:<4} top_p={top_p:<5} {min(v):.3f} / {sum(v) / len(v):.3f} / "
+              f"{sum(1 for x in v if x < 0.5) / len(v):.1%}")
+    menus = {"menu mix": None} | {f"T={t} only": t for t, _ in MENU_T}
+    ok = True
+    for name, only in menus.items():
+        state = ReputationState.fresh(params)
+        lowest, untrusted = 1.0, 0
+        for _ in range(args.honest_epochs):
+            vals, caps = [], []
+            for _ in range(args.challenges):
+                t = only if only is not None else _draw(rng, MENU_T)
+                top_p = _draw(rng, MENU_TOP_P) if t > 0 else 1.0
+                c = rng.choice(bank[(t, top_p)])
+                vals.append(c)
+                if t == 0:
+                    caps.append(c)
+            state = update(state, min([sum(vals) / len(vals)] + caps), params)
+            lowest = min(lowest, state.reputation)
+            untrusted += state.reputation < params.untrusted_below
+        ok &= untrusted == 0
+        print(f"  {name:12s}: {args.honest_epochs} honest epochs, untrusted in {untrusted}, "
+              f"lowest R {lowest:.3f}")
+    return ok
+
+
 def plot(history: list[dict[str, object]], kinds: list[str], threshold: float,
-         path: pathlib.Path) -> None:
+         path: pathlib.Path,
+         title: str = "Reputation over challenge epochs (stories260K, committee of 4)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,19 +572,28 @@ def plot(history: list[dict[str, object]], kinds: list[str], threshold: float,
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     epochs = [int(r["epoch"]) for r in history]  # type: ignore[call-overload]
-    for kind in kinds:
+    colors = plt.get_cmap("tab20")
+    for i, kind in enumerate(kinds):
         style = "-" if kind.startswith("honest") else "--"
-        ax.plot(epochs, [r[kind] for r in history], style, label=kind, linewidth=1.6)
+        ax.plot(epochs, [r[kind] for r in history], style, label=kind, linewidth=1.6,
+                color=colors(i % 20))
     ax.axhline(threshold, color="grey", linestyle=":", label=f"untrusted below {threshold}")
     ax.set_xlabel("epoch")
     ax.set_ylabel("committed reputation R")
     ax.set_ylim(0, 1)
-    ax.set_title("Reputation over challenge epochs (stories260K, committee of 4)")
-    ax.legend(loc="center right", fontsize=8)
+    ax.set_title(title)
+    ax.legend(loc="center right", fontsize=7, ncol=2 if len(kinds) > 8 else 1)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def replot(json_path: str, plot_path: str, title: str) -> None:
+    """Plot a ``--json`` history again (e.g. with another title) without re-running."""
+    history = json.loads(pathlib.Path(json_path).read_text())
+    kinds = [k for k in history[0] if k not in ("epoch", "t", "cpu")]
+    plot(history, kinds, 0.4, pathlib.Path(plot_path), title=title)
 
 
 def main() -> int:
@@ -219,14 +610,29 @@ def main() -> int:
     ap.add_argument("--plot", default=str(ROOT / "docs" / "verification.png"),
                     help="PNG of reputation over epochs ('' for none)")
     ap.add_argument("--log", default="WARNING", help="log level of ps_p2p")
+    ap.add_argument("--localnet", action="store_true",
+                    help="the network run (committee of 4, three dishonest kinds)")
+    ap.add_argument("--challenges", type=int, default=8, help="challenges per node per epoch")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="dishonest kinds to simulate")
+    ap.add_argument("--flag-rate", type=float, default=0.6,
+                    help="share of challenges the selective nodes' classifier flags")
+    ap.add_argument("--honest-epochs", type=int, default=1000,
+                    help="epochs of the honest-score simulation (0: none)")
+    ap.add_argument("--bank", type=int, default=30,
+                    help="honest answers per (temperature, top_p) of the menu")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args()
+    args.kinds = [k for k in args.kinds.split(",") if k]
     if not MODEL.is_dir():
         print(f"the model is not at {MODEL} (set PS_SHARED_DIR)", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)7d %(name)s %(message)s")
     logging.getLogger("ps_p2p").setLevel(args.log.upper())
-    return trio.run(run, args)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return trio.run(run if args.localnet else simulate, args)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,21 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ps_p2p import responses
 from ps_p2p import registry as app
+from ps_p2p import responses
 from ps_p2p.consensus.block import block_id, make_block
 from ps_p2p.consensus.types import Validator
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.errors import InvalidTransactionError, LocalProtocolError
 from ps_p2p.inference import InferenceReply
 from ps_p2p.keys import Identity
-from ps_p2p.records import NodeRecord, Role, record_subject, sign_membership, sign_record
+from ps_p2p.records import (
+    NodeRecord,
+    Role,
+    record_subject,
+    sign_membership,
+    sign_record,
+)
 from ps_p2p.records.limits import MAX_CLOCK_SKEW_MS
 from ps_p2p.verification import epochs, ledger
 from ps_p2p.verification.ledger import (
@@ -362,10 +368,15 @@ def test_the_honest_leaders_report_steps_reputations_credits_and_ends_the_epoch(
     assert errors(result) == [None]
 
     by_subject: dict[bytes, list[int]] = {}
+    greedy: dict[bytes, list[int]] = {}
     for r in results:
         by_subject.setdefault(subject(r.challenge.model_node), []).append(r.score)
+        if MENU[r.challenge.sampling].temperature == 0:
+            greedy.setdefault(subject(r.challenge.model_node), []).append(r.score)
     assert len(by_subject[subject(M1.peer_id)]) == 4  # Lab: M1's and M2's answers
-    expected = {s: fresh_step(mean_micro(v)) for s, v in by_subject.items()}
+    # the lowest greedy score caps the mean
+    expected = {s: fresh_step(min([mean_micro(v)] + greedy.get(s, [])))
+                for s, v in by_subject.items()}
     assert result.reputation_changes == expected
     assert {s: state.reputation(s) for s in expected} == expected
     assert state.reputation_epoch == 1
@@ -622,24 +633,33 @@ def test_answers_signed_within_the_clock_skew_of_the_epoch_are_accepted(skew, ep
     assert errors(result) == [None] and state.ledger.epoch == 2
 
 
-def test_a_forwarded_answer_with_the_challenged_nodes_voucher_counts_for_the_server(epoch1):
+def test_a_forwarded_answer_counts_for_the_challenged_node_and_for_the_server(epoch1):
+    """Issue 18, finding 5: a node that forwards its challenge to a peer answers for it (it
+    chose the peer), and the peer that served it is scored too."""
     results = results_for(epoch1)
     k = _m1_slot(epoch1)
     c = results[k].challenge
     at = epoch1.ledger.start_ms + SECOND
     results[k] = dataclasses.replace(results[k], answer=answer(M3, request_for(c), at=at,
-                                                               forwarded_by=M1))
+                                                               forwarded_by=M1), score=0)
     state, result, _ = run(epoch1, [report(epoch1, results)], at + 9 * SECOND)
     assert errors(result) == [None]
     credits = state.ledger.credits
     assert (credits[M1.peer_id].answered, credits[M2.peer_id].answered,
-            credits[M3.peer_id].answered) == (1, 2, 3)
-    served = [(r.answer.reply.model_node, r.score) for r in results]
+            credits[M3.peer_id].answered) == (2, 2, 3)
+    # (node, score, greedy) of every answer, the forwarded one for both M1 and M3
+    counted = [(r.challenge.model_node, r.score, MENU[r.challenge.sampling].temperature == 0)
+               for r in results] + [(M3.peer_id, 0, MENU[c.sampling].temperature == 0)]
     expected = {}
-    for s in {subject(n) for n, _ in served}:
-        expected[s] = fresh_step(mean_micro([v for n, v in served if subject(n) == s]))
+    for s in {subject(n) for n, _, _ in counted}:
+        mine = [(v, g) for n, v, g in counted if subject(n) == s]
+        expected[s] = fresh_step(min([mean_micro([v for v, _ in mine])]
+                                     + [v for v, g in mine if g]))
     assert result.reputation_changes == expected
-    assert len([n for n, _ in served if subject(n) == subject(M3.peer_id)]) == 3
+    # the forwarded answer's 0 reaches the challenged node's subject
+    assert result.reputation_changes[subject(M1.peer_id)].window[0] < fresh_step(
+        mean_micro([r.score for r in results_for(epoch1)
+                    if subject(r.challenge.model_node) == subject(M1.peer_id)])).window[0]
 
 
 def test_a_score_above_one_million_micro_units_is_refused_at_decode(epoch1):
@@ -1070,3 +1090,24 @@ def test_an_epoch_starts_exactly_when_committed_power_is_over_two_thirds(committ
         eligible = first if 3 * sum(v.power for v in first) > 2 * total else \
             [v for v, w in zip(genesis.validators, when) if w in (1, 2)]
         assert state.ledger.eligible == tuple(eligible)
+
+
+def test_the_lowest_greedy_score_caps_a_subjects_epoch_score(epoch1):
+    """Issue 18, finding 6: a greedy answer is deterministic, so its low score is no bad luck
+    and is not averaged away by sampled answers that pass."""
+    node = M3.peer_id
+    sampled_only = ledger.ServedScores([900_000, 900_000, 900_000])
+    with_greedy = ledger.ServedScores([900_000, 900_000, 100_000], binding=[100_000])
+    assert ledger.subject_scores({node: sampled_only}, epoch1.ledger) == {subject(node): 900_000}
+    assert ledger.subject_scores({node: with_greedy}, epoch1.ledger) == {subject(node): 100_000}
+    # without binding scores it is the plain mean (rounded half up)
+    plain = ledger.ServedScores([900_000, 900_000, 100_000])
+    assert ledger.subject_scores({node: plain}, epoch1.ledger) == {subject(node): 633_333}
+
+
+def test_the_sampling_menu_takes_the_apis_temperatures_up_to_2():
+    """Issue 18: challenges ask what users ask (the API allows T up to 2), and the challenge
+    scores are calibrated at every temperature."""
+    assert SamplingOption(temperature=2.0).temperature == 2.0
+    with pytest.raises(LocalProtocolError, match=r"not in \[0, 2\]"):
+        SamplingOption(temperature=2.01)

@@ -56,7 +56,11 @@ from ps_p2p.verification.ledger import (
     sign_epoch_report,
     sign_seed_commit,
 )
-from ps_p2p.verification.scoring import score_response
+from ps_p2p.verification.scoring import (
+    DEFAULT_CHALLENGE_SCORING,
+    decoy_indices,
+    score_challenge,
+)
 from ps_p2p.verification.sealing import key_commitment, open_request, seal_request
 from ps_p2p.verification.service import (
     MAX_PENDING_CHECKS,
@@ -215,9 +219,14 @@ async def honest_answer(engine: Engine, prompt: str, option: SamplingOption, *,
 
 async def reference_score(engine: Engine, params: VerificationParams, prompt: str,
                           option: SamplingOption, answer: SignedAnswer) -> int:
-    min_tokens = params.min_tokens(option, answer.reply.finish_reason)
-    score = await score_response(engine, prompt, answer.reply.text,
-                                 temperature=option.temperature, min_tokens=min_tokens)
+    """The score every verifier computes (the challenge scorer, decoys drawn from the signed
+    request hash)."""
+    reply = answer.reply
+    decoys = [POOL[i] for i in decoy_indices(reply.request_hash, len(POOL), POOL.index(prompt),
+                                             DEFAULT_CHALLENGE_SCORING.decoys)]
+    score = await score_challenge(
+        engine, prompt, reply.text, temperature=option.temperature, top_p=option.top_p,
+        max_tokens=option.max_tokens, finish_reason=reply.finish_reason, decoys=decoys)
     return round(score * MICRO)
 
 

@@ -40,6 +40,7 @@ import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 from ps_p2p.engines.kv_events import KVCacheEvent
 from ps_p2p.errors import EngineError
@@ -411,6 +412,29 @@ class Engine(abc.ABC):
             EngineError: this engine has no token-level API, or it failed.
         """
         raise EngineError(f"{type(self).__name__} has no token-level API (score_ids)")
+
+    async def logprob_rows(
+        self, sequences: Sequence[tuple[Sequence[int], int]]
+    ) -> list[Any]:
+        """The model's whole next-token distribution at every scored position, for several
+        sequences (the challenge scorer's input: :mod:`ps_p2p.verification.scoring`).
+
+        For each ``(token_ids, start)``: a float64 numpy array of shape
+        ``(len(token_ids) - start + 1, vocab)``, row i the natural-log softmax of the logits
+        that predict ``token_ids[start + i]``; the last row predicts the token after the
+        sequence (where an end-of-sequence would come). One forward pass per sequence.
+
+        Raises:
+            ValueError: a ``start`` out of [1, len(token_ids)].
+            PromptTooLongError: a sequence longer than ``max_context``.
+            EngineError: this engine has no token-level API, or it failed.
+        """
+        raise EngineError(f"{type(self).__name__} has no token-level API (logprob_rows)")
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """Token IDs that end a generation (end-of-sequence); empty when unknown."""
+        return frozenset()
 
     async def __aenter__(self) -> Engine:
         return self

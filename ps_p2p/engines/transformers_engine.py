@@ -488,6 +488,29 @@ class TransformersEngine(Engine):
             self._check_open()
             return await self._in_thread(functools.partial(self._score_sync, ids, start, top_k))
 
+    async def logprob_rows(
+        self, sequences: Sequence[tuple[Sequence[int], int]]
+    ) -> list[Any]:
+        """See :meth:`Engine.logprob_rows`; all sequences in one worker-thread call."""
+        self._check_open()
+        checked: list[tuple[list[int], int]] = []
+        for token_ids, start in sequences:
+            ids = self._check_ids(token_ids)
+            if not 1 <= start <= len(ids):
+                raise ValueError(f"start must be in [1, {len(ids)}], not {start}")
+            if len(ids) > self.max_context:
+                raise PromptTooLongError(
+                    f"{len(ids)} tokens exceed the context of {self.max_context} tokens of "
+                    f"{self.model_id}")
+            checked.append((ids, start))
+        async with self._lock:
+            self._check_open()
+            return await self._in_thread(functools.partial(self._rows_sync, checked))
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        return frozenset(self.eos_token_ids)
+
     # -- internals ------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -599,6 +622,22 @@ class TransformersEngine(Engine):
                     for vs, ix in zip(values.tolist(), indices.tolist()):
                         top.append(dict(zip(ix, vs)))
         return TokenScores(ids[start:], logprobs, ranks=ranks, top_logprobs=top)
+
+
+    def _rows_sync(self, sequences: list[tuple[list[int], int]]) -> list[Any]:
+        model = self.model
+        assert model is not None
+        out = []
+        with torch.inference_mode():
+            for ids, start in sequences:
+                keep = len(ids) - start + 1
+                kwargs: dict[str, Any] = {"use_cache": False}
+                if self._logits_to_keep:
+                    kwargs["logits_to_keep"] = keep
+                logits = model(input_ids=torch.tensor([ids], device=self.device),
+                               **kwargs).logits[0, -keep:]
+                out.append(torch.log_softmax(logits.double(), dim=-1).cpu().numpy())
+        return out
 
 
 class _Generation:

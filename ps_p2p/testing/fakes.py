@@ -4,6 +4,7 @@ node that answers requests at once, or fails them with a chosen typed error, wit
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -105,6 +106,15 @@ class InstantEngine(Engine):
 
     async def tokenize(self, text: str) -> list[int]:
         return [ord(c) for c in text]
+
+    async def logprob_rows(self, sequences):  # type: ignore[no-untyped-def]
+        """Uniform next-token distributions over the characters (code points) up to the
+        largest one seen (at least 128): every answer is as likely as any other."""
+        import numpy as np
+
+        vocab = max([128] + [max(ids, default=0) + 1 for ids, _ in sequences])
+        return [np.full((len(ids) - start + 1, vocab), -math.log(vocab))
+                for ids, start in sequences]
 
     async def aclose(self) -> None:
         return None

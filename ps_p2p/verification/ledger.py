@@ -57,7 +57,9 @@ fails prevotes nil, so a report with wrong scores never gets 2/3 of the prevotes
 ``valid(v)``).
 
 Effects of an executed report: each subject whose nodes answered gets one reputation step with C
-= the mean of its answers' scores (micro units, rounded half up); unanswered challenges cost
+= the mean of its answers' scores (micro units, rounded half up), capped by its lowest greedy
+answer's score (:func:`subject_scores`); an answer counts for the challenged node and, when
+it forwarded the challenge, for the node that served it as well; unanswered challenges cost
 nothing yet: they are listed as *open misses* of e, with the node's subject in e's challenged
 set. A MISS_REPORT for an open miss of one of the last ``params.miss_epochs`` epochs is recorded;
 the leader's report counts as the leader's own. Once validators with more than 1/3 of the power
@@ -148,8 +150,8 @@ class SamplingOption:
 
     Attributes:
         max_tokens: tokens asked for, in [1, 4096].
-        temperature: in [0, 1] (0: greedy; :data:`~ps_p2p.verification.scoring.
-            MAX_CHALLENGE_TEMPERATURE`).
+        temperature: in [0, 2] (0: greedy; the API's range), scored at that temperature
+            (:func:`~ps_p2p.verification.scoring.score_challenge`).
         top_p: in (0, 1].
     """
 
@@ -161,8 +163,8 @@ class SamplingOption:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
                 or not 1 <= self.max_tokens <= 4096:
             raise LocalProtocolError(f"sampling max_tokens {self.max_tokens!r} not in [1, 4096]")
-        if not _real(self.temperature) or not 0.0 <= self.temperature <= 1.0:
-            raise LocalProtocolError(f"sampling temperature {self.temperature!r} not in [0, 1]")
+        if not _real(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise LocalProtocolError(f"sampling temperature {self.temperature!r} not in [0, 2]")
         if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise LocalProtocolError(f"sampling top_p {self.top_p!r} not in (0, 1]")
 
@@ -709,7 +711,9 @@ def check_epoch_report(tx: EpochReportTx, ledger: EpochLedger, chain_id: str,
         registry: the model nodes listed now (names the fault of a plan naming another node).
 
     Returns:
-        serving model node -> the scores of its answers.
+        model node -> the scores of its answers (:class:`ServedScores`): each answer counts for
+        the challenged node and, when another node served it through a forward voucher, for
+        that node too.
 
     Raises:
         InvalidTransactionError: any check failed (the reason named).
@@ -737,7 +741,7 @@ def check_epoch_report(tx: EpochReportTx, ledger: EpochLedger, chain_id: str,
         epochs.verify_plan(claimed, expected, registry)
     except VerificationError as exc:
         raise _tx_error(exc) from None
-    served: dict[bytes, list[int]] = {}
+    served: dict[bytes, ServedScores] = {}
     members = {n for n, _ in ledger.challenged}
     for res in tx.results:
         c = res.challenge
@@ -759,19 +763,45 @@ def check_epoch_report(tx: EpochReportTx, ledger: EpochLedger, chain_id: str,
             raise InvalidTransactionError(
                 f"challenge of {peer_label(c.model_node)} prompt {c.prompt_index}: {exc}"
             ) from None
-        served.setdefault(server, []).append(res.score)
+        binding = params.sampling[c.sampling].temperature == 0
+        # the challenged node answers for what it forwards (it chose the peer); the node that
+        # served it is scored too (issue 18, "accountability through forwarding")
+        for node in dict.fromkeys((c.model_node, server)):
+            entry = served.setdefault(node, ServedScores())
+            entry.append(res.score)
+            if binding:
+                entry.binding.append(res.score)
     return served
+
+
+class ServedScores(list):  # type: ignore[type-arg]
+    """A node's answer scores in one report (micro units), and among them (``binding``) those
+    of greedy challenges, which cap the node's C(T) (:func:`subject_scores`)."""
+
+    def __init__(self, scores: Sequence[int] = (), binding: Sequence[int] = ()) -> None:
+        super().__init__(scores)
+        self.binding: list[int] = list(binding)
 
 
 def subject_scores(served: Mapping[bytes, Sequence[int]],
                    ledger: EpochLedger) -> dict[bytes, int]:
-    """Subject -> C(T) in micro units: the mean of its nodes' answer scores, rounded half up."""
+    """Subject -> C(T) in micro units: the mean of its nodes' answer scores, rounded half up,
+    capped by its lowest greedy (binding) score.
+
+    A greedy answer is deterministic: the right model gives every token as its top choice, so
+    a low greedy score is no bad luck, and averaging it with sampled answers (whose tests see
+    little of a near-equivalent model) would hide it (docs/verification.md, "Epoch score").
+    """
     by_subject: dict[bytes, list[int]] = {}
+    caps: dict[bytes, int] = {}
     for node, scores in served.items():
         subject = ledger.subject_of(node)
         assert subject is not None
         by_subject.setdefault(subject, []).extend(scores)
-    return {s: (2 * sum(v) + len(v)) // (2 * len(v)) for s, v in by_subject.items()}
+        for b in getattr(scores, "binding", ()):
+            caps[subject] = min(caps.get(subject, b), b)
+    return {s: min((2 * sum(v) + len(v)) // (2 * len(v)), caps.get(s, MICRO))
+            for s, v in by_subject.items()}
 
 
 def apply_epoch_report(tx: EpochReportTx, ledger: EpochLedger, params: VerificationParams,
@@ -902,6 +932,7 @@ __all__ = [
     "MissReportTx",
     "SamplingOption",
     "SeedCommitTx",
+    "ServedScores",
     "SignedAnswer",
     "VerificationParams",
     "apply_epoch_report",

@@ -65,6 +65,52 @@ the context of every later one. Measured on 60 MT-Bench prompts, greedy 32-token
 stories260K scored by the same model: 22 of 60 below 0.5 (minimum 0.11) encoding the response
 alone; with the joint encoding see :mod:`~ps_p2p.verification.reputation`.
 
+Challenge scores (issue 18; what the verifier service uses: :func:`score_challenge`). The
+credibility above has two holes: after its first tokens an answer is conditioned on itself, so
+any fluent text scores well whatever the prompt (a fixed story scored 0.757, honest 0.858),
+and one scoring temperature cannot serve all asked temperatures (honest answers at T = 1
+scored 0.199). A challenge score instead tests the hypothesis "this answer was sampled from
+the reference model given THIS prompt at the ASKED temperature and top_p", with statistics
+whose distribution under that hypothesis is known, whatever T is. With q_i the distribution
+the engine samples from at answer position i (softmax(logits / T), then the top_p nucleus:
+:func:`sampling_logprobs`), and f(t) = max(log q_i(t), floor)::
+
+    z_fit = sum_i (f(t_i) - E_q_i[f]) / sqrt(sum_i Var_q_i[f] + v0)
+
+Each term has mean 0 given the answer so far when t_i is drawn from q_i, so the sum is a
+martingale and z_fit is about N(0, 1) for an honest answer at any temperature (measured on
+stories260K, 40 prompts x 32 tokens per setting: honest z_fit within [-2.7, 2.3] at T = 0.3,
+0.7, 1, 2 and top_p 1 or 0.9). A hotter sampler, another model, or an answer to another prompt
+gives z_fit < 0 (the answer is less likely than what the model produces at T); a colder
+sampler (greedy when T = 1 is asked) z_fit > 0; the test is two-sided. The prompt tie compares
+each token's log-probability given the prompt with its mean given ``decoys`` other prompts of
+the pool (only their last ``decoy_tokens`` tokens: a small model's next token depends mostly
+on the recent context), x_i(t) = log p(t | prompt, t_<i) - mean_j log p(t | decoy_j, t_<i),
+calibrated the same way under q_i::
+
+    z_tie = sum_i (x_i(t_i) - E_q_i[x_i]) / sqrt(sum_i Var_q_i[x_i] + v0)
+
+An honest answer has z_tie about N(0, 1); an answer written for another prompt (canned,
+copied, cached) has E[x] about 0 where the honest expectation is positive, so z_tie < 0 in
+proportion to how much the prompt shapes the answer. A greedy challenge has no distribution to
+calibrate: the honest answer is the argmax path. The verifier makes its own greedy answer
+first: the same text is honest. Otherwise (another platform's numerics may leave the path at a
+near-tie) every token must be the reference's top choice within ``tie_nats``; a clear non-top
+token is a *miss*. (Token by token alone, 8 of 489 honest greedy answers had 2 to 5 misses:
+the signed text re-tokenises differently from the generated tokens.) The end: an answer
+signed "length" must have at least max_tokens - slack tokens, one signed "stop" before that
+must end where the model gives the end-of-sequence (or a stop string's tokens) probability at
+least ``end_prob`` under q (greedy: the top choice); an honest node stops below that with
+probability at most n * end_prob. The score (:func:`challenge_credibility`): 0 for an empty
+answer or an implausible end; greedy: 1 - (misses - trim) / greedy_misses_bad; sampled: 1 for
+|z_fit| and -z_tie up to z_ok, 0 from z_bad, linear between, the lower of the two. ``trim``
+(default 1) leaves the most surprising token out of each statistic (and forgives one greedy
+miss): the signed answer is text, and its re-tokenisation differed from the generated tokens
+in 1 of 40 answers at T = 0.3. Cost: one forward pass over prompt + answer and one per decoy
+(batched in :meth:`Engine.logprob_rows`); on stories260K with 4 decoys, 32-token answers,
+13.9 ms CPU per scored challenge against 6.5 ms for :func:`score_response` (2 shared cores,
+load average ~6).
+
 Measured (stories260K, CPU, greedy challenges, 128-token answers, 30 prompts): see
 :mod:`~ps_p2p.verification.reputation` (tau) for honest and dishonest scores. Scoring at
 T' = 0.1 instead of 0.25 separates a noised model slightly better but lowers honest scores where
@@ -80,7 +126,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ps_p2p.engines.base import Engine, TokenScores
+from ps_p2p.engines.base import Engine, SamplingParams, TokenScores
 from ps_p2p.errors import EngineError
 
 #: Algorithm 3's epsilon as a log-probability: a token the reference model gives less than 1e-4
@@ -381,16 +427,387 @@ async def _token_ids(engine: Engine, prompt: str, response: str) -> tuple[list[i
     return prompt_ids + response_ids, len(prompt_ids)
 
 
+
+
+# ------------------------------------------------------------------ challenge scores (issue 18)
+#
+# Module docstring, "Challenge scores": a calibrated test of "this answer was sampled from the
+# reference model, at the asked temperature and top_p, given THIS prompt".
+
+#: Log-probability floor of the sampling-distribution statistics (a token outside the nucleus,
+#: or of probability below 1e-6, counts as 1e-6): bounds one token's weight in a sum.
+DEFAULT_STAT_FLOOR = math.log(1e-6)
+#: |z| at or below which a calibrated statistic costs nothing, and at or above which the
+#: score is 0 (linear between).
+DEFAULT_Z_OK = 2.5
+DEFAULT_Z_BAD = 4.5
+#: Added to the variance of a sum of per-token terms: keeps z finite when the sampling
+#: distribution is (nearly) deterministic, and makes one surprising token in an otherwise
+#: certain answer cost at most |floor| / sqrt(1 + ...) standard deviations.
+DEFAULT_VARIANCE_PRIOR = 1.0
+#: A greedy answer's token counts as the model's top choice when its log-probability is within
+#: this many nats of the top one (numerics: fp32 vs bf16, a KV-cached decode vs one pass).
+DEFAULT_TIE_NATS = 0.05
+#: Clear non-top tokens that make a greedy answer score 0 (linear from 1 at none).
+DEFAULT_GREEDY_MISSES_BAD = 2
+#: An answer that says "stop" before max_tokens must end where the model gives the end of the
+#: sequence at least this probability under the asked sampling distribution (greedy: the end
+#: must be the top choice, within DEFAULT_TIE_NATS). An honest node stops at a point below it
+#: with probability at most n * DEFAULT_END_PROB over an n-token answer.
+DEFAULT_END_PROB = 1e-4
+#: Decoy prompts an answer's likelihood is compared against.
+DEFAULT_DECOYS = 4
+#: Tokens of a decoy prompt kept as the answer's context (its first, and its last ones): the
+#: answer's likelihood depends mostly on the recent context, and a shorter one costs less.
+DEFAULT_DECOY_TOKENS = 32
+#: Most surprising tokens per answer left out of each statistic (re-tokenisation).
+DEFAULT_TRIM = 1
+
+
+@dataclass(frozen=True)
+class ChallengeScoring:
+    """Parameters of :func:`challenge_credibility` (module docstring, "Challenge scores"); a
+    genesis parameter set, since verifiers must agree on them.
+
+    Attributes:
+        stat_floor: log-probability floor of the statistics, in [-100, 0).
+        z_ok, z_bad: 0 <= z_ok < z_bad: |z| up to z_ok scores 1, from z_bad 0.
+        variance_prior: > 0, added to a statistic's variance.
+        tie_nats: >= 0, greedy near-tie allowance.
+        greedy_misses_bad: >= 1 clear non-top tokens that score 0.
+        end_prob: in (0, 1), the least probability of a claimed end.
+        decoys: decoy prompts per challenge, in [0, 64] (0: no prompt tie).
+        min_tokens_slack: tokens a "length" answer may lack (re-tokenisation), >= 0.
+        trim: tokens per answer left out of each statistic (the most surprising ones; greedy:
+            misses forgiven), in [0, 64]: a re-tokenised answer may differ from what the model
+            generated in a token (measured: 1 of 40 answers at T = 0.3, top_p = 0.9).
+        decoy_tokens: tokens of each decoy prompt used, >= 2 (its first and its last ones).
+    """
+
+    stat_floor: float = DEFAULT_STAT_FLOOR
+    z_ok: float = DEFAULT_Z_OK
+    z_bad: float = DEFAULT_Z_BAD
+    variance_prior: float = DEFAULT_VARIANCE_PRIOR
+    tie_nats: float = DEFAULT_TIE_NATS
+    greedy_misses_bad: int = DEFAULT_GREEDY_MISSES_BAD
+    end_prob: float = DEFAULT_END_PROB
+    decoys: int = DEFAULT_DECOYS
+    min_tokens_slack: int = 8
+    trim: int = DEFAULT_TRIM
+    decoy_tokens: int = DEFAULT_DECOY_TOKENS
+
+    def __post_init__(self) -> None:
+        _check_floor(self.stat_floor)
+        if not (_is_real(self.z_ok) and _is_real(self.z_bad) and 0 <= self.z_ok < self.z_bad):
+            raise ValueError("need 0 <= z_ok < z_bad")
+        if not _is_real(self.variance_prior) or self.variance_prior <= 0:
+            raise ValueError("variance_prior must be > 0")
+        if not _is_real(self.tie_nats) or self.tie_nats < 0:
+            raise ValueError("tie_nats must be >= 0")
+        for name, lo, hi in (("greedy_misses_bad", 1, 1 << 20), ("decoys", 0, 64), ("trim", 0, 64),
+                             ("decoy_tokens", 2, 1 << 20),
+                             ("min_tokens_slack", 0, 4096)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an int in [{lo}, {hi}], not {v!r}")
+        if not _is_real(self.end_prob) or not 0 < self.end_prob < 1:
+            raise ValueError("end_prob must be in (0, 1)")
+
+
+DEFAULT_CHALLENGE_SCORING = ChallengeScoring()
+
+
+@dataclass(frozen=True)
+class AnswerStats:
+    """What :func:`answer_stats` measured on one answer (module docstring, "Challenge scores").
+
+    Attributes:
+        tokens: scored answer tokens n.
+        greedy: the challenge was greedy (T = 0).
+        z_fit: sampled: the calibrated log-likelihood statistic under the asked distribution
+            (~N(0, 1) for an honest answer; < 0: less likely than the right model at that
+            temperature produces, > 0: more likely, e.g. a lower temperature). 0 when greedy.
+        z_tie: sampled: the calibrated prompt-versus-decoys statistic (~N(0, 1) honest; < 0:
+            the answer fits the decoy prompts as well as its own). 0 without decoys.
+        misses: greedy: tokens that are clearly not the model's top choice.
+        end_ok: the claimed end (finish reason) is plausible.
+    """
+
+    tokens: int
+    greedy: bool
+    z_fit: float
+    z_tie: float
+    misses: int
+    end_ok: bool
+
+
+def sampling_logprobs(rows, temperature: float, top_p: float = 1.0):  # type: ignore[no-untyped-def]
+    """log q: the distribution an engine samples from at ``temperature`` and ``top_p``, per row.
+
+    The same transformation as the engine's sampler: softmax(logits / T), then the smallest
+    set of most likely tokens whose mass reaches ``top_p`` (the first always kept; the others
+    kept while the mass before them is below top_p), renormalised.
+
+    Args:
+        rows: float array (positions, vocab) of natural-log probabilities (log-softmax).
+        temperature: > 0.
+        top_p: in (0, 1].
+
+    Returns:
+        Array of the same shape, -inf outside the nucleus.
+    """
+    import numpy as np
+
+    z = np.asarray(rows, dtype=np.float64) / float(temperature)
+    z = z - z.max(axis=-1, keepdims=True)
+    logq = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    if top_p < 1.0:
+        order = np.argsort(-logq, axis=-1, kind="stable")
+        sorted_q = np.exp(np.take_along_axis(logq, order, axis=-1))
+        before = np.cumsum(sorted_q, axis=-1) - sorted_q
+        keep_sorted = before < top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        mass = np.where(keep, np.exp(logq), 0.0).sum(axis=-1, keepdims=True)
+        logq = np.where(keep, logq - np.log(mass), -np.inf)
+    return logq
+
+
+def _calibrated(values, weights, observed, trim: int = 0):  # type: ignore[no-untyped-def]
+    """(sum of observed - E) and sum of Var of per-row values under the row weights q, leaving
+    out the ``trim`` rows whose observed value falls furthest below its mean."""
+    import numpy as np
+
+    mean = (weights * values).sum(axis=-1)
+    var = np.maximum((weights * values * values).sum(axis=-1) - mean * mean, 0.0)
+    dev = observed - mean
+    if trim and len(dev) > trim:
+        keep = np.argsort(dev, kind="stable")[trim:]
+        dev, var = dev[keep], var[keep]
+    return float(dev.sum()), float(var.sum())
+
+
+def answer_stats(
+    rows, tokens: Sequence[int], *, temperature: float, top_p: float = 1.0,
+    decoy_rows: Sequence[object] = (), finish_reason: str = "", max_tokens: int = 0,
+    end_ids: frozenset[int] | set[int] = frozenset(),
+    params: ChallengeScoring = DEFAULT_CHALLENGE_SCORING,
+) -> AnswerStats:
+    """The statistics of one answer, from the reference model's distributions; pure.
+
+    Args:
+        rows: (n + 1, vocab) log-softmax rows given the asked prompt (:meth:`Engine.
+            logprob_rows`): row i predicts token i of the answer, row n what follows it.
+        tokens: the n answer tokens.
+        temperature: the asked temperature, >= 0 (0: greedy).
+        top_p: the asked top_p, in (0, 1].
+        decoy_rows: for each decoy prompt, the (n + 1, vocab) rows of the same answer after it.
+        finish_reason: the signed finish reason ("stop", "length").
+        max_tokens: the asked max_tokens (0: unknown, no end check).
+        end_ids: tokens that end a generation here (end-of-sequence, a stop string's).
+
+    Raises:
+        ValueError: shapes that do not fit, a temperature or top_p out of range.
+    """
+    import numpy as np
+
+    if not _is_real(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0, not {temperature!r}")
+    if not _is_real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], not {top_p!r}")
+    r = np.asarray(rows, dtype=np.float64)
+    n = len(tokens)
+    if r.ndim != 2 or r.shape[0] != n + 1:
+        raise ValueError(f"rows of shape {r.shape} for {n} tokens (need ({n + 1}, vocab))")
+    idx = np.asarray(list(tokens), dtype=np.int64)
+    pos = np.arange(n)
+    greedy = temperature == 0
+    ends = sorted(int(t) for t in end_ids if 0 <= int(t) < r.shape[1])
+    reached = max_tokens > 0 and n >= max_tokens - params.min_tokens_slack
+    if greedy:
+        body = r[:n]
+        gaps = body.max(axis=-1) - body[pos, idx] if n else np.zeros(0)
+        misses = int((gaps > params.tie_nats).sum())
+        last = r[n]
+        end_gap = last.max() - max((last[e] for e in ends), default=-np.inf)
+        plausible_end = bool(end_gap <= params.tie_nats)
+        z_fit = z_tie = 0.0
+    else:
+        logq = sampling_logprobs(r, temperature, top_p)
+        q = np.exp(logq)
+        # a token just outside the verifier's nucleus (numerics at its edge, a re-tokenised
+        # answer) counts at its tempered probability before the nucleus, never -inf
+        f = np.maximum(np.maximum(logq, sampling_logprobs(r, temperature)), params.stat_floor) \
+            if top_p < 1.0 else np.maximum(logq, params.stat_floor)
+        s, v = _calibrated(f[:n], q[:n], f[pos, idx], params.trim) if n else (0.0, 0.0)
+        z_fit = s / math.sqrt(v + params.variance_prior)
+        misses = 0
+        plausible_end = bool(sum(q[n][e] for e in ends) >= params.end_prob) if ends else False
+        z_tie = 0.0
+        if decoy_rows and n:
+            d = np.mean([np.maximum(np.asarray(x, dtype=np.float64)[:n], params.stat_floor)
+                         for x in decoy_rows], axis=0)
+            x = np.maximum(r[:n], params.stat_floor) - d
+            s, v = _calibrated(x, q[:n], x[pos, idx], params.trim)
+            z_tie = s / math.sqrt(v + params.variance_prior)
+    if max_tokens <= 0:
+        end_ok = True
+    elif finish_reason == "length":
+        end_ok = reached
+    else:  # "stop" (or anything else): the model must have wanted to end there
+        end_ok = reached or plausible_end
+    return AnswerStats(n, greedy, float(z_fit), float(z_tie), misses, end_ok)
+
+
+def _ramp(x: float, ok: float, bad: float) -> float:
+    return 1.0 if x <= ok else 0.0 if x >= bad else (bad - x) / (bad - ok)
+
+
+def challenge_credibility(
+    stats: AnswerStats, params: ChallengeScoring = DEFAULT_CHALLENGE_SCORING
+) -> float:
+    """C in [0, 1] of one challenge answer from its :class:`AnswerStats`; pure.
+
+    Greedy: 1 - misses / greedy_misses_bad (clipped). Sampled: the lower of the two calibrated
+    statistics' scores, each 1 for |z| <= z_ok (z_tie: only its negative side counts), 0 from
+    z_bad, linear between. 0 for an empty answer or an implausible end.
+    """
+    if stats.tokens == 0 or not stats.end_ok:
+        return 0.0
+    if stats.greedy:
+        misses = max(0, stats.misses - params.trim)
+        return max(0.0, 1.0 - misses / params.greedy_misses_bad)
+    fit = _ramp(abs(stats.z_fit), params.z_ok, params.z_bad)
+    tie = _ramp(-stats.z_tie, params.z_ok, params.z_bad)
+    return min(fit, tie)
+
+
+async def challenge_stats(
+    engine: Engine,
+    prompt: str,
+    response: str,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    max_tokens: int = 0,
+    finish_reason: str = "",
+    stop: Sequence[str] = (),
+    decoys: Sequence[str] = (),
+    params: ChallengeScoring = DEFAULT_CHALLENGE_SCORING,
+) -> AnswerStats:
+    """:func:`answer_stats` of ``response`` to ``prompt`` under ``engine``'s model.
+
+    Greedy (``temperature`` 0, ``max_tokens`` given): first the reference's own greedy answer
+    (one :meth:`Engine.complete`); the same text scores as honest at once. Otherwise one
+    :meth:`Engine.logprob_rows` call: the answer's tokens (module docstring, "Token
+    alignment") after the prompt and after each decoy prompt (a decoy that would not fit the
+    context with the answer is left out). End tokens: the engine's end-of-sequence tokens, and
+    for each ``stop`` string every token whose text contains its first character.
+
+    Raises:
+        ValueError: a parameter out of range.
+        PromptTooLongError: prompt + response exceed the engine's context.
+        EngineError: the engine failed or has no ``logprob_rows``.
+    """
+    if temperature == 0 and max_tokens > 0 and response:
+        # greedy is deterministic: the reference's own answer, text for text, is the honest
+        # one (its re-tokenisation may differ from the generated tokens: 8 of 489 honest
+        # greedy answers had 2 to 5 "misses" at the token level for that reason alone)
+        own = await engine.complete(prompt, SamplingParams(max_tokens=max_tokens))
+        if own.text == response:
+            n = len(await engine.encode(response, add_special_tokens=False))
+            return AnswerStats(n, True, 0.0, 0.0, 0, True)
+    ids, start = await _token_ids(engine, prompt, response)
+    answer = ids[start:]
+    sequences: list[tuple[Sequence[int], int]] = [(ids, start)]
+    if answer and temperature > 0:
+        for decoy in decoys[: params.decoys]:
+            d = list(await engine.tokenize(decoy))
+            if len(d) > params.decoy_tokens:  # its first token (BOS) and its last ones
+                d = d[:1] + d[len(d) - params.decoy_tokens + 1:]
+            if d and len(d) + len(answer) <= engine.max_context:
+                sequences.append((d + answer, len(d)))
+    rows = await engine.logprob_rows(sequences)
+    ends = set(engine.end_token_ids)
+    for s in stop:
+        if s:
+            ends |= await _tokens_containing(engine, s[0])
+    return answer_stats(rows[0], answer, temperature=temperature, top_p=top_p,
+                        decoy_rows=rows[1:], finish_reason=finish_reason,
+                        max_tokens=max_tokens, end_ids=ends, params=params)
+
+
+async def score_challenge(engine: Engine, prompt: str, response: str, **kwargs: object) -> float:
+    """C in [0, 1]: :func:`challenge_credibility` of :func:`challenge_stats` (same arguments).
+
+    Raises:
+        as :func:`challenge_stats`.
+    """
+    params = kwargs.get("params", DEFAULT_CHALLENGE_SCORING)
+    stats = await challenge_stats(engine, prompt, response, **kwargs)  # type: ignore[arg-type]
+    return challenge_credibility(stats, params)  # type: ignore[arg-type]
+
+
+_VOCAB_TEXT: dict[int, list[str]] = {}
+
+
+async def _tokens_containing(engine: Engine, char: str) -> set[int]:
+    """Token IDs whose decoded text contains ``char`` (cached per engine object)."""
+    key = id(engine)
+    texts = _VOCAB_TEXT.get(key)
+    if texts is None:
+        size = int(getattr(engine, "vocab_size", 0) or 0)
+        texts = [await engine.decode([i]) for i in range(size)]
+        _VOCAB_TEXT[key] = texts
+    return {i for i, t in enumerate(texts) if char in t}
+
+
+DECOY_DOMAIN = b"planetserve/v1/challenge-decoys\x00"
+
+
+def decoy_indices(key: bytes, pool_size: int, asked: int, count: int) -> list[int]:
+    """The pool indices of a challenge's decoy prompts: ``count`` distinct indices other than
+    ``asked``, drawn from SHA-256(DECOY_DOMAIN || key || u32(i)) (every verifier draws the same
+    ones for the same ``key``, e.g. the signed request hash); fewer when the pool is small.
+
+    Raises:
+        ValueError: ``pool_size`` < 1 or ``count`` < 0.
+    """
+    import hashlib
+
+    if pool_size < 1 or count < 0:
+        raise ValueError("pool_size must be >= 1 and count >= 0")
+    want = min(count, pool_size - (1 if 0 <= asked < pool_size else 0))
+    out: list[int] = []
+    i = 0
+    while len(out) < want:
+        digest = hashlib.sha256(DECOY_DOMAIN + bytes(key) + i.to_bytes(4, "big")).digest()
+        j = int.from_bytes(digest[:8], "big") % pool_size
+        i += 1
+        if j != asked and j not in out:
+            out.append(j)
+    return out
+
+
 __all__ = [
+    "DEFAULT_CHALLENGE_SCORING",
     "DEFAULT_FLOOR_LOGPROB",
     "DEFAULT_GREEDY_TEMPERATURE",
     "DEFAULT_SCORING",
     "DEFAULT_TOP_K",
     "MAX_CHALLENGE_TEMPERATURE",
     "MAX_SCORED_TOKENS",
+    "AnswerStats",
+    "ChallengeScoring",
     "ScoringParams",
+    "answer_stats",
+    "challenge_credibility",
+    "challenge_stats",
     "credibility",
+    "decoy_indices",
     "mean_credibility",
+    "sampling_logprobs",
+    "score_challenge",
     "score_response",
     "score_response_per_token",
     "scoring_temperature",

@@ -84,7 +84,11 @@ from ps_p2p.verification.ledger import (
     sign_miss_report,
     sign_seed_commit,
 )
-from ps_p2p.verification.scoring import score_response
+from ps_p2p.verification.scoring import (
+    DEFAULT_CHALLENGE_SCORING,
+    decoy_indices,
+    score_challenge,
+)
 from ps_p2p.verification.sealing import (
     SEAL_OVERHEAD,
     check_committee_key,
@@ -220,6 +224,9 @@ class EpochService:
         self._ask = ask
         self.engine = engine
         self.pool = list(pool)
+        self._pool_index = {p: i for i, p in reversed(list(enumerate(self.pool)))}
+        #: how answers are scored (a genesis parameter set in a later version; the defaults)
+        self.challenge_scoring = DEFAULT_CHALLENGE_SCORING
         self._master = bytes(master)
         self._committee_key = bytes(committee_key)
         self.challenge_timeout = challenge_timeout
@@ -423,9 +430,18 @@ class EpochService:
         return SignedAnswer(seal_request(self._committee_key, reply.request_hash, request), reply)
 
     async def _score(self, prompt: str, option: SamplingOption, answer: SignedAnswer) -> int:
-        score = await score_response(
-            self.engine, prompt, answer.reply.text, temperature=option.temperature,
-            min_tokens=self.params.min_tokens(option, answer.reply.finish_reason))
+        """The challenge score (:func:`~ps_p2p.verification.scoring.score_challenge`): the
+        answer against the asked sampling parameters, its claimed end, and decoy prompts of the
+        pool drawn from the signed request hash (the same ones on every verifier)."""
+        reply = answer.reply
+        decoys = [self.pool[i] for i in decoy_indices(
+            reply.request_hash, len(self.pool), self._pool_index.get(prompt, -1),
+            self.challenge_scoring.decoys)]
+        score = await score_challenge(
+            self.engine, prompt, reply.text, temperature=option.temperature,
+            top_p=option.top_p, max_tokens=option.max_tokens, finish_reason=reply.finish_reason,
+            stop=tuple(getattr(option, "stop", ()) or ()), decoys=decoys,
+            params=self.challenge_scoring)
         self.stats.answers_scored += 1
         return round(score * MICRO)
 
