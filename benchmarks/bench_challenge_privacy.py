@@ -101,7 +101,7 @@ EARLIER_CHARS = 300
 
 
 def load_thirds(seed: int = 18) -> tuple[list[str], dict[str, list[list[str]]]]:
-    """(public prompts, corpus -> [public third, users' third, private third])."""
+    """(public prompts, corpus -> [public part (20%), users' part (40%), private part (40%)])."""
     rng = random.Random(seed)
     public = [p.text for p in load_prompts(DATA / "mtbench" / "question.jsonl")]
     thirds: dict[str, list[list[str]]] = {}
@@ -109,23 +109,27 @@ def load_thirds(seed: int = 18) -> tuple[list[str], dict[str, list[list[str]]]]:
         texts = sorted({p.text.strip() for f in files for p in load_prompts(DATA / f)
                         if 0 < len(p.text.strip()) <= MAX_PROMPT_CHARS})
         rng.shuffle(texts)
-        k = len(texts) // 3
-        thirds[name] = [texts[:k], texts[k:2 * k], texts[2 * k:]]
+        a, b = len(texts) // 5, 3 * len(texts) // 5
+        thirds[name] = [texts[:a], texts[a:b], texts[b:]]
         public += thirds[name][0]
     return public, thirds
 
 
 def conversations(thirds: dict[str, list[list[str]]], part: int, rng: random.Random,
                   count: int) -> list[Conversation]:
-    """``count`` conversations from third ``part`` (corpora by their users' share; each with an
-    earlier exchange drawn from the same third)."""
+    """``count`` conversations from part ``part`` (corpora by their users' share, each prompt
+    once until its corpus is used up; each with an earlier exchange from the same part)."""
     names = list(SETS)
     weights = [SETS[n][1] for n in names]
+    left = {n: [] for n in names}
     out = []
     for _ in range(count):
-        texts = thirds[rng.choices(names, weights)[0]][part]
+        name = rng.choices(names, weights)[0]
+        texts = thirds[name][part]
+        if not left[name]:
+            left[name] = rng.sample(texts, len(texts))
         a, b = rng.sample(texts, 2)
-        out.append(Conversation(rng.choice(texts), (a[:EARLIER_CHARS], b[:EARLIER_CHARS])))
+        out.append(Conversation(left[name].pop(), (a[:EARLIER_CHARS], b[:EARLIER_CHARS])))
     return out
 
 
@@ -143,18 +147,20 @@ def generated_pool(size: int, seed: int) -> list[str]:
 
 
 def challenge_asks(plan: epochs.Plan, node: bytes, pool: list[str], menu, rng: random.Random,
-                   *, epoch_s: float, seed: bytes) -> list[tuple[float, dict]]:
+                   *, epoch: int, epoch_s: float, seed: bytes) -> list[tuple[float, dict]]:
     """(send time in the epoch, the ``ask`` call) of each of ``node``'s challenges, as the
     verifier's service makes them."""
     user = RecordingUser()
     out = []
     for c in plan.for_node(node):
         if challenge_shapes is not None:
-            req = challenge_shapes.derive_request(seed, c, pool[c.prompt_index],
-                                                  epoch_s=epoch_s)
+            # the leader's request and send time (service.EpochService._lead; a deployment's
+            # attempt_ms >= epoch_ms + timeout + margin spreads them over the whole epoch)
+            req = challenge_shapes.derive_request(seed, epoch, 0, c, pool[c.prompt_index])
             ask = service.overlay_ask(user, "stories260K")
             trio.run(ask, req, node, 60.0)
-            out.append((req.send_at_s + rng.uniform(0.05, 0.5), user.asks[-1]))
+            at = challenge_shapes.send_times([req.send_fraction], epoch_s)[0]
+            out.append((at + rng.uniform(0.05, 0.5), user.asks[-1]))
         else:
             option = menu[c.sampling]
             ask = service.overlay_ask(user, "stories260K")
@@ -179,11 +185,13 @@ def run(args: argparse.Namespace) -> None:
         pool = generated_pool(args.pool_size, args.seed)
     elif args.pool == "public":
         pool = list(public)
-    else:
-        pool = [c.prompt for c in conversations(thirds, 2, rng, args.pool_size)]
-        if challenge_shapes is not None:  # conversation entries: the chat's earlier turns
-            pool = [challenge_shapes.encode_entry(c.prompt, c.earlier)
-                    for c in conversations(thirds, 2, rng, args.pool_size)]
+    else:  # the committee's unpublished prompts, shaped like users' (each used once)
+        size = min(args.pool_size, sum(len(t[2]) for t in thirds.values()))
+        items = conversations(thirds, 2, rng, size)
+        if challenge_shapes is not None:  # entries carry an earlier exchange for chats
+            pool = [challenge_shapes.encode_entry(c.prompt, c.earlier) for c in items]
+        else:
+            pool = [c.prompt for c in items]
         pool = list(dict.fromkeys(pool))
     menu = (SamplingOption(),)  # the testnet's genesis menu
     nodes = [b"\x00\x24" + hashlib.sha256(b"n%d" % i).digest() + bytes(4)
@@ -193,7 +201,7 @@ def run(args: argparse.Namespace) -> None:
     chain = ChainView(menu=tuple((o.max_tokens, o.temperature, o.top_p) for o in menu),
                       epoch_s=args.epoch_s)
     index = PublicIndex(public)
-    users = conversations(thirds, 1, rng, args.epochs * int(args.user_rate * args.epoch_s * 2)
+    users = conversations(thirds, 1, rng, int(args.epochs * args.user_rate * args.epoch_s * 2)
                           + 100)
     user_iter = iter(users)
     used: set[int] = set()
@@ -206,8 +214,8 @@ def run(args: argparse.Namespace) -> None:
         plan = epochs.derive_plan(seed, nodes, len(pool), per_node, exclude=used,
                                   sampling_options=len(menu))
         used |= {c.prompt_index for c in plan.challenges}
-        for at, ask in challenge_asks(plan, attacked, pool, menu, rng, epoch_s=args.epoch_s,
-                                      seed=seed):
+        for at, ask in challenge_asks(plan, attacked, pool, menu, rng, epoch=e,
+                                      epoch_s=args.epoch_s, seed=seed):
             traffic.append((e, at, ask, 1))
         times = poisson_times(rng, args.user_rate, args.epoch_s)
         bodies = [user_body(rng, next(user_iter)) for _ in times]
@@ -270,12 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pool", choices=["generated", "public", "private"], default="private")
     p.add_argument("--pool-size", type=int, default=1000)
-    p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--epochs", type=int, default=90)
     p.add_argument("--epoch-s", type=float, default=300.0)
-    p.add_argument("--nodes", type=int, default=10)
+    p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--challenges-per-node", type=int, default=None,
                    help="default: 1 for today's code, 4 with the challenges module")
-    p.add_argument("--user-rate", type=float, default=0.05, help="requests/s to the node")
+    p.add_argument("--user-rate", type=float, default=0.025, help="requests/s to the node")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--models", default="boosting,tree")
     p.add_argument("--seed", type=int, default=1)
