@@ -12,16 +12,17 @@ Traffic, one attacked model node among ``--nodes``, ``--epochs`` epochs of ``--e
 * users: Poisson arrivals (``--user-rate`` per second), bodies drawn from
   :data:`~ps_p2p.testing.api_traffic.USER_MIX` (what OpenAI-API clients send) and run through
   the real local API and user client code (:func:`~ps_p2p.testing.api_traffic.api_asks`,
-  :func:`~ps_p2p.testing.api_traffic.query_of_ask`); prompts from a users' third of
-  ../shared/data (ShareGPT first turns, ToolBench queries, HumanEval/MBPP/CodeContests);
+  :func:`~ps_p2p.testing.api_traffic.query_of_ask`); prompts from ../shared/data (ShareGPT
+  first turns, ToolBench queries, HumanEval/MBPP/CodeContests): a users' 40% of each set,
+  their union each prompt once, a chat's earlier exchange from the same set;
 * challenges: built by the verifier's own code. With today's service (``overlay_ask`` taking a
   sampling option): the plan's pool prompt at the genesis menu's parameters, all sent when the
   epoch starts (8 at a time, the node's slot drawn among the challenged nodes). With
   :mod:`ps_p2p.verification.challenges` present: the request that module derives from the
   plan (shape, parameters and send time), sent through ``overlay_ask`` as the service does;
-* the attacker knows MT-Bench and the public third of each data set. ``--pool`` picks the
+* the attacker knows MT-Bench and a public 20% of each data set. ``--pool`` picks the
   committee's pool: ``generated`` (``ps-node testnet --challenge-pool generate``: stories260K
-  samples), ``public`` (MT-Bench + the public third), ``private`` (a private third of the same
+  samples), ``public`` (MT-Bench + the public 20%), ``private`` (the other 40% of the same
   sets: the committee's unpublished prompts, shaped like users').
 
 Prints the cross-validated accuracy (stratified 5 folds x ``--seeds`` seeds) of a gradient
@@ -84,14 +85,14 @@ except ImportError:  # today's code: challenges are the pool prompt at a menu en
 SHARED = pathlib.Path(os.environ.get("PS_SHARED_DIR", REPO.parent / "shared"))
 DATA = SHARED / "data"
 MODEL = SHARED / "models" / "stories260K"
-SETS = {  # corpus -> (files, share of users' prompts)
-    "sharegpt": (["sharegpt/ShareGPT_V3_filtered_500.json"], 0.6),
-    "toolbench": (["toolbench/G1_instruction.json", "toolbench/G1_category.json",
-                   "toolbench/G1_tool.json", "toolbench/G2_instruction.json",
-                   "toolbench/G2_category.json"], 0.15),
-    "code": (["code/HumanEval_for_code_generation.jsonl",
-              "code/mbpp_sanitized_for_code_generation.jsonl",
-              "code/CodeContests_zeroshot_for_test_case_generation.jsonl"], 0.25),
+SETS = {  # corpus -> files; users' prompts (and the private pool) draw from their union
+    "sharegpt": ["sharegpt/ShareGPT_V3_filtered_500.json"],
+    "toolbench": ["toolbench/G1_instruction.json", "toolbench/G1_category.json",
+                  "toolbench/G1_tool.json", "toolbench/G2_instruction.json",
+                  "toolbench/G2_category.json"],
+    "code": ["code/HumanEval_for_code_generation.jsonl",
+             "code/mbpp_sanitized_for_code_generation.jsonl",
+             "code/CodeContests_zeroshot_for_test_case_generation.jsonl"],
 }
 MAX_PROMPT_CHARS = 1500
 EARLIER_CHARS = 300
@@ -100,12 +101,12 @@ EARLIER_CHARS = 300
 # ---------------------------------------------------------------------------- data
 
 
-def load_thirds(seed: int = 18) -> tuple[list[str], dict[str, list[list[str]]]]:
+def load_parts(seed: int = 18) -> tuple[list[str], dict[str, list[list[str]]]]:
     """(public prompts, corpus -> [public part (20%), users' part (40%), private part (40%)])."""
     rng = random.Random(seed)
     public = [p.text for p in load_prompts(DATA / "mtbench" / "question.jsonl")]
     thirds: dict[str, list[list[str]]] = {}
-    for name, (files, _) in SETS.items():
+    for name, files in SETS.items():
         texts = sorted({p.text.strip() for f in files for p in load_prompts(DATA / f)
                         if 0 < len(p.text.strip()) <= MAX_PROMPT_CHARS})
         rng.shuffle(texts)
@@ -117,19 +118,18 @@ def load_thirds(seed: int = 18) -> tuple[list[str], dict[str, list[list[str]]]]:
 
 def conversations(thirds: dict[str, list[list[str]]], part: int, rng: random.Random,
                   count: int) -> list[Conversation]:
-    """``count`` conversations from part ``part`` (corpora by their users' share, each prompt
-    once until its corpus is used up; each with an earlier exchange from the same part)."""
-    names = list(SETS)
-    weights = [SETS[n][1] for n in names]
-    left = {n: [] for n in names}
+    """``count`` conversations from part ``part``: each prompt of the part's union once, in a
+    random order, before any comes back (so corpora in proportion to their sizes); each with
+    an earlier exchange from the same corpus and part."""
+    union = [(name, text) for name, parts in thirds.items() for text in parts[part]]
+    left: list[tuple[str, str]] = []
     out = []
     for _ in range(count):
-        name = rng.choices(names, weights)[0]
-        texts = thirds[name][part]
-        if not left[name]:
-            left[name] = rng.sample(texts, len(texts))
-        a, b = rng.sample(texts, 2)
-        out.append(Conversation(left[name].pop(), (a[:EARLIER_CHARS], b[:EARLIER_CHARS])))
+        if not left:
+            left = rng.sample(union, len(union))
+        name, text = left.pop()
+        a, b = rng.sample(thirds[name][part], 2)
+        out.append(Conversation(text, (a[:EARLIER_CHARS], b[:EARLIER_CHARS])))
     return out
 
 
@@ -180,7 +180,7 @@ def challenge_asks(plan: epochs.Plan, node: bytes, pool: list[str], menu, rng: r
 def run(args: argparse.Namespace) -> None:
     started = time.time()
     rng = random.Random(args.seed)
-    public, thirds = load_thirds()
+    public, thirds = load_parts()
     if args.pool == "generated":
         pool = generated_pool(args.pool_size, args.seed)
     elif args.pool == "public":
