@@ -646,7 +646,7 @@ async def test_a_leader_spreads_its_challenges_over_the_epoch_at_their_derived_t
     stubs = Stubs(state)
     begin_ms = ledger.start_ms + mine * params.attempt_ms
     start = trio.current_time()
-    clock_ms = lambda: begin_ms + round((trio.current_time() - start) * 1000)  # noqa: E731
+    clock_ms = lambda: begin_ms + round((trio.current_time() - start) * 1000)
     svc = EpochService(
         ME, params, state=lambda: stubs.state, submit=stubs.submit, ask=stubs.ask,
         engine=InstantEngine(), pool=POOL, master=master_key(ME.private_bytes()),
@@ -897,6 +897,13 @@ async def test_a_challenge_request_is_shaped_like_any_users_request(mix):
 # --------------------------------------------------------------------- the whole committee
 
 
+#: user-shaped challenges (chat or prompt, streamed or not, seeds, stops) with short answers
+#: and T <= 1: a test's budget (the default mix asks up to 2048 tokens, as users do)
+SHORT_MIX = dataclasses.replace(
+    ChallengeMix(), max_tokens=((24, 1.0),),
+    temperature=((None, 0.5), (0.0, 0.2), (0.7, 0.2), (1.0, 0.1)))
+
+
 @pytest.mark.slow
 @pytest.mark.needs_shared
 async def test_a_committee_takes_a_dishonest_model_node_out_of_users_reach(shared, engine):
@@ -918,7 +925,8 @@ async def test_a_committee_takes_a_dishonest_model_node_out_of_users_reach(share
     with trio.fail_after(120):
         async with open_localnet(committee=4, models=2, users=3, engine_factory=model_engine,
                                  verification=params, pool=pool,
-                                 verifier_engine=lambda i: engine, forwarding=False) as net:
+                                 verifier_engine=lambda i: engine, forwarding=False,
+                                 challenge_mix=SHORT_MIX) as net:
             honest, dishonest = (m.peer_id for m in net.models)
             consensus = net.verifiers[0].consensus
             assert consensus is not None
