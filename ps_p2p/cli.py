@@ -172,8 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     testnet.add_argument("--epoch-seconds", type=float, default=300.0, metavar="SECONDS",
                          help="block time from one challenge epoch's start to the next "
                               "(default 300)")
-    testnet.add_argument("--epoch-attempt", type=float, default=60.0, metavar="SECONDS",
-                         help="block time a leader has before the next one is drawn (default 60)")
+    testnet.add_argument("--epoch-attempt", type=float, default=None, metavar="SECONDS",
+                         help="block time a leader has before the next one is drawn (default: "
+                              "the epoch + 90 s, so that a leader spreads its challenges over "
+                              "the whole epoch as users' requests are; 60 when the epoch is 0)")
+    testnet.add_argument("--challenges-per-node", type=int, default=4, metavar="N",
+                         help="challenges per model node per epoch (default 4)")
 
     valset = sub.add_parser(
         "valset", help="replace committee members: approve and assemble a VALSET_UPDATE "
@@ -694,6 +698,8 @@ def _testnet_verification(args: argparse.Namespace):  # type: ignore[no-untyped-
 
     model = pathlib.Path(args.challenge_model).expanduser().resolve()
     model_id = args.challenge_model_id or model.stem
+    if args.epoch_attempt is None:
+        args.epoch_attempt = args.epoch_seconds + 90.0 if args.epoch_seconds else 60.0
     if not 1 <= args.epoch_attempt <= 86400 or not 0 <= args.epoch_seconds <= 7 * 86400:
         raise ConfigError("--epoch-attempt must be in 1..86400 s, --epoch-seconds in 0..604800")
     generated = args.challenge_pool == ["generate"]
@@ -710,6 +716,7 @@ def _testnet_verification(args: argparse.Namespace):  # type: ignore[no-untyped-
     try:
         params = VerificationParams(model_id=model_id, pool_sha256=pool_digest(pool),
                                     pool_size=len(pool),
+                                    challenges_per_node=min(args.challenges_per_node, len(pool)),
                                     attempt_ms=int(args.epoch_attempt * 1000),
                                     epoch_ms=int(args.epoch_seconds * 1000),
                                     committee_key_sha256=key_commitment(key))

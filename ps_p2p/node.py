@@ -252,6 +252,9 @@ class Node:
         self.consensus = None
         #: verifiers running challenge epochs (:mod:`ps_p2p.verification.service`)
         self.epochs = None
+        #: the distribution of challenge shapes (None: ``challenges.DEFAULT_MIX``); every
+        #: verifier of a committee must use the same (tests set a cheaper one before ``run``)
+        self.challenge_mix = None
         self.committee_directory: committee_proto.CommitteeDirectoryService | None = None
         if config.genesis is not None:
             self.genesis_file = load_genesis(config.genesis)
@@ -539,7 +542,8 @@ class Node:
             submit=self.consensus.submit_tx, ask=ask, engine=self.engine, pool=pool,
             master=master_key(self.keys.identity.private_bytes()),
             committee_key=load_committee_key(vcfg.committee_key),
-            challenge_timeout=vcfg.challenge_timeout, unix_ms=validator.unix_ms)
+            challenge_timeout=vcfg.challenge_timeout, unix_ms=validator.unix_ms,
+            **({} if self.challenge_mix is None else {"mix": self.challenge_mix}))
         validator.value_check = self.epochs.value_check
         self.epochs.on_verdict = self.consensus.revalidate
         self.epochs.on_reported = user.rotate_paths

@@ -42,6 +42,11 @@ from ps_p2p.responses import ResponseContent, sign_response
 from ps_p2p.roles.user import Answer
 from ps_p2p.testing.fakes import InstantEngine
 from ps_p2p.verification import epochs
+from ps_p2p.verification.challenges import (
+    ChallengeMix,
+    ChallengeRequest,
+    derive_request,
+)
 from ps_p2p.verification.ledger import (
     ChallengeResult,
     EpochLedger,
@@ -91,6 +96,21 @@ WARM = SamplingOption(max_tokens=16, temperature=0.7, top_p=0.9)  # float32 on t
 ATTEMPT_MS = 8000
 
 
+def fixed_mix(*, max_tokens: int = 24, temperature: float = 0.0, top_p: float | None = None,
+              chat: float = 0.0, stream: float = 0.0, seed: object = None,
+              stop: object = None) -> ChallengeMix:
+    """A distribution of challenge shapes with one value per field (the default: GREEDY's
+    completion request, the bytes ``query`` builds)."""
+    return ChallengeMix(chat=chat, stream_chat=stream, stream_completion=stream, system=0.0,
+                        multi_turn=0.0, temperature=((temperature, 1.0),),
+                        top_p=((top_p, 1.0),), max_tokens=((max_tokens, 1.0),),
+                        seed=((seed, 1.0),), stop=((stop, 1.0),))
+
+
+GREEDY_MIX = fixed_mix()
+WARM_MIX = fixed_mix(max_tokens=16, temperature=0.7, top_p=0.9)
+
+
 COMMITTEE_KEY = hashlib.sha256(b"test committee key").digest()
 
 
@@ -121,7 +141,7 @@ class Stubs:
     def __init__(self, state: app.AppState, answer: Answer | None = None) -> None:
         self.state = state
         self.submitted: list[bytes] = []
-        self.asked: list[tuple[str, bytes, SamplingOption, float]] = []
+        self.asked: list[tuple[ChallengeRequest, bytes, float]] = []
         self.answer = answer or unanswered(RequestTimeoutError("no answer in time"))
         #: model node -> its answer (default: ``answer``)
         self.answers: dict[bytes, Answer] = {}
@@ -131,9 +151,8 @@ class Stubs:
         app.check_tx(raw, self.state, self.now_ms)  # what the real mempool does first
         self.submitted.append(raw)
 
-    async def ask(self, prompt: str, node: bytes, option: SamplingOption,
-                  timeout: float) -> Answer:
-        self.asked.append((prompt, node, option, timeout))
+    async def ask(self, request: ChallengeRequest, node: bytes, timeout: float) -> Answer:
+        self.asked.append((request, node, timeout))
         return self.answers.get(node, self.answer)
 
     def raws(self, kind: type) -> list[bytes]:
@@ -146,11 +165,13 @@ class Stubs:
 
 
 def service(stubs: Stubs, engine: Engine, params: VerificationParams,
-            identity: Identity = ME) -> EpochService:
+            identity: Identity = ME, *, mix: ChallengeMix = GREEDY_MIX,
+            spread: bool = False) -> EpochService:
     return EpochService(
         identity, params, state=lambda: stubs.state, txs=app, submit=stubs.submit, ask=stubs.ask,
         engine=engine, pool=POOL, master=master_key(identity.private_bytes()),
-        committee_key=COMMITTEE_KEY, challenge_timeout=30.0, unix_ms=lambda: stubs.now_ms, rng=random.Random(1))
+        committee_key=COMMITTEE_KEY, challenge_timeout=30.0, unix_ms=lambda: stubs.now_ms,
+        rng=random.Random(1), spread=spread, mix=mix)
 
 
 @asynccontextmanager
@@ -253,7 +274,8 @@ async def verdict(svc: EpochService, raw: bytes) -> str | None:
 async def test_an_honest_report_is_not_yet_rescored_then_agreed(engine, sampling, autojump_clock):
     params = verification(engine.model_id)
     option = params.sampling[sampling]
-    svc = service(Stubs(genesis_state(params)), engine, params)
+    svc = service(Stubs(genesis_state(params)), engine, params,
+                  mix=(GREEDY_MIX, WARM_MIX)[sampling])
     answer = await honest_answer(engine, POOL[0], option)
     score = await reference_score(engine, params, POOL[0], option, answer)
     assert score > 0
@@ -264,6 +286,52 @@ async def test_an_honest_report_is_not_yet_rescored_then_agreed(engine, sampling
         assert await verdict(svc, raw) is None
         assert svc.value_check(raw) is None  # remembered, not re-scored again
     assert svc.stats.reports_agreed == 1 and svc.stats.answers_scored == 1
+
+
+#: a user-shaped challenge the verifier used to refuse: a streamed chat (system prompt, an
+#: earlier exchange) with a seed and stop strings, sampled at T = 0.7
+CHAT_MIX = dataclasses.replace(
+    fixed_mix(max_tokens=16, temperature=0.7, top_p=0.95, chat=1.0, stream=1.0, seed="random",
+              stop="list"), system=1.0, multi_turn=1.0)
+
+
+@pytest.mark.needs_shared
+async def test_a_streamed_chat_challenge_with_a_seed_and_stops_is_rescored_and_agreed(
+        engine, autojump_clock):
+    from ps_p2p.verification.challenges import encode_entry
+
+    pool = [encode_entry(POOL[0], ("Tell me a story.", "Once upon a time, a cat sat."))]
+    params = dataclasses.replace(verification(engine.model_id), pool_sha256=pool_digest(pool),
+                                 pool_size=1)
+    challenge = epochs.Challenge(MODEL.peer_id, 0, 0)
+    request = derive_request(secret(KEYS[1], 1), 1, 0, challenge, pool[0], CHAT_MIX)
+    assert request.messages and request.stream and request.seed and request.stop
+    # the model node's answer: the chat rendered by the model's template, cut at the stops
+    rendered = await engine.chat_prompt(request.messages)
+    c = await engine.complete(rendered, EngineParams(
+        max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+        seed=request.seed))
+    text = min((c.text.split(s)[0] for s in request.stop), key=len)
+    q = encode_query(InferenceQuery(
+        request_id=RID, model_id=engine.model_id, prompt="", params=request.params,
+        reply_proxies=tuple(ReplyProxy(bytes([i]) * 38, bytes([i]) * 16) for i in range(4)),
+        stream=True, messages=request.messages))
+    finish = "stop" if text != c.text else c.finish_reason
+    content = ResponseContent(0, text, "", engine.model_id, c.prompt_tokens, 5, finish)
+    h = hashlib.sha256(q).digest()
+    answer = SignedAnswer(seal_request(COMMITTEE_KEY, h, q), InferenceReply(
+        RID, 0, text, "", engine.model_id, c.prompt_tokens, 5, h, T0 + 5000, MODEL.peer_id,
+        sign_response(MODEL, RID, h, content, T0 + 5000), finish))
+    score = round(MICRO * await score_response(
+        engine, rendered, text, temperature=request.temperature,
+        min_tokens=params.min_tokens(request, finish)))
+    stubs = Stubs(genesis_state(params))
+    svc = EpochService(
+        ME, params, state=lambda: stubs.state, txs=app, submit=stubs.submit, ask=stubs.ask,
+        engine=engine, pool=pool, master=master_key(ME.private_bytes()),
+        committee_key=COMMITTEE_KEY, unix_ms=lambda: stubs.now_ms, mix=CHAT_MIX)
+    async with running(svc):
+        assert await verdict(svc, report(ChallengeResult(challenge, score, answer))) is None
 
 
 @pytest.mark.needs_shared
@@ -305,6 +373,21 @@ def _top_p(model_id: str) -> tuple[bytes, bytes]:
     return query(POOL[0], model_id, option=dataclasses.replace(GREEDY, top_p=0.9)), RID
 
 
+def _seeded(model_id: str) -> tuple[bytes, bytes]:
+    return encode_query(dataclasses.replace(decode_query(query(POOL[0], model_id)), params=(
+        QueryParams(max_tokens=24, seed=7)))), RID
+
+
+def _stopped(model_id: str) -> tuple[bytes, bytes]:
+    return encode_query(dataclasses.replace(decode_query(query(POOL[0], model_id)), params=(
+        QueryParams(max_tokens=24, stop=("\n",))))), RID
+
+
+def _streamed(model_id: str) -> tuple[bytes, bytes]:
+    return encode_query(dataclasses.replace(decode_query(query(POOL[0], model_id)),
+                                            stream=True)), RID
+
+
 def _other_model(model_id: str) -> tuple[bytes, bytes]:
     return query(POOL[0], "other-model"), RID
 
@@ -324,6 +407,9 @@ def _not_a_request(model_id: str) -> tuple[bytes, bytes]:
     (_more_tokens, "sampling parameters are not the planned ones"),
     (_warmer, "sampling parameters are not the planned ones"),
     (_top_p, "sampling parameters are not the planned ones"),
+    (_seeded, "sampling parameters are not the planned ones"),
+    (_stopped, "sampling parameters are not the planned ones"),
+    (_streamed, "not streamed as planned"),
     (_other_model, "asks model 'other-model'"),
     (_other_request_id, "another request ID"),
     (_not_a_request, "the request is not a request"),
@@ -536,9 +622,8 @@ async def test_it_leads_exactly_the_attempts_the_ledger_draws_it_for(mock_clock)
         stubs.now_ms = ledger.start_ms + mine * ATTEMPT_MS + 1
         await settle(svc)
         plan = ledger.plan(CHAIN, params, mine, secret(ME, 1))
-        assert sorted((p, n, o.max_tokens) for p, n, o, _ in stubs.asked) == sorted(
-            (POOL[c.prompt_index], c.model_node, params.sampling[c.sampling].max_tokens)
-            for c in plan.challenges)
+        assert sorted((r.prompt, n, r.max_tokens) for r, n, _ in stubs.asked) == sorted(
+            (POOL[c.prompt_index], c.model_node, 24) for c in plan.challenges)
         assert {t for *_, t in stubs.asked} == {svc.challenge_timeout}
         [tx] = stubs.txs(EpochReportTx)
         assert (tx.epoch, tx.attempt, tx.leader) == (1, mine, ME.peer_id)
@@ -558,6 +643,44 @@ async def test_it_leads_exactly_the_attempts_the_ledger_draws_it_for(mock_clock)
         await settle(svc)
         assert len(stubs.asked) == asked  # not confirming its own report's misses
     assert svc.stats.epochs_led == 1
+
+
+async def test_a_leader_spreads_its_challenges_over_the_epoch_at_their_derived_times(
+        autojump_clock):
+    # users' requests reach a node all through an epoch: challenges all sent at its start
+    # would be told apart by their arrival time alone (issue 18)
+    params = dataclasses.replace(verification("fake-model", sampling=(GREEDY,)),
+                                 challenges_per_node=4, epoch_ms=60_000, attempt_ms=120_000)
+    state, mine, _ = started_epoch(params)
+    ledger = state.ledger
+    stubs = Stubs(state)
+    begin_ms = ledger.start_ms + mine * params.attempt_ms
+    start = trio.current_time()
+    clock_ms = lambda: begin_ms + round((trio.current_time() - start) * 1000)
+    svc = EpochService(
+        ME, params, state=lambda: stubs.state, txs=app, submit=stubs.submit, ask=stubs.ask,
+        engine=InstantEngine(), pool=POOL, master=master_key(ME.private_bytes()),
+        committee_key=COMMITTEE_KEY, challenge_timeout=30.0, unix_ms=clock_ms, mix=GREEDY_MIX)
+    assert svc.send_window() == 60.0  # the epoch: 120 s - (30 s + margin) leaves room for it
+    sent: list[tuple[float, bytes]] = []
+    ask = stubs.ask
+
+    async def timed_ask(request: ChallengeRequest, node: bytes, timeout: float) -> Answer:
+        sent.append((trio.current_time() - start, request.prompt))
+        return await ask(request, node, timeout)
+
+    svc._ask = timed_ask
+    stubs.now_ms = begin_ms + 90_000  # the mempool's clock when the report comes
+    with trio.fail_after(params.attempt_ms / 1000):
+        async with running(svc):
+            while not stubs.txs(EpochReportTx):
+                await trio.sleep(1)
+    plan = ledger.plan(CHAIN, params, mine, secret(ME, 1))
+    due = sorted(derive_request(secret(ME, 1), 1, mine, c, POOL[c.prompt_index], GREEDY_MIX)
+                 .send_fraction * 60 for c in plan.challenges)
+    times = sorted(t for t, _ in sent)
+    assert len(times) == 4 and times == pytest.approx(due, abs=1.0)
+    assert times[-1] - times[0] > 5.0  # not a burst at the start
 
 
 def signed_reply(stubs: Stubs, request: bytes, model_id: str = "fake-model", *,
@@ -593,7 +716,7 @@ async def test_a_leader_carries_only_answers_a_report_can_hold_so_its_report_sta
     [c] = state.ledger.plan(CHAIN, params, mine, secret(ME, 1)).challenges
     stubs.answer = signed_reply(stubs, query(POOL[c.prompt_index], "fake-model",
                                              option=params.sampling[0]), **fields)
-    svc = service(stubs, InstantEngine(), params)
+    svc = service(stubs, InstantEngine(), params, mix=fixed_mix(temperature=1.0))
     async with running(svc):
         await settle(svc)
     assert len(stubs.asked) == 1
@@ -644,7 +767,7 @@ async def test_the_longest_answers_are_left_out_until_the_report_fits_the_block_
         stubs.answers[c.model_node] = signed_reply(
             stubs, query(POOL[c.prompt_index], "fake-model", option=params.sampling[0]),
             text="a" * (9000 if long else 40), model=MODEL if long else terse)
-    svc = service(stubs, InstantEngine(), params)
+    svc = service(stubs, InstantEngine(), params, mix=fixed_mix(temperature=1.0))
     async with running(svc):
         await settle(svc)
     [raw] = stubs.raws(EpochReportTx)
@@ -690,8 +813,8 @@ async def test_an_open_miss_is_confirmed_and_reported_only_when_the_node_misses_
     async with running(svc):
         await settle()
         await settle(svc)  # asked once, whatever the number of blocks
-    [(prompt, node, option, timeout)] = stubs.asked
-    assert node == MODEL.peer_id and prompt in POOL and option in params.sampling
+    [(request, node, timeout)] = stubs.asked
+    assert node == MODEL.peer_id and request.text in POOL
     assert timeout == svc.challenge_timeout
     misses = stubs.txs(MissReportTx)
     assert svc.stats.confirmations == 1 and svc.stats.misses_reported == len(misses)
@@ -714,8 +837,8 @@ async def test_a_confirmation_asks_a_prompt_no_remembered_epoch_asked(mock_clock
     svc = service(stubs, InstantEngine(), params)
     async with running(svc):
         await settle(svc)
-    [(prompt, *_)] = stubs.asked
-    assert prompt == POOL[fresh]
+    [(request, *_)] = stubs.asked
+    assert request.text == POOL[fresh]
 
 
 async def test_a_counted_miss_or_one_already_reported_is_not_confirmed(mock_clock):
@@ -740,24 +863,37 @@ def _fields(message) -> list[tuple[int, str]]:
     return sorted((f.number, f.name) for f, _ in message.ListFields())
 
 
-@pytest.mark.parametrize("option", [SamplingOption(), WARM], ids=["default", "warm"])
-async def test_a_challenge_request_is_shaped_like_any_users_request(option):
-    from ps_p2p.testing.localnet import open_localnet
+#: challenge shapes a user sends too: a plain prompt at the API's defaults, and a streamed chat
+#: with a system prompt, an earlier exchange, a seed and stop strings at T = 1.5
+SHAPES = [fixed_mix(max_tokens=128),
+          dataclasses.replace(fixed_mix(max_tokens=32, temperature=1.5, top_p=0.95, chat=1.0,
+                                        stream=1.0, seed="random", stop="list"),
+                              system=1.0, multi_turn=1.0)]
 
+
+@pytest.mark.parametrize("mix", SHAPES, ids=["prompt-defaults", "streamed-chat"])
+async def test_a_challenge_request_is_shaped_like_any_users_request(mix):
+    from ps_p2p.testing.localnet import open_localnet
+    from ps_p2p.verification.challenges import encode_entry
+
+    entry = encode_entry("Once upon a time there was a fox", ("Hi!", "Hello, how can I help?"))
     async with open_localnet(users=6) as net:
         verifier, user = net.users[0].user, net.users[1].user
         assert verifier is not None and user is not None
         target = net.users[0].directory.model_nodes()[0]
-        prompt = "Once upon a time there was a fox"
+        request = derive_request(bytes(32), 1, 0, epochs.Challenge(target.peer_id, 0), entry,
+                                 mix)
+        pieces: list[str] = []
         with trio.fail_after(60):
             # what a verifier's EpochService sends (Node._start_epochs uses overlay_ask)
             challenge = await overlay_ask(verifier, target.model_id)(
-                prompt, target.peer_id, option, 30.0)
-            ordinary = await user.ask(prompt, max_tokens=option.max_tokens,
-                                      temperature=option.temperature, top_p=option.top_p)
+                request, target.peer_id, 30.0)
+            ordinary = await user.ask(**request.ask_kwargs(),
+                                      on_text=pieces.append if request.stream else None)
     assert challenge.ok and ordinary.ok, (challenge.error, ordinary.error)
     assert challenge.served_by == ordinary.served_by == target.peer_id
     q_challenge, q_user = decode_query(challenge.request), decode_query(ordinary.request)
+    assert q_challenge.stream == request.stream and bool(q_challenge.messages) == (mix.chat == 1)
     assert q_challenge.request_id != q_user.request_id  # random per request
     assert len(q_challenge.reply_proxies) == len(q_user.reply_proxies)
     blank = {"request_id": b"", "reply_proxies": ()}
@@ -769,6 +905,12 @@ async def test_a_challenge_request_is_shaped_like_any_users_request(option):
 
 
 # --------------------------------------------------------------------- the whole committee
+
+
+#: user-shaped challenges (chat or prompt, streamed or not, seeds, stops) with short greedy
+#: answers: a test's budget (the default mix asks up to 2048 tokens and T up to 2, as users do)
+SHORT_MIX = dataclasses.replace(
+    ChallengeMix(), max_tokens=((24, 1.0),), temperature=((None, 0.6), (0.0, 0.4)))
 
 
 @pytest.mark.slow
@@ -792,7 +934,8 @@ async def test_a_committee_takes_a_dishonest_model_node_out_of_users_reach(share
     with trio.fail_after(120):
         async with open_localnet(committee=4, models=2, users=3, engine_factory=model_engine,
                                  verification=params, pool=pool,
-                                 verifier_engine=lambda i: engine, forwarding=False) as net:
+                                 verifier_engine=lambda i: engine, forwarding=False,
+                                 challenge_mix=SHORT_MIX) as net:
             honest, dishonest = (m.peer_id for m in net.models)
             consensus = net.verifiers[0].consensus
             assert consensus is not None

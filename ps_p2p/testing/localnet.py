@@ -128,6 +128,7 @@ async def open_localnet(
     verifier_engine: Callable[[int], Engine] | None = None,
     model_organization: Callable[[int], str] | None = None,
     forwarding: bool = True,
+    challenge_mix: object = None,
 ) -> AsyncIterator[LocalNet]:
     """Run a verifier, ``models`` model nodes and ``users`` user nodes in this trio run.
 
@@ -159,6 +160,9 @@ async def open_localnet(
             ``NodeConfig.membership``).
         forwarding: model nodes forward within their group (``[forwarding] enabled``; all share
             one fresh ``group_key`` secret).
+        challenge_mix: the verifiers' distribution of challenge shapes
+            (:class:`~ps_p2p.verification.challenges.ChallengeMix`; None: the default), e.g.
+            short answers to keep a test fast.
     """
     engine_factory = engine_factory or (lambda i: InstantEngine())
     ucfg = user_config or UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0)
@@ -172,6 +176,7 @@ async def open_localnet(
             block_interval=block_interval, consensus=consensus, byzantine=byzantine,
             verification=verification, pool=pool, verifier_engine=verifier_engine,
             model_organization=model_organization, forwarding=forwarding,
+            challenge_mix=challenge_mix,
         ) as net:
             yield net
 
@@ -209,15 +214,17 @@ async def _open_localnet(
     byzantine: tuple[int, ...], verification: VerificationParams | None = None,
     pool: Sequence[str] = (), verifier_engine: Callable[[int], Engine] | None = None,
     model_organization: Callable[[int], str] | None = None, forwarding: bool = True,
+    challenge_mix: object = None,
 ) -> AsyncIterator[LocalNet]:
     async with trio.open_nursery() as nursery:
         net_scopes: dict[bytes, trio.CancelScope] = {}
         crashed: set[bytes] = set()
 
         async def start(config: NodeConfig, engine: Engine | None = None,
-                        keys: NodeKeys | None = None) -> Node:
+                        keys: NodeKeys | None = None, challenge_mix: object = None) -> Node:
             node = Node(config, keys or NodeKeys.generate(), engine,
                         rng=random.Random(rng.random()))
+            node.challenge_mix = challenge_mix
             scope = trio.CancelScope()
             net_scopes[node.peer_id] = scope
             return await nursery.start(_run_node, node, scope, crashed)
@@ -257,7 +264,7 @@ async def _open_localnet(
                 **genesis, **fast, **epochs,  # type: ignore[arg-type]
             )
             reference = verifier_engine(i) if verifier_engine is not None and epochs else None
-            verifiers.append(await start(cfg, reference, keys=k))
+            verifiers.append(await start(cfg, reference, keys=k, challenge_mix=challenge_mix))
         await _mesh(verifiers)
         verifier = verifiers[0]
         boot = [v.listen_addrs[0] for v in verifiers]

@@ -10,22 +10,24 @@ committed block (:meth:`EpochService.notify`) and at each attempt boundary it:
    master key derived from the validator's identity key (a restarted verifier reveals the
    secret it committed without storing it);
 2. **leads** when the ledger's draw names it for the attempt under way (block time from its own
-   clock): derives the plan from its secret, sends each challenge with
-   :meth:`~ps_p2p.roles.user.UserClient.ask` (the pool's prompt, the menu's max_tokens,
-   temperature and top_p: the same call, so the same bytes, as any user's request; the model
-   node cannot tell them apart), checks and scores each signed answer with its reference engine
-   (:func:`~ps_p2p.verification.scoring.score_response`: one forward pass), and submits the
-   EPOCH_REPORT with each Q sealed under the committee key
-   (:mod:`~ps_p2p.verification.sealing`: blocks reach every listed node);
+   clock): derives the plan from its secret and each challenge's request from it
+   (:func:`~ps_p2p.verification.challenges.derive_request`: a user-shaped request, chat or
+   prompt, streamed or not, with parameters drawn from users' distribution), sends each one at
+   its own time spread over the epoch (:meth:`EpochService.send_window`) with
+   :meth:`~ps_p2p.roles.user.UserClient.ask` (the same call, so the same bytes, as a user's
+   request of that shape), checks and scores each signed answer with its reference engine
+   under the request's own parameters, and submits the EPOCH_REPORT with each Q sealed under
+   the committee key (:mod:`~ps_p2p.verification.sealing`: blocks reach every listed node);
 3. **re-scores** every EPOCH_REPORT that reaches its mempool, off the consensus task: each
-   sealed Q opens under the committee key to the signed request hash, Q decodes,
-   asks the pool's prompt at the menu's parameters, under the committee's model, and each score
-   is within ``params.tolerance`` of its own; the verdict is what :meth:`value_check` answers
+   sealed Q opens under the committee key to the signed request hash, Q decodes, is exactly
+   the request derived from the revealed secret (prompt or chat, parameters, stream), under
+   the committee's model, and each score is within ``params.tolerance`` of its own; the verdict is what :meth:`value_check` answers
    the validator (until it is known: "not re-scored yet", so the validator neither proposes nor
    prevotes for that report);
 4. **confirms** each open miss of an epoch it did not lead: one challenge of its own (a pool
    prompt it draws itself, among those no remembered epoch nor its own earlier confirmation
-   asked) to the node; a MISS_REPORT only when that goes unanswered too.
+   asked, in a user-shaped request drawn under a secret of its own) to the node; a MISS_REPORT
+   only when that goes unanswered too.
 
 An answer whose signed fields do not fit a report (a text, model ID or finish reason over the
 ledger's bounds) is no evidence: the leader lists it as unanswered (a report carrying it would
@@ -69,6 +71,13 @@ from ps_p2p.records import Signer
 from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.responses import request_hash
 from ps_p2p.verification import epochs
+from ps_p2p.verification.challenges import (
+    DEFAULT_MIX,
+    ChallengeMix,
+    ChallengeRequest,
+    derive_request,
+    request_problem,
+)
 from ps_p2p.verification.epochs import VALUE_CHECK_PENDING
 from ps_p2p.verification.ledger import (
     MAX_REQUEST_BYTES,
@@ -113,10 +122,12 @@ NOT_YET = VALUE_CHECK_PENDING  # the validator defers its answer until the verdi
 #: The outcomes of a confirmation challenge that count as the node's miss: sent over ready
 #: paths, and no valid answer came (any other failure may be the verifier's own).
 MISS_ERRORS = (RequestTimeoutError, ModelNodeLostError)
-_TEMPERATURE_SLACK = 1e-6  # protobuf carries temperature and top_p as float32
+#: Seconds of its attempt a leader keeps after its last challenge's deadline (to score and
+#: submit its report).
+REPORT_MARGIN_S = 5.0
 
-Ask = Callable[[str, bytes, SamplingOption, float], Awaitable[object]]
-"""``ask(prompt, model_node, option, timeout) -> Answer``: one request through the overlay
+Ask = Callable[[ChallengeRequest, bytes, float], Awaitable[object]]
+"""``ask(request, model_node, timeout) -> Answer``: one request through the overlay
 (:meth:`~ps_p2p.roles.user.UserClient.ask` with ``include_untrusted=True``)."""
 
 
@@ -137,19 +148,24 @@ def _tx_key(raw: bytes) -> bytes:
     return hashlib.sha256(raw).digest()
 
 
+def _discard(text: str) -> None:
+    """A streamed challenge's ``on_text``: the verifier reads the whole answer at the end."""
+
+
 def overlay_ask(user: Any, model_id: str) -> Ask:
     """The :data:`Ask` of a verifier's user role: waits (up to half the timeout) for a ready
     path, then one :meth:`~ps_p2p.roles.user.UserClient.ask` naming the model node, with the
-    option's parameters; ``include_untrusted`` so an untrusted node is measured again. The
-    request is built by the same code as any user's (``tests/test_epoch_service.py`` compares
-    the bytes)."""
+    request's shape (prompt or chat messages, streamed when the request is) and parameters
+    (max_tokens, temperature, top_p, seed, stop); ``include_untrusted`` so an untrusted node is
+    measured again. The request is built by the same code as any user's
+    (``tests/test_epoch_service.py`` compares the bytes)."""
 
-    async def ask(prompt: str, node: bytes, option: SamplingOption, timeout: float) -> Any:
+    async def ask(request: ChallengeRequest, node: bytes, timeout: float) -> Any:
         with trio.move_on_after(timeout / 2):  # paths first: a challenge needs the overlay
             await user.wait_ready(1, timeout=timeout / 2)
-        return await user.ask(prompt, model_node=node, model_id=model_id,
-                              max_tokens=option.max_tokens, temperature=option.temperature,
-                              top_p=option.top_p, timeout=timeout, include_untrusted=True)
+        return await user.ask(**request.ask_kwargs(), model_node=node, model_id=model_id,
+                              timeout=timeout, include_untrusted=True,
+                              on_text=_discard if request.stream else None)
 
     return ask
 
@@ -196,6 +212,11 @@ class EpochService:
             ``params.committee_key_sha256``.
         challenge_timeout: seconds a challenge may take.
         unix_ms: wall clock (the block times' clock), injected in tests.
+        spread: send each challenge at its own time in the epoch (:meth:`send_window`); False
+            sends them all at once (tests of everything else).
+        mix: the distribution of challenge shapes (:data:`~ps_p2p.verification.challenges.
+            DEFAULT_MIX`); every verifier of a committee must use the same one, as each
+            re-derives the leader's requests from it.
         rng: the draws of confirmation challenges.
 
     Raises:
@@ -207,7 +228,8 @@ class EpochService:
         state: Callable[[], Any], txs: TxCodec, submit: Callable[[bytes], object], ask: Ask,
         engine: Engine, pool: Sequence[str], master: bytes, committee_key: bytes,
         challenge_timeout: float = 60.0, unix_ms: Callable[[], int],
-        rng: random.Random | None = None,
+        rng: random.Random | None = None, spread: bool = True,
+        mix: ChallengeMix = DEFAULT_MIX,
     ) -> None:
         check_committee_key(committee_key, params.committee_key_sha256)
         digest = pool_digest(pool)
@@ -230,6 +252,8 @@ class EpochService:
         self._master = bytes(master)
         self._committee_key = bytes(committee_key)
         self.challenge_timeout = challenge_timeout
+        self.spread = spread
+        self.mix = mix
         self._unix_ms = unix_ms
         self._rng = rng or random.SystemRandom()
         self.stats = EpochStats()
@@ -350,10 +374,20 @@ class EpochService:
         self.stats.epochs_led += 1
         results: dict[epochs.Challenge, ChallengeResult] = {}
         limiter = trio.CapacityLimiter(MAX_PARALLEL_CHALLENGES)
+        window_ms = self.send_window() * 1000
+        # when each is due: block time of the attempt's start + its fraction of the window
+        begin_ms = ledger.start_ms + attempt * self.params.attempt_ms
+        due_ms = {c: begin_ms + round(self._request(secret, epoch, attempt, c).send_fraction
+                                      * window_ms)
+                  for c in plan.challenges}
 
         async def one(challenge: epochs.Challenge) -> None:
+            wait_s = (due_ms[challenge] - self._unix_ms()) / 1000
+            if wait_s > 0:
+                await trio.sleep(wait_s)
             async with limiter:
-                results[challenge] = await self._challenge(ledger, challenge)
+                results[challenge] = await self._challenge(
+                    ledger, challenge, self._request(secret, epoch, attempt, challenge))
 
         async with trio.open_nursery() as nursery:
             for challenge in plan.challenges:
@@ -380,21 +414,46 @@ class EpochService:
                      len(ordered), " ".join(f"{peer_label(r.challenge.model_node)}="
                                             f"{r.score / MICRO:.3f}" for r in ordered))
 
-    async def _challenge(self, ledger: EpochLedger,
-                         challenge: epochs.Challenge) -> ChallengeResult:
-        option = self.params.sampling[challenge.sampling]
-        prompt = self.pool[challenge.prompt_index]
+    def send_window(self) -> float:
+        """Seconds after its attempt's start over which a leader spreads its challenges: the
+        epoch (``epoch_ms``; ``attempt_ms`` when 0), cut so that the last challenge's deadline
+        and :data:`REPORT_MARGIN_S` still fall within the attempt (``attempt_ms`` >=
+        ``epoch_ms`` + timeout + margin spreads them over the whole epoch); 0 when not
+        ``spread``. Users' requests reach a node all through the epoch: challenges sent at its
+        start would stand out by their time alone (docs/verification.md)."""
+        if not self.spread:
+            return 0.0
+        epoch_ms = self.params.epoch_ms or self.params.attempt_ms
+        usable_ms = self.params.attempt_ms - (self.challenge_timeout + REPORT_MARGIN_S) * 1000
+        return max(0.0, min(epoch_ms, usable_ms) / 1000)
+
+    def _request(self, secret: bytes, epoch: int, attempt: int,
+                 challenge: epochs.Challenge) -> ChallengeRequest:
+        return derive_request(secret, epoch, attempt, challenge,
+                              self.pool[challenge.prompt_index], self.mix)
+
+    async def _scored_prompt(self, request: ChallengeRequest) -> str:
+        """The text the model node generated after: the prompt, or the chat rendered by the
+        model's chat template (as the model node renders it)."""
+        if request.messages:
+            return await self.engine.chat_prompt(request.messages)
+        return request.prompt
+
+    async def _challenge(self, ledger: EpochLedger, challenge: epochs.Challenge,
+                         request: ChallengeRequest) -> ChallengeResult:
         self.stats.challenges_sent += 1
         started = trio.current_time()
-        answer = await self._ask(prompt, challenge.model_node, option, self.challenge_timeout)
+        answer = await self._ask(request, challenge.model_node, self.challenge_timeout)
         log.debug("challenge to %s took %.2f s", peer_label(challenge.model_node),
                   trio.current_time() - started)
         signed = self._signed_answer(answer, ledger, challenge.model_node)
         if signed is None:
             return ChallengeResult(challenge, 0, None)
         try:
-            score = await self._score(prompt, option, signed)
-        except PsError as exc:  # e.g. a prompt the reference cannot take: no verdict
+            score = await self._score(await self._scored_prompt(request), request, signed,
+                                      challenge.prompt_index)
+        except (PsError, ValueError) as exc:  # e.g. a prompt the reference cannot take, a
+            # temperature its scoring does not cover: no verdict
             log.warning("cannot score the answer of %s: %s", peer_label(challenge.model_node),
                         exc)
             return ChallengeResult(challenge, 0, None)
@@ -429,13 +488,17 @@ class EpochService:
         """The answer as a report carries it: Q sealed for the committee."""
         return SignedAnswer(seal_request(self._committee_key, reply.request_hash, request), reply)
 
-    async def _score(self, prompt: str, option: SamplingOption, answer: SignedAnswer) -> int:
+    async def _score(self, prompt: str, option: SamplingOption, answer: SignedAnswer,
+                     pool_index: int | None = None) -> int:
         """The challenge score (:func:`~ps_p2p.verification.scoring.score_challenge`): the
         answer against the asked sampling parameters, its claimed end, and decoy prompts of the
         pool drawn from the signed request hash (the same ones on every verifier)."""
         reply = answer.reply
+        # the pool entry asked is never one of its own decoys (a chat's scored prompt is its
+        # rendered template, not the entry: the caller names the entry)
+        asked = self._pool_index.get(prompt, -1) if pool_index is None else pool_index
         decoys = [self.pool[i] for i in decoy_indices(
-            reply.request_hash, len(self.pool), self._pool_index.get(prompt, -1),
+            reply.request_hash, len(self.pool), asked,
             self.challenge_scoring.decoys)]
         score = await score_challenge(
             self.engine, prompt, reply.text, temperature=option.temperature,
@@ -484,20 +547,20 @@ class EpochService:
             c = res.challenge
             if c.sampling >= len(self.params.sampling) or c.prompt_index >= len(self.pool):
                 return f"challenge {c} is outside the pool or the sampling menu"
-            option = self.params.sampling[c.sampling]
-            prompt = self.pool[c.prompt_index]
-            problem = self._request_problem(res.answer, prompt, option)
+            request = derive_request(tx.secret, tx.epoch, tx.attempt, c,
+                                     self.pool[c.prompt_index], self.mix)
+            problem = self._request_problem(res.answer, request)
             if problem is not None:
                 return f"challenge of {peer_label(c.model_node)}: {problem}"
-            own = await self._score(prompt, option, res.answer)
+            own = await self._score(await self._scored_prompt(request), request, res.answer,
+                                    c.prompt_index)
             if abs(own - res.score) > self.params.tolerance * MICRO:
                 return (f"score {res.score / MICRO:.4f} for {peer_label(c.model_node)} is off "
                         f"this verifier's {own / MICRO:.4f} by more than "
                         f"{self.params.tolerance}")
         return None
 
-    def _request_problem(self, answer: SignedAnswer, prompt: str,
-                         option: SamplingOption) -> str | None:
+    def _request_problem(self, answer: SignedAnswer, expected: ChallengeRequest) -> str | None:
         try:
             request = open_request(self._committee_key, answer.reply.request_hash,
                                    answer.sealed_request)
@@ -509,16 +572,7 @@ class EpochService:
             return f"the request is not a request: {exc}"
         if q.request_id != answer.reply.request_id:
             return "the answer is for another request ID than the request's"
-        if q.messages or q.prompt != prompt:
-            return "the request does not ask the planned prompt"
-        if q.model_id != self.params.model_id:
-            return f"the request asks model {q.model_id!r}"
-        p = q.params
-        if (p.max_tokens != option.max_tokens
-                or abs(p.temperature - option.temperature) > _TEMPERATURE_SLACK
-                or abs(p.top_p - option.top_p) > _TEMPERATURE_SLACK):
-            return "the request's sampling parameters are not the planned ones"
-        return None
+        return request_problem(q, expected, self.params.model_id)
 
     def _remember(self, key: bytes, verdict: str | None) -> None:
         self._verdicts[key] = verdict
@@ -536,8 +590,10 @@ class EpochService:
         unused = [i for i in range(len(self.pool)) if i not in used]
         index = self._rng.choice(unused) if unused else self._rng.randrange(len(self.pool))
         self._confirm_prompts.add(index)  # not on the chain: plans may still draw it
-        option = self.params.sampling[self._rng.randrange(len(self.params.sampling))]
-        answer = await self._ask(self.pool[index], node, option, self.challenge_timeout)
+        # a user-shaped request under a secret of its own (no report ever carries it)
+        request = derive_request(self._rng.randbytes(epochs.SECRET_BYTES), epoch, 0,
+                                 epochs.Challenge(node, index), self.pool[index], self.mix)
+        answer = await self._ask(request, node, self.challenge_timeout)
         reply = getattr(answer, "reply", None)
         request = getattr(answer, "request", b"")
         problem = None

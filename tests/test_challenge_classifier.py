@@ -1,0 +1,92 @@
+"""The challenge detector of issue 18 and its user-traffic model (ps_p2p/testing)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ps_p2p.errors import RequestTooLargeError
+from ps_p2p.inference import InferenceQuery, SamplingParams
+from ps_p2p.testing.api_traffic import Conversation, api_asks, query_of_ask, user_body
+from ps_p2p.testing.challenge_classifier import (
+    FEATURES,
+    GROUPS,
+    ChainView,
+    ChallengeClassifier,
+    PublicIndex,
+    RequestView,
+    SmallTree,
+    columns,
+    cross_validate,
+    features,
+)
+
+
+def _view(prompt: str, *, max_tokens: int = 128, at: float = 10.0) -> RequestView:
+    q = InferenceQuery(b"r" * 16, "m", prompt, SamplingParams(max_tokens=max_tokens), ())
+    return RequestView(q, 100, at)
+
+
+def test_groups_cover_every_feature_once():
+    names = [n for g in GROUPS.values() for n in g]
+    assert sorted(names) == sorted(FEATURES)
+    assert len(columns([list(range(len(FEATURES)))], ["timing"])[0]) == len(GROUPS["timing"])
+
+
+def test_features_flag_menu_entries_public_prompts_and_reuse():
+    public = PublicIndex(["Write a poem about the deep blue sea and its many fish"])
+    chain = ChainView(menu=((64, 0.0, 1.0),), seen={"asked before"})
+    v = dict(zip(FEATURES, features(_view("write a poem about the deep blue sea and its fish",
+                                            max_tokens=64), chain, public)))
+    assert v["in_menu"] == 1.0 and v["public_verbatim"] == 0.0 and v["public_jaccard"] > 0.5
+    v = dict(zip(FEATURES, features(_view("asked before"), chain, public)))
+    assert v["in_menu"] == 0.0 and v["seen_before"] == 1.0 and v["public_jaccard"] == 0.0
+
+
+def test_small_tree_learns_a_threshold():
+    x = [[i, 0.0] for i in range(100)]
+    y = [int(i >= 37) for i in range(100)]
+    proba = SmallTree().fit(x, y).predict_proba([[10, 0.0], [80, 0.0]])
+    assert proba[0][1] < 0.2 and proba[1][1] > 0.8
+
+
+def test_classifier_separates_challenges_sent_at_the_epoch_start():
+    rng = random.Random(1)
+    views = [_view("tell me a story", at=rng.uniform(0, 2)) for _ in range(60)]
+    views += [_view("tell me a story", at=rng.uniform(0, 300)) for _ in range(60)]
+    labels = [1] * 60 + [0] * 60
+    clf = ChallengeClassifier(kind="small").fit(views, labels)
+    assert clf.is_challenge(_view("x", at=0.5)) and not clf.is_challenge(_view("x", at=200))
+    vectors = [clf.vector(v) for v in views]
+    assert min(cross_validate(vectors, labels, kind="small")) >= 0.9
+
+
+def test_classifier_is_at_chance_on_identical_traffic():
+    views = [_view("tell me a story", at=10.0) for _ in range(100)]
+    labels = [i % 2 for i in range(100)]
+    clf = ChallengeClassifier(kind="small")
+    accs = cross_validate([clf.vector(v) for v in views], labels, kind="small")
+    assert sum(accs) / len(accs) <= 0.6
+
+
+def test_api_bodies_reach_the_model_node_as_the_api_sends_them():
+    rng = random.Random(4)
+    item = Conversation("Why is the sky blue?", ("hi", "hello"))
+    bodies = [user_body(rng, item) for _ in range(40)]
+    asks = api_asks(bodies)
+    assert all(len(a) == body.get("n", 1) for (_, body), a in zip(bodies, asks))
+    for (path, body), (ask, *_) in zip(bodies, asks):
+        q, raw = query_of_ask(ask, rng)
+        assert q.stream == bool(body.get("stream"))
+        assert bool(q.messages) == path.endswith("/chat/completions")
+        expected_max = body.get("max_completion_tokens") or body.get("max_tokens") or 128
+        assert q.params.max_tokens == expected_max
+        assert q.params.seed == (body.get("seed") or 0)
+        assert abs(q.params.temperature - body.get("temperature", 0.0)) < 1e-6
+        assert len(raw) > 0
+
+
+def test_a_request_over_a_cell_is_refused_like_the_client_does():
+    with pytest.raises(RequestTooLargeError):
+        query_of_ask({"prompt": "x" * (4 * 1024 * 1024 + 1)}, random.Random(1))
