@@ -246,6 +246,7 @@ def main() -> int:
     all4: dict[str, list[float | None]] = {name: [] for name in names}
     during: dict[str, list[dict]] = {name: [] for name in names}
     halts: list[dict] = []
+    slow: list[dict] = []  # all four back at a newer height only after TARGET_S
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="perturb-") as folder:
         vs = make_testnet(pathlib.Path(folder) / "net", 4,
@@ -281,6 +282,10 @@ def main() -> int:
                                       "logs": [v.log_tail(6000) for v in vs]})
                         print(f"HALT? {name} rep {rep}: heights {halts[-1]['heights']}",
                               file=sys.stderr)
+                    elif took + level > TARGET_S:  # recovered, but one verifier lagged: why
+                        slow.append({"perturbation": name, "rep": rep,
+                                     "all4_s": round(took + level, 1),
+                                     "logs": [v.log_tail(6000) for v in vs]})
                     if p.cleanup is not None:
                         p.cleanup(vs, rep, args)
                         _level(vs, args.timeout)
@@ -321,7 +326,7 @@ def main() -> int:
         args.out.write_text(json.dumps({
             "load": args.load, "args": {k: str(v) for k, v in vars(args).items()},
             "started_unix": started, "ended_unix": time.time(), "rows": rows,
-            "fork_heights": forked, "halts": halts}, indent=1))
+            "fork_heights": forked, "halts": halts, "slow_all4": slow}, indent=1))
     return 1 if forked or halts else 0
 
 

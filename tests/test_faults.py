@@ -218,6 +218,7 @@ async def test_real_hosts_see_the_delay_and_the_partition_on_every_protocol():
             assert rtt_ms >= 2 * delay * 1000
             faults.set(Faults({b_id.peer_id: LinkRule(partitioned=True)}))
             await wait_until(lambda: not a.get_network().get_connections(ID(b_id.peer_id)))
+            await wait_until(lambda: not b.get_network().get_connections(ID(a_id.peer_id)))
             with pytest.raises(SwarmException):
                 await connect(b, listen_multiaddrs(a)[0])  # inbound refused too
             assert faults.refused >= 1
