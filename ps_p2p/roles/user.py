@@ -63,6 +63,7 @@ from ps_p2p.overlay.path_pool import (
     OpenPath,
     PathLost,
     PathPool,
+    PathSuspended,
     PoolChanged,
     PoolPath,
     SendProbe,
@@ -71,6 +72,7 @@ from ps_p2p.overlay.requests import (
     Audit,
     ConvictProxy,
     Outcome,
+    PathSilent,
     RequestCore,
     RequestDone,
     RequestSpec,
@@ -676,6 +678,11 @@ class UserClient:
     def _execute_one(self, command: object, now: float) -> None:
         if isinstance(command, SendClove):
             self._send_clove(command)
+            # a clove on a path silent for a while probes it along (a frozen relay is found
+            # within one probe deadline, and the clove re-sent: PathSuspended below)
+            self._execute(self._pool.clove_sent(command.path_id, now), now)
+        elif isinstance(command, PathSilent):
+            self._execute(self._pool.path_silent(command.path_id, now), now)
         elif isinstance(command, SendProbe):
             handle = self._handles.get(command.path_id)
             probe = clove_pb2.ForwardPayload(probe=clove_pb2.Probe(nonce=command.nonce))
@@ -692,6 +699,12 @@ class UserClient:
         elif isinstance(command, PathLost):
             self._forget_handle(command.path_id)
             self._tick_due = True  # a request left with fewer than k paths resends on a tick
+            self._execute(
+                self._requests.path_lost(command.path_id, now, self._ready_refs()), now
+            )
+        elif isinstance(command, PathSuspended):
+            # the path stays open (a probe may bring it back), but its cloves move now
+            self._tick_due = True
             self._execute(
                 self._requests.path_lost(command.path_id, now, self._ready_refs()), now
             )
