@@ -21,7 +21,7 @@ RELAYS = [bytes([i]) * 8 for i in range(1, 21)]
 
 
 def _pool(**overrides) -> PathPool:
-    fields = dict(total=4, paths=5, hops=3, max_setups=5)
+    fields = {"total": 4, "paths": 5, "hops": 3, "max_setups": 5}
     fields.update(overrides)
     return PathPool(PoolConfig(**fields), rng=random.Random(3))
 
@@ -56,7 +56,7 @@ def test_a_path_with_an_unanswered_probe_or_request_clove_leaves_the_ready_set_a
     pool = _ready_pool()
     victim = pool.ready_paths()[0]
     if silence == "probe":
-        (probe,) = _of(pool.clove_sent(victim.path_id, 5.0), SendProbe)
+        assert _of(pool.clove_sent(victim.path_id, 5.0), SendProbe)
         commands = pool.tick(5.0 + victim.rtt.rto, RELAYS)  # its first timeout
     else:
         commands = pool.path_silent(victim.path_id, 5.0)
@@ -167,3 +167,15 @@ def test_a_setup_unanswered_for_the_slot_time_frees_its_slot_within_a_bound():
     # the bound: never more than 2 * max_setups in flight
     assert _of(pool.tick(10.9, RELAYS), OpenPath) == []
     assert pool.setting_up == 4
+
+
+def test_the_first_hop_of_a_setup_unanswered_for_the_slot_time_is_avoided_by_the_next_ones():
+    few = RELAYS[:4]  # one relay to spare: the next setup can leave the suspect out
+    for seed in range(20):
+        pool = PathPool(PoolConfig(total=1, paths=2, hops=3, max_setups=1, setup_slot_time=5.0,
+                                   maintenance_interval=0.5), rng=random.Random(seed))
+        (stuck,) = _of(pool.tick(0.0, few), OpenPath)
+        assert pool.penalty(stuck.relays[0]) == 0
+        (following,) = _of(pool.tick(5.0, few), OpenPath)
+        assert pool.penalty(stuck.relays[0]) == 1
+        assert stuck.relays[0] not in following.relays

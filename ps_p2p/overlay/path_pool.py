@@ -308,6 +308,7 @@ class PathPool:
         self._paths: dict[int, PoolPath] = {}
         self._opening: dict[int, tuple[bytes, ...]] = {}
         self._opened_at: dict[int, float] = {}
+        self._slow_setups: set[int] = set()  # setups past setup_slot_time (first hop suspect)
         # relay -> (failures, time of the last one): paths through it that failed to set up or
         # went silent since a path through it last worked. A dead or cell-dropping relay keeps
         # its score; its honest neighbours are cleared by their other, working paths.
@@ -373,6 +374,7 @@ class PathPool:
         """
         relays = self._opening.pop(path_id, None)
         self._opened_at.pop(path_id, None)
+        self._slow_setups.discard(path_id)
         if relays is None:
             return [ClosePath(path_id, "not opened by the pool")]
         self.stats.built += 1
@@ -395,6 +397,7 @@ class PathPool:
         tight retry loop)."""
         relays = self._opening.pop(path_id, None)
         self._opened_at.pop(path_id, None)
+        self._slow_setups.discard(path_id)
         if relays is not None:
             self.stats.setups_failed += 1
             if path_id in self._repairs:  # the repair is still owed
@@ -549,6 +552,7 @@ class PathPool:
         if self._next_maintenance is None or now >= self._next_maintenance:
             self._next_maintenance = now + self._interval
             self._forgive(now)
+            self._suspect_slow_first_hops(now)
             live = self.live_paths()
             # a suspended path is replaced at once (it may come back: then the pool has one
             # path too many until it retires); an old unanswered setup holds no slot
@@ -591,6 +595,17 @@ class PathPool:
 
     def _probe_deadline(self, path: PoolPath) -> float:
         return path.probe_sent_at + path.rtt.rto * 2 ** len(path.lost_nonces)
+
+    def _suspect_slow_first_hops(self, now: float) -> None:
+        """A setup unanswered for ``setup_slot_time`` s makes its first hop suspect (once): a
+        live first hop reports a dead hop behind it within the relays' per-hop timeout, a frozen
+        one says nothing, and the next setups should not go through it meanwhile. A first probe
+        reply clears it again."""
+        limit = now - self.config.setup_slot_time
+        for path_id, opened_at in self._opened_at.items():
+            if opened_at <= limit and path_id not in self._slow_setups:
+                self._slow_setups.add(path_id)
+                self._penalize(self._opening[path_id][:1], now)
 
     def _suspend(self, path: PoolPath, now: float) -> list[Command]:
         """Take a silent path out of the ready set (see the module docstring)."""
@@ -757,11 +772,11 @@ class PathPool:
 
 __all__ = [
     "BAD_PROXY_COOLDOWN",
-    "ClosePath",
-    "Command",
     "LOST_BAD_PROXY",
     "LOST_DOWN",
     "LOST_PROBE_TIMEOUT",
+    "ClosePath",
+    "Command",
     "OpenPath",
     "PathLost",
     "PathPool",
