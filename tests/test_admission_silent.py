@@ -8,7 +8,7 @@ import pytest
 
 from ps_p2p import registry as app
 from ps_p2p.errors import AdmissionError
-from tests.test_consensus_app import A, B, C, D, GENESIS, SECOND, T0, record, reg, run
+from tests.test_consensus_app import GENESIS, SECOND, T0, A, B, C, D, record, reg, run
 
 NET = "ip4:10.0.1.0/24"
 SILENT = GENESIS.policy.silent_after_ms
