@@ -527,8 +527,8 @@ class PathPool:
         for path in list(self._paths.values()):
             if path.probe_nonce is not None and now >= self._probe_deadline(path):
                 if len(path.lost_nonces) + 1 < cfg.probe_attempts:
-                    log.info("probe via %s unanswered for %.1f s: suspending the path, "
-                             "probing again", _short(path.relays[0]), now - path.probe_sent_at)
+                    log.info("probe via %s unanswered for %.1f s: probing again (path "
+                             "suspended)", _short(path.relays[0]), now - path.probe_sent_at)
                     commands += self._suspend(path, now)
                     commands += self._probe(path, now, again=True)
                     continue

@@ -99,6 +99,25 @@ _DELIVER_OVERHEAD = 64
 MAX_INBOX = 4096
 #: Seconds without a tick after a tick that raised (a persistent bug must not spin the driver).
 TICK_RETRY = 0.5
+#: A user whose record was issued this long before the directory's own time (its block's) is
+#: no relay candidate: nodes renew every 30 s, so it stopped renewing (froze, crashed, left
+#: without deregistering) and would only cost a failed setup (issue 20: failed setups' first
+#: hop was a frozen user still listed 16-113 s after it froze). Two renewal intervals.
+RELAY_SILENT_MS = 60_000
+
+
+def relay_candidates(directory: Directory, me: bytes,
+                     silent_ms: int = RELAY_SILENT_MS) -> list[bytes]:
+    """Peer IDs of the directory's users that may relay for ``me``: a valid onion key, not
+    ``me``, and renewed within ``silent_ms`` of the directory's time (its committing block's,
+    so no local clock is involved). When fewer than 4 renewed ones remain (a committee that
+    took no renewal for a while), every listed user is a candidate, renewed ones first."""
+    users = [r for r in directory.users() if r.peer_id != me and len(r.onion_key) == 32]
+    limit = directory.issued_at_ms - silent_ms
+    fresh = [r.peer_id for r in users if r.issued_at_ms > limit]
+    if len(fresh) >= 4:
+        return fresh
+    return fresh + [r.peer_id for r in users if r.issued_at_ms <= limit]
 
 
 @dataclass
@@ -749,10 +768,7 @@ class UserClient:
             return None
         cached, height, relays = self._relay_cache
         if cached is not directory or height != directory.height or relays is None:
-            relays = [
-                r.peer_id for r in directory.users()
-                if r.peer_id != self.me and len(r.onion_key) == 32
-            ]
+            relays = relay_candidates(directory, self.me)
             self._relay_cache = (directory, directory.height, relays)
         return relays
 
@@ -893,5 +909,6 @@ __all__ = [
     "choose_model_node",
     "describe",
     "outcome_label",
+    "relay_candidates",
     "trusted_model_nodes",
 ]
