@@ -113,7 +113,7 @@ def relay_candidates(directory: Directory, me: bytes,
     so no local clock is involved). When fewer than 4 renewed ones remain (a committee that
     took no renewal for a while), every listed user is a candidate, renewed ones first."""
     users = [r for r in directory.users() if r.peer_id != me and len(r.onion_key) == 32]
-    limit = directory.issued_at_ms - silent_ms
+    limit = getattr(directory, "issued_at_ms", 0) - silent_ms  # 0: a directory without time
     fresh = [r.peer_id for r in users if r.issued_at_ms > limit]
     if len(fresh) >= 4:
         return fresh
