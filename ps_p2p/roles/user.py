@@ -114,10 +114,10 @@ def relay_candidates(directory: Directory, me: bytes,
     took no renewal for a while), every listed user is a candidate, renewed ones first."""
     users = [r for r in directory.users() if r.peer_id != me and len(r.onion_key) == 32]
     limit = getattr(directory, "issued_at_ms", 0) - silent_ms  # 0: a directory without time
-    fresh = [r.peer_id for r in users if r.issued_at_ms > limit]
+    fresh = [r.peer_id for r in users if getattr(r, "issued_at_ms", 0) > limit]
     if len(fresh) >= 4:
         return fresh
-    return fresh + [r.peer_id for r in users if r.issued_at_ms <= limit]
+    return fresh + [r.peer_id for r in users if getattr(r, "issued_at_ms", 0) <= limit]
 
 
 @dataclass
