@@ -179,3 +179,21 @@ def test_the_first_hop_of_a_setup_unanswered_for_the_slot_time_is_avoided_by_the
         (following,) = _of(pool.tick(5.0, few), OpenPath)
         assert pool.penalty(stuck.relays[0]) == 1
         assert stuck.relays[0] not in following.relays
+
+
+def test_a_path_answering_late_keeps_its_backed_off_deadline_and_no_other_path_gets_it():
+    """Karn (RFC 6298 5.7): a late answer gives no sample, so the doubled RTO stays with that
+    path until a probe is answered in time; a machine slowed past the RTO then suspends each
+    path once, not at every probe."""
+    pool = _ready_pool(maintenance_interval=100.0, probe_interval=1000.0)
+    slow, other = pool.ready_paths()[:2]
+    base = slow.rtt.rto
+    (first,) = _of(pool.clove_sent(slow.path_id, 10.0), SendProbe)
+    pool.tick(10.0 + base, RELAYS)  # unanswered in time: suspended, probed again
+    pool.probe_reply(slow.path_id, first.nonce, 10.0 + base + 0.5)  # the late answer
+    assert slow.path_id in _ready_ids(pool)
+    (probe,) = _of(pool.clove_sent(slow.path_id, 20.0), SendProbe)
+    # within its doubled deadline
+    assert PathSuspended(slow.path_id) not in pool.tick(20.0 + 1.5 * base, RELAYS)
+    pool.probe_reply(slow.path_id, probe.nonce, 20.0 + 1.5 * base)
+    assert other.rtt.rto == base

@@ -529,6 +529,7 @@ class PathPool:
                 if len(path.lost_nonces) + 1 < cfg.probe_attempts:
                     log.info("probe via %s unanswered for %.1f s: probing again (path "
                              "suspended)", _short(path.relays[0]), now - path.probe_sent_at)
+                    path.rtt.timed_out()
                     commands += self._suspend(path, now)
                     commands += self._probe(path, now, again=True)
                     continue
@@ -594,7 +595,10 @@ class PathPool:
         return max(path.probe_sent_at, path.last_reply_at) + self.config.probe_interval
 
     def _probe_deadline(self, path: PoolPath) -> float:
-        return path.probe_sent_at + path.rtt.rto * 2 ** len(path.lost_nonces)
+        # the path's own RTO, backed off once per unanswered probe until a probe answered in
+        # time gives a sample (RFC 6298 5.5 and 5.7, Karn): a loaded machine that slows every
+        # probe past the RTO costs each path a suspension or two, not one per probe
+        return path.probe_sent_at + path.rtt.rto
 
     def _suspect_slow_first_hops(self, now: float) -> None:
         """A setup unanswered for ``setup_slot_time`` s makes its first hop suspect (once): a
