@@ -190,9 +190,10 @@ class UserConfig:
         token_time: seconds allowed per requested token before the first answer is measured;
             afterwards twice the measured time per token (EWMA, 1/8) when that is longer, so a
             36 s answer is not resent while it is being generated.
-        probe_timeout: the floor of the probe deadline; the deadline itself is the RFC 6298
-            retransmission timeout of the measured probe round trips (it grows when the
-            machine or the network is loaded instead of tearing working paths down).
+        probe_timeout: the floor of a path's probe deadline; the deadline itself is the RFC
+            6298 retransmission timeout of that path's measured probe round trips (it grows when
+            the machine or the network is loaded). A first unanswered probe only suspends the
+            path (docs/network.md, "Frozen hosts"), so the 1 s floor costs no working path.
         max_setups: path setups in flight at most (more are built as these finish).
         probe_attempts: unanswered probes in a row, each waiting twice as long as the one
             before, that replace a path.
@@ -204,7 +205,7 @@ class UserConfig:
     hops: int = 3
     rotate_period: float = 15 * 60.0
     probe_interval: float = 10.0
-    probe_timeout: float = 4.0
+    probe_timeout: float = 1.0
     probe_attempts: int = 2
     request_timeout: float = 120.0
     attempt_timeout: float = 8.0

@@ -241,7 +241,7 @@ def test_a_late_answer_to_an_earlier_probe_of_the_series_keeps_the_path_without_
     # a nonce never sent counts for nothing
     (third,) = _of(pool.tick(100.0, RELAYS), SendProbe)
     pool.probe_reply(opened.path_id, third.nonce ^ 1, 100.1)
-    assert pool.ready_paths()[0].probe_nonce == third.nonce
+    assert pool.paths()[0].probe_nonce == third.nonce
 
 
 def test_the_probe_deadline_grows_with_measured_round_trips():

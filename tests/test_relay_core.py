@@ -364,3 +364,19 @@ def test_own_setup_deadlines_grow_when_measured_setups_are_slow():
     fresh, _ = _core(setup_timeout=1.0)
     own, _ = fresh.open_path([onion.HopSpec(NEXT, proxy_key.public)], "t", now=0.0)
     assert own.deadline == 2.0  # no samples yet: the floor
+
+
+def test_a_dead_first_hops_setup_timeouts_lengthen_no_other_first_hops_deadline():
+    """Issue 20: one shared own-setup timer doubled on every timeout (20, 20, 20, 26, 52,
+    100 s), whoever caused it; RFC 6298 keeps the back-off per destination."""
+    core, _ = _core(setup_timeout=5.0)
+    key = onion.OnionKeyPair.generate()
+    dead, alive = b"dead-first-hop", b"live-first-hop"
+    for i in range(4):
+        own, _ = core.open_path([onion.HopSpec(dead, key.public)] * 3, i, now=100.0 * i)
+        core.tick(now=own.deadline)  # the frozen first hop never answers
+    own, _ = core.open_path([onion.HopSpec(alive, key.public)] * 3, "other", now=1000.0)
+    assert own.deadline - 1000.0 == 20.0  # the floor: setup_timeout * (hops + 1)
+    again, _ = core.open_path([onion.HopSpec(dead, key.public)] * 3, "again", now=2000.0)
+    assert again.deadline - 2000.0 > 20.0  # the dead first hop's own setups back off
+    assert core.own_setup_timeout(alive, 3) == 20.0

@@ -7,13 +7,24 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
   as a proxy (a request needs n distinct proxies);
 * ``paths`` (N >= n) paths are kept, spares included; a missing one is rebuilt on the next
   maintenance (every ``maintenance_interval`` s, or at once after the pool changed), with at
-  most ``max_setups`` setups in flight;
-* every path is probed ``probe_interval`` s after its last probe or reply; a probe unanswered
-  for the RFC 6298 timeout of the measured probe round trips (:mod:`~ps_p2p.overlay.rtt`, floor
-  ``probe_timeout``) is sent again with the timeout doubled (RFC 6298 5.5-5.6), and only after
-  ``probe_attempts`` unanswered probes in a row is the path replaced and each of its relays made
-  suspect (a late answer to any of them still counts): one slow moment of a loaded machine no
-  longer costs a path and three setups;
+  most ``max_setups`` setups in flight; a setup unanswered for ``setup_slot_time`` s (a frozen
+  first hop answers never; a live one reports a dead hop behind it within the relays' 5 s
+  per-hop timeout) frees its slot for another, at most ``2 * max_setups`` in flight in all;
+* every path is probed ``probe_interval`` s after its last probe or reply, and also when a
+  request clove goes out on it and nothing came back on it for ``probe_on_use`` s
+  (:meth:`PathPool.clove_sent`): a frozen relay (SIGSTOP, a laptop closed: its TCP connections
+  stay open, nothing says it is gone) is found by the clove's own probe, not ten seconds later;
+* each path has its own RFC 6298 timeout (:mod:`~ps_p2p.overlay.rtt`, floor ``probe_timeout``),
+  started from the round trips of all paths and then fed by its own probes: a frozen relay's
+  silence lengthens no other path's deadline;
+* a path whose probe went unanswered for its timeout, or whose request clove stayed unanswered
+  (:meth:`PathPool.path_silent`, reported by the request core), is *suspended* at once: it
+  leaves the ready set (:class:`PathSuspended` tells the requests, which re-send its cloves on
+  other paths), a replacement is built, and it is probed again with the timeout doubled (RFC 6298
+  5.5-5.6). A late answer to any probe of the series restores it (retired when the pool is
+  full by then); after ``probe_attempts`` unanswered probes in a row it is replaced and each of
+  its relays made suspect: one slow moment of a loaded machine costs a path a few seconds of
+  rest, not a path and three setups;
 * a path is *confirmed*, and used for requests, only after its first probe reply: the setup
   acknowledgement only travels backwards, past a relay that corrupts forward cells;
 * penalties: a relay on a path that failed setup (only the first hop when the first hop itself
@@ -75,7 +86,12 @@ class PoolConfig:
         probe_interval: a probe goes out this long after the last probe or reply on a path.
             Default 10 s: at 2 s, probes were a fifth of a 100-user devnet's CPU; a path that
             turns bad between probes costs at most one resent request attempt.
-        probe_timeout: floor (and initial value) of the probe deadline (RFC 6298 RTO).
+        probe_timeout: floor (and initial value) of a path's probe deadline (RFC 6298 RTO).
+            Default 1 s (RFC 6298 2.4's floor): a first unanswered probe only suspends a path
+            (out of the ready set, probed again), so a short floor costs no path; it makes a
+            frozen relay's path stop carrying cloves about a second after the clove's probe.
+        probe_on_use: a clove sent on a path that has been silent this long also probes it
+            (:meth:`PathPool.clove_sent`); a path answering its requests is never probed so.
         probe_attempts: unanswered probes in a row (each waiting twice as long as the one
             before) that replace a path.
         failed_relay_cooldown: a relay's penalty is forgotten this long after its last failure.
@@ -85,6 +101,8 @@ class PoolConfig:
         max_setups: path setups in flight at most. A starved network answers setups late;
             building every missing path at once then multiplies the load that made them late
             (a 64-user devnet on 2 cores failed 1,911 setups while keeping ~320 paths).
+        setup_slot_time: a setup unanswered this long stops holding one of the ``max_setups``
+            slots (it may still succeed); at most ``2 * max_setups`` setups are in flight.
     """
 
     total: int = 4
@@ -93,12 +111,14 @@ class PoolConfig:
     rotate_period: float = 15 * 60.0
     retire_grace: float = 120.0
     probe_interval: float = 10.0
-    probe_timeout: float = 4.0
+    probe_timeout: float = 1.0
+    probe_on_use: float = 1.0
     probe_attempts: int = 2
     failed_relay_cooldown: float = 30.0
     bad_proxy_cooldown: float = BAD_PROXY_COOLDOWN
     maintenance_interval: float | None = None
     max_setups: int = 2
+    setup_slot_time: float = 5.0
 
     def __post_init__(self) -> None:
         if self.paths < self.total or self.hops < 1:
@@ -183,7 +203,15 @@ class PoolChanged:
     """A path became ready or confirmed, or was lost: wake whoever waits on the pool."""
 
 
-Command = OpenPath | ClosePath | SendProbe | PathLost | PoolChanged
+@dataclass(frozen=True)
+class PathSuspended:
+    """A ready path went silent (a probe or a request clove unanswered): it carries no new
+    clove until it answers a probe; requests re-send the cloves it holds on other paths."""
+
+    path_id: int
+
+
+Command = OpenPath | ClosePath | SendProbe | PathLost | PathSuspended | PoolChanged
 
 
 @dataclass
@@ -198,6 +226,9 @@ class PoolPath:
         lost_nonces: nonces of the probes of the outstanding series that went unanswered (the
             one out now waits ``2 ** len(lost_nonces)`` RTOs); a late answer to one still
             proves the path.
+        suspended: a probe or a request clove went unanswered: out of the ready set until a
+            probe answers.
+        rtt: this path's probe round trips (RFC 6298; its RTO is the path's probe deadline).
     """
 
     path_id: int
@@ -210,6 +241,8 @@ class PoolPath:
     probe_sent_at: float = 0.0
     last_reply_at: float = 0.0
     lost_nonces: tuple[int, ...] = ()
+    suspended: bool = False
+    rtt: RttEstimator = field(default_factory=RttEstimator)
 
     @property
     def proxy(self) -> bytes:
@@ -274,12 +307,16 @@ class PathPool:
         self._ids = itertools.count(1)
         self._paths: dict[int, PoolPath] = {}
         self._opening: dict[int, tuple[bytes, ...]] = {}
+        self._opened_at: dict[int, float] = {}
+        self._slow_setups: set[int] = set()  # setups past setup_slot_time (first hop suspect)
         # relay -> (failures, time of the last one): paths through it that failed to set up or
         # went silent since a path through it last worked. A dead or cell-dropping relay keeps
         # its score; its honest neighbours are cleared by their other, working paths.
         self._penalty: dict[bytes, tuple[int, float]] = {}
         self._bad_proxies: dict[bytes, float] = {}  # proxy -> until when
-        # probe round trips of all paths (a loaded machine slows every path alike)
+        # probe round trips of all paths (a loaded machine slows every path alike): the
+        # starting point of a new path's own estimator; never backed off (Karn's rule keeps
+        # timed-out probes out of it), so one silent path lengthens no other's deadline
         self.probe_rtt = RttEstimator(
             initial_rto=config.probe_timeout, min_rto=config.probe_timeout, max_rto=60.0
         )
@@ -299,8 +336,10 @@ class PathPool:
         return self._paths.get(path_id)
 
     def ready_paths(self) -> list[PoolPath]:
-        """Confirmed paths not retiring: what requests use."""
-        return [p for p in self._paths.values() if p.confirmed and not p.retiring]
+        """Confirmed paths neither retiring nor suspended: what requests use."""
+        return [
+            p for p in self._paths.values() if p.confirmed and not p.retiring and not p.suspended
+        ]
 
     def live_paths(self) -> list[PoolPath]:
         """Paths not retiring, confirmed or still waiting for their first probe reply."""
@@ -310,6 +349,12 @@ class PathPool:
     def setting_up(self) -> int:
         """Paths opened and not answered yet."""
         return len(self._opening)
+
+    def setup_slots_held(self, now: float) -> int:
+        """Setups holding one of the ``max_setups`` slots: those opened less than
+        ``setup_slot_time`` s ago."""
+        limit = now - self.config.setup_slot_time
+        return sum(1 for at in self._opened_at.values() if at > limit)
 
     @property
     def bad_proxies(self) -> frozenset[bytes]:
@@ -328,13 +373,18 @@ class PathPool:
         Penalties are cleared by the first probe reply, not by the acknowledgement.
         """
         relays = self._opening.pop(path_id, None)
+        self._opened_at.pop(path_id, None)
+        self._slow_setups.discard(path_id)
         if relays is None:
             return [ClosePath(path_id, "not opened by the pool")]
         self.stats.built += 1
         if path_id in self._repairs:
             self._repairs.discard(path_id)
             self.stats.repaired += 1
-        path = PoolPath(path_id, relays, created_at=now, last_reply_at=now, probe_sent_at=now)
+        rtt = RttEstimator(initial_rto=self.probe_rtt.rto, min_rto=self.config.probe_timeout,
+                           max_rto=self.probe_rtt.max_rto)
+        path = PoolPath(path_id, relays, created_at=now, last_reply_at=now, probe_sent_at=now,
+                        rtt=rtt)
         self._paths[path_id] = path
         log.info("path ready: %s (proxy %s)", " -> ".join(_short(r) for r in relays),
                  _short(relays[-1]))
@@ -346,6 +396,8 @@ class PathPool:
         first hop that went down). The pool rebuilds at its next maintenance, not at once (no
         tight retry loop)."""
         relays = self._opening.pop(path_id, None)
+        self._opened_at.pop(path_id, None)
+        self._slow_setups.discard(path_id)
         if relays is not None:
             self.stats.setups_failed += 1
             if path_id in self._repairs:  # the repair is still owed
@@ -389,15 +441,45 @@ class PathPool:
             return []
         if nonce == path.probe_nonce and not path.lost_nonces:
             self.probe_rtt.sample(now - path.probe_sent_at)
+            path.rtt.sample(now - path.probe_sent_at)
         path.probe_nonce = None
         path.lost_nonces = ()
         for relay in path.relays[:-1]:
             self._penalty.pop(relay, None)
+        if path.suspended:
+            path.suspended = False
+            self._next_maintenance = None
+            if len(self.ready_paths()) > self.config.paths and not path.retiring:
+                # its replacement is in: the path that went silent is the one to let go
+                self._retire(path, now)
+            return [PoolChanged()]
         if path.confirmed:
             return []
         path.confirmed = True
         self._next_maintenance = None
         return [PoolChanged()]
+
+    def clove_sent(self, path_id: int, now: float) -> list[Command]:
+        """A request clove went out on the path: probe it along when nothing came back on it
+        for ``probe_on_use`` s and no probe is out (the clove's answer may take a model's
+        generation time; the probe's answer takes one round trip)."""
+        path = self._paths.get(path_id)
+        if path is None or path.probe_nonce is not None:
+            return []
+        if now - max(path.last_reply_at, path.probe_sent_at) < self.config.probe_on_use:
+            return []
+        return self._probe(path, now)
+
+    def path_silent(self, path_id: int, now: float) -> list[Command]:
+        """A request clove sent on the path stayed unanswered (the request core gave up
+        waiting for its attempt): suspend the path and probe it now (unless a probe is out)."""
+        path = self._paths.get(path_id)
+        if path is None or path.suspended:
+            return []
+        commands = self._suspend(path, now)
+        if path.probe_nonce is None:
+            commands += self._probe(path, now)
+        return commands
 
     def probe_not_sent(self, path_id: int, nonce: int, now: float) -> list[Command]:
         """:class:`SendProbe` could not be sent (queue full, path dying): no probe is
@@ -446,8 +528,10 @@ class PathPool:
         for path in list(self._paths.values()):
             if path.probe_nonce is not None and now >= self._probe_deadline(path):
                 if len(path.lost_nonces) + 1 < cfg.probe_attempts:
-                    log.info("probe via %s unanswered for %.1f s: probing again",
-                             _short(path.relays[0]), now - path.probe_sent_at)
+                    log.info("probe via %s unanswered for %.1f s: probing again (path "
+                             "suspended)", _short(path.relays[0]), now - path.probe_sent_at)
+                    path.rtt.timed_out()
+                    commands += self._suspend(path, now)
                     commands += self._probe(path, now, again=True)
                     continue
                 log.warning("path via %s: %d probes unanswered: replacing it",
@@ -474,9 +558,15 @@ class PathPool:
         if self._next_maintenance is None or now >= self._next_maintenance:
             self._next_maintenance = now + self._interval
             self._forgive(now)
+            self._suspect_slow_first_hops(now)
             live = self.live_paths()
+            # a suspended path is replaced at once (it may come back: then the pool has one
+            # path too many until it retires); an old unanswered setup holds no slot
+            serving = [p for p in live if not p.suspended]
             missing = min(
-                cfg.paths - len(live) - len(self._opening), cfg.max_setups - len(self._opening)
+                cfg.paths - len(serving) - len(self._opening),
+                cfg.max_setups - self.setup_slots_held(now),
+                2 * cfg.max_setups - len(self._opening),
             )
             if missing > 0:
                 commands += self._build(missing, now, relays)
@@ -510,7 +600,31 @@ class PathPool:
         return max(path.probe_sent_at, path.last_reply_at) + self.config.probe_interval
 
     def _probe_deadline(self, path: PoolPath) -> float:
-        return path.probe_sent_at + self.probe_rtt.rto * 2 ** len(path.lost_nonces)
+        # the path's own RTO, backed off once per unanswered probe until a probe answered in
+        # time gives a sample (RFC 6298 5.5 and 5.7, Karn): a loaded machine that slows every
+        # probe past the RTO costs each path a suspension or two, not one per probe
+        return path.probe_sent_at + path.rtt.rto
+
+    def _suspect_slow_first_hops(self, now: float) -> None:
+        """A setup unanswered for ``setup_slot_time`` s makes its first hop suspect (once): a
+        live first hop reports a dead hop behind it within the relays' per-hop timeout, a frozen
+        one says nothing, and the next setups should not go through it meanwhile. A first probe
+        reply clears it again."""
+        limit = now - self.config.setup_slot_time
+        for path_id, opened_at in self._opened_at.items():
+            if opened_at <= limit and path_id not in self._slow_setups:
+                self._slow_setups.add(path_id)
+                self._penalize(self._opening[path_id][:1], now)
+
+    def _suspend(self, path: PoolPath, now: float) -> list[Command]:
+        """Take a silent path out of the ready set (see the module docstring)."""
+        if path.suspended:
+            return []
+        path.suspended = True
+        self._next_maintenance = None
+        log.info("path via %s silent: suspended", _short(path.relays[0]))
+        # a retiring path still carries the cloves of requests sent before: they move too
+        return [PathSuspended(path.path_id), PoolChanged()] if path.confirmed else []
 
     def _probe(self, path: PoolPath, now: float, *, again: bool = False) -> list[Command]:
         if again and path.probe_nonce is not None:
@@ -593,6 +707,7 @@ class PathPool:
         for chosen in choices:
             path_id = next(self._ids)
             self._opening[path_id] = tuple(chosen)
+            self._opened_at[path_id] = now
             if self._owed_repairs > 0:
                 self._owed_repairs -= 1
                 self._repairs.add(path_id)
@@ -666,14 +781,15 @@ class PathPool:
 
 __all__ = [
     "BAD_PROXY_COOLDOWN",
-    "ClosePath",
-    "Command",
     "LOST_BAD_PROXY",
     "LOST_DOWN",
     "LOST_PROBE_TIMEOUT",
+    "ClosePath",
+    "Command",
     "OpenPath",
     "PathLost",
     "PathPool",
+    "PathSuspended",
     "PoolChanged",
     "PoolConfig",
     "PoolPath",

@@ -103,6 +103,8 @@ MAX_SETUPS_UNLISTED = 8192
 SETUP_WINDOW = 120.0
 #: Longest reason string put in a setup reply or destroy.
 MAX_REASON_CHARS = 200
+#: First hops whose own-setup back-off is remembered (least recently timed out forgotten first).
+MAX_BACKOFF_PEERS = 4096
 
 
 # ----------------------------------------------------------------------------- domain payloads
@@ -483,10 +485,15 @@ class RelayCore:
             initial_rto=self.config.setup_timeout, min_rto=self.config.setup_timeout
         )
         # this node's own setups (every hop there and back): a loaded network gets more time
-        # than the floor of ``setup_timeout`` per hop plus one (RFC 6298 on measured setups)
+        # than the floor of ``setup_timeout`` per hop plus one (RFC 6298 on measured setups).
+        # The estimate is shared (a loaded machine slows every setup alike) but never backed
+        # off; a timeout doubles the deadline of later setups through the same first hop only
+        # (RFC 6298 keeps its timer per destination): a frozen first hop lengthened every
+        # setup's deadline to 100 s before (issue 20)
         self._own_setup_rtt = RttEstimator(
             initial_rto=0.0, min_rto=0.0, max_rto=self.config.setup_timeout * 4 * onion.MAX_HOPS
         )
+        self._own_setup_backoff: OrderedDict[bytes, int] = OrderedDict()  # first hop -> doublings
 
     # ------------------------------------------------------------------ introspection
 
@@ -521,12 +528,19 @@ class RelayCore:
         path, packet = onion.create_path(
             hops, random_bytes=self._random_bytes, issued_at=issued_at
         )
-        floor = self.config.setup_timeout * (len(hops) + 1)
-        deadline = now + max(floor, self._own_setup_rtt.rto)
+        deadline = now + self.own_setup_timeout(hops[0].peer_id, len(hops))
         own = OwnPath(path, token, now, deadline)
         self._paths[own.key] = own
         heapq.heappush(self._path_deadlines, (deadline, next(self._seq), own.key))
         return own, [SendSetup(path.first_hop, path.first_path_id, packet)]
+
+    def own_setup_timeout(self, first_hop: bytes, hops: int) -> float:
+        """Seconds an own setup of ``hops`` hops through ``first_hop`` may take: the larger of
+        ``setup_timeout * (hops + 1)`` and the RTO of measured own setups, doubled once per
+        setup through this first hop that timed out since one through it succeeded."""
+        base = max(self.config.setup_timeout * (hops + 1), self._own_setup_rtt.rto)
+        doublings = self._own_setup_backoff.get(first_hop, 0)
+        return min(self._own_setup_rtt.max_rto, base * 2 ** doublings) if doublings else base
 
     def send_on_path(self, own: OwnPath, message: ForwardMessage, now: float) -> list[Command]:
         """Seal ``message`` for the proxy as one cell on ``own`` ([] when it is not ready)."""
@@ -684,6 +698,7 @@ class RelayCore:
             except (CryptoError, RemoteProtocolError) as exc:
                 return self._path_failed(own, f"bad acknowledgement: {exc}")
             own.ready = True
+            self._own_setup_backoff.pop(own.path.first_hop, None)
             self._own_setup_rtt.sample(now - own.created_at)
             return [PathReady(own.token)]
         pending = self._pending.pop(key, None)
@@ -916,7 +931,11 @@ class RelayCore:
             _, _, key = heapq.heappop(self._path_deadlines)
             own = self._paths.get(key)
             if own is not None and not own.ready and now >= own.deadline:
-                self._own_setup_rtt.timed_out()
+                first = own.path.first_hop
+                self._own_setup_backoff[first] = min(self._own_setup_backoff.get(first, 0) + 1, 8)
+                self._own_setup_backoff.move_to_end(first)
+                while len(self._own_setup_backoff) > MAX_BACKOFF_PEERS:
+                    self._own_setup_backoff.popitem(last=False)
                 out += self._path_failed(own, "setup timed out")
         for entry in self.table.expire(now, self.config.relay_idle_timeout):
             log.debug("relay entry from %s idle, dropped", _short(entry.in_peer))

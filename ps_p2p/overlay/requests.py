@@ -7,6 +7,8 @@ PlanetServe sec. 3.2 ("Request", "Response") with the fixes of DESIGN.md:
   S-IDA-encoded into n cloves, clove i over path i to the model node;
 * an attempt unanswered for ``attempt_wait(max_tokens) * 2**(attempt - 1)`` s, or left with
   fewer than k of its paths, is followed by another (same request ID, fresh paths and tags);
+  the paths of the unanswered attempt that brought nothing back are reported
+  (:class:`PathSilent`: the pool suspends and probes them) and the next attempt avoids them;
   when one of its paths dies while k or more are left, that path's clove is re-sent on a spare;
 * response cloves come back through the reply proxies, each under the reply tag registered with
   that path's proxy; the answer decodes from any k, and is accepted only when the model node
@@ -277,7 +279,16 @@ class RequestDone:
     outcome: Outcome
 
 
-Command = SendClove | ConvictProxy | StreamText | RequestDone
+@dataclass(frozen=True)
+class PathSilent:
+    """A clove of an attempt that went unanswered was sent on this path and nothing came back
+    on it for that attempt: the path pool should suspend and probe it
+    (:meth:`~ps_p2p.overlay.path_pool.PathPool.path_silent`)."""
+
+    path_id: int
+
+
+Command = SendClove | ConvictProxy | StreamText | RequestDone | PathSilent
 
 
 # ---------------------------------------------------------------------------------- state
@@ -299,6 +310,8 @@ class _Attempt:
     text: bytearray = field(default_factory=bytearray)
     # indices of cloves whose proxy lost the model node (delivery_failed)
     undeliverable: set[int] = field(default_factory=set)
+    # paths something came back on for this attempt (a response clove, a delivery notice)
+    heard: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -465,13 +478,25 @@ class RequestCore:
             if now >= request.deadline:
                 commands += self._finish(request, None, self._deadline_error(request, ready), now)
                 continue
+            usable = ready
             if not request.waiting and (request.retry_now or now >= request.retry_at):
                 log.warning("request %s: no answer on attempt %d; resending on fresh paths",
                             request.spec.request_id.hex()[:8], len(request.attempts))
                 request.waiting = True
                 request.ready_since = None
+                attempt = request.attempts[-1]
+                silent = [p for p in attempt.path_ids
+                          if p not in attempt.heard and p not in attempt.lost]
+                commands += [PathSilent(p) for p in silent]
+                # the pool takes them out of its ready set (this tick already has its list): the
+                # resend goes on other paths where enough are ready, else at once on these (a
+                # model node that was only slow: their probes clear them a round trip later)
+                others = [p for p in ready if p.path_id not in silent]
+                if (len(others) >= self.config.total
+                        and len({p.proxy for p in others}) >= self.config.threshold):
+                    usable = others
             if request.waiting:
-                commands += self._maybe_send(request, now, ready)
+                commands += self._maybe_send(request, now, usable)
         return commands
 
     def path_lost(self, path_id: int, now: float, ready: Sequence[PathRef]) -> list[Command]:
@@ -518,6 +543,7 @@ class RequestCore:
             self.misrouted_cloves += 1
             log.warning("delivery failure under a reply tag not registered on its path; dropped")
             return []
+        self._heard(registered)
         request = self._by_response_id.get(registered.response_id)
         if request is None or request.attempts[-1].response_id != registered.response_id:
             return []  # ended, or an earlier attempt's
@@ -573,6 +599,7 @@ class RequestCore:
             # only the proxy sees a clove in the clear (relays are held off by the end-to-end
             # layer), and it forwards a reply under this tag only once the signature verified
             return [ConvictProxy(registered.proxy)]
+        self._heard(registered)
         if registered.stream:
             streamed = self._by_segment_id.get(clove.message_id)
             if streamed is None:
@@ -708,6 +735,15 @@ class RequestCore:
         attempt.segments.clear()
 
     # ------------------------------------------------------------------ internals
+
+    def _heard(self, registered: ReplyTag) -> None:
+        """Something signed came back under ``registered`` on its path: the path answers."""
+        request = self._by_response_id.get(registered.response_id)
+        if request is None:
+            return
+        for attempt in request.attempts:
+            if attempt.response_id == registered.response_id:
+                attempt.heard.add(registered.path_id)
 
     def _deadline_error(self, request: _Request, ready: Sequence[PathRef]) -> RequestError:
         timeout = request.spec.timeout
@@ -922,6 +958,7 @@ __all__ = [
     "Command",
     "ConvictProxy",
     "Outcome",
+    "PathSilent",
     "ReplyTag",
     "RequestConfig",
     "RequestCore",

@@ -349,11 +349,13 @@ def _admit(tx: Tx, state: AppState, new_in_block: int | None) -> None:
                     f"{policy.max_registrations_per_block} new registrations already in this "
                     "block (admission cap)"
                 )
-        old_nets = state._networks_of(held) if held is not None else frozenset()
+        # a silent record counts in no cap: its renewal is a newcomer there (issue 20)
+        old_nets = state._networks_of(held) if held is not None and not state.is_silent(held) \
+            else frozenset()
         for net in state._networks_of(record) - old_nets:
             cap = policy.max_records_without_address if net == "" else \
                 policy.max_records_per_network
-            if state.network_count(net) >= cap:
+            if state.live_network_count(net) >= cap:
                 where = "without address" if net == "" else f"in network {net}"
                 raise AdmissionError(f"{cap} records already listed {where} (admission cap)")
         org = record.membership.org_key if record.membership is not None else b""

@@ -213,7 +213,7 @@ class Mempool:
         for net in nets - held:
             cap = policy.max_records_without_address if net == "" else \
                 policy.max_records_per_network
-            if state.network_count(net) + self._new_nets[net] >= cap:
+            if state.live_network_count(net) + self._new_nets[net] >= cap:
                 where = "without address" if net == "" else f"in network {net}"
                 raise AdmissionError(
                     f"{cap} records already listed or pending {where} (admission cap)")

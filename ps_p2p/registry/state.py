@@ -57,6 +57,12 @@ class AdmissionPolicy:
         max_registrations_per_block: new peers (not renewals) in one block.
         max_evidence: equivocation evidence entries kept.
         ipv4_prefix_bits, ipv6_prefix_bits: the source network of an address.
+        silent_after_ms: a listed record issued this long before the state's time (not
+            renewed: nodes renew every 30 s) no longer counts toward the per-network caps, so a
+            node that froze or died without deregistering stops locking its /24 out (issue
+            20); its own renewal then counts as a new record and must fit the cap again, so the
+            records a network keeps renewing never exceed the cap. Default 90 s: three
+            renewal intervals.
     """
 
     max_records: int = MAX_RECORDS
@@ -67,11 +73,12 @@ class AdmissionPolicy:
     max_evidence: int = 10_000
     ipv4_prefix_bits: int = 24
     ipv6_prefix_bits: int = 48
+    silent_after_ms: int = 90_000
 
     def __post_init__(self) -> None:
         for name in ("max_records", "max_records_per_network", "max_records_without_address",
                      "max_records_per_organization", "max_registrations_per_block",
-                     "max_evidence"):
+                     "max_evidence", "silent_after_ms"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise LocalProtocolError(f"admission policy {name} must be an integer >= 1")
         if not 8 <= self.ipv4_prefix_bits <= 32 or not 16 <= self.ipv6_prefix_bits <= 128:
@@ -212,6 +219,8 @@ class AppState:
         self._validators = frozenset(v.address for v in genesis.validators)
         self._expiry: list[tuple[int, bytes]] = []  # heap of (expires_at_ms, peer ID), lazy
         self._networks: collections.Counter[str] = collections.Counter()
+        # network -> peers listed in it (each set replaced, never mutated: states share them)
+        self._net_members: dict[str, frozenset[bytes]] = {}
         self._orgs: collections.Counter[bytes] = collections.Counter()  # by organization key
         self.reputations: dict[bytes, ReputationEntry] = {}
         self.reputation_epoch = 0
@@ -253,6 +262,26 @@ class AppState:
         """Records listed with an address in ``network`` (a :func:`source_networks` key;
         ``""``: records without address)."""
         return self._networks[network]
+
+    def is_silent(self, record: NodeRecord) -> bool:
+        """Whether ``record`` was issued ``policy.silent_after_ms`` or more before this
+        state's time (its node stopped renewing it)."""
+        return record.issued_at_ms <= self.time_ms - self.policy.silent_after_ms
+
+    def live_network_count(self, network: str) -> int:
+        """Records listed in ``network`` that are not silent (:meth:`is_silent`): what the
+        per-network caps count. O(1) below the cap, else O(records listed in the network)."""
+        total = self._networks[network]
+        cap = self.policy.max_records_without_address if network == "" else \
+            self.policy.max_records_per_network
+        if total < cap:
+            return total
+        live = 0
+        for peer in self._net_members.get(network, ()):
+            record = self.records.get(peer)
+            if record is not None and not self.is_silent(record):
+                live += 1
+        return live
 
     def organization_count(self, org_key: bytes) -> int:
         """Records listed with a membership of the organization key ``org_key``."""
@@ -309,6 +338,7 @@ class AppState:
         new._departed_heap = list(self._departed_heap)
         new._expiry = list(self._expiry)
         new._networks = collections.Counter(self._networks)
+        new._net_members = dict(self._net_members)
         new._orgs = collections.Counter(self._orgs)
         return new
 
@@ -322,7 +352,10 @@ class AppState:
         old = self.records.put(record)
         if old is not None:
             self._uncount(old)
-        self._networks.update(self._networks_of(record))
+        nets = self._networks_of(record)
+        self._networks.update(nets)
+        for net in nets:
+            self._net_members[net] = self._net_members.get(net, frozenset()) | {record.peer_id}
         if record.membership is not None:
             self._orgs[record.membership.org_key] += 1
         heapq.heappush(self._expiry, (record.expires_at_ms, record.peer_id))
@@ -342,6 +375,11 @@ class AppState:
             self._networks[net] -= 1
             if not self._networks[net]:
                 del self._networks[net]
+            members = self._net_members.get(net, frozenset()) - {record.peer_id}
+            if members:
+                self._net_members[net] = members
+            else:
+                self._net_members.pop(net, None)
         if record.membership is not None:
             org = record.membership.org_key
             self._orgs[org] -= 1

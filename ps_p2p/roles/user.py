@@ -64,6 +64,7 @@ from ps_p2p.overlay.path_pool import (
     OpenPath,
     PathLost,
     PathPool,
+    PathSuspended,
     PoolChanged,
     PoolPath,
     SendProbe,
@@ -72,6 +73,7 @@ from ps_p2p.overlay.requests import (
     Audit,
     ConvictProxy,
     Outcome,
+    PathSilent,
     RequestCore,
     RequestDone,
     RequestSpec,
@@ -98,6 +100,25 @@ _DELIVER_OVERHEAD = 64
 MAX_INBOX = 4096
 #: Seconds without a tick after a tick that raised (a persistent bug must not spin the driver).
 TICK_RETRY = 0.5
+#: A user whose record was issued this long before the directory's own time (its block's) is
+#: no relay candidate: nodes renew every 30 s, so it stopped renewing (froze, crashed, left
+#: without deregistering) and would only cost a failed setup (issue 20: failed setups' first
+#: hop was a frozen user still listed 16-113 s after it froze). Two renewal intervals.
+RELAY_SILENT_MS = 60_000
+
+
+def relay_candidates(directory: Directory, me: bytes,
+                     silent_ms: int = RELAY_SILENT_MS) -> list[bytes]:
+    """Peer IDs of the directory's users that may relay for ``me``: a valid onion key, not
+    ``me``, and renewed within ``silent_ms`` of the directory's time (its committing block's,
+    so no local clock is involved). When fewer than 4 renewed ones remain (a committee that
+    took no renewal for a while), every listed user is a candidate, renewed ones first."""
+    users = [r for r in directory.users() if r.peer_id != me and len(r.onion_key) == 32]
+    limit = getattr(directory, "issued_at_ms", 0) - silent_ms  # 0: a directory without time
+    fresh = [r.peer_id for r in users if getattr(r, "issued_at_ms", 0) > limit]
+    if len(fresh) >= 4:
+        return fresh
+    return fresh + [r.peer_id for r in users if getattr(r, "issued_at_ms", 0) <= limit]
 
 
 @dataclass
@@ -722,6 +743,11 @@ class UserClient:
     def _execute_one(self, command: object, now: float) -> None:
         if isinstance(command, SendClove):
             self._send_clove(command)
+            # a clove on a path silent for a while probes it along (a frozen relay is found
+            # within one probe deadline, and the clove re-sent: PathSuspended below)
+            self._execute(self._pool.clove_sent(command.path_id, now), now)
+        elif isinstance(command, PathSilent):
+            self._execute(self._pool.path_silent(command.path_id, now), now)
         elif isinstance(command, SendProbe):
             handle = self._handles.get(command.path_id)
             probe = clove_pb2.ForwardPayload(probe=clove_pb2.Probe(nonce=command.nonce))
@@ -738,6 +764,12 @@ class UserClient:
         elif isinstance(command, PathLost):
             self._forget_handle(command.path_id)
             self._tick_due = True  # a request left with fewer than k paths resends on a tick
+            self._execute(
+                self._requests.path_lost(command.path_id, now, self._ready_refs()), now
+            )
+        elif isinstance(command, PathSuspended):
+            # the path stays open (a probe may bring it back), but its cloves move now
+            self._tick_due = True
             self._execute(
                 self._requests.path_lost(command.path_id, now, self._ready_refs()), now
             )
@@ -782,10 +814,7 @@ class UserClient:
             return None
         cached, height, relays = self._relay_cache
         if cached is not directory or height != directory.height or relays is None:
-            relays = [
-                r.peer_id for r in directory.users()
-                if r.peer_id != self.me and len(r.onion_key) == 32
-            ]
+            relays = relay_candidates(directory, self.me)
             self._relay_cache = (directory, directory.height, relays)
         return relays
 
@@ -929,5 +958,6 @@ __all__ = [
     "describe",
     "outcome_label",
     "reachable_model_nodes",
+    "relay_candidates",
     "trusted_model_nodes",
 ]
