@@ -300,7 +300,8 @@ def _without_eager_debug(function: Callable[..., Any]) -> Callable[..., Any]:
     ast.increment_lineno(tree, function.__code__.co_firstlineno - 1)
     tree = ast.fix_missing_locations(_GuardDebug().visit(tree))
     namespace: dict[str, Any] = {}
-    exec(compile(tree, function.__code__.co_filename, "exec"), function.__globals__, namespace)
+    # the installed py-libp2p's own source (pinned by hash), recompiled: not foreign input
+    exec(compile(tree, function.__code__.co_filename, "exec"), function.__globals__, namespace)  # noqa: S102
     rebuilt = namespace[function.__name__]
     rebuilt.__qualname__ = function.__qualname__
     rebuilt.__module__ = function.__module__
@@ -447,17 +448,17 @@ def install(names: tuple[str, ...] | None = None) -> tuple[str, ...]:
     for name in selected() if names is None else names:
         if name in _installed:
             continue
-        if name not in _refused_logged or not check(name):
-            mismatched = check(name)
-            if mismatched:
+        mismatched = check(name)
+        if mismatched:
+            if name not in _refused_logged:
                 _refused_logged.add(name)
                 log.warning(
                     "py-libp2p work-around %s not installed: the installed py-libp2p's %s "
                     "differ(s) from the 0.8.1 source it was written for",
                     name, ", ".join(mismatched),
                 )
-                continue
-            _installed[name] = _apply(name)
+            continue
+        _installed[name] = _apply(name)
     return tuple(n for n in NAMES if n in _installed)
 
 
@@ -478,5 +479,14 @@ def installed() -> tuple[str, ...]:
     return tuple(n for n in NAMES if n in _installed)
 
 
-__all__ = ["ENV", "FastAcquire", "NAMES", "PINNED", "check", "install", "installed",
-           "selected", "uninstall"]
+__all__ = [
+    "ENV",
+    "NAMES",
+    "PINNED",
+    "FastAcquire",
+    "check",
+    "install",
+    "installed",
+    "selected",
+    "uninstall",
+]
