@@ -336,4 +336,4 @@ class CoreDriver(Generic[C]):
         self.run_commands(commands)
 
 
-__all__ = ["CoreDriver", "DEFAULT_INBOX", "LOCAL"]
+__all__ = ["DEFAULT_INBOX", "LOCAL", "CoreDriver"]

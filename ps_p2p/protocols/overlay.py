@@ -246,7 +246,10 @@ class OverlayService:
             event = functools.partial(
                 self.core.receive_setup_reply, peer, frame.path_id, frame.ok, frame.ack, frame.error
             )
-        self.driver.submit(event, peer=peer, direct=True)
+        # setups (onion decryption, the costly input a flooder sends: issue 16) always wait
+        # their turn in the driver's round robin; cells and deliveries take the handler-to-core
+        # shortcut (CoreDriver, ``direct``)
+        self.driver.submit(event, peer=peer)
 
     def _on_clove_frame(self, peer: bytes, data: bytes) -> None:
         frame = clove_relay.decode(data)
