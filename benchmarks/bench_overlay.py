@@ -231,10 +231,14 @@ class _StepCounter(trio.abc.Instrument):
 
 async def bench_cpu(rounds: int) -> None:
     """CPU, scheduler steps and Python calls per anonymous round trip (see the docstring)."""
-    from ps_p2p.protocols import libp2p_patches
+    try:
+        from ps_p2p.protocols.libp2p_patches import installed
+    except ImportError:  # a tree from before issue 22 (paired runs against it)
+        def installed() -> tuple[str, ...]:
+            return ()
 
     print(machine())
-    print(f"py-libp2p work-arounds installed: {', '.join(libp2p_patches.installed()) or 'none'}")
+    print(f"py-libp2p work-arounds installed: {', '.join(installed()) or 'none'}")
     count_noise_messages()
     cfg = UserConfig(probe_interval=60.0, probe_timeout=10.0, request_timeout=30.0)
     engine = InstantEngine(reply_bytes=2048)
