@@ -347,8 +347,10 @@ def _env_snapshot() -> tuple[Callable[..., str], Callable[[str], bool]]:
 
 async def _buffered_read(self: Any, n: int | None = None) -> bytes:
     """``TrioTCPStream.read`` through a per-connection buffer (see ``bufread``)."""
-    if n is not None and n <= 0:
+    if n == 0:
         return b""
+    if n is not None and n < 0:
+        raise ValueError("max_bytes must be >= 1")  # what trio's receive_some raises
     buf: bytes = getattr(self, "_ps_rbuf", b"")
     if buf:
         if n is None or n >= len(buf):
