@@ -106,8 +106,8 @@ from libp2p.transport.tcp import tcp as _tcp
 from ps_p2p.errors import AddressInUseError, ConfigError
 from ps_p2p.keys import Identity
 from ps_p2p.networks import network_key, parse_ip
-from ps_p2p.protocols import libp2p_patches
 from ps_p2p.protocols.admission import InboundAdmission, InboundLimits, Ticket
+from ps_p2p.protocols.libp2p_patches import install as _install_libp2p_patches
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ _yamux_module.read_exactly = _read_exactly_stamped
 
 # py-libp2p 0.8.1's per-message schedule points, eager debug formatting and split reads
 # (version-pinned, each refused with a warning on another py-libp2p; PS_LIBP2P_PATCHES selects)
-libp2p_patches.install()
+_install_libp2p_patches()
 
 DEFAULT_MAX_CONNECTIONS = 1024
 """Connections (inbound + outbound) a host keeps at most; a newer one over it is refused."""
