@@ -35,8 +35,8 @@ def restore_patches():
     libp2p_patches.install(before)
 
 
-def test_host_module_installs_every_patch_on_py_libp2p_0_8_1():
-    assert libp2p_patches.installed() == libp2p_patches.NAMES
+def test_host_module_installs_the_default_patches_on_py_libp2p_0_8_1():
+    assert libp2p_patches.installed() == libp2p_patches.DEFAULT
     assert all(libp2p_patches.check(name) == [] for name in ("fast_locks", "bufread"))
 
 
@@ -58,6 +58,7 @@ def test_a_patch_whose_pinned_source_differs_is_refused_with_one_warning(
 def test_selection_by_environment():
     assert libp2p_patches.selected("none") == ()
     assert libp2p_patches.selected("all") == libp2p_patches.NAMES
+    assert libp2p_patches.selected("default") == ("lean_yamux", "bufread")
     assert libp2p_patches.selected("bufread, fast_locks") == ("fast_locks", "bufread")
 
 
