@@ -11,6 +11,14 @@ Measures (median and p99, milliseconds unless said):
 
 Run: ``python benchmarks/bench_overlay.py [--quick]``. Every host shares one core, so the
 numbers are an upper bound of what separate machines would see.
+
+``--cpu [--rounds N]`` measures only the CPU per anonymous round trip, with a quiet background
+(probes every 60 s, a block a second) measured in idle windows as long as the busy one before
+and after it (their mean is subtracted), and prints per round trip and per libp2p (Noise)
+message the trio scheduler steps (a trio instrument counting task steps during the round trips)
+and, in a separate pass of 20 round trips, the Python calls (``sys.setprofile``, which slows
+what it counts, so never in the CPU pass). ``PS_LIBP2P_PATCHES=none`` runs it without the
+py-libp2p work-arounds (``ps_p2p.protocols.libp2p_patches``).
 """
 
 from __future__ import annotations
@@ -211,11 +219,102 @@ async def bench(quick: bool) -> None:
         print(f"{'3-hop path round trips, 1 KiB cells, pipelined':<48} {n / elapsed:10.0f} cells/s")
 
 
+class _StepCounter(trio.abc.Instrument):
+    """Counts trio task steps (one per pass of any task through the scheduler)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += 1
+
+
+async def bench_cpu(rounds: int) -> None:
+    """CPU, scheduler steps and Python calls per anonymous round trip (see the docstring)."""
+    try:
+        from ps_p2p.protocols.libp2p_patches import installed
+    except ImportError:  # a tree from before issue 22 (paired runs against it)
+        def installed() -> tuple[str, ...]:
+            return ()
+
+    print(machine())
+    print(f"py-libp2p work-arounds installed: {', '.join(installed()) or 'none'}")
+    count_noise_messages()
+    cfg = UserConfig(probe_interval=60.0, probe_timeout=10.0, request_timeout=30.0)
+    engine = InstantEngine(reply_bytes=2048)
+    prompt = "p" * 30_000
+    async with open_localnet(users=7, engine_factory=lambda i: engine, user_config=cfg,
+                             block_interval=1.0) as net:
+        user = net.users[0].user
+
+        async def ask_many(n: int) -> None:
+            for _ in range(n):
+                answer = await user.ask(prompt, max_tokens=16, timeout=30)
+                assert answer.ok and len(answer.text) == 2048, answer.error
+
+        await ask_many(10)  # warm-up: paths, links, caches
+
+        async def idle(seconds: float) -> tuple[float, int]:
+            cpu, msgs = time.process_time(), NOISE_MESSAGES[0]
+            await trio.sleep(seconds)
+            return time.process_time() - cpu, NOISE_MESSAGES[0] - msgs
+
+        steps = _StepCounter()
+        wall, cpu, msgs = time.perf_counter(), time.process_time(), NOISE_MESSAGES[0]
+        trio.lowlevel.add_instrument(steps)
+        await ask_many(rounds)
+        trio.lowlevel.remove_instrument(steps)
+        busy_wall = time.perf_counter() - wall
+        busy_cpu, busy_msgs = time.process_time() - cpu, NOISE_MESSAGES[0] - msgs
+        window = max(busy_wall, 5.0)
+        idle_cpu, idle_msgs = zip(*[await idle(window) for _ in range(2)])
+        background_scale = busy_wall / window
+        # the background's rate over the idle windows, for as long as the round trips took
+        background_cpu = statistics.mean(idle_cpu) * background_scale
+        background_msgs = statistics.mean(idle_msgs) * background_scale
+        per_rt_cpu = (busy_cpu - background_cpu) / rounds * 1000
+        per_rt_msgs = (busy_msgs - background_msgs) / rounds
+        print(f"{'CPU per anonymous round trip':<48} {per_rt_cpu:8.2f} ms   (busy "
+              f"{busy_cpu / rounds * 1000:.2f} ms, background {background_cpu / rounds * 1000:.2f}"
+              f" ms subtracted; busy {busy_wall:.1f} s, idle windows {window:.1f} s each, CPU "
+              f"{idle_cpu[0] * 1000:.0f} / {idle_cpu[1] * 1000:.0f} ms)")
+        print(f"{'libp2p (Noise) messages per round trip':<48} {per_rt_msgs:8.1f}      "
+              f"(background {background_msgs / rounds:.1f} subtracted; minimum "
+              f"{CELL_TRANSFER_MINIMUM})")
+        # the instrument also counts background steps (small: probes every 60 s)
+        messages = max(busy_msgs, 1)
+        print(f"{'trio scheduler steps per round trip':<48} {steps.steps / rounds:8.1f}      "
+              f"({steps.steps / messages:.1f} per Noise message)")
+
+        calls = [0]
+
+        def profile(frame, event, arg) -> None:  # type: ignore[no-untyped-def]
+            if event == "call" or event == "c_call":
+                calls[0] += 1
+
+        profiled = 20
+        msgs = NOISE_MESSAGES[0]
+        sys.setprofile(profile)
+        try:
+            await ask_many(profiled)
+        finally:
+            sys.setprofile(None)
+        messages = max(NOISE_MESSAGES[0] - msgs, 1)
+        print(f"{'Python calls per round trip (incl. C calls)':<48} {calls[0] / profiled:8.0f}      "
+              f"({calls[0] / messages:.0f} per Noise message; separate pass of {profiled})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--cpu", action="store_true",
+                        help="only CPU, scheduler steps and Python calls per round trip")
+    parser.add_argument("--rounds", type=int, default=100, help="round trips of --cpu")
     args = parser.parse_args()
-    trio.run(bench, args.quick)
+    if args.cpu:
+        trio.run(bench_cpu, args.rounds)
+    else:
+        trio.run(bench, args.quick)
     return 0
 
 

@@ -30,6 +30,24 @@ Code that runs on the same trio thread (the node's own calls, e.g. opening a pat
 core directly and execute the commands itself, then :meth:`CoreDriver.wake` the driver so it
 re-reads ``next_deadline()``: trio never switches tasks inside a synchronous call, so every input
 still applies atomically.
+
+The handler-to-core shortcut (``submit(..., direct=True)``, issue 22): a stream handler that
+submits an input while the inbox is empty applies it itself, on its own task, instead of waking
+the driver task for it (two scheduler passes and a task switch per cell on every relay). It is
+taken only when nothing can be overtaken or nested:
+
+* the inbox is empty (no input of any peer waits: arrival order and the round robin hold);
+* no input or command of this driver is being applied (``submit`` called from inside one, e.g.
+  a command's callback, queues: the core is never re-entered);
+* the submitting task has not already applied an input directly in this scheduler step (one
+  ``read`` that brought a burst of frames applies the first and queues the rest, so a flooder's
+  burst still waits its turn in the round robin and an honest peer's input stays behind one
+  input of each busy peer, as before);
+* the driver is running.
+
+The core is still owned by one logical actor: every input is applied synchronously on the trio
+thread, never two at once, whichever task runs it. After a direct input the driver is woken only
+if the core's next deadline moved before the one it sleeps until.
 """
 
 from __future__ import annotations
@@ -74,6 +92,7 @@ class CoreDriver(Generic[C]):
         dropped: inputs refused because the inbox (or the peer's share of it) was full, or
             pushed out by another peer's input.
         failed: inputs or commands that raised (logged).
+        direct: inputs applied by their submitter (``direct=True``, see the module docstring).
     """
 
     def __init__(
@@ -102,11 +121,21 @@ class CoreDriver(Generic[C]):
         self._wakeup = trio.Event()
         self._next_tick = -math.inf
         self._processed = trio.Event()
+        self._running = False
+        self._applying = False
+        self._sleep_until = -math.inf  # the deadline the driver task sleeps until, if it sleeps
+        self._direct_step: tuple[object, int] | None = None  # (task, step) of the last direct
         self.dropped = 0
         self.failed = 0
+        self.direct = 0
 
     def submit(
-        self, event: Input[C], *, peer: Hashable = LOCAL, essential: bool = False
+        self,
+        event: Input[C],
+        *,
+        peer: Hashable = LOCAL,
+        essential: bool = False,
+        direct: bool = False,
     ) -> bool:
         """Queue one input for the driver task; never blocks.
 
@@ -119,6 +148,9 @@ class CoreDriver(Generic[C]):
                 counted), as a direct call would be (see the module docstring). Only for code
                 on the driver's trio thread that is not itself inside a core's command
                 execution (e.g. another service's callback).
+            direct: the caller is a stream handler at the top of its task (not inside any
+                core's input or command): apply the input at once when the inbox is empty
+                (the handler-to-core shortcut of the module docstring); otherwise queued.
 
         Returns:
             False when the input was dropped (counted): the inbox is full (and the input not
@@ -127,6 +159,9 @@ class CoreDriver(Generic[C]):
         if self._closed:
             self._count_drop()
             return False
+        if direct and self._may_apply_now():
+            self._apply_now(event)
+            return True
         queue = self._queues.get(peer)
         held = len(queue) if queue is not None else 0
         peers = len(self._queues) + (queue is None)
@@ -144,6 +179,33 @@ class CoreDriver(Generic[C]):
         self._queued += 1
         self._wakeup.set()
         return True
+
+    def _may_apply_now(self) -> bool:
+        """Whether the shortcut may apply an input now (see the module docstring)."""
+        if self._queued or self._applying or not self._running:
+            return False
+        task = trio.lowlevel.current_task()
+        # trio counts each task's passes through the scheduler: the same count means the same
+        # step (private attribute; without it the shortcut is never taken)
+        step = getattr(task, "_schedule_points", None)
+        if step is None:
+            return False
+        mark = (task, step)
+        if self._direct_step == mark:
+            return False
+        self._direct_step = mark
+        return True
+
+    def _apply_now(self, event: Input[C]) -> None:
+        self._applying = True
+        try:
+            self._apply(event, self._clock())
+        finally:
+            self._applying = False
+        self.direct += 1
+        if self._deadline() < self._sleep_until:
+            self._wakeup.set()  # the core is due earlier than the driver sleeps
+        self._notify()
 
     def _push_out(self, newcomer: Hashable) -> bool:
         """Make room for ``newcomer``'s input (under its share) by dropping the oldest input of
@@ -218,14 +280,17 @@ class CoreDriver(Generic[C]):
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve inputs and timers until cancelled."""
         self._next_tick = self._clock() + (self._tick_interval or 0.0)
+        self._running = True
         task_status.started()
         try:
             while True:
                 if self._queued or self._woken:
                     await trio.lowlevel.checkpoint()  # let the other tasks run between batches
                 else:
-                    with trio.move_on_at(self._deadline()):
+                    self._sleep_until = self._deadline()
+                    with trio.move_on_at(self._sleep_until):
                         await self._wakeup.wait()
+                    self._sleep_until = -math.inf
                 self._wakeup = trio.Event()
                 self._woken = False
                 now = self._clock()
@@ -242,11 +307,17 @@ class CoreDriver(Generic[C]):
                         self._queues.move_to_end(peer)
                     else:
                         del self._queues[peer]
-                    self._apply(event, now)
+                    self._applying = True
+                    try:
+                        self._apply(event, now)
+                    finally:
+                        self._applying = False
                 if now >= self._deadline():
                     self._do_tick(now)
                 self._notify()
         finally:
+            self._running = False
+            self._sleep_until = -math.inf
             self._closed = True
             self._queues.clear()
             self._queued = 0
@@ -265,4 +336,4 @@ class CoreDriver(Generic[C]):
         self.run_commands(commands)
 
 
-__all__ = ["CoreDriver", "DEFAULT_INBOX", "LOCAL"]
+__all__ = ["DEFAULT_INBOX", "LOCAL", "CoreDriver"]

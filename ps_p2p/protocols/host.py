@@ -30,7 +30,10 @@
 * a keepalive on every Yamux connection (:func:`_keepalive_loop`): a connection that has received
   nothing for :data:`KEEPALIVE_INTERVAL` seconds is pinged, and closed when it still has received
   nothing :data:`KEEPALIVE_TIMEOUT` seconds later, so a peer that vanished without a FIN (or
-  stopped reading) gives its place back within about a minute instead of holding it for ever.
+  stopped reading) gives its place back within about a minute instead of holding it for ever;
+* py-libp2p's per-message costs trimmed (:mod:`ps_p2p.protocols.libp2p_patches`: no debug
+  formatting unless DEBUG is on, one socket read per Noise message; locks without schedule
+  points only with ``PS_LIBP2P_PATCHES=all``), each patch pinned to py-libp2p 0.8.1's source.
 
 The module-level settings above (the dial delay, the Yamux window updates, RTT pings and keepalive,
 the listener without ``SO_REUSEPORT``) are installed when this module is imported and hold for every
@@ -105,6 +108,7 @@ from ps_p2p.keys import Identity
 from ps_p2p.networks import network_key, parse_ip
 from ps_p2p.protocols.addresses import ReidentifyNotifee, install_dial_fallback
 from ps_p2p.protocols.admission import InboundAdmission, InboundLimits, Ticket
+from ps_p2p.protocols.libp2p_patches import install as _install_libp2p_patches
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +239,10 @@ if not (hasattr(Yamux, "_measure_rtt_loop") and hasattr(_yamux_module, "read_exa
     raise ImportError("py-libp2p's Yamux changed: see host.py _keepalive_loop")  # pragma: no cover
 Yamux._measure_rtt_loop = _keepalive_loop  # type: ignore[method-assign]
 _yamux_module.read_exactly = _read_exactly_stamped
+
+# py-libp2p 0.8.1's per-message schedule points, eager debug formatting and split reads
+# (version-pinned, each refused with a warning on another py-libp2p; PS_LIBP2P_PATCHES selects)
+_install_libp2p_patches()
 
 DEFAULT_MAX_CONNECTIONS = 1024
 """Connections (inbound + outbound) a host keeps at most; a newer one over it is refused."""

@@ -246,6 +246,9 @@ class OverlayService:
             event = functools.partial(
                 self.core.receive_setup_reply, peer, frame.path_id, frame.ok, frame.ack, frame.error
             )
+        # setups (onion decryption, the costly input a flooder sends: issue 16) always wait
+        # their turn in the driver's round robin; cells and deliveries take the handler-to-core
+        # shortcut (CoreDriver, ``direct``)
         self.driver.submit(event, peer=peer)
 
     def _on_clove_frame(self, peer: bytes, data: bytes) -> None:
@@ -254,7 +257,7 @@ class OverlayService:
             event = functools.partial(self.core.receive_cell, peer, frame.path_id, frame.payload)
         else:
             event = functools.partial(self.core.receive_destroy, peer, frame.path_id, frame.reason)
-        self.driver.submit(event, peer=peer)
+        self.driver.submit(event, peer=peer, direct=True)
 
     def _on_deliver_frame(self, peer: bytes, data: bytes) -> None:
         frame = delivery.decode(data)
@@ -264,7 +267,7 @@ class OverlayService:
             event = functools.partial(
                 self.core.receive_reply, peer, frame.reply_tag, frame.clove, frame.signature
             )
-        self.driver.submit(event, peer=peer)
+        self.driver.submit(event, peer=peer, direct=True)
 
     def _link_down(self, peer: bytes, reason: str) -> None:
         self.driver.submit(
