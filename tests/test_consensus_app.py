@@ -318,6 +318,22 @@ def test_equivocation_evidence_is_recorded_once_and_changes_the_app_hash(genesis
     assert state.app_hash != empty.app_hash
 
 
+def test_evidence_against_a_validator_already_excluded_is_refused_and_other_evidence_is_not(
+        genesis):
+    """A Byzantine validator equivocating at every height must not fill the evidence store
+    (evidence against another one would then be refused) nor make a block of every height."""
+    state, result, _ = run(genesis, [app.encode_tx(equivocation())])
+    assert errors(result) == [None] and KEYS[2].peer_id in state.excluded
+    again = app.EvidenceTx(*(sign_vote(KEYS[2], CHAIN, Vote(
+        VoteType.PRECOMMIT, 1, 1, value, b"")) for value in (b"\x03" * 32, b"\x04" * 32)))
+    with pytest.raises(InvalidTransactionError, match="already excluded"):
+        app.check_tx(app.encode_tx(again), state, T0 + 2 * SECOND)
+    state, result, _ = run(state, [app.encode_tx(again), app.encode_tx(equivocation(KEYS[1]))])
+    assert errors(result) == ["InvalidTransactionError", None]
+    assert sorted(state.evidence.values()) == sorted([(KEYS[2].peer_id, 1),
+                                                      (KEYS[1].peer_id, 1)])
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: app.EvidenceTx(equivocation().first, equivocation().first), "not conflicting"),
     (lambda: equivocation(key=A), "not a validator"),

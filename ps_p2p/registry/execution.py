@@ -383,6 +383,14 @@ def _admit(tx: Tx, state: AppState, new_in_block: int | None) -> None:
     elif isinstance(tx, (EvidenceTx, ProposalEvidenceTx)):
         if _evidence_key(tx.first) in state.evidence:
             raise InvalidTransactionError("evidence already recorded")
+        offender = tx.first.validator if isinstance(tx, EvidenceTx) else tx.first.proposer
+        if offender in state.excluded:
+            # a Byzantine validator that equivocates at every height would otherwise fill the
+            # evidence store (then evidence against another one is refused) and, since a
+            # pending transaction makes a block at once, run the chain flat out
+            raise InvalidTransactionError(
+                f"{peer_label(offender)} is already excluded by committed evidence; more "
+                "changes nothing until a VALSET_UPDATE rotates it")
         if len(state.evidence) >= policy.max_evidence:
             raise AdmissionError(f"evidence store full ({policy.max_evidence})")
 

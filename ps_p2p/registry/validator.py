@@ -686,15 +686,19 @@ class Validator:
                 who, evidence = out.first.validator, EvidenceTx(out.first, out.second)
             else:
                 who, evidence = out.first.proposer, ProposalEvidenceTx.of(out.first, out.second)
-            log.warning("validator %s equivocated (%s) at height %d round %d",
-                        peer_label(who), "proposals" if isinstance(out, ProposalEquivocation)
-                        else "votes", out.first.height, out.first.round)
-            try:
-                tx = encode_tx(evidence)
-                if self.mempool.add(tx, self.state, self.unix_ms()):
-                    actions.append(RelayTx(tx))
-            except PsError as exc:
-                log.info("equivocation evidence not queued: %s", exc)
+            kind = "proposals" if isinstance(out, ProposalEquivocation) else "votes"
+            if who in self.state.excluded:  # its first committed evidence did all evidence can
+                log.debug("validator %s, already excluded, equivocated (%s) again at height %d",
+                          peer_label(who), kind, out.first.height)
+            else:
+                log.warning("validator %s equivocated (%s) at height %d round %d",
+                            peer_label(who), kind, out.first.height, out.first.round)
+                try:
+                    tx = encode_tx(evidence)
+                    if self.mempool.add(tx, self.state, self.unix_ms()):
+                        actions.append(RelayTx(tx))
+                except PsError as exc:
+                    log.info("equivocation evidence not queued: %s", exc)
 
     def _remember_value(self, value: bytes) -> bytes:
         vid = self.config.value_id(value)
