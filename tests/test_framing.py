@@ -67,6 +67,17 @@ def test_varint_matches_the_multiformats_examples():
     assert encode_varint(16384) == b"\x80\x80\x01"
 
 
+async def test_the_largest_length_a_reader_accepts_is_the_largest_the_writer_encodes():
+    top = (1 << 63) - 1
+    assert len(encode_varint(top)) == 9
+    with pytest.raises(ValueError):
+        encode_varint(top + 1)
+    with pytest.raises(ValueError):
+        encode_varint(-1)
+    with pytest.raises(FrameTooLargeError):  # read, and refused by the limit, not malformed
+        await read_frame(FakeStream(encode_varint(top)), 1 << 62)
+
+
 @given(
     bodies=st.lists(st.binary(max_size=3000), max_size=6),
     chunk=st.integers(1, 5000),

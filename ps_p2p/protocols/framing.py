@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import trio
+from libp2p.utils.varint import encode_uvarint
 
 from ps_p2p.errors import FrameTooLargeError, RemoteProtocolError
 
@@ -23,18 +24,20 @@ class _Reader(Protocol):
 
 
 def encode_varint(n: int) -> bytes:
-    """Unsigned LEB128 varint of ``n`` (0 <= n < 2**63)."""
-    if n < 0:
-        raise ValueError("varint of a negative number")
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
+    """Unsigned LEB128 varint of ``n`` (0 <= n < 2**63), by py-libp2p's own encoder
+    (:func:`libp2p.utils.varint.encode_uvarint`), bounded to what our readers accept.
+
+    Raises:
+        ValueError: ``n`` negative or 2**63 and above.
+
+    Decoding stays ours (:func:`read_frame`, :class:`FrameReader`): py-libp2p's decoders accept
+    non-minimal encodings, which the unsigned-varint spec forbids and which would let one
+    length have several encodings, and its stream decoder reads one byte per call (a Yamux read
+    each); ours parse what one read brought and keep a per-frame deadline.
+    """
+    if n >= 1 << 63:
+        raise ValueError(f"varint of {n}: at most 2**63 - 1 (9 bytes)")
+    return encode_uvarint(n)
 
 
 def encode_frame(message: bytes) -> bytes:
