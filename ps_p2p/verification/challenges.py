@@ -34,7 +34,6 @@ looks like over one epoch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from typing import Any
 
 from ps_p2p.consensus.encoding import lp, u32, u64
 from ps_p2p.inference import ChatMessage, InferenceQuery, SamplingParams
-from ps_p2p.verification.epochs import Challenge
+from ps_p2p.verification.epochs import Challenge, CounterDraws
 
 SHAPE_DOMAIN = b"planetserve/v1/challenge-shape\x00"
 #: The API's default max_tokens (``ps_p2p.api.openai_compat.DEFAULT_MAX_TOKENS``).
@@ -51,7 +50,6 @@ API_DEFAULT_MAX_TOKENS = 128
 MAX_TEMPERATURE = 2.0
 #: protobuf carries temperature and top_p as float32.
 FLOAT32_SLACK = 1e-6
-_U64 = 2**64
 
 
 @dataclass(frozen=True)
@@ -137,7 +135,7 @@ class ChallengeRequest:
         return self.params.top_p
 
     @property
-    def seed(self) -> int:
+    def seed(self) -> int | None:
         return self.params.seed
 
     @property
@@ -190,27 +188,9 @@ def decode_entry(entry: str) -> tuple[str, tuple[str, str] | None]:
     return entry, None
 
 
-class _Draws:
-    """Uniform draws from SHA-256 in counter mode (module docstring)."""
-
-    def __init__(self, key: bytes) -> None:
-        self._key = key
-        self._counter = 0
-        self._words: list[int] = []
-
-    def word(self) -> int:
-        if not self._words:
-            block = hashlib.sha256(self._key + u64(self._counter)).digest()
-            self._counter += 1
-            self._words = [int.from_bytes(block[i:i + 8], "big") for i in range(24, -1, -8)]
-        return self._words.pop()
-
-    def below(self, n: int) -> int:
-        limit = _U64 - _U64 % n
-        while True:
-            w = self.word()
-            if w < limit:
-                return w % n
+class _Draws(CounterDraws):
+    """The challenges' draws (module docstring): :class:`~ps_p2p.verification.epochs.CounterDraws`
+    with floats and weighted picks."""
 
     def unit(self) -> float:
         return (self.word() >> 11) / 2**53
@@ -259,7 +239,7 @@ def derive_request(secret: bytes, epoch: int, attempt: int, challenge: Challenge
     mt = d.pick(mix.max_tokens)
     s = d.pick(mix.seed)
     seed_draw = d.below(2**31)
-    seed = 0 if s is None else 42 if s == 42 else seed_draw
+    seed = None if s is None else 42 if s == 42 else seed_draw  # None: unseeded, as the API
     st = d.pick(mix.stop)
     stop_one = mix.stops[d.below(len(mix.stops))]
     count = 2 + d.below(3)

@@ -356,7 +356,7 @@ def derive_plan(
     available = pool_size - len(excluded)
     if slots > available:
         raise ValueError(f"{slots} challenges but only {available} usable prompts in the pool")
-    draws = _Draws(seed)
+    draws = CounterDraws(PLAN_DRAW_DOMAIN + lp(bytes(seed)))
     swapped: dict[int, int] = {}  # sparse Fisher-Yates over positions [0, available)
     picks: list[int] = []
     for i in range(slots):
@@ -581,26 +581,30 @@ def check_response_time(
 # -------------------------------------------------------------------------------- internals
 
 
-class _Draws:
-    """Uniform integers from the seed (module docstring, "plan draws")."""
+class CounterDraws:
+    """Uniform draws from SHA-256 in counter mode: block k = SHA-256(``key`` || u64(k)), read as
+    four big-endian 64-bit words, last first. Deterministic given ``key``: every verifier that
+    knows it draws the same (the plan draws of the module docstring; the challenges' requests,
+    :mod:`ps_p2p.verification.challenges`)."""
 
-    def __init__(self, seed: bytes) -> None:
-        self._seed = bytes(seed)
+    def __init__(self, key: bytes) -> None:
+        self._key = bytes(key)
         self._counter = 0
         self._words: list[int] = []
 
-    def _word(self) -> int:
+    def word(self) -> int:
+        """The next uniform integer in [0, 2**64)."""
         if not self._words:
-            block = hashlib.sha256(PLAN_DRAW_DOMAIN + lp(self._seed) + u64(self._counter)).digest()
+            block = hashlib.sha256(self._key + u64(self._counter)).digest()
             self._counter += 1
             self._words = [int.from_bytes(block[i:i + 8], "big") for i in range(24, -1, -8)]
         return self._words.pop()
 
     def below(self, n: int) -> int:
-        """A uniform integer in [0, n), 1 <= n <= 2**64."""
+        """A uniform integer in [0, n), 1 <= n <= 2**64 (rejection sampling: no modulo bias)."""
         limit = _U64 - _U64 % n
         while True:
-            w = self._word()
+            w = self.word()
             if w < limit:
                 return w % n
 
@@ -652,6 +656,7 @@ def _check_secret(secret: bytes, error: type[Exception]) -> None:
 
 
 __all__ = [
+    "CounterDraws",
     "DEFAULT_TOLERANCE",
     "MAX_CHALLENGES_PER_NODE",
     "MAX_PLAN_CHALLENGES",
