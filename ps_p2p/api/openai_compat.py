@@ -658,22 +658,36 @@ async def serve_api(
         AddressInUseError: ``"--api <bind> is already in use"`` (one line, instead of
             hypercorn's traceback).
     """
+    await serve_asgi(UserAPI(node), bind, "--api", "local API on %s", task_status=task_status)
+
+
+async def serve_asgi(
+    app: Any, bind: str, flag: str, announce: str, *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the ASGI ``app`` with hypercorn on ``bind`` until cancelled: ``bind`` checked
+    first (errors name ``flag``), ``announce % url`` logged at INFO once bound, then
+    ``task_status.started(url)``.
+
+    Raises:
+        ConfigError: ``bind`` is not HOST:PORT.
+        AddressInUseError: ``"<flag> <bind> is already in use"``.
+    """
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
     from ps_p2p.config import parse_host_port
     from ps_p2p.preflight import check_address_free
 
-    host, port = parse_host_port(bind, "--api")
-    check_address_free(host, port, f"--api {bind}")
-
+    host, port = parse_host_port(bind, flag)
+    check_address_free(host, port, f"{flag} {bind}")
     config = Config()
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.bind = [bind]
     config.graceful_timeout = 1.0
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(serve, UserAPI(node), config)  # type: ignore[arg-type]
+        binds = await nursery.start(serve, app, config)  # type: ignore[arg-type]
         url = binds[0] if binds else f"http://{bind}"
-        log.info("local API on %s", url)
+        log.info(announce, url)
         task_status.started(url)

@@ -256,24 +256,9 @@ async def serve_web(
         ConfigError: ``bind`` is not HOST:PORT.
         AddressInUseError: ``"--web <bind> is already in use"``.
     """
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
+    from ps_p2p.api.openai_compat import serve_asgi
 
-    from ps_p2p.config import parse_host_port
-    from ps_p2p.preflight import check_address_free
-
-    host, port = parse_host_port(bind, "--web")
-    check_address_free(host, port, f"--web {bind}")
-    config = Config()
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.bind = [bind]
-    config.graceful_timeout = 1.0
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(serve, web_app(node), config)  # type: ignore[arg-type]
-        url = binds[0] if binds else f"http://{bind}"
-        log.info("web page on %s/web", url)
-        task_status.started(url)
+    await serve_asgi(web_app(node), bind, "--web", "web page on %s/web", task_status=task_status)
 
 
 __all__ = ["network_view", "serve_web", "web_app", "web_routes"]
