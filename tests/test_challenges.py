@@ -61,7 +61,7 @@ def test_requests_follow_the_users_mix_with_every_shape_and_temperature_up_to_tw
     assert max(temps) <= 2.0 and 0.03 < sum(t > 1 for t in temps) / len(temps) < 0.08
     assert 0.25 < sum(t == 0 for t in temps) / len(temps) < 0.55  # left out (API default) or 0
     assert abs(sum(r.max_tokens == API_DEFAULT_MAX_TOKENS for r in rs) / len(rs) - 0.40) < 0.04
-    assert 0.07 < sum(r.seed != 0 for r in rs) / len(rs) < 0.13
+    assert 0.07 < sum(r.seed is not None for r in rs) / len(rs) < 0.13
     assert 0.07 < sum(bool(r.stop) for r in rs) / len(rs) < 0.13
     fractions = sorted(r.send_fraction for r in rs)
     assert all(0 <= f < 1 for f in fractions) and 0.45 < fractions[len(rs) // 2] < 0.55
@@ -87,11 +87,14 @@ def test_every_request_asks_the_entrys_prompt_and_chats_may_carry_its_earlier_ex
     (lambda q: dataclasses.replace(q, params=dataclasses.replace(
         q.params, temperature=q.params.temperature + 0.1)), "sampling parameters"),
     (lambda q: dataclasses.replace(q, params=dataclasses.replace(
-        q.params, seed=q.params.seed + 1)), "sampling parameters"),
+        q.params, seed=(q.params.seed or 0) + 1)), "sampling parameters"),
+    (lambda q: dataclasses.replace(q, params=dataclasses.replace(  # seed 0 is a seed
+        q.params, seed=0 if q.params.seed is None else None)), "sampling parameters"),
     (lambda q: dataclasses.replace(q, params=dataclasses.replace(
         q.params, stop=(*q.params.stop, "END"))), "sampling parameters"),
     (lambda q: dataclasses.replace(q, stream=not q.stream), "not streamed as planned"),
-], ids=["prompt", "model", "max-tokens", "temperature", "seed", "stop", "stream"])
+], ids=["prompt", "model", "max-tokens", "temperature", "seed", "seed-0-or-none", "stop",
+        "stream"])
 def test_a_request_that_is_not_the_derived_one_is_named(change, reason):
     for r in _requests(40):
         q = _wire(r)
@@ -117,6 +120,6 @@ def test_send_times_spread_the_fractions_over_the_window():
 
 def test_the_request_keeps_the_api_defaults_a_client_leaves_out():
     r = next(r for r in _requests(400) if r.max_tokens == API_DEFAULT_MAX_TOKENS
-             and r.top_p == 1.0 and r.seed == 0 and not r.stop)
+             and r.top_p == 1.0 and r.seed is None and not r.stop)
     assert r.params == QueryParams(max_tokens=API_DEFAULT_MAX_TOKENS,
                                    temperature=r.temperature)

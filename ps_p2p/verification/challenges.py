@@ -137,7 +137,7 @@ class ChallengeRequest:
         return self.params.top_p
 
     @property
-    def seed(self) -> int:
+    def seed(self) -> int | None:
         return self.params.seed
 
     @property
@@ -259,7 +259,7 @@ def derive_request(secret: bytes, epoch: int, attempt: int, challenge: Challenge
     mt = d.pick(mix.max_tokens)
     s = d.pick(mix.seed)
     seed_draw = d.below(2**31)
-    seed = 0 if s is None else 42 if s == 42 else seed_draw
+    seed = None if s is None else 42 if s == 42 else seed_draw  # None: left out, unseeded
     st = d.pick(mix.stop)
     stop_one = mix.stops[d.below(len(mix.stops))]
     count = 2 + d.below(3)
