@@ -239,15 +239,20 @@ async def honest_answer(engine: Engine, prompt: str, option: SamplingOption, *,
 
 
 async def reference_score(engine: Engine, params: VerificationParams, prompt: str,
-                          option: SamplingOption, answer: SignedAnswer) -> int:
-    """The score every verifier computes (the challenge scorer, decoys drawn from the signed
-    request hash)."""
+                          option: SamplingOption | ChallengeRequest, answer: SignedAnswer, *,
+                          pool: list[str] = POOL, asked: int | None = None) -> int:
+    """The score every verifier computes (the challenge scorer at ``option``'s sampling
+    parameters and stops, decoys drawn from the signed request hash among ``pool``'s entries
+    other than the one asked: ``asked``, default ``prompt``'s index; a chat's ``prompt`` is its
+    rendered template, so its caller names the entry)."""
     reply = answer.reply
-    decoys = [POOL[i] for i in decoy_indices(reply.request_hash, len(POOL), POOL.index(prompt),
+    asked = pool.index(prompt) if asked is None else asked
+    decoys = [pool[i] for i in decoy_indices(reply.request_hash, len(pool), asked,
                                              DEFAULT_CHALLENGE_SCORING.decoys)]
     score = await score_challenge(
         engine, prompt, reply.text, temperature=option.temperature, top_p=option.top_p,
-        max_tokens=option.max_tokens, finish_reason=reply.finish_reason, decoys=decoys)
+        max_tokens=option.max_tokens, finish_reason=reply.finish_reason,
+        stop=tuple(getattr(option, "stop", ())), decoys=decoys)
     return round(score * MICRO)
 
 
@@ -322,9 +327,8 @@ async def test_a_streamed_chat_challenge_with_a_seed_and_stops_is_rescored_and_a
     answer = SignedAnswer(seal_request(COMMITTEE_KEY, h, q), InferenceReply(
         RID, 0, text, "", engine.model_id, c.prompt_tokens, 5, h, T0 + 5000, MODEL.peer_id,
         sign_response(MODEL, RID, h, content, T0 + 5000), finish))
-    score = round(MICRO * await score_response(
-        engine, rendered, text, temperature=request.temperature,
-        min_tokens=params.min_tokens(request, finish)))
+    score = await reference_score(engine, params, rendered, request, answer, pool=pool, asked=0)
+    assert score > 0
     stubs = Stubs(genesis_state(params))
     svc = EpochService(
         ME, params, state=lambda: stubs.state, txs=app, submit=stubs.submit, ask=stubs.ask,
