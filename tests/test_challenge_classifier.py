@@ -82,7 +82,7 @@ def test_api_bodies_reach_the_model_node_as_the_api_sends_them():
         assert bool(q.messages) == path.endswith("/chat/completions")
         expected_max = body.get("max_completion_tokens") or body.get("max_tokens") or 128
         assert q.params.max_tokens == expected_max
-        assert q.params.seed == body.get("seed")  # left out or null: unseeded; 0 is a seed
+        assert q.params.seed == body.get("seed")  # None: unseeded (null or left out)
         assert abs(q.params.temperature - body.get("temperature", 0.0)) < 1e-6
         assert len(raw) > 0
 

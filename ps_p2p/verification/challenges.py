@@ -259,7 +259,7 @@ def derive_request(secret: bytes, epoch: int, attempt: int, challenge: Challenge
     mt = d.pick(mix.max_tokens)
     s = d.pick(mix.seed)
     seed_draw = d.below(2**31)
-    seed = None if s is None else 42 if s == 42 else seed_draw  # None: left out, unseeded
+    seed = None if s is None else 42 if s == 42 else seed_draw  # None: unseeded, as the API
     st = d.pick(mix.stop)
     stop_one = mix.stops[d.below(len(mix.stops))]
     count = 2 + d.below(3)
