@@ -116,7 +116,8 @@ async def run(args: argparse.Namespace) -> int:
     print(machine())
     print(f"model {reference.model_id}; {len(kinds)} model nodes ({', '.join(kinds)}); "
           f"committee of {args.committee}; {args.users} users; pool of {len(pool)} prompts; "
-          f"greedy challenges of {args.max_tokens} tokens; {args.epochs} epochs")
+          f"challenges shaped by challenges.DEFAULT_MIX (users' shapes and parameters; the "
+          f"menu, greedy {args.max_tokens} tokens, only draws the plan); {args.epochs} epochs")
     started = time.monotonic()
     async with open_localnet(
         users=args.users, models=len(kinds), committee=args.committee,

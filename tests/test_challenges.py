@@ -110,6 +110,17 @@ def test_pool_entries_round_trip_and_other_text_is_a_prompt():
         encode_entry("x", ("only one",))
 
 
+def test_a_request_sent_with_seed_0_is_not_the_derived_unseeded_one():
+    # seed 0 is a seed (issue 21): a leader that sends it where the derivation left the seed
+    # out sends another request than planned, and the reverse
+    for r in _requests(40):
+        q = _wire(r)
+        other = 0 if r.seed is None else None
+        got = request_problem(dataclasses.replace(q, params=dataclasses.replace(
+            q.params, seed=other)), r, "m")
+        assert got is not None and "sampling parameters" in got
+
+
 def test_send_times_spread_the_fractions_over_the_window():
     assert send_times([0.0, 0.5, 0.99], 100.0) == [0.0, 50.0, 99.0]
     assert send_times([0.5], -3.0) == [0.0]

@@ -239,15 +239,20 @@ async def honest_answer(engine: Engine, prompt: str, option: SamplingOption, *,
 
 
 async def reference_score(engine: Engine, params: VerificationParams, prompt: str,
-                          option: SamplingOption, answer: SignedAnswer) -> int:
-    """The score every verifier computes (the challenge scorer, decoys drawn from the signed
-    request hash)."""
+                          option: SamplingOption | ChallengeRequest, answer: SignedAnswer, *,
+                          pool: list[str] = POOL, asked: int | None = None) -> int:
+    """The score every verifier computes (the challenge scorer at ``option``'s sampling
+    parameters and stops, decoys drawn from the signed request hash among ``pool``'s entries
+    other than the one asked: ``asked``, default ``prompt``'s index; a chat's ``prompt`` is its
+    rendered template, so its caller names the entry)."""
     reply = answer.reply
-    decoys = [POOL[i] for i in decoy_indices(reply.request_hash, len(POOL), POOL.index(prompt),
+    asked = pool.index(prompt) if asked is None else asked
+    decoys = [pool[i] for i in decoy_indices(reply.request_hash, len(pool), asked,
                                              DEFAULT_CHALLENGE_SCORING.decoys)]
     score = await score_challenge(
         engine, prompt, reply.text, temperature=option.temperature, top_p=option.top_p,
-        max_tokens=option.max_tokens, finish_reason=reply.finish_reason, decoys=decoys)
+        max_tokens=option.max_tokens, finish_reason=reply.finish_reason,
+        stop=tuple(getattr(option, "stop", ())), decoys=decoys)
     return round(score * MICRO)
 
 
@@ -322,9 +327,8 @@ async def test_a_streamed_chat_challenge_with_a_seed_and_stops_is_rescored_and_a
     answer = SignedAnswer(seal_request(COMMITTEE_KEY, h, q), InferenceReply(
         RID, 0, text, "", engine.model_id, c.prompt_tokens, 5, h, T0 + 5000, MODEL.peer_id,
         sign_response(MODEL, RID, h, content, T0 + 5000), finish))
-    score = round(MICRO * await score_response(
-        engine, rendered, text, temperature=request.temperature,
-        min_tokens=params.min_tokens(request, finish)))
+    score = await reference_score(engine, params, rendered, request, answer, pool=pool, asked=0)
+    assert score > 0
     stubs = Stubs(genesis_state(params))
     svc = EpochService(
         ME, params, state=lambda: stubs.state, txs=app, submit=stubs.submit, ask=stubs.ask,
@@ -332,6 +336,55 @@ async def test_a_streamed_chat_challenge_with_a_seed_and_stops_is_rescored_and_a
         committee_key=COMMITTEE_KEY, unix_ms=lambda: stubs.now_ms, mix=CHAT_MIX)
     async with running(svc):
         assert await verdict(svc, report(ChallengeResult(challenge, score, answer))) is None
+
+
+class DecoyRecorder(InstantEngine):
+    """:class:`InstantEngine` that records the texts it tokenizes (the scorer tokenizes each
+    decoy prompt)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokenized: list[str] = []
+
+    async def tokenize(self, text: str) -> list[int]:
+        self.tokenized.append(text)
+        return await super().tokenize(text)
+
+
+async def test_a_chat_challenge_is_never_scored_against_its_own_pool_entry_as_a_decoy(
+        autojump_clock):
+    # a chat is scored after its rendered template, which is no pool entry: the verifier names
+    # the entry asked, so its decoys are the pool's other entries
+    from ps_p2p.verification.challenges import encode_entry
+
+    pool = [encode_entry(POOL[0], ("Tell me a story.", "Once upon a time, a cat sat.")), POOL[1]]
+    params = dataclasses.replace(verification("fake-model"), pool_sha256=pool_digest(pool),
+                                 pool_size=len(pool))
+    challenge = epochs.Challenge(MODEL.peer_id, 0, 0)
+    request = derive_request(secret(KEYS[1], 1), 1, 0, challenge, pool[0], CHAT_MIX)
+    assert request.messages and request.temperature > 0  # sampled: scored against decoys
+    engine = DecoyRecorder()
+    rendered = await engine.chat_prompt(request.messages)
+    text = engine.answer_for(rendered, request.max_tokens)
+    q = encode_query(InferenceQuery(
+        request_id=RID, model_id="fake-model", prompt="", params=request.params,
+        reply_proxies=tuple(ReplyProxy(bytes([i]) * 38, bytes([i]) * 16) for i in range(4)),
+        stream=request.stream, messages=request.messages))
+    content = ResponseContent(0, text, "", "fake-model", len(rendered), len(text), "length")
+    h = hashlib.sha256(q).digest()
+    answer = SignedAnswer(seal_request(COMMITTEE_KEY, h, q), InferenceReply(
+        RID, 0, text, "", "fake-model", len(rendered), len(text), h, T0 + 5000, MODEL.peer_id,
+        sign_response(MODEL, RID, h, content, T0 + 5000), "length"))
+    score = await reference_score(InstantEngine(), params, rendered, request, answer, pool=pool,
+                                  asked=0)
+    stubs = Stubs(genesis_state(params))
+    svc = EpochService(
+        ME, params, state=lambda: stubs.state, txs=app, submit=stubs.submit, ask=stubs.ask,
+        engine=engine, pool=pool, master=master_key(ME.private_bytes()),
+        committee_key=COMMITTEE_KEY, unix_ms=lambda: stubs.now_ms, mix=CHAT_MIX)
+    async with running(svc):
+        assert await verdict(svc, report(ChallengeResult(challenge, score, answer))) is None
+    assert pool[1] in engine.tokenized and pool[0] not in engine.tokenized
 
 
 @pytest.mark.needs_shared

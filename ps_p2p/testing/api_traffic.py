@@ -246,7 +246,7 @@ def query_of_ask(ask: dict[str, Any], rng: random.Random,
         model_id=ask.get("model_id") or model_id, prompt=ask.get("prompt", ""),
         params=SamplingParams(
             max_tokens=ask.get("max_tokens", 128), temperature=ask.get("temperature", 0.0),
-            top_p=ask.get("top_p", 1.0), seed=ask.get("seed", 0),
+            top_p=ask.get("top_p", 1.0), seed=ask.get("seed"),
             stop=tuple(ask.get("stop", ()))),
         timeout=60.0, stream=bool(ask.get("streamed")),
         messages=tuple(ask.get("messages", ())),
