@@ -197,7 +197,8 @@ def results_for(state: app.AppState, attempt: int = 0, *, signed_at: int | None 
         else:
             out.append(ledger.ChallengeResult(
                 c, scores[k % len(scores)],
-                answer(NODES[c.model_node], request_for(c), at=signed_at)))
+                answer(NODES[c.model_node], request_for(c), at=signed_at),
+                greedy=MENU[c.sampling].temperature == 0))  # as its request was sent
     return out
 
 
@@ -430,7 +431,8 @@ def _unused_prompt(results) -> int:
 
 def _answered(c: epochs.Challenge, score: int = 600_000) -> ledger.ChallengeResult:
     server = NODES[c.model_node]
-    return ledger.ChallengeResult(c, score, answer(server, request_for(c), at=T0 + 2 * SECOND))
+    return ledger.ChallengeResult(c, score, answer(server, request_for(c), at=T0 + 2 * SECOND),
+                                  greedy=MENU[c.sampling].temperature == 0)
 
 
 def _swap_prompt(s):
@@ -1090,6 +1092,25 @@ def test_an_epoch_starts_exactly_when_committed_power_is_over_two_thirds(committ
         eligible = first if 3 * sum(v.power for v in first) > 2 * total else \
             [v for v, w in zip(genesis.validators, when) if w in (1, 2)]
         assert state.ledger.eligible == tuple(eligible)
+
+
+def test_the_greedy_flag_of_an_answered_challenge_survives_encoding_and_decides_the_cap(
+        epoch1):
+    """The request's temperature is sealed and drawn from the users' mix, not the menu: the
+    leader states which answers were greedy (checked by every verifier, test_epoch_service)
+    and only those cap the node's epoch score."""
+    results = results_for(epoch1)
+    k = _m1_slot(epoch1)
+    marked = [dataclasses.replace(r, greedy=i == k, score=100_000 if i == k else r.score)
+              for i, r in enumerate(results)]
+    decoded = app.decode_tx(report(epoch1, marked), 1 << 30)
+    assert [r.greedy for r in decoded.results] == [i == k for i in range(len(results))]
+    _, result, _ = run(epoch1, [report(epoch1, marked)], epoch1.ledger.start_ms + 9 * SECOND)
+    unmarked = [dataclasses.replace(r, greedy=False) for r in marked]
+    _, plain, _ = run(epoch1, [report(epoch1, unmarked)], epoch1.ledger.start_ms + 9 * SECOND)
+    s1 = subject(M1.peer_id)
+    assert result.reputation_changes[s1].window[0] == fresh_step(100_000).window[0]
+    assert plain.reputation_changes[s1].window[0] > result.reputation_changes[s1].window[0]
 
 
 def test_the_lowest_greedy_score_caps_a_subjects_epoch_score(epoch1):

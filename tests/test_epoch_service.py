@@ -285,7 +285,8 @@ async def test_an_honest_report_is_not_yet_rescored_then_agreed(engine, sampling
     score = await reference_score(engine, params, POOL[0], option, answer)
     assert score > 0
     other = epochs.Challenge(KEYS[3].peer_id, 1, 0)  # an unanswered challenge scores 0
-    raw = report(ChallengeResult(epochs.Challenge(MODEL.peer_id, 0, sampling), score, answer),
+    raw = report(ChallengeResult(epochs.Challenge(MODEL.peer_id, 0, sampling), score, answer,
+                                 greedy=sampling == 0),
                  ChallengeResult(other, 0, None))
     async with running(svc):
         assert await verdict(svc, raw) is None
@@ -399,11 +400,26 @@ async def test_a_score_within_the_tolerance_is_agreed_and_one_beyond_it_refused_
     challenge = epochs.Challenge(MODEL.peer_id, 0, 0)
     svc = service(Stubs(genesis_state(params)), engine, params)
     async with running(svc):
-        assert await verdict(svc, report(ChallengeResult(challenge, near, answer))) is None
-        reason = await verdict(svc, report(ChallengeResult(challenge, lie, answer)))
+        ok = report(ChallengeResult(challenge, near, answer, greedy=True))
+        assert await verdict(svc, ok) is None
+        reason = await verdict(svc, report(ChallengeResult(challenge, lie, answer, greedy=True)))
     assert reason is not None and f"score {lie / MICRO:.4f}" in reason
     assert f"{honest / MICRO:.4f}" in reason
     assert svc.stats.reports_refused == 1 and svc.stats.last_refusal == reason
+
+
+@pytest.mark.needs_shared
+async def test_a_greedy_answer_reported_as_sampled_is_refused(engine, autojump_clock):
+    """Only greedy scores cap a node's epoch score (ledger.subject_scores): a leader hiding a
+    greedy answer's low score among the sampled ones (or the reverse) is refused."""
+    params = verification(engine.model_id)
+    answer = await honest_answer(engine, POOL[0], GREEDY)
+    score = await reference_score(engine, params, POOL[0], GREEDY, answer)
+    challenge = epochs.Challenge(MODEL.peer_id, 0, 0)
+    svc = service(Stubs(genesis_state(params)), engine, params)  # GREEDY_MIX: T = 0 sent
+    async with running(svc):
+        reason = await verdict(svc, report(ChallengeResult(challenge, score, answer)))
+    assert reason is not None and "marked sampled" in reason and "temperature 0.0" in reason
 
 
 def _other_prompt(model_id: str) -> tuple[bytes, bytes]:
@@ -476,7 +492,7 @@ async def test_a_report_whose_request_is_not_the_planned_challenge_is_refused(
     svc = service(Stubs(genesis_state(params)), engine, params)
     async with running(svc):
         got = await verdict(svc, report(
-            ChallengeResult(epochs.Challenge(MODEL.peer_id, 0, 0), score, answer)))
+            ChallengeResult(epochs.Challenge(MODEL.peer_id, 0, 0), score, answer, greedy=True)))
     assert got is not None and reason in got
     assert svc.stats.answers_scored == 0  # refused before any forward pass
 
@@ -501,8 +517,8 @@ async def test_a_report_whose_request_is_not_sealed_under_the_committee_key_is_r
     svc = service(Stubs(genesis_state(params)), engine, params)
     challenge = epochs.Challenge(MODEL.peer_id, 0, 0)
     async with running(svc):
-        assert await verdict(svc, report(ChallengeResult(challenge, score, answer))) is None
-        got = await verdict(svc, report(ChallengeResult(challenge, score, tamper(answer))))
+        assert await verdict(svc, report(ChallengeResult(challenge, score, answer, greedy=True))) is None
+        got = await verdict(svc, report(ChallengeResult(challenge, score, tamper(answer), greedy=True)))
     assert got is not None and "does not open under the committee key" in got
 
 

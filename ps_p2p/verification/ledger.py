@@ -376,11 +376,17 @@ class SignedAnswer:
 
 @dataclass(frozen=True)
 class ChallengeResult:
-    """One planned challenge in a report: the leader's score and the answer (None: missed)."""
+    """One planned challenge in a report: the leader's score, the answer (None: missed), and
+    whether the request sent was greedy (temperature 0: its score caps the node's epoch score,
+    :func:`subject_scores`). The request's parameters are drawn from the users' mix
+    (:func:`~ps_p2p.verification.challenges.derive_request`), not from the plan's menu entry,
+    and the request is sealed in the report: the chain cannot see its temperature, so the leader
+    states it and every verifier checks it against the request it re-derives."""
 
     challenge: epochs.Challenge
     score: int
     answer: SignedAnswer | None = None
+    greedy: bool = False
 
 
 @dataclass(frozen=True)
@@ -440,10 +446,10 @@ class EpochReportTx:
         for res in self.results:
             c = res.challenge
             parts += [lp(c.model_node), u32(c.prompt_index), u32(c.sampling), u32(res.score)]
-            if res.answer is None:
+            if res.answer is None:  # 0: missed; 1: answered (sampled); 2: answered (greedy)
                 parts.append(u8(0))
             else:
-                parts += [u8(1), res.answer.encode()]
+                parts += [u8(2 if res.greedy else 1), res.answer.encode()]
         return b"".join(parts)
 
     def signing_bytes(self, chain_id: str) -> bytes:
@@ -468,10 +474,10 @@ class EpochReportTx:
             if score > MICRO:
                 raise r.fail(f"score {score} micro units is outside [0, 1]")
             flag = r.u8("answered")
-            if flag > 1:
-                raise r.fail("answered flag not 0 or 1")
+            if flag > 2:
+                raise r.fail("answered flag not 0, 1 or 2")
             answer = SignedAnswer.read(r) if flag else None
-            results.append(ChallengeResult(challenge, score, answer))
+            results.append(ChallengeResult(challenge, score, answer, greedy=flag == 2))
         signature = r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES)
         return EpochReportTx(epoch, attempt, leader_, secret, tuple(results), signature)
 
@@ -763,7 +769,7 @@ def check_epoch_report(tx: EpochReportTx, ledger: EpochLedger, chain_id: str,
             raise InvalidTransactionError(
                 f"challenge of {peer_label(c.model_node)} prompt {c.prompt_index}: {exc}"
             ) from None
-        binding = params.sampling[c.sampling].temperature == 0
+        binding = res.greedy  # checked by every verifier against the re-derived request
         # the challenged node answers for what it forwards (it chose the peer); the node that
         # served it is scored too (issue 18, "accountability through forwarding")
         for node in dict.fromkeys((c.model_node, server)):

@@ -457,7 +457,7 @@ class EpochService:
             log.warning("cannot score the answer of %s: %s", peer_label(challenge.model_node),
                         exc)
             return ChallengeResult(challenge, 0, None)
-        return ChallengeResult(challenge, score, signed)
+        return ChallengeResult(challenge, score, signed, greedy=request.temperature == 0)
 
     def _signed_answer(self, answer: object, ledger: EpochLedger,
                        challenged: bytes) -> SignedAnswer | None:
@@ -550,6 +550,9 @@ class EpochService:
             request = derive_request(tx.secret, tx.epoch, tx.attempt, c,
                                      self.pool[c.prompt_index], self.mix)
             problem = self._request_problem(res.answer, request)
+            if problem is None and res.greedy != (request.temperature == 0):
+                problem = (f"marked {'greedy' if res.greedy else 'sampled'}, but its request "
+                           f"asks temperature {request.temperature}")
             if problem is not None:
                 return f"challenge of {peer_label(c.model_node)}: {problem}"
             own = await self._score(await self._scored_prompt(request), request, res.answer,
