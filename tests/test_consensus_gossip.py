@@ -161,3 +161,24 @@ def test_what_is_remembered_per_peer_is_bounded_and_pruned_by_height():
     g.heard(C, vote(PV, 0, D, h=3), 0.0)
     g.new_height(3)
     assert [m.height for m in g.views[C].known] == [3]
+
+
+def test_a_peer_stalled_for_long_is_sent_the_relay_set_again_at_growing_intervals():
+    """Issue 17, 16 validators under CPU load: a height took longer than ``forget_after``,
+    every peer looked stalled, and each was sent the whole relay set again every
+    ``forget_after`` (83,550 frames per height). The guesses back off while the peer stays
+    put (2 s, then 4, 8, 16: capped at 8x) and start afresh once it moves."""
+    g = gossip()  # relay_after 1.0, forget_after 2.0
+    relay = [vote(PV, 0, C), vote(PV, 0, D)]
+    g.heard(B, vote(PV, 0, B), 0.0)
+    resent_at = []
+    for i in range(1, 301):  # 30 s of 0.1 s gossip ticks; B never moves
+        t = i / 10
+        if any(p == B for p, _ in plan(g, t, relay=relay)):
+            resent_at.append(t)
+    assert resent_at[0] == 1.0  # stalled for relay_after: relayed at once
+    # then waits of 2, 4, 8, 16 (the cap) s: 4 resends in 30 s, not 15 (one every 2 s)
+    assert resent_at[1:] == [2.0, 6.0, 14.0, 30.0]
+    g.heard(B, vote(PC, 0, B), 30.0)  # it moves: a later stall is guessed again soon
+    assert not any(p == B for p, _ in plan(g, 31.0, relay=relay))
+    assert any(p == B for p, _ in plan(g, 32.1, relay=relay))

@@ -19,7 +19,9 @@ same with what it can learn without a message of its own:
   sends again one of its own messages it sent before (it restarted and replays its WAL, or
   lost its link to us), and a peer of our height that has not moved for ``forget_after``
   (a frame lost on a link that stayed up, a restart we did not notice; a crashed peer's
-  stream to it may look healthy until the next write).
+  stream to it may look healthy until the next write). That last one is a guess: while the
+  peer stays put the guesses back off (``forget_after``, 2x, 4x, 8x), so a committee
+  slowed by CPU load does not re-send every relay set every period.
 * **Where a peer is**: the highest (height, round, step) among the messages it signed itself;
   when it last moved.
 * **What it is sent** (:meth:`Gossip.plan`, called every gossip interval):
@@ -67,6 +69,9 @@ __all__ = ["MAX_KNOWN_PER_PEER", "Gossip", "PeerView", "commit_of", "pol_certifi
 
 #: Messages remembered per peer (its own and relayed ones it has), at most.
 MAX_KNOWN_PER_PEER = 4096
+
+#: A stalled peer's guessed losses are forgotten at most every ``forget_after`` times this.
+MAX_STALL_WAIT_FACTOR = 8
 
 Message = Proposal | Vote
 
@@ -159,6 +164,8 @@ class PeerView:
     forgot_at: float = -math.inf
     #: (height, round) whose proposal and certificate were sent again (:meth:`Gossip.resend`)
     resent: set[tuple[int, int]] = field(default_factory=set)
+    #: seconds before the next *stall* forget (doubles per forget while it does not move)
+    stall_wait: float = 0.0
 
     def has(self, message: Message) -> bool:
         return message in self.known
@@ -203,14 +210,32 @@ class Gossip:
             pos = position(message)
             if pos > view.position:
                 view.position, view.moved_at = pos, now
+                view.stall_wait = self.forget_after  # it moves: stall guesses start afresh
             elif message in view.known:  # it sends again what it sent: restart, lost link
-                self._forget(view, now)
+                self._forget(view, now, self.forget_after)
         view.add(message)
 
-    def _forget(self, view: PeerView, now: float) -> None:
-        if now - view.forgot_at >= self.forget_after:
-            view.forgot_at = now
-            view.known.clear()
+    def _forget(self, view: PeerView, now: float, wait: float) -> bool:
+        """Forget what ``view``'s peer has, unless it was forgotten less than ``wait`` ago."""
+        if now - view.forgot_at < wait:
+            return False
+        view.forgot_at = now
+        view.known.clear()
+        return True
+
+    def _forget_stalled(self, view: PeerView, now: float) -> None:
+        """A peer of our height has not moved for a while: it *may* have lost frames on a
+        link that stayed up (a guess, unlike a resend or a failed link). Each guess forgets
+        what it has, so it is sent the whole relay set again; the guesses back off
+        exponentially while it stays put (forget_after, then 2x, 4x, ... up to
+        :data:`MAX_STALL_WAIT_FACTOR` x), and start afresh when it moves. Under CPU overload
+        every peer looks stalled (a height takes longer than ``forget_after``), and a fixed
+        period re-sent every relay set to every peer each period: N (N-1) x |relay set|
+        frames a period whose decoding slowed the height further (issue 17: 83,550 frames
+        per height at 16 validators)."""
+        wait = view.stall_wait or self.forget_after
+        if self._forget(view, now, wait):
+            view.stall_wait = min(2 * wait, MAX_STALL_WAIT_FACTOR * self.forget_after)
 
     def link_down(self, peer: bytes) -> None:
         """Our link to ``peer`` failed: frames may have been lost; forget what we sent."""
@@ -295,7 +320,7 @@ class Gossip:
             ph, pr, _ = view.position
             stalled = now - view.moved_at >= self.relay_after
             if ph == height and relay and now - view.moved_at >= self.forget_after:
-                self._forget(view, now)  # it may have lost what we sent: once a period
+                self._forget_stalled(view, now)  # it may have lost what we sent
             todo = [("own", m) for m in own if self.lacks(peer, m)]
             if ph == height and (pr < round_ or stalled):
                 todo += [("relay", m) for m in relay if self.lacks(peer, m)]
