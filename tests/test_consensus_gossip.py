@@ -182,3 +182,28 @@ def test_a_peer_stalled_for_long_is_sent_the_relay_set_again_at_growing_interval
     g.heard(B, vote(PC, 0, B), 30.0)  # it moves: a later stall is guessed again soon
     assert not any(p == B for p, _ in plan(g, 31.0, relay=relay))
     assert any(p == B for p, _ in plan(g, 32.1, relay=relay))
+
+
+def test_a_peer_is_stalled_only_after_a_whole_height_of_ours_when_heights_are_slow():
+    """Issue 17, 16 validators under CPU load: heights took 0.75-1.2 s, so a peer that had
+    not moved for ``relay_after`` (0.4 s) was only slow, yet it was relayed every vote it
+    might lack (1,779 frames per height, most of them votes it had). Once our own heights
+    take longer than ``relay_after``, a peer stalls after our smoothed time per height."""
+    g = Gossip(A, (B, C, D), relay_after=0.5)
+    relay = [vote(PV, 0, C, h=4)]
+    for h, t in ((1, 0.0), (2, 2.0), (3, 4.0), (4, 6.0)):  # our heights take 2 s each
+        g.plan(t, height=h, round_=0, own=[], relay=[])
+    assert g.stall_after() == 2.0
+    g.heard(B, vote(PV, 0, B, h=4), 6.0)
+    assert g.plan(7.0, height=4, round_=0, own=[], relay=relay) == []  # slow, not stalled
+    assert g.plan(8.1, height=4, round_=0, own=[], relay=relay) == [(B, relay[0])]
+
+
+def test_a_stalled_peer_is_relayed_after_relay_after_when_heights_are_fast():
+    g = Gossip(A, (B, C, D), relay_after=0.5)
+    for h, t in ((1, 0.0), (2, 0.2), (3, 0.4)):  # heights faster than relay_after
+        g.plan(t, height=h, round_=0, own=[], relay=[])
+    assert g.stall_after() == 0.5
+    relay = [vote(PV, 0, C, h=3)]
+    g.heard(B, vote(PV, 0, B, h=3), 0.4)
+    assert g.plan(0.95, height=3, round_=0, own=[], relay=relay) == [(B, relay[0])]

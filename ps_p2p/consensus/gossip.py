@@ -195,6 +195,10 @@ class Gossip:
         self.relay_after = relay_after
         self.forget_after = 2 * relay_after if forget_after is None else forget_after
         self.views: dict[bytes, PeerView] = {p: PeerView() for p in peers if p != address}
+        #: smoothed seconds per height of our own (EWMA, weight 1/4; None before a sample)
+        self.height_seconds: float | None = None
+        self._height: int | None = None  # the height of the last plan, and when it began
+        self._height_at = 0.0
         #: frames planned, by kind (own, relay, certificate, commit)
         self.planned: dict[str, int] = {"own": 0, "relay": 0, "certificate": 0, "commit": 0}
 
@@ -316,10 +320,13 @@ class Gossip:
                 precommits of its commit; None before one.
         """
         out: list[tuple[bytes, Message]] = []
+        self._time_height(height, now)
+        stall_after = self.stall_after()
+        forget_after = max(self.forget_after, 2 * stall_after)
         for peer, view in self.views.items():
             ph, pr, _ = view.position
-            stalled = now - view.moved_at >= self.relay_after
-            if ph == height and relay and now - view.moved_at >= self.forget_after:
+            stalled = now - view.moved_at >= stall_after
+            if ph == height and relay and now - view.moved_at >= forget_after:
                 self._forget_stalled(view, now)  # it may have lost what we sent
             todo = [("own", m) for m in own if self.lacks(peer, m)]
             if ph == height and (pr < round_ or stalled):
@@ -335,6 +342,28 @@ class Gossip:
                 self._mark(peer, [m], kind)
                 out.append((peer, m))
         return out
+
+    def _time_height(self, height: int, now: float) -> None:
+        """Sample how long our heights take (from one plan's height to the next)."""
+        if height == self._height:
+            return
+        if self._height is not None and height == self._height + 1:
+            took = now - self._height_at
+            avg = self.height_seconds
+            self.height_seconds = took if avg is None else 0.75 * avg + 0.25 * took
+        self._height, self._height_at = height, now
+
+    def stall_after(self) -> float:
+        """Seconds a peer of our height may stay put before it counts as stalled (relayed
+        what it lacks; twice that: what it has is guessed lost): ``relay_after``, or our own
+        smoothed time per height when longer, at most :data:`MAX_STALL_WAIT_FACTOR` / 2 times
+        ``relay_after``. A peer that has not moved for a whole height has lost something; one
+        that has not moved for part of a height that takes the committee 0.8 s of CPU is only
+        slow, and relaying it every vote it may lack doubled and tripled the frames at 16
+        validators under load (issue 17: 1,408 and 1,779 frames per height, most of them
+        relayed votes the receiver already had)."""
+        cap = MAX_STALL_WAIT_FACTOR / 2 * self.relay_after
+        return min(cap, max(self.relay_after, self.height_seconds or 0.0))
 
     def _lost_own(self, peer: bytes, messages: Sequence[Message]) -> bool:
         """Whether ``peer`` may lack one of *our own* ``messages`` (we sent it, then its link
