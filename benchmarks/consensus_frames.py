@@ -50,7 +50,7 @@ def _frames(committee: LocalCommittee) -> int:
     return total
 
 
-def _counters(committee: LocalCommittee) -> collections.Counter[str]:
+def counters_of(committee: LocalCommittee) -> collections.Counter[str]:
     """Counters summed over the validators: gossip frames planned by kind (``plan:own`` the
     re-sends of own messages, ``plan:relay``, ``plan:certificate``, ``plan:commit``; first
     sends of own messages are not planned), link events and refused frames by reason."""
@@ -61,6 +61,8 @@ def _counters(committee: LocalCommittee) -> collections.Counter[str]:
             continue
         for kind, count in service.gossip.planned.items():
             total[f"plan:{kind}"] += count
+        for why, count in service.gossip.relays.items():
+            total[f"relay-to-peers:{why}"] += count
         stats = service.link_stats()
         if stats is not None:
             total["links:failed"] += stats.links_failed
@@ -70,6 +72,11 @@ def _counters(committee: LocalCommittee) -> collections.Counter[str]:
         for reason, count in service.refused.items():
             total[f"refused:{reason}"] += count
     return total
+
+
+def per_height(counters: collections.Counter[str], heights: int) -> str:
+    """``counters`` divided by ``heights``, as one line."""
+    return ", ".join(f"{k} {v / heights:.1f}" for k, v in sorted(counters.items()) if v)
 
 
 DETAIL: list[str] = []
@@ -88,7 +95,7 @@ async def frames_per_height(n: int, heights: int) -> tuple[float, float, float]:
             with trio.fail_after(60):
                 await committee.wait_committed(2)
             start_frames, start = _frames(committee), time.perf_counter()
-            counters0 = _counters(committee)
+            counters0 = counters_of(committee)
             cpu0 = time.process_time()
             first = committee.members[0].service.validator.committed_height
             with trio.fail_after(120):
@@ -96,10 +103,9 @@ async def frames_per_height(n: int, heights: int) -> tuple[float, float, float]:
             frames, seconds = _frames(committee) - start_frames, time.perf_counter() - start
             cpu = time.process_time() - cpu0
             done = committee.members[0].service.validator.committed_height - first
-            counters = _counters(committee)
+            counters = counters_of(committee)
             counters.subtract(counters0)
-            DETAIL.append(", ".join(f"{k} {v / done:.1f}" for k, v in sorted(counters.items())
-                                    if v))
+            DETAIL.append(per_height(counters, done))
             nursery.cancel_scope.cancel()
     return frames / done, seconds / done, cpu / done
 

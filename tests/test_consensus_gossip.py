@@ -207,3 +207,19 @@ def test_a_stalled_peer_is_relayed_after_relay_after_when_heights_are_fast():
     relay = [vote(PV, 0, C, h=3)]
     g.heard(B, vote(PV, 0, B, h=3), 0.4)
     assert g.plan(0.95, height=3, round_=0, own=[], relay=relay) == [(B, relay[0])]
+
+
+def test_a_moving_peer_behind_in_round_gets_the_rounds_above_its_own_at_once():
+    """Issue 17, 16 validators with a round past 0: the peers still in the round before ours
+    were relayed that round's votes, which they had from their signers (1.51x the minimum
+    frames; 1.03x without). Rounds above the peer's own go at once (L55, then acting in
+    ours); its own round's only once it stalls."""
+    g = gossip()  # relay_after 1.0
+    g.heard(B, vote(PC, 2, B), 0.0)  # B precommitted in round 2; we are in round 3
+    g.heard(C, vote(PV, 3, C), 0.0)
+    g.heard(D, vote(PV, 3, D), 0.0)
+    relay = [vote(PC, 2, C), vote(PC, 2, D), vote(PV, 3, C), vote(PV, 3, D)]
+    out = plan(g, 0.1, round_=3, relay=relay)
+    assert {m for p, m in out if p == B} == set(relay[2:])
+    later = plan(g, 1.1, round_=3, relay=relay)
+    assert {m for p, m in later if p == B} == set(relay[:2])  # stalled: the rest it may lack

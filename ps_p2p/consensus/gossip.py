@@ -201,6 +201,8 @@ class Gossip:
         self._height_at = 0.0
         #: frames planned, by kind (own, relay, certificate, commit)
         self.planned: dict[str, int] = {"own": 0, "relay": 0, "certificate": 0, "commit": 0}
+        #: relay plans to a peer, by why: behind us in round, or stalled (``stall_after``)
+        self.relays: dict[str, int] = {"behind": 0, "stalled": 0}
 
     def heard(self, peer: bytes, message: Message, now: float) -> None:
         """``peer`` sent us ``message`` (decoded; whether or not we use it): it has it; if it
@@ -329,8 +331,17 @@ class Gossip:
             if ph == height and relay and now - view.moved_at >= forget_after:
                 self._forget_stalled(view, now)  # it may have lost what we sent
             todo = [("own", m) for m in own if self.lacks(peer, m)]
-            if ph == height and (pr < round_ or stalled):
+            if ph == height and stalled:
                 todo += [("relay", m) for m in relay if self.lacks(peer, m)]
+                self.relays["stalled"] += 1
+            elif ph == height and pr < round_:
+                # behind in round and moving: the messages of rounds above its own (f+1 of
+                # them take it to ours, L55; the rest let it act there). Those of its own
+                # round or below it most likely has, from their signers (a slow peer, not a
+                # lossy one: 16 validators under load relayed them as duplicates); it gets
+                # them too once it stalls
+                todo += [("relay", m) for m in relay if m.round > pr and self.lacks(peer, m)]
+                self.relays["behind"] += 1
             if commit is not None and ph == commit[0] and (
                     pr > commit[1] or self._lost_own(peer, commit[2])):
                 todo += [("commit", m) for m in commit[2] if self.lacks(peer, m)]
