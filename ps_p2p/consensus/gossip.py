@@ -29,8 +29,10 @@ same with what it can learn without a message of its own:
   - our own messages of the current height it lacks (after a lost link, a restart);
   - the *relay set* it lacks (the current round's and the previous round's proposals and votes,
     and the POL certificates of those proposals and of our valid round: L28, L36, L44, L55) when
-    it is behind us in round, or has not moved for ``relay_after`` seconds (a lost frame, a slow
-    link);
+    it has not moved for :meth:`Gossip.stall_after` seconds (``relay_after``, or our own
+    smoothed time per height when longer: a lost frame, a slow link, not a slow committee);
+    to a peer behind us in round that still moves, at once, the messages of the rounds above
+    its own (L55; its own round's it has from their signers);
   - the last *commit* it lacks (the decided round's proposal and 2f+1 precommits: L49) when it
     is still at that height in a later round than the decided one (it missed the decision;
     block sync covers heights further behind).
