@@ -781,9 +781,10 @@ class _Sim:
         """Gossip: send what the node's policy says (:mod:`ps_p2p.consensus.gossip_policy`).
 
         Nodes run unchecked heights past the checked ones (``on_decide``,
-        :data:`UNCHECKED_HEIGHTS`); a node that decided the last of those keeps gossiping, as the service does (it never
-        stops at a last height): as a node at the next height, where it has nothing of its
-        own to say, so its policy can still send the last commit to peers that lack it
+        :data:`UNCHECKED_HEIGHTS`); a node that decided the last of those keeps gossiping, as
+        the service does (it never stops at a last height): as a node at the next height,
+        where it has nothing of its own to say, so its policy can still send the last commit
+        to peers that lack it
         (Algorithm 1's gossip assumption; a silent decider left seed 9984 undecided)."""
         assert nd.policy is not None
         if not nd.down:
