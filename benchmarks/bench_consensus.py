@@ -38,6 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_devnet import machine  # noqa: E402
+from consensus_frames import DETAIL, counters_of, per_height  # noqa: E402
 from ps_p2p import registry as app
 from ps_p2p.crypto.onion import OnionKeyPair
 from ps_p2p.keys import Identity
@@ -118,6 +119,7 @@ async def latency(n: int, rounds: int, warmup: int = 5
                 store.sqlite_seconds = 0.0
             h0 = committee.members[0].service.validator.committed_height
             frames0 = frames_sent(committee)
+            counters0 = counters_of(committee)
             cpu0 = time.process_time()
             for i, tx in enumerate(txs):
                 done = trio.Event()
@@ -131,6 +133,9 @@ async def latency(n: int, rounds: int, warmup: int = 5
             cpu = time.process_time() - cpu0
             heights = max(1, committee.members[0].service.validator.committed_height - h0)
             frames = (frames_sent(committee) - frames0) / heights
+            counters = counters_of(committee)
+            counters.subtract(counters0)
+            DETAIL.append(per_height(counters, heights))
             sqlite_ms = sum(s.sqlite_seconds for s in stores) * 1000 / n / heights
             nursery.cancel_scope.cancel()
     return samples, cpu / heights, sqlite_ms, frames
@@ -203,6 +208,7 @@ def main() -> None:
               f"sqlite per height and validator {sqlite_ms:5.2f} ms; frames per height "
               f"{frames:6.1f} (minimum {minimum_frames(n, 1)} with its transaction, "
               f"{frames / minimum_frames(n, 1):.2f}x)")
+        print(f"    per height: {DETAIL[-1] or 'nothing'}")
     tps, blocks, elapsed = trio.run(throughput, 4, args.txs)
     print(f"throughput, 4 validators: {tps:7.1f} committed transactions/s "
           f"({args.txs} transactions in {blocks} blocks, {elapsed:.2f} s)")

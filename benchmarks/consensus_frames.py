@@ -22,6 +22,7 @@ Usage: ``python benchmarks/consensus_frames.py [--sizes 4 7 10 16] [--heights 10
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import pathlib
 import sys
@@ -49,9 +50,42 @@ def _frames(committee: LocalCommittee) -> int:
     return total
 
 
+def counters_of(committee: LocalCommittee) -> collections.Counter[str]:
+    """Counters summed over the validators: gossip frames planned by kind (``plan:own`` the
+    re-sends of own messages, ``plan:relay``, ``plan:certificate``, ``plan:commit``; first
+    sends of own messages are not planned), link events and refused frames by reason."""
+    total: collections.Counter[str] = collections.Counter()
+    for m in committee.members:
+        service = m.service
+        if service is None:
+            continue
+        for kind, count in service.gossip.planned.items():
+            total[f"plan:{kind}"] += count
+        for why, count in service.gossip.relays.items():
+            total[f"relay-to-peers:{why}"] += count
+        stats = service.link_stats()
+        if stats is not None:
+            total["links:failed"] += stats.links_failed
+            total["links:opened"] += stats.links_opened
+            total["frames:dropped"] += stats.frames_dropped
+            total["frames:backed_off"] += stats.frames_backed_off
+        for reason, count in service.refused.items():
+            total[f"refused:{reason}"] += count
+    return total
+
+
+def per_height(counters: collections.Counter[str], heights: int) -> str:
+    """``counters`` divided by ``heights``, as one line."""
+    return ", ".join(f"{k} {v / heights:.1f}" for k, v in sorted(counters.items()) if v)
+
+
+DETAIL: list[str] = []
+
+
 async def frames_per_height(n: int, heights: int) -> tuple[float, float, float]:
     """(frames per height, seconds per height, CPU seconds of the process per height) over
-    ``heights`` heights after height 2."""
+    ``heights`` heights after height 2; the counters of :func:`_counters` per height go to
+    :data:`DETAIL`."""
     with tempfile.TemporaryDirectory() as folder:
         async with trio.open_nursery() as nursery:
             committee = LocalCommittee(
@@ -61,6 +95,7 @@ async def frames_per_height(n: int, heights: int) -> tuple[float, float, float]:
             with trio.fail_after(60):
                 await committee.wait_committed(2)
             start_frames, start = _frames(committee), time.perf_counter()
+            counters0 = counters_of(committee)
             cpu0 = time.process_time()
             first = committee.members[0].service.validator.committed_height
             with trio.fail_after(120):
@@ -68,6 +103,9 @@ async def frames_per_height(n: int, heights: int) -> tuple[float, float, float]:
             frames, seconds = _frames(committee) - start_frames, time.perf_counter() - start
             cpu = time.process_time() - cpu0
             done = committee.members[0].service.validator.committed_height - first
+            counters = counters_of(committee)
+            counters.subtract(counters0)
+            DETAIL.append(per_height(counters, done))
             nursery.cancel_scope.cancel()
     return frames / done, seconds / done, cpu / done
 
@@ -150,7 +188,8 @@ def main() -> None:
     parser.add_argument("--heights", type=int, default=10)
     parser.add_argument("--down", type=float, default=3.0)
     parser.add_argument("--limit", type=float, default=60.0)
-    parser.add_argument("--runs", type=int, default=1, help="kill-two-restart-one repetitions")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="kill-two-restart-one and missed-polka repetitions (0: none)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.CRITICAL)
     for n in args.sizes:
@@ -158,6 +197,7 @@ def main() -> None:
         print(f"{n:3d} validators: {fph:8.1f} frames/height (minimum {minimum_frames(n)}, "
               f"{fph / minimum_frames(n):.2f}x), {sph * 1000:.0f} ms/height, "
               f"CPU {cph * 1000:.0f} ms/height (all {n} validators, one process)")
+        print(f"    per height: {DETAIL[-1] or 'nothing'}")
     for i in range(args.runs):
         took = trio.run(kill_two_restart_one, args.down, args.limit)
         print("kill two, restart one: " + (

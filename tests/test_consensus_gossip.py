@@ -161,3 +161,65 @@ def test_what_is_remembered_per_peer_is_bounded_and_pruned_by_height():
     g.heard(C, vote(PV, 0, D, h=3), 0.0)
     g.new_height(3)
     assert [m.height for m in g.views[C].known] == [3]
+
+
+def test_a_peer_stalled_for_long_is_sent_the_relay_set_again_at_growing_intervals():
+    """Issue 17, 16 validators under CPU load: a height took longer than ``forget_after``,
+    every peer looked stalled, and each was sent the whole relay set again every
+    ``forget_after`` (83,550 frames per height). The guesses back off while the peer stays
+    put (2 s, then 4, 8, 16: capped at 8x) and start afresh once it moves."""
+    g = gossip()  # relay_after 1.0, forget_after 2.0
+    relay = [vote(PV, 0, C), vote(PV, 0, D)]
+    g.heard(B, vote(PV, 0, B), 0.0)
+    resent_at = []
+    for i in range(1, 301):  # 30 s of 0.1 s gossip ticks; B never moves
+        t = i / 10
+        if any(p == B for p, _ in plan(g, t, relay=relay)):
+            resent_at.append(t)
+    assert resent_at[0] == 1.0  # stalled for relay_after: relayed at once
+    # then waits of 2, 4, 8, 16 (the cap) s: 4 resends in 30 s, not 15 (one every 2 s)
+    assert resent_at[1:] == [2.0, 6.0, 14.0, 30.0]
+    g.heard(B, vote(PC, 0, B), 30.0)  # it moves: a later stall is guessed again soon
+    assert not any(p == B for p, _ in plan(g, 31.0, relay=relay))
+    assert any(p == B for p, _ in plan(g, 32.1, relay=relay))
+
+
+def test_a_peer_is_stalled_only_after_a_whole_height_of_ours_when_heights_are_slow():
+    """Issue 17, 16 validators under CPU load: heights took 0.75-1.2 s, so a peer that had
+    not moved for ``relay_after`` (0.4 s) was only slow, yet it was relayed every vote it
+    might lack (1,779 frames per height, most of them votes it had). Once our own heights
+    take longer than ``relay_after``, a peer stalls after our smoothed time per height."""
+    g = Gossip(A, (B, C, D), relay_after=0.5)
+    relay = [vote(PV, 0, C, h=4)]
+    for h, t in ((1, 0.0), (2, 2.0), (3, 4.0), (4, 6.0)):  # our heights take 2 s each
+        g.plan(t, height=h, round_=0, own=[], relay=[])
+    assert g.stall_after() == 2.0
+    g.heard(B, vote(PV, 0, B, h=4), 6.0)
+    assert g.plan(7.0, height=4, round_=0, own=[], relay=relay) == []  # slow, not stalled
+    assert g.plan(8.1, height=4, round_=0, own=[], relay=relay) == [(B, relay[0])]
+
+
+def test_a_stalled_peer_is_relayed_after_relay_after_when_heights_are_fast():
+    g = Gossip(A, (B, C, D), relay_after=0.5)
+    for h, t in ((1, 0.0), (2, 0.2), (3, 0.4)):  # heights faster than relay_after
+        g.plan(t, height=h, round_=0, own=[], relay=[])
+    assert g.stall_after() == 0.5
+    relay = [vote(PV, 0, C, h=3)]
+    g.heard(B, vote(PV, 0, B, h=3), 0.4)
+    assert g.plan(0.95, height=3, round_=0, own=[], relay=relay) == [(B, relay[0])]
+
+
+def test_a_moving_peer_behind_in_round_gets_the_rounds_above_its_own_at_once():
+    """Issue 17, 16 validators with a round past 0: the peers still in the round before ours
+    were relayed that round's votes, which they had from their signers (1.51x the minimum
+    frames; 1.03x without). Rounds above the peer's own go at once (L55, then acting in
+    ours); its own round's only once it stalls."""
+    g = gossip()  # relay_after 1.0
+    g.heard(B, vote(PC, 2, B), 0.0)  # B precommitted in round 2; we are in round 3
+    g.heard(C, vote(PV, 3, C), 0.0)
+    g.heard(D, vote(PV, 3, D), 0.0)
+    relay = [vote(PC, 2, C), vote(PC, 2, D), vote(PV, 3, C), vote(PV, 3, D)]
+    out = plan(g, 0.1, round_=3, relay=relay)
+    assert {m for p, m in out if p == B} == set(relay[2:])
+    later = plan(g, 1.1, round_=3, relay=relay)
+    assert {m for p, m in later if p == B} == set(relay[:2])  # stalled: the rest it may lack

@@ -448,8 +448,13 @@ def test_a_restarted_locked_validator_can_still_get_its_value_accepted(seed):
 # last commit only to a peer in a *later* round of the decided height, and its own precommit
 # was no longer among its "own messages" (those of its new height). Now a peer at the decided
 # height that may lack one of our own messages of the commit (we know it lost frames from us)
-# is sent the commit it lacks.
-def test_the_service_gossip_decides_the_lock_race_schedule_9984():
+# is sent the commit it lacks. Run with no unchecked heights past the last checked one (the
+# deciders then say nothing of a next height, whose messages would let 1 and 2 block-sync):
+# only the commit rule can end the height, so the test fails without it.
+def test_the_service_gossip_decides_the_lock_race_schedule_9984(monkeypatch):
+    import ps_p2p.testing.consensus_sim as consensus_sim
+
+    monkeypatch.setattr(consensus_sim, "UNCHECKED_HEIGHTS", 0)
     result = run_schedule(9984, gossip="service", mode="adversarial", heights=2)
     assert result.ok, result.violations
 
@@ -457,16 +462,11 @@ def test_the_service_gossip_decides_the_lock_race_schedule_9984():
 # Found by a 10,000-schedule classic campaign with the service's gossip (seed 8476, 1 of
 # 10,000; the same on the code before the seed-9984 fix): val-00 proposes height 0, then a
 # partition cuts it from all six others from 0.03 s to 0.80 s (GST 1.06 s). The others decide
-# heights 0, 1 and 2 (the last simulated one) by 0.78 s and then have nothing of a next height
-# to send, so val-00 never hears a higher height and never block-syncs; its peers' views of it
-# were cleared by the lost frames, but their own messages and last commit are of height 2,
-# which the gossip sends only to a peer at that height. The service would start the next
-# height and its own messages of it would reach val-00 (block sync after sync_after): the
-# simulator's model of the last height is what lacks here (left: run further, unchecked
-# heights after the last checked one, as a service does).
-@pytest.mark.xfail(strict=True, reason="open: the simulator's deciders of the last height send "
-                   "nothing of a next height, so a validator cut off until then never learns "
-                   "it is behind (no block sync); see the comment above")
+# heights 0, 1 and 2 (the last checked one) by 0.78 s. When the simulated validators stopped
+# there, they had nothing of a next height to send, so val-00 never heard a higher height and
+# never block-synced. A service starts the next height: the simulator now runs unchecked
+# heights past the checked ones (UNCHECKED_HEIGHTS) until every correct validator has decided
+# every checked height, and val-00 syncs from their messages of height 3.
 def test_the_service_gossip_decides_the_classic_schedule_8476():
     result = run_schedule(8476, gossip="service")
     assert result.ok, result.violations

@@ -19,7 +19,9 @@ same with what it can learn without a message of its own:
   sends again one of its own messages it sent before (it restarted and replays its WAL, or
   lost its link to us), and a peer of our height that has not moved for ``forget_after``
   (a frame lost on a link that stayed up, a restart we did not notice; a crashed peer's
-  stream to it may look healthy until the next write).
+  stream to it may look healthy until the next write). That last one is a guess: while the
+  peer stays put the guesses back off (``forget_after``, 2x, 4x, 8x), so a committee
+  slowed by CPU load does not re-send every relay set every period.
 * **Where a peer is**: the highest (height, round, step) among the messages it signed itself;
   when it last moved.
 * **What it is sent** (:meth:`Gossip.plan`, called every gossip interval):
@@ -27,8 +29,10 @@ same with what it can learn without a message of its own:
   - our own messages of the current height it lacks (after a lost link, a restart);
   - the *relay set* it lacks (the current round's and the previous round's proposals and votes,
     and the POL certificates of those proposals and of our valid round: L28, L36, L44, L55) when
-    it is behind us in round, or has not moved for ``relay_after`` seconds (a lost frame, a slow
-    link);
+    it has not moved for :meth:`Gossip.stall_after` seconds (``relay_after``, or our own
+    smoothed time per height when longer: a lost frame, a slow link, not a slow committee);
+    to a peer behind us in round that still moves, at once, the messages of the rounds above
+    its own (L55; its own round's it has from their signers);
   - the last *commit* it lacks (the decided round's proposal and 2f+1 precommits: L49) when it
     is still at that height in a later round than the decided one (it missed the decision;
     block sync covers heights further behind).
@@ -67,6 +71,9 @@ __all__ = ["MAX_KNOWN_PER_PEER", "Gossip", "PeerView", "commit_of", "pol_certifi
 
 #: Messages remembered per peer (its own and relayed ones it has), at most.
 MAX_KNOWN_PER_PEER = 4096
+
+#: A stalled peer's guessed losses are forgotten at most every ``forget_after`` times this.
+MAX_STALL_WAIT_FACTOR = 8
 
 Message = Proposal | Vote
 
@@ -159,6 +166,8 @@ class PeerView:
     forgot_at: float = -math.inf
     #: (height, round) whose proposal and certificate were sent again (:meth:`Gossip.resend`)
     resent: set[tuple[int, int]] = field(default_factory=set)
+    #: seconds before the next *stall* forget (doubles per forget while it does not move)
+    stall_wait: float = 0.0
 
     def has(self, message: Message) -> bool:
         return message in self.known
@@ -188,8 +197,14 @@ class Gossip:
         self.relay_after = relay_after
         self.forget_after = 2 * relay_after if forget_after is None else forget_after
         self.views: dict[bytes, PeerView] = {p: PeerView() for p in peers if p != address}
+        #: smoothed seconds per height of our own (EWMA, weight 1/4; None before a sample)
+        self.height_seconds: float | None = None
+        self._height: int | None = None  # the height of the last plan, and when it began
+        self._height_at = 0.0
         #: frames planned, by kind (own, relay, certificate, commit)
         self.planned: dict[str, int] = {"own": 0, "relay": 0, "certificate": 0, "commit": 0}
+        #: relay plans to a peer, by why: behind us in round, or stalled (``stall_after``)
+        self.relays: dict[str, int] = {"behind": 0, "stalled": 0}
 
     def heard(self, peer: bytes, message: Message, now: float) -> None:
         """``peer`` sent us ``message`` (decoded; whether or not we use it): it has it; if it
@@ -203,14 +218,32 @@ class Gossip:
             pos = position(message)
             if pos > view.position:
                 view.position, view.moved_at = pos, now
+                view.stall_wait = self.forget_after  # it moves: stall guesses start afresh
             elif message in view.known:  # it sends again what it sent: restart, lost link
-                self._forget(view, now)
+                self._forget(view, now, self.forget_after)
         view.add(message)
 
-    def _forget(self, view: PeerView, now: float) -> None:
-        if now - view.forgot_at >= self.forget_after:
-            view.forgot_at = now
-            view.known.clear()
+    def _forget(self, view: PeerView, now: float, wait: float) -> bool:
+        """Forget what ``view``'s peer has, unless it was forgotten less than ``wait`` ago."""
+        if now - view.forgot_at < wait:
+            return False
+        view.forgot_at = now
+        view.known.clear()
+        return True
+
+    def _forget_stalled(self, view: PeerView, now: float) -> None:
+        """A peer of our height has not moved for a while: it *may* have lost frames on a
+        link that stayed up (a guess, unlike a resend or a failed link). Each guess forgets
+        what it has, so it is sent the whole relay set again; the guesses back off
+        exponentially while it stays put (forget_after, then 2x, 4x, ... up to
+        :data:`MAX_STALL_WAIT_FACTOR` x), and start afresh when it moves. Under CPU overload
+        every peer looks stalled (a height takes longer than ``forget_after``), and a fixed
+        period re-sent every relay set to every peer each period: N (N-1) x |relay set|
+        frames a period whose decoding slowed the height further (issue 17: 83,550 frames
+        per height at 16 validators)."""
+        wait = view.stall_wait or self.forget_after
+        if self._forget(view, now, wait):
+            view.stall_wait = min(2 * wait, MAX_STALL_WAIT_FACTOR * self.forget_after)
 
     def link_down(self, peer: bytes) -> None:
         """Our link to ``peer`` failed: frames may have been lost; forget what we sent."""
@@ -291,14 +324,26 @@ class Gossip:
                 precommits of its commit; None before one.
         """
         out: list[tuple[bytes, Message]] = []
+        self._time_height(height, now)
+        stall_after = self.stall_after()
+        forget_after = max(self.forget_after, 2 * stall_after)
         for peer, view in self.views.items():
             ph, pr, _ = view.position
-            stalled = now - view.moved_at >= self.relay_after
-            if ph == height and relay and now - view.moved_at >= self.forget_after:
-                self._forget(view, now)  # it may have lost what we sent: once a period
+            stalled = now - view.moved_at >= stall_after
+            if ph == height and relay and now - view.moved_at >= forget_after:
+                self._forget_stalled(view, now)  # it may have lost what we sent
             todo = [("own", m) for m in own if self.lacks(peer, m)]
-            if ph == height and (pr < round_ or stalled):
+            if ph == height and stalled:
                 todo += [("relay", m) for m in relay if self.lacks(peer, m)]
+                self.relays["stalled"] += 1
+            elif ph == height and pr < round_:
+                # behind in round and moving: the messages of rounds above its own (f+1 of
+                # them take it to ours, L55; the rest let it act there). Those of its own
+                # round or below it most likely has, from their signers (a slow peer, not a
+                # lossy one: 16 validators under load relayed them as duplicates); it gets
+                # them too once it stalls
+                todo += [("relay", m) for m in relay if m.round > pr and self.lacks(peer, m)]
+                self.relays["behind"] += 1
             if commit is not None and ph == commit[0] and (
                     pr > commit[1] or self._lost_own(peer, commit[2])):
                 todo += [("commit", m) for m in commit[2] if self.lacks(peer, m)]
@@ -310,6 +355,28 @@ class Gossip:
                 self._mark(peer, [m], kind)
                 out.append((peer, m))
         return out
+
+    def _time_height(self, height: int, now: float) -> None:
+        """Sample how long our heights take (from one plan's height to the next)."""
+        if height == self._height:
+            return
+        if self._height is not None and height == self._height + 1:
+            took = now - self._height_at
+            avg = self.height_seconds
+            self.height_seconds = took if avg is None else 0.75 * avg + 0.25 * took
+        self._height, self._height_at = height, now
+
+    def stall_after(self) -> float:
+        """Seconds a peer of our height may stay put before it counts as stalled (relayed
+        what it lacks; twice that: what it has is guessed lost): ``relay_after``, or our own
+        smoothed time per height when longer, at most :data:`MAX_STALL_WAIT_FACTOR` / 2 times
+        ``relay_after``. A peer that has not moved for a whole height has lost something; one
+        that has not moved for part of a height that takes the committee 0.8 s of CPU is only
+        slow, and relaying it every vote it may lack doubled and tripled the frames at 16
+        validators under load (issue 17: 1,408 and 1,779 frames per height, most of them
+        relayed votes the receiver already had)."""
+        cap = MAX_STALL_WAIT_FACTOR / 2 * self.relay_after
+        return min(cap, max(self.relay_after, self.height_seconds or 0.0))
 
     def _lost_own(self, peer: bytes, messages: Sequence[Message]) -> bool:
         """Whether ``peer`` may lack one of *our own* ``messages`` (we sent it, then its link

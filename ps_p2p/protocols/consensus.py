@@ -35,8 +35,9 @@ goes to every peer; a proposal with a POL round goes with its POL certificate (t
 prevotes of that round, L28) to the peers that lack them. Every ``rebroadcast_interval`` seconds
 (default the core's ``timeout_prevote``) the gossip plan sends each peer its missing own
 messages (after a lost link or a restart), the relay set of other validators' messages when it
-is behind in round or has not moved for ``relay_after`` seconds (default twice the interval),
-and the last commit when it is still in a later round of the height we decided.
+has not moved for ``relay_after`` seconds (default twice the interval; longer while our own
+heights take longer: ``Gossip.stall_after``), the rounds above its own when it is behind in
+round, and the last commit when it is still in a later round of the height we decided.
 Own signed messages are written to the WAL without an fsync on the event loop; the fsync runs
 in a worker thread and the messages written before it are sent once it returned, in order
 (group commit, ``deferred_sync``; issue 17: a signed message is still durable before it
@@ -141,9 +142,10 @@ class ConsensusServiceConfig:
     Attributes:
         rebroadcast_interval: the gossip plan runs this often (what a peer lacks is sent);
             None: the core's ``timeout_prevote``.
-        relay_after: a peer that has not moved for this long is sent the other validators'
-            messages it lacks; None: twice ``rebroadcast_interval`` (above a healthy height's
-            decision time, so a healthy committee relays nothing).
+        relay_after: a peer that has not moved for this long (or for our own smoothed time
+            per height, when longer) is sent the other validators' messages it lacks; None:
+            twice ``rebroadcast_interval`` (above a healthy height's decision time, so a
+            healthy committee relays nothing).
         sync_after: a message of the next height waits this long before a block sync; None:
             the sum of the core's three base timeouts.
         empty_block_interval: an idle chain makes an empty block this often.

@@ -174,6 +174,15 @@ ADVERSARIAL_BEHAVIOURS = BEHAVIOURS + ("fake-pol",)
 PROPERTIES = ("agreement", "validity", "no-double-sign", "accountability", "lock", "termination")
 #: Gossip modes of ``SimParams.gossip``.
 GOSSIP_MODES = ("relay", "service", "before")
+
+#: Heights past the checked ones a validator may run (unchecked: no termination bound;
+#: agreement, validity and the signing rules still hold). It goes on until every correct
+#: validator has decided every checked height, the run ends (``max_time``) or termination
+#: fails (``_Sim.past_bound``), as a service never stops at a last height: a validator that
+#: was cut off while the others decided the last checked height learns it is behind from
+#: their messages of a later height (block sync, ``_Sim.sync_from``); heights decided while
+#: it was still cut off do not tell it (classic seed 8476). The bound only caps a run's cost.
+UNCHECKED_HEIGHTS = 1000
 #: Kinds of adversarial schedule drawn by :func:`draw_adversarial_params`.
 ADVERSARIES = ("mixed", "quorum-split", "twins", "one-third", "lock-race")
 
@@ -755,6 +764,7 @@ class _Sim:
         commit of a round within the bound would have reached it; recorded)."""
         h = nd.core.height
         if (nd.behaviour is not None or not self.p.termination or h is None
+                or h >= self.p.heights  # an unchecked height (``on_decide``)
                 or nd.core.decision is not None or nd.core.round <= self.bound(h) + 3):
             return False
         self.violate("termination", f"height {h}: {nd.address!r} reached round "
@@ -770,14 +780,16 @@ class _Sim:
     def tick(self, nd: _Node) -> None:
         """Gossip: send what the node's policy says (:mod:`ps_p2p.consensus.gossip_policy`).
 
-        A node that decided the last simulated height keeps gossiping, as the service does
-        (it never stops at a last height): as a node at the next height, where it has nothing
-        of its own to say, so its policy can still send the last commit to peers that lack it
+        Nodes run unchecked heights past the checked ones (``on_decide``,
+        :data:`UNCHECKED_HEIGHTS`); a node that decided the last of those keeps gossiping, as
+        the service does (it never stops at a last height): as a node at the next height,
+        where it has nothing of its own to say, so its policy can still send the last commit
+        to peers that lack it
         (Algorithm 1's gossip assumption; a silent decider left seed 9984 undecided)."""
         assert nd.policy is not None
         if not nd.down:
             height, round_ = nd.core.height, nd.core.round
-            if nd.done and height is not None:
+            if nd.core.decision is not None and height is not None:
                 height, round_ = height + 1, 0
             self.send_planned(nd, nd.policy.tick(self.now, height, round_))
         self.push(max(nd.policy.next_tick(), self.now + 1e-3), _TICK, nd.index, None)
@@ -799,7 +811,7 @@ class _Sim:
         nd.core = self.core_factory(nd.address, self.config)
         nd.policy = self.new_policy(nd.index)
         height = max(nd.decisions) + 1 if nd.decisions else 0
-        if height >= self.p.heights:
+        if height >= self.p.heights + UNCHECKED_HEIGHTS:
             return
         self.apply(nd, StartHeight(height, self.validators))
         own = [(key, entry) for key, entry in nd.wal.items() if key[0] == height]
@@ -1004,7 +1016,7 @@ class _Sim:
     def on_decide(self, nd: _Node, d: Decide) -> None:
         if nd.behaviour is not None:
             nd.decisions[d.height] = d
-            if d.height + 1 < self.p.heights:
+            if d.height + 1 < self.p.heights + UNCHECKED_HEIGHTS:
                 self.apply(nd, StartHeight(d.height + 1, self.validators))
             return
         vid = value_id(d.value)
@@ -1029,10 +1041,13 @@ class _Sim:
         if prop is not None:
             cert.append(ProposalReceived(prop))
         nd.certs[d.height] = cert
-        if d.height + 1 < self.p.heights:
+        # every checked height decided: the run may end (``run``); until it does, the node
+        # goes on into unchecked heights as a service would, so a validator still behind hears
+        # a higher height and block-syncs (``sync_from``; classic seed 8476: one cut off until
+        # the others had decided the last checked height never learnt it was behind)
+        nd.done = all(h in nd.decisions for h in range(self.p.heights))
+        if d.height + 1 < self.p.heights + UNCHECKED_HEIGHTS:
             self.apply(nd, StartHeight(d.height + 1, self.validators))
-        else:
-            nd.done = True
 
     # -------------------------------------------------------------- Byzantine behaviour
 
