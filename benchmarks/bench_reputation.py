@@ -566,8 +566,11 @@ async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore
 def plot(history: list[dict[str, object]], kinds: list[str], threshold: float,
          path: pathlib.Path,
          title: str = "Reputation over challenge epochs (stories260K, committee of 4)") -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # the plot is optional: the numbers are printed either way
+        print(f"no plot written to {path}: matplotlib is missing (pip install -e '.[bench]')")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
