@@ -47,7 +47,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import multiaddr
 import trio
 from libp2p.exceptions import BaseLibp2pError
-from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import IHost, INetConn, INetwork, INotifee
 from libp2p.peer.id import ID
 
 from ps_p2p import records
@@ -82,6 +82,7 @@ from ps_p2p.protocols.hrtree_gossip import (
     HRTREE_SYNC_PROTOCOL_ID,
     running_pubsub,
 )
+from ps_p2p.protocols.notifee import QuietNotifee
 from ps_p2p.protocols.overlay import (
     CLOVE_PROTOCOL_ID,
     DELIVER_PROTOCOL_ID,
@@ -145,31 +146,16 @@ def directory_refresh_delay(
     return max(0.1, delay)
 
 
-class _DisconnectNotifee(INotifee):
+class _DisconnectNotifee(QuietNotifee):
     """Tells the overlay when the last connection to a peer closed."""
 
     def __init__(self, on_disconnect: Callable[[bytes], None]) -> None:
         self._on_disconnect = on_disconnect
 
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        return None
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        return None
-
-    async def connected(self, network: INetwork, conn: INetConn) -> None:
-        return None
-
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         peer = conn.muxed_conn.peer_id
         if not network.get_connections(peer):
             self._on_disconnect(peer.to_bytes())
-
-    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        return None
-
-    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        return None
 
 
 def _remove_notifee(network: INetwork, notifee: INotifee) -> None:

@@ -35,7 +35,7 @@ from ps_p2p.protocols.host import (
     open_host,
     parse_multiaddr,
 )
-from ps_p2p.testing.notifee import QuietNotifee
+from ps_p2p.protocols.notifee import QuietNotifee
 
 
 async def test_hosts_connect_over_noise_and_yamux_and_answer_ping():

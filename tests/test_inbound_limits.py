@@ -24,6 +24,7 @@ from ps_p2p.keys import Identity
 from ps_p2p.protocols import host as host_module
 from ps_p2p.protocols.admission import InboundLimits
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
+from ps_p2p.protocols.notifee import QuietNotifee
 from ps_p2p.testing.conn_attack import (
     Held,
     honest_dials,
@@ -31,7 +32,6 @@ from ps_p2p.testing.conn_attack import (
     raw_sockets,
     source_ips,
 )
-from ps_p2p.testing.notifee import QuietNotifee
 from ps_p2p.testing.waits import wait_until
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -31,10 +31,12 @@ import logging
 from collections.abc import Iterable, Sequence
 
 import multiaddr
-from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import IHost, INetConn, INetwork
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
+
+from ps_p2p.protocols.notifee import QuietNotifee
 
 log = logging.getLogger(__name__)
 
@@ -149,22 +151,13 @@ def install_dial_fallback(network: INetwork) -> None:
     network._ps_dial_fallback = True  # type: ignore[attr-defined]
 
 
-class ReidentifyNotifee(INotifee):
+class ReidentifyNotifee(QuietNotifee):
     """Forgets the protocols cached for a peer once its last connection closed, so py-libp2p
     runs identify on the next connection and takes the listen addresses it reports (module
     docstring)."""
 
     def __init__(self, host: IHost) -> None:
         self._host = host
-
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        return None
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        return None
-
-    async def connected(self, network: INetwork, conn: INetConn) -> None:
-        return None
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         peer = getattr(conn.muxed_conn, "peer_id", None)
@@ -174,12 +167,6 @@ class ReidentifyNotifee(INotifee):
             self._host.get_peerstore().clear_protocol_data(peer)
         except Exception as exc:  # a peer the peerstore already dropped
             log.debug("forgetting the protocols of %s: %r", peer, exc)
-
-    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        return None
-
-    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        return None
 
 
 __all__ = [
