@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from ps_p2p.errors import AddressInUseError, ConfigError, PsError, is_keyboard_interrupt
+from ps_p2p.log_limits import setup_logging as _setup_logging
 
 log = logging.getLogger("ps_p2p.cli")
 
@@ -47,42 +48,6 @@ def _log_level(value: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{value!r} is not a log level (one of {', '.join(LOG_LEVELS)})")
     return value.upper()
-
-
-def _setup_logging(
-    level: str, *, libp2p_level: str = "WARNING", network: bool = True
-) -> None:
-    """Logs to stderr at ``level``; repeated warnings limited to one a minute per template
-    (:class:`~ps_p2p.log_limits.RepeatFilter`; at DEBUG nothing is limited). Does nothing to
-    the root logger's handlers when it already has some (an embedding program's). Without
-    ``network`` libp2p is not imported (its loggers are set only when it will be used)."""
-    from ps_p2p.log_limits import RepeatFilter
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    )
-    if level.upper() != "DEBUG":
-        handler.addFilter(RepeatFilter())
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
-    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    if not network:
-        return
-    import libp2p  # noqa: F401  (import first: it resets its logger's level on import)
-
-    logging.getLogger("libp2p").setLevel(getattr(logging, libp2p_level.upper(), logging.WARNING))
-    logging.getLogger("libp2p").propagate = True
-    from ps_p2p.log_limits import LIBP2P_HOST_LOGGER, StreamFailureFilter
-
-    host_logger = logging.getLogger(LIBP2P_HOST_LOGGER)
-    for old in [f for f in host_logger.filters if isinstance(f, StreamFailureFilter)]:
-        host_logger.removeFilter(old)
-    host_logger.addFilter(StreamFailureFilter(verbose=level.upper() == "DEBUG"))
-    if level.upper() != "DEBUG":
-        # a dial to a peer that went away logs an ERROR there; our link manager already logs
-        # "link down" with the reason, and a dead relay is routine in an overlay
-        logging.getLogger("libp2p.transport.tcp").setLevel(logging.CRITICAL)
 
 
 # ---------------------------------------------------------------------- parser

@@ -1258,9 +1258,9 @@ class _WorkerProcess:
 
     @staticmethod
     def _setup_logging(setup: dict[str, Any]) -> None:
-        from ps_p2p.cli import _setup_logging
+        from ps_p2p.log_limits import setup_logging
 
-        _setup_logging(setup.get("log_level", "INFO"))
+        setup_logging(setup.get("log_level", "INFO"))
         root = logging.getLogger()
         for handler in root.handlers:
             handler.addFilter(_NodeFilter(None))

@@ -12,12 +12,13 @@ seconds; the next one it passes says how many it held back::
 The key is the template (``record.msg``), not the formatted text: "the same warning about
 another peer" counts as a repeat, which is what floods a log. Records below ``min_level`` (INFO
 by default in the CLI: WARNING and above are limited) always pass. ``ps-node``'s logging setup
-installs one on its stderr handler (:func:`ps_p2p.cli._setup_logging`).
+installs one on its stderr handler (:func:`setup_logging`, also used by ``ps-node devnet``'s node processes).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -119,5 +120,37 @@ class StreamFailureFilter(logging.Filter):
         return True
 
 
-__all__ = ["DEFAULT_INTERVAL", "LIBP2P_HOST_LOGGER", "MAX_KEYS", "RepeatFilter",
+def setup_logging(
+    level: str, *, libp2p_level: str = "WARNING", network: bool = True
+) -> None:
+    """Logs to stderr at ``level``; repeated warnings limited to one a minute per template
+    (:class:`RepeatFilter`; at DEBUG nothing is limited). Does nothing to the root logger's
+    handlers when it already has some (an embedding program's). Without ``network`` libp2p is
+    not imported (its loggers are set only when it will be used)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    )
+    if level.upper() != "DEBUG":
+        handler.addFilter(RepeatFilter())
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
+    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if not network:
+        return
+    import libp2p  # noqa: F401  (import first: it resets its logger's level on import)
+
+    logging.getLogger("libp2p").setLevel(getattr(logging, libp2p_level.upper(), logging.WARNING))
+    logging.getLogger("libp2p").propagate = True
+    host_logger = logging.getLogger(LIBP2P_HOST_LOGGER)
+    for old in [f for f in host_logger.filters if isinstance(f, StreamFailureFilter)]:
+        host_logger.removeFilter(old)
+    host_logger.addFilter(StreamFailureFilter(verbose=level.upper() == "DEBUG"))
+    if level.upper() != "DEBUG":
+        # a dial to a peer that went away logs an ERROR there; our link manager already logs
+        # "link down" with the reason, and a dead relay is routine in an overlay
+        logging.getLogger("libp2p.transport.tcp").setLevel(logging.CRITICAL)
+
+
+__all__ = ["DEFAULT_INTERVAL", "LIBP2P_HOST_LOGGER", "MAX_KEYS", "RepeatFilter", "setup_logging",
            "StreamFailureFilter"]

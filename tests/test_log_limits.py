@@ -83,7 +83,7 @@ def test_a_warning_after_a_quiet_interval_prints_without_a_count(logged):
 
 
 def test_ps_node_logging_setup_installs_the_limit(monkeypatch):
-    from ps_p2p.cli import _setup_logging
+    from ps_p2p.log_limits import setup_logging as _setup_logging
 
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", [])
@@ -134,7 +134,7 @@ def test_stream_failure_report_is_dropped_unless_verbose_then_one_debug_line():
 def test_a_node_logs_no_seven_line_error_for_a_peer_without_gossipsub():
     """Issue 21: a model node logged a 7-line ERROR per user or verifier (none speaks
     GossipSub); ``ps-node``'s logging setup now quiets it."""
-    from ps_p2p.cli import _setup_logging
+    from ps_p2p.log_limits import setup_logging as _setup_logging
 
     _setup_logging("INFO")
     out = io.StringIO()

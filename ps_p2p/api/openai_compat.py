@@ -60,6 +60,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ps_p2p.api.asgi import serve_asgi
 from ps_p2p.api.web import web_routes
 from ps_p2p.errors import (
     DirectoryError,
@@ -659,35 +660,3 @@ async def serve_api(
             hypercorn's traceback).
     """
     await serve_asgi(UserAPI(node), bind, "--api", "local API on %s", task_status=task_status)
-
-
-async def serve_asgi(
-    app: Any, bind: str, flag: str, announce: str, *,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve the ASGI ``app`` with hypercorn on ``bind`` until cancelled: ``bind`` checked
-    first (errors name ``flag``), ``announce % url`` logged at INFO once bound, then
-    ``task_status.started(url)``.
-
-    Raises:
-        ConfigError: ``bind`` is not HOST:PORT.
-        AddressInUseError: ``"<flag> <bind> is already in use"``.
-    """
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
-    from ps_p2p.config import parse_host_port
-    from ps_p2p.preflight import check_address_free
-
-    host, port = parse_host_port(bind, flag)
-    check_address_free(host, port, f"{flag} {bind}")
-    config = Config()
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.bind = [bind]
-    config.graceful_timeout = 1.0
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(serve, app, config)  # type: ignore[arg-type]
-        url = binds[0] if binds else f"http://{bind}"
-        log.info(announce, url)
-        task_status.started(url)

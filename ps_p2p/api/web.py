@@ -256,7 +256,7 @@ async def serve_web(
         ConfigError: ``bind`` is not HOST:PORT.
         AddressInUseError: ``"--web <bind> is already in use"``.
     """
-    from ps_p2p.api.openai_compat import serve_asgi
+    from ps_p2p.api.asgi import serve_asgi
 
     await serve_asgi(web_app(node), bind, "--web", "web page on %s/web", task_status=task_status)
 
