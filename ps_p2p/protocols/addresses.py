@@ -31,6 +31,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 import multiaddr
+import trio
 from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
@@ -131,6 +132,8 @@ def install_dial_fallback(network: INetwork) -> None:
             known = [a for a in store.addrs(peer_id) if _dialable(a)][:MAX_FALLBACK_ADDRS]
         except PeerStoreError:
             raise failure from None
+        if not known:  # a NATed peer listed by its relays only
+            return await _dial_circuits(network, peer_id, failure)
         for addr in known[1:]:  # py-libp2p dialled the first one
             try:
                 conn = await network.dial_addr(addr, peer_id)  # type: ignore[attr-defined]
@@ -143,10 +146,54 @@ def install_dial_fallback(network: INetwork) -> None:
             forget_dial_failures(network, peer_id)
             log.info("peer %s answered at %s, not at its first address", peer_id, addr)
             return [conn]
-        raise failure
+        return await _dial_circuits(network, peer_id, failure)
 
     network.dial_peer = dial_peer  # type: ignore[method-assign]
     network._ps_dial_fallback = True  # type: ignore[attr-defined]
+
+
+async def _dial_circuits(network: INetwork, peer_id: ID, failure: SwarmException) -> list[INetConn]:
+    """Last resort of the dial fallback: the peer's ``/p2p-circuit`` addresses (a NATed node's
+    relays), one at a time, when :func:`install_circuit_dialing` enabled them; one dial at a
+    time per peer (concurrent callers share its connection). Raises ``failure`` when none
+    answers."""
+    host = getattr(network, "_ps_circuit_host", None)
+    if host is None:
+        raise failure
+    from ps_p2p.protocols.circuit_relay import dial_circuit  # import cycle: it uses host.py
+
+    locks: dict[ID, trio.Lock] = network._ps_circuit_locks  # type: ignore[attr-defined]
+    lock = locks.setdefault(peer_id, trio.Lock())
+    try:
+        async with lock:
+            conns = network.get_connections(peer_id)
+            if conns:  # another caller's circuit came up meanwhile
+                return list(conns)
+            try:
+                circuits = [a for a in network.peerstore.addrs(peer_id)
+                            if "p2p-circuit" in str(a)][:MAX_FALLBACK_ADDRS]
+            except PeerStoreError:
+                circuits = []
+            for addr in circuits:
+                try:
+                    conn = await dial_circuit(host, addr, peer_id)
+                except Exception as exc:
+                    log.debug("circuit to %s via %s failed: %r", peer_id, addr, exc)
+                    continue
+                return [conn]
+    finally:
+        if not lock.locked() and not lock.statistics().tasks_waiting:
+            locks.pop(peer_id, None)
+    raise failure
+
+
+def install_circuit_dialing(host: IHost) -> None:
+    """Let the dial fallback (:func:`install_dial_fallback`, installed first) reach a peer
+    through the relays its ``/p2p-circuit`` addresses name
+    (:func:`ps_p2p.protocols.circuit_relay.dial_circuit`)."""
+    network = host.get_network()
+    network._ps_circuit_host = host  # type: ignore[attr-defined]
+    network._ps_circuit_locks = {}  # type: ignore[attr-defined]
 
 
 class ReidentifyNotifee(INotifee):
@@ -187,6 +234,7 @@ __all__ = [
     "NEGATIVE_CACHE_SECONDS",
     "ReidentifyNotifee",
     "forget_dial_failures",
+    "install_circuit_dialing",
     "install_dial_fallback",
     "replace_peer_addrs",
 ]

@@ -1,0 +1,465 @@
+"""NATed nodes on the overlay: Circuit Relay v2 and AutoNAT of py-libp2p 0.8.1, bounded.
+
+A node behind a NAT (a home router doing masquerade) can dial out but nobody can dial it, so on
+its own it can only ask. With this module it takes every role of a user (issue 20 section 2):
+
+* **Is this node private?** (:class:`Reachability`) ``[circuit_relay] reachability = "auto"``
+  asks the verifiers it is connected to, with py-libp2p's AutoNAT v1 client
+  (``libp2p.host.autonat``), to dial it back. An AutoNAT server dials only addresses on the IP
+  it observes the request from, and a NATed node listens on none of them (the router's public
+  address is not its own), so the servers answer ``E_DIAL_REFUSED``: once a majority of the
+  (at most 3) servers asked refused, the node is private. Public nodes serve AutoNAT
+  (:class:`AutoNATServer`: at most :data:`AUTONAT_CONCURRENCY` requests at once, one per peer).
+* **Relays** (:class:`RelayServer`, a public node): py-libp2p's ``CircuitV2Protocol`` with hop
+  enabled, behind the bounds of :class:`~ps_p2p.overlay.circuit_limits.ReservationBook` (per
+  peer, per source network, in total; circuits per destination, per source, in total) and two
+  fixes of py-libp2p 0.8.1 (below).
+* **Reservations** (:class:`ReservationKeeper`, a private node): it keeps
+  ``[circuit_relay] reservations`` (2) reservations on distinct relays, chosen among the
+  directory's verifiers and public users (never model nodes: a model node that also carried a
+  user's first link could match the cells it relays with the cloves it receives as the
+  destination), renews each at half its lifetime and replaces one whose connection closed; its
+  record then lists ``<relay address>/p2p/<relay>/p2p-circuit`` for each instead of its
+  listen addresses (:meth:`ReservationKeeper.advertised`).
+* **Dialling a NATed peer** (:func:`dial_circuit`, installed as the last resort of
+  :func:`ps_p2p.protocols.addresses.install_dial_fallback`): py-libp2p's swarm skips
+  ``/p2p-circuit`` addresses ("no relay transport"), so a peer listed only by them is dialled
+  here: a HOP CONNECT on a stream to its relay, and the stream, as a relayed raw connection, is
+  secured (Noise, end to end: the relay sees ciphertext only) and multiplexed (Yamux) like a TCP
+  one. The NATed end accepts it in py-libp2p's STOP handler.
+
+Fixes of py-libp2p 0.8.1 (``libp2p/relay/circuit_v2/protocol.py``, pinned to 0.8.1, see
+:data:`PINNED_LIBP2P`):
+
+1. ``_handle_reserve`` grants the reservation to the peer ID the RESERVE message names
+   (``msg.peer``), not to the peer on the connection, so one peer could fill every slot with
+   made-up IDs; :class:`RelayServer` clears the field, so the reservation is the caller's.
+2. ``_relay_data`` closes, when one circuit ends, the streams filed in ``_active_relays`` under
+   the circuit's destination peer, which belong to the *latest* circuit to that peer: a NATed
+   relay with links from several users lost a working link each time another one closed.
+   :class:`RelayServer` copies the bytes itself and closes only its own circuit's streams.
+
+Source: libp2p specs relay/circuit-v2.md, autonat/README.md (v1); issue 20 section 2.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost, INetConn, INetStream
+from libp2p.connection_types import ConnectionType
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+from ps_p2p.overlay.circuit_limits import (
+    NO_RESERVATION,
+    Circuit,
+    CircuitRelayConfig,
+    ReservationBook,
+)
+from ps_p2p.protocols.host import is_connected, peer_network
+
+log = logging.getLogger(__name__)
+
+#: The py-libp2p release whose relay code the fixes above were written against.
+PINNED_LIBP2P = "0.8.1"
+#: Seconds a HOP RESERVE or CONNECT may take, stream open to status read.
+HOP_TIMEOUT = 10.0
+#: Bytes read from one side of a circuit at a time.
+_READ_SIZE = 64 * 1024
+#: AutoNAT requests a public node serves at once (each may cost one dial back).
+AUTONAT_CONCURRENCY = 4
+
+
+class _QuietHopEnd(logging.Filter):
+    """py-libp2p 0.8.1's hop handler reads a next message after every RESERVE and logs the
+    client's normal close of that stream as an ERROR; those lines say nothing and are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Error reading from hop stream",
+                                               "Timeout reading from hop stream"))
+
+
+logging.getLogger("libp2p.relay.circuit_v2.protocol").addFilter(_QuietHopEnd())
+
+
+def _libp2p_version() -> str:
+    try:
+        return importlib.metadata.version("libp2p")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def circuit_multiaddr(relay_addr: str, relay: ID) -> str:
+    """``<relay_addr>/p2p/<relay>/p2p-circuit`` (what a NATed node's record lists; a record
+    leaves out the node's own ``/p2p/``)."""
+    base = relay_addr.rsplit("/p2p/", 1)[0]
+    return f"{base}/p2p/{relay.to_base58()}/p2p-circuit"
+
+
+def parse_circuit(addr: multiaddr.Multiaddr) -> tuple[multiaddr.Multiaddr, ID] | None:
+    """``(relay's own address, relay peer ID)`` of a ``.../p2p/<R>/p2p-circuit[/p2p/<N>]``
+    address, or None for any other."""
+    text = str(addr)
+    if "/p2p-circuit" not in text:
+        return None
+    head = text.split("/p2p-circuit", 1)[0]
+    if "/p2p/" not in head:
+        return None
+    base, relay = head.rsplit("/p2p/", 1)
+    try:
+        return multiaddr.Multiaddr(base), ID.from_base58(relay)
+    except Exception:
+        return None
+
+
+class RelayServer(CircuitV2Protocol):
+    """py-libp2p's Circuit Relay v2 hop (and stop) handlers with the bounds of ``config``
+    (:class:`~ps_p2p.overlay.circuit_limits.ReservationBook`) and the two fixes of the module
+    docstring. Run it as py-libp2p's service: ``background_trio_service(RelayServer(...))``."""
+
+    def __init__(self, host: IHost, config: CircuitRelayConfig) -> None:
+        limits = RelayLimits(
+            duration=0,  # no cap on a link's life: the overlay keeps links for hours
+            data=config.circuit_bytes,
+            max_circuit_conns=config.max_circuits_per_reservation,
+            max_reservations=config.max_reservations,
+            reservation_ttl=int(config.reservation_ttl),
+        )
+        super().__init__(host, limits, allow_hop=config.serve)
+        self.book = ReservationBook(config)
+        self.refused = 0
+        if _libp2p_version() != PINNED_LIBP2P:
+            log.warning("circuit relay fixes were written for py-libp2p %s, this is %s: check "
+                        "ps_p2p/protocols/circuit_relay.py", PINNED_LIBP2P, _libp2p_version())
+
+    def _network_of(self, peer: ID) -> str:
+        # loopback (a devnet on one machine): every peer a network of its own
+        return peer_network(self.host, peer.to_bytes()) or f"peer:{peer.to_bytes().hex()}"
+
+    async def _refuse(self, stream: INetStream, code: StatusCode) -> None:
+        self.refused += 1
+        try:
+            with trio.fail_after(HOP_TIMEOUT):
+                await write_delimited_msg(stream, HopMessage(type=HopMessage.STATUS,
+                                                             status=to_proto_status(code)))
+                await stream.close()
+        except Exception:
+            await stream.reset()
+
+    async def _handle_reserve(self, stream: INetStream, msg: HopMessage) -> None:
+        peer = stream.muxed_conn.peer_id
+        msg.ClearField("peer")  # fix 1: the reservation is the caller's, whatever msg.peer says
+        if self.book.reserve(peer.to_bytes(), self._network_of(peer), trio.current_time()) is None:
+            log.debug("reservation of %s refused: over the limits", peer)
+            await self._refuse(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED)
+            return
+        await super()._handle_reserve(stream, msg)
+
+    async def _handle_connect(self, stream: INetStream, msg: HopMessage) -> None:
+        source = stream.muxed_conn.peer_id
+        try:
+            destination = ID(msg.peer.id)
+        except Exception:
+            await self._refuse(stream, StatusCode.MALFORMED_MESSAGE)
+            return
+        if not is_connected(self.host, destination.to_bytes()):
+            self.book.release(destination.to_bytes())  # a reservation lives with its connection
+        circuit, why = self.book.open_circuit(source.to_bytes(), destination.to_bytes(),
+                                              trio.current_time())
+        if circuit is None:
+            await self._refuse(stream, StatusCode.NO_RESERVATION if why == NO_RESERVATION
+                               else StatusCode.RESOURCE_LIMIT_EXCEEDED)
+            return
+        try:
+            await super()._handle_connect(stream, msg)
+        finally:
+            self.book.close_circuit(circuit)
+
+    async def _relay_data(self, src_stream: INetStream, dst_stream: INetStream, peer_id: ID,
+                          deadline: float | None = None,
+                          circuit_data_limit: list[int] | None = None) -> None:
+        """Copy ``src_stream`` to ``dst_stream`` until either ends or the circuit's byte budget
+        (shared by both directions) is spent; then reset both: this circuit's streams only
+        (fix 2 of the module docstring)."""
+        try:
+            while True:
+                data = await src_stream.read(_READ_SIZE)
+                if not data:
+                    break
+                if circuit_data_limit is not None:
+                    circuit_data_limit[0] -= len(data)
+                    if circuit_data_limit[0] < 0:
+                        log.info("relayed link to %s cut after its %d bytes", peer_id,
+                                 self.limits.data)
+                        break
+                with trio.fail_after(self.write_timeout):
+                    await dst_stream.write(data)
+        except Exception as exc:  # a reset or closed side: the circuit ends
+            log.debug("relayed link to %s ended: %r", peer_id, exc)
+        finally:
+            for stream in (src_stream, dst_stream):
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+
+
+async def reserve(host: IHost, relay: ID, timeout: float = HOP_TIMEOUT) -> int:
+    """Ask ``relay`` (connected or dialable) for a reservation; returns its expiry (unix
+    seconds, the relay's clock).
+
+    Raises:
+        ConnectionError: the relay refused (its status code in the message) or answered
+            nonsense; trio.TooSlowError: no answer within ``timeout``; py-libp2p's dial and
+            stream errors.
+    """
+    with trio.fail_after(timeout):
+        stream = await host.new_stream(relay, [HOP_PROTOCOL_ID])
+        try:
+            await write_delimited_msg(stream, HopMessage(type=HopMessage.RESERVE))
+            resp = await read_delimited_msg(stream, HopMessage)
+        finally:
+            try:
+                await stream.close()
+            except Exception:
+                pass
+    if resp.type != HopMessage.STATUS or resp.status != StatusCode.OK:
+        raise ConnectionError(f"relay {relay} refused the reservation (status {resp.status})")
+    if not resp.HasField("reservation"):
+        raise ConnectionError(f"relay {relay} granted no reservation")
+    return int(resp.reservation.expire)
+
+
+async def dial_circuit(host: IHost, addr: multiaddr.Multiaddr, peer: ID,
+                       timeout: float = HOP_TIMEOUT) -> INetConn:
+    """A connection to ``peer`` through the relay named in ``addr``
+    (``<relay address>/p2p/<R>/p2p-circuit``), secured and multiplexed end to end, and added to
+    the host's swarm like a direct one.
+
+    Raises:
+        ConnectionError: not a circuit address, or the relay refused (status in the message);
+        trio.TooSlowError: no circuit within ``timeout``; py-libp2p's dial and upgrade errors.
+    """
+    parsed = parse_circuit(addr)
+    if parsed is None:
+        raise ConnectionError(f"{addr} is not a circuit address")
+    relay_addr, relay = parsed
+    if relay == host.get_id() or relay == peer:
+        raise ConnectionError(f"{addr} names no other relay")
+    store = host.get_peerstore()
+    try:
+        known = store.addrs(relay)
+    except Exception:
+        known = []
+    if not known:
+        store.add_addrs(relay, [relay_addr], 600)
+    ma = multiaddr.Multiaddr(f"/p2p/{relay.to_base58()}/p2p-circuit/p2p/{peer.to_base58()}")
+    with trio.fail_after(timeout):
+        stream = await host.new_stream(relay, [HOP_PROTOCOL_ID])
+        try:
+            await write_delimited_msg(stream, HopMessage(
+                type=HopMessage.CONNECT, peer=CircuitPeerId(id=peer.to_bytes())))
+            resp = await read_delimited_msg(stream, HopMessage)
+            if resp.type != HopMessage.STATUS or resp.status != StatusCode.OK:
+                raise ConnectionError(f"relay {relay} refused a circuit to {peer} "
+                                      f"(status {resp.status})")
+            raw = RawConnection(stream=stream, initiator=True,
+                                connection_type=ConnectionType.RELAYED, addresses=[ma])
+            conn = await host.upgrade_outbound_connection(raw, peer)
+        except BaseException:
+            await stream.reset()
+            raise
+    try:
+        conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    return conn
+
+
+def is_relayed(conn: Any) -> bool:
+    """Whether a swarm connection runs through a relay (``/p2p-circuit``)."""
+    try:
+        addrs = conn.get_transport_addresses()
+    except Exception:
+        return False
+    return any("/p2p-circuit" in str(a) for a in addrs or ())
+
+
+class AutoNATServer:
+    """py-libp2p's AutoNAT v1 server on a public node, bounded: at most
+    :data:`AUTONAT_CONCURRENCY` requests served at once and one per peer (each may cost a dial
+    back); the others are reset."""
+
+    def __init__(self, host: IHost) -> None:
+        from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID, AutoNATService
+
+        self._service = AutoNATService(host, serve=False)  # type: ignore[arg-type]
+        self._limit = trio.CapacityLimiter(AUTONAT_CONCURRENCY)
+        self._busy: set[ID] = set()
+        host.set_stream_handler(AUTONAT_PROTOCOL_ID, self._handle)
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        if peer in self._busy:
+            await stream.reset()
+            return
+        try:
+            self._limit.acquire_nowait()
+        except trio.WouldBlock:
+            await stream.reset()
+            return
+        self._busy.add(peer)
+        try:
+            with trio.move_on_after(HOP_TIMEOUT):
+                await self._service.handle_stream(stream)
+        finally:
+            self._busy.discard(peer)
+            self._limit.release()
+
+
+class Reachability:
+    """Whether this node can be dialled: ``"public"``, ``"private"`` or ``"unknown"``
+    (module docstring: AutoNAT v1 asked of up to 3 verifiers, majority of those that
+    answered; or as configured)."""
+
+    def __init__(self, host: IHost, mode: str) -> None:
+        self.host = host
+        self.mode = mode
+        self.status = mode if mode in ("public", "private") else "unknown"
+
+    async def check(self, servers: Sequence[bytes]) -> str:
+        """Ask up to 3 of ``servers`` (peer IDs, connected) and update :attr:`status`."""
+        if self.mode != "auto":
+            return self.status
+        from libp2p.host.autonat.autonat import AutoNATService
+        from libp2p.host.autonat.pb.autonat_pb2 import Message
+
+        client = AutoNATService(self.host, serve=False)  # type: ignore[arg-type]
+        yes = no = 0
+        addrs = [a.to_bytes() for a in self.host.get_addrs()]
+        for server in list(servers)[:3]:
+            try:
+                status, _ = await client.query_server(ID(server), addrs, timeout=HOP_TIMEOUT)
+            except Exception as exc:
+                log.debug("AutoNAT query to %s failed: %r", ID(server), exc)
+                continue
+            if status == int(Message.OK):
+                yes += 1
+            else:
+                no += 1
+        if yes > no:
+            self.status = "public"
+        elif no > yes:
+            self.status = "private"
+        if yes or no:
+            log.info("reachability %s (%d verifiers dialled back, %d could not)",
+                     self.status, yes, no)
+        return self.status
+
+
+class ReservationKeeper:
+    """A private node's reservations on public relays (module docstring).
+
+    Args:
+        host: the node's host.
+        config: ``[circuit_relay]``.
+        candidates: () -> [(peer ID, its record's addresses as text multiaddrs)] of the public
+            nodes that may be asked (verifiers and public users of the directory).
+        rng: randomness for the choice of relays.
+    """
+
+    def __init__(self, host: IHost, config: CircuitRelayConfig,
+                 candidates: Callable[[], list[tuple[bytes, list[str]]]],
+                 rng: random.Random | None = None) -> None:
+        self.host = host
+        self.config = config
+        self.candidates = candidates
+        self.rng = rng or random.Random()
+        self._held: dict[bytes, tuple[float, str]] = {}  # relay -> (renew at, relay address)
+        self._failed: dict[bytes, float] = {}  # relay -> retry not before
+        self.changed = trio.Event()
+
+    def advertised(self) -> list[str]:
+        """The circuit addresses this node's record lists (one per reservation held)."""
+        return [circuit_multiaddr(addr, ID(relay)) for relay, (_, addr) in sorted(self._held.items())]
+
+    async def step(self) -> None:
+        """Drop reservations whose relay connection closed, renew those due, and reserve on
+        new relays until ``config.reservations`` are held."""
+        now = trio.current_time()
+        before = self.advertised()
+        for relay in list(self._held):
+            if not is_connected(self.host, relay):
+                log.info("reservation on %s lost (connection closed)", ID(relay))
+                del self._held[relay]
+        for relay, (renew_at, addr) in list(self._held.items()):
+            if now >= renew_at and not await self._reserve(relay, addr):
+                self._held.pop(relay, None)
+        want = self.config.reservations - len(self._held)
+        if want > 0:
+            options = [(p, a) for p, a in self.candidates()
+                       if p not in self._held and self._failed.get(p, 0.0) <= now and a
+                       and p != self.host.get_id().to_bytes()]
+            self.rng.shuffle(options)
+            for peer, addrs in options:
+                if want <= 0:
+                    break
+                store = self.host.get_peerstore()
+                try:
+                    if not store.addrs(ID(peer)):
+                        store.add_addrs(ID(peer), [multiaddr.Multiaddr(a) for a in addrs], 600)
+                except Exception:
+                    store.add_addrs(ID(peer), [multiaddr.Multiaddr(a) for a in addrs], 600)
+                if await self._reserve(peer, addrs[0]):
+                    want -= 1
+        if self.advertised() != before:
+            self.changed.set()
+            self.changed = trio.Event()
+
+    async def _reserve(self, relay: bytes, addr: str) -> bool:
+        now = trio.current_time()
+        try:
+            await reserve(self.host, ID(relay))
+        except Exception as exc:
+            log.info("reservation on %s failed: %r", ID(relay), exc)
+            self._failed[relay] = now + 30.0
+            return False
+        self._held[relay] = (now + self.config.reservation_ttl / 2, addr)
+        log.info("reservation on relay %s (%d held)", ID(relay), len(self._held))
+        return True
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await self.step()
+            await trio.sleep(1.0 if len(self._held) < self.config.reservations else 5.0)
+
+
+__all__ = [
+    "AUTONAT_CONCURRENCY",
+    "HOP_TIMEOUT",
+    "PINNED_LIBP2P",
+    "AutoNATServer",
+    "Reachability",
+    "RelayServer",
+    "ReservationKeeper",
+    "circuit_multiaddr",
+    "dial_circuit",
+    "is_relayed",
+    "parse_circuit",
+    "reserve",
+]
