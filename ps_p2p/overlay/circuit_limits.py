@@ -25,7 +25,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import base58
+
+from ps_p2p.errors import RemoteProtocolError
+from ps_p2p.records.multiaddrs import check_multiaddr
 
 REACHABILITY = ("auto", "public", "private")
 
@@ -202,5 +208,36 @@ class ReservationBook:
         return len(self._circuits)
 
 
+def circuit_relays(addrs: Iterable[bytes]) -> frozenset[bytes]:
+    """The relays (peer ID bytes) a record's binary multiaddrs reach it through: the
+    ``/p2p/<R>`` before each ``/p2p-circuit``; empty for a node listed by direct addresses
+    only. Addresses that do not parse are skipped (a record's were validated already)."""
+    out = set()
+    for addr in addrs:
+        try:
+            text = check_multiaddr(addr)
+        except RemoteProtocolError:
+            continue
+        head, sep, _ = text.partition("/p2p-circuit")
+        if not sep or "/p2p/" not in head:
+            continue
+        try:
+            out.add(bytes(base58.b58decode(head.rsplit("/p2p/", 1)[1])))
+        except ValueError:
+            continue
+    return frozenset(out)
+
+
+def relay_hosts_of(records: Iterable[object]) -> dict[bytes, frozenset[bytes]]:
+    """peer ID -> the relays of its circuit addresses, for the directory's NATed nodes only
+    (:func:`circuit_relays` of each record's ``addrs``)."""
+    out = {}
+    for record in records:
+        relays = circuit_relays(getattr(record, "addrs", ()))
+        if relays:
+            out[record.peer_id] = relays  # type: ignore[attr-defined]
+    return out
+
+
 __all__ = ["NO_RESERVATION", "OVER_LIMIT", "REACHABILITY", "Circuit", "CircuitRelayConfig",
-           "ReservationBook"]
+           "ReservationBook", "circuit_relays", "relay_hosts_of"]

@@ -121,6 +121,10 @@ def install_dial_fallback(network: INetwork) -> None:
     original = network.dial_peer
 
     async def dial_peer(peer_id: ID) -> list[INetConn]:
+        book = getattr(network, "_ps_circuits", None)
+        if book and peer_id in book:  # a NATed peer: its record lists its relays only
+            return await _dial_circuits(
+                network, peer_id, SwarmException(f"no relay of {peer_id} answered"))
         try:
             return await original(peer_id)
         except SwarmException as exc:
@@ -169,11 +173,13 @@ async def _dial_circuits(network: INetwork, peer_id: ID, failure: SwarmException
             conns = network.get_connections(peer_id)
             if conns:  # another caller's circuit came up meanwhile
                 return list(conns)
+            circuits = list(getattr(network, "_ps_circuits", {}).get(peer_id, ()))
             try:
-                circuits = [a for a in network.peerstore.addrs(peer_id)
-                            if "p2p-circuit" in str(a)][:MAX_FALLBACK_ADDRS]
+                circuits += [a for a in network.peerstore.addrs(peer_id)
+                             if "p2p-circuit" in str(a) and a not in circuits]
             except PeerStoreError:
-                circuits = []
+                pass
+            circuits = circuits[:MAX_FALLBACK_ADDRS]
             for addr in circuits:
                 try:
                     conn = await dial_circuit(host, addr, peer_id)
@@ -194,6 +200,36 @@ def install_circuit_dialing(host: IHost) -> None:
     network = host.get_network()
     network._ps_circuit_host = host  # type: ignore[attr-defined]
     network._ps_circuit_locks = {}  # type: ignore[attr-defined]
+    network._ps_circuits = {}  # type: ignore[attr-defined]
+
+
+def note_record_circuits(host: IHost, peer: bytes,
+                         addrs: Sequence[bytes | str | multiaddr.Multiaddr]) -> bool:
+    """Remember the ``/p2p-circuit`` addresses of ``peer``'s committed record when it lists
+    no direct one (a NATed node): it is then always dialled through them, whatever identify
+    reported since (a NATed node's listen addresses are on its home network, and py-libp2p's
+    identify replaces the peerstore's addresses with them). Returns True when ``peer`` is such
+    a node. Without :func:`install_circuit_dialing` nothing is kept."""
+    book = getattr(host.get_network(), "_ps_circuits", None)
+    if book is None:
+        return False
+    parsed = _parse(addrs)
+    circuits = [a for a in parsed if "p2p-circuit" in str(a)]
+    pid = ID(peer)
+    if circuits and len(circuits) == len(parsed):
+        book[pid] = circuits[:MAX_FALLBACK_ADDRS]
+        return True
+    book.pop(pid, None)
+    return False
+
+
+def forget_record_circuits(host: IHost, keep: Iterable[bytes]) -> None:
+    """Forget the circuit addresses of every peer not in ``keep`` (departed nodes)."""
+    book = getattr(host.get_network(), "_ps_circuits", None)
+    if book:
+        kept = {ID(p) for p in keep}
+        for pid in [p for p in book if p not in kept]:
+            del book[pid]
 
 
 class ReidentifyNotifee(INotifee):
@@ -235,6 +271,8 @@ __all__ = [
     "ReidentifyNotifee",
     "forget_dial_failures",
     "install_circuit_dialing",
+    "forget_record_circuits",
     "install_dial_fallback",
+    "note_record_circuits",
     "replace_peer_addrs",
 ]

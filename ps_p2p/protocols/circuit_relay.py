@@ -449,7 +449,177 @@ class ReservationKeeper:
             await trio.sleep(1.0 if len(self._held) < self.config.reservations else 5.0)
 
 
+#: Seconds a node in ``reachability = "auto"`` waits for AutoNAT verdicts before it registers
+#: its listen addresses anyway (no verifier answered: it is taken for public meanwhile).
+AUTONAT_GRACE = 15.0
+
+
+def _is_loopback_only(host: IHost) -> bool:
+    import ipaddress
+
+    ips = []
+    for addr in host.get_transport_addrs():
+        for proto in ("ip4", "ip6"):
+            try:
+                ips.append(ipaddress.ip_address(addr.value_for_protocol(proto)))
+            except Exception:
+                continue
+    return bool(ips) and all(ip.is_loopback for ip in ips)
+
+
+def relay_candidates(directory: Any, me: bytes) -> list[tuple[bytes, list[str]]]:
+    """The public nodes of ``directory`` a private node may reserve on: verifiers and users
+    with a direct (non-circuit) address, never model nodes (module docstring), not ``me``;
+    each with its direct addresses as text multiaddrs."""
+    from ps_p2p.records import Role
+
+    out = []
+    for record in getattr(directory, "records", ()):
+        if record.peer_id == me or Role.MODEL in record.roles:
+            continue
+        if not record.roles & {Role.VERIFIER, Role.USER}:
+            continue
+        direct = []
+        for raw in record.addrs:
+            try:
+                text = str(multiaddr.Multiaddr(raw))
+            except Exception:
+                continue
+            if "p2p-circuit" not in text:
+                direct.append(text)
+        if direct:
+            out.append((record.peer_id, direct))
+    return out
+
+
+class NatSupport:
+    """What a node runs for NATed nodes (module docstring), whatever its own reachability:
+    the relay server (hop for others when ``config.serve``, stop for circuits to itself),
+    circuit dialing, the AutoNAT server on verifiers, and, once found private, the
+    reservations and the circuit addresses its record lists.
+
+    Args:
+        host: the node's host.
+        config: ``[circuit_relay]``.
+        directory: () -> the node's current directory (or None).
+        verifiers: () -> the verifiers' peer IDs (AutoNAT servers).
+        verifier: this node is a verifier (serves AutoNAT; always public).
+    """
+
+    def __init__(self, host: IHost, config: CircuitRelayConfig, *,
+                 directory: Callable[[], Any], verifiers: Callable[[], Sequence[bytes]],
+                 verifier: bool, rng: random.Random | None = None) -> None:
+        self.host = host
+        self.config = config
+        self.directory = directory
+        self.verifiers = verifiers
+        self.verifier = verifier
+        mode = "public" if verifier else config.reachability
+        if mode == "auto" and _is_loopback_only(host):
+            mode = "public"  # every node on one machine (a devnet): nothing to ask
+        self.reachability = Reachability(host, mode)
+        self.server = RelayServer(host, config)
+        me = host.get_id().to_bytes()
+        self.keeper = ReservationKeeper(host, config,
+                                        lambda: relay_candidates(self.directory(), me), rng)
+        self._started = 0.0
+        self._changed = False
+        #: DCUtR hole punches this node started (py-libp2p's auto-drive) and those that gave
+        #: a direct connection
+        self.punches = 0
+        self.punched = 0
+        self.dcutr: Any = None
+
+    @property
+    def private(self) -> bool:
+        return self.reachability.status == "private"
+
+    def advertised(self, listen_addrs: Sequence[str]) -> list[str]:
+        """The addresses this node's record lists: its circuit addresses when private, else
+        ``listen_addrs``."""
+        return self.keeper.advertised() if self.private else list(listen_addrs)
+
+    def may_register(self) -> bool:
+        """Whether the record is worth registering now: public, private with a reservation,
+        or no verdict after :data:`AUTONAT_GRACE` seconds."""
+        status = self.reachability.status
+        if status == "private":
+            return bool(self.keeper.advertised())
+        return status == "public" or trio.current_time() - self._started >= AUTONAT_GRACE
+
+    def status(self) -> dict[str, Any]:
+        """For the status file: reachability, reservations held (private) and granted
+        (relay), relayed connections open now, and the DCUtR hole punches."""
+        conns = self.host.get_network().get_connections()
+        return {
+            "reachability": self.reachability.status,
+            "circuit_addrs": self.keeper.advertised() if self.private else [],
+            "reservations_granted": self.server.book.reservations(),
+            "circuits_relayed": self.server.book.circuits(),
+            "relayed_connections": sum(1 for c in conns if is_relayed(c)),
+            "hole_punches": self.punches,
+            "hole_punches_direct": self.punched,
+        }
+
+    def _count_punches(self, dcutr: Any) -> None:
+        original = dcutr.initiate_hole_punch
+
+        async def initiate_hole_punch(peer_id: ID) -> bool:
+            self.punches += 1
+            ok = bool(await original(peer_id))
+            self.punched += ok
+            log.info("DCUtR hole punch to %s: %s", peer_id, "direct" if ok else "failed")
+            return ok
+
+        dcutr.initiate_hole_punch = initiate_hole_punch
+
+    def take_changed(self) -> bool:
+        """True once after the advertised addresses changed (register again now)."""
+        changed, self._changed = self._changed, False
+        return changed
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        from libp2p.tools.anyio_service.context import background_trio_service
+
+        from ps_p2p.protocols.addresses import install_circuit_dialing
+
+        self._started = trio.current_time()
+        install_circuit_dialing(self.host)
+        if self.verifier:
+            AutoNATServer(self.host)
+        from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+        self.dcutr = DCUtRProtocol(self.host)
+        self._count_punches(self.dcutr)
+        async with background_trio_service(self.server), background_trio_service(self.dcutr):
+            task_status.started()
+            wait = 1.0
+            while self.reachability.status == "unknown":
+                servers = [v for v in self.verifiers() if v != self.host.get_id().to_bytes()]
+                if servers:
+                    await self.reachability.check(servers)
+                if self.reachability.status != "unknown":
+                    break
+                await trio.sleep(wait)
+                wait = min(wait * 2, 30.0)
+            if self.private:
+                self._changed = True
+                log.info("this node is behind a NAT: it reserves slots on %d relays",
+                         self.config.reservations)
+                while True:
+                    before = self.keeper.advertised()
+                    await self.keeper.step()
+                    if self.keeper.advertised() != before:
+                        self._changed = True
+                    held = len(self.keeper.advertised())
+                    await trio.sleep(1.0 if held < self.config.reservations else 5.0)
+            await trio.sleep_forever()
+
+
 __all__ = [
+    "AUTONAT_GRACE",
+    "NatSupport",
+    "relay_candidates",
     "AUTONAT_CONCURRENCY",
     "HOP_TIMEOUT",
     "PINNED_LIBP2P",
