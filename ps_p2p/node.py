@@ -237,6 +237,7 @@ class Node:
         self._notifee: _DisconnectNotifee | None = None
         #: Circuit Relay v2 for NATed nodes (:mod:`ps_p2p.protocols.circuit_relay`)
         self.nat: NatSupport | None = None
+        self._own_host = False
         #: peer -> the record addresses last put in the peerstore (bounded by the directory)
         self._record_addrs: dict[bytes, tuple[bytes, ...]] = {}
         self._faults: Any = None  # TEST ONLY: a ps_p2p.testing.faults.FaultInjector
@@ -415,6 +416,7 @@ class Node:
                 if self.config.metrics is not None:
                     self.metrics.serve(self.config.metrics)  # before the host: fail fast
                 if host is None:
+                    self._own_host = True  # Circuit Relay v2 handlers only on our own host
                     async with open_host(self.keys.identity, [self.config.listen],
                                          inbound=self.config.connections) as own_host:
                         await self._serve(own_host, task_status)
@@ -458,7 +460,7 @@ class Node:
                 self._faults.install(host, nursery)
                 await nursery.start(self._faults.watch, faults_file)
             self._learn_bootstrap_addrs(host)
-            if self.roles & {Role.USER, Role.MODEL, Role.VERIFIER}:
+            if self._own_host:  # an application's host (attach) keeps its own protocols
                 self.nat = NatSupport(host, self.config.circuit_relay,
                                       directory=lambda: self.directory,
                                       verifiers=lambda: sorted(self.trusted_verifiers),

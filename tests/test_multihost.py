@@ -6,6 +6,7 @@ Needs root and ip/nft/tc (CI runs as root on Debian); skipped with the reason ot
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -48,6 +49,36 @@ def test_every_prompt_is_answered_over_wan_links_while_a_model_node_moves_to_a_n
     logs = sorted((tmp_path / "logs").glob("*.log"))
     assert len(logs) == 11
     assert all("TEST ONLY faults now" in log.read_text() for log in logs)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REASON is not None, reason=f"no multi-host testbed here: {REASON}")
+def test_natted_users_relay_and_proxy_on_paths_that_answer_prompts(tmp_path):
+    """Issue 20 section 2: two users behind NATs of their own (nobody can dial them) learn
+    they are private (AutoNAT), reserve Circuit Relay v2 slots, are listed with
+    ``/p2p-circuit`` addresses, and relay and proxy cells of prompts that are answered."""
+    opts = multihost.MultihostOptions(verifiers=1, models=1, users=5, nat_users=2, prompts=8,
+                                      profile="continental", start_timeout=120.0)
+    bed = netns.Testbed()
+    prefix = bed.prefix
+    try:
+        bed.open()
+        result = trio.run(multihost.run_multihost, opts, bed, tmp_path, print)
+    finally:
+        bed.close()
+        assert netns.leftovers(prefix) == []  # also when the run failed
+    print(result.summary())
+    assert result.sent == 8 and result.answered == 8, result.errors
+    assert result.paths_nat_relay > 0  # paths through a NATed user
+    assert result.nat_cells_relayed > 0 and result.nat_cloves_proxied > 0
+    assert result.relayed_connections > 0  # links to them went through relays
+    statuses = [json.loads(p.read_text()) for p in (tmp_path / "status").glob("n*.json")]
+    assert len(statuses) == 2
+    for status in statuses:
+        nat = status["nat"]
+        assert nat["reachability"] == "private"
+        assert nat["circuit_addrs"] and all("/p2p-circuit" in a for a in nat["circuit_addrs"])
+        assert status["directory"]["users"] == 7  # both NATed users are listed
 
 
 @pytest.mark.slow

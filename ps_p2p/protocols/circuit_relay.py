@@ -85,12 +85,15 @@ AUTONAT_CONCURRENCY = 4
 
 
 class _QuietHopEnd(logging.Filter):
-    """py-libp2p 0.8.1's hop handler reads a next message after every RESERVE and logs the
-    client's normal close of that stream as an ERROR; those lines say nothing and are dropped."""
+    """py-libp2p 0.8.1's hop handler reads a next message after every RESERVE and after every
+    circuit's end, and logs the normal close or reset of that stream (and its failed attempt to
+    answer on it) as ERRORs; those lines say nothing and are dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(("Error reading from hop stream",
-                                               "Timeout reading from hop stream"))
+                                               "Timeout reading from hop stream",
+                                               "Unexpected error handling hop stream",
+                                               "Error sending status message"))
 
 
 logging.getLogger("libp2p.relay.circuit_v2.protocol").addFilter(_QuietHopEnd())
@@ -528,6 +531,9 @@ class NatSupport:
         #: a direct connection
         self.punches = 0
         self.punched = 0
+        #: of them, those between two NATed nodes (a real hole punch through both NATs)
+        self.nat_punches = 0
+        self.nat_punched = 0
         self.dcutr: Any = None
 
     @property
@@ -549,7 +555,8 @@ class NatSupport:
 
     def status(self) -> dict[str, Any]:
         """For the status file: reachability, reservations held (private) and granted
-        (relay), relayed connections open now, and the DCUtR hole punches."""
+        (relay), relayed connections open now, and the DCUtR upgrades this node started (all,
+        and those to another NATed node: real hole punches), tried and direct."""
         conns = self.host.get_network().get_connections()
         return {
             "reachability": self.reachability.status,
@@ -559,16 +566,25 @@ class NatSupport:
             "relayed_connections": sum(1 for c in conns if is_relayed(c)),
             "hole_punches": self.punches,
             "hole_punches_direct": self.punched,
+            "nat_hole_punches": self.nat_punches,
+            "nat_hole_punches_direct": self.nat_punched,
         }
 
     def _count_punches(self, dcutr: Any) -> None:
         original = dcutr.initiate_hole_punch
 
         async def initiate_hole_punch(peer_id: ID) -> bool:
+            # both ends NATed (a real hole punch), or one public (then the NATed end dials
+            # out: a connection reversal)
+            both = self.private and peer_id in getattr(self.host.get_network(),
+                                                       "_ps_circuits", {})
             self.punches += 1
+            self.nat_punches += both
             ok = bool(await original(peer_id))
             self.punched += ok
-            log.info("DCUtR hole punch to %s: %s", peer_id, "direct" if ok else "failed")
+            self.nat_punched += ok and both
+            log.info("DCUtR %s to %s: %s", "hole punch" if both else "upgrade", peer_id,
+                     "direct" if ok else "failed")
             return ok
 
         dcutr.initiate_hole_punch = initiate_hole_punch

@@ -205,7 +205,13 @@ class Result:
     #: paths of NATed users (as their own paths), DCUtR hole punches tried / gave a direct link
     hole_punches: int = 0
     hole_punches_direct: int = 0
+    #: of them, between two NATed users (through both NATs)
+    nat_hole_punches: int = 0
+    nat_hole_punches_direct: int = 0
     relayed_connections: int = 0
+    #: cells NATed users relayed (or opened as proxy) and request cloves they proxied
+    nat_cells_relayed: int = 0
+    nat_cloves_proxied: int = 0
 
     def summary(self) -> str:
         lat = sorted(self.latencies_ms)
@@ -218,8 +224,11 @@ class Result:
                 f"ready in {self.ready_s:.1f} s")
         if self.paths:
             line += (f", paths with a NATed relay {self.paths_nat_relay}/{self.paths}, "
-                     f"relayed connections {self.relayed_connections}, hole punches "
-                     f"{self.hole_punches_direct}/{self.hole_punches} direct")
+                     f"relayed connections {self.relayed_connections}, DCUtR upgrades "
+                     f"{self.hole_punches_direct}/{self.hole_punches} direct (NAT to NAT "
+                     f"{self.nat_hole_punches_direct}/{self.nat_hole_punches}), NATed users "
+                     f"relayed {self.nat_cells_relayed} cells and proxied "
+                     f"{self.nat_cloves_proxied} cloves")
         for name, seconds in self.recoveries:
             line += f", {name}: " + ("not recovered" if seconds is None
                                      else f"recovered in {seconds:.1f} s")
@@ -550,6 +559,10 @@ class Multihost:
                     result.path_setups += int(float(line.split()[-1]))
                 elif line.startswith("planetserve_path_setups_failed_total"):
                     result.setups_failed += int(float(line.split()[-1]))
+                elif user.nat and line.startswith("planetserve_cells_relayed_total"):
+                    result.nat_cells_relayed += int(float(line.split()[-1]))
+                elif user.nat and line.startswith("planetserve_cloves_proxied_total"):
+                    result.nat_cloves_proxied += int(float(line.split()[-1]))
         nat_ids = {self._peer_id(n.name.split("-r")[0]) for n in self.nodes.values() if n.nat}
         for user in self._users():
             try:
@@ -566,6 +579,8 @@ class Multihost:
             if nat:
                 result.hole_punches += int(nat.get("hole_punches", 0))
                 result.hole_punches_direct += int(nat.get("hole_punches_direct", 0))
+                result.nat_hole_punches += int(nat.get("nat_hole_punches", 0))
+                result.nat_hole_punches_direct += int(nat.get("nat_hole_punches_direct", 0))
                 result.relayed_connections += int(nat.get("relayed_connections", 0))
         heights = [int((n.read_status().get("committee") or {}).get("committed_height", -1))
                    for n in self.nodes.values() if n.role == "verifier" and n.running()]
