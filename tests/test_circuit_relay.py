@@ -229,3 +229,67 @@ async def test_closing_one_circuit_to_a_peer_leaves_its_other_circuits_open():
             with trio.fail_after(10):
                 assert await _roundtrip(streams[1], b"still here") == b"still here"
 
+
+
+async def test_a_full_relay_gives_the_slot_of_a_holder_that_left_to_a_newcomer():
+    """A reservation lives with its holder's connection: a NATed node that left must not hold
+    one of the relay's few slots until its reservation expires (10 minutes)."""
+    async with open_host(Identity.generate(), LOOP) as relay, \
+            open_host(Identity.generate(), LOOP) as gone, \
+            open_host(Identity.generate(), LOOP) as newcomer:
+        server = RelayServer(relay, CircuitRelayConfig(max_reservations=1))
+        async with background_trio_service(server):
+            for host in (gone, newcomer):
+                host.get_peerstore().add_addrs(relay.get_id(),
+                                               [_bare(listen_multiaddrs(relay)[0])], 0)
+            with trio.fail_after(10):
+                await reserve(gone, relay.get_id())
+                with pytest.raises(ConnectionError):  # full while its holder is there
+                    await reserve(newcomer, relay.get_id())
+                for conn in list(gone.get_network().get_connections(relay.get_id())):
+                    await conn.close()
+                await wait_until(lambda: not relay.get_network().get_connections(gone.get_id()))
+                await reserve(newcomer, relay.get_id())
+            assert server.book.holders() == [newcomer.get_id().to_bytes()]
+
+
+async def test_after_a_direct_upgrade_a_relayed_connection_is_closed_only_once_idle():
+    """py-libp2p 0.8.1 closes a peer's relayed connections 60 s after DCUtR found a direct one,
+    whatever streams they carry: every overlay link on them, and each path through it, died."""
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+    from ps_p2p.protocols.circuit_relay import NatSupport
+
+    async with open_host(Identity.generate(), LOOP) as relay, \
+            open_host(Identity.generate(), LOOP) as nat, \
+            open_host(Identity.generate(), LOOP) as client:
+        async with background_trio_service(RelayServer(relay, CircuitRelayConfig())), \
+                background_trio_service(RelayServer(nat, CircuitRelayConfig(serve=False))):
+            nat.set_stream_handler(ECHO, _echo)
+            nat.get_peerstore().add_addrs(relay.get_id(), [_bare(listen_multiaddrs(relay)[0])], 0)
+            with trio.fail_after(10):
+                await reserve(nat, relay.get_id())
+            circuit = multiaddr_bytes(circuit_multiaddr(listen_multiaddrs(relay)[0],
+                                                        relay.get_id()))
+            support = NatSupport(client, CircuitRelayConfig(reachability="public"),
+                                 directory=lambda: None, verifiers=lambda: [], verifier=False)
+            dcutr = DCUtRProtocol(client)
+            support._count_punches(dcutr)
+            install_circuit_dialing(client)
+            note_record_circuits(client, nat.get_id().to_bytes(), [circuit])
+            network = client.get_network()
+            with trio.fail_after(10):
+                link = await client.new_stream(nat.get_id(), [ECHO])  # over the circuit
+                await network.dial_addr(_bare(listen_multiaddrs(nat)[0]), nat.get_id())
+            relayed = [c for c in network.get_connections(nat.get_id()) if is_relayed(c)]
+            assert len(relayed) == 1 and len(network.get_connections(nat.get_id())) == 2
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dcutr._close_relayed_conns_after_grace, nat.get_id(), 0.05)
+                await trio.sleep(0.5)  # ten checks: the link is still in use
+                assert relayed[0] in network.get_connections(nat.get_id())
+                with trio.fail_after(10):
+                    assert await _roundtrip(link, b"alive") == b"alive"
+                await link.close()
+                with trio.fail_after(10):
+                    await wait_until(lambda: relayed[0] not in network.get_connections(
+                        nat.get_id()))

@@ -159,6 +159,10 @@ class ReservationBook:
     def reservations(self) -> int:
         return len(self._expires)
 
+    def holders(self) -> list[bytes]:
+        """The peers holding a reservation (at most ``max_reservations``)."""
+        return list(self._expires)
+
     def expire(self, now: float) -> None:
         """Drop the reservations whose time is up (heap order: O(log n) each)."""
         while self._heap and self._heap[0][0] <= now:

@@ -80,6 +80,9 @@ PINNED_LIBP2P = "0.8.1"
 HOP_TIMEOUT = 10.0
 #: Bytes read from one side of a circuit at a time.
 _READ_SIZE = 64 * 1024
+#: Seconds between checks whether a relayed connection replaced by a direct one (DCUtR) still
+#: carries streams; it is closed once it carries none.
+RELAY_IDLE_CHECK = 10.0
 #: AutoNAT requests a public node serves at once (each may cost one dial back).
 AUTONAT_CONCURRENCY = 4
 
@@ -166,7 +169,16 @@ class RelayServer(CircuitV2Protocol):
     async def _handle_reserve(self, stream: INetStream, msg: HopMessage) -> None:
         peer = stream.muxed_conn.peer_id
         msg.ClearField("peer")  # fix 1: the reservation is the caller's, whatever msg.peer says
-        if self.book.reserve(peer.to_bytes(), self._network_of(peer), trio.current_time()) is None:
+        now = trio.current_time()
+        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now) is None:
+            # full: a reservation lives with its holder's connection; give back those of
+            # holders gone (at most max_reservations looked at, only when full)
+            for holder in self.book.holders():
+                if not is_connected(self.host, holder):
+                    self.book.release(holder)
+                    # py-libp2p's own table (0.8.1: ``_reservations``) counts it too
+                    self.resource_manager._reservations.pop(ID(holder), None)
+        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now) is None:
             log.debug("reservation of %s refused: over the limits", peer)
             await self._refuse(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED)
             return
@@ -394,7 +406,6 @@ class ReservationKeeper:
         self.rng = rng or random.Random()
         self._held: dict[bytes, tuple[float, str]] = {}  # relay -> (renew at, relay address)
         self._failed: dict[bytes, float] = {}  # relay -> retry not before
-        self.changed = trio.Event()
 
     def advertised(self) -> list[str]:
         """The circuit addresses this node's record lists (one per reservation held)."""
@@ -404,7 +415,6 @@ class ReservationKeeper:
         """Drop reservations whose relay connection closed, renew those due, and reserve on
         new relays until ``config.reservations`` are held."""
         now = trio.current_time()
-        before = self.advertised()
         for relay in list(self._held):
             if not is_connected(self.host, relay):
                 log.info("reservation on %s lost (connection closed)", ID(relay))
@@ -429,9 +439,6 @@ class ReservationKeeper:
                     store.add_addrs(ID(peer), [multiaddr.Multiaddr(a) for a in addrs], 600)
                 if await self._reserve(peer, addrs[0]):
                     want -= 1
-        if self.advertised() != before:
-            self.changed.set()
-            self.changed = trio.Event()
 
     async def _reserve(self, relay: bytes, addr: str) -> bool:
         now = trio.current_time()
@@ -444,12 +451,6 @@ class ReservationKeeper:
         self._held[relay] = (now + self.config.reservation_ttl / 2, addr)
         log.info("reservation on relay %s (%d held)", ID(relay), len(self._held))
         return True
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            await self.step()
-            await trio.sleep(1.0 if len(self._held) < self.config.reservations else 5.0)
 
 
 #: Seconds a node in ``reachability = "auto"`` waits for AutoNAT verdicts before it registers
@@ -574,6 +575,8 @@ class NatSupport:
         original = dcutr.initiate_hole_punch
 
         async def initiate_hole_punch(peer_id: ID) -> bool:
+            if await dcutr._have_direct_connection(peer_id):
+                return True  # py-libp2p's auto-drive asks again for upgraded peers: no attempt
             # both ends NATed (a real hole punch), or one public (then the NATed end dials
             # out: a connection reversal)
             both = self.private and peer_id in getattr(self.host.get_network(),
@@ -588,6 +591,26 @@ class NatSupport:
             return ok
 
         dcutr.initiate_hole_punch = initiate_hole_punch
+
+        async def close_relayed_when_idle(peer_id: ID, grace: float = RELAY_IDLE_CHECK) -> None:
+            # py-libp2p closes the relayed connections 60 s after an upgrade, whatever they
+            # carry: every overlay link on them (and each path through it) died then. New
+            # streams prefer the direct connection (py-libp2p's connection choice), so a
+            # relayed one is closed here once it carries no stream; while the direct one lasts.
+            network = self.host.get_network()
+            while True:
+                await trio.sleep(grace)
+                if not await dcutr._verify_direct_connection(peer_id):
+                    return
+                relayed = [c for c in network.get_connections(peer_id) if is_relayed(c)]
+                if not relayed:
+                    return
+                for conn in relayed:
+                    if not conn.get_streams():
+                        log.debug("closing the idle relayed connection to %s", peer_id)
+                        await conn.close()
+
+        dcutr._close_relayed_conns_after_grace = close_relayed_when_idle
 
     def take_changed(self) -> bool:
         """True once after the advertised addresses changed (register again now)."""
