@@ -23,7 +23,6 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
 
 ROLE = r'''
 import json, sys, time, trio, multiaddr

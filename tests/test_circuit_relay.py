@@ -5,6 +5,7 @@ a path never has a hop as another hop's relay host."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import multiaddr
@@ -26,6 +27,7 @@ from ps_p2p.overlay.circuit_limits import (
     CircuitRelayConfig,
     ReservationBook,
     circuit_relays,
+    rank_relays,
 )
 from ps_p2p.overlay.paths import choose_relays
 from ps_p2p.protocols.addresses import install_circuit_dialing, note_record_circuits
@@ -272,7 +274,7 @@ async def test_after_a_direct_upgrade_a_relayed_connection_is_closed_only_once_i
             circuit = multiaddr_bytes(circuit_multiaddr(listen_multiaddrs(relay)[0],
                                                         relay.get_id()))
             support = NatSupport(client, CircuitRelayConfig(reachability="public"),
-                                 directory=lambda: None, verifiers=lambda: [], verifier=False)
+                                 directory=lambda: None, verifiers=list, verifier=False)
             dcutr = DCUtRProtocol(client)
             support._count_punches(dcutr)
             install_circuit_dialing(client)
@@ -293,3 +295,20 @@ async def test_after_a_direct_upgrade_a_relayed_connection_is_closed_only_once_i
                 with trio.fail_after(10):
                     await wait_until(lambda: relayed[0] not in network.get_connections(
                         nat.get_id()))
+
+
+def test_private_nodes_spread_their_reservations_over_the_public_ones():
+    """Rendezvous ranking: 24 NATed nodes x 2 reservations over 12 relays stay near 4 each
+    (all on the first relays seen, they filled the verifiers' 128 circuits and links failed),
+    and a 13th relay takes over few of them."""
+    nats = [hashlib.sha256(b"nat %d" % i).digest() for i in range(24)]
+    relays = [hashlib.sha256(b"relay %d" % i).digest() for i in range(12)]
+    load = {r: 0 for r in relays}
+    for me in nats:
+        for r in rank_relays(me, relays)[:2]:
+            load[r] += 1
+    assert max(load.values()) <= 10 and sum(load.values()) == 48
+    newcomer = hashlib.sha256(b"relay 12").digest()
+    moved = sum(set(rank_relays(me, relays)[:2]) != set(rank_relays(me, [*relays, newcomer])[:2])
+                for me in nats)
+    assert moved <= 12

@@ -23,6 +23,7 @@ Source: libp2p specs, relay/circuit-v2.md (reservations, limits); issue 20 secti
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from collections.abc import Iterable
@@ -61,7 +62,7 @@ class CircuitRelayConfig:
     serve: bool = True
     max_reservations: int = 16
     max_reservations_per_network: int = 4
-    reservation_ttl: float = 600.0
+    reservation_ttl: float = 120.0
     max_circuits: int = 128
     max_circuits_per_reservation: int = 24
     max_circuits_per_source: int = 16
@@ -212,6 +213,18 @@ class ReservationBook:
         return len(self._circuits)
 
 
+def rank_relays(me: bytes, candidates: Iterable[bytes]) -> list[bytes]:
+    """``candidates`` in the order a private node ``me`` prefers them as relays: rendezvous
+    (highest random weight) hashing, ``sha256(me || relay)``. Every node has its own order, so
+    the private nodes' reservations spread evenly over the public ones, and a new candidate
+    takes over only the nodes for which it ranks first (about ``k / candidates`` of them, for
+    ``k`` reservations each), so reservations move little while the directory fills.
+
+    Source: Thaler and Ravishankar, "Using name-based mappings to increase hit rates" (1998).
+    """
+    return sorted(set(candidates), key=lambda c: hashlib.sha256(me + c).digest())
+
+
 def circuit_relays(addrs: Iterable[bytes]) -> frozenset[bytes]:
     """The relays (peer ID bytes) a record's binary multiaddrs reach it through: the
     ``/p2p/<R>`` before each ``/p2p-circuit``; empty for a node listed by direct addresses
@@ -244,4 +257,4 @@ def relay_hosts_of(records: Iterable[object]) -> dict[bytes, frozenset[bytes]]:
 
 
 __all__ = ["NO_RESERVATION", "OVER_LIMIT", "REACHABILITY", "Circuit", "CircuitRelayConfig",
-           "ReservationBook", "circuit_relays", "relay_hosts_of"]
+           "ReservationBook", "circuit_relays", "rank_relays", "relay_hosts_of"]

@@ -28,6 +28,7 @@ Source: issue 20 section 3; libp2p identify spec (``listenAddrs``);
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterable, Sequence
 
 import multiaddr
@@ -164,7 +165,9 @@ async def _dial_circuits(network: INetwork, peer_id: ID, failure: SwarmException
     host = getattr(network, "_ps_circuit_host", None)
     if host is None:
         raise failure
-    from ps_p2p.protocols.circuit_relay import dial_circuit  # import cycle: it uses host.py
+    from ps_p2p.protocols.circuit_relay import (
+        dial_circuit,  # import cycle: it uses host.py
+    )
 
     locks: dict[ID, trio.Lock] = network._ps_circuit_locks  # type: ignore[attr-defined]
     lock = locks.setdefault(peer_id, trio.Lock())
@@ -180,6 +183,7 @@ async def _dial_circuits(network: INetwork, peer_id: ID, failure: SwarmException
             except PeerStoreError:
                 pass
             circuits = circuits[:MAX_FALLBACK_ADDRS]
+            random.shuffle(circuits)  # the peer's relays share its incoming links
             for addr in circuits:
                 try:
                     conn = await dial_circuit(host, addr, peer_id)
@@ -270,8 +274,8 @@ __all__ = [
     "NEGATIVE_CACHE_SECONDS",
     "ReidentifyNotifee",
     "forget_dial_failures",
-    "install_circuit_dialing",
     "forget_record_circuits",
+    "install_circuit_dialing",
     "install_dial_fallback",
     "note_record_circuits",
     "replace_peer_addrs",

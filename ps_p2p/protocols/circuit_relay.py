@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,9 +65,9 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 
 from ps_p2p.overlay.circuit_limits import (
     NO_RESERVATION,
-    Circuit,
     CircuitRelayConfig,
     ReservationBook,
+    rank_relays,
 )
 from ps_p2p.protocols.host import is_connected, peer_network
 
@@ -394,16 +393,14 @@ class ReservationKeeper:
         config: ``[circuit_relay]``.
         candidates: () -> [(peer ID, its record's addresses as text multiaddrs)] of the public
             nodes that may be asked (verifiers and public users of the directory).
-        rng: randomness for the choice of relays.
     """
 
     def __init__(self, host: IHost, config: CircuitRelayConfig,
                  candidates: Callable[[], list[tuple[bytes, list[str]]]],
-                 rng: random.Random | None = None) -> None:
+                 ) -> None:
         self.host = host
         self.config = config
         self.candidates = candidates
-        self.rng = rng or random.Random()
         self._held: dict[bytes, tuple[float, str]] = {}  # relay -> (renew at, relay address)
         self._failed: dict[bytes, float] = {}  # relay -> retry not before
 
@@ -412,8 +409,11 @@ class ReservationKeeper:
         return [circuit_multiaddr(addr, ID(relay)) for relay, (_, addr) in sorted(self._held.items())]
 
     async def step(self) -> None:
-        """Drop reservations whose relay connection closed, renew those due, and reserve on
-        new relays until ``config.reservations`` are held."""
+        """Drop reservations whose relay connection closed, renew those due, and hold
+        ``config.reservations`` on the best-ranked candidates that grant one
+        (:func:`~ps_p2p.overlay.circuit_limits.rank_relays`): a better-ranked candidate that
+        appeared (the directory fills after a node starts) replaces the worst held one, so the
+        private nodes do not all stay on the first public nodes they saw."""
         now = trio.current_time()
         for relay in list(self._held):
             if not is_connected(self.host, relay):
@@ -422,23 +422,30 @@ class ReservationKeeper:
         for relay, (renew_at, addr) in list(self._held.items()):
             if now >= renew_at and not await self._reserve(relay, addr):
                 self._held.pop(relay, None)
-        want = self.config.reservations - len(self._held)
-        if want > 0:
-            options = [(p, a) for p, a in self.candidates()
-                       if p not in self._held and self._failed.get(p, 0.0) <= now and a
-                       and p != self.host.get_id().to_bytes()]
-            self.rng.shuffle(options)
-            for peer, addrs in options:
-                if want <= 0:
-                    break
-                store = self.host.get_peerstore()
-                try:
-                    if not store.addrs(ID(peer)):
-                        store.add_addrs(ID(peer), [multiaddr.Multiaddr(a) for a in addrs], 600)
-                except Exception:
-                    store.add_addrs(ID(peer), [multiaddr.Multiaddr(a) for a in addrs], 600)
-                if await self._reserve(peer, addrs[0]):
-                    want -= 1
+        me = self.host.get_id().to_bytes()
+        addrs_of = {p: a for p, a in self.candidates() if a and p != me}
+        ranked = rank_relays(me, addrs_of)
+        rank = {r: i for i, r in enumerate(ranked)}
+        want = self.config.reservations
+        usable = [r for r in ranked if r in self._held or self._failed.get(r, 0.0) <= now]
+        for peer in usable[:want]:
+            if peer in self._held:
+                continue
+            addrs = addrs_of[peer]
+            store = self.host.get_peerstore()
+            try:
+                known = store.addrs(ID(peer))
+            except Exception:
+                known = []
+            if not known:
+                store.add_addrs(ID(peer), [multiaddr.Multiaddr(a) for a in addrs], 600)
+            await self._reserve(peer, addrs[0])
+        held = sorted(self._held, key=lambda r: rank.get(r, len(rank)))
+        for worse in held[want:]:  # no longer advertised; its slot there expires or is reused
+            log.info("reservation on %s given up for a better-ranked relay", ID(worse))
+            del self._held[worse]
+        for relay in [r for r, t in self._failed.items() if t <= now]:
+            del self._failed[relay]
 
     async def _reserve(self, relay: bytes, addr: str) -> bool:
         now = trio.current_time()
@@ -512,7 +519,7 @@ class NatSupport:
 
     def __init__(self, host: IHost, config: CircuitRelayConfig, *,
                  directory: Callable[[], Any], verifiers: Callable[[], Sequence[bytes]],
-                 verifier: bool, rng: random.Random | None = None) -> None:
+                 verifier: bool) -> None:
         self.host = host
         self.config = config
         self.directory = directory
@@ -525,7 +532,7 @@ class NatSupport:
         self.server = RelayServer(host, config)
         me = host.get_id().to_bytes()
         self.keeper = ReservationKeeper(host, config,
-                                        lambda: relay_candidates(self.directory(), me), rng)
+                                        lambda: relay_candidates(self.directory(), me))
         self._started = 0.0
         self._changed = False
         #: DCUtR hole punches this node started (py-libp2p's auto-drive) and those that gave
@@ -656,13 +663,12 @@ class NatSupport:
 
 
 __all__ = [
-    "AUTONAT_GRACE",
-    "NatSupport",
-    "relay_candidates",
     "AUTONAT_CONCURRENCY",
+    "AUTONAT_GRACE",
     "HOP_TIMEOUT",
     "PINNED_LIBP2P",
     "AutoNATServer",
+    "NatSupport",
     "Reachability",
     "RelayServer",
     "ReservationKeeper",
@@ -670,5 +676,6 @@ __all__ = [
     "dial_circuit",
     "is_relayed",
     "parse_circuit",
+    "relay_candidates",
     "reserve",
 ]
