@@ -312,3 +312,35 @@ def test_private_nodes_spread_their_reservations_over_the_public_ones():
     moved = sum(set(rank_relays(me, relays)[:2]) != set(rank_relays(me, [*relays, newcomer])[:2])
                 for me in nats)
     assert moved <= 12
+
+
+async def test_the_test_only_link_delay_holds_a_relayed_connection_only_in_its_two_legs():
+    """multihost delays each link at its ends (ps_p2p/testing/faults.py); a relayed connection
+    runs inside the two delayed legs to and from the relay, so delaying it as a link of its
+    own too counted a third link's delay on every relayed hop."""
+    from ps_p2p.testing.faults import DelayedConn, FaultInjector, Faults, LinkRule
+
+    async with open_host(Identity.generate(), LOOP) as relay, \
+            open_host(Identity.generate(), LOOP) as nat, \
+            open_host(Identity.generate(), LOOP) as dialer, trio.open_nursery() as nursery:
+        async with background_trio_service(RelayServer(relay, CircuitRelayConfig())), \
+                background_trio_service(RelayServer(nat, CircuitRelayConfig(serve=False))):
+            faults = FaultInjector()
+            faults.install(dialer, nursery)
+            faults.set(Faults({nat.get_id().to_bytes(): LinkRule(0.001),
+                               relay.get_id().to_bytes(): LinkRule(0.001)}))
+            nat.get_peerstore().add_addrs(relay.get_id(), [_bare(listen_multiaddrs(relay)[0])], 0)
+            with trio.fail_after(10):
+                await reserve(nat, relay.get_id())
+            install_circuit_dialing(dialer)
+            note_record_circuits(dialer, nat.get_id().to_bytes(), [multiaddr_bytes(
+                circuit_multiaddr(listen_multiaddrs(relay)[0], relay.get_id()))])
+            with trio.fail_after(10):
+                await dialer.get_network().dial_peer(nat.get_id())
+            network = dialer.get_network()
+            (relayed,) = network.get_connections(nat.get_id())
+            (leg,) = network.get_connections(relay.get_id())
+            assert is_relayed(relayed)
+            assert isinstance(leg.muxed_conn.secured_conn, DelayedConn)  # the leg: delayed
+            assert not isinstance(relayed.muxed_conn.secured_conn, DelayedConn)
+            nursery.cancel_scope.cancel()
