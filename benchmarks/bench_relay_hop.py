@@ -9,7 +9,9 @@ overlay's smallest cell; 16 KiB), one at a time. CPU: user + system seconds of e
 (``/proc/<pid>/stat``) over each measured phase, divided by the round trips.
 
 Prints per mode and size: latency median and p99 (ms), and CPU per round trip (us) of client,
-relay, target and all three.
+relay, target and all three; and per mode the time to open the connection and its first stream
+(direct: TCP dial; relayed: the relay already connected, a HOP CONNECT and the STOP at the
+target, then both: Noise, Yamux, the stream's protocol).
 
     PYTHONPATH=. python benchmarks/bench_relay_hop.py [--count 2000]
 """
@@ -91,7 +93,9 @@ async def main():
                         await c.close()
                     host.get_peerstore().clear_addrs(tid)
                     note_record_circuits(host, tid.to_bytes(), [multiaddr_bytes(t["circuit"])])
+                t_open = time.perf_counter()
                 stream = await host.new_stream(tid, [ECHO])
+                say(phase="open", mode=mode, ms=(time.perf_counter() - t_open) * 1e3)
                 relayed = all(is_relayed(c) for c in host.get_network().get_connections(tid))
                 for size in (64, 1024, 16384):
                     data = b"x" * size
@@ -135,12 +139,16 @@ def main() -> None:
             for role in ("relay", "target", "client")}
         client = procs["client"]
         rows = []
+        opens: list[tuple[str, float]] = []
         try:
             while True:
                 line = client.stdout.readline()
                 if not line:
                     break
                 msg = json.loads(line)
+                if msg["phase"] == "open":
+                    opens.append((msg["mode"], msg["ms"]))
+                    continue
                 if msg["phase"] == "begin":
                     before = {r: _cpu(p.pid) for r, p in procs.items()}
                     client.stdin.write("go\n")
@@ -165,6 +173,9 @@ def main() -> None:
         print(f"{mode:8} {size:>6} {med:>10.3f} {p99:>8.3f} |                    "
               f"{cpu['client']:>7.0f} {cpu['relay']:>7.0f} {cpu['target']:>7.0f} "
               f"{sum(cpu.values()):>7.0f}")
+    for mode, ms in opens:
+        print(f"{mode}: a new connection and its first stream (dial, Noise, Yamux, identify, "
+              f"protocol) took {ms:.1f} ms")
     print(f"({args.count} round trips per row, one at a time; load average "
           f"{os.getloadavg()[0]:.1f})")
 
