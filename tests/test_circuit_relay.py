@@ -344,3 +344,35 @@ async def test_the_test_only_link_delay_holds_a_relayed_connection_only_in_its_t
             assert isinstance(leg.muxed_conn.secured_conn, DelayedConn)  # the leg: delayed
             assert not isinstance(relayed.muxed_conn.secured_conn, DelayedConn)
             nursery.cancel_scope.cancel()
+
+
+async def test_no_hole_punch_is_tried_between_two_natted_nodes_unless_configured():
+    """Between two ps_p2p nodes behind NATs a DCUtR punch cannot succeed (0 of 290 in the
+    40-node runs, docs/network.md): it is not tried unless ``nat_hole_punch`` is on;
+    an upgrade between a public and a NATed node still is."""
+    from ps_p2p.protocols.circuit_relay import NatSupport
+
+    class FakeDCUtR:
+        def __init__(self) -> None:
+            self.tried: list[ID] = []
+
+        async def _have_direct_connection(self, peer_id: ID) -> bool:
+            return False
+
+        async def initiate_hole_punch(self, peer_id: ID) -> bool:
+            self.tried.append(peer_id)
+            return False
+
+    async with open_host(Identity.generate(), LOOP) as host:
+        natted, public = ID(Identity.generate().peer_id), ID(Identity.generate().peer_id)
+        install_circuit_dialing(host)
+        host.get_network()._ps_circuits[natted] = []
+        for punch, expected in ((False, [public]), (True, [natted, public])):
+            support = NatSupport(host, CircuitRelayConfig(reachability="private",
+                                                          nat_hole_punch=punch),
+                                 directory=lambda: None, verifiers=list, verifier=False)
+            dcutr = FakeDCUtR()
+            support._count_punches(dcutr)
+            await dcutr.initiate_hole_punch(natted)
+            await dcutr.initiate_hole_punch(public)
+            assert dcutr.tried == expected

@@ -588,6 +588,8 @@ class NatSupport:
             # out: a connection reversal)
             both = self.private and peer_id in getattr(self.host.get_network(),
                                                        "_ps_circuits", {})
+            if both and not self.config.nat_hole_punch:
+                return False  # cannot succeed between two ps_p2p nodes (CircuitRelayConfig)
             self.punches += 1
             self.nat_punches += both
             ok = bool(await original(peer_id))
