@@ -59,7 +59,7 @@ class CircuitRelayConfig:
         nat_hole_punch: a private node also tries DCUtR hole punches to other private nodes.
             Off by default: between two ps_p2p nodes they cannot succeed (their listeners
             refuse ``SO_REUSEPORT``, so the punch leaves from a port the peer was not told;
-            docs/network.md, "Hole punching": 0 of 290 in the 40-node runs) and each failed
+            docs/network.md, "Hole punching": 0 of 390 in the 40-node runs) and each failed
             attempt costs dials and a DCUtR exchange. Upgrades between a public and a private
             node are always tried.
     """
