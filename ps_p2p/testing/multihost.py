@@ -128,9 +128,11 @@ class MultihostOptions:
             raise ConfigError("need at least one verifier and one model node")
         ucfg = UserConfig()
         need = max(ucfg.total, ucfg.hops) + 1  # distinct proxies and relays other than oneself
-        if self.users < need:
-            raise ConfigError(f"need at least {need} public users (relays and proxies of "
-                              f"{ucfg.total} paths of {ucfg.hops} hops)")
+        relays = self.users + (0 if self.nat_ask_only else self.nat_users)
+        if relays < need:
+            raise ConfigError(f"need at least {need} users that relay (public users, and "
+                              f"NATed ones unless --nat-ask-only): relays and proxies of "
+                              f"{ucfg.total} paths of {ucfg.hops} hops")
         if self.nat_users < 0 or self.prompts < 0 or self.concurrency < 1:
             raise ConfigError("--nat-users and --prompts must be >= 0, --concurrency >= 1")
         if self.verifiers + self.models + self.users + 2 * self.nat_users + 2 > netns.MAX_HOSTS:
