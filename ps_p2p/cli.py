@@ -608,7 +608,8 @@ def _cmd_multihost(args: argparse.Namespace) -> int:
         return 0
     return multihost.main(multihost.MultihostOptions(
         verifiers=args.verifiers, models=args.models, users=args.users,
-        nat_users=args.nat_users, nat_ask_only=args.nat_ask_only, prompts=args.prompts, concurrency=args.concurrency,
+        nat_users=args.nat_users, nat_ask_only=args.nat_ask_only, prompts=args.prompts,
+        concurrency=args.concurrency,
         max_tokens=args.max_tokens, perturb=args.perturb, profile=args.profile,
         bandwidth=args.bandwidth, start_timeout=args.start_timeout,
         prompt_timeout=args.timeout, workdir=args.workdir, log_level=args.log_level,

@@ -376,7 +376,7 @@ class DelayedConn:
 def _relayed(secured_conn: Any) -> bool:
     try:
         addrs = secured_conn.get_transport_addresses()
-    except Exception:  # a connection type without addresses: a direct one
+    except Exception:  # noqa: BLE001 - a connection type without addresses: a direct one
         return False
     return any("/p2p-circuit" in str(a) for a in addrs or ())
 
