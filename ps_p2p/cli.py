@@ -286,7 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     multihost.add_argument("--users", type=int, default=6,
                            help="public users: relays and proxies (default 6)")
     multihost.add_argument("--nat-users", type=int, default=2,
-                           help="users behind a NAT of their own: ask only for now (default 2)")
+                           help="users behind a NAT of their own: they relay and serve as "
+                                "proxies through Circuit Relay v2 (default 2)")
+    multihost.add_argument("--nat-ask-only", action="store_true",
+                           help="NATed users only ask (not listed, never relays or proxies)")
     multihost.add_argument("--prompts", type=int, default=20, help="prompts sent (default 20)")
     multihost.add_argument("--concurrency", type=int, default=4,
                            help="prompts in flight (default 4)")
@@ -570,7 +573,8 @@ def _cmd_multihost(args: argparse.Namespace) -> int:
         return 0
     return multihost.main(multihost.MultihostOptions(
         verifiers=args.verifiers, models=args.models, users=args.users,
-        nat_users=args.nat_users, prompts=args.prompts, concurrency=args.concurrency,
+        nat_users=args.nat_users, nat_ask_only=args.nat_ask_only, prompts=args.prompts,
+        concurrency=args.concurrency,
         max_tokens=args.max_tokens, perturb=args.perturb, profile=args.profile,
         bandwidth=args.bandwidth, start_timeout=args.start_timeout,
         prompt_timeout=args.timeout, workdir=args.workdir, log_level=args.log_level,
@@ -889,6 +893,7 @@ async def _status_writer(node, path: pathlib.Path, api_url: str | None) -> None:
                 "height": d.height, "users": len(d.users()), "model_nodes": len(d.model_nodes()),
             },
             "ready_paths": len(node.user.ready_paths()) if node.user else 0,
+            "nat": node.nat.status() if node.nat is not None else None,
             "committee": node.committee_status(),
             "reputation": node.reputation_status(),
             "health": node_health(node).as_json(),

@@ -32,6 +32,7 @@ import multiaddr
 from ps_p2p.crypto import onion, sida
 from ps_p2p.engines.sim_cost import SimParams
 from ps_p2p.errors import ConfigError, PsError
+from ps_p2p.overlay.circuit_limits import CircuitRelayConfig
 from ps_p2p.overlay.path_pool import PoolConfig
 from ps_p2p.overlay.requests import RequestConfig
 from ps_p2p.protocols.admission import InboundLimits
@@ -379,6 +380,10 @@ class NodeConfig:
             forwarding within the model group (:mod:`ps_p2p.roles.forwarding`).
         verification: verifier role: :class:`VerificationConfig` (``[verification]``).
         testing: TEST ONLY faults (``[testing]``: :class:`TestingConfig`); never set by users.
+        circuit_relay: NATed nodes (``[circuit_relay]``:
+            :class:`~ps_p2p.overlay.circuit_limits.CircuitRelayConfig`): whether this node is
+            private (AutoNAT or as configured), the relay reservations a public node grants and
+            a private one keeps (docs/network.md, "NATed users").
         connections: inbound connections per remote IP and /24, and the handshake deadline
             (``[connections]``: :class:`~ps_p2p.protocols.admission.InboundLimits`; e.g.
             ``exempt = ["127.0.0.0/8", "::1/128"]`` where every node runs on one machine).
@@ -421,6 +426,7 @@ class NodeConfig:
     verification: VerificationConfig = field(default_factory=VerificationConfig)
     connections: InboundLimits = field(default_factory=InboundLimits)
     testing: TestingConfig = field(default_factory=TestingConfig)
+    circuit_relay: CircuitRelayConfig = field(default_factory=CircuitRelayConfig)
 
     def validate(self) -> None:
         """Raise ConfigError on an impossible combination."""
@@ -589,7 +595,8 @@ def parse_host_port(text: str, what: str = "address") -> tuple[str, int]:
 
 _NESTED = {"user": UserConfig, "model_node": ModelNodeConfig, "sim": SimParams,
            "connections": InboundLimits, "testing": TestingConfig,
-           "forwarding": ForwardingConfig, "verification": VerificationConfig}
+           "forwarding": ForwardingConfig, "verification": VerificationConfig,
+           "circuit_relay": CircuitRelayConfig}
 
 
 @functools.cache

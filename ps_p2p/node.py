@@ -66,7 +66,13 @@ from ps_p2p.genesis import (
 from ps_p2p.keys import NodeKeys, load_membership
 from ps_p2p.metrics import NodeMetrics, status_message
 from ps_p2p.protocols import committee_directory as committee_proto
-from ps_p2p.protocols.addresses import forget_dial_failures, replace_peer_addrs
+from ps_p2p.protocols.addresses import (
+    forget_dial_failures,
+    forget_record_circuits,
+    note_record_circuits,
+    replace_peer_addrs,
+)
+from ps_p2p.protocols.circuit_relay import NatSupport
 from ps_p2p.protocols.forward import FORWARD_PROTOCOL_ID
 from ps_p2p.protocols.handlers import registered_protocols
 from ps_p2p.protocols.host import (
@@ -215,6 +221,9 @@ class Node:
         self._withdrawn = False
         self._last_issued_ms = 0
         self._notifee: _DisconnectNotifee | None = None
+        #: Circuit Relay v2 for NATed nodes (:mod:`ps_p2p.protocols.circuit_relay`)
+        self.nat: NatSupport | None = None
+        self._own_host = False
         #: peer -> the record addresses last put in the peerstore (bounded by the directory)
         self._record_addrs: dict[bytes, tuple[bytes, ...]] = {}
         self._faults: Any = None  # TEST ONLY: a ps_p2p.testing.faults.FaultInjector
@@ -393,6 +402,7 @@ class Node:
                 if self.config.metrics is not None:
                     self.metrics.serve(self.config.metrics)  # before the host: fail fast
                 if host is None:
+                    self._own_host = True  # Circuit Relay v2 handlers only on our own host
                     async with open_host(self.keys.identity, [self.config.listen],
                                          inbound=self.config.connections) as own_host:
                         await self._serve(own_host, task_status)
@@ -436,6 +446,12 @@ class Node:
                 self._faults.install(host, nursery)
                 await nursery.start(self._faults.watch, faults_file)
             self._learn_bootstrap_addrs(host)
+            if self._own_host:  # an application's host (attach) keeps its own protocols
+                self.nat = NatSupport(host, self.config.circuit_relay,
+                                      directory=lambda: self.directory,
+                                      verifiers=lambda: sorted(self.trusted_verifiers),
+                                      verifier=Role.VERIFIER in self.roles)
+                await nursery.start(self.nat.run)
             if Role.VERIFIER in self.roles:
                 await nursery.start(self._run_committee_member, host)
             if self.roles & {Role.USER, Role.MODEL}:
@@ -931,9 +947,11 @@ class Node:
         # each record issued later than the last (a renewal must be newer than the listed one)
         now_ms = self._last_issued_ms = max(now_ms, self._last_issued_ms + 1)
         addrs: list[bytes] = []
-        for text in self.listen_addrs:
-            try:
-                addr = records.multiaddr_bytes(text.rsplit("/p2p/", 1)[0])
+        texts = self.listen_addrs if self.nat is None else self.nat.advertised(self.listen_addrs)
+        own = f"/p2p/{self.keys.identity.peer_id_str}"
+        for text in texts:
+            try:  # without our own /p2p/ (a circuit address keeps its relay's)
+                addr = records.multiaddr_bytes(text.removesuffix(own))
             except PsError:
                 continue
             if len(addr) <= records.MAX_ADDR_BYTES and len(addrs) < records.MAX_ADDRS:
@@ -1010,7 +1028,10 @@ class Node:
                     targets = []
                 except PsError as exc:
                     log.info("own mempool refused this verifier's record: %s", exc)
-            if now >= next_register and self.config.register:
+            if self.nat is not None and self.nat.take_changed():
+                next_register = min(next_register, now)  # new circuit addresses: tell them
+            if (now >= next_register and self.config.register
+                    and (self.nat is None or self.nat.may_register())):
                 ok = 0
                 for verifier in targets:
                     ok += await self._register_with(verifier)
@@ -1167,10 +1188,12 @@ class Node:
             # what identify learnt since is not overwritten by an older copy of the same record
             if self._record_addrs.get(record.peer_id) != record.addrs:
                 replace_peer_addrs(self.host, record.peer_id, record.addrs)
+                note_record_circuits(self.host, record.peer_id, record.addrs)
                 self._record_addrs[record.peer_id] = record.addrs
         if len(self._record_addrs) > 2 * len(directory.records) + 64:  # departed nodes
             listed = {r.peer_id for r in directory.records}
             self._record_addrs = {p: a for p, a in self._record_addrs.items() if p in listed}
+            forget_record_circuits(self.host, listed)
         if old is None or old.height != directory.height or len(old.records) != len(directory.records):
             self._directory_changed_at = trio.current_time()
             self._quiet_refreshes = 0

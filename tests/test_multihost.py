@@ -6,6 +6,7 @@ Needs root and ip/nft/tc (CI runs as root on Debian); skipped with the reason ot
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -52,6 +53,38 @@ def test_every_prompt_is_answered_over_wan_links_while_a_model_node_moves_to_a_n
 
 @pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=f"no multi-host testbed here: {REASON}")
+def test_natted_users_relay_and_proxy_on_paths_that_answer_prompts(tmp_path):
+    """Issue 20 section 2: five users behind NATs of their own (nobody can dial them) learn
+    they are private (AutoNAT), reserve Circuit Relay v2 slots, are listed with
+    ``/p2p-circuit`` addresses, and relay and proxy the prompts, which are answered. With two
+    public users only, every path (3 distinct relays) has a NATed hop, and each user's 5
+    paths have 5 distinct proxies among 6 others, at least 3 of them NATed."""
+    opts = multihost.MultihostOptions(verifiers=1, models=1, users=2, nat_users=5, prompts=8,
+                                      profile="continental", start_timeout=120.0)
+    bed = netns.Testbed()
+    prefix = bed.prefix
+    try:
+        bed.open()
+        result = trio.run(multihost.run_multihost, opts, bed, tmp_path, print)
+    finally:
+        bed.close()
+        assert netns.leftovers(prefix) == []  # also when the run failed
+    print(result.summary())
+    assert result.sent == 8 and result.answered == 8, result.errors
+    assert result.paths_nat_relay == result.paths > 0  # every path through a NATed user
+    assert result.nat_cells_relayed > 0 and result.nat_cloves_proxied > 0
+    assert result.relayed_connections > 0  # links to them went through relays
+    statuses = [json.loads(p.read_text()) for p in (tmp_path / "status").glob("n*.json")]
+    assert len(statuses) == 5
+    for status in statuses:
+        nat = status["nat"]
+        assert nat["reachability"] == "private"
+        assert nat["circuit_addrs"] and all("/p2p-circuit" in a for a in nat["circuit_addrs"])
+        assert status["directory"]["users"] == 7  # every NATed user is listed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REASON is not None, reason=f"no multi-host testbed here: {REASON}")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_run_leaves_no_namespace_or_process_behind(signum, tmp_path):
     """Ctrl-C (SIGINT) or SIGTERM while the nodes start: ps-node multihost removes everything."""
@@ -88,8 +121,11 @@ def test_link_delays_follow_the_profile_and_the_seed():
 
 
 def test_options_that_cannot_run_are_refused_before_anything_is_built():
-    with pytest.raises(ConfigError, match="public users"):
-        multihost.MultihostOptions(users=3).validate()
+    with pytest.raises(ConfigError, match="users that relay"):
+        multihost.MultihostOptions(users=3, nat_users=1).validate()
+    with pytest.raises(ConfigError, match="users that relay"):  # NATed users only asking
+        multihost.MultihostOptions(users=3, nat_users=2, nat_ask_only=True).validate()
+    multihost.MultihostOptions(users=2, nat_users=3).validate()  # NATed users relay too
     with pytest.raises(ConfigError, match="models >= 2"):
         multihost.MultihostOptions(models=1, perturb="restart-model").validate()
     with pytest.raises(ConfigError, match="models >= 2"):

@@ -300,6 +300,9 @@ class PathPool:
     def __init__(self, config: PoolConfig, *, rng: random.Random) -> None:
         self.config = config
         self.stats = PoolStats()
+        #: NATed relay -> its relay hosts (Circuit Relay v2), members of any path through it
+        #: (:func:`~ps_p2p.overlay.paths.choose_relays`); set from the directory by the user
+        self.relay_hosts: dict[bytes, frozenset[bytes]] = {}
         # lost paths not yet replaced, and the setups under way that replace one
         self._owed_repairs = 0
         self._repairs: set[int] = set()
@@ -695,7 +698,8 @@ class PathPool:
             proxy_uses[path.proxy] = proxy_uses.get(path.proxy, 0) + 1
         try:
             choices = choose_relays(
-                candidates, count, cfg.hops, rng=self._rng, in_use=in_use, proxy_uses=proxy_uses
+                candidates, count, cfg.hops, rng=self._rng, in_use=in_use, proxy_uses=proxy_uses,
+                relay_hosts=self.relay_hosts,
             )
         except DirectoryError as exc:
             log.warning("cannot choose relays: %s", exc)

@@ -28,9 +28,11 @@ Source: issue 20 section 3; libp2p identify spec (``listenAddrs``);
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterable, Sequence
 
 import multiaddr
+import trio
 from libp2p.abc import IHost, INetConn, INetwork
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
@@ -122,6 +124,10 @@ def install_dial_fallback(network: INetwork) -> None:
     original = network.dial_peer
 
     async def dial_peer(peer_id: ID) -> list[INetConn]:
+        book = getattr(network, "_ps_circuits", None)
+        if book and peer_id in book:  # a NATed peer: its record lists its relays only
+            return await _dial_circuits(
+                network, peer_id, SwarmException(f"no relay of {peer_id} answered"))
         try:
             return await original(peer_id)
         except SwarmException as exc:
@@ -133,6 +139,8 @@ def install_dial_fallback(network: INetwork) -> None:
             known = [a for a in store.addrs(peer_id) if _dialable(a)][:MAX_FALLBACK_ADDRS]
         except PeerStoreError:
             raise failure from None
+        if not known:  # a NATed peer listed by its relays only
+            return await _dial_circuits(network, peer_id, failure)
         for addr in known[1:]:  # py-libp2p dialled the first one
             try:
                 conn = await network.dial_addr(addr, peer_id)  # type: ignore[attr-defined]
@@ -145,10 +153,89 @@ def install_dial_fallback(network: INetwork) -> None:
             forget_dial_failures(network, peer_id)
             log.info("peer %s answered at %s, not at its first address", peer_id, addr)
             return [conn]
-        raise failure
+        return await _dial_circuits(network, peer_id, failure)
 
     network.dial_peer = dial_peer  # type: ignore[method-assign]
     network._ps_dial_fallback = True  # type: ignore[attr-defined]
+
+
+async def _dial_circuits(network: INetwork, peer_id: ID, failure: SwarmException) -> list[INetConn]:
+    """Last resort of the dial fallback: the peer's ``/p2p-circuit`` addresses (a NATed node's
+    relays), one at a time, when :func:`install_circuit_dialing` enabled them; one dial at a
+    time per peer (concurrent callers share its connection). Raises ``failure`` when none
+    answers."""
+    host = getattr(network, "_ps_circuit_host", None)
+    if host is None:
+        raise failure
+    from ps_p2p.protocols.circuit_relay import (
+        dial_circuit,  # import cycle: it uses host.py
+    )
+
+    locks: dict[ID, trio.Lock] = network._ps_circuit_locks  # type: ignore[attr-defined]
+    lock = locks.setdefault(peer_id, trio.Lock())
+    try:
+        async with lock:
+            conns = network.get_connections(peer_id)
+            if conns:  # another caller's circuit came up meanwhile
+                return list(conns)
+            circuits = list(getattr(network, "_ps_circuits", {}).get(peer_id, ()))
+            try:
+                circuits += [a for a in network.peerstore.addrs(peer_id)
+                             if "p2p-circuit" in str(a) and a not in circuits]
+            except PeerStoreError:
+                pass
+            circuits = circuits[:MAX_FALLBACK_ADDRS]
+            random.shuffle(circuits)  # the peer's relays share its incoming links
+            for addr in circuits:
+                try:
+                    conn = await dial_circuit(host, addr, peer_id)
+                except Exception as exc:
+                    log.debug("circuit to %s via %s failed: %r", peer_id, addr, exc)
+                    continue
+                return [conn]
+    finally:
+        if not lock.locked() and not lock.statistics().tasks_waiting:
+            locks.pop(peer_id, None)
+    raise failure
+
+
+def install_circuit_dialing(host: IHost) -> None:
+    """Let the dial fallback (:func:`install_dial_fallback`, installed first) reach a peer
+    through the relays its ``/p2p-circuit`` addresses name
+    (:func:`ps_p2p.protocols.circuit_relay.dial_circuit`)."""
+    network = host.get_network()
+    network._ps_circuit_host = host  # type: ignore[attr-defined]
+    network._ps_circuit_locks = {}  # type: ignore[attr-defined]
+    network._ps_circuits = {}  # type: ignore[attr-defined]
+
+
+def note_record_circuits(host: IHost, peer: bytes,
+                         addrs: Sequence[bytes | str | multiaddr.Multiaddr]) -> bool:
+    """Remember the ``/p2p-circuit`` addresses of ``peer``'s committed record when it lists
+    no direct one (a NATed node): it is then always dialled through them, whatever identify
+    reported since (a NATed node's listen addresses are on its home network, and py-libp2p's
+    identify replaces the peerstore's addresses with them). Returns True when ``peer`` is such
+    a node. Without :func:`install_circuit_dialing` nothing is kept."""
+    book = getattr(host.get_network(), "_ps_circuits", None)
+    if book is None:
+        return False
+    parsed = _parse(addrs)
+    circuits = [a for a in parsed if "p2p-circuit" in str(a)]
+    pid = ID(peer)
+    if circuits and len(circuits) == len(parsed):
+        book[pid] = circuits[:MAX_FALLBACK_ADDRS]
+        return True
+    book.pop(pid, None)
+    return False
+
+
+def forget_record_circuits(host: IHost, keep: Iterable[bytes]) -> None:
+    """Forget the circuit addresses of every peer not in ``keep`` (departed nodes)."""
+    book = getattr(host.get_network(), "_ps_circuits", None)
+    if book:
+        kept = {ID(p) for p in keep}
+        for pid in [p for p in book if p not in kept]:
+            del book[pid]
 
 
 class ReidentifyNotifee(QuietNotifee):
@@ -174,6 +261,9 @@ __all__ = [
     "NEGATIVE_CACHE_SECONDS",
     "ReidentifyNotifee",
     "forget_dial_failures",
+    "forget_record_circuits",
+    "install_circuit_dialing",
     "install_dial_fallback",
+    "note_record_circuits",
     "replace_peer_addrs",
 ]

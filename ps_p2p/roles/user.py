@@ -59,6 +59,7 @@ from ps_p2p.inference import (
     ResponseSegment,
     SamplingParams,
 )
+from ps_p2p.overlay.circuit_limits import relay_hosts_of
 from ps_p2p.overlay.path_pool import (
     ClosePath,
     OpenPath,
@@ -816,6 +817,7 @@ class UserClient:
         if cached is not directory or height != directory.height or relays is None:
             relays = relay_candidates(directory, self.me)
             self._relay_cache = (directory, directory.height, relays)
+            self._pool.relay_hosts = relay_hosts_of(directory.users())
         return relays
 
     def _is_model_node(self, peer_id: bytes) -> bool:

@@ -373,6 +373,14 @@ class DelayedConn:
         self._out.wake()
 
 
+def _relayed(secured_conn: Any) -> bool:
+    try:
+        addrs = secured_conn.get_transport_addresses()
+    except Exception:  # noqa: BLE001 - a connection type without addresses: a direct one
+        return False
+    return any("/p2p-circuit" in str(a) for a in addrs or ())
+
+
 class FaultInjector:
     """TEST ONLY: the faults in force on one host, and the connections they apply to.
 
@@ -446,7 +454,9 @@ class FaultInjector:
 
     def install(self, host: Any, nursery: trio.Nursery) -> None:
         """Wrap every connection ``host`` opens or accepts from now on (its swarm's
-        ``upgrader.upgrade_connection``, between the security session and the muxer)."""
+        ``upgrader.upgrade_connection``, between the security session and the muxer), except
+        a Circuit Relay v2 connection: it runs inside two connections (to and from the relay)
+        that are wrapped already, so wrapping it too would count a third link's delay."""
         self._nursery = nursery
         self._host = host
         upgrader = host.get_network().upgrader
@@ -455,6 +465,8 @@ class FaultInjector:
         async def upgrade_connection(secured_conn: Any, peer_id: Any) -> Any:
             from libp2p.transport.exceptions import MuxerUpgradeFailure
 
+            if _relayed(secured_conn):  # its two legs, to and from the relay, hold the delays
+                return await upgrade(secured_conn, peer_id)
             try:
                 wrapped = self.wrap(secured_conn, peer_id.to_bytes(), nursery)
             except LinkCut as exc:

@@ -4,10 +4,12 @@ Every node is a ``ps-node run`` OS process in a network namespace of its own
 (:mod:`ps_p2p.testing.netns`), with its own IP address on a bridge: verifiers (a committee from
 a genesis written here), model nodes (``sim`` engine: a modelled GPU, no weights) and users.
 Public users relay; NATed users (``nat_users``) sit behind a home router of their own that
-masquerades their traffic, so they can dial out but nobody can dial in: until Circuit Relay v2
-is in (issue 20 section 2) they run **ask-only** (``relay = false``, ``register = false``: not
-in the directory, never chosen as relay or proxy), which works because everything they need
-(registration-free directory fetches, path setups, answers) goes over connections they open.
+masquerades their traffic, so they can dial out but nobody can dial in. They find that out
+(AutoNAT: the verifiers cannot dial them back), reserve Circuit Relay v2 slots on public
+verifiers and users, list ``/p2p-circuit`` addresses in their records, and so relay and serve
+as proxies like public users (:mod:`ps_p2p.protocols.circuit_relay`; issue 20 section 2);
+``nat_ask_only`` makes them ask-only instead (``relay = false``, ``register = false``), as
+before Circuit Relay v2.
 
 The controller (this process, in the machine's own namespace) waits until every user holds its
 paths, sends prompts through the users' local APIs (``POST /v1/completions`` on ``127.0.0.1`` of
@@ -100,6 +102,7 @@ class MultihostOptions:
     models: int = 2
     users: int = 6
     nat_users: int = 2
+    nat_ask_only: bool = False
     prompts: int = 20
     concurrency: int = 4
     max_tokens: int = 16
@@ -125,9 +128,11 @@ class MultihostOptions:
             raise ConfigError("need at least one verifier and one model node")
         ucfg = UserConfig()
         need = max(ucfg.total, ucfg.hops) + 1  # distinct proxies and relays other than oneself
-        if self.users < need:
-            raise ConfigError(f"need at least {need} public users (relays and proxies of "
-                              f"{ucfg.total} paths of {ucfg.hops} hops)")
+        relays = self.users + (0 if self.nat_ask_only else self.nat_users)
+        if relays < need:
+            raise ConfigError(f"need at least {need} users that relay (public users, and "
+                              f"NATed ones unless --nat-ask-only): relays and proxies of "
+                              f"{ucfg.total} paths of {ucfg.hops} hops")
         if self.nat_users < 0 or self.prompts < 0 or self.concurrency < 1:
             raise ConfigError("--nat-users and --prompts must be >= 0, --concurrency >= 1")
         if self.verifiers + self.models + self.users + 2 * self.nat_users + 2 > netns.MAX_HOSTS:
@@ -195,6 +200,20 @@ class Result:
     recoveries: list[tuple[str, float | None]] = dataclasses.field(default_factory=list)
     profile: str = "lan"
     leftovers: list[str] = dataclasses.field(default_factory=list)
+    #: users' ready paths at the end, and those with a NATed relay (its incoming link relayed
+    #: unless upgraded by DCUtR or its predecessor is its own relay)
+    paths: int = 0
+    paths_nat_relay: int = 0
+    #: paths of NATed users (as their own paths), DCUtR hole punches tried / gave a direct link
+    hole_punches: int = 0
+    hole_punches_direct: int = 0
+    #: of them, between two NATed users (through both NATs)
+    nat_hole_punches: int = 0
+    nat_hole_punches_direct: int = 0
+    relayed_connections: int = 0
+    #: cells NATed users relayed (or opened as proxy) and request cloves they proxied
+    nat_cells_relayed: int = 0
+    nat_cloves_proxied: int = 0
 
     def summary(self) -> str:
         lat = sorted(self.latencies_ms)
@@ -205,6 +224,13 @@ class Result:
                 f"{p50:.2f} s p99 {p99:.2f} s, path setups {self.path_setups} "
                 f"(failed {self.setups_failed}), committee height {self.committee_height}, "
                 f"ready in {self.ready_s:.1f} s")
+        if self.paths:
+            line += (f", paths with a NATed relay {self.paths_nat_relay}/{self.paths}, "
+                     f"relayed connections {self.relayed_connections}, DCUtR upgrades "
+                     f"{self.hole_punches_direct}/{self.hole_punches} direct (NAT to NAT "
+                     f"{self.nat_hole_punches_direct}/{self.nat_hole_punches}), NATed users "
+                     f"relayed {self.nat_cells_relayed} cells and proxied "
+                     f"{self.nat_cloves_proxied} cloves")
         for name, seconds in self.recoveries:
             line += f", {name}: " + ("not recovered" if seconds is None
                                      else f"recovered in {seconds:.1f} s")
@@ -324,7 +350,7 @@ class Multihost:
             cfg.update(engine="sim", model="sim-model")
         if role == "user":
             cfg["metrics"] = f"127.0.0.1:{METRICS_PORT}"
-            if host.nat:  # no inbound connection can reach it: ask only (module docstring)
+            if host.nat and self.opts.nat_ask_only:  # ask only (module docstring)
                 cfg.update(relay=False, register=False)
         node.config.parent.mkdir(parents=True, exist_ok=True)
         node.config.write_text(_toml(cfg))
@@ -383,6 +409,10 @@ class Multihost:
     def _users(self) -> list[NodeProc]:
         return [n for n in self.nodes.values() if n.role == "user" and n.running()]
 
+    def _listed_users(self) -> int:
+        o = self.opts
+        return o.users + (0 if o.nat_ask_only else o.nat_users)
+
     def _not_ready(self) -> list[str]:
         from ps_p2p.config import UserConfig
 
@@ -398,7 +428,7 @@ class Multihost:
             d = s.get("directory") or {}
             if not s:
                 lacking.append(f"{node.name}: not up")
-            elif node.role != "verifier" and (d.get("users", 0) < self.opts.users
+            elif node.role != "verifier" and (d.get("users", 0) < self._listed_users()
                                              or d.get("model_nodes", 0) < self.opts.models):
                 lacking.append(f"{node.name}: directory {d or None}")
             elif node.role == "user" and s.get("ready_paths", 0) < total:
@@ -531,6 +561,29 @@ class Multihost:
                     result.path_setups += int(float(line.split()[-1]))
                 elif line.startswith("planetserve_path_setups_failed_total"):
                     result.setups_failed += int(float(line.split()[-1]))
+                elif user.nat and line.startswith("planetserve_cells_relayed_total"):
+                    result.nat_cells_relayed += int(float(line.split()[-1]))
+                elif user.nat and line.startswith("planetserve_cloves_proxied_total"):
+                    result.nat_cloves_proxied += int(float(line.split()[-1]))
+        nat_ids = {self._peer_id(n.name.split("-r")[0]) for n in self.nodes.values() if n.nat}
+        for user in self._users():
+            try:
+                _status, raw = await trio.to_thread.run_sync(
+                    self._http, user, "GET", "/status", None, API_PORT, 10.0)
+                ready = json.loads(raw).get("ready_paths") or []
+            except (OSError, ValueError, http.client.HTTPException):
+                continue
+            for path in ready:
+                result.paths += 1
+                result.paths_nat_relay += any(r in nat_ids for r in path.get("relays", ()))
+        for node in self.nodes.values():
+            nat = node.read_status().get("nat") if node.running() else None
+            if nat:
+                result.hole_punches += int(nat.get("hole_punches", 0))
+                result.hole_punches_direct += int(nat.get("hole_punches_direct", 0))
+                result.nat_hole_punches += int(nat.get("nat_hole_punches", 0))
+                result.nat_hole_punches_direct += int(nat.get("nat_hole_punches_direct", 0))
+                result.relayed_connections += int(nat.get("relayed_connections", 0))
         heights = [int((n.read_status().get("committee") or {}).get("committed_height", -1))
                    for n in self.nodes.values() if n.role == "verifier" and n.running()]
         result.committee_height = max(heights, default=-1)
