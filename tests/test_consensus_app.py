@@ -753,10 +753,15 @@ def test_a_reputation_update_is_refused_whole_for_an_old_epoch_or_a_full_table()
 
 def test_a_reputation_entry_decodes_strictly():
     from ps_p2p.consensus.encoding import Reader
-    good = app.ReputationEntry(400_000, (1, 2, 3), 7)
+    good = app.ReputationEntry(400_000, (1, 2, 3), 7, strikes=2, clean=5)
     r = Reader(good.encode(), InvalidTransactionError, "entry")
     assert app.ReputationEntry.read(r) == good
     r.done()
+    assert good.state().strikes == 2 and good.state().clean == 5
+    assert app.ReputationEntry.from_state(good.state()) == good
+    many = u32(0) + u64(0) + bytes([0]) + u32(0x10000) + u32(0)
+    with pytest.raises(InvalidTransactionError, match="strikes"):
+        app.ReputationEntry.read(Reader(many, InvalidTransactionError, "entry"))
     over = u32(app.MICRO + 1) + u64(0) + bytes([0])
     with pytest.raises(InvalidTransactionError, match="over"):
         app.ReputationEntry.read(Reader(over, InvalidTransactionError, "entry"))
