@@ -253,11 +253,11 @@ def update(
     abnormal = sum(1 for v in window if v < params.tau)
     r = min(1.0, max(0.0, params.alpha * previous + params.weight(abnormal) * c_t))
     strikes, clean = state.strikes, 0 if c_t < params.tau else state.clean + 1
-    on_probation = clean < params.required_clean(strikes)
-    if previous >= params.untrusted_below and (r < params.untrusted_below or on_probation):
+    probation_now = clean < params.required_clean(strikes)
+    if previous >= params.untrusted_below and (r < params.untrusted_below or probation_now):
         strikes, clean = min(MAX_STRIKES, strikes + 1), 0  # a conviction
-        on_probation = params.probation > 0
-    if on_probation:
+        probation_now = params.probation > 0
+    if probation_now:
         r = min(r, params.probation_cap)
     elif (strikes and params.forgive and r >= params.untrusted_below
           and clean >= params.required_clean(strikes) + params.forgive):
