@@ -474,7 +474,7 @@ async def simulate(args: argparse.Namespace) -> int:
             v = served[kind]
             c_t = min([sum(v) / len(v)] + binding[kind])
             states[kind] = update(states[kind], c_t, params)
-            row[kind] = round(states[kind].reputation, 4)
+            row[kind] = round(states[kind].reputation, 6)  # 0.399999: on probation
             if not is_trusted(states[kind], params) and kind not in untrusted_at:
                 untrusted_at[kind] = epoch
         history.append(row)
