@@ -240,6 +240,10 @@ def test_ps_node_status_shows_a_model_nodes_trust(tmp_path, capsys):
     assert cli.main(["status", "--home", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "reputation 0.123: UNTRUSTED (below 0.4)" in out
+    status["reputation"] = {"reputation": 0.399999, "trusted": False, "untrusted_below": 0.4}
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    assert cli.main(["status", "--home", str(tmp_path)]) == 0
+    assert "reputation 0.399999: UNTRUSTED" in capsys.readouterr().out  # on probation
     status["reputation"] = {"reputation": None, "trusted": False, "untrusted_below": 0.4,
                             "provisional": True}
     (tmp_path / "status.json").write_text(json.dumps(status))
