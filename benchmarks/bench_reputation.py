@@ -33,7 +33,14 @@ The model nodes (``KINDS``):
   the rest; ``forwarder``: forwards what its classifier takes for challenges to an honest peer
   and answers the rest with the fixed story. Their classifier is a stand-in with 60% balanced
   accuracy (the bound issue 18 sets for any classifier): it flags a challenge with probability
-  0.6 (``--flag-rate``).
+  0.6 (``--flag-rate``);
+* ``trust-aware``: honest only while untrusted (:class:`~ps_p2p.testing.dishonest.
+  TrustAwareEngine`): the model on every request while its reputation is below the threshold,
+  the substitute on every request while it is trusted. It needs no classifier: its reputation
+  is public. Users hedge a share of their requests to untrusted nodes
+  (``UserConfig.probation_share``), so its requests while untrusted are not all challenges,
+  but its rule does not look at requests: only the reputation rule's probation
+  (:mod:`ps_p2p.verification.reputation`) decides how often it is trusted.
 
 Reported: per node the epochs until untrusted (R < 0.4; goal <= 3 scored epochs) and the share
 of later epochs it stayed untrusted (goal >= 95%), its mean challenge score; the CPU time per
@@ -50,6 +57,7 @@ truncating node and a T = 2 node; each epoch ends when its leader's report commi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -69,6 +77,7 @@ from ps_p2p.verification.ledger import (
     VerificationParams,
     pool_digest,
 )
+from ps_p2p.verification.reputation import DEFAULT_REPUTATION
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED = pathlib.Path(os.environ.get("PS_SHARED_DIR") or ROOT.parent / "shared")
@@ -212,7 +221,7 @@ MENU_T = ((0.0, 0.45), (0.1, 0.03), (0.2, 0.04), (0.5, 0.05), (0.7, 0.22), (0.8,
           (1.0, 0.12), (1.2, 0.02), (1.5, 0.02), (2.0, 0.01))
 MENU_TOP_P = ((1.0, 0.90), (0.9, 0.05), (0.95, 0.05))
 KINDS = ("noise5", "int4", "substitute", "fixed", "fixed-best", "other-prompt", "nearest",
-         "cut-stop", "cut-length", "hotter", "selective", "forwarder")
+         "cut-stop", "cut-length", "hotter", "selective", "forwarder", "trust-aware")
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
          "the sun. One day, she saw a big")
 
@@ -311,6 +320,7 @@ async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
         NearestPromptEngine,
         OtherPromptEngine,
         SelectiveEngine,
+        TrustAwareEngine,
         degraded_copy,
         quantized_copy,
         substitute_model,
@@ -346,6 +356,7 @@ async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
             "forwarder": lambda: SelectiveEngine(
                 honest[0], FixedAnswerEngine(model, STORY),
                 lambda p, q: flag.random() < args.flag_rate),
+            "trust-aware": lambda: TrustAwareEngine(model, sub),
         }[kind]()
     return engines, (model, sub)
 
@@ -415,7 +426,7 @@ async def simulate(args: argparse.Namespace) -> int:
     print(f"model {reference.model_id}; {len(kinds)} model nodes ({', '.join(kinds)}); pool of "
           f"{len(pool)} prompts (public: {len(public)}); {args.challenges} challenges per node "
           f"per epoch of {args.max_tokens} tokens; {args.epochs} epochs", flush=True)
-    params = DEFAULT_REPUTATION
+    params = dataclasses.replace(DEFAULT_REPUTATION, probation=args.probation)
     states = {k: ReputationState.fresh(params) for k in kinds}
     history: list[dict[str, object]] = []
     untrusted_at: dict[str, int] = {}
@@ -430,6 +441,9 @@ async def simulate(args: argparse.Namespace) -> int:
         for m in memo:
             m.clear()
         score_memo.clear()
+        for kind in kinds:  # what a node reads of its own committed reputation
+            if hasattr(engines[kind], "trusted"):
+                engines[kind].trusted = is_trusted(states[kind], params)
         # every node gets the same challenges in an epoch (module docstring)
         asked = [(rng.choice(pool), _draw(rng, MENU_T), _draw(rng, MENU_TOP_P),
                   rng.randrange(2**32)) for _ in range(args.challenges)]
@@ -460,7 +474,7 @@ async def simulate(args: argparse.Namespace) -> int:
             v = served[kind]
             c_t = min([sum(v) / len(v)] + binding[kind])
             states[kind] = update(states[kind], c_t, params)
-            row[kind] = round(states[kind].reputation, 4)
+            row[kind] = round(states[kind].reputation, 6)  # 0.399999: on probation
             if not is_trusted(states[kind], params) and kind not in untrusted_at:
                 untrusted_at[kind] = epoch
         history.append(row)
@@ -520,7 +534,7 @@ async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore
         update,
     )
 
-    params = DEFAULT_REPUTATION
+    params = dataclasses.replace(DEFAULT_REPUTATION, probation=args.probation)
     bank: dict[tuple[float, float], list[float]] = {}
     started = time.monotonic()
     for t, _ in MENU_T:
@@ -541,9 +555,12 @@ async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore
         print(f"  T={t:<4} top_p={top_p:<5} {min(v):.3f} / {sum(v) / len(v):.3f} / "
               f"{sum(1 for x in v if x < 0.5) / len(v):.1%}")
     menus = {"menu mix": None} | {f"T={t} only": t for t, _ in MENU_T}
+    # an honest node once convicted (an outage's misses), its probation served: on parole
+    menus["menu mix, on parole"] = None
     ok = True
     for name, only in menus.items():
-        state = ReputationState.fresh(params)
+        state = ReputationState.fresh(params) if "parole" not in name else ReputationState(
+            0.7, (), 0, strikes=1, clean=params.required_clean(1))
         lowest, untrusted = 1.0, 0
         for _ in range(args.honest_epochs):
             vals, caps = [], []
@@ -559,7 +576,7 @@ async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore
             untrusted += state.reputation < params.untrusted_below
         ok &= untrusted == 0
         print(f"  {name:12s}: {args.honest_epochs} honest epochs, untrusted in {untrusted}, "
-              f"lowest R {lowest:.3f}")
+              f"lowest R {lowest:.3f}; strikes left {state.strikes}")
     return ok
 
 
@@ -625,6 +642,9 @@ def main() -> int:
     ap.add_argument("--bank", type=int, default=30,
                     help="honest answers per (temperature, top_p) of the menu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--probation", type=int, default=DEFAULT_REPUTATION.probation,
+                    help="clean epochs after a first conviction (reputation.py; 0: the paper's "
+                         "rule alone)")
     args = ap.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
     if not MODEL.is_dir():

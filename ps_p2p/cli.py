@@ -521,12 +521,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
                            f"height {d['height']}: {d['users']} users, {d['model_nodes']} model nodes"))
     rep = status.get("reputation")
     if rep:
-        value = "not scored" if rep.get("reputation") is None else f"{rep['reputation']:.3f}"
+        value = "not scored" if rep.get("reputation") is None else (
+            f"{rep['reputation']:.6g}" if not rep.get("trusted", True)  # 0.399999: probation
+            else f"{rep['reputation']:.3f}")
         print(f"reputation {value}: " + (
             "trusted" if rep.get("trusted", True) else
             "provisional (not scored yet): users send to it only when no trusted node serves "
             "its model" if rep.get("provisional") else
-            f"UNTRUSTED (below {rep['untrusted_below']}): users do not send it requests"))
+            f"UNTRUSTED (below {rep['untrusted_below']}): users send it only hedged copies "
+            f"of their requests (probation, docs/verification.md)"))
     if "user" in (status.get("roles") or []):
         print(f"paths      {status.get('ready_paths', 0)} ready" + (
             f"; API {status['api']}" if status.get("api") else ""))

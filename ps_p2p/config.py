@@ -198,6 +198,11 @@ class UserConfig:
         max_setups: path setups in flight at most (more are built as these finish).
         probe_attempts: unanswered probes in a row, each waiting twice as long as the one
             before, that replace a path.
+        probation_share: probability in [0, 1] that a request is also sent, as a hedge, to a
+            model node on probation (untrusted, or provisional beside proven nodes) of the same
+            model; the user gets the trusted node's answer, the hedge's is dropped (issue 18,
+            docs/verification.md "Probation traffic"). 0 turns hedging off.
+        probation_in_flight: hedges in flight at most; a hedge beyond it is skipped.
     """
 
     total: int = sida.DEFAULT_TOTAL
@@ -213,8 +218,14 @@ class UserConfig:
     token_time: float = 0.05
     failed_relay_cooldown: float = 30.0
     max_setups: int = 2
+    probation_share: float = 0.05
+    probation_in_flight: int = 4
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.probation_share) and 0.0 <= self.probation_share <= 1.0):
+            raise ValueError("probation_share must be in [0, 1]")
+        if self.probation_in_flight < 0:
+            raise ValueError("probation_in_flight must be >= 0")
         if not 2 <= self.threshold <= self.total <= sida.MAX_TOTAL:
             # k = 1 would let every proxy read the prompt
             raise ValueError("need 2 <= threshold <= total <= %d" % sida.MAX_TOTAL)

@@ -24,7 +24,8 @@ Format (all keys required except ``consensus``, ``admission``, ``block_limits`` 
       "admission": {"max_records_per_network": 32, ...},
       "block_limits": {"max_block_bytes": 1048576, "max_txs": 1000, "max_tx_bytes": 8192},
       "reputation": {"alpha": 0.4, "beta": 0.6, "window": 5, "tau": 0.5, "gamma": 0.2,
-                     "untrusted_below": 0.4, "initial": 0.5},
+                     "untrusted_below": 0.4, "initial": 0.5, "probation": 8,
+                     "max_probation": 1024, "forgive": 100},
       "verification": {"model_id": "stories260K", "pool_sha256": "<64 hex digits>",
                        "pool_size": 80, "sampling": [{"max_tokens": 64, "temperature": 0.0,
                        "top_p": 1.0}], "attempt_ms": 60000, ...}

@@ -769,7 +769,9 @@ class Node:
         elif not trusted:
             log.warning(
                 "this model node is UNTRUSTED at directory height %d: committed reputation "
-                "%.3f is below %.2f; users will not send it requests until challenges raise it",
+                "%.6f is below %.2f; users send it only hedged copies of a share of their "
+                "requests until challenges raise it, after a conviction only once it has a "
+                "clean record of challenges (probation, docs/verification.md)",
                 directory.height, reputation if reputation is not None else float("nan"),
                 directory.untrusted_below,
             )

@@ -91,6 +91,22 @@ def test_a_threshold_of_one_is_refused_since_every_proxy_could_read_the_prompt(t
         load_config(path)
 
 
+@pytest.mark.parametrize("line", ["probation_share = 1.5", "probation_share = -0.1",
+                                  "probation_in_flight = -1"])
+def test_probation_hedging_settings_out_of_range_are_refused(tmp_path, line):
+    path = tmp_path / "node.toml"
+    path.write_text(f'roles = ["user"]\nbootstrap = ["{BOOT}"]\n[user]\n{line}\n')
+    with pytest.raises(ConfigError, match="probation"):
+        load_config(path)
+
+
+def test_users_hedge_five_percent_to_nodes_on_probation_by_default(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(f'roles = ["user"]\nbootstrap = ["{BOOT}"]\n[user]\nprobation_share = 0\n')
+    assert load_config(path).user.probation_share == 0
+    assert load_config(None, {"bootstrap": [BOOT]}).user.probation_share == 0.05
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [("127.0.0.1:9100", ("127.0.0.1", 9100)), ("[::1]:0", ("::1", 0)),

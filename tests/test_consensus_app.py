@@ -720,6 +720,8 @@ def test_the_app_hash_commits_every_reputation_field(genesis):
         dataclasses.replace(entry, reputation=entry.reputation + 1),
         dataclasses.replace(entry, window=entry.window + (0,)),
         dataclasses.replace(entry, epochs=entry.epochs + 1),
+        dataclasses.replace(entry, strikes=entry.strikes + 1),
+        dataclasses.replace(entry, clean=entry.clean + 1),
     ]
     hashes = {app.app_hash(base)}
     for variant in variants:
@@ -731,7 +733,21 @@ def test_the_app_hash_commits_every_reputation_field(genesis):
     epoch.reputation_epoch = 2
     epoch._reputation_root = None
     hashes.add(app.app_hash(epoch))
-    assert len(hashes) == 5
+    assert len(hashes) == 7
+
+
+def test_a_convicted_subject_stays_untrusted_on_chain_for_its_probation(genesis):
+    # issue 18: the chain carries strikes and clean epochs; R is committed just below 0.4
+    state = genesis.copy()
+    app.apply_reputation_update(state, rep_update(1, (LONE, 0.1)))  # from 0.5 to 0.26
+    assert (state.reputation(LONE).strikes, state.reputation(LONE).clean) == (1, 0)
+    for epoch in range(2, 9):  # 7 clean epochs of 8: R would be 0.7, it is held at 0.399999
+        app.apply_reputation_update(state, rep_update(epoch, (LONE, 0.9)))
+        entry = state.reputation(LONE)
+        assert (entry.reputation, entry.strikes, entry.clean) == (399_999, 1, epoch - 1)
+        assert not is_trusted(entry.state())
+    app.apply_reputation_update(state, rep_update(9, (LONE, 0.9)))
+    assert is_trusted(state.reputation(LONE).state()) and state.reputation(LONE).clean == 8
 
 
 def test_a_reputation_update_is_refused_whole_for_an_old_epoch_or_a_full_table():
@@ -753,10 +769,15 @@ def test_a_reputation_update_is_refused_whole_for_an_old_epoch_or_a_full_table()
 
 def test_a_reputation_entry_decodes_strictly():
     from ps_p2p.consensus.encoding import Reader
-    good = app.ReputationEntry(400_000, (1, 2, 3), 7)
+    good = app.ReputationEntry(400_000, (1, 2, 3), 7, strikes=2, clean=5)
     r = Reader(good.encode(), InvalidTransactionError, "entry")
     assert app.ReputationEntry.read(r) == good
     r.done()
+    assert good.state().strikes == 2 and good.state().clean == 5
+    assert app.ReputationEntry.from_state(good.state()) == good
+    many = u32(0) + u64(0) + bytes([0]) + u32(0x10000) + u32(0)
+    with pytest.raises(InvalidTransactionError, match="strikes"):
+        app.ReputationEntry.read(Reader(many, InvalidTransactionError, "entry"))
     over = u32(app.MICRO + 1) + u64(0) + bytes([0])
     with pytest.raises(InvalidTransactionError, match="over"):
         app.ReputationEntry.read(Reader(over, InvalidTransactionError, "entry"))

@@ -96,6 +96,7 @@ async def test_text_engines_answer_without_the_asked_prompt(shared):
         NearestPromptEngine,
         OtherPromptEngine,
         SelectiveEngine,
+        TrustAwareEngine,
     )
 
     honest, _ = _engines(shared)
@@ -114,3 +115,9 @@ async def test_text_engines_answer_without_the_asked_prompt(shared):
     assert (await picky.complete(PROMPTS[1], params)).text == "The end."
     assert (await picky.complete(PROMPTS[0], params)).text != "The end."
     assert picky.routed == {"honest": 1, "cheap": 1} and picky.last_route == "honest"
+    aware = TrustAwareEngine(honest, fixed)  # a fresh subject is trusted: cheap at once
+    assert (await aware.complete(PROMPTS[0], params)).text == "The end."
+    aware.trusted = False  # untrusted: honest on everything, challenge or not
+    assert (await aware.complete(PROMPTS[0], params)).text == (
+        await honest.complete(PROMPTS[0], params)).text
+    assert aware.routed == {"honest": 1, "cheap": 1}

@@ -16,11 +16,13 @@ from ps_p2p.verification.reputation import (
     ReputationState,
     check_score,
     is_trusted,
+    on_probation,
     subject_of,
     update,
 )
 
 PARAMS = ReputationParams()  # alpha 0.4, beta 0.6, W 5, tau 0.5, gamma 1/5, untrusted < 0.4
+PAPER = ReputationParams(probation=0)  # the paper's rule alone, no probation
 
 
 def run(credibilities, params=PARAMS, start=None):
@@ -69,18 +71,125 @@ CHEATER = [
 
 @pytest.mark.parametrize("table", [HONEST, WINDOW, CHEATER], ids=["honest", "window", "cheater"])
 def test_reputation_follows_the_hand_computed_table(table):
-    states = run([row[0] for row in table])
+    states = run([row[0] for row in table], PAPER)
     for T, ((c, abnormal, r, trusted), state) in enumerate(zip(table, states), start=1):
         assert sum(v < PARAMS.tau for v in state.window) == abnormal, f"epoch {T}"
         assert state.reputation == pytest.approx(r, abs=1e-9), f"epoch {T}"
-        assert is_trusted(state, PARAMS) is trusted, f"epoch {T}"
+        assert is_trusted(state, PAPER) is trusted, f"epoch {T}"
         assert state.epochs == T
         assert len(state.window) == min(T, PARAMS.window)
 
 
+# ------------------------------------------------------------------------------- probation
+
+CAP = 0.399999  # the largest micro unit below the threshold 0.4
+
+# "Honest only while untrusted": cheap (C = 0.1) whenever trusted, honest (C = 0.9) otherwise.
+# Each row: C(T), strikes, clean, R(T), trusted. R(0) = 0.5, probation 8.
+SELECTIVE = [
+    (0.1, 1, 0, 0.26, False),          # 0.2 + 0.06: below 0.4 from trusted, a conviction
+    (0.9, 1, 1, CAP, False),           # 0.104 + 0.54 = 0.644, capped: 1 of 8 clean epochs
+    (0.9, 1, 2, CAP, False),           # 0.4*CAP + 0.54 = 0.6999996, capped
+    (0.9, 1, 3, CAP, False),
+    (0.9, 1, 4, CAP, False),
+    (0.9, 1, 5, CAP, False),
+    (0.9, 1, 6, CAP, False),
+    (0.9, 1, 7, CAP, False),           # the paper's rule alone trusted it from epoch 2
+    (0.9, 1, 8, 0.6999996, True),      # 8 clean epochs: 0.4*CAP + 0.6*0.9, trusted again
+    (0.1, 2, 0, 0.33999984, False),    # 0.27999984 + 0.06, a second conviction
+]
+
+
+def test_probation_keeps_a_convicted_node_untrusted_for_its_clean_epochs():
+    states = run([row[0] for row in SELECTIVE])
+    for T, ((c, strikes, clean, r, trusted), state) in enumerate(zip(SELECTIVE, states), 1):
+        assert (state.strikes, state.clean) == (strikes, clean), f"epoch {T}"
+        assert state.reputation == pytest.approx(r, abs=1e-9), f"epoch {T}"
+        assert is_trusted(state, PARAMS) is trusted, f"epoch {T}"
+        assert on_probation(state, PARAMS) is (strikes > 0 and clean < 8 * 2 ** (strikes - 1))
+
+
+def test_each_conviction_doubles_the_clean_record_a_node_needs():
+    # the selective node over 100 epochs: trusted after 8, 16, 32 clean epochs, each time for
+    # one epoch; the paper's rule alone trusts it again after every first clean epoch
+    def trusted_epochs(params):
+        state, out = ReputationState.fresh(params), []
+        for epoch in range(1, 101):
+            state = update(state, 0.1 if is_trusted(state, params) else 0.9, params)
+            if is_trusted(state, params):
+                out.append(epoch)
+        return out
+
+    assert trusted_epochs(PARAMS) == [9, 26, 59]  # 1 + 8, 10 + 16, 27 + 32; then 64 from 60
+    assert len(trusted_epochs(PAPER)) >= 40
+
+
+@pytest.mark.parametrize(("strikes", "required"), [
+    (0, 0), (1, 8), (2, 16), (3, 32), (7, 512), (8, 1024), (9, 1024), (65535, 1024),
+])
+def test_required_clean_epochs_double_up_to_the_cap(strikes, required):
+    assert PARAMS.required_clean(strikes) == required
+
+
+def test_a_node_on_parole_is_convicted_by_one_abnormal_epoch():
+    # strikes 1, probation served: C = 0.45 once would leave R at 0.28 + 0.27 = 0.55 under the
+    # paper's rule (one abnormal value in five is tolerated), but not on parole
+    served = ReputationState(0.7, (0.9,) * 5, 20, strikes=1, clean=9)
+    after = update(served, 0.45, PARAMS)
+    assert (after.strikes, after.clean, after.reputation) == (2, 0, CAP)
+    assert not is_trusted(after, PARAMS)
+    never = ReputationState(0.7, (0.9,) * 5, 20)  # the same record without a conviction
+    assert is_trusted(update(never, 0.45, PARAMS), PARAMS)
+    assert update(never, 0.45, PARAMS).strikes == 0
+
+
+def test_an_abnormal_epoch_on_probation_restarts_the_count_without_a_new_strike():
+    state = ReputationState(CAP, (0.9,) * 5, 20, strikes=1, clean=5)
+    after = update(state, 0.2, PARAMS)
+    assert (after.strikes, after.clean) == (1, 0)
+    assert after.reputation < 0.4
+
+
+def test_clean_epochs_while_trusted_forgive_one_strike_at_a_time():
+    params = ReputationParams(probation=2, forgive=3)
+    # strikes 2 (needs 4 clean); forgiven at 4 + 3 = 7 clean, then counted from 2 (needs 1):
+    # the next strike goes at 2 + 3 = 5, i.e. 3 epochs later
+    state = ReputationState(0.8, (0.9,) * 5, 10, strikes=2, clean=4)
+    strikes = []
+    for _ in range(7):
+        state = update(state, 0.9, params)
+        strikes.append((state.strikes, state.clean))
+    assert strikes == [(2, 5), (2, 6), (1, 2), (1, 3), (1, 4), (0, 0), (0, 1)]
+    never = ReputationParams(probation=2, forgive=0)
+    state = ReputationState(0.8, (0.9,) * 5, 10, strikes=2, clean=4)
+    for _ in range(50):
+        state = update(state, 0.9, never)
+    assert state.strikes == 2
+
+
+def test_a_node_that_never_scores_below_tau_gets_no_strike():
+    states = run([0.5, 1.0, 0.6, 0.5] * 10)
+    assert all(s.strikes == 0 and is_trusted(s, PARAMS) for s in states)
+    assert states[-1].clean == 40
+
+
+def test_probation_zero_is_the_papers_rule():
+    seq = [0.1] + [0.9] * 10 + [0.2, 0.9, 0.3] * 5
+    for a, b in zip(run(seq, PAPER), run(seq, ReputationParams(probation=0, forgive=0))):
+        assert a.reputation == b.reputation
+    assert is_trusted(run(seq[:2], PAPER)[-1], PAPER)  # back after one clean epoch
+
+
+@pytest.mark.parametrize("threshold", [0.4, 0.3333333, 0.0000004, 1.0])
+def test_the_probation_cap_is_below_the_threshold_in_micro_units(threshold):
+    params = ReputationParams(untrusted_below=threshold)
+    assert round(params.probation_cap * 1_000_000) / 1_000_000 < threshold
+    assert params.probation_cap >= threshold - 1e-6 - 1e-12
+
+
 def test_a_lenient_gamma_of_one_never_punishes():
     # the paper's Level-1 (fig. 11a): c/W never exceeds 1, so R converges to C
-    lenient = ReputationParams(gamma=1.0)
+    lenient = ReputationParams(gamma=1.0, probation=0)
     states = run([0.3] * 3, lenient)
     assert [s.reputation for s in states] == pytest.approx([0.38, 0.332, 0.3128])
 
@@ -119,7 +228,8 @@ def test_a_score_outside_zero_one_is_refused(bad):
 @pytest.mark.parametrize("kwargs", [
     {"alpha": 0.5, "beta": 0.6}, {"alpha": 1.0, "beta": 0.0}, {"beta": 0.0}, {"window": 0},
     {"window": 65}, {"window": 2.5}, {"gamma": 0.0}, {"tau": 1.5}, {"untrusted_below": -0.1},
-    {"initial": math.nan}, {"alpha": True},
+    {"initial": math.nan}, {"alpha": True}, {"probation": -1}, {"probation": 2.0},
+    {"forgive": 10**7}, {"probation": 8, "max_probation": 4}, {"max_probation": True},
 ])
 def test_params_out_of_range_are_refused(kwargs):
     with pytest.raises(LocalProtocolError):

@@ -6,6 +6,7 @@ user client with a real :class:`Directory` and a fake overlay (no network)."""
 from __future__ import annotations
 
 import collections
+import math
 import random
 
 import pytest
@@ -18,7 +19,13 @@ from ps_p2p.config import UserConfig
 from ps_p2p.errors import NoModelNodeError
 from ps_p2p.overlay.requests import RequestConfig, RequestCore, SendClove
 from ps_p2p.records import Directory, Membership, NodeRecord, Role, reputation_subject
-from ps_p2p.roles.user import UserClient, choose_model_node, trusted_model_nodes
+from ps_p2p.roles.user import (
+    UserClient,
+    choose_model_node,
+    choose_probation_node,
+    probation_model_nodes,
+    trusted_model_nodes,
+)
 from ps_p2p.testing.fakes import FakeUserClient
 
 T0 = 1_700_000_000_000
@@ -233,8 +240,99 @@ def test_ps_node_status_shows_a_model_nodes_trust(tmp_path, capsys):
     assert cli.main(["status", "--home", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "reputation 0.123: UNTRUSTED (below 0.4)" in out
+    status["reputation"] = {"reputation": 0.399999, "trusted": False, "untrusted_below": 0.4}
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    assert cli.main(["status", "--home", str(tmp_path)]) == 0
+    assert "reputation 0.399999: UNTRUSTED" in capsys.readouterr().out  # on probation
     status["reputation"] = {"reputation": None, "trusted": False, "untrusted_below": 0.4,
                             "provisional": True}
     (tmp_path / "status.json").write_text(json.dumps(status))
     assert cli.main(["status", "--home", str(tmp_path)]) == 0
     assert "reputation not scored: provisional" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------ probation traffic
+
+
+def test_nodes_on_probation_are_the_untrusted_and_provisional_ones_of_the_model():
+    other = model(b"model-X", model_id="other")
+    d = directory(A, B, C, D, other, verified=True, A=0.2, B=0.6, D=0.3)
+    # A and D untrusted, C provisional beside proven B; the other model's node is not asked
+    assert [r.peer_id for r in probation_model_nodes(d, "fake-model")] == \
+        [A.peer_id, C.peer_id, D.peer_id]
+    assert probation_model_nodes(d, "other") == []  # its only node serves (provisional)
+    assert probation_model_nodes(directory(A, B, A=0.9, B=0.5), "fake-model") == []
+
+
+@pytest.mark.parametrize("share", [0.05, 0.2])
+def test_a_request_is_hedged_to_a_node_on_probation_at_the_configured_share(share):
+    rng = random.Random(11)
+    peers = [A.peer_id, D.peer_id]
+    n = 20_000
+    counts = collections.Counter(choose_probation_node(peers, share, rng) for _ in range(n))
+    hedged = n - counts[None]
+    sigma = (n * share * (1 - share)) ** 0.5
+    assert abs(hedged - n * share) < 4 * sigma
+    assert counts[A.peer_id] == pytest.approx(hedged / 2, rel=0.15)  # uniform, not by R
+
+
+def test_no_hedge_without_a_share_or_a_node_on_probation():
+    rng = random.Random(3)
+    state = rng.getstate()
+    assert choose_probation_node([], 1.0, rng) is None
+    assert choose_probation_node([A.peer_id], 0.0, rng) is None
+    assert rng.getstate() == state  # no draw: the user's other choices are unchanged
+    assert {choose_probation_node([A.peer_id], 1.0, rng) for _ in range(20)} == {A.peer_id}
+
+
+@pytest.mark.parametrize("bad", [{"probation_share": 1.5}, {"probation_share": -0.1},
+                                 {"probation_share": math.nan}, {"probation_in_flight": -1}])
+def test_probation_settings_out_of_range_are_refused(bad):
+    with pytest.raises(ValueError, match="probation"):
+        UserConfig(**bad)
+
+
+async def test_an_untrusted_node_gets_hedged_user_requests_and_the_user_the_trusted_answer():
+    """Issue 18: the untrusted node receives real users' requests at the configured share
+    (here 1: every one), the same request as the trusted node's, and the user gets the
+    trusted node's answer."""
+    import dataclasses
+
+    from ps_p2p.testing.fakes import InstantEngine
+    from ps_p2p.testing.localnet import open_localnet
+
+    trusted, untrusted = InstantEngine(), InstantEngine(reply_bytes=5)
+    config = UserConfig(probe_interval=0.5, probe_timeout=2.0, attempt_timeout=5.0,
+                        probation_share=1.0)
+    async with open_localnet(users=6, models=2, engine_factory=[trusted, untrusted].__getitem__,
+                             user_config=config, forwarding=False) as net:
+        good, bad = net.models[0].peer_id, net.models[1].peer_id
+        asker = net.users[0].user
+        committed = asker._directory
+
+        def with_reputations():  # the committee scored node 1 below the threshold
+            d = committed()
+            return None if d is None else dataclasses.replace(
+                d, verified=True, reputations={reputation_subject(good): 0.9,
+                                               reputation_subject(bad): 0.1})
+
+        asker._directory = with_reputations
+        assert [r.peer_id for r in asker.model_nodes()] == [good]
+        prompts = [f"Once upon a time {i}" for i in range(6)]
+        for i, prompt in enumerate(prompts):
+            streamed: list[str] = []
+            answer = await asker.ask(prompt, max_tokens=16, timeout=30,
+                                     on_text=streamed.append if i % 2 else None)
+            assert answer.ok and answer.served_by == good, answer.error
+            assert answer.text == trusted.answer_for(prompt, 16)
+        with trio.fail_after(30):
+            while sum(v for k, v in asker.probation.items() if k not in ("sent", "skipped")) \
+                    < len(prompts):
+                await asker.wait_processed()
+        assert asker.probation == {"sent": 6, "ok": 6}
+        assert untrusted.calls == 6 and trusted.calls == 6
+        assert asker.outcomes == {"ok": 6}  # hedges are not the user's requests
+
+        asker.config = dataclasses.replace(config, probation_share=0.0)
+        answer = await asker.ask("no hedge now", max_tokens=16, timeout=30)
+        assert answer.ok and untrusted.calls == 6 and asker.probation["sent"] == 6

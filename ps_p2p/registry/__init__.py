@@ -123,6 +123,7 @@ The state's app hash (what block h+1 carries, and what a directory's commit cove
     reputation root = SHA-256(b"planetserve/v1/reputation-root\\x00" || u64(last epoch)
                             || u32(#subjects) || (bytes(subject) || entry)*)
     entry         = u32(R micro) || u64(epochs) || u8(#window) || u32(credibility micro)*
+                    || u32(strikes) || u32(clean epochs)
 
 (evidence keys, departed peer IDs and subjects ascending). The directory serves the registry
 aux as a digest and the reputation entries themselves, so a node recomputes the reputation root

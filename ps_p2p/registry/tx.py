@@ -40,6 +40,7 @@ from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES
 from ps_p2p.records.types import Membership, NodeRecord, Role, Signer
 from ps_p2p.verification.ledger import MICRO, EpochReportTx, MissReportTx, SeedCommitTx
 from ps_p2p.verification.reputation import (
+    MAX_STRIKES,
     MAX_WINDOW,
     NODE_SUBJECT_PREFIX,
     ORG_SUBJECT_PREFIX,
@@ -256,11 +257,16 @@ class ReputationEntry:
         reputation: R, in [0, 10^6].
         window: the last (at most W) credibilities, oldest first, each in [0, 10^6].
         epochs: updates applied.
+        strikes: convictions not yet forgiven (:mod:`~ps_p2p.verification.reputation`,
+            "Probation"), at most 65535.
+        clean: scored epochs in a row with C >= tau, a u32.
     """
 
     reputation: int
     window: tuple[int, ...] = ()
     epochs: int = 0
+    strikes: int = 0
+    clean: int = 0
 
     @property
     def value(self) -> float:
@@ -270,7 +276,7 @@ class ReputationEntry:
     def state(self) -> ReputationState:
         """The float state the reputation rule works on (micro / 10^6, exact per value)."""
         return ReputationState(self.reputation / MICRO, tuple(v / MICRO for v in self.window),
-                               self.epochs)
+                               self.epochs, self.strikes, self.clean)
 
     @staticmethod
     def from_state(state: ReputationState) -> ReputationEntry:
@@ -280,12 +286,14 @@ class ReputationEntry:
             InvalidScoreError: a value not in [0, 1].
         """
         return ReputationEntry(to_micro(state.reputation),
-                               tuple(to_micro(v) for v in state.window), state.epochs)
+                               tuple(to_micro(v) for v in state.window), state.epochs,
+                               min(state.strikes, MAX_STRIKES), min(state.clean, 0xFFFFFFFF))
 
     def encode(self) -> bytes:
-        """``u32(R) || u64(epochs) || u8(#window) || u32(value)*`` (module docstring)."""
+        """``u32(R) || u64(epochs) || u8(#window) || u32(value)* || u32(strikes) ||
+        u32(clean)`` (module docstring)."""
         return (u32(self.reputation) + u64(self.epochs) + u8(len(self.window))
-                + b"".join(u32(v) for v in self.window))
+                + b"".join(u32(v) for v in self.window) + u32(self.strikes) + u32(self.clean))
 
     @staticmethod
     def read(r: Reader) -> ReputationEntry:
@@ -299,7 +307,11 @@ class ReputationEntry:
         window = tuple(r.u32("window value") for _ in range(n))
         if reputation > MICRO or any(v > MICRO for v in window):
             raise r.fail("reputation value over 10^6 micro units")
-        return ReputationEntry(reputation, window, epochs)
+        strikes = r.u32("strikes")
+        if strikes > MAX_STRIKES:
+            raise r.fail(f"{strikes} strikes (max {MAX_STRIKES})")
+        clean = r.u32("clean epochs")
+        return ReputationEntry(reputation, window, epochs, strikes, clean)
 
 
 @dataclass(frozen=True)

@@ -304,6 +304,41 @@ def trusted_model_nodes(directory: Directory, model_id: str | None = None) -> li
     return nodes
 
 
+def probation_model_nodes(directory: Directory, model_id: str) -> list[NodeRecord]:
+    """The directory's model nodes of ``model_id`` that a user does not send to
+    (:func:`trusted_model_nodes` leaves them out): the untrusted ones, and the provisional ones
+    while a proven node serves the model. They get a probation share of users' requests as
+    hedges (:func:`choose_probation_node`); pure. Directory order."""
+    serving = {r.peer_id for r in directory.serving(model_id)}
+    return [r for r in directory.model_nodes()
+            if r.model_id == model_id and r.peer_id not in serving]
+
+
+def choose_probation_node(peers: Sequence[bytes], share: float,
+                          rng: random.Random) -> bytes | None:
+    """Whether a user's request is also sent, as a hedge, to a node on probation, and to
+    which; pure given ``rng`` (docs/verification.md, "Probation traffic"; issue 18).
+
+    With probability ``share`` one of ``peers`` (the :func:`probation_model_nodes` the user can
+    reach), drawn uniformly: reputation does not weigh here, every untrusted node must see
+    real requests. The user still gets the answer of the trusted node the request went to;
+    the hedge's answer is discarded. Without the hedges an untrusted node would receive only
+    verifiers' challenges, so it would know every request it gets is one.
+
+    Args:
+        peers: candidate nodes (empty: no hedge, and no draw from ``rng``).
+        share: probability in [0, 1] (``UserConfig.probation_share``).
+
+    Returns:
+        The node to hedge to, or None.
+    """
+    if not peers or share <= 0.0:
+        return None
+    if rng.random() >= share:
+        return None
+    return rng.choice(list(peers))
+
+
 def reachable_model_nodes(
     records: Sequence[NodeRecord], lost: dict[bytes, int]
 ) -> list[NodeRecord]:
@@ -370,6 +405,9 @@ class UserClient:
         inbox_dropped: inputs (backward payloads, path-downs) dropped because the driver's
             inbox was full.
         outcomes: finished asks by outcome label (see ``on_request_done``).
+        probation: hedges to nodes on probation (``config.probation_share``; issue 18):
+            ``sent``, ``skipped`` (``config.probation_in_flight`` already in flight), and the
+            finished ones by outcome label. Hedges are not in :attr:`outcomes`.
     """
 
     def __init__(
@@ -388,6 +426,8 @@ class UserClient:
         self.overlay = overlay
         self.config = config or UserConfig()
         self.outcomes: dict[str, int] = {}
+        self.probation: dict[str, int] = {}
+        self._hedges_in_flight = 0
         self._on_request_done = on_request_done
         self._on_first_token = on_first_token
         self._directory = directory
@@ -648,6 +688,11 @@ class UserClient:
             return answer_from_outcome(Outcome(request_id, None, error, 0, 0, 0.0))
         chosen = self._choose_model_node([r.peer_id for r in candidates])
         target = next(r for r in candidates if r.peer_id == chosen)
+        if model_node is None and not include_untrusted and directory is not None:
+            self._maybe_hedge(directory, target.model_id, {
+                "prompt": prompt, "messages": messages, "max_tokens": max_tokens,
+                "temperature": temperature, "top_p": top_p, "seed": seed, "stop": stop,
+                "timeout": timeout, "stream": on_text is not None})
         spec = RequestSpec(
             request_id=request_id,
             destination=target.peer_id,
@@ -673,6 +718,39 @@ class UserClient:
                 self.driver.submit(partial(self._cancel_request, request_id), essential=True)
         assert waiter.outcome is not None
         return answer_from_outcome(waiter.outcome)
+
+    def _maybe_hedge(self, directory: Directory, model_id: str,
+                     request: dict[str, object]) -> None:
+        """Send the same request to a node on probation too, with probability
+        ``config.probation_share`` (:func:`choose_probation_node`), as a task of :meth:`run`'s
+        nursery whose answer is counted in :attr:`probation` and dropped. The same request
+        core, paths and shape (streamed when the user's is), so that nothing in it differs
+        from the user's request but its destination and request ID."""
+        peers = [r.peer_id for r in reachable_model_nodes(
+            probation_model_nodes(directory, model_id), self._lost_model_nodes)]
+        peer = choose_probation_node(peers, self.config.probation_share, self._rng)
+        if peer is None or self._nursery is None:
+            return
+        if self._hedges_in_flight >= self.config.probation_in_flight:
+            self.probation["skipped"] = self.probation.get("skipped", 0) + 1
+            return
+        self._hedges_in_flight += 1
+        self.probation["sent"] = self.probation.get("sent", 0) + 1
+        self._nursery.start_soon(self._hedge, peer, model_id, request)
+
+    async def _hedge(self, peer: bytes, model_id: str, request: dict[str, object]) -> None:
+        try:
+            stream = request.pop("stream")
+            answer = await self._ask(
+                **request, model_id=model_id, model_node=peer, include_untrusted=True,
+                on_text=(lambda text: None) if stream else None)
+            label = outcome_label(answer)
+        except Exception:  # a bug must not take the client's nursery down
+            log.exception("probation hedge to %s failed", _short(peer))
+            label = "error"
+        finally:
+            self._hedges_in_flight -= 1
+        self.probation[label] = self.probation.get(label, 0) + 1
 
     # ------------------------------------------------------------------ driver
 
@@ -957,8 +1035,10 @@ __all__ = [
     "UserPath",
     "answer_from_outcome",
     "choose_model_node",
+    "choose_probation_node",
     "describe",
     "outcome_label",
+    "probation_model_nodes",
     "reachable_model_nodes",
     "relay_candidates",
     "trusted_model_nodes",

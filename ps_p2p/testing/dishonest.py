@@ -23,7 +23,9 @@ TEST ONLY. Ways a model node can claim one model and serve less (paper sec. 3.4,
 * :class:`SelectiveEngine`: an honest engine for requests a predicate flags as challenges,
   a cheap one for the rest (the predicate: a classifier such as ``ps_p2p.testing.
   challenge_classifier``, or a stand-in); with an honest *peer's* engine as the honest one it
-  is also the node that forwards what it takes for challenges to an honest peer.
+  is also the node that forwards what it takes for challenges to an honest peer;
+* :class:`TrustAwareEngine`: honest only while its committed reputation says untrusted, the
+  cheap engine while trusted (it needs no classifier).
 
 Everything else (scoring, tokenization, chat templates, KV-cache events) is the inner
 engine's, so a verifier cannot tell the engines apart except by the answers.
@@ -328,6 +330,20 @@ class SelectiveEngine(_TextEngine):
         return done.text, done.finish_reason or FINISH_STOP
 
 
+class TrustAwareEngine(SelectiveEngine):
+    """Honest only while untrusted: ``honest`` for every request while :attr:`trusted` is
+    False, ``cheap`` for every request while it is True (issue 18, "honest only while
+    untrusted"). The node needs no classifier: its committed reputation is public (``ps-node
+    status``, the directory), and while it is untrusted users used to send it nothing, so all
+    it received were challenges. Whoever runs it sets :attr:`trusted` from the chain (the
+    benchmark before each epoch). ``routed`` and ``last_route`` as :class:`SelectiveEngine`.
+    """
+
+    def __init__(self, honest: Engine, cheap: Engine, *, trusted: bool = True) -> None:
+        super().__init__(honest, cheap, lambda prompt, params: not self.trusted)
+        self.trusted = trusted
+
+
 def substitute_model(path: str | os.PathLike[str], **kwargs):  # type: ignore[no-untyped-def]
     """:func:`ps_p2p.testing.substitute.substitute_model` (a distilled smaller model)."""
     from ps_p2p.testing.substitute import substitute_model as make
@@ -341,6 +357,7 @@ __all__ = [
     "NearestPromptEngine",
     "OtherPromptEngine",
     "SelectiveEngine",
+    "TrustAwareEngine",
     "degraded_copy",
     "quantized_copy",
     "substitute_model",

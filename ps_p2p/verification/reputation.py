@@ -35,7 +35,32 @@ values", and a steady cheater with C = 0.3 sinks to about 0.09 (the paper's fig.
   yet as *provisional* on a chain with epochs (:meth:`~ps_p2p.records.Directory.trusted`,
   issue 16): its first epoch decides. A subject is trusted again once R climbs back over the
   threshold: it must be challenged to do so (the plan decides whether untrusted nodes are
-  challenged).
+  challenged), and, once it has been convicted, keep a clean record first (below).
+
+Probation (issue 18; not in the paper). The paper's rule lets a node that was caught come
+back as soon as the window has forgotten its abnormal values: R climbs over the threshold
+after about four clean epochs. An untrusted node gets little user traffic, so the strategy
+"honest while untrusted, cheap while trusted" stayed trusted in 37-43% of epochs while
+serving cheap answers to every user. So each subject also carries ``strikes`` (convictions
+not yet forgiven) and ``clean`` (scored epochs in a row with C >= tau)::
+
+    conviction   <=> trusted before the epoch and, after it, R(T) < untrusted_below, or
+                     strikes > 0 and C(T) < tau          (then strikes += 1, clean = 0)
+    required(k)  =  0 if k = 0, else min(max_probation, probation * 2^(k-1))
+    on probation <=> clean < required(strikes): R(T) is capped just below the threshold
+                     (the largest multiple of 10^-6 below it), so the subject is untrusted
+    forgiven     <=> not on probation, R(T) >= untrusted_below and clean >= required(strikes)
+                     + forgive: strikes -= 1 and clean = required(strikes)
+
+A subject never convicted follows the paper's rule exactly. After a conviction it needs
+``probation`` clean epochs (8), twice as many after each further one, and while it has strikes
+one abnormal epoch convicts it again (parole: the window's tolerance of one abnormal value in
+five is for subjects with a clean history). A cheater that is honest only while untrusted is
+then trusted in one epoch per cycle of 8, 16, 32, ... (3 of 99 epochs after its first
+conviction). ``forgive`` clean epochs in a row while trusted (100) take one strike away, so an
+honest node that once failed (an outage's confirmed misses) is not on parole for ever.
+``probation = 0`` is the paper's rule. Strikes and clean counts are integers and the cap is a
+fixed micro unit, so every validator computes the same state.
 
 Subjects. Reputation is per organization when the node record carries an organization's
 membership certificate, else per node: ``subject_of(record)`` is ``b"orgkey\\x00" || org_key``
@@ -67,6 +92,13 @@ from ps_p2p.records.types import reputation_subject
 
 #: Longest sliding window accepted in a genesis file.
 MAX_WINDOW = 64
+#: Largest ``probation`` / ``max_probation`` / ``forgive`` accepted (epochs; the chain encodes
+#: ``clean`` as a u32 and ``strikes`` as a u16).
+MAX_PROBATION = 1_000_000
+MAX_STRIKES = 0xFFFF
+#: Reputations are committed in micro units (:data:`ps_p2p.verification.ledger.MICRO`); the
+#: probation cap is the largest of them below the threshold.
+_MICRO = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -81,6 +113,12 @@ class ReputationParams:
         gamma: punishment applies when c/W > gamma, in (0, 1].
         untrusted_below: R below it is untrusted, in [0, 1].
         initial: R(0) of a subject never scored, in [0, 1].
+        probation: clean epochs (C >= tau, in a row) a subject needs after its first
+            conviction before it is trusted again, doubled after each further one (module
+            docstring, "Probation"); 0: the paper's rule, no probation. In [0, 10^6].
+        max_probation: the longest probation, in epochs, in [probation, 10^6].
+        forgive: clean epochs in a row, beyond its probation, while trusted, that take one
+            strike away; 0: never. In [0, 10^6].
 
     Raises:
         LocalProtocolError: a value out of its range or of the wrong type (the genesis loader
@@ -94,6 +132,9 @@ class ReputationParams:
     gamma: float = 0.2
     untrusted_below: float = 0.4
     initial: float = 0.5
+    probation: int = 8
+    max_probation: int = 1024
+    forgive: int = 100
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int):
@@ -112,6 +153,29 @@ class ReputationParams:
             raise LocalProtocolError("reputation beta and gamma must be above 0")
         if Fraction(self.alpha) + Fraction(self.beta) > 1:
             raise LocalProtocolError("reputation alpha + beta must be at most 1")
+        for name in ("probation", "max_probation", "forgive"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not 0 <= value <= MAX_PROBATION:
+                raise LocalProtocolError(
+                    f"reputation {name} must be an integer in [0, {MAX_PROBATION}], "
+                    f"not {value!r}")
+        if self.max_probation < self.probation:
+            raise LocalProtocolError("reputation max_probation must be at least probation")
+
+    def required_clean(self, strikes: int) -> int:
+        """Clean epochs a subject with ``strikes`` convictions needs before it is trusted:
+        0 without strikes, else ``min(max_probation, probation * 2^(strikes - 1))``."""
+        if strikes <= 0 or self.probation == 0:
+            return 0
+        return min(self.max_probation, self.probation << min(strikes - 1, 40))
+
+    @property
+    def probation_cap(self) -> float:
+        """R of a subject on probation is at most this: the largest multiple of 10^-6 below
+        ``untrusted_below`` (0 when the threshold is 0), so it stays untrusted once committed
+        in micro units."""
+        return max(0, math.ceil(self.untrusted_below * _MICRO) - 1) / _MICRO
 
     def punished(self, abnormal: int) -> bool:
         """True when ``abnormal`` values in the window trigger the punishment (c/W > gamma)."""
@@ -137,11 +201,16 @@ class ReputationState:
         reputation: R, in [0, 1].
         window: the last (at most W) C values, oldest first.
         epochs: how many updates it has had.
+        strikes: convictions not yet forgiven (module docstring, "Probation"), in [0, 65535].
+        clean: scored epochs in a row with C >= tau (reset by a conviction; lowered by a
+            forgiveness), >= 0.
     """
 
     reputation: float
     window: tuple[float, ...] = ()
     epochs: int = 0
+    strikes: int = 0
+    clean: int = 0
 
     @classmethod
     def fresh(cls, params: ReputationParams = DEFAULT_REPUTATION) -> ReputationState:
@@ -165,7 +234,7 @@ def check_score(value: float, what: str = "credibility") -> float:
 def update(
     state: ReputationState, credibility: float, params: ReputationParams = DEFAULT_REPUTATION
 ) -> ReputationState:
-    """One epoch of the reputation rule (module docstring); pure.
+    """One epoch of the reputation rule with probation (module docstring); pure.
 
     Args:
         state: the subject's state after epoch T-1.
@@ -182,8 +251,25 @@ def update(
     previous = check_score(state.reputation, "reputation")
     window = (state.window + (c_t,))[-params.window:]
     abnormal = sum(1 for v in window if v < params.tau)
-    r = params.alpha * previous + params.weight(abnormal) * c_t
-    return ReputationState(min(1.0, max(0.0, r)), window, state.epochs + 1)
+    r = min(1.0, max(0.0, params.alpha * previous + params.weight(abnormal) * c_t))
+    strikes, clean = state.strikes, 0 if c_t < params.tau else state.clean + 1
+    probation_now = clean < params.required_clean(strikes)
+    if previous >= params.untrusted_below and (r < params.untrusted_below or probation_now):
+        strikes, clean = min(MAX_STRIKES, strikes + 1), 0  # a conviction
+        probation_now = params.probation > 0
+    if probation_now:
+        r = min(r, params.probation_cap)
+    elif (strikes and params.forgive and r >= params.untrusted_below
+          and clean >= params.required_clean(strikes) + params.forgive):
+        strikes -= 1
+        clean = params.required_clean(strikes)
+    return ReputationState(r, window, state.epochs + 1, strikes, clean)
+
+
+def on_probation(state: ReputationState, params: ReputationParams = DEFAULT_REPUTATION) -> bool:
+    """The subject's clean record is shorter than its strikes require (module docstring,
+    "Probation"): it is untrusted whatever its R would be."""
+    return state.clean < params.required_clean(state.strikes)
 
 
 def is_trusted(state: ReputationState, params: ReputationParams = DEFAULT_REPUTATION) -> bool:
@@ -309,6 +395,8 @@ class ReputationBook:
 
 __all__ = [
     "DEFAULT_REPUTATION",
+    "MAX_PROBATION",
+    "MAX_STRIKES",
     "MAX_WINDOW",
     "NODE_SUBJECT_PREFIX",
     "ORG_SUBJECT_PREFIX",
@@ -317,6 +405,7 @@ __all__ = [
     "ReputationState",
     "check_score",
     "is_trusted",
+    "on_probation",
     "subject_of",
     "update",
 ]
