@@ -358,3 +358,34 @@ def test_a_snapshot_carries_the_committed_mix_and_the_app_hash_covers_it(epoch1)
     assert app.app_hash(variant) != state.app_hash
     plain = decode_state(encode_state(epoch1), app.genesis_state(epoch1.genesis))
     assert plain.app_hash == epoch1.app_hash and plain.ledger.mix is None
+
+
+def test_the_local_api_records_each_requests_shape_for_its_verifier():
+    import trio
+
+    from ps_p2p.api.openai_compat import ApiError, ChatBody, UserAPI
+    from ps_p2p.testing.api_traffic import RecordingUser
+
+    class Node:
+        user = RecordingUser()
+        shape_recorder = ShapeRecorder(k=0, epsilon=math.inf, min_requests=1)
+
+    api = UserAPI(Node())
+    body = ChatBody.model_validate({
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": "my private question"}],
+        "temperature": 1.3, "max_tokens": 300, "n": 2})
+
+    async def ask() -> None:
+        with pytest.raises(ApiError):  # the recording user answers nothing
+            await api._generate(body, messages=body.chat(), chat=True,
+                                max_tokens=body.max_tokens)
+
+    trio.run(ask)
+    rec = Node.shape_recorder
+    assert rec.requests == 2  # n = 2: two requests reach model nodes
+    counts = rec.counts()
+    assert counts["temperature"][bucket("temperature", ("range", 1.01, 2.0))] == 2
+    assert counts["max_tokens"][bucket("max_tokens", 300)] == 2
+    assert counts["system"][1] == 2 and counts["endpoint"][0] == 2
+    assert "private" not in repr(vars(rec))
