@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verifiers", type=int, default=4)
     p.add_argument("--verifier-requests", type=int, default=600,
                    help="requests each verifier's API sees per epoch")
-    p.add_argument("--warmup-epochs", type=int, default=20,
+    p.add_argument("--warmup-epochs", type=int, default=30,
                    help="epochs of learning before the first measured one (--mix learned)")
     args = p.parse_args(argv)
     if args.challenges_per_node is None:

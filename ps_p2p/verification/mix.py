@@ -69,9 +69,9 @@ SCALE = 10_000
 #: The committed mix moves STEP_NUM / STEP_DEN of the way to an epoch's aggregate.
 STEP_NUM, STEP_DEN = 1, 4
 #: Fewest requests in a window before a verifier publishes it.
-MIN_REQUESTS = 500
+MIN_REQUESTS = 1000
 #: Default suppression threshold: a bucket is published only with a noisy count of at least k.
-DEFAULT_K = 50
+DEFAULT_K = 30
 #: Default privacy budget of one published window (each request is in one window only).
 DEFAULT_EPSILON = 1.0
 #: Counts one request increments (endpoint, its stream, system, earlier exchange, temperature,
