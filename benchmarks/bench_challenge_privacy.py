@@ -241,6 +241,23 @@ class MixLearning:
 # ---------------------------------------------------------------------------- the run
 
 
+def learning_curve(args: argparse.Namespace) -> None:
+    """How fast the committed mix approaches the users' (no classifier): the distance every 5
+    epochs over ``--warmup-epochs``, for windows of ``--min-requests`` and suppression ``--k``."""
+    learning = MixLearning(POPULATIONS[args.users], random.Random(args.seed + 3),
+                           verifiers=args.verifiers, per_window=args.verifier_requests)
+    learning.recorders = [learned_mix.ShapeRecorder(k=args.k, min_requests=args.min_requests)
+                          for _ in learning.recorders]
+    distances = []
+    for _ in range(args.warmup_epochs):
+        learning.epoch()
+        distances.append(learning.distance())
+    print(f"users {args.users}, {args.verifiers} verifiers x {args.verifier_requests} requests "
+          f"per epoch, k {args.k}, windows of >= {args.min_requests}: DEFAULT_MIX "
+          f"{learning.distance(learned_mix.DEFAULT_HISTOGRAM):.3f}, every 5 epochs "
+          + " ".join(f"{d:.3f}" for d in distances[4::5]))
+
+
 def run(args: argparse.Namespace) -> None:
     started = time.time()
     rng = random.Random(args.seed)
@@ -382,7 +399,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests each verifier's API sees per epoch")
     p.add_argument("--warmup-epochs", type=int, default=30,
                    help="epochs of learning before the first measured one (--mix learned)")
+    p.add_argument("--learning-curve", action="store_true",
+                   help="only print how fast the learned mix approaches the users'")
+    p.add_argument("--k", type=int, default=learned_mix.DEFAULT_K if learned_mix else 30)
+    p.add_argument("--min-requests", type=int,
+                   default=learned_mix.MIN_REQUESTS if learned_mix else 1000)
     args = p.parse_args(argv)
+    if args.learning_curve:
+        learning_curve(args)
+        return 0
     if args.challenges_per_node is None:
         args.challenges_per_node = 4 if challenge_shapes is not None else 1
     run(args)

@@ -455,7 +455,9 @@ class ShapeRecorder:
 
 
 __all__ = [
+    "DEFAULT_EPSILON",
     "DEFAULT_HISTOGRAM",
+    "DEFAULT_K",
     "DIMENSIONS",
     "HISTOGRAM_BYTES",
     "MIN_REQUESTS",
