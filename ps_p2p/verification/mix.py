@@ -21,9 +21,11 @@ send something else. This module lets the committee learn the users' mix:
    (docs/verification.md, "A mix learned from users").
 3. **Submit** it in a MIX_REPORT transaction (:mod:`~ps_p2p.verification.ledger`): one per
    validator per epoch, validated (:meth:`ShapeHistogram.check`).
-4. **Commit** (:func:`aggregate`): when an epoch's report executes, each dimension reported by
-   validators holding more than 2/3 of the power gets, per bucket, the power-weighted median of
-   the reported shares, renormalized; the committed mix moves :data:`STEP_NUM` /
+4. **Commit** (:func:`aggregate`): when an epoch's report executes, with the latest report of
+   each validator from the last ``MIX_REPORT_EPOCHS`` epochs (so a verifier whose API needs
+   several epochs to fill a window still counts), each dimension reported by validators
+   holding more than 2/3 of the power gets, per bucket, the power-weighted median of the
+   reported shares, renormalized; the committed mix moves :data:`STEP_NUM` /
    :data:`STEP_DEN` of the way towards it (the previous mix, initially ``DEFAULT_MIX``, is the
    prior). Validators holding at most 1/3 of the power are less than half of the reporting
    power, so the median of every bucket lies between two honest reports: a Byzantine minority
