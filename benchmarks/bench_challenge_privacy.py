@@ -360,6 +360,8 @@ def run(args: argparse.Namespace) -> None:
           f"({len(FEATURES)} features)")
     views = [("everything", tuple(GROUPS))] + [(g, (g,)) for g in GROUPS] + [
         ("fields+content", ("fields", "content"))]
+    if args.views:
+        views = [v for v in views if v[0] in args.views.split(",")]
     for label, groups in views:
         cols = columns(x, groups)
         for kind in args.models.split(","):
@@ -388,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--models", default="boosting,tree")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--views", default="",
+                   help="comma-separated feature views to cross-validate (default: all), e.g. "
+                        "everything,fields")
     p.add_argument("--users", choices=sorted(POPULATIONS), default="default",
                    help="the users' population: USER_MIX, or SHIFTED_MIX (differs from "
                         "DEFAULT_MIX in every field)")
