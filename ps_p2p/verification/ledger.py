@@ -1,7 +1,7 @@
 """Verification epochs on the chain: parameters, transactions, the epoch ledger; pure.
 
 The committee's application (:mod:`ps_p2p.registry`) keeps an :class:`EpochLedger` next to
-the registry and executes three transactions with it (PlanetServe sec. 3.4 and Algorithm 3; the
+the registry and executes four transactions with it (PlanetServe sec. 3.4 and Algorithm 3; the
 arithmetic is :mod:`ps_p2p.verification.epochs`, the rule :mod:`~ps_p2p.verification.
 reputation`):
 
