@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import pathlib
 import random
@@ -56,6 +57,8 @@ if "PYTHONPATH" not in os.environ:
 from ps_p2p.errors import PsError
 from ps_p2p.prompts import load_prompts
 from ps_p2p.testing.api_traffic import (
+    SHIFTED_MIX,
+    USER_MIX,
     Conversation,
     RecordingUser,
     api_asks,
@@ -81,6 +84,11 @@ try:
     from ps_p2p.verification import challenges as challenge_shapes
 except ImportError:  # today's code: challenges are the pool prompt at a menu entry
     challenge_shapes = None  # type: ignore[assignment]
+try:
+    from ps_p2p.verification import mix as learned_mix
+except ImportError:  # before the committee learned the users' mix
+    learned_mix = None  # type: ignore[assignment]
+POPULATIONS = {"default": USER_MIX, "shifted": SHIFTED_MIX}
 
 SHARED = pathlib.Path(os.environ.get("PS_SHARED_DIR", REPO.parent / "shared"))
 DATA = SHARED / "data"
@@ -147,7 +155,8 @@ def generated_pool(size: int, seed: int) -> list[str]:
 
 
 def challenge_asks(plan: epochs.Plan, node: bytes, pool: list[str], menu, rng: random.Random,
-                   *, epoch: int, epoch_s: float, seed: bytes) -> list[tuple[float, dict]]:
+                   *, epoch: int, epoch_s: float, seed: bytes,
+                   mix=None) -> list[tuple[float, dict]]:
     """(send time in the epoch, the ``ask`` call) of each of ``node``'s challenges, as the
     verifier's service makes them."""
     user = RecordingUser()
@@ -156,7 +165,8 @@ def challenge_asks(plan: epochs.Plan, node: bytes, pool: list[str], menu, rng: r
         if challenge_shapes is not None:
             # the leader's request and send time (service.EpochService._lead; a deployment's
             # attempt_ms >= epoch_ms + timeout + margin spreads them over the whole epoch)
-            req = challenge_shapes.derive_request(seed, epoch, 0, c, pool[c.prompt_index])
+            req = challenge_shapes.derive_request(seed, epoch, 0, c, pool[c.prompt_index],
+                                                  mix or challenge_shapes.DEFAULT_MIX)
             ask = service.overlay_ask(user, "stories260K")
             trio.run(ask, req, node, 60.0)
             at = challenge_shapes.send_times([req.send_fraction], epoch_s)[0]
@@ -174,7 +184,78 @@ def challenge_asks(plan: epochs.Plan, node: bytes, pool: list[str], menu, rng: r
     return out
 
 
+# ---------------------------------------------------------------------------- the mix
+
+
+class MixLearning:
+    """The committee learning its users' mix (:mod:`ps_p2p.verification.mix`): ``verifiers``
+    verifiers of power 1, each with its own local API whose users draw from ``population``;
+    once per epoch each publishes its window of ``per_window`` requests (noised, suppressed
+    below k) and the committee aggregates them into the committed mix, as the ledger does at
+    each epoch's end (:func:`~ps_p2p.verification.ledger.update_mix`).
+
+    The users' requests are run once through the real local API (:func:`api_asks`, 4,000
+    bodies); each window samples its requests from those (with replacement).
+    """
+
+    def __init__(self, population, rng: random.Random, *, verifiers: int, per_window: int):
+        bodies = [user_body(rng, Conversation("q", ("a", "b")), mix=population)
+                  for _ in range(4000)]
+        self.shapes = [learned_mix.RequestShape.of_ask(
+            a["prompt"], a.get("messages", ()), stream=a["streamed"],
+            **{k: a.get(k) for k in ("max_tokens", "temperature", "top_p", "seed", "stop")})
+            for asks in api_asks(bodies) for a in asks]
+        self.recorders = [learned_mix.ShapeRecorder() for _ in range(verifiers)]
+        self.per_window = per_window
+        self.rng = rng
+        self.committed = None
+        self.reports = 0
+
+    def epoch(self) -> None:
+        reports = []
+        for rec in self.recorders:
+            for shape in self.rng.choices(self.shapes, k=self.per_window):
+                rec.record(shape)
+            h = rec.take(self.rng)
+            if h is not None:
+                reports.append((1, h))
+        self.reports += len(reports)
+        self.committed = learned_mix.aggregate(self.committed, reports, len(self.recorders))
+
+    def mix(self):
+        return learned_mix.mix_of(self.committed)
+
+    def distance(self, histogram=None) -> float:
+        """Half the L1 distance between ``histogram`` (default: the committed mix) and the
+        users' own (their histogram, no noise), averaged over the dimensions: 0 = equal,
+        1 = disjoint."""
+        rec = learned_mix.ShapeRecorder(k=0, epsilon=math.inf, min_requests=1)
+        for shape in self.shapes:
+            rec.record(shape)
+        truth = rec.take(self.rng)
+        got = histogram or self.committed or learned_mix.DEFAULT_HISTOGRAM
+        return statistics.mean(sum(abs(a - b) for a, b in zip(x, y)) / 2 / learned_mix.SCALE
+                               for x, y in zip(got.shares, truth.shares) if sum(y))
+
+
 # ---------------------------------------------------------------------------- the run
+
+
+def learning_curve(args: argparse.Namespace) -> None:
+    """How fast the committed mix approaches the users' (no classifier): the distance every 5
+    epochs over ``--warmup-epochs``, for windows of ``--min-requests`` and suppression ``--k``."""
+    learning = MixLearning(POPULATIONS[args.users], random.Random(args.seed + 3),
+                           verifiers=args.verifiers, per_window=args.verifier_requests)
+    learning.recorders = [learned_mix.ShapeRecorder(k=args.k, min_requests=args.min_requests)
+                          for _ in learning.recorders]
+    distances = []
+    for _ in range(args.warmup_epochs):
+        learning.epoch()
+        distances.append(learning.distance())
+    print(f"users {args.users}, {args.verifiers} verifiers x {args.verifier_requests} requests "
+          f"per epoch, k {args.k}, windows of >= {args.min_requests}: DEFAULT_MIX "
+          f"{learning.distance(learned_mix.DEFAULT_HISTOGRAM):.3f}, every 5 epochs "
+          + " ".join(f"{d:.3f}" for d in distances[4::5]))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -194,6 +275,19 @@ def run(args: argparse.Namespace) -> None:
             pool = [c.prompt for c in items]
         pool = list(dict.fromkeys(pool))
     menu = (SamplingOption(),)  # the testnet's genesis menu
+    population = POPULATIONS[args.users]
+    learning = None
+    if args.mix == "learned":
+        if learned_mix is None:
+            raise SystemExit("--mix learned needs ps_p2p.verification.mix")
+        learning = MixLearning(population, random.Random(args.seed + 3),
+                               verifiers=args.verifiers, per_window=args.verifier_requests)
+        for _ in range(args.warmup_epochs):
+            learning.epoch()
+        print(f"mix learned over {args.warmup_epochs} epochs before the first measured one: "
+              f"{learning.reports} reports, distance to the users' mix "
+              f"{learning.distance():.3f} (DEFAULT_MIX: "
+              f"{learning.distance(learned_mix.DEFAULT_HISTOGRAM):.3f})")
     nodes = [b"\x00\x24" + hashlib.sha256(b"n%d" % i).digest() + bytes(4)
              for i in range(args.nodes)]
     attacked = nodes[0]
@@ -215,10 +309,13 @@ def run(args: argparse.Namespace) -> None:
                                   sampling_options=len(menu))
         used |= {c.prompt_index for c in plan.challenges}
         for at, ask in challenge_asks(plan, attacked, pool, menu, rng, epoch=e,
-                                      epoch_s=args.epoch_s, seed=seed):
+                                      epoch_s=args.epoch_s, seed=seed,
+                                      mix=learning.mix() if learning else None):
             traffic.append((e, at, ask, 1))
+        if learning is not None:  # the committee keeps learning, one step per epoch
+            learning.epoch()
         times = poisson_times(rng, args.user_rate, args.epoch_s)
-        bodies = [user_body(rng, next(user_iter)) for _ in times]
+        bodies = [user_body(rng, next(user_iter), mix=population) for _ in times]
         for at, asks in zip(times, api_asks(bodies)):
             for ask in asks:  # n > 1: n requests at once
                 traffic.append((e, at, ask, 0))
@@ -255,10 +352,16 @@ def run(args: argparse.Namespace) -> None:
     print(f"code: {code}")
     print(f"pool: {args.pool} ({len(pool)} prompts); {args.epochs} epochs of {args.epoch_s:.0f} s,"
           f" {args.nodes} nodes, {per_node} challenge(s) per node; users {args.user_rate}/s")
+    print(f"users: {args.users} population; challenges' mix: "
+          + ("DEFAULT_MIX (constant)" if learning is None else
+             f"learned by {args.verifiers} verifiers ({args.verifier_requests} requests per "
+             f"window), distance to the users' at the end {learning.distance():.3f}"))
     print(f"balanced set: {len(pos)} challenges + {len(neg)} user requests "
           f"({len(FEATURES)} features)")
     views = [("everything", tuple(GROUPS))] + [(g, (g,)) for g in GROUPS] + [
         ("fields+content", ("fields", "content"))]
+    if args.views:
+        views = [v for v in views if v[0] in args.views.split(",")]
     for label, groups in views:
         cols = columns(x, groups)
         for kind in args.models.split(","):
@@ -287,7 +390,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--models", default="boosting,tree")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--views", default="",
+                   help="comma-separated feature views to cross-validate (default: all), e.g. "
+                        "everything,fields")
+    p.add_argument("--users", choices=sorted(POPULATIONS), default="default",
+                   help="the users' population: USER_MIX, or SHIFTED_MIX (differs from "
+                        "DEFAULT_MIX in every field)")
+    p.add_argument("--mix", choices=["constant", "learned"], default="constant",
+                   help="challenges from DEFAULT_MIX, or from the mix the committee learns from "
+                        "its verifiers' MIX_REPORTs")
+    p.add_argument("--verifiers", type=int, default=4)
+    p.add_argument("--verifier-requests", type=int, default=600,
+                   help="requests each verifier's API sees per epoch")
+    p.add_argument("--warmup-epochs", type=int, default=30,
+                   help="epochs of learning before the first measured one (--mix learned)")
+    p.add_argument("--learning-curve", action="store_true",
+                   help="only print how fast the learned mix approaches the users'")
+    p.add_argument("--k", type=int, default=learned_mix.DEFAULT_K if learned_mix else 30)
+    p.add_argument("--min-requests", type=int,
+                   default=learned_mix.MIN_REQUESTS if learned_mix else 1000)
     args = p.parse_args(argv)
+    if args.learning_curve:
+        learning_curve(args)
+        return 0
     if args.challenges_per_node is None:
         args.challenges_per_node = 4 if challenge_shapes is not None else 1
     run(args)

@@ -247,9 +247,17 @@ class Node:
         self.consensus = None
         #: verifiers running challenge epochs (:mod:`ps_p2p.verification.service`)
         self.epochs = None
-        #: the distribution of challenge shapes (None: ``challenges.DEFAULT_MIX``); every
-        #: verifier of a committee must use the same (tests set a cheaper one before ``run``)
+        #: a fixed distribution of challenge shapes (None: each epoch's committed mix, learned
+        #: from the verifiers' MIX_REPORTs, ``verification.mix``); every verifier of a
+        #: committee must use the same (tests set a cheaper one before ``run``)
         self.challenge_mix = None
+        #: verifiers with the user role: the request shapes their local API sends, bucketed
+        #: and published once per epoch, noised (``verification.mix.ShapeRecorder``)
+        self.shape_recorder = None
+        if Role.VERIFIER in self.roles and Role.USER in self.roles:
+            from ps_p2p.verification.mix import ShapeRecorder
+
+            self.shape_recorder = ShapeRecorder()
         self.committee_directory: committee_proto.CommitteeDirectoryService | None = None
         if config.genesis is not None:
             self.genesis_file = load_genesis(config.genesis)
@@ -545,6 +553,8 @@ class Node:
             master=master_key(self.keys.identity.private_bytes()),
             committee_key=load_committee_key(vcfg.committee_key),
             challenge_timeout=vcfg.challenge_timeout, unix_ms=validator.unix_ms,
+            mix_source=None if self.shape_recorder is None
+            else lambda: self.shape_recorder.take(random.SystemRandom()),
             **({} if self.challenge_mix is None else {"mix": self.challenge_mix}))
         validator.value_check = self.epochs.value_check
         self.epochs.on_verdict = self.consensus.revalidate

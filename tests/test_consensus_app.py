@@ -110,7 +110,7 @@ def test_transactions_round_trip_through_their_canonical_bytes(tx):
 @pytest.mark.parametrize("mutate, match", [
     (lambda t: t + b"\x00", "trailing"),
     (lambda t: t[:-3], "truncated"),
-    (lambda t: t[:len(app.TX_DOMAIN)] + b"\x09" + t[len(app.TX_DOMAIN) + 1:], "unknown"),
+    (lambda t: t[:len(app.TX_DOMAIN)] + b"\x0a" + t[len(app.TX_DOMAIN) + 1:], "unknown"),
     (lambda t: b"x" * 9000, "max 8192"),
 ])
 def test_malformed_transactions_are_refused(mutate, match, genesis):

@@ -1032,3 +1032,58 @@ async def test_a_committee_takes_a_dishonest_model_node_out_of_users_reach(share
                 answer = await user.user.ask(prompt, max_tokens=24, timeout=30)
                 assert answer.ok, answer.error
                 assert answer.served_by == honest
+
+
+# ------------------------------------------------------------------ the users' mix (issue 18)
+
+
+async def test_a_leader_without_a_fixed_mix_draws_its_challenges_from_the_committed_mix(
+        mock_clock):
+    from ps_p2p.verification.mix import histogram_of, mix_of
+
+    params = verification("fake-model", sampling=(GREEDY,))
+    state, mine, _ = started_epoch(params)
+    learned = histogram_of(fixed_mix(max_tokens=64, seed=42))  # what the committee learned
+    state.ledger = state.ledger.copy()
+    state.ledger.mix = learned
+    stubs = Stubs(state)
+    svc = service(stubs, InstantEngine(), params, mix=None)
+    assert svc.mix_for(state.ledger) == mix_of(learned)
+    stubs.now_ms = state.ledger.start_ms + mine * ATTEMPT_MS + 1
+    async with running(svc):
+        await settle(svc)
+    plan = state.ledger.plan(CHAIN, params, mine, secret(ME, 1))
+    expected = [derive_request(secret(ME, 1), 1, mine, c, POOL[c.prompt_index], mix_of(learned))
+                for c in plan.challenges]
+    assert sorted(r.params for r, *_ in stubs.asked) == sorted(e.params for e in expected)
+    assert {(r.max_tokens, r.seed) for r, *_ in stubs.asked} == {(64, 42)}
+
+
+async def test_a_verifier_publishes_its_users_mix_once_per_epoch_when_it_has_one(mock_clock):
+    from ps_p2p.verification.ledger import MixReportTx
+    from ps_p2p.verification.mix import DEFAULT_HISTOGRAM, histogram_of
+
+    params = verification("fake-model")
+    stubs = Stubs(genesis_state(params))
+    other = histogram_of(fixed_mix(max_tokens=64))
+    windows = [None, DEFAULT_HISTOGRAM, other]
+    svc = EpochService(
+        ME, params, state=lambda: stubs.state, txs=app, submit=stubs.submit, ask=stubs.ask,
+        engine=InstantEngine(), pool=POOL, master=master_key(ME.private_bytes()),
+        committee_key=COMMITTEE_KEY, unix_ms=lambda: stubs.now_ms,
+        mix_source=lambda: windows.pop(0))
+    async with running(svc):  # its first step: the API has no publishable window yet
+        assert stubs.txs(MixReportTx) == [] and len(windows) == 2
+        await settle(svc)
+        [tx] = stubs.txs(MixReportTx)
+        assert (tx.validator, tx.epoch, tx.histogram) == (ME.peer_id, 1, DEFAULT_HISTOGRAM)
+        await settle(svc)
+        assert len(stubs.txs(MixReportTx)) == 1 and len(windows) == 1  # not asked again
+        later = stubs.state.copy()
+        later.ledger = stubs.state.ledger.copy()
+        later.ledger.epoch = 2
+        stubs.state = later
+        await settle(svc)
+        assert [(t.epoch, t.histogram) for t in stubs.txs(MixReportTx)] == [
+            (1, DEFAULT_HISTOGRAM), (2, other)]
+    assert svc.stats.mix_reports == 2

@@ -74,6 +74,7 @@ from ps_p2p.errors import (
 )
 from ps_p2p.inference import ChatMessage
 from ps_p2p.roles.user import Answer
+from ps_p2p.verification.mix import RequestShape
 
 log = logging.getLogger(__name__)
 
@@ -472,6 +473,12 @@ class UserAPI:
             max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=body.temperature,
             top_p=body.top_p, seed=body.seed, stop=body.stops(), timeout=body.timeout,
         )
+        recorder = getattr(self.node, "shape_recorder", None)
+        if recorder is not None:  # a verifier learns its users' mix: buckets, never text
+            shape = RequestShape.of_ask(prompt, messages, stream=bool(body.stream),
+                                        **{k: ask.kwargs[k] for k in _SHAPE_ARGS})
+            for _ in range(1 if body.stream else body.n):
+                recorder.record(shape)
         if body.stream:
             return _EventStream(ask, chat=chat, include_usage=body.include_usage())
         answers = await ask.many(body.n)
@@ -502,6 +509,10 @@ async def _parse(request: Request, model: type[_Body]) -> Any:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+
+
+#: The ``ask`` arguments a request's shape reads (:class:`~ps_p2p.verification.mix.RequestShape`).
+_SHAPE_ARGS = ("max_tokens", "temperature", "top_p", "seed", "stop")
 
 
 class _Ask:

@@ -14,7 +14,8 @@ Transactions (canonical bytes; ``bytes``/``str``/``u*`` as in :mod:`ps_p2p.recor
     DEREGISTER (2): bytes(peer_id) || u64(issued_at_ms) || bytes(signature over
                     b"planetserve/v1/deregister\\x00" || str(chain_id) || bytes(peer_id)
                     || u64(issued_at_ms))
-    SEED_COMMIT (3), EPOCH_REPORT (4), MISS_REPORT (6): the verification epochs, bodies
+    SEED_COMMIT (3), EPOCH_REPORT (4), MISS_REPORT (6), MIX_REPORT (9): the verification
+                    epochs and the users' mix of request shapes, bodies
                     and rules in :mod:`ps_p2p.verification.ledger` (refused when the genesis
                     has no ``verification`` section)
     EVIDENCE   (5): vote(first) || vote(second), two conflicting signed votes of one validator,

@@ -61,12 +61,15 @@ from ps_p2p.verification.ledger import (
     MICRO,
     EpochReportTx,
     MissReportTx,
+    MixReportTx,
     SeedCommitTx,
     apply_epoch_report,
     apply_miss_report,
+    apply_mix_report,
     apply_seed_commit,
     check_epoch_report,
     check_miss_report,
+    check_mix_report,
     check_seed_commit,
     maybe_start,
     subject_scores,
@@ -163,7 +166,7 @@ def apply_reputation_update(state: AppState, update: ReputationUpdateTx,
 def _verify_tx(tx: Tx, state: AppState, now_ms: int) -> object:
     """Signature, field and time checks that need no admission decision; returns what
     :func:`_apply` needs of them (an EPOCH_REPORT's scores by serving node)."""
-    if isinstance(tx, (SeedCommitTx, EpochReportTx, MissReportTx)):
+    if isinstance(tx, (SeedCommitTx, EpochReportTx, MissReportTx, MixReportTx)):
         return _verify_epoch_tx(tx, state, now_ms)
     if isinstance(tx, RegisterTx):
         record = tx.record
@@ -289,8 +292,8 @@ def _check_valset_signatures(tx: ValsetUpdateTx, state: AppState | _ChainStub) -
             f"validator-set update signed by power {signed} of {total}: more than 2/3 needed")
 
 
-def _verify_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: AppState,
-                     now_ms: int) -> object:
+def _verify_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx | MixReportTx,
+                     state: AppState, now_ms: int) -> object:
     params = state.genesis.verification
     if params is None:
         raise InvalidTransactionError(
@@ -301,6 +304,9 @@ def _verify_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: App
         return None
     if isinstance(tx, MissReportTx):
         check_miss_report(tx, state.ledger, state.chain_id, validators)
+        return None
+    if isinstance(tx, MixReportTx):
+        check_mix_report(tx, state.ledger, state.chain_id, validators)
         return None
     registry = [r.peer_id for r in state.records.records() if Role.MODEL in r.roles]
     try:
@@ -464,7 +470,7 @@ def _apply(tx: Tx, state: AppState, checked: object,
             # a shortened record (a node's withdrawal, ps_p2p.node.Node.withdraw) must not
             # let the longer one it replaced be replayed once it expires: a tombstone
             state._depart(tx.record.peer_id, tx.record.issued_at_ms)
-    elif isinstance(tx, (SeedCommitTx, EpochReportTx, MissReportTx)):
+    elif isinstance(tx, (SeedCommitTx, EpochReportTx, MissReportTx, MixReportTx)):
         _apply_epoch_tx(tx, state, checked, reputation_changes)
 
     elif isinstance(tx, DeregisterTx):
@@ -482,8 +488,8 @@ def _apply(tx: Tx, state: AppState, checked: object,
         state._registry_aux = None
 
 
-def _apply_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: AppState,
-                    checked: object,
+def _apply_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx | MixReportTx,
+                    state: AppState, checked: object,
                     reputation_changes: dict[bytes, ReputationEntry | None]) -> None:
     """All or nothing: the ledger is changed on a copy, kept only when nothing failed (the
     state's ledger is never mutated in place: states share it after :meth:`AppState.copy`)."""
@@ -493,10 +499,13 @@ def _apply_epoch_tx(tx: SeedCommitTx | EpochReportTx | MissReportTx, state: AppS
     scores: dict[bytes, int] = {}
     if isinstance(tx, SeedCommitTx):
         apply_seed_commit(tx, ledger)
+    elif isinstance(tx, MixReportTx):
+        apply_mix_report(tx, ledger)
     elif isinstance(tx, EpochReportTx):
         assert isinstance(checked, dict)
         scores = subject_scores(checked, ledger)
-        apply_epoch_report(tx, ledger, params, checked, to_micro(state.genesis.reputation.tau))
+        apply_epoch_report(tx, ledger, params, checked, to_micro(state.genesis.reputation.tau),
+                           state.validators)
     elif apply_miss_report(tx, ledger, state.validators):
         scores = {ledger.missed_subjects[(tx.epoch, tx.model_node)]: 0}
     if scores:  # may raise (no room for a new subject): then nothing changed

@@ -23,6 +23,8 @@ precommits), so a snapshot that is corrupt, truncated, or of another version is 
                  || ledger            (:meth:`~ps_p2p.verification.ledger.EpochLedger.encode`)
                  || valset            (the validator set of the next height, its pending
                                        VALSET_UPDATE, the executed ones)
+                 || bytes(ledger mix) (:meth:`~ps_p2p.verification.ledger.EpochLedger.
+                                       encode_mix`, b"" when no mix report ever executed)
 
     valset     = u32(#validators) || (bytes(peer_id) || u64(power))*
                  || u8(pending?) [|| u64(effective_height) || u32(#new) || (bytes || u64)*]
@@ -77,7 +79,7 @@ def encode_state(state: AppState) -> bytes:
     parts += [lp(p) + u64(state.departed[p]) for p in sorted(state.departed)]
     parts += [u64(state.reputation_epoch), u32(len(state.reputations))]
     parts += [lp(s) + state.reputations[s].encode() for s in sorted(state.reputations)]
-    parts.append(state.ledger.encode())
+    parts.append(state.ledger.encode(mix=False))
     parts.append(_encode_set(state.validators))
     if state.pending_valset is None:
         parts.append(u8(0))
@@ -85,6 +87,7 @@ def encode_state(state: AppState) -> bytes:
         parts += [u8(1), u64(state.pending_valset[0]), _encode_set(state.pending_valset[1])]
     parts.append(u32(len(state.valset_updates)))
     parts += [lp(encode_tx(tx)) for tx in state.valset_updates]
+    parts.append(lp(state.ledger.encode_mix()))
     return b"".join(parts)
 
 
@@ -165,6 +168,11 @@ def decode_state(data: bytes, genesis_state: AppState) -> AppState:
             raise r.fail("a valset update that is another transaction")
         updates.append(tx)
     state.valset_updates = tuple(updates)
+    mix = r.lp("ledger mix", _MAX_FIELD)
+    if mix:
+        mr = Reader(mix, RemoteProtocolError, "ledger mix")
+        state.ledger.read_mix(mr)
+        mr.done()
     r.done()
     state._registry_aux = None
     state._reputation_root = None

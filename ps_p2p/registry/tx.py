@@ -38,7 +38,13 @@ from ps_p2p.records.limits import (
 )
 from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES
 from ps_p2p.records.types import Membership, NodeRecord, Role, Signer
-from ps_p2p.verification.ledger import MICRO, EpochReportTx, MissReportTx, SeedCommitTx
+from ps_p2p.verification.ledger import (
+    MICRO,
+    EpochReportTx,
+    MissReportTx,
+    MixReportTx,
+    SeedCommitTx,
+)
 from ps_p2p.verification.reputation import (
     MAX_STRIKES,
     MAX_WINDOW,
@@ -74,6 +80,7 @@ class TxKind(enum.IntEnum):
     MISS_REPORT = 6
     PROPOSAL_EVIDENCE = 7
     VALSET_UPDATE = 8
+    MIX_REPORT = 9
 
 
 @dataclass(frozen=True)
@@ -355,7 +362,7 @@ class ReputationUpdateTx:
 
 
 Tx = (RegisterTx | DeregisterTx | EvidenceTx | SeedCommitTx | EpochReportTx | MissReportTx
-      | ProposalEvidenceTx | ValsetUpdateTx)
+      | ProposalEvidenceTx | ValsetUpdateTx | MixReportTx)
 
 
 def deregister_signing_bytes(chain_id: str, peer_id: bytes, issued_at_ms: int) -> bytes:
@@ -440,6 +447,8 @@ def encode_tx(tx: Tx) -> bytes:
             body, kind = tx.body(), TxKind.EPOCH_REPORT
         elif isinstance(tx, MissReportTx):
             body, kind = tx.body(), TxKind.MISS_REPORT
+        elif isinstance(tx, MixReportTx):
+            body, kind = tx.body(), TxKind.MIX_REPORT
         else:
             raise LocalProtocolError(f"not a transaction: {type(tx).__name__}")
         return TX_DOMAIN + u8(int(kind)) + body
@@ -536,7 +545,7 @@ def decode_tx(data: bytes, max_tx_bytes: int) -> Tx:
     except ValueError:
         raise InvalidTransactionError(f"unknown transaction kind {raw_kind}") from None
     epoch_tx = {TxKind.SEED_COMMIT: SeedCommitTx, TxKind.EPOCH_REPORT: EpochReportTx,
-                TxKind.MISS_REPORT: MissReportTx}.get(kind)
+                TxKind.MISS_REPORT: MissReportTx, TxKind.MIX_REPORT: MixReportTx}.get(kind)
     if epoch_tx is not None:
         decoded = epoch_tx.read(r)
         r.done()

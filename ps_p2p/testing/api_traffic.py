@@ -95,6 +95,20 @@ class TrafficMix:
 
 USER_MIX = TrafficMix()
 
+#: Another population (issue 18's "users who differ from DEFAULT_MIX"): a coding-assistant
+#: deployment whose IDE plugins stream chats with a system prompt and history, ask low
+#: temperatures, long answers, fixed seeds and stop lists. Every field's distribution differs
+#: from :data:`USER_MIX` (and from the challenges' ``DEFAULT_MIX``).
+SHIFTED_MIX = TrafficMix(
+    chat=0.6, stream_chat=0.9, stream_completion=0.6, system=0.9, multi_turn=0.35,
+    temperature=((None, 0.10), (0.0, 0.25), (0.2, 0.30), (0.3, 0.10), (1.0, 0.15),
+                 ("uniform", 0.10)),
+    top_p=((None, 0.6), (0.95, 0.3), (0.8, 0.1)),
+    max_tokens=((None, 0.1), (300, 0.1), (512, 0.2), (1024, 0.3), (2000, 0.1), (4096, 0.2)),
+    seed=((None, 0.6), (1234, 0.2), ("random", 0.2)),
+    stop=((None, 0.6), ("one", 0.1), ("list", 0.3)),
+    n=((1, 0.9), (2, 0.1)), include_usage=0.8)
+
 
 @dataclass(frozen=True)
 class Conversation:
@@ -138,7 +152,8 @@ def user_body(rng: random.Random, item: Conversation, *, model: str | None = Non
         body[key] = None if mt == "null" else mt
     seed = _pick(rng, mix.seed)
     if seed is not None:
-        body["seed"] = None if seed == "null" else 42 if seed == 42 else rng.randrange(2**31)
+        body["seed"] = None if seed == "null" else rng.randrange(2**31) if seed == "random" \
+            else seed
     stop = _pick(rng, mix.stop)
     if stop is not None:
         body["stop"] = (None if stop == "null" else rng.choice(STOPS) if stop == "one"
@@ -280,6 +295,7 @@ def poisson_times(rng: random.Random, rate_per_s: float, length_s: float) -> lis
 
 
 __all__ = [
+    "SHIFTED_MIX",
     "USER_MIX",
     "Conversation",
     "RecordingUser",

@@ -57,7 +57,9 @@ class ChallengeMix:
     """A distribution of request shapes: each table lists (value, weight) pairs; the value
     ``None`` means "the client leaves the field out" (the API's default applies: T 0, top_p 1,
     max_tokens 128, no seed, no stop), ``"uniform"`` a temperature uniform in [0, 2] to two
-    decimals, ``"random"`` a seed uniform in [0, 2**31).
+    decimals, ``"random"`` a seed uniform in [0, 2**31), ``("range", lo, hi)`` (a learned
+    mix's bucket, :mod:`~ps_p2p.verification.mix`) a temperature or top_p uniform in [lo, hi]
+    to two decimals, or a max_tokens uniform among the integers of [lo, hi].
 
     :data:`DEFAULT_MIX` is this project's model of OpenAI-compatible clients (chat SDK
     examples, chat front-ends, LangChain and LlamaIndex agents, evaluation harnesses): 85% chat
@@ -66,7 +68,8 @@ class ChallengeMix:
     30%, 0.7 (LangChain's default) by 22%, 0 by 15%, 1.0 by 10%, above 1 by 5%; max_tokens left
     out by 35%, else 64 to 2048; a seed in 12%, stop strings in 10%. The shares are the same as
     the benchmark's user model (``ps_p2p.testing.api_traffic.USER_MIX``); a network whose
-    users differ should commit its own measured histogram (docs/verification.md).
+    users differ learns its own (:mod:`~ps_p2p.verification.mix`: each epoch's committed mix,
+    starting from this one; docs/verification.md).
     """
 
     chat: float = 0.85
@@ -233,13 +236,14 @@ def derive_request(secret: bytes, epoch: int, attempt: int, challenge: Challenge
     stream = d.chance(mix.stream_chat if chat else mix.stream_completion)
     t = d.pick(mix.temperature)
     u = d.unit()
-    temperature = 0.0 if t is None else round(u * MAX_TEMPERATURE, 2) if t == "uniform" \
-        else float(t)
+    temperature = 0.0 if t is None or isinstance(t, tuple) \
+        else round(u * MAX_TEMPERATURE, 2) if t == "uniform" else float(t)
     tp = d.pick(mix.top_p)
     mt = d.pick(mix.max_tokens)
     s = d.pick(mix.seed)
     seed_draw = d.below(2**31)
-    seed = None if s is None else 42 if s == 42 else seed_draw  # None: unseeded, as the API
+    # None: unseeded, as the API; an int: that seed; "random": the draw
+    seed = None if s is None else s if isinstance(s, int) else seed_draw
     st = d.pick(mix.stop)
     stop_one = mix.stops[d.below(len(mix.stops))]
     count = 2 + d.below(3)
@@ -250,15 +254,23 @@ def derive_request(secret: bytes, epoch: int, attempt: int, challenge: Challenge
     stop: tuple[str, ...] = () if st is None else (stop_one,) if st == "one" \
         else tuple(order[:count])
     send_fraction = d.unit()
+    # drawn last, so a mix without range buckets derives what it did before they existed
+    u_top, u_max = d.unit(), d.unit()
+    if isinstance(t, tuple):  # ("range", lo, hi): a learned mix's bucket (verification.mix)
+        temperature = round(t[1] + u * (t[2] - t[1]), 2)
+    top_p = 1.0 if tp is None else round(tp[1] + u_top * (tp[2] - tp[1]), 2) \
+        if isinstance(tp, tuple) else float(tp)
+    max_tokens = API_DEFAULT_MAX_TOKENS if mt is None \
+        else mt[1] + min(int(u_max * (mt[2] - mt[1] + 1)), mt[2] - mt[1]) \
+        if isinstance(mt, tuple) else int(mt)
     messages: tuple[ChatMessage, ...] = ()
     if chat:
         turns = [ChatMessage("system", system_text)] if system else []
         if multi and earlier is not None:
             turns += [ChatMessage("user", earlier[0]), ChatMessage("assistant", earlier[1])]
         messages = (*turns, ChatMessage("user", prompt))
-    params = SamplingParams(
-        max_tokens=API_DEFAULT_MAX_TOKENS if mt is None else int(mt), temperature=temperature,
-        top_p=1.0 if tp is None else float(tp), seed=seed, stop=stop)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            seed=seed, stop=stop)
     return ChallengeRequest("" if chat else prompt, messages, params, stream, send_fraction)
 
 

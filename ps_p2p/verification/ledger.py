@@ -1,7 +1,7 @@
 """Verification epochs on the chain: parameters, transactions, the epoch ledger; pure.
 
 The committee's application (:mod:`ps_p2p.registry`) keeps an :class:`EpochLedger` next to
-the registry and executes three transactions with it (PlanetServe sec. 3.4 and Algorithm 3; the
+the registry and executes four transactions with it (PlanetServe sec. 3.4 and Algorithm 3; the
 arithmetic is :mod:`ps_p2p.verification.epochs`, the rule :mod:`~ps_p2p.verification.
 reputation`):
 
@@ -21,6 +21,15 @@ reputation`):
 ``MISS_REPORT`` (kind 6)
     A validator reports that a model node the leader of epoch e listed as unanswered did not
     answer its own confirmation challenge either. Signed by that validator.
+
+``MIX_REPORT`` (kind 9)
+    A validator publishes the histogram of request shapes its own local API saw
+    (:mod:`~ps_p2p.verification.mix`: bucketed parameters, noised and suppressed below k, as
+    shares), for the current epoch e; at most one per validator and epoch (a later epoch's
+    replaces it). Signed by that validator. When an epoch's report executes, the latest
+    report of each validator from the last :data:`MIX_REPORT_EPOCHS` epochs moves the
+    committed mix (:attr:`EpochLedger.mix`, :func:`~ps_p2p.verification.mix.aggregate`):
+    the next epoch's challenges are drawn from it.
 
 The epoch clock is the chain itself (no local clock): epoch 1 is the current epoch from the
 genesis on. Epoch e *starts* at the end of the first block after the report of e-1 (for e = 1:
@@ -84,13 +93,19 @@ Ledger bytes (hashed into the registry aux digest, so into the app hash)::
              || u32(prompt index)*)* || u32(#open) || (u64(e) || bytes(node) || bytes(subject)
              || u8(counted) || u32(#reporters) || bytes(validator)*)* || u32(#credits)
              || (bytes(node) || u64(answered) || u64(passed) || u64(missed))*
+             [|| u8(mix committed) [|| histogram(mix)] || u32(#mix reports)
+              || (bytes(validator) || u64(epoch) || histogram)*]
+
+(the bracket only once a mix report was executed, so chains without any keep their hashes;
+``histogram`` as in :mod:`~ps_p2p.verification.mix`)
 
 (all maps ascending by key.) Bounds: commitments for two epochs (one per validator each), the
 challenged set the registry's model nodes of the model (at most ``policy.max_records``; a plan
 takes ``params.max_nodes`` of them), recent prompts for ``params.recent_epochs`` epochs and
 at most the pool's size (older ones could not be excluded any more),
 open misses for ``params.miss_epochs`` epochs, credits one per model node ever challenged, at
-most ``MAX_CREDITS`` (the least-credited goes first).
+most ``MAX_CREDITS`` (the least-credited goes first), mix reports one per validator and at most
+:data:`MIX_REPORT_EPOCHS` epochs old (each :data:`~ps_p2p.verification.mix.HISTOGRAM_BYTES`).
 """
 
 from __future__ import annotations
@@ -114,11 +129,13 @@ from ps_p2p.records import Signer, verify_signature
 from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES, peer_label
 from ps_p2p.responses import verify_forward, verify_response
 from ps_p2p.verification import epochs
+from ps_p2p.verification.mix import ShapeHistogram, aggregate
 from ps_p2p.verification.sealing import SEAL_OVERHEAD
 
 SEED_COMMIT_DOMAIN = b"planetserve/v1/seed-commit-tx\x00"
 EPOCH_REPORT_DOMAIN = b"planetserve/v1/epoch-report\x00"
 MISS_REPORT_DOMAIN = b"planetserve/v1/miss-report\x00"
+MIX_REPORT_DOMAIN = b"planetserve/v1/mix-report\x00"
 LEDGER_DOMAIN = b"planetserve/v1/epoch-ledger\x00"
 
 #: Fixed-point scale of committed reputations and credibilities (micro units: 10^6 = 1.0).
@@ -134,6 +151,8 @@ RESPONSE_STATUS_OK = 0
 #: ``recent_epochs`` that excludes every earlier epoch's prompts (never reuse one while the
 #: pool has unused prompts).
 NEVER_REUSE = 2**32 - 1
+#: A validator's mix report counts in the committed mix for this many epochs (its latest).
+MIX_REPORT_EPOCHS = 16
 
 
 # -------------------------------------------------------------------------------- parameters
@@ -511,6 +530,48 @@ class MissReportTx:
             r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES))
 
 
+@dataclass(frozen=True)
+class MixReportTx:
+    """A validator's histogram of its users' request shapes in ``epoch`` (module docstring).
+
+    Encoding: ``bytes(validator) || u64(epoch) || histogram || bytes(signature)``, the
+    signature over ``MIX_REPORT_DOMAIN || str(chain_id) || bytes(validator) || u64(epoch)
+    || histogram``.
+    """
+
+    validator: bytes
+    epoch: int
+    histogram: ShapeHistogram
+    signature: bytes = b""
+
+    @property
+    def subject(self) -> bytes:
+        return self.validator
+
+    def signing_bytes(self, chain_id: str) -> bytes:
+        return (MIX_REPORT_DOMAIN + lps(chain_id) + lp(self.validator) + u64(self.epoch)
+                + self.histogram.encode())
+
+    def body(self) -> bytes:
+        return (lp(self.validator) + u64(self.epoch) + self.histogram.encode()
+                + lp(self.signature))
+
+    @staticmethod
+    def read(r: Reader) -> MixReportTx:
+        """Layout only (dimension and bucket counts); the shares are checked by
+        :func:`check_mix_report`."""
+        return MixReportTx(
+            r.lp("validator", ED25519_PEER_ID_BYTES, exact=ED25519_PEER_ID_BYTES),
+            r.u64("epoch"), ShapeHistogram.read(r),
+            r.lp("signature", SIGNATURE_BYTES, exact=SIGNATURE_BYTES))
+
+
+def sign_mix_report(identity: Signer, chain_id: str, epoch: int,
+                    histogram: ShapeHistogram) -> MixReportTx:
+    tx = MixReportTx(identity.peer_id, epoch, histogram)
+    return MixReportTx(tx.validator, epoch, histogram, identity.sign(tx.signing_bytes(chain_id)))
+
+
 def sign_seed_commit(identity: Signer, chain_id: str, epoch: int,
                      commitment: bytes) -> SeedCommitTx:
     tx = SeedCommitTx(identity.peer_id, epoch, commitment)
@@ -560,6 +621,10 @@ class EpochLedger:
         missed_subjects: (epoch, node) -> the node's subject in that epoch, for open misses.
         counted: the (epoch, node) misses already applied.
         credits: model node -> :class:`Credit`.
+        mix: the committed mix of request shapes the current epoch's challenges are drawn
+            from (:func:`~ps_p2p.verification.mix.mix_of`); None: the genesis mix
+            (:data:`~ps_p2p.verification.challenges.DEFAULT_MIX`), until a report moves it.
+        mix_reports: validator -> (epoch, histogram) of its latest MIX_REPORT.
     """
 
     epoch: int = 1
@@ -573,6 +638,10 @@ class EpochLedger:
     missed_subjects: dict[tuple[int, bytes], bytes] = field(default_factory=dict)
     counted: set[tuple[int, bytes]] = field(default_factory=set)
     credits: dict[bytes, Credit] = field(default_factory=dict)
+    mix: ShapeHistogram | None = None
+    mix_reports: dict[bytes, tuple[int, ShapeHistogram]] = field(default_factory=dict)
+    #: a mix report was ever executed (the ledger bytes then carry the mix section)
+    mix_section: bool = False
 
     @property
     def started(self) -> bool:
@@ -583,10 +652,11 @@ class EpochLedger:
             self.epoch, self.anchor, self.start_ms, self.eligible, self.challenged,
             {e: dict(c) for e, c in self.commitments.items()}, dict(self.recent),
             dict(self.misses), dict(self.missed_subjects), set(self.counted),
-            dict(self.credits))
+            dict(self.credits), self.mix, dict(self.mix_reports), self.mix_section)
 
-    def encode(self) -> bytes:
-        """The ledger bytes (module docstring)."""
+    def encode(self, *, mix: bool = True) -> bytes:
+        """The ledger bytes (module docstring); ``mix=False`` leaves out the mix section
+        (a state snapshot carries it apart: :meth:`encode_mix`)."""
         parts = [LEDGER_DOMAIN, u64(self.epoch), u64(self.start_ms), u8(self.started)]
         if self.anchor is not None:
             parts += [lp(self.anchor), u32(len(self.eligible))]
@@ -610,7 +680,35 @@ class EpochLedger:
         for node in sorted(self.credits):
             c = self.credits[node]
             parts += [lp(node), u64(c.answered), u64(c.passed), u64(c.missed)]
+        if mix and self.mix_section:
+            parts.append(self.encode_mix())
         return b"".join(parts)
+
+    def encode_mix(self) -> bytes:
+        """The mix section of the ledger bytes (module docstring's bracket); b"" when no mix
+        report was ever executed."""
+        if not self.mix_section:
+            return b""
+        parts = [u8(self.mix is not None)]
+        if self.mix is not None:
+            parts.append(self.mix.encode())
+        parts.append(u32(len(self.mix_reports)))
+        for v in sorted(self.mix_reports):
+            e, h = self.mix_reports[v]
+            parts += [lp(v), u64(e), h.encode()]
+        return b"".join(parts)
+
+    def read_mix(self, r: Reader) -> None:
+        """Read :meth:`encode_mix`'s bytes (not empty) into this ledger."""
+        self.mix_section = True
+        if r.u8("mix committed"):
+            self.mix = ShapeHistogram.read(r)
+        n = r.u32("mix reports")
+        if n > 4096:
+            raise r.fail(f"{n} mix reports")
+        for _ in range(n):
+            v = r.lp("mix reporter", ED25519_PEER_ID_BYTES)
+            self.mix_reports[v] = (r.u64("mix report epoch"), ShapeHistogram.read(r))
 
     def digest(self) -> bytes:
         return hashlib.sha256(self.encode()).digest()
@@ -811,9 +909,11 @@ def subject_scores(served: Mapping[bytes, Sequence[int]],
 
 
 def apply_epoch_report(tx: EpochReportTx, ledger: EpochLedger, params: VerificationParams,
-                       served: Mapping[bytes, Sequence[int]], tau_micro: int) -> None:
+                       served: Mapping[bytes, Sequence[int]], tau_micro: int,
+                       validators: Sequence[Validator] = ()) -> None:
     """Record a checked report: credits, open misses (the leader's own report counted), the
-    used prompts; then the epoch ends (the next one starts with :func:`maybe_start`)."""
+    used prompts, the next epoch's mix (:func:`update_mix`, with ``validators``' power); then
+    the epoch ends (the next one starts with :func:`maybe_start`)."""
     for node, scores in served.items():
         old = ledger.credits.get(node, Credit())
         ledger.credits[node] = Credit(old.answered + len(scores),
@@ -831,6 +931,8 @@ def apply_epoch_report(tx: EpochReportTx, ledger: EpochLedger, params: Verificat
         del ledger.recent[e]
     _forget_unexcludable(ledger, params)
     ledger.commitments.pop(tx.epoch, None)
+    if ledger.mix_reports:
+        update_mix(ledger, validators, tx.epoch)
     ledger.epoch += 1
     ledger.anchor, ledger.eligible, ledger.challenged = None, (), ()  # start_ms: the last one's
     for key in [k for k in ledger.misses if k[0] <= tx.epoch - params.miss_epochs]:
@@ -874,6 +976,44 @@ def apply_miss_report(tx: MissReportTx, ledger: EpochLedger,
     ledger.credits[tx.model_node] = Credit(old.answered, old.passed, old.missed + 1)
     _bound_credits(ledger)
     return True
+
+
+def check_mix_report(tx: MixReportTx, ledger: EpochLedger, chain_id: str,
+                     validators: Sequence[Validator]) -> None:
+    """Raises InvalidTransactionError: not a validator, bad signature, another epoch than the
+    current one, a second report of this validator in the epoch, or a histogram out of range
+    (:meth:`~ps_p2p.verification.mix.ShapeHistogram.check`: shares outside [0, SCALE], a
+    dimension summing to neither SCALE nor 0, no data)."""
+    if all(v.address != tx.validator for v in validators):
+        raise InvalidTransactionError(f"mix report from {peer_label(tx.validator)}, "
+                                      "not a validator")
+    tx.histogram.check(InvalidTransactionError)
+    _check_signed(tx.validator, tx.signing_bytes(chain_id), tx.signature, "mix report")
+    if tx.epoch != ledger.epoch:
+        raise InvalidTransactionError(
+            f"mix report for epoch {tx.epoch}; the current epoch is {ledger.epoch}")
+    held = ledger.mix_reports.get(tx.validator)
+    if held is not None and held[0] >= tx.epoch:
+        raise InvalidTransactionError(
+            f"{peer_label(tx.validator)} already reported a mix in epoch {tx.epoch}")
+
+
+def apply_mix_report(tx: MixReportTx, ledger: EpochLedger) -> None:
+    ledger.mix_reports[tx.validator] = (tx.epoch, tx.histogram)
+    ledger.mix_section = True
+
+
+def update_mix(ledger: EpochLedger, validators: Sequence[Validator], ended: int) -> None:
+    """At the end of epoch ``ended``: forget mix reports older than :data:`MIX_REPORT_EPOCHS`
+    or of non-validators, and move the committed mix with the others
+    (:func:`~ps_p2p.verification.mix.aggregate`, weighted by voting power)."""
+    power = {v.address: v.power for v in validators}
+    for v in [v for v, (e, _) in ledger.mix_reports.items()
+              if v not in power or e <= ended - MIX_REPORT_EPOCHS]:
+        del ledger.mix_reports[v]
+    if ledger.mix_reports:
+        reports = [(power[v], h) for v, (_, h) in sorted(ledger.mix_reports.items())]
+        ledger.mix = aggregate(ledger.mix, reports, sum(power.values()))
 
 
 def maybe_start(ledger: EpochLedger, validators: Sequence[Validator],
@@ -936,6 +1076,7 @@ __all__ = [
     "EpochLedger",
     "EpochReportTx",
     "MissReportTx",
+    "MixReportTx",
     "SamplingOption",
     "SeedCommitTx",
     "ServedScores",
@@ -943,14 +1084,18 @@ __all__ = [
     "VerificationParams",
     "apply_epoch_report",
     "apply_miss_report",
+    "apply_mix_report",
     "apply_seed_commit",
     "check_epoch_report",
     "check_miss_report",
+    "check_mix_report",
     "check_seed_commit",
     "maybe_start",
     "pool_digest",
     "sign_epoch_report",
     "sign_miss_report",
+    "sign_mix_report",
     "sign_seed_commit",
     "subject_scores",
+    "update_mix",
 ]

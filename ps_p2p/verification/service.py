@@ -24,7 +24,12 @@ committed block (:meth:`EpochService.notify`) and at each attempt boundary it:
    the committee's model, and each score is within ``params.tolerance`` of its own; the verdict is what :meth:`value_check` answers
    the validator (until it is known: "not re-scored yet", so the validator neither proposes nor
    prevotes for that report);
-4. **confirms** each open miss of an epoch it did not lead: one challenge of its own (a pool
+4. **publishes** its users' mix of request shapes once per epoch, when ``mix_source`` (the
+   node's local API's :class:`~ps_p2p.verification.mix.ShapeRecorder`) has a publishable
+   window: a MIX_REPORT, from which the committed mix of the next epochs is learned
+   (:mod:`~ps_p2p.verification.mix`); every challenge is drawn from the committed mix of its
+   epoch (:attr:`~ps_p2p.verification.ledger.EpochLedger.mix`), as is every re-derivation;
+5. **confirms** each open miss of an epoch it did not lead: one challenge of its own (a pool
    prompt it draws itself, among those no remembered epoch nor its own earlier confirmation
    asked, in a user-shaped request drawn under a secret of its own) to the node; a MISS_REPORT
    only when that goes unanswered too.
@@ -72,7 +77,6 @@ from ps_p2p.records.peer_ids import peer_label
 from ps_p2p.responses import request_hash
 from ps_p2p.verification import epochs
 from ps_p2p.verification.challenges import (
-    DEFAULT_MIX,
     ChallengeMix,
     ChallengeRequest,
     derive_request,
@@ -91,8 +95,10 @@ from ps_p2p.verification.ledger import (
     pool_digest,
     sign_epoch_report,
     sign_miss_report,
+    sign_mix_report,
     sign_seed_commit,
 )
+from ps_p2p.verification.mix import ShapeHistogram, mix_of
 from ps_p2p.verification.scoring import (
     DEFAULT_CHALLENGE_SCORING,
     decoy_indices,
@@ -188,6 +194,7 @@ class EpochStats:
     reports_refused: int = 0
     confirmations: int = 0
     misses_reported: int = 0
+    mix_reports: int = 0
     last_refusal: str = ""
 
 
@@ -214,9 +221,14 @@ class EpochService:
         unix_ms: wall clock (the block times' clock), injected in tests.
         spread: send each challenge at its own time in the epoch (:meth:`send_window`); False
             sends them all at once (tests of everything else).
-        mix: the distribution of challenge shapes (:data:`~ps_p2p.verification.challenges.
-            DEFAULT_MIX`); every verifier of a committee must use the same one, as each
-            re-derives the leader's requests from it.
+        mix: a fixed distribution of challenge shapes instead of the committed one (None, the
+            default: each epoch's committed mix, :attr:`~ps_p2p.verification.ledger.
+            EpochLedger.mix`, learned from the verifiers' MIX_REPORTs); every verifier of a
+            committee must use the same one, as each re-derives the leader's requests from it
+            (tests and benchmarks set a cheaper one).
+        mix_source: the histogram of request shapes this verifier's local API saw, when it
+            has a publishable window (:meth:`~ps_p2p.verification.mix.ShapeRecorder.take`);
+            None: it publishes none.
         rng: the draws of confirmation challenges.
 
     Raises:
@@ -229,7 +241,8 @@ class EpochService:
         engine: Engine, pool: Sequence[str], master: bytes, committee_key: bytes,
         challenge_timeout: float = 60.0, unix_ms: Callable[[], int],
         rng: random.Random | None = None, spread: bool = True,
-        mix: ChallengeMix = DEFAULT_MIX,
+        mix: ChallengeMix | None = None,
+        mix_source: Callable[[], ShapeHistogram | None] | None = None,
     ) -> None:
         check_committee_key(committee_key, params.committee_key_sha256)
         digest = pool_digest(pool)
@@ -254,6 +267,8 @@ class EpochService:
         self.challenge_timeout = challenge_timeout
         self.spread = spread
         self.mix = mix
+        self._mix_source = mix_source
+        self._mix_sent_epoch = 0
         self._unix_ms = unix_ms
         self._rng = rng or random.SystemRandom()
         self.stats = EpochStats()
@@ -319,6 +334,7 @@ class EpochService:
                 self._commit_sent[e] = now
         for e in [e for e in self._commit_sent if e < ledger.epoch]:
             del self._commit_sent[e]
+        self._publish_mix(state)
         delay = RESUBMIT_SECONDS
         if ledger.started:
             now_ms = self._unix_ms()
@@ -346,6 +362,28 @@ class EpochService:
         tx = sign_seed_commit(self.identity, state.chain_id, epoch, commitment)
         if self._try_submit(self._txs.encode_tx(tx), f"seed commitment for epoch {epoch}"):
             self.stats.commits += 1
+
+    def mix_for(self, ledger: EpochLedger) -> ChallengeMix:
+        """The mix the challenges of ``ledger``'s current epoch are drawn from: ``mix`` when
+        set, else the committed one."""
+        return self.mix if self.mix is not None else mix_of(ledger.mix)
+
+    def _publish_mix(self, state: Any) -> None:
+        """One MIX_REPORT per epoch, once the API's window is publishable."""
+        ledger = state.ledger
+        if self._mix_source is None or self._mix_sent_epoch >= ledger.epoch:
+            return
+        held = ledger.mix_reports.get(self.address)
+        if held is not None and held[0] >= ledger.epoch:
+            self._mix_sent_epoch = ledger.epoch
+            return
+        histogram = self._mix_source()
+        if histogram is None:
+            return
+        self._mix_sent_epoch = ledger.epoch
+        tx = sign_mix_report(self.identity, state.chain_id, ledger.epoch, histogram)
+        if self._try_submit(self._txs.encode_tx(tx), f"mix report for epoch {ledger.epoch}"):
+            self.stats.mix_reports += 1
 
     def _try_submit(self, raw: bytes, what: str) -> bool:
         try:
@@ -377,7 +415,8 @@ class EpochService:
         window_ms = self.send_window() * 1000
         # when each is due: block time of the attempt's start + its fraction of the window
         begin_ms = ledger.start_ms + attempt * self.params.attempt_ms
-        due_ms = {c: begin_ms + round(self._request(secret, epoch, attempt, c).send_fraction
+        mix = self.mix_for(ledger)
+        due_ms = {c: begin_ms + round(self._request(secret, epoch, attempt, c, mix).send_fraction
                                       * window_ms)
                   for c in plan.challenges}
 
@@ -387,7 +426,7 @@ class EpochService:
                 await trio.sleep(wait_s)
             async with limiter:
                 results[challenge] = await self._challenge(
-                    ledger, challenge, self._request(secret, epoch, attempt, challenge))
+                    ledger, challenge, self._request(secret, epoch, attempt, challenge, mix))
 
         async with trio.open_nursery() as nursery:
             for challenge in plan.challenges:
@@ -428,9 +467,9 @@ class EpochService:
         return max(0.0, min(epoch_ms, usable_ms) / 1000)
 
     def _request(self, secret: bytes, epoch: int, attempt: int,
-                 challenge: epochs.Challenge) -> ChallengeRequest:
+                 challenge: epochs.Challenge, mix: ChallengeMix) -> ChallengeRequest:
         return derive_request(secret, epoch, attempt, challenge,
-                              self.pool[challenge.prompt_index], self.mix)
+                              self.pool[challenge.prompt_index], mix)
 
     async def _scored_prompt(self, request: ChallengeRequest) -> str:
         """The text the model node generated after: the prompt, or the chat rendered by the
@@ -541,6 +580,9 @@ class EpochService:
             return str(exc)
         if not isinstance(tx, EpochReportTx):
             return None
+        # the report is pending: the committed mix is still its epoch's (it changes only when
+        # an epoch's report executes)
+        mix = self.mix_for(self._state().ledger)
         for res in tx.results:
             if res.answer is None:
                 continue
@@ -548,7 +590,7 @@ class EpochService:
             if c.sampling >= len(self.params.sampling) or c.prompt_index >= len(self.pool):
                 return f"challenge {c} is outside the pool or the sampling menu"
             request = derive_request(tx.secret, tx.epoch, tx.attempt, c,
-                                     self.pool[c.prompt_index], self.mix)
+                                     self.pool[c.prompt_index], mix)
             problem = self._request_problem(res.answer, request)
             if problem is None and res.greedy != (request.temperature == 0):
                 problem = (f"marked {'greedy' if res.greedy else 'sampled'}, but its request "
@@ -595,7 +637,8 @@ class EpochService:
         self._confirm_prompts.add(index)  # not on the chain: plans may still draw it
         # a user-shaped request under a secret of its own (no report ever carries it)
         request = derive_request(self._rng.randbytes(epochs.SECRET_BYTES), epoch, 0,
-                                 epochs.Challenge(node, index), self.pool[index], self.mix)
+                                 epochs.Challenge(node, index), self.pool[index],
+                                 self.mix_for(state.ledger))
         answer = await self._ask(request, node, self.challenge_timeout)
         reply = getattr(answer, "reply", None)
         request = getattr(answer, "request", b"")
