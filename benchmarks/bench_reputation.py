@@ -211,6 +211,9 @@ async def run(args: argparse.Namespace) -> int:
 MENU_T = ((0.0, 0.45), (0.1, 0.03), (0.2, 0.04), (0.5, 0.05), (0.7, 0.22), (0.8, 0.04),
           (1.0, 0.12), (1.2, 0.02), (1.5, 0.02), (2.0, 0.01))
 MENU_TOP_P = ((1.0, 0.90), (0.9, 0.05), (0.95, 0.05))
+#: Requests per ``complete_batch`` and answers per ``challenge_stats_many`` call.
+GENERATE_BATCH = 128
+SCORE_BATCH = 256
 KINDS = ("noise5", "int4", "substitute", "fixed", "fixed-best", "other-prompt", "nearest",
          "cut-stop", "cut-length", "hotter", "selective", "forwarder")
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
@@ -226,36 +229,69 @@ def _draw(rng, table):  # type: ignore[no-untyped-def]
     return table[-1][0]
 
 
-async def _challenge_score(reference, pool, prompt, answer, t, top_p, max_tokens, key):  # type: ignore
-    from ps_p2p.verification.scoring import (
-        DEFAULT_CHALLENGE_SCORING,
-        challenge_credibility,
-        challenge_stats,
-        decoy_indices,
-    )
+def _scored(pool, prompt, answer, t, top_p, max_tokens, key):  # type: ignore[no-untyped-def]
+    """The keyword arguments of one answer for :func:`~ps_p2p.verification.scoring.
+    challenge_stats_many`, with the decoy prompts the service draws for ``key``."""
+    from ps_p2p.verification.scoring import DEFAULT_CHALLENGE_SCORING, decoy_indices
 
     decoys = [pool[i] for i in decoy_indices(key, len(pool), pool.index(prompt),
                                              DEFAULT_CHALLENGE_SCORING.decoys)]
-    stats = await challenge_stats(
-        reference, prompt, answer.text, temperature=t, top_p=top_p, max_tokens=max_tokens,
-        finish_reason=answer.finish_reason, decoys=decoys)
-    return challenge_credibility(stats), stats
+    return {"prompt": prompt, "response": answer.text, "temperature": t, "top_p": top_p,
+            "max_tokens": max_tokens, "finish_reason": answer.finish_reason, "decoys": decoys}
+
+
+async def _challenge_scores(reference, answers):  # type: ignore[no-untyped-def]
+    """C of each answer (:func:`_scored` mappings), scored together (one batched
+    ``logprob_rows``; the same scores as one at a time: tests/test_challenge_scores.py)."""
+    from ps_p2p.verification.scoring import challenge_credibility, challenge_stats_many
+
+    out: list[float] = []
+    for lo in range(0, len(answers), SCORE_BATCH):
+        stats = await challenge_stats_many(reference, answers[lo:lo + SCORE_BATCH])
+        out += [challenge_credibility(x) for x in stats]
+    return out
 
 
 def _memo(inner):  # type: ignore[no-untyped-def]
-    """``inner`` with its streams remembered by (prompt, sampling parameters) until
-    ``.clear()``: nodes that run the same model on the same challenge (same seed) get the
-    same answer without a second generation (the simulation asks every node the same
-    challenges in an epoch)."""
-    from ps_p2p.engines.base import Engine
+    """``inner`` with its answers remembered by (prompt, sampling parameters): nodes that run
+    the same model on the same challenge (same seed) get the same answer without a second
+    generation (the simulation asks every node the same challenges in an epoch). Greedy
+    answers (which ignore seed and top_p) are kept across epochs, the others until
+    ``.clear()``. ``await .prefetch(requests)`` makes the missing ones in one
+    :meth:`~ps_p2p.engines.transformers_engine.TransformersEngine.complete_batch` (the same
+    answers as one at a time: tests/test_engines.py)."""
+    import dataclasses
+
+    from ps_p2p.engines.base import Engine, StreamChunk
+
+    def key_of(prompt, params):  # type: ignore[no-untyped-def]
+        if params.greedy:
+            params = dataclasses.replace(params, seed=None, top_p=1.0)
+        return prompt, params
 
     class Memo(Engine):
         def __init__(self) -> None:
             self.inner, self.model_id, self.max_context = inner, inner.model_id, inner.max_context
             self.cache: dict[object, list[object]] = {}
+            self.made = self.hits = 0
+            self._tokens: dict[tuple[str, bool], list[int]] = {}
 
         def clear(self) -> None:
-            self.cache.clear()
+            self.cache = {k: v for k, v in self.cache.items() if k[1].greedy}
+            if len(self._tokens) > 100_000:
+                self._tokens.clear()
+
+        async def prefetch(self, requests) -> None:  # type: ignore[no-untyped-def]
+            wanted = list(dict.fromkeys(key_of(p, q) for p, q in requests))
+            wanted = [k for k in wanted if k not in self.cache]
+            for lo in range(0, len(wanted), GENERATE_BATCH):
+                part = wanted[lo:lo + GENERATE_BATCH]
+                for k, done in zip(part, await self.inner.complete_batch(part)):
+                    self.cache[k] = [StreamChunk(
+                        done.text, finish_reason=done.finish_reason,
+                        prompt_tokens=done.prompt_tokens,
+                        completion_tokens=done.completion_tokens)]
+                    self.made += 1
 
         async def generate(self, prompt, params):  # type: ignore[no-untyped-def]
             async for chunk in self.stream(prompt, params):
@@ -263,9 +299,12 @@ def _memo(inner):  # type: ignore[no-untyped-def]
                     yield chunk.text
 
         async def stream(self, prompt, params):  # type: ignore[no-untyped-def]
-            key = (prompt, params)
+            key = key_of(prompt, params)
             if key not in self.cache:
                 self.cache[key] = [c async for c in self.inner.stream(prompt, params)]
+                self.made += 1
+            else:
+                self.hits += 1
             for chunk in self.cache[key]:
                 yield chunk
 
@@ -276,10 +315,16 @@ def _memo(inner):  # type: ignore[no-untyped-def]
             return await self.inner.score(prompt, continuation)
 
         async def tokenize(self, text):  # type: ignore[no-untyped-def]
-            return await self.inner.tokenize(text)
+            if (text, True) not in self._tokens:
+                self._tokens[(text, True)] = await self.inner.tokenize(text)
+            return list(self._tokens[(text, True)])
 
         async def encode(self, text, *, add_special_tokens=True):  # type: ignore
-            return await self.inner.encode(text, add_special_tokens=add_special_tokens)
+            k = (text, add_special_tokens)
+            if k not in self._tokens:
+                self._tokens[k] = await self.inner.encode(
+                    text, add_special_tokens=add_special_tokens)
+            return list(self._tokens[k])
 
         async def decode(self, token_ids):  # type: ignore[no-untyped-def]
             return await self.inner.decode(token_ids)
@@ -329,14 +374,13 @@ async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
         if kind not in args.kinds:
             continue
         engines[kind] = {
-            "noise5": lambda: degraded_copy(MODEL, noise=0.05, seed=args.seed),
-            "int4": lambda: quantized_copy(MODEL, bits=4),
+            "noise5": lambda: _memo(degraded_copy(MODEL, noise=0.05, seed=args.seed)),
+            "int4": lambda: _memo(quantized_copy(MODEL, bits=4)),
             "substitute": lambda: sub,
             "fixed": lambda: FixedAnswerEngine(model, STORY),
             "fixed-best": lambda: FixedAnswerEngine(model, best),
             "other-prompt": lambda: OtherPromptEngine(model),
-            "nearest": lambda: NearestPromptEngine(
-                TransformersEngine.load(MODEL, prefix_cache_blocks=0), public),
+            "nearest": lambda: NearestPromptEngine(model, public),
             "cut-stop": lambda: DishonestEngine(model, keep_fraction=0.25,
                                                 finish_reason="stop"),
             "cut-length": lambda: DishonestEngine(model, keep_fraction=0.25),
@@ -347,7 +391,9 @@ async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
                 honest[0], FixedAnswerEngine(model, STORY),
                 lambda p, q: flag.random() < args.flag_rate),
         }[kind]()
-    return engines, (model, sub)
+    memos = (model, sub) + tuple(e for e in engines.values() if hasattr(e, "prefetch")
+                                 and e is not model and e is not sub)
+    return engines, memos
 
 
 async def _best_fixed_answer(reference, public, args):  # type: ignore[no-untyped-def]
@@ -357,28 +403,67 @@ async def _best_fixed_answer(reference, public, args):  # type: ignore[no-untype
 
     from ps_p2p.engines.base import SamplingParams
 
-    candidates = [STORY] + [(await reference.complete(p, SamplingParams(
-        max_tokens=args.max_tokens))).text for p in public[:12]]
+    greedy = SamplingParams(max_tokens=args.max_tokens)
+    await reference.prefetch([(p, greedy) for p in public[:12]])
+    candidates = [STORY] + [(await reference.complete(p, greedy)).text for p in public[:12]]
     tuning = public[12:24]
 
     class _Answer:
         def __init__(self, text: str) -> None:
             self.text, self.finish_reason = text, "stop"
 
-    best, best_score = STORY, -1.0
-    for text in candidates:
-        total = 0.0
-        for p in tuning:
-            for t in (0.0, 0.7):
-                key = hashlib.sha256(f"{p}{t}".encode()).digest()
-                c, _ = await _challenge_score(reference, public, p, _Answer(text), t, 1.0,
-                                              args.max_tokens, key)
-                total += c
-        if total > best_score:
-            best, best_score = text, total
+    await reference.prefetch([(p, greedy) for p in tuning])
+    answers = [_scored(public, p, _Answer(text), t, 1.0, args.max_tokens,
+                       hashlib.sha256(f"{p}{t}".encode()).digest())
+               for text in candidates for p in tuning for t in (0.0, 0.7)]
+    scores = await _challenge_scores(reference, answers)
+    per = 2 * len(tuning)
+    totals = [sum(scores[i * per:(i + 1) * per]) for i in range(len(candidates))]
+    best_score = max(totals)
+    best = candidates[totals.index(best_score)]
     print(f"fixed-best: mean score {best_score / (2 * len(tuning)):.3f} on the tuning prompts: "
           f"{best[:60]!r}...", flush=True)
     return best
+
+
+async def _prefetch(engines, reference, requests) -> None:  # type: ignore[no-untyped-def]
+    """Make, in batches, the answers the nodes' engines will ask their models for
+    ``requests`` (the epoch's challenges, in order) and the verifier's own greedy answers:
+    each memoised model gets them in one ``complete_batch`` (a request missed here is made
+    one at a time when asked: the results are the same, only slower)."""
+    from ps_p2p.engines.base import SamplingParams
+    from ps_p2p.testing.dishonest import (
+        DishonestEngine,
+        NearestPromptEngine,
+        OtherPromptEngine,
+        SelectiveEngine,
+    )
+
+    wanted: dict[int, tuple[object, list[tuple[str, object]]]] = {}
+
+    def want(engine, prompt, params) -> None:  # type: ignore[no-untyped-def]
+        if hasattr(engine, "prefetch"):
+            wanted.setdefault(id(engine), (engine, []))[1].append((prompt, params))
+
+    for engine in engines.values():
+        for i, (prompt, params) in enumerate(requests):
+            for e in ((engine.honest, engine.cheap) if isinstance(engine, SelectiveEngine)
+                      else (engine,)):
+                if isinstance(e, DishonestEngine):
+                    want(e.inner, prompt, e._params(params))
+                elif isinstance(e, OtherPromptEngine):
+                    other = e.other if e.other is not None else (
+                        requests[i - 1][0] if i else e._previous)
+                    want(e.tok, other, params)
+                elif isinstance(e, NearestPromptEngine):
+                    want(e.tok, e.prompts[e.nearest(prompt)], params)
+                else:
+                    want(e, prompt, params)
+    for prompt, params in requests:
+        if params.greedy:
+            want(reference, prompt, SamplingParams(max_tokens=params.max_tokens))
+    for engine, items in wanted.values():
+        await engine.prefetch(items)
 
 
 async def simulate(args: argparse.Namespace) -> int:
@@ -433,24 +518,38 @@ async def simulate(args: argparse.Namespace) -> int:
         # every node gets the same challenges in an epoch (module docstring)
         asked = [(rng.choice(pool), _draw(rng, MENU_T), _draw(rng, MENU_TOP_P),
                   rng.randrange(2**32)) for _ in range(args.challenges)]
+        requests = [(prompt, SamplingParams(max_tokens=args.max_tokens, temperature=t,
+                                            top_p=top_p, seed=seed))
+                    for prompt, t, top_p, seed in asked]
+        await _prefetch(engines, reference, requests)
+        answers: dict[str, list[tuple[object, object]]] = {}
+        routes: dict[str, list[str]] = {}
         for kind in kinds:
-            for prompt, t, top_p, seed in asked:
-                answer = await engines[kind].complete(prompt, SamplingParams(
-                    max_tokens=args.max_tokens, temperature=t, top_p=top_p, seed=seed))
-                key = hashlib.sha256(f"{epoch}/{seed}".encode()).digest()
+            for prompt, sampling in requests:
+                answer = await engines[kind].complete(prompt, sampling)
+                answers.setdefault(kind, []).append((answer, sampling))
+                routes.setdefault(kind, []).append(getattr(engines[kind], "last_route", ""))
+        todo: dict[object, dict[str, object]] = {}
+        for kind in kinds:
+            for (prompt, t, top_p, seed), (answer, _) in zip(asked, answers[kind]):
                 memo_key = (prompt, t, top_p, answer.text, answer.finish_reason)
-                if memo_key not in score_memo:
-                    cpu = time.process_time()
-                    score_memo[memo_key], _ = await _challenge_score(
-                        reference, pool, prompt, answer, t, top_p, args.max_tokens, key)
-                    score_cpu += time.process_time() - cpu
-                    scored += 1
-                c = score_memo[memo_key]
+                if memo_key not in score_memo and memo_key not in todo:
+                    key = hashlib.sha256(f"{epoch}/{seed}".encode()).digest()
+                    todo[memo_key] = _scored(pool, prompt, answer, t, top_p, args.max_tokens,
+                                             key)
+        cpu = time.process_time()
+        score_memo.update(zip(todo, await _challenge_scores(reference, list(todo.values()))))
+        score_cpu += time.process_time() - cpu
+        scored += len(todo)
+        for kind in kinds:
+            for (prompt, t, top_p, seed), (answer, _), route in zip(
+                    asked, answers[kind], routes[kind]):
+                c = score_memo[(prompt, t, top_p, answer.text, answer.finish_reason)]
                 scores[kind].append(c)
                 micro = round(c * MICRO) / MICRO
                 # the forwarder's forwarded answers count for it and for its honest peer
                 for who in (kind, "honest-0") if (
-                        kind == "forwarder" and engines[kind].last_route == "honest") else (kind,):
+                        kind == "forwarder" and route == "honest") else (kind,):
                     served[who].append(micro)
                     if t == 0:
                         binding[who].append(micro)
@@ -475,7 +574,8 @@ async def simulate(args: argparse.Namespace) -> int:
           f"{cpu:.0f} s, {cpu / args.epochs:.2f} s/epoch); "
           f"CPU per scored challenge {score_cpu / scored * 1000:.1f} ms ({scored} distinct "
           f"answers scored); "
-          f"process CPU {resource.getrusage(resource.RUSAGE_SELF).ru_utime:.0f} s")
+          f"process CPU {resource.getrusage(resource.RUSAGE_SELF).ru_utime:.0f} s; answers "
+          f"generated {sum(m.made for m in memo)}, reused {sum(m.hits for m in memo)}")
     ok = True
     print(f"{'node':14s} {'untrusted after':>16s} {'later epochs untrusted':>23s} "
           f"{'mean score':>10s} {'final R':>8s}")
@@ -523,17 +623,23 @@ async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore
     params = DEFAULT_REPUTATION
     bank: dict[tuple[float, float], list[float]] = {}
     started = time.monotonic()
+    drawn = []  # (T, top_p, i, prompt), drawn in the order of the one-at-a-time loop
     for t, _ in MENU_T:
         for top_p, _ in MENU_TOP_P:
-            got = bank.setdefault((t, top_p), [])
+            bank.setdefault((t, top_p), [])
             for i in range(args.bank if t > 0 or top_p == 1.0 else 0):
-                prompt = rng.choice(pool)
-                answer = await reference.complete(prompt, SamplingParams(
-                    max_tokens=args.max_tokens, temperature=t, top_p=top_p, seed=i))
-                key = hashlib.sha256(f"bank/{t}/{top_p}/{i}".encode()).digest()
-                c, _ = await _challenge_score(reference, pool, prompt, answer, t, top_p,
-                                              args.max_tokens, key)
-                got.append(c)
+                drawn.append((t, top_p, i, rng.choice(pool)))
+    requests = [(prompt, SamplingParams(max_tokens=args.max_tokens, temperature=t,
+                                        top_p=top_p, seed=i)) for t, top_p, i, prompt in drawn]
+    await reference.prefetch(requests + [(prompt, SamplingParams(max_tokens=args.max_tokens))
+                                         for t, _, _, prompt in drawn if t == 0])
+    answers = []
+    for (t, top_p, i, prompt), (_, sampling) in zip(drawn, requests):
+        answer = await reference.complete(prompt, sampling)
+        key = hashlib.sha256(f"bank/{t}/{top_p}/{i}".encode()).digest()
+        answers.append(_scored(pool, prompt, answer, t, top_p, args.max_tokens, key))
+    for (t, top_p, _, _), c in zip(drawn, await _challenge_scores(reference, answers)):
+        bank[(t, top_p)].append(c)
     bank = {k: v for k, v in bank.items() if v}
     print(f"\nhonest bank: {sum(map(len, bank.values()))} answers in "
           f"{time.monotonic() - started:.0f} s; per (T, top_p): min / mean / share below 0.5")
