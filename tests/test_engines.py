@@ -975,8 +975,8 @@ async def test_a_batch_of_completions_gives_the_same_answers_as_one_at_a_time(en
     monkeypatch.setattr(engine.model, "forward", counted)
     got = await engine.complete_batch(requests)
     assert got == expected
-    # one prefill per prompt, then one pass per token for all rows together
-    assert len(forwards) == len(requests) + GREEDY.max_tokens - 1
+    # one prefill per distinct prompt, then one pass per token for all rows together
+    assert len(forwards) == len(BATCH_PROMPTS) + GREEDY.max_tokens - 1
     assert max(forwards) == len(requests)
 
 
@@ -985,6 +985,10 @@ async def test_batched_logprob_rows_equal_each_sequence_alone(engine, monkeypatc
     for p in BATCH_PROMPTS + ("Once upon a time there was a cat", "One day"):
         ids = await engine.tokenize(p + " there was a little girl named Lily.")
         sequences.append((ids, max(1, len(ids) - 9)))
+    prompt = await engine.tokenize(LONG)  # answers to one prompt: its tokens run once
+    for answer in (" She said no.", " He ran away and", " The ball was red and big", ""):
+        ids = prompt + await engine.encode(answer, add_special_tokens=False)
+        sequences.append((ids, len(prompt)))
     alone = [(await engine.logprob_rows([s]))[0] for s in sequences]
     forwards = []
     inner = engine.model.forward

@@ -89,6 +89,9 @@ SCORE_CHUNK_POSITIONS = 512
 ROWS_BATCH_ELEMENTS = 1 << 24
 #: most padded positions per real one in such a batch (attention grows with the padded length)
 ROWS_BATCH_PADDING = 1.25
+#: shortest prefix (tokens before ``start``) that logprob_rows computes once for all the
+#: sequences that share it (a challenge prompt and its answers)
+ROWS_SHARED_PREFIX = 16
 #: the context window assumed when a model's config names none
 DEFAULT_CONTEXT = 2048
 #: blocks the prefix cache holds by default (4,096 tokens of 16; an 8B Llama in float16: 512 MiB)
@@ -639,8 +642,20 @@ class TransformersEngine(Engine):
         model = self.model
         assert model is not None
         out: list[Any] = [None] * len(sequences)
-        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
         vocab = max(1, self.vocab_size)
+        shared: dict[tuple[int, ...], list[int]] = {}
+        for i, (ids, start) in enumerate(sequences):
+            if start >= ROWS_SHARED_PREFIX and self._batchable:
+                shared.setdefault(tuple(ids[:start]), []).append(i)
+        rest = set(range(len(sequences)))
+        with torch.inference_mode():
+            for prefix, group in shared.items():
+                if len(group) < 2:
+                    continue
+                self._rows_after_prefix(list(prefix), [sequences[i][0] for i in group],
+                                        group, out)
+                rest -= set(group)
+        order = sorted(rest, key=lambda i: len(sequences[i][0]))
         with torch.inference_mode():
             k = 0
             while k < len(order):
@@ -666,6 +681,40 @@ class TransformersEngine(Engine):
                     part = logits[row, start - 1 : len(seq)]
                     out[i] = torch.log_softmax(part.double(), dim=-1).cpu().numpy()
         return out
+
+    def _rows_after_prefix(self, prefix: list[int], sequences: list[list[int]],
+                           where: list[int], out: list[Any]) -> None:
+        """Rows of sequences that all start with ``prefix`` (their ``start``): the prefix once,
+        then their continuations right-padded in one pass over its key/values (the
+        continuation's rows as a KV-cached decode computes them). Worker thread."""
+        model = self.model
+        assert model is not None
+        first = model(input_ids=torch.tensor([prefix], device=self.device), use_cache=True)
+        head = torch.log_softmax(first.logits[0, -1:].double(), dim=-1).cpu().numpy()
+        layers = _cache_layers(first[self._cache_name])
+        tails = [seq[len(prefix):] for seq in sequences]
+        width = max(len(t) for t in tails)
+        if not width:
+            for i in where:
+                out[i] = head
+            return
+        vocab = max(1, self.vocab_size)
+        step = max(1, ROWS_BATCH_ELEMENTS // (width * vocab))
+        import numpy as np
+
+        for lo in range(0, len(tails), step):
+            part = tails[lo:lo + step]
+            ids = torch.zeros((len(part), width), dtype=torch.long)
+            for row, t in enumerate(part):
+                ids[row, : len(t)] = torch.tensor(t, dtype=torch.long)
+            past = _cache_from_layers(model, [
+                (k.expand(len(part), -1, -1, -1).contiguous(),
+                 v.expand(len(part), -1, -1, -1).contiguous()) for k, v in layers])
+            logits = model(input_ids=ids.to(self.device), use_cache=True,
+                           **{self._cache_name: past}).logits
+            for row, t in enumerate(part):
+                rows = torch.log_softmax(logits[row, : len(t)].double(), dim=-1).cpu().numpy()
+                out[where[lo + row]] = np.concatenate([head, rows])
 
     async def complete_batch(
         self, requests: Sequence[tuple[str, SamplingParams]]
@@ -695,7 +744,7 @@ class TransformersEngine(Engine):
                 for ids, g in starts]
 
     def _batch_sync(self, generations: list["_Generation"], stop: threading.Event) -> None:
-        """Each prompt prefilled on its own (no padding: the same first token as
+        """Each distinct prompt prefilled on its own (no padding: the same first token as
         :meth:`complete`), then one decoding pass per token for all, over their key/values
         joined left-padded (zeros, masked out). Worker thread."""
         model = self.model
@@ -705,14 +754,20 @@ class TransformersEngine(Engine):
                 g.pieces.append(g.run(stop))
             return
         layers_of = []
+        prefilled: dict[tuple[int, ...], tuple[Any, torch.Tensor]] = {}  # one per prompt
         with torch.inference_mode():
             for g in generations:
                 if stop.is_set():
                     return
-                out = model(input_ids=torch.tensor([g._prompt_ids], device=self.device),
-                            use_cache=True)
-                layers_of.append(_cache_layers(out[self._cache_name]))
-                g.pieces.append(g.accept(g._pick(out.logits[0, -1])))
+                key = tuple(g._prompt_ids)
+                if key not in prefilled:
+                    out = model(input_ids=torch.tensor([g._prompt_ids], device=self.device),
+                                use_cache=True)
+                    prefilled[key] = (_cache_layers(out[self._cache_name]), out.logits[0, -1])
+                layers, logits = prefilled[key]
+                layers_of.append(layers)
+                g.pieces.append(g.accept(g._pick(logits)))
+            del prefilled
             width = max(len(g._prompt_ids) for g in generations)
             rows = len(generations)
             joined = []
