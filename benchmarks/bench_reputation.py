@@ -103,6 +103,13 @@ def model_engines(honest: int, seed: int) -> tuple[list[str], list[object]]:
     return kinds, engines
 
 
+def scored_untrusted(directory, peer_id: bytes) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the user's ``directory`` had ``peer_id`` untrusted: scored by the committee
+    with a reputation below the threshold. A provisional node (never scored yet, which users
+    may use while their model has no proven node) is not untrusted."""
+    return not directory.trusted(peer_id) and not directory.provisional(peer_id)
+
+
 async def run(args: argparse.Namespace) -> int:
     from ps_p2p.engines.transformers_engine import TransformersEngine
     from ps_p2p.testing.localnet import open_localnet
@@ -162,7 +169,7 @@ async def run(args: argparse.Namespace) -> int:
                 if answer.ok and answer.served_by in kind_of:
                     kind = kind_of[answer.served_by]
                     served[kind] += 1
-                    if directory is not None and not directory.trusted(answer.served_by):
+                    if directory is not None and scored_untrusted(directory, answer.served_by):
                         served_after_untrusted[kind] += 1
                 if len(history) % 10 == 0 or len(history) == args.epochs:
                     print(f"epoch {len(history):3d} ({row['t']:.0f} s): " + "  ".join(
