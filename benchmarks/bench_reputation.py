@@ -352,9 +352,115 @@ def _memo(inner):  # type: ignore[no-untyped-def]
     return Memo()
 
 
+def _detector_flags(args) -> tuple[list[bool], str]:  # type: ignore[no-untyped-def]
+    """What a dishonest node's own best challenge detector says about the challenges it gets:
+    the classifier of :mod:`ps_p2p.testing.challenge_classifier` (gradient boosting with
+    scikit-learn, else its small tree), trained as ``bench_challenge_privacy.py`` trains it
+    (labels from the chain's reports; every field the node decodes, arrival times, the
+    chain's data, the public data sets), on ``--detector-epochs`` epochs of that benchmark's
+    traffic (users' API requests and the verifiers' challenges as
+    :mod:`ps_p2p.verification.challenges` derives them, ``--challenges`` per node, the
+    private pool), then applied to the challenges of as many later epochs.
+
+    Returns:
+        (its verdict on each later challenge, in order: True = "a challenge, answer
+        honestly"; a line describing its held-out accuracy).
+    """
+    import hashlib
+    import random
+
+    import bench_challenge_privacy as bcp
+
+    from ps_p2p.errors import PsError
+    from ps_p2p.testing.api_traffic import (
+        api_asks,
+        poisson_times,
+        query_of_ask,
+        user_body,
+    )
+    from ps_p2p.testing.challenge_classifier import (
+        ChainView,
+        PublicIndex,
+        RequestView,
+        features,
+        make_model,
+    )
+    from ps_p2p.verification import epochs as epoch_plans
+    from ps_p2p.verification.ledger import SamplingOption
+
+    rng = random.Random(args.seed + 18)
+    public, thirds = bcp.load_parts()
+    size = min(1000, sum(len(t[2]) for t in thirds.values()))
+    items = bcp.conversations(thirds, 2, rng, size)
+    if bcp.challenge_shapes is not None:
+        pool = [bcp.challenge_shapes.encode_entry(c.prompt, c.earlier) for c in items]
+    else:
+        pool = [c.prompt for c in items]
+    pool = list(dict.fromkeys(pool))
+    menu = (SamplingOption(),)
+    nodes = [b"\x00\x24" + hashlib.sha256(b"n%d" % i).digest() + bytes(4) for i in range(2)]
+    epoch_s, user_rate = 300.0, 0.025
+    train_epochs = args.detector_epochs
+    total = train_epochs + max(10, args.epochs // 2)  # later verdicts: cycled when short
+    chain = ChainView(menu=tuple((o.max_tokens, o.temperature, o.top_p) for o in menu),
+                      epoch_s=epoch_s)
+    index = PublicIndex(public)
+    users = iter(bcp.conversations(thirds, 1, rng, int(total * user_rate * epoch_s * 2) + 100))
+    used: set[int] = set()
+    traffic = []
+    for e in range(total):
+        seed = rng.randbytes(32)
+        if len(pool) - len(used) < len(nodes) * args.challenges:
+            used.clear()
+        plan = epoch_plans.derive_plan(seed, nodes, len(pool), args.challenges, exclude=used,
+                                       sampling_options=len(menu))
+        used |= {c.prompt_index for c in plan.challenges}
+        for at, ask in bcp.challenge_asks(plan, nodes[0], pool, menu, rng, epoch=e,
+                                          epoch_s=epoch_s, seed=seed):
+            traffic.append((e, at, ask, 1))
+        times = poisson_times(rng, user_rate, epoch_s)
+        for at, asks in zip(times, api_asks([user_body(rng, next(users)) for _ in times])):
+            traffic += [(e, at, ask, 0) for ask in asks]
+    traffic.sort(key=lambda t: (t[0], t[1]))
+    rows: list[tuple[int, list[float], int]] = []
+    last_epoch, last_at, count = -1, 0.0, 0
+    qrng = random.Random(args.seed + 19)
+    for e, at, ask, label in traffic:
+        try:
+            query, raw = query_of_ask(ask, qrng)
+        except (PsError, ValueError):
+            continue
+        if e != last_epoch:
+            since = float("inf") if e == 0 else at + epoch_s - last_at
+            last_epoch, count = e, 0
+        else:
+            since = at - last_at
+        rows.append((e, features(RequestView(query, len(raw), at, since, count), chain, index),
+                     label))
+        chain.seen.add(query.prompt or (query.messages[-1].content if query.messages else ""))
+        last_at, count = at, count + 1
+    train = [(x, y) for e, x, y in rows if e < train_epochs]
+    pos = [r for r in train if r[1]]
+    neg = random.Random(args.seed + 20).sample([r for r in train if not r[1]],
+                                               min(len(pos), len(train) - len(pos)))
+    model = make_model("auto", args.seed)
+    model.fit([x for x, _ in pos + neg], [y for _, y in pos + neg])  # type: ignore[attr-defined]
+    later = [(x, y) for e, x, y in rows if e >= train_epochs]
+    said = [p[1] >= 0.5 for p in model.predict_proba([x for x, _ in later])]  # type: ignore
+    flags = [f for f, (_, y) in zip(said, later) if y]
+    on_users = [f for f, (_, y) in zip(said, later) if not y]
+    tpr = sum(flags) / max(1, len(flags))
+    fpr = sum(on_users) / max(1, len(on_users))
+    kind = type(model).__name__
+    line = (f"the selective nodes' detector ({kind}, trained on {len(pos)} challenges + "
+            f"{len(neg)} user requests of {train_epochs} epochs): on {len(flags)} later "
+            f"challenges and {len(on_users)} user requests it flags {tpr:.1%} and {fpr:.1%} "
+            f"(balanced accuracy {(tpr + 1 - fpr) / 2:.3f})")
+    return flags, line
+
+
 async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
     """kind -> engine of every model node, and the forwarder's honest peer's kind."""
-    import random
 
     from ps_p2p.engines.transformers_engine import TransformersEngine
     from ps_p2p.testing.dishonest import (
@@ -371,7 +477,9 @@ async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
     model = _memo(TransformersEngine.load(MODEL, prefix_cache_blocks=0))
     honest = [model] * args.honest  # the same model and seed: the same answers, made once
     engines: dict[str, object] = {f"honest-{i}": e for i, e in enumerate(honest)}
-    flag = random.Random(args.seed + 7)
+    flags, line = args.detector or ([], "")
+    print(line, flush=True)
+    own_flags = {"selective": iter(flags[0::2] * 8), "forwarder": iter(flags[1::2] * 8)}
     started = time.monotonic()
     sub = _memo(substitute_model(MODEL, seed=args.seed))
     print(f"substitute model ready ({time.monotonic() - started:.0f} s, "
@@ -393,10 +501,10 @@ async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
             "cut-length": lambda: DishonestEngine(model, keep_fraction=0.25),
             "hotter": lambda: DishonestEngine(model, temperature_scale=1.5),
             "selective": lambda: SelectiveEngine(
-                model, sub, lambda p, q: flag.random() < args.flag_rate),
+                model, sub, lambda p, q: next(own_flags["selective"])),
             "forwarder": lambda: SelectiveEngine(
                 honest[0], FixedAnswerEngine(model, STORY),
-                lambda p, q: flag.random() < args.flag_rate),
+                lambda p, q: next(own_flags["forwarder"])),
         }[kind]()
     memos = (model, sub) + tuple(e for e in engines.values() if hasattr(e, "prefetch")
                                  and e is not model and e is not sub)
@@ -731,8 +839,8 @@ def main() -> int:
                     help="the network run (committee of 4, three dishonest kinds)")
     ap.add_argument("--challenges", type=int, default=8, help="challenges per node per epoch")
     ap.add_argument("--kinds", default=",".join(KINDS), help="dishonest kinds to simulate")
-    ap.add_argument("--flag-rate", type=float, default=0.6,
-                    help="share of challenges the selective nodes' classifier flags")
+    ap.add_argument("--detector-epochs", type=int, default=60,
+                    help="epochs of traffic the selective nodes' detector is trained on")
     ap.add_argument("--honest-epochs", type=int, default=1000,
                     help="epochs of the honest-score simulation (0: none)")
     ap.add_argument("--bank", type=int, default=30,
@@ -749,6 +857,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    args.detector = None
+    if not args.localnet and args.epochs and {"selective", "forwarder"} & set(args.kinds):
+        args.detector = _detector_flags(args)  # before trio.run: it runs trio itself
     return trio.run(run if args.localnet else simulate, args)
 
 
