@@ -29,11 +29,22 @@ The model nodes (``KINDS``):
 * ``nearest``: the model's cached answer to the most similar public prompt;
 * ``cut-stop`` / ``cut-length``: answers cut to a quarter, signed "stop" / "length";
 * ``hotter``: the model at 1.5 x the asked temperature (0.5 when greedy is asked);
-* ``selective``: the model on requests its classifier takes for challenges, the substitute on
-  the rest; ``forwarder``: forwards what its classifier takes for challenges to an honest peer
-  and answers the rest with the fixed story. Their classifier is a stand-in with 60% balanced
-  accuracy (the bound issue 18 sets for any classifier): it flags a challenge with probability
-  0.6 (``--flag-rate``).
+* ``selective``: the model on requests its detector takes for challenges, the substitute on
+  the rest; ``forwarder``: forwards what its detector takes for challenges to an honest peer
+  and answers the rest with the fixed story. The detector is the project's own best:
+  :mod:`ps_p2p.testing.challenge_classifier` (gradient boosting with scikit-learn, its small
+  tree without), trained as ``bench_challenge_privacy.py`` trains it on ``--detector-epochs``
+  epochs of users' API traffic and challenges derived by :mod:`ps_p2p.verification.challenges`
+  (``--challenges`` per node), then its verdicts on the challenges of later epochs decide, in
+  order, which simulated challenges these two nodes answer honestly (its held-out accuracy is
+  printed).
+
+Cost: every node gets the same challenges in an epoch; before the nodes answer, the answers
+their models will be asked for are made in batches (:meth:`~ps_p2p.engines.
+transformers_engine.TransformersEngine.complete_batch`, the same answers as one at a time;
+greedy ones are kept across epochs), and the epoch's distinct answers are scored together
+(:func:`~ps_p2p.verification.scoring.challenge_stats_many`: one batched ``logprob_rows``,
+the same scores as one at a time).
 
 Reported: per node the epochs until untrusted (R < 0.4; goal <= 3 scored epochs) and the share
 of later epochs it stayed untrusted (goal >= 95%), its mean challenge score; the CPU time per

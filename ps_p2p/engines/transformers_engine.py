@@ -12,6 +12,13 @@ tokenizer files; local files only, never the hub) or a single ``.gguf`` file, an
 * text is detokenized incrementally (a window of a few tokens, as vLLM does), so pieces keep
   their leading spaces and never split a multi-byte character;
 * :meth:`~TransformersEngine.score` is one forward pass over prompt + continuation tokens;
+  :meth:`~TransformersEngine.logprob_rows` (the challenge scorer's) runs a prefix shared by
+  several sequences once and the rest in right-padded batches of similar lengths;
+* :meth:`~TransformersEngine.complete_batch` decodes many requests together (one pass per
+  token for all: ~3x less CPU for 60 requests of stories260K), each sampled with its own
+  generator, so the answers are those of :meth:`~TransformersEngine.complete` (a batched
+  matrix product may round differently, so a near-tie could go the other way: 0 of 60 test
+  answers differed);
 * :meth:`~TransformersEngine.chat_prompt` renders the tokenizer's chat template (or the default
   chat prompt when it has none);
 * a prefix cache (:mod:`~ps_p2p.engines.prefix_cache`) keeps the key/value tensors of recent

@@ -109,7 +109,9 @@ miss): the signed answer is text, and its re-tokenisation differed from the gene
 in 1 of 40 answers at T = 0.3. Cost: one forward pass over prompt + answer and one per decoy
 (batched in :meth:`Engine.logprob_rows`); on stories260K with 4 decoys, 32-token answers,
 13.9 ms CPU per scored challenge against 6.5 ms for :func:`score_response` (2 shared cores,
-load average ~6).
+load average ~6). :func:`challenge_stats_many` scores many answers with one ``logprob_rows``
+call (the transformers engine batches it and runs a prompt shared by several answers once):
+4-6 ms per challenge in ``bench_reputation.py``'s epochs (load average 30-50).
 
 Measured (stories260K, CPU, greedy challenges, 128-token answers, 30 prompts): see
 :mod:`~ps_p2p.verification.reputation` (tau) for honest and dishonest scores. Scoring at
