@@ -489,7 +489,8 @@ async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
     honest = [model] * args.honest  # the same model and seed: the same answers, made once
     engines: dict[str, object] = {f"honest-{i}": e for i, e in enumerate(honest)}
     flags, line = args.detector or ([], "")
-    print(line, flush=True)
+    if line:
+        print(line, flush=True)
     own_flags = {"selective": iter(flags[0::2] * 8), "forwarder": iter(flags[1::2] * 8)}
     started = time.monotonic()
     sub = _memo(substitute_model(MODEL, seed=args.seed))
