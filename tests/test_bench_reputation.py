@@ -9,7 +9,7 @@ import sys
 from test_user_reputation import A, B, C, directory
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_reputation  # noqa: E402
+import bench_reputation
 
 
 def test_only_a_scored_node_below_the_threshold_counts_as_served_while_untrusted():
