@@ -29,11 +29,15 @@ The model nodes (``KINDS``):
 * ``nearest``: the model's cached answer to the most similar public prompt;
 * ``cut-stop`` / ``cut-length``: answers cut to a quarter, signed "stop" / "length";
 * ``hotter``: the model at 1.5 x the asked temperature (0.5 when greedy is asked);
-* ``selective``: the model on requests its classifier takes for challenges, the substitute on
-  the rest; ``forwarder``: forwards what its classifier takes for challenges to an honest peer
-  and answers the rest with the fixed story. Their classifier is a stand-in with 60% balanced
-  accuracy (the bound issue 18 sets for any classifier): it flags a challenge with probability
-  0.6 (``--flag-rate``);
+* ``selective``: the model on requests its detector takes for challenges, the substitute on
+  the rest; ``forwarder``: forwards what its detector takes for challenges to an honest peer
+  and answers the rest with the fixed story. The detector is the project's own best:
+  :mod:`ps_p2p.testing.challenge_classifier` (gradient boosting with scikit-learn, its small
+  tree without), trained as ``bench_challenge_privacy.py`` trains it on ``--detector-epochs``
+  epochs of users' API traffic and challenges derived by :mod:`ps_p2p.verification.challenges`
+  (``--challenges`` per node), then its verdicts on the challenges of later epochs decide, in
+  order, which simulated challenges these two nodes answer honestly (its held-out accuracy is
+  printed).
 * ``trust-aware``: honest only while untrusted (:class:`~ps_p2p.testing.dishonest.
   TrustAwareEngine`): the model on every request while its reputation is below the threshold,
   the substitute on every request while it is trusted. It needs no classifier: its reputation
@@ -41,6 +45,13 @@ The model nodes (``KINDS``):
   (``UserConfig.probation_share``), so its requests while untrusted are not all challenges,
   but its rule does not look at requests: only the reputation rule's probation
   (:mod:`ps_p2p.verification.reputation`) decides how often it is trusted.
+
+Cost: every node gets the same challenges in an epoch; before the nodes answer, the answers
+their models will be asked for are made in batches (:meth:`~ps_p2p.engines.
+transformers_engine.TransformersEngine.complete_batch`, the same answers as one at a time;
+greedy ones are kept across epochs), and the epoch's distinct answers are scored together
+(:func:`~ps_p2p.verification.scoring.challenge_stats_many`: one batched ``logprob_rows``,
+the same scores as one at a time).
 
 Reported: per node the epochs until untrusted (R < 0.4; goal <= 3 scored epochs) and the share
 of later epochs it stayed untrusted (goal >= 95%), its mean challenge score; the CPU time per
@@ -112,6 +123,13 @@ def model_engines(honest: int, seed: int) -> tuple[list[str], list[object]]:
     return kinds, engines
 
 
+def scored_untrusted(directory, peer_id: bytes) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the user's ``directory`` had ``peer_id`` untrusted: scored by the committee
+    with a reputation below the threshold. A provisional node (never scored yet, which users
+    may use while their model has no proven node) is not untrusted."""
+    return not directory.trusted(peer_id) and not directory.provisional(peer_id)
+
+
 async def run(args: argparse.Namespace) -> int:
     from ps_p2p.engines.transformers_engine import TransformersEngine
     from ps_p2p.testing.localnet import open_localnet
@@ -171,7 +189,7 @@ async def run(args: argparse.Namespace) -> int:
                 if answer.ok and answer.served_by in kind_of:
                     kind = kind_of[answer.served_by]
                     served[kind] += 1
-                    if directory is not None and not directory.trusted(answer.served_by):
+                    if directory is not None and scored_untrusted(directory, answer.served_by):
                         served_after_untrusted[kind] += 1
                 if len(history) % 10 == 0 or len(history) == args.epochs:
                     print(f"epoch {len(history):3d} ({row['t']:.0f} s): " + "  ".join(
@@ -220,6 +238,9 @@ async def run(args: argparse.Namespace) -> int:
 MENU_T = ((0.0, 0.45), (0.1, 0.03), (0.2, 0.04), (0.5, 0.05), (0.7, 0.22), (0.8, 0.04),
           (1.0, 0.12), (1.2, 0.02), (1.5, 0.02), (2.0, 0.01))
 MENU_TOP_P = ((1.0, 0.90), (0.9, 0.05), (0.95, 0.05))
+#: Requests per ``complete_batch`` and answers per ``challenge_stats_many`` call.
+GENERATE_BATCH = 128
+SCORE_BATCH = 256
 KINDS = ("noise5", "int4", "substitute", "fixed", "fixed-best", "other-prompt", "nearest",
          "cut-stop", "cut-length", "hotter", "selective", "forwarder", "trust-aware")
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
@@ -235,36 +256,69 @@ def _draw(rng, table):  # type: ignore[no-untyped-def]
     return table[-1][0]
 
 
-async def _challenge_score(reference, pool, prompt, answer, t, top_p, max_tokens, key):  # type: ignore
-    from ps_p2p.verification.scoring import (
-        DEFAULT_CHALLENGE_SCORING,
-        challenge_credibility,
-        challenge_stats,
-        decoy_indices,
-    )
+def _scored(pool, prompt, answer, t, top_p, max_tokens, key):  # type: ignore[no-untyped-def]
+    """The keyword arguments of one answer for :func:`~ps_p2p.verification.scoring.
+    challenge_stats_many`, with the decoy prompts the service draws for ``key``."""
+    from ps_p2p.verification.scoring import DEFAULT_CHALLENGE_SCORING, decoy_indices
 
     decoys = [pool[i] for i in decoy_indices(key, len(pool), pool.index(prompt),
                                              DEFAULT_CHALLENGE_SCORING.decoys)]
-    stats = await challenge_stats(
-        reference, prompt, answer.text, temperature=t, top_p=top_p, max_tokens=max_tokens,
-        finish_reason=answer.finish_reason, decoys=decoys)
-    return challenge_credibility(stats), stats
+    return {"prompt": prompt, "response": answer.text, "temperature": t, "top_p": top_p,
+            "max_tokens": max_tokens, "finish_reason": answer.finish_reason, "decoys": decoys}
+
+
+async def _challenge_scores(reference, answers):  # type: ignore[no-untyped-def]
+    """C of each answer (:func:`_scored` mappings), scored together (one batched
+    ``logprob_rows``; the same scores as one at a time: tests/test_challenge_scores.py)."""
+    from ps_p2p.verification.scoring import challenge_credibility, challenge_stats_many
+
+    out: list[float] = []
+    for lo in range(0, len(answers), SCORE_BATCH):
+        stats = await challenge_stats_many(reference, answers[lo:lo + SCORE_BATCH])
+        out += [challenge_credibility(x) for x in stats]
+    return out
 
 
 def _memo(inner):  # type: ignore[no-untyped-def]
-    """``inner`` with its streams remembered by (prompt, sampling parameters) until
-    ``.clear()``: nodes that run the same model on the same challenge (same seed) get the
-    same answer without a second generation (the simulation asks every node the same
-    challenges in an epoch)."""
-    from ps_p2p.engines.base import Engine
+    """``inner`` with its answers remembered by (prompt, sampling parameters): nodes that run
+    the same model on the same challenge (same seed) get the same answer without a second
+    generation (the simulation asks every node the same challenges in an epoch). Greedy
+    answers (which ignore seed and top_p) are kept across epochs, the others until
+    ``.clear()``. ``await .prefetch(requests)`` makes the missing ones in one
+    :meth:`~ps_p2p.engines.transformers_engine.TransformersEngine.complete_batch` (the same
+    answers as one at a time: tests/test_engines.py)."""
+    import dataclasses
+
+    from ps_p2p.engines.base import Engine, StreamChunk
+
+    def key_of(prompt, params):  # type: ignore[no-untyped-def]
+        if params.greedy:
+            params = dataclasses.replace(params, seed=None, top_p=1.0)
+        return prompt, params
 
     class Memo(Engine):
         def __init__(self) -> None:
             self.inner, self.model_id, self.max_context = inner, inner.model_id, inner.max_context
             self.cache: dict[object, list[object]] = {}
+            self.made = self.hits = 0
+            self._tokens: dict[tuple[str, bool], list[int]] = {}
 
         def clear(self) -> None:
-            self.cache.clear()
+            self.cache = {k: v for k, v in self.cache.items() if k[1].greedy}
+            if len(self._tokens) > 100_000:
+                self._tokens.clear()
+
+        async def prefetch(self, requests) -> None:  # type: ignore[no-untyped-def]
+            wanted = list(dict.fromkeys(key_of(p, q) for p, q in requests))
+            wanted = [k for k in wanted if k not in self.cache]
+            for lo in range(0, len(wanted), GENERATE_BATCH):
+                part = wanted[lo:lo + GENERATE_BATCH]
+                for k, done in zip(part, await self.inner.complete_batch(part)):
+                    self.cache[k] = [StreamChunk(
+                        done.text, finish_reason=done.finish_reason,
+                        prompt_tokens=done.prompt_tokens,
+                        completion_tokens=done.completion_tokens)]
+                    self.made += 1
 
         async def generate(self, prompt, params):  # type: ignore[no-untyped-def]
             async for chunk in self.stream(prompt, params):
@@ -272,9 +326,12 @@ def _memo(inner):  # type: ignore[no-untyped-def]
                     yield chunk.text
 
         async def stream(self, prompt, params):  # type: ignore[no-untyped-def]
-            key = (prompt, params)
+            key = key_of(prompt, params)
             if key not in self.cache:
                 self.cache[key] = [c async for c in self.inner.stream(prompt, params)]
+                self.made += 1
+            else:
+                self.hits += 1
             for chunk in self.cache[key]:
                 yield chunk
 
@@ -285,10 +342,16 @@ def _memo(inner):  # type: ignore[no-untyped-def]
             return await self.inner.score(prompt, continuation)
 
         async def tokenize(self, text):  # type: ignore[no-untyped-def]
-            return await self.inner.tokenize(text)
+            if (text, True) not in self._tokens:
+                self._tokens[(text, True)] = await self.inner.tokenize(text)
+            return list(self._tokens[(text, True)])
 
         async def encode(self, text, *, add_special_tokens=True):  # type: ignore
-            return await self.inner.encode(text, add_special_tokens=add_special_tokens)
+            k = (text, add_special_tokens)
+            if k not in self._tokens:
+                self._tokens[k] = await self.inner.encode(
+                    text, add_special_tokens=add_special_tokens)
+            return list(self._tokens[k])
 
         async def decode(self, token_ids):  # type: ignore[no-untyped-def]
             return await self.inner.decode(token_ids)
@@ -309,9 +372,115 @@ def _memo(inner):  # type: ignore[no-untyped-def]
     return Memo()
 
 
+def _detector_flags(args) -> tuple[list[bool], str]:  # type: ignore[no-untyped-def]
+    """What a dishonest node's own best challenge detector says about the challenges it gets:
+    the classifier of :mod:`ps_p2p.testing.challenge_classifier` (gradient boosting with
+    scikit-learn, else its small tree), trained as ``bench_challenge_privacy.py`` trains it
+    (labels from the chain's reports; every field the node decodes, arrival times, the
+    chain's data, the public data sets), on ``--detector-epochs`` epochs of that benchmark's
+    traffic (users' API requests and the verifiers' challenges as
+    :mod:`ps_p2p.verification.challenges` derives them, ``--challenges`` per node, the
+    private pool), then applied to the challenges of as many later epochs.
+
+    Returns:
+        (its verdict on each later challenge, in order: True = "a challenge, answer
+        honestly"; a line describing its held-out accuracy).
+    """
+    import hashlib
+    import random
+
+    import bench_challenge_privacy as bcp
+
+    from ps_p2p.errors import PsError
+    from ps_p2p.testing.api_traffic import (
+        api_asks,
+        poisson_times,
+        query_of_ask,
+        user_body,
+    )
+    from ps_p2p.testing.challenge_classifier import (
+        ChainView,
+        PublicIndex,
+        RequestView,
+        features,
+        make_model,
+    )
+    from ps_p2p.verification import epochs as epoch_plans
+    from ps_p2p.verification.ledger import SamplingOption
+
+    rng = random.Random(args.seed + 18)
+    public, thirds = bcp.load_parts()
+    size = min(1000, sum(len(t[2]) for t in thirds.values()))
+    items = bcp.conversations(thirds, 2, rng, size)
+    if bcp.challenge_shapes is not None:
+        pool = [bcp.challenge_shapes.encode_entry(c.prompt, c.earlier) for c in items]
+    else:
+        pool = [c.prompt for c in items]
+    pool = list(dict.fromkeys(pool))
+    menu = (SamplingOption(),)
+    nodes = [b"\x00\x24" + hashlib.sha256(b"n%d" % i).digest() + bytes(4) for i in range(2)]
+    epoch_s, user_rate = 300.0, 0.025
+    train_epochs = args.detector_epochs
+    total = train_epochs + max(10, args.epochs // 2)  # later verdicts: cycled when short
+    chain = ChainView(menu=tuple((o.max_tokens, o.temperature, o.top_p) for o in menu),
+                      epoch_s=epoch_s)
+    index = PublicIndex(public)
+    users = iter(bcp.conversations(thirds, 1, rng, int(total * user_rate * epoch_s * 2) + 100))
+    used: set[int] = set()
+    traffic = []
+    for e in range(total):
+        seed = rng.randbytes(32)
+        if len(pool) - len(used) < len(nodes) * args.challenges:
+            used.clear()
+        plan = epoch_plans.derive_plan(seed, nodes, len(pool), args.challenges, exclude=used,
+                                       sampling_options=len(menu))
+        used |= {c.prompt_index for c in plan.challenges}
+        for at, ask in bcp.challenge_asks(plan, nodes[0], pool, menu, rng, epoch=e,
+                                          epoch_s=epoch_s, seed=seed):
+            traffic.append((e, at, ask, 1))
+        times = poisson_times(rng, user_rate, epoch_s)
+        for at, asks in zip(times, api_asks([user_body(rng, next(users)) for _ in times])):
+            traffic += [(e, at, ask, 0) for ask in asks]
+    traffic.sort(key=lambda t: (t[0], t[1]))
+    rows: list[tuple[int, list[float], int]] = []
+    last_epoch, last_at, count = -1, 0.0, 0
+    qrng = random.Random(args.seed + 19)
+    for e, at, ask, label in traffic:
+        try:
+            query, raw = query_of_ask(ask, qrng)
+        except (PsError, ValueError):
+            continue
+        if e != last_epoch:
+            since = float("inf") if e == 0 else at + epoch_s - last_at
+            last_epoch, count = e, 0
+        else:
+            since = at - last_at
+        rows.append((e, features(RequestView(query, len(raw), at, since, count), chain, index),
+                     label))
+        chain.seen.add(query.prompt or (query.messages[-1].content if query.messages else ""))
+        last_at, count = at, count + 1
+    train = [(x, y) for e, x, y in rows if e < train_epochs]
+    pos = [r for r in train if r[1]]
+    neg = random.Random(args.seed + 20).sample([r for r in train if not r[1]],
+                                               min(len(pos), len(train) - len(pos)))
+    model = make_model("auto", args.seed)
+    model.fit([x for x, _ in pos + neg], [y for _, y in pos + neg])  # type: ignore[attr-defined]
+    later = [(x, y) for e, x, y in rows if e >= train_epochs]
+    said = [p[1] >= 0.5 for p in model.predict_proba([x for x, _ in later])]  # type: ignore
+    flags = [f for f, (_, y) in zip(said, later) if y]
+    on_users = [f for f, (_, y) in zip(said, later) if not y]
+    tpr = sum(flags) / max(1, len(flags))
+    fpr = sum(on_users) / max(1, len(on_users))
+    kind = type(model).__name__
+    line = (f"the selective nodes' detector ({kind}, trained on {len(pos)} challenges + "
+            f"{len(neg)} user requests of {train_epochs} epochs): on {len(flags)} later "
+            f"challenges and {len(on_users)} user requests it flags {tpr:.1%} and {fpr:.1%} "
+            f"(balanced accuracy {(tpr + 1 - fpr) / 2:.3f})")
+    return flags, line
+
+
 async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
     """kind -> engine of every model node, and the forwarder's honest peer's kind."""
-    import random
 
     from ps_p2p.engines.transformers_engine import TransformersEngine
     from ps_p2p.testing.dishonest import (
@@ -329,7 +498,10 @@ async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
     model = _memo(TransformersEngine.load(MODEL, prefix_cache_blocks=0))
     honest = [model] * args.honest  # the same model and seed: the same answers, made once
     engines: dict[str, object] = {f"honest-{i}": e for i, e in enumerate(honest)}
-    flag = random.Random(args.seed + 7)
+    flags, line = args.detector or ([], "")
+    if line:
+        print(line, flush=True)
+    own_flags = {"selective": iter(flags[0::2] * 8), "forwarder": iter(flags[1::2] * 8)}
     started = time.monotonic()
     sub = _memo(substitute_model(MODEL, seed=args.seed))
     print(f"substitute model ready ({time.monotonic() - started:.0f} s, "
@@ -339,26 +511,27 @@ async def _engines(args, pool, public):  # type: ignore[no-untyped-def]
         if kind not in args.kinds:
             continue
         engines[kind] = {
-            "noise5": lambda: degraded_copy(MODEL, noise=0.05, seed=args.seed),
-            "int4": lambda: quantized_copy(MODEL, bits=4),
+            "noise5": lambda: _memo(degraded_copy(MODEL, noise=0.05, seed=args.seed)),
+            "int4": lambda: _memo(quantized_copy(MODEL, bits=4)),
             "substitute": lambda: sub,
             "fixed": lambda: FixedAnswerEngine(model, STORY),
             "fixed-best": lambda: FixedAnswerEngine(model, best),
             "other-prompt": lambda: OtherPromptEngine(model),
-            "nearest": lambda: NearestPromptEngine(
-                TransformersEngine.load(MODEL, prefix_cache_blocks=0), public),
+            "nearest": lambda: NearestPromptEngine(model, public),
             "cut-stop": lambda: DishonestEngine(model, keep_fraction=0.25,
                                                 finish_reason="stop"),
             "cut-length": lambda: DishonestEngine(model, keep_fraction=0.25),
             "hotter": lambda: DishonestEngine(model, temperature_scale=1.5),
             "selective": lambda: SelectiveEngine(
-                model, sub, lambda p, q: flag.random() < args.flag_rate),
+                model, sub, lambda p, q: next(own_flags["selective"])),
             "forwarder": lambda: SelectiveEngine(
                 honest[0], FixedAnswerEngine(model, STORY),
-                lambda p, q: flag.random() < args.flag_rate),
+                lambda p, q: next(own_flags["forwarder"])),
             "trust-aware": lambda: TrustAwareEngine(model, sub),
         }[kind]()
-    return engines, (model, sub)
+    memos = (model, sub) + tuple(e for e in engines.values() if hasattr(e, "prefetch")
+                                 and e is not model and e is not sub)
+    return engines, memos
 
 
 async def _best_fixed_answer(reference, public, args):  # type: ignore[no-untyped-def]
@@ -368,28 +541,67 @@ async def _best_fixed_answer(reference, public, args):  # type: ignore[no-untype
 
     from ps_p2p.engines.base import SamplingParams
 
-    candidates = [STORY] + [(await reference.complete(p, SamplingParams(
-        max_tokens=args.max_tokens))).text for p in public[:12]]
+    greedy = SamplingParams(max_tokens=args.max_tokens)
+    await reference.prefetch([(p, greedy) for p in public[:12]])
+    candidates = [STORY] + [(await reference.complete(p, greedy)).text for p in public[:12]]
     tuning = public[12:24]
 
     class _Answer:
         def __init__(self, text: str) -> None:
             self.text, self.finish_reason = text, "stop"
 
-    best, best_score = STORY, -1.0
-    for text in candidates:
-        total = 0.0
-        for p in tuning:
-            for t in (0.0, 0.7):
-                key = hashlib.sha256(f"{p}{t}".encode()).digest()
-                c, _ = await _challenge_score(reference, public, p, _Answer(text), t, 1.0,
-                                              args.max_tokens, key)
-                total += c
-        if total > best_score:
-            best, best_score = text, total
+    await reference.prefetch([(p, greedy) for p in tuning])
+    answers = [_scored(public, p, _Answer(text), t, 1.0, args.max_tokens,
+                       hashlib.sha256(f"{p}{t}".encode()).digest())
+               for text in candidates for p in tuning for t in (0.0, 0.7)]
+    scores = await _challenge_scores(reference, answers)
+    per = 2 * len(tuning)
+    totals = [sum(scores[i * per:(i + 1) * per]) for i in range(len(candidates))]
+    best_score = max(totals)
+    best = candidates[totals.index(best_score)]
     print(f"fixed-best: mean score {best_score / (2 * len(tuning)):.3f} on the tuning prompts: "
           f"{best[:60]!r}...", flush=True)
     return best
+
+
+async def _prefetch(engines, reference, requests) -> None:  # type: ignore[no-untyped-def]
+    """Make, in batches, the answers the nodes' engines will ask their models for
+    ``requests`` (the epoch's challenges, in order) and the verifier's own greedy answers:
+    each memoised model gets them in one ``complete_batch`` (a request missed here is made
+    one at a time when asked: the results are the same, only slower)."""
+    from ps_p2p.engines.base import SamplingParams
+    from ps_p2p.testing.dishonest import (
+        DishonestEngine,
+        NearestPromptEngine,
+        OtherPromptEngine,
+        SelectiveEngine,
+    )
+
+    wanted: dict[int, tuple[object, list[tuple[str, object]]]] = {}
+
+    def want(engine, prompt, params) -> None:  # type: ignore[no-untyped-def]
+        if hasattr(engine, "prefetch"):
+            wanted.setdefault(id(engine), (engine, []))[1].append((prompt, params))
+
+    for engine in engines.values():
+        for i, (prompt, params) in enumerate(requests):
+            for e in ((engine.honest, engine.cheap) if isinstance(engine, SelectiveEngine)
+                      else (engine,)):
+                if isinstance(e, DishonestEngine):
+                    want(e.inner, prompt, e._params(params))
+                elif isinstance(e, OtherPromptEngine):
+                    other = e.other if e.other is not None else (
+                        requests[i - 1][0] if i else e._previous)
+                    want(e.tok, other, params)
+                elif isinstance(e, NearestPromptEngine):
+                    want(e.tok, e.prompts[e.nearest(prompt)], params)
+                else:
+                    want(e, prompt, params)
+    for prompt, params in requests:
+        if params.greedy:
+            want(reference, prompt, SamplingParams(max_tokens=params.max_tokens))
+    for engine, items in wanted.values():
+        await engine.prefetch(items)
 
 
 async def simulate(args: argparse.Namespace) -> int:
@@ -447,24 +659,38 @@ async def simulate(args: argparse.Namespace) -> int:
         # every node gets the same challenges in an epoch (module docstring)
         asked = [(rng.choice(pool), _draw(rng, MENU_T), _draw(rng, MENU_TOP_P),
                   rng.randrange(2**32)) for _ in range(args.challenges)]
+        requests = [(prompt, SamplingParams(max_tokens=args.max_tokens, temperature=t,
+                                            top_p=top_p, seed=seed))
+                    for prompt, t, top_p, seed in asked]
+        await _prefetch(engines, reference, requests)
+        answers: dict[str, list[tuple[object, object]]] = {}
+        routes: dict[str, list[str]] = {}
         for kind in kinds:
-            for prompt, t, top_p, seed in asked:
-                answer = await engines[kind].complete(prompt, SamplingParams(
-                    max_tokens=args.max_tokens, temperature=t, top_p=top_p, seed=seed))
-                key = hashlib.sha256(f"{epoch}/{seed}".encode()).digest()
+            for prompt, sampling in requests:
+                answer = await engines[kind].complete(prompt, sampling)
+                answers.setdefault(kind, []).append((answer, sampling))
+                routes.setdefault(kind, []).append(getattr(engines[kind], "last_route", ""))
+        todo: dict[object, dict[str, object]] = {}
+        for kind in kinds:
+            for (prompt, t, top_p, seed), (answer, _) in zip(asked, answers[kind]):
                 memo_key = (prompt, t, top_p, answer.text, answer.finish_reason)
-                if memo_key not in score_memo:
-                    cpu = time.process_time()
-                    score_memo[memo_key], _ = await _challenge_score(
-                        reference, pool, prompt, answer, t, top_p, args.max_tokens, key)
-                    score_cpu += time.process_time() - cpu
-                    scored += 1
-                c = score_memo[memo_key]
+                if memo_key not in score_memo and memo_key not in todo:
+                    key = hashlib.sha256(f"{epoch}/{seed}".encode()).digest()
+                    todo[memo_key] = _scored(pool, prompt, answer, t, top_p, args.max_tokens,
+                                             key)
+        cpu = time.process_time()
+        score_memo.update(zip(todo, await _challenge_scores(reference, list(todo.values()))))
+        score_cpu += time.process_time() - cpu
+        scored += len(todo)
+        for kind in kinds:
+            for (prompt, t, top_p, seed), (answer, _), route in zip(
+                    asked, answers[kind], routes[kind]):
+                c = score_memo[(prompt, t, top_p, answer.text, answer.finish_reason)]
                 scores[kind].append(c)
                 micro = round(c * MICRO) / MICRO
                 # the forwarder's forwarded answers count for it and for its honest peer
                 for who in (kind, "honest-0") if (
-                        kind == "forwarder" and engines[kind].last_route == "honest") else (kind,):
+                        kind == "forwarder" and route == "honest") else (kind,):
                     served[who].append(micro)
                     if t == 0:
                         binding[who].append(micro)
@@ -489,7 +715,8 @@ async def simulate(args: argparse.Namespace) -> int:
           f"{cpu:.0f} s, {cpu / args.epochs:.2f} s/epoch); "
           f"CPU per scored challenge {score_cpu / scored * 1000:.1f} ms ({scored} distinct "
           f"answers scored); "
-          f"process CPU {resource.getrusage(resource.RUSAGE_SELF).ru_utime:.0f} s")
+          f"process CPU {resource.getrusage(resource.RUSAGE_SELF).ru_utime:.0f} s; answers "
+          f"generated {sum(m.made for m in memo)}, reused {sum(m.hits for m in memo)}")
     ok = True
     print(f"{'node':14s} {'untrusted after':>16s} {'later epochs untrusted':>23s} "
           f"{'mean score':>10s} {'final R':>8s}")
@@ -537,17 +764,23 @@ async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore
     params = dataclasses.replace(DEFAULT_REPUTATION, probation=args.probation)
     bank: dict[tuple[float, float], list[float]] = {}
     started = time.monotonic()
+    drawn = []  # (T, top_p, i, prompt), drawn in the order of the one-at-a-time loop
     for t, _ in MENU_T:
         for top_p, _ in MENU_TOP_P:
-            got = bank.setdefault((t, top_p), [])
+            bank.setdefault((t, top_p), [])
             for i in range(args.bank if t > 0 or top_p == 1.0 else 0):
-                prompt = rng.choice(pool)
-                answer = await reference.complete(prompt, SamplingParams(
-                    max_tokens=args.max_tokens, temperature=t, top_p=top_p, seed=i))
-                key = hashlib.sha256(f"bank/{t}/{top_p}/{i}".encode()).digest()
-                c, _ = await _challenge_score(reference, pool, prompt, answer, t, top_p,
-                                              args.max_tokens, key)
-                got.append(c)
+                drawn.append((t, top_p, i, rng.choice(pool)))
+    requests = [(prompt, SamplingParams(max_tokens=args.max_tokens, temperature=t,
+                                        top_p=top_p, seed=i)) for t, top_p, i, prompt in drawn]
+    await reference.prefetch(requests + [(prompt, SamplingParams(max_tokens=args.max_tokens))
+                                         for t, _, _, prompt in drawn if t == 0])
+    answers = []
+    for (t, top_p, i, prompt), (_, sampling) in zip(drawn, requests):
+        answer = await reference.complete(prompt, sampling)
+        key = hashlib.sha256(f"bank/{t}/{top_p}/{i}".encode()).digest()
+        answers.append(_scored(pool, prompt, answer, t, top_p, args.max_tokens, key))
+    for (t, top_p, _, _), c in zip(drawn, await _challenge_scores(reference, answers)):
+        bank[(t, top_p)].append(c)
     bank = {k: v for k, v in bank.items() if v}
     print(f"\nhonest bank: {sum(map(len, bank.values()))} answers in "
           f"{time.monotonic() - started:.0f} s; per (T, top_p): min / mean / share below 0.5")
@@ -635,8 +868,8 @@ def main() -> int:
                     help="the network run (committee of 4, three dishonest kinds)")
     ap.add_argument("--challenges", type=int, default=8, help="challenges per node per epoch")
     ap.add_argument("--kinds", default=",".join(KINDS), help="dishonest kinds to simulate")
-    ap.add_argument("--flag-rate", type=float, default=0.6,
-                    help="share of challenges the selective nodes' classifier flags")
+    ap.add_argument("--detector-epochs", type=int, default=60,
+                    help="epochs of traffic the selective nodes' detector is trained on")
     ap.add_argument("--honest-epochs", type=int, default=1000,
                     help="epochs of the honest-score simulation (0: none)")
     ap.add_argument("--bank", type=int, default=30,
@@ -656,6 +889,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    args.detector = None
+    if not args.localnet and args.epochs and {"selective", "forwarder"} & set(args.kinds):
+        args.detector = _detector_flags(args)  # before trio.run: it runs trio itself
     return trio.run(run if args.localnet else simulate, args)
 
 

@@ -19,6 +19,8 @@ from ps_p2p.verification.scoring import (
     ChallengeScoring,
     answer_stats,
     challenge_credibility,
+    challenge_stats,
+    challenge_stats_many,
     decoy_indices,
     sampling_logprobs,
     score_challenge,
@@ -253,4 +255,43 @@ async def test_logprob_rows_are_the_models_whole_distribution_at_each_scored_pos
     assert np.exp(rows).sum(axis=1) == pytest.approx(1.0)
     got = [rows[i, t] for i, t in enumerate(ids[start:])]
     assert got == pytest.approx(scores.logprobs, abs=1e-5)
-    assert np.array_equal(rows, again)
+    # the same sequence twice in one batch: the same rows up to the batched products' rounding
+    assert np.abs(rows - again).max() < 1e-5
+
+
+@pytest.mark.needs_shared
+async def test_scoring_many_answers_at_once_gives_each_answers_own_statistics(
+        shared, monkeypatch):
+    from ps_p2p.testing.dishonest import DishonestEngine
+
+    ref = _reference(shared)
+    cut = DishonestEngine(ref, keep_fraction=0.25, finish_reason="stop")
+    answers = []
+    for i, prompt in enumerate(PROMPTS):
+        for engine, t, top_p in ((ref, 0.0, 1.0), (ref, 0.7, 0.9), (ref, 1.0, 1.0),
+                                 (cut, 0.7, 1.0)):
+            done = await engine.complete(prompt, SamplingParams(
+                max_tokens=32, temperature=t, top_p=top_p, seed=i))
+            answers.append({"prompt": prompt, "response": done.text, "temperature": t,
+                            "top_p": top_p, "max_tokens": 32, "finish_reason": done.finish_reason,
+                            "decoys": [p for p in PROMPTS if p != prompt]})
+        # a greedy answer that is not the model's own: scored token by token
+        answers.append(dict(answers[-1], temperature=0.0, top_p=1.0, response=PROMPTS[i - 1]))
+    together = await challenge_stats_many(ref, answers)
+    calls = []
+    batched = ref.logprob_rows
+
+    async def one_by_one(sequences):  # the per-sequence forward passes of the engine before
+        calls.append(len(sequences))
+        return [(await batched([s]))[0] for s in sequences]
+
+    monkeypatch.setattr(ref, "logprob_rows", one_by_one)
+    alone = [await challenge_stats(ref, **a) for a in answers]
+    assert len(calls) == len(answers) - len(PROMPTS)  # honest greedy answers need no rows
+    assert any(n > 1 for n in calls)  # decoys were scored
+    for a, b in zip(alone, together):
+        assert (a.tokens, a.greedy, a.misses, a.end_ok) == (b.tokens, b.greedy, b.misses, b.end_ok)
+        assert a.z_fit == pytest.approx(b.z_fit, abs=1e-4)
+        assert a.z_tie == pytest.approx(b.z_tie, abs=1e-4)
+        assert challenge_credibility(a) == pytest.approx(challenge_credibility(b), abs=1e-4)
+    assert {challenge_credibility(s) > 0.5 for s in together} == {True, False}

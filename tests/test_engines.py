@@ -952,3 +952,54 @@ async def test_vllm_chat_prompt_drops_the_template_bos_that_completions_add_agai
     assert [path for path, _ in requests] == [  # the BOS prefix is asked once
         "/tokenize", "/tokenize", "/detokenize", "/tokenize", "/detokenize",
     ]
+
+
+# -- batches (the verification benchmark's generation and the scorer's rows) ----------------
+
+LONG = ("Lily and Ben went to the park. They saw a big tree and a red ball. Ben wanted to play "
+        "with the ball but Lily said")
+BATCH_PROMPTS = (PROMPT, "The little dog", LONG, "Tom")
+
+
+async def test_a_batch_of_completions_gives_the_same_answers_as_one_at_a_time(engine, monkeypatch):
+    requests = [(p, params) for p in BATCH_PROMPTS for params in (
+        GREEDY, SAMPLED, SamplingParams(max_tokens=7, temperature=0.5, seed=9))]
+    expected = [await engine.complete(p, params) for p, params in requests]
+    forwards = []
+    inner = engine.model.forward
+
+    def counted(*args, **kwargs):
+        forwards.append(kwargs["input_ids"].shape[0])
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", counted)
+    got = await engine.complete_batch(requests)
+    assert got == expected
+    # one prefill per distinct prompt, then one pass per token for all rows together
+    assert len(forwards) == len(BATCH_PROMPTS) + GREEDY.max_tokens - 1
+    assert max(forwards) == len(requests)
+
+
+async def test_batched_logprob_rows_equal_each_sequence_alone(engine, monkeypatch):
+    sequences = []
+    for p in BATCH_PROMPTS + ("Once upon a time there was a cat", "One day"):
+        ids = await engine.tokenize(p + " there was a little girl named Lily.")
+        sequences.append((ids, max(1, len(ids) - 9)))
+    prompt = await engine.tokenize(LONG)  # answers to one prompt: its tokens run once
+    for answer in (" She said no.", " He ran away and", " The ball was red and big", ""):
+        ids = prompt + await engine.encode(answer, add_special_tokens=False)
+        sequences.append((ids, len(prompt)))
+    alone = [(await engine.logprob_rows([s]))[0] for s in sequences]
+    forwards = []
+    inner = engine.model.forward
+
+    def counted(*args, **kwargs):
+        forwards.append(kwargs["input_ids"].shape[0])
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", counted)
+    together = await engine.logprob_rows(sequences)
+    assert len(forwards) < len(sequences)  # sequences of similar lengths share a pass
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape
+        assert abs(a - b).max() < 1e-4

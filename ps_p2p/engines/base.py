@@ -422,7 +422,8 @@ class Engine(abc.ABC):
         For each ``(token_ids, start)``: a float64 numpy array of shape
         ``(len(token_ids) - start + 1, vocab)``, row i the natural-log softmax of the logits
         that predict ``token_ids[start + i]``; the last row predicts the token after the
-        sequence (where an end-of-sequence would come). One forward pass per sequence.
+        sequence (where an end-of-sequence would come). An engine may batch the sequences'
+        forward passes (the rows then differ only in float rounding).
 
         Raises:
             ValueError: a ``start`` out of [1, len(token_ids)].

@@ -109,7 +109,9 @@ miss): the signed answer is text, and its re-tokenisation differed from the gene
 in 1 of 40 answers at T = 0.3. Cost: one forward pass over prompt + answer and one per decoy
 (batched in :meth:`Engine.logprob_rows`); on stories260K with 4 decoys, 32-token answers,
 13.9 ms CPU per scored challenge against 6.5 ms for :func:`score_response` (2 shared cores,
-load average ~6).
+load average ~6). :func:`challenge_stats_many` scores many answers with one ``logprob_rows``
+call (the transformers engine batches it and runs a prompt shared by several answers once):
+4-6 ms per challenge in ``bench_reputation.py``'s epochs (load average 30-50).
 
 Measured (stories260K, CPU, greedy challenges, 128-token answers, 30 prompts): see
 :mod:`~ps_p2p.verification.reputation` (tau) for honest and dishonest scores. Scoring at
@@ -709,32 +711,74 @@ async def challenge_stats(
         PromptTooLongError: prompt + response exceed the engine's context.
         EngineError: the engine failed or has no ``logprob_rows``.
     """
-    if temperature == 0 and max_tokens > 0 and response:
-        # greedy is deterministic: the reference's own answer, text for text, is the honest
-        # one (its re-tokenisation may differ from the generated tokens: 8 of 489 honest
-        # greedy answers had 2 to 5 "misses" at the token level for that reason alone)
-        own = await engine.complete(prompt, SamplingParams(max_tokens=max_tokens))
-        if own.text == response:
-            n = len(await engine.encode(response, add_special_tokens=False))
-            return AnswerStats(n, True, 0.0, 0.0, 0, True)
-    ids, start = await _token_ids(engine, prompt, response)
-    answer = ids[start:]
-    sequences: list[tuple[Sequence[int], int]] = [(ids, start)]
-    if answer and temperature > 0:
-        for decoy in decoys[: params.decoys]:
-            d = list(await engine.tokenize(decoy))
-            if len(d) > params.decoy_tokens:  # its first token (BOS) and its last ones
-                d = d[:1] + d[len(d) - params.decoy_tokens + 1:]
-            if d and len(d) + len(answer) <= engine.max_context:
-                sequences.append((d + answer, len(d)))
-    rows = await engine.logprob_rows(sequences)
-    ends = set(engine.end_token_ids)
-    for s in stop:
-        if s:
-            ends |= await _tokens_containing(engine, s[0])
-    return answer_stats(rows[0], answer, temperature=temperature, top_p=top_p,
-                        decoy_rows=rows[1:], finish_reason=finish_reason,
-                        max_tokens=max_tokens, end_ids=ends, params=params)
+    return (await challenge_stats_many(engine, [{
+        "prompt": prompt, "response": response, "temperature": temperature, "top_p": top_p,
+        "max_tokens": max_tokens, "finish_reason": finish_reason, "stop": stop,
+        "decoys": decoys, "params": params}]))[0]
+
+
+async def challenge_stats_many(
+    engine: Engine, answers: Sequence[Mapping[str, object]]
+) -> list[AnswerStats]:
+    """:func:`challenge_stats` of several answers (each a mapping of its keyword arguments,
+    ``prompt`` and ``response`` included), with ONE :meth:`Engine.logprob_rows` call for all
+    of them (an engine may batch its forward passes) and one reference greedy answer per
+    (prompt, max_tokens). The same statistics as one call each, up to the float rounding of
+    batched forward passes.
+
+    Raises:
+        as :func:`challenge_stats` (for any of the answers).
+    """
+    own: dict[tuple[str, int], str] = {}
+    done: list[AnswerStats | None] = []
+    sequences: list[tuple[Sequence[int], int]] = []
+    pending: list[tuple[int, int, int, Mapping[str, object], list[int]]] = []
+    for a in answers:
+        prompt, response = str(a["prompt"]), str(a["response"])
+        temperature = a["temperature"]
+        max_tokens = int(a.get("max_tokens", 0))  # type: ignore[call-overload]
+        params = a.get("params", DEFAULT_CHALLENGE_SCORING)
+        assert isinstance(params, ChallengeScoring)
+        if temperature == 0 and max_tokens > 0 and response:
+            # greedy is deterministic: the reference's own answer, text for text, is the
+            # honest one (its re-tokenisation may differ from the generated tokens: 8 of 489
+            # honest greedy answers had 2 to 5 "misses" at the token level for that reason)
+            key = (prompt, max_tokens)
+            if key not in own:
+                own[key] = (await engine.complete(
+                    prompt, SamplingParams(max_tokens=max_tokens))).text
+            if own[key] == response:
+                n = len(await engine.encode(response, add_special_tokens=False))
+                done.append(AnswerStats(n, True, 0.0, 0.0, 0, True))
+                continue
+        ids, start = await _token_ids(engine, prompt, response)
+        answer = ids[start:]
+        first = len(sequences)
+        sequences.append((ids, start))
+        if answer and temperature > 0:  # type: ignore[operator]
+            for decoy in list(a.get("decoys", ()))[: params.decoys]:  # type: ignore[call-overload]
+                d = list(await engine.tokenize(decoy))
+                if len(d) > params.decoy_tokens:  # its first token (BOS) and its last ones
+                    d = d[:1] + d[len(d) - params.decoy_tokens + 1:]
+                if d and len(d) + len(answer) <= engine.max_context:
+                    sequences.append((d + answer, len(d)))
+        pending.append((len(done), first, len(sequences), a, answer))
+        done.append(None)
+    rows = await engine.logprob_rows(sequences) if sequences else []
+    for at, first, end, a, answer in pending:
+        params = a.get("params", DEFAULT_CHALLENGE_SCORING)
+        assert isinstance(params, ChallengeScoring)
+        ends = set(engine.end_token_ids)
+        for s in a.get("stop", ()):  # type: ignore[attr-defined]
+            if s:
+                ends |= await _tokens_containing(engine, s[0])
+        done[at] = answer_stats(
+            rows[first], answer, temperature=a["temperature"],  # type: ignore[arg-type]
+            top_p=a.get("top_p", 1.0), decoy_rows=rows[first + 1:end],  # type: ignore[arg-type]
+            finish_reason=str(a.get("finish_reason", "")),
+            max_tokens=int(a.get("max_tokens", 0)),  # type: ignore[call-overload]
+            end_ids=ends, params=params)
+    return [x for x in done if x is not None]
 
 
 async def score_challenge(engine: Engine, prompt: str, response: str, **kwargs: object) -> float:
@@ -803,6 +847,7 @@ __all__ = [
     "answer_stats",
     "challenge_credibility",
     "challenge_stats",
+    "challenge_stats_many",
     "credibility",
     "decoy_indices",
     "mean_credibility",
