@@ -287,6 +287,10 @@ class ClusterConfig:
         nodes: model nodes (>= 1).
         params: the cost model and the cache (``cache_blocks`` per node, ``max_batch`` = C).
         serial_prefill: one prefill at a time per node (module docstring).
+        step_tokens: with ``serial_prefill``, the tokens one engine step computes (vLLM's
+            ``max_num_batched_tokens``: 2048 for its OpenAI server on a GPU under 70 GiB, such
+            as the A6000): prefill shares the GPU with decode (module docstring); None: prefill
+            does not slow decode (the model before issue 19's second session).
         forwarding: the nodes' ``[forwarding]`` settings, :class:`ps_p2p.config.ForwardingConfig`
             (its defaults unless a run says otherwise: the policy a node deploys). Its L
             (``lengths()``), tau_c, cost-model parameters, ``load_interval``,
@@ -306,6 +310,7 @@ class ClusterConfig:
     nodes: int = 8
     params: SimParams = field(default_factory=lambda: SimParams(cache_blocks=2048))
     serial_prefill: bool = True
+    step_tokens: int | None = 2048
     forwarding: ForwardingConfig = field(default_factory=ForwardingConfig)
     key: bytes = b"ps-forwarding-sim-group-key-0001"
     stale_load_interval: float = 5.0
@@ -326,6 +331,8 @@ class ClusterConfig:
             raise ConfigError("delays must be >= 0 seconds")
         if not 0 <= self.warmup_fraction < 1:
             raise ConfigError("warmup_fraction must be in [0, 1)")
+        if self.step_tokens is not None and self.step_tokens < 1:
+            raise ConfigError("step_tokens must be >= 1 (or None)")
 
     @property
     def lengths(self) -> ChunkLengths:
@@ -524,6 +531,7 @@ class _Node:
         self.prefilling = False
         self.decoding: list[tuple[float, int, _Job]] = []  # (virtual finish, seq, job)
         self.progress = 0.0  # decode tokens done by every decoding request since t = 0
+        self.chunk_seconds = 0.0  # what the prefill chunk adds to each step, while prefilling
         self.updated = 0.0
         self.version = 0
         self.inbound = 0  # requests routed here, on their way (the central router counts them)
@@ -759,31 +767,48 @@ class _Sim:
         bs = self.params.block_size
         match = node.cache.lookup(job.tokens, max_blocks=(len(job.tokens) - 1) // bs)
         job.cached = match.tokens
-        seconds = self.cost.prefill_seconds(len(job.tokens) - match.tokens)
+        uncached = len(job.tokens) - match.tokens
+        seconds = self.cost.prefill_seconds(uncached)
+        budget = self.config.step_tokens
+        if self.config.serial_prefill and budget is not None:
+            # vLLM V1 (chunked prefill): each step computes every decoding request's token and
+            # a chunk of this prompt within the step's token budget; the chunk's compute adds
+            # to the step, so the prompt takes its chunks' steps and the decodes slow down
+            self._advance(node)
+            chunk = max(1, budget - len(node.decoding))
+            steps = max(1, math.ceil(uncached / chunk))
+            node.chunk_seconds = seconds / steps
+            seconds = steps * self._step_seconds(node)
+            self._schedule_decode(node)
         self._push(self.now + seconds, _PREFILL_DONE, node, job)
 
     def _prefill_done(self, node: _Node, job: _Job) -> None:
+        self._advance(node)
+        node.chunk_seconds = 0.0
         node.cache.store(job.tokens, _no_payload)
         if self.config.serial_prefill:
             node.prefilling = False
             self._kick_prefill(node)
-        self._advance(node)
         heapq.heappush(node.decoding,
                        (node.progress + job.req.output_tokens, job.index, job))
-        job.first_token = self.now + self.cost.step_seconds(node.running)
+        job.first_token = self.now + self._step_seconds(node)
         self._schedule_decode(node)
 
+    def _step_seconds(self, node: _Node) -> float:
+        """One step of the node now: its decode batch, plus the prefill chunk it carries."""
+        return self.cost.step_seconds(node.running) + node.chunk_seconds
+
     def _advance(self, node: _Node) -> None:
-        """Move the node's decode progress to now (the batch was constant since the update)."""
+        """Move the node's decode progress to now (the step was constant since the update)."""
         if node.decoding:
-            node.progress += (self.now - node.updated) / self.cost.step_seconds(node.running)
+            node.progress += (self.now - node.updated) / self._step_seconds(node)
         node.updated = self.now
 
     def _schedule_decode(self, node: _Node) -> None:
         node.version += 1
         if node.decoding:
             left = node.decoding[0][0] - node.progress
-            at = self.now + max(0.0, left) * self.cost.step_seconds(node.running)
+            at = self.now + max(0.0, left) * self._step_seconds(node)
             self._push(at, _DECODE_DONE, node, node.version)
 
     def _decode_done(self, node: _Node, version: object) -> None:
