@@ -47,13 +47,25 @@ then decodes ``output_tokens`` tokens, one step each, a step taking
 ``step_time * (1 + batch_growth * (batch - 1))`` seconds with ``batch`` the slots held at the
 time (as in SimEngine). Prefill: with ``serial_prefill`` (the default) a node computes one
 prefill at a time, at ``prefill_tokens_per_s`` (the cost model's estimate is the throughput of the
-whole GPU, so two prompts cannot both get it), while its decode steps go on (chunked prefill
-without interference); a prompt looks its prefix up when its prefill starts, so it reuses what
-the prefill before it stored. Without it, every slot prefills at full speed at once, exactly as
+whole GPU, so two prompts cannot both get it); a prompt looks its prefix up when its prefill
+starts, so it reuses what the prefill before it stored. The prefill shares the engine's steps
+with the decodes (``step_tokens``, the default): vLLM V1 always runs chunked prefill, and each
+step holds every decoding request's next token and then as much of a waiting prompt as its
+``max_num_batched_tokens`` budget leaves (2048 for its OpenAI server on a GPU under 70 GiB such
+as the A6000: ``EngineArgs.get_batch_defaults`` in ``vllm/engine/arg_utils.py``; "smaller
+values achieve better inter-token latency because there are fewer prefills slowing down
+decodes", vLLM's docs/configuration/optimization.md, "Chunked Prefill"). A step's time is then
+the decode step plus the chunk's compute (the additive step-time model of Sarathi-Serve,
+arXiv 2403.02310, which those docs cite): a prompt of U uncached tokens takes
+``n = ceil(U / (budget - decoding))`` steps, ``U / R + n * step_seconds(batch)`` seconds, and
+the node's decodes advance n tokens meanwhile. So a cache hit frees GPU time for every request
+of its node, as on vLLM. With ``step_tokens=None`` the decode steps go on at full speed during
+a prefill (the model before issue 19's second session: cache hits then cannot raise a decode-bound
+node's capacity). Without ``serial_prefill``, every slot prefills at full speed at once, exactly as
 SimEngine schedules (prefill is then nearly free of contention and the cache matters much less).
 Decode is simulated as a fluid: every decoding request of a node advances at
-``1 / step_seconds(batch)`` tokens a second, recomputed whenever ``batch`` changes, so a run
-costs a few events per request, not one per token. TTFT is the prefill's end plus one decode
+``1 / step`` tokens a second, ``step`` recomputed whenever the batch or the prefill changes, so
+a run costs a few events per request, not one per token. TTFT is the prefill's end plus one decode
 step at the batch size of that moment. Latency is from the arrival at the entry node to the last
 token; a forwarded request pays ``hop_delay`` on its way.
 
