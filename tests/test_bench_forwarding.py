@@ -35,8 +35,11 @@ def one_node_trace(arrivals: list[float], prompts: list[tuple[int, ...]], out: i
     return fs.Trace(tuple(prompts), reqs, 1, 1.0)
 
 
-def one_node(serial: bool) -> fs.ClusterConfig:
-    return fs.ClusterConfig(nodes=1, params=PARAMS, serial_prefill=serial, warmup_fraction=0.0)
+def one_node(serial: bool, step_tokens: int | None = None) -> fs.ClusterConfig:
+    """One node; ``step_tokens`` None: prefill does not slow decode (the hand-computed times
+    below), else vLLM's shared steps."""
+    return fs.ClusterConfig(nodes=1, params=PARAMS, serial_prefill=serial, warmup_fraction=0.0,
+                            step_tokens=step_tokens)
 
 
 # -- the node model -------------------------------------------------------------------------
@@ -55,6 +58,27 @@ def test_serial_prefill_reuses_the_prefix_the_previous_prefill_stored():
     assert r.ttft["mean"] == pytest.approx(((0.16 + 0.03) + (0.176 + 0.03 - 0.05)) / 2)
     assert r.cached_tokens == 144 and r.prompt_tokens == 320
     assert r.hit_rate == pytest.approx(0.45)
+
+
+def test_a_prefill_shares_the_steps_of_the_decodes_it_overlaps():
+    # vLLM V1 chunked prefill, budget 100 tokens a step. r1 at 0 prefills 160 tokens alone:
+    # 2 steps of 80 (0.08 s of compute each) + 0.02 s (batch 1) = 0.2 s; it then decodes.
+    # r2 at 0.25 (batch 2: 0.03 s a step) prefills 16 uncached tokens (9 blocks reused) in one
+    # step of 0.03 + 0.016 s; r1 decodes one token in that step instead of 1.533.
+    r = fs.simulate(one_node_trace([0.0, 0.25], [PROMPT, PROMPT]), fs.NO_FORWARDING,
+                    one_node(serial=True, step_tokens=100))
+    r1_first = 0.2 + 0.02  # prefill end + one step at batch 1
+    assert r.ttft["p99"] == pytest.approx(r1_first)
+    # r1: 0.2 -> 0.25 at 0.02 s a token (2.5 tokens), one token in the shared 0.046 s step,
+    # then 6.5 tokens at batch 2 (0.03 s each) while r2 decodes too
+    lat1 = 0.296 + 6.5 * 0.03
+    lat2 = 0.046 + 6.5 * 0.03 + (10 - 6.5) * 0.02
+    assert r.latency["mean"] == pytest.approx((lat1 + lat2) / 2)
+    assert r.cached_tokens == 144
+    # without sharing, r2's prefill costs r1 nothing
+    free = fs.simulate(one_node_trace([0.0, 0.25], [PROMPT, PROMPT]), fs.NO_FORWARDING,
+                       one_node(serial=True))
+    assert free.latency["mean"] < r.latency["mean"]
 
 
 def test_parallel_prefill_looks_up_when_the_slot_is_taken():

@@ -191,3 +191,33 @@ def test_a_peer_holds_no_more_of_our_forwards_than_its_record_lists():
     ledger.sent(B, NOW)
     ledger.sent(B, NOW)
     assert ledger.refusal(B, NOW, 2) == "outstanding"
+
+
+@pytest.mark.parametrize(("matched", "expected"), [
+    # B alone holds the prompt's prefix: past its fair share (1/k = 1/4 of 64, + 2 of burst)
+    # it stays the choice up to the ledger's max_share (1/2 of 64 + 2): a hot prefix's holder;
+    # C, idle, takes its fair share of the rest, and the rest is served here
+    ({B: 1_000}, {B: 34, C: 18, None: 12}),
+    # B and C hold it: C takes over at B's fair share, then both past theirs hold the longest
+    # match and take everything, each up to max_share
+    ({B: 1_000, C: 1_000}, {B: 34, C: 30}),
+    # nobody holds it: load only, B and C capped at their fair shares, the rest served here
+    ({}, {B: 18, C: 18, None: 28}),
+])
+def test_a_peer_past_its_fair_share_is_still_chosen_where_only_such_peers_hold_the_longest_match(
+        matched, expected):
+    ledger = PeerLedger(max_outstanding=2)
+    ledger.set_members({LIAR: 2, B: 2, C: 2})
+    policy, book = _group(honest_q=0, ledger=ledger)
+    book.receive(LoadReport(LIAR, MODEL, 2, 2, 5, 2, 1_000_000), NOW)  # busy: not chosen
+    request = RequestContext(matched, prompt_tokens=1_100)
+    counts: dict[bytes | None, int] = {}
+    for _ in range(64):
+        peer = policy.decide(request, NOW).forward_to
+        counts[peer] = counts.get(peer, 0) + 1
+        ledger.record(peer, NOW)
+        if peer is not None:
+            ledger.sent(peer, NOW)
+            ledger.answered(peer, 1.0, NOW)
+    assert ledger.burst == 2 and ledger.share_limit(4) == 0.25 and ledger.max_share == 0.5
+    assert counts == expected

@@ -49,7 +49,10 @@ peer's claimed load is held to what this node observed of it (measured latency o
 forwards outstanding there, its listed capacity), and a peer that is under penalty for a failed
 forward, has its share of outstanding forwards, or already took its share of this node's recent
 decisions is no candidate either: a member that reports "idle and instantly fast" takes at most
-about 1/k of this node's requests instead of all of them.
+about 1/k of this node's requests instead of all of them. One exception (issue 19): a peer past
+its fair share but under the ledger's ``max_share`` (1/2) stays a candidate for a request whose
+longest match only such peers hold, since a hot prefix's holder serves it at a fraction of the
+cost (a member that also advertises prefixes it does not hold takes at most ``max_share``).
 
 Ties of cost (every idle node of equal match) go to this node first, then, when a ``choose``
 callable is injected, to ``tied[choose(len(tied))]`` over the tied peers sorted by peer ID (one
@@ -370,21 +373,39 @@ def load_balance(
 def _group_loads(
     self_id: bytes, tracker: LoadTracker, book: LoadBook, now: float,
     ledger: PeerLedger | None = None,
-) -> tuple[NodeLoad, dict[bytes, NodeLoad]]:
-    """This node's load and that of every usable peer (member, fresh report, not self; with a
-    ledger: not refused by it, and its load as the ledger judges it)."""
+) -> tuple[NodeLoad, dict[bytes, NodeLoad], dict[bytes, NodeLoad]]:
+    """This node's load, that of every usable peer (member, fresh report, not self; with a
+    ledger: not refused by it, and its load as the ledger judges it), and that of the peers the
+    ledger refuses only for their fair share while they are under the ledger's largest share
+    (``max_share``): candidates for a cache hit only (:class:`HRTreeForwarding`)."""
     unknown = book.unknown_latency
     self_load = NodeLoad.of_tracker(tracker, unknown)
     members = book.members
     fresh = {p: load for p, load in book.fresh_loads(now).items()
              if p in members and p != self_id}
     if ledger is None:
-        return self_load, {p: NodeLoad.of_peer(load, unknown) for p, load in fresh.items()}
+        return self_load, {p: NodeLoad.of_peer(load, unknown) for p, load in fresh.items()}, {}
     group_size = len(members - {self_id}) + 1
-    return self_load, {
-        p: NodeLoad.of_peer(ledger.adjust(load), unknown) for p, load in fresh.items()
-        if ledger.refusal(p, now, group_size) is None
-    }
+    usable: dict[bytes, NodeLoad] = {}
+    capped: dict[bytes, NodeLoad] = {}
+    for p, load in fresh.items():
+        refusal = ledger.refusal(p, now, group_size)
+        if refusal is None:
+            usable[p] = NodeLoad.of_peer(ledger.adjust(load), unknown)
+        elif refusal == "share" and ledger.refusal(p, now, 1) is None:  # under max_share
+            capped[p] = NodeLoad.of_peer(ledger.adjust(load), unknown)
+    return self_load, usable, capped
+
+
+def _longest_holders(request: RequestContext, self_id: bytes,
+                     candidates: Mapping[bytes, NodeLoad]) -> set[bytes]:
+    """The nodes (this one or ``candidates``) holding the longest match, none on a miss."""
+    held = {p: m for p, m in request.matched.items()
+            if m > 0 and (p == self_id or p in candidates)}
+    if not held:
+        return set()
+    best = max(held.values())
+    return {p for p, m in held.items() if m == best}
 
 
 class NoForwarding:
@@ -434,7 +455,8 @@ class LeastLoad:
         """ALREADY_FORWARDED, else LEAST_LOADED (or NO_CANDIDATES with no usable peer)."""
         if request.forwarded:
             return Decision(None, Reason.ALREADY_FORWARDED)
-        self_load, peers = _group_loads(self.self_id, self.tracker, self.book, now, self.ledger)
+        self_load, peers, _ = _group_loads(self.self_id, self.tracker, self.book, now,
+                                           self.ledger)
         blind = replace(request, matched={})
         return load_balance(self.self_id, self_load, peers, blind, self.config, self.choose)
 
@@ -484,7 +506,15 @@ class HRTreeForwarding:
         """
         if request.forwarded:  # one hop only: a forwarded request is served where it lands
             return Decision(None, Reason.ALREADY_FORWARDED)
-        self_load, peers = _group_loads(self.self_id, self.tracker, self.book, now, self.ledger)
+        self_load, peers, capped = _group_loads(self.self_id, self.tracker, self.book, now,
+                                                self.ledger)
+        # a peer over its fair share stays a candidate where only such peers hold the longest
+        # match: a hot prefix's holder serves more than 1/k of the requests at a fraction of
+        # their cost (issue 19: under cache pressure the 1/k cap sent long documents to nodes
+        # without them); up to the ledger's max_share, whatever the peer claims
+        longest = _longest_holders(request, self.self_id, {**peers, **capped})
+        if longest and longest <= capped.keys():
+            peers.update((p, capped[p]) for p in longest)
         overridden = False
         previous = request.previous_node
         if previous is not None:

@@ -47,13 +47,25 @@ then decodes ``output_tokens`` tokens, one step each, a step taking
 ``step_time * (1 + batch_growth * (batch - 1))`` seconds with ``batch`` the slots held at the
 time (as in SimEngine). Prefill: with ``serial_prefill`` (the default) a node computes one
 prefill at a time, at ``prefill_tokens_per_s`` (the cost model's estimate is the throughput of the
-whole GPU, so two prompts cannot both get it), while its decode steps go on (chunked prefill
-without interference); a prompt looks its prefix up when its prefill starts, so it reuses what
-the prefill before it stored. Without it, every slot prefills at full speed at once, exactly as
+whole GPU, so two prompts cannot both get it); a prompt looks its prefix up when its prefill
+starts, so it reuses what the prefill before it stored. The prefill shares the engine's steps
+with the decodes (``step_tokens``, the default): vLLM V1 always runs chunked prefill, and each
+step holds every decoding request's next token and then as much of a waiting prompt as its
+``max_num_batched_tokens`` budget leaves (2048 for its OpenAI server on a GPU under 70 GiB such
+as the A6000: ``EngineArgs.get_batch_defaults`` in ``vllm/engine/arg_utils.py``; "smaller
+values achieve better inter-token latency because there are fewer prefills slowing down
+decodes", vLLM's docs/configuration/optimization.md, "Chunked Prefill"). A step's time is then
+the decode step plus the chunk's compute (the additive step-time model of Sarathi-Serve,
+arXiv 2403.02310, which those docs cite): a prompt of U uncached tokens takes
+``n = ceil(U / (budget - decoding))`` steps, ``U / R + n * step_seconds(batch)`` seconds, and
+the node's decodes advance n tokens meanwhile. So a cache hit frees GPU time for every request
+of its node, as on vLLM. With ``step_tokens=None`` the decode steps go on at full speed during
+a prefill (the model before issue 19's second session: cache hits then cannot raise a decode-bound
+node's capacity). Without ``serial_prefill``, every slot prefills at full speed at once, exactly as
 SimEngine schedules (prefill is then nearly free of contention and the cache matters much less).
 Decode is simulated as a fluid: every decoding request of a node advances at
-``1 / step_seconds(batch)`` tokens a second, recomputed whenever ``batch`` changes, so a run
-costs a few events per request, not one per token. TTFT is the prefill's end plus one decode
+``1 / step`` tokens a second, ``step`` recomputed whenever the batch or the prefill changes, so
+a run costs a few events per request, not one per token. TTFT is the prefill's end plus one decode
 step at the batch size of that moment. Latency is from the arrival at the entry node to the last
 token; a forwarded request pays ``hop_delay`` on its way.
 
@@ -287,6 +299,10 @@ class ClusterConfig:
         nodes: model nodes (>= 1).
         params: the cost model and the cache (``cache_blocks`` per node, ``max_batch`` = C).
         serial_prefill: one prefill at a time per node (module docstring).
+        step_tokens: with ``serial_prefill``, the tokens one engine step computes (vLLM's
+            ``max_num_batched_tokens``: 2048 for its OpenAI server on a GPU under 70 GiB, such
+            as the A6000): prefill shares the GPU with decode (module docstring); None: prefill
+            does not slow decode (the model before issue 19's second session).
         forwarding: the nodes' ``[forwarding]`` settings, :class:`ps_p2p.config.ForwardingConfig`
             (its defaults unless a run says otherwise: the policy a node deploys). Its L
             (``lengths()``), tau_c, cost-model parameters, ``load_interval``,
@@ -306,6 +322,7 @@ class ClusterConfig:
     nodes: int = 8
     params: SimParams = field(default_factory=lambda: SimParams(cache_blocks=2048))
     serial_prefill: bool = True
+    step_tokens: int | None = 2048
     forwarding: ForwardingConfig = field(default_factory=ForwardingConfig)
     key: bytes = b"ps-forwarding-sim-group-key-0001"
     stale_load_interval: float = 5.0
@@ -326,6 +343,8 @@ class ClusterConfig:
             raise ConfigError("delays must be >= 0 seconds")
         if not 0 <= self.warmup_fraction < 1:
             raise ConfigError("warmup_fraction must be in [0, 1)")
+        if self.step_tokens is not None and self.step_tokens < 1:
+            raise ConfigError("step_tokens must be >= 1 (or None)")
 
     @property
     def lengths(self) -> ChunkLengths:
@@ -524,6 +543,7 @@ class _Node:
         self.prefilling = False
         self.decoding: list[tuple[float, int, _Job]] = []  # (virtual finish, seq, job)
         self.progress = 0.0  # decode tokens done by every decoding request since t = 0
+        self.chunk_seconds = 0.0  # what the prefill chunk adds to each step, while prefilling
         self.updated = 0.0
         self.version = 0
         self.inbound = 0  # requests routed here, on their way (the central router counts them)
@@ -759,31 +779,48 @@ class _Sim:
         bs = self.params.block_size
         match = node.cache.lookup(job.tokens, max_blocks=(len(job.tokens) - 1) // bs)
         job.cached = match.tokens
-        seconds = self.cost.prefill_seconds(len(job.tokens) - match.tokens)
+        uncached = len(job.tokens) - match.tokens
+        seconds = self.cost.prefill_seconds(uncached)
+        budget = self.config.step_tokens
+        if self.config.serial_prefill and budget is not None:
+            # vLLM V1 (chunked prefill): each step computes every decoding request's token and
+            # a chunk of this prompt within the step's token budget; the chunk's compute adds
+            # to the step, so the prompt takes its chunks' steps and the decodes slow down
+            self._advance(node)
+            chunk = max(1, budget - len(node.decoding))
+            steps = max(1, math.ceil(uncached / chunk))
+            node.chunk_seconds = seconds / steps
+            seconds = steps * self._step_seconds(node)
+            self._schedule_decode(node)
         self._push(self.now + seconds, _PREFILL_DONE, node, job)
 
     def _prefill_done(self, node: _Node, job: _Job) -> None:
+        self._advance(node)
+        node.chunk_seconds = 0.0
         node.cache.store(job.tokens, _no_payload)
         if self.config.serial_prefill:
             node.prefilling = False
             self._kick_prefill(node)
-        self._advance(node)
         heapq.heappush(node.decoding,
                        (node.progress + job.req.output_tokens, job.index, job))
-        job.first_token = self.now + self.cost.step_seconds(node.running)
+        job.first_token = self.now + self._step_seconds(node)
         self._schedule_decode(node)
 
+    def _step_seconds(self, node: _Node) -> float:
+        """One step of the node now: its decode batch, plus the prefill chunk it carries."""
+        return self.cost.step_seconds(node.running) + node.chunk_seconds
+
     def _advance(self, node: _Node) -> None:
-        """Move the node's decode progress to now (the batch was constant since the update)."""
+        """Move the node's decode progress to now (the step was constant since the update)."""
         if node.decoding:
-            node.progress += (self.now - node.updated) / self.cost.step_seconds(node.running)
+            node.progress += (self.now - node.updated) / self._step_seconds(node)
         node.updated = self.now
 
     def _schedule_decode(self, node: _Node) -> None:
         node.version += 1
         if node.decoding:
             left = node.decoding[0][0] - node.progress
-            at = self.now + max(0.0, left) * self.cost.step_seconds(node.running)
+            at = self.now + max(0.0, left) * self._step_seconds(node)
             self._push(at, _DECODE_DONE, node, node.version)
 
     def _decode_done(self, node: _Node, version: object) -> None:
