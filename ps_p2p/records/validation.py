@@ -20,7 +20,10 @@ import collections
 import hashlib
 from collections.abc import Hashable
 
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import (
+    X25519PrivateKey,
+    X25519PublicKey,
+)
 
 from ps_p2p.errors import (
     ExpiredError,
@@ -44,7 +47,11 @@ from ps_p2p.records.limits import (
     VERIFIED_CACHE_ENTRIES,
 )
 from ps_p2p.records.multiaddrs import check_multiaddr
-from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES, peer_label, public_key_from_peer_id
+from ps_p2p.records.peer_ids import (
+    ED25519_PEER_ID_BYTES,
+    peer_label,
+    public_key_from_peer_id,
+)
 from ps_p2p.records.recordset import record_leaf
 from ps_p2p.records.signatures import verify_membership, verify_signature
 from ps_p2p.records.types import Membership, NodeRecord, Role
