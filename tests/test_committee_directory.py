@@ -180,6 +180,34 @@ def test_a_directory_signed_by_fewer_than_2f_plus_1_is_refused_and_the_view_kept
     assert replica.apply(header, commit_for(header), pages, header.time_ms).height == 3
 
 
+def test_a_refresh_without_a_new_block_checks_its_commit_once_and_other_votes_again(monkeypatch):
+    from ps_p2p.registry import directory as directory_module
+
+    checked = []
+    real = directory_module.verify_commit
+
+    def counting(*args):
+        checked.append(args[2])
+        return real(*args)
+
+    monkeypatch.setattr(directory_module, "verify_commit", counting)
+    chain = Chain()
+    chain.block([reg(record(1))])
+    header = chain.block()
+    replica = CommitteeReplica(GENESIS)
+    replica.apply(*chain.serve(replica.since()), header.time_ms)
+    again = replica.apply(*chain.serve(replica.since()), header.time_ms)  # the same head
+    assert again.height == 1 and checked == [header.height]
+    # the same header and pages, one vote's signature changed: checked, and refused
+    head, commit, pages = chain.serve(replica.since())
+    forged = [dataclasses.replace(commit[0], signature=bytes(64)), *commit[1:]]
+    with pytest.raises(InvalidCommitError):
+        replica.apply(head, forged, pages, header.time_ms)
+    assert checked == [header.height, header.height]
+    replica.apply(head, commit, pages, header.time_ms)  # the good one is still remembered
+    assert len(checked) == 2
+
+
 def test_a_rollback_a_stale_header_and_a_tampered_page_are_refused():
     chain = Chain()
     chain.block([reg(record(1))])

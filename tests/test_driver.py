@@ -105,6 +105,20 @@ async def test_a_burst_in_one_step_applies_the_first_and_queues_the_rest_in_arri
     assert executed == ["a0", "a1", "b0", "a2", "a3", "a4", "a5"] and driver.direct == 2
 
 
+async def test_the_processed_event_taken_before_a_check_is_set_by_an_input_applied_after_it():
+    executed: list[object] = []
+    driver = _driver(executed, inbox=100)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(driver.run)
+        event = driver.processed  # taken, then the condition checked: not yet
+        assert executed == []
+        driver.submit(partial(_input, "cell"), peer=b"a", direct=True)  # before any wait
+        with trio.fail_after(1):
+            await event.wait()  # not missed: the only input came before the wait
+        assert executed == ["cell"] and driver.processed is not event
+        nursery.cancel_scope.cancel()
+
+
 async def test_an_input_waiting_in_the_inbox_is_never_overtaken_by_a_direct_one():
     executed: list[object] = []
     driver = _driver(executed, inbox=100)

@@ -27,6 +27,8 @@ from ps_p2p.overlay.relay import (
     SignedClove,
 )
 from ps_p2p.pb.planetserve.v1 import clove_pb2
+from ps_p2p.protocols import fixed_layout
+from ps_p2p.protocols.framing import encode_frame
 from ps_p2p.protocols.wire import parse
 
 CLOVE_PROTOCOL_ID = "/planetserve/clove/1.0.0"
@@ -46,12 +48,40 @@ class DestroyFrame:
     reason: str
 
 
+def split_cell(data: bytes) -> tuple[bytes, bytes] | None:
+    """``(path_id, payload)`` of a cell frame in the schema's canonical layout (both fields
+    present), without protobuf objects (:mod:`~ps_p2p.protocols.fixed_layout`); None for any
+    other frame (then :func:`decode` it)."""
+    n = len(data)
+    if n < 6 or data[0] != 0x0A:
+        return None
+    read = _read_uvarint(data, 1, n)
+    if read is None or read[0] + read[1] != n or read[1] == n or data[read[1]] != 0x0A:
+        return None
+    read = _read_uvarint(data, read[1] + 1, n)
+    if read is None or read[0] == 0:
+        return None
+    start, stop = read[1], read[1] + read[0]
+    if stop >= n or data[stop] != 0x12:
+        return None
+    read = _read_uvarint(data, stop + 1, n)
+    if read is None or read[0] == 0 or read[0] + read[1] != n:
+        return None
+    return data[start:stop], data[read[1]:]
+
+
+_read_uvarint = fixed_layout.read_uvarint
+
+
 def decode(data: bytes) -> CellFrame | DestroyFrame:
-    """One clove frame.
+    """One clove frame (a cell in the canonical layout without protobuf objects).
 
     Raises:
         RemoteProtocolError: malformed or empty.
     """
+    cell = split_cell(data)
+    if cell is not None:
+        return CellFrame(*cell)
     frame = parse(clove_pb2.CloveFrame, data)
     kind = frame.WhichOneof("kind")
     if kind == "cell":
@@ -62,9 +92,24 @@ def decode(data: bytes) -> CellFrame | DestroyFrame:
 
 
 def encode_cell(path_id: bytes, payload: bytes) -> bytes:
-    return clove_pb2.CloveFrame(
-        cell=clove_pb2.Cell(path_id=path_id, payload=payload)
-    ).SerializeToString()
+    """``CloveFrame{cell}`` as protobuf writes it, without protobuf objects."""
+    return fixed_layout.oneof(1, path_id, payload)
+
+
+def encode_cell_frame(path_id: bytes, payload: bytes) -> bytes:
+    """:func:`encode_cell` with the link's length prefix (:func:`~ps_p2p.protocols.framing.
+    encode_frame`), written in one join (the payload is copied once): what
+    :meth:`~ps_p2p.protocols.links.LinkManager.send_frame` takes."""
+    if not path_id or not payload:  # proto3 leaves an empty field out
+        return encode_frame(encode_cell(path_id, payload))
+    uvarint = fixed_layout.uvarint
+    path_len, payload_len = uvarint(len(path_id)), uvarint(len(payload))
+    inner = 2 + len(path_len) + len(path_id) + len(payload_len) + len(payload)
+    inner_len = uvarint(inner)
+    return b"".join((
+        uvarint(1 + len(inner_len) + inner), b"\x0a", inner_len,
+        b"\x0a", path_len, path_id, b"\x12", payload_len, payload,
+    ))
 
 
 def encode_destroy(path_id: bytes, reason: str) -> bytes:
@@ -154,5 +199,6 @@ def _flip_byte(data: bytes) -> bytes:
 
 __all__ = [
     "CLOVE_MAX_FRAME", "CLOVE_PROTOCOL_ID", "CellFrame", "DestroyFrame", "ProtobufPayloadCodec",
-    "backward_to_pb", "decode", "encode_cell", "encode_destroy", "forward_from_pb", "forward_to_pb",
+    "backward_to_pb", "decode", "encode_cell", "encode_cell_frame", "encode_destroy",
+    "forward_from_pb", "forward_to_pb", "split_cell",
 ]

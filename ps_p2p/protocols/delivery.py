@@ -15,6 +15,7 @@ from ps_p2p import responses
 from ps_p2p.crypto import onion
 from ps_p2p.errors import PsError, RemoteProtocolError
 from ps_p2p.pb.planetserve.v1 import clove_pb2
+from ps_p2p.protocols import fixed_layout
 from ps_p2p.protocols.wire import parse
 
 DELIVER_PROTOCOL_ID = "/planetserve/deliver/1.0.0"
@@ -35,11 +36,19 @@ class ReplyFrame:
 
 
 def decode(data: bytes) -> DeliveryFrame | ReplyFrame:
-    """One deliver frame.
+    """One deliver frame (in the canonical layout without protobuf objects:
+    :mod:`~ps_p2p.protocols.fixed_layout`).
 
     Raises:
         RemoteProtocolError: malformed or empty.
     """
+    read = fixed_layout.read_oneof(data, 3)
+    if read is not None:
+        kind, (first, second, third) = read
+        if kind == 1 and not second and not third:
+            return DeliveryFrame(first)
+        if kind == 2:
+            return ReplyFrame(first, second, third)
     frame = parse(clove_pb2.DeliveryFrame, data)
     kind = frame.WhichOneof("kind")
     if kind == "delivery":
@@ -51,13 +60,13 @@ def decode(data: bytes) -> DeliveryFrame | ReplyFrame:
 
 
 def encode_delivery(clove: bytes) -> bytes:
-    return clove_pb2.DeliveryFrame(delivery=clove_pb2.Delivery(clove=clove)).SerializeToString()
+    """``DeliveryFrame{delivery}`` as protobuf writes it, without protobuf objects."""
+    return fixed_layout.oneof(1, clove)
 
 
 def encode_reply(reply_tag: bytes, clove: bytes, signature: bytes) -> bytes:
-    return clove_pb2.DeliveryFrame(
-        reply=clove_pb2.Reply(reply_tag=reply_tag, clove=clove, signature=signature)
-    ).SerializeToString()
+    """``DeliveryFrame{reply}`` as protobuf writes it, without protobuf objects."""
+    return fixed_layout.oneof(2, reply_tag, clove, signature)
 
 
 def verify_reply(model_node: bytes, clove: bytes, signature: bytes) -> bool:

@@ -238,8 +238,19 @@ class CoreDriver(Generic[C]):
 
     async def wait_processed(self) -> None:
         """Wait until the driver next finishes a batch of inputs or a tick (for code that waits
-        on a condition of the core, e.g. a counter, instead of polling it)."""
+        on a condition of the core, e.g. a counter, instead of polling it). Call it in the same
+        step as the check of the condition; a task that waits for several drivers takes
+        :attr:`processed` before its check instead."""
         await self._processed.wait()
+
+    @property
+    def processed(self) -> trio.Event:
+        """The event set when the driver next finishes a batch of inputs, a direct input or a
+        tick (a new one after each). Taken *before* checking a condition of the core and
+        awaited after, it misses nothing applied in between; :meth:`wait_processed` called from
+        a task started after the check can (the input that made the condition true may be
+        applied before that task first runs, and nothing may follow it)."""
+        return self._processed
 
     def _notify(self) -> None:
         self._processed.set()

@@ -130,7 +130,9 @@ class FrameReader:
         self._stream = stream
         self._max = max_bytes
         self._frame_timeout = frame_timeout
-        self._buf = bytearray()
+        # what the last read brought, as it came (bytes: a frame inside it is copied once, by
+        # its slice); a bytearray only while a frame spans several reads
+        self._buf: bytes | bytearray = b""
         self._pos = 0
 
     def _parse_length(self) -> tuple[int, int] | None:
@@ -155,20 +157,25 @@ class FrameReader:
         raise RemoteProtocolError("frame length varint too long")
 
     async def _fill(self) -> None:
-        if self._pos:
-            del self._buf[: self._pos]
-            self._pos = 0
+        pending = len(self._buf) - self._pos
         try:
             chunk = await self._stream.read(READ_CHUNK)
         except EOFError as exc:  # libp2p's StreamEOF and MuxedStreamEOF are EOFErrors
-            if self._buf:
+            if pending:
                 raise RemoteProtocolError("stream ended inside a frame") from exc
             raise
         if not chunk:
-            if self._buf:
+            if pending:
                 raise RemoteProtocolError("stream ended inside a frame")
             raise RemoteProtocolError("stream returned no data")
-        self._buf += chunk
+        if not pending:
+            self._buf = chunk  # kept as it came: no copy
+        elif isinstance(self._buf, bytearray):
+            del self._buf[: self._pos]
+            self._buf += chunk
+        else:
+            self._buf = bytearray(memoryview(self._buf)[self._pos :]) + chunk
+        self._pos = 0
 
     async def read_frame(self) -> bytes:
         """The next frame's body.
@@ -185,9 +192,12 @@ class FrameReader:
             if parsed is not None:
                 length, header = parsed
                 start = self._pos + header
-                if len(self._buf) - start >= length:
-                    self._pos = start + length
-                    return bytes(self._buf[start : start + length])
+                end = start + length
+                if len(self._buf) >= end:
+                    self._pos = end
+                    if isinstance(self._buf, bytes):
+                        return self._buf[start:end]
+                    return bytes(memoryview(self._buf)[start:end])
             if self._pos >= len(self._buf) or self._frame_timeout is None:
                 await self._fill()  # between frames: no deadline
                 continue

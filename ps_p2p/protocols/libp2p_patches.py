@@ -16,7 +16,7 @@ replaces or relies on). None changes a byte on the wire (``tests/test_libp2p_pat
 compares the Yamux frames two hosts exchange with and without them).
 
 ``PS_LIBP2P_PATCHES`` (environment, read by :func:`install`): unset or ``default`` installs
-:data:`DEFAULT` (``lean_yamux`` and ``bufread``: ``fast_locks`` is not yet safe, see there);
+:data:`DEFAULT` (``lean_yamux`` and ``bufread``; ``fast_locks`` not yet, see there);
 ``all`` every patch; ``none`` (or ``0``) none; a comma-separated list of names only those (for
 A/B benchmarks with ``benchmarks/bench_overlay.py --cpu``).
 
@@ -392,11 +392,20 @@ NAMES = ("fast_locks", "lean_yamux", "bufread")
 """Every patch, in the order :func:`install` applies them."""
 
 DEFAULT = ("lean_yamux", "bufread")
-"""The patches installed unless ``PS_LIBP2P_PATCHES`` says otherwise. ``fast_locks`` is left
-out: with it, ``tests/test_overlay_security.py``'s localnet tests timed out in 2 of 3 runs on a
-loaded machine (load ~25 on 2 cores; 0 of 3 with each other patch alone, 0 of 5 on the commit
-before), for a reason not yet found (a py-libp2p loop that relied on a lock's schedule point to
-let others run is the suspect); ``PS_LIBP2P_PATCHES=all`` installs it."""
+"""The patches installed unless ``PS_LIBP2P_PATCHES`` says otherwise; ``all`` adds
+``fast_locks``. It was left out because ``tests/test_overlay_security.py``'s localnet tests
+timed out with it in 2 of 3 runs on a loaded machine (0 of 3 without). What was found
+(2026-11-26): a lost wakeup in those tests' own ``_until`` helper (its waiters took the
+driver's event after checking the condition, so an input a stream handler applied in between,
+the last one, woke nobody: more likely the fewer schedule points a handler passes; fixed with
+``CoreDriver.processed``). With that fixed, at load 35-47 on 2 cores, 3 file runs each,
+alternating: with ``fast_locks`` 1 run failed (3 of 5 tests), without it 1 run failed (2 of 5),
+with the same symptoms (connection upgrades cancelled at their 5 s deadline, identify answers
+over 10 s, probes unanswered: the process starved of CPU), so no failure specific to it is
+left. Its one real trade: no wakeup is lost, but trio runs each runnable task one step per
+pass, and without the locks' schedule points busy tasks do ~4x more work per step, so a
+multi-step handshake waits longer between its steps on a starved process. It stays off until
+the localnet suites pass with ``PS_LIBP2P_PATCHES=all`` on a machine that is not starved."""
 
 
 def _set(undo: list[tuple[Any, str, Any]], owner: Any, attribute: str, value: Any) -> None:

@@ -151,6 +151,12 @@ class LinkManager:
             True when queued; False when the peer's queue is full (the message is dropped and
             counted) or the link just failed.
         """
+        return self.send_frame(peer_id, encode_frame(message))
+
+    def send_frame(self, peer_id: bytes, frame: bytes) -> bool:
+        """:meth:`send` for a message already framed (``encode_frame(message)``, e.g.
+        :func:`~ps_p2p.protocols.clove_relay.encode_cell_frame`, which writes the prefix and
+        the message in one join)."""
         link = self._links.get(peer_id)
         if link is None or link.closed:
             backoff = self._backoff.get(peer_id)
@@ -163,7 +169,6 @@ class LinkManager:
                     return False
                 del self._backoff[peer_id]
             link = self._open(peer_id)
-        frame = encode_frame(message)
         try:
             if link.queued_bytes + len(frame) > MAX_QUEUED_BYTES:
                 raise trio.WouldBlock

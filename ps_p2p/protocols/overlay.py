@@ -252,6 +252,13 @@ class OverlayService:
         self.driver.submit(event, peer=peer)
 
     def _on_clove_frame(self, peer: bytes, data: bytes) -> None:
+        cell = clove_relay.split_cell(data)  # the hot path: no protobuf or frame objects
+        if cell is not None:
+            self.driver.submit(
+                functools.partial(self.core.receive_cell, peer, cell[0], cell[1]),
+                peer=peer, direct=True,
+            )
+            return
         frame = clove_relay.decode(data)
         if isinstance(frame, clove_relay.CellFrame):
             event = functools.partial(self.core.receive_cell, peer, frame.path_id, frame.payload)
@@ -358,7 +365,9 @@ class OverlayService:
         assert self._deliver_links is not None
         match command:
             case core.SendCell(peer, path_id, payload):
-                return self._clove_links.send(peer, clove_relay.encode_cell(path_id, payload))
+                return self._clove_links.send_frame(
+                    peer, clove_relay.encode_cell_frame(path_id, payload)
+                )
             case core.SendSetup(peer, path_id, packet):
                 if not self._onion_links.send(peer, onion_setup.encode_setup(path_id, packet)):
                     self._run(self.core.send_failed(command, self._clock()))

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
+from collections.abc import Hashable
 
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import (
+    X25519PrivateKey,
+    X25519PublicKey,
+)
 
 from ps_p2p.errors import (
     ExpiredError,
@@ -43,7 +47,11 @@ from ps_p2p.records.limits import (
     VERIFIED_CACHE_ENTRIES,
 )
 from ps_p2p.records.multiaddrs import check_multiaddr
-from ps_p2p.records.peer_ids import ED25519_PEER_ID_BYTES, peer_label, public_key_from_peer_id
+from ps_p2p.records.peer_ids import (
+    ED25519_PEER_ID_BYTES,
+    peer_label,
+    public_key_from_peer_id,
+)
 from ps_p2p.records.recordset import record_leaf
 from ps_p2p.records.signatures import verify_membership, verify_signature
 from ps_p2p.records.types import Membership, NodeRecord, Role
@@ -222,6 +230,10 @@ def _remote_leaf(record: NodeRecord) -> bytes:
         raise RemoteProtocolError(str(exc)) from exc
 
 
+#: Commits a :class:`VerifiedCache` remembers as checked (the current one and a few before).
+VERIFIED_COMMITS = 4
+
+
 class VerifiedCache:
     """Leaves (:func:`record_leaf`) of records whose fields and signature were checked.
 
@@ -237,6 +249,25 @@ class VerifiedCache:
         self._leaves: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.hits = 0
         self.checks = 0
+        # commits (chain ID, validator set, height, block ID, votes) whose quorum and
+        # signatures were checked: a refresh that brings no new block checks none again
+        self._commits: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+        self.commit_hits = 0
+
+    def commit_checked(self, key: Hashable) -> bool:
+        """Whether the commit ``key`` (everything its check reads, votes and signatures
+        included, compared whole: any other byte is another key) passed before."""
+        if key in self._commits:
+            self._commits.move_to_end(key)
+            self.commit_hits += 1
+            return True
+        return False
+
+    def remember_commit(self, key: Hashable) -> None:
+        """Record that the commit ``key`` passed its check (the last few are kept)."""
+        self._commits[key] = None
+        while len(self._commits) > VERIFIED_COMMITS:
+            self._commits.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._leaves)

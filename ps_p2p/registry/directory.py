@@ -488,7 +488,8 @@ def verify_directory(
         now_ms: the node's clock (unix ms).
         max_age_ms: refuse a header whose block time is older than this.
         max_delta_bytes, max_records: bounds of what a server can make the node hold.
-        cache: verified records (skips re-checking a record already seen).
+        cache: verified records and commits (skips re-checking a record, or a commit whose
+            votes and validator set are identical, already seen).
 
     Returns:
         the view at height ``header.height - 1``.
@@ -522,7 +523,14 @@ def verify_directory(
         raise DirectoryRollbackError(
             f"directory at height {height} is older than the one held ({previous_view.height})"
         )
-    verify_commit(chain_id, genesis_validators, header.height, block_id(header), commit)
+    header_id = block_id(header)
+    # the same commit again (a refresh with no new block): its signatures were checked; the
+    # key holds every vote whole and the set it was checked against, so other bytes miss
+    commit_key = (chain_id, tuple(genesis_validators), header.height, header_id, tuple(commit))
+    if cache is None or not cache.commit_checked(commit_key):
+        verify_commit(chain_id, genesis_validators, header.height, header_id, commit)
+        if cache is not None:
+            cache.remember_commit(commit_key)
 
     r = Reader(_join_pages(pages, max_delta_bytes), InvalidDirectoryError, "directory delta")
     r.prefix(DELTA_DOMAIN, "delta domain")
