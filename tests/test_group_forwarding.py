@@ -48,20 +48,30 @@ def _query(prompt: str, preferred: bytes = b"") -> InferenceQuery:
 A, B, C, OUTSIDER = (Identity.generate() for _ in range(4))
 
 
-def test_an_envelope_opens_only_under_its_publishers_key_and_unchanged():
-    sealed = wire.seal(A, wire.KIND_LOAD, b"body")
-    assert wire.open_envelope(sealed, A.peer_id) == (wire.KIND_LOAD, b"body")
+G = wire.group_of("sim")
+
+
+def test_an_envelope_opens_only_under_its_publishers_key_for_its_group_and_unchanged():
+    sealed = wire.seal(A, wire.KIND_LOAD, b"body", G)
+    assert len(sealed) == len(b"body") + wire.ENVELOPE_OVERHEAD == 4 + 65
+    assert wire.open_envelope(sealed, A.peer_id, G) == (wire.KIND_LOAD, b"body")
     with pytest.raises(InvalidSignatureError):
-        wire.open_envelope(sealed, B.peer_id)
+        wire.open_envelope(sealed, B.peer_id, G)
+    with pytest.raises(InvalidSignatureError):  # the group is signed, not sent
+        wire.open_envelope(sealed, A.peer_id, wire.group_of("another-model"))
     flipped = bytearray(sealed)
     flipped[-66] ^= 1  # inside the body
     with pytest.raises(InvalidSignatureError):
-        wire.open_envelope(bytes(flipped), A.peer_id)
-    for bad in (sealed[:-1], sealed + b"x", b"nonsense", sealed.replace(b"body", b"bodies")):
+        wire.open_envelope(bytes(flipped), A.peer_id, G)
+    other_kind = bytes([wire.KIND_DELTA]) + sealed[1:]  # the kind is signed too
+    with pytest.raises(InvalidSignatureError):
+        wire.open_envelope(other_kind, A.peer_id, G)
+    for bad in (sealed[:-1], sealed + b"x", b"nonsense", sealed.replace(b"body", b"bodies"),
+                b"\x07" + sealed[1:], sealed[:64]):
         with pytest.raises(RemoteProtocolError):
-            wire.open_envelope(bad, A.peer_id)
+            wire.open_envelope(bad, A.peer_id, G)
     with pytest.raises(RemoteProtocolError, match="max"):
-        wire.open_envelope(sealed, A.peer_id, max_bytes=len(sealed) - 1)
+        wire.open_envelope(sealed, A.peer_id, G, max_bytes=len(sealed) - 1)
 
 
 async def test_gossip_from_a_non_member_or_forged_or_replayed_is_dropped():
@@ -72,7 +82,7 @@ async def test_gossip_from_a_non_member_or_forged_or_replayed_is_dropped():
     assert me.members == {B.peer_id}  # a model node of another model is no member
     me.receive(OUTSIDER.peer_id, outsider.load_envelope())
     assert me.dropped == {"not_member": 1}
-    me.receive(B.peer_id, wire.seal(OUTSIDER, wire.KIND_LOAD, b"x"))  # not signed by B
+    me.receive(B.peer_id, wire.seal(OUTSIDER, wire.KIND_LOAD, b"x", G))  # not signed by B
     assert me.dropped["InvalidSignatureError"] == 1
     report = peer.load_envelope()
     me.receive(B.peer_id, report)

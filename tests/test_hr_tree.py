@@ -780,6 +780,8 @@ NAMES = [i.to_bytes(8, "big") for i in range(1, MAX_DELTA_OPS + 2)]
         pytest.param(delta_bytes(inserts=[ONE], domain=SNAPSHOT_DOMAIN), id="wrong domain"),
         pytest.param(delta_bytes(inserts=[ONE], domain=b"planetserve/v1/hrtree-delta\x00"),
                      id="the first delta encoding"),
+        pytest.param(delta_bytes(inserts=[ONE], domain=b"planetserve/v1/hrtree-delta-v2\x00"),
+                     id="the second delta encoding"),
         pytest.param(delta_bytes(), id="no evictions or inserts"),
         pytest.param(delta_bytes(inserts=[ONE], span=0), id="no op"),
         pytest.param(delta_bytes([HASHES[0]], [ONE], span=1), id="more items than ops"),

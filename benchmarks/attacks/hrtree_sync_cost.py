@@ -61,7 +61,7 @@ class Timed:
 
     def __call__(self, *args):  # type: ignore[no-untyped-def]
         data = args[-1] if args else b""
-        if isinstance(data, bytes) and data[len(wire.ENVELOPE_DOMAIN):][:1] == b"\x02":
+        if isinstance(data, bytes) and data[:1] == bytes([wire.KIND_DELTA]):
             self.deltas += 1
         start = time.process_time()
         try:

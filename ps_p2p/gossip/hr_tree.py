@@ -73,7 +73,7 @@ from the publisher's state) the replica drops the peer's entries and asks for a 
 No signatures here: the service signs and checks the canonical bytes of :meth:`Delta.encode` and
 :meth:`Snapshot.encode`::
 
-    delta    = b"planetserve/v1/hrtree-delta-v2\\x00" || uv(version) || uv(incarnation)
+    delta    = b"HRd3" || uv(version) || uv(incarnation)
                || uv(seq_from) || uv(seq_to - seq_from) || uv(#evictions) || name*
                || uv(#inserts) || insert*
     insert   = parent (8 bytes) || uv(#hashes) || hashes (8 bytes each)
@@ -86,8 +86,9 @@ where ``uv`` is an unsigned LEB128 varint of at most 64 bits in its shortest for
 (:data:`ROOT_HASH` only alone), and a snapshot lists the subtree's leaves (its maximal
 prefixes) in ascending order, each front-coded against the previous one: its first ``shared``
 hashes are the previous leaf's, ``shared`` the longest common prefix, then the ``new`` ones; the
-sum of the ``new`` counts is its number of entries. The first delta encoding (``hrtree-delta``,
-one whole chain per op) is no longer read: its domain differs.
+sum of the ``new`` counts is its number of entries. The first two delta encodings
+(``hrtree-delta``, one whole chain per op; ``hrtree-delta-v2``, this layout after a 31-byte
+domain) are no longer read: their prefix differs.
 
 This module is a pure core: no trio, libp2p, protobuf, clock or randomness.
 """
@@ -184,9 +185,11 @@ MAX_PENDING_DELTAS = 16
 MAX_PENDING_OPS = 8 * MAX_DELTA_OPS
 """Operations a publisher holds between two :meth:`SubtreePublisher.take_deltas`; beyond, it
 drops them (the sequence still advances, so replicas see a gap and take a snapshot)."""
-DELTA_DOMAIN = b"planetserve/v1/hrtree-delta-v2\x00"
-"""Domain-separation prefix of :meth:`Delta.encode` (the second delta encoding: prefixes named by
-their last chunk hash)."""
+DELTA_DOMAIN = b"HRd3"
+"""Format tag that starts :meth:`Delta.encode` (the third delta encoding). Its signature's domain
+separation is the gossip envelope's (``ps_p2p.protocols.hrtree_gossip``: a signed domain, group
+and kind), so the tag only tells encodings apart: the second (``planetserve/v1/hrtree-delta-v2``,
+prefixes named by their last chunk hash as here) spent 31 bytes of every delta on it."""
 SNAPSHOT_DOMAIN = b"planetserve/v1/hrtree-snapshot\x00"
 """Domain-separation prefix of :meth:`Snapshot.encode`."""
 

@@ -66,7 +66,7 @@ node ``gossip_delay`` seconds later, decoded from its bytes once and applied thr
 receiver's :class:`~ps_p2p.gossip.load.LoadBook` or the publisher's
 :class:`~ps_p2p.gossip.hr_tree.SubtreeReplica`, so peers see a stale view, as on a network. Bytes
 counted: the encoded body plus :data:`ENVELOPE_OVERHEAD_BYTES` (the signed gossip envelope of
-:mod:`ps_p2p.protocols.hrtree_gossip`: domain, kind, length, Ed25519 signature), times the
+:mod:`ps_p2p.protocols.hrtree_gossip`: kind, Ed25519 signature), times the
 receivers (N - 1: a broadcast; GossipSub's own framing and mesh duplicates are not counted, for
 either design). *Full broadcast* (Appendix A6, Figs. 19-20: the design that delta updates
 replace) is every node sending its whole subtree, :meth:`~ps_p2p.gossip.hr_tree.Snapshot.encode`
@@ -154,10 +154,10 @@ HR_TREE = "hr-tree"
 HR_TREE_STALE = "hr-tree-stale"
 POLICIES = (NO_FORWARDING, LEAST_LOAD, CENTRAL_RADIX, CENTRAL_LPM, HR_TREE, HR_TREE_STALE)
 
-ENVELOPE_OVERHEAD_BYTES = 29 + 1 + 4 + 64
-"""Bytes a signed gossip envelope adds to its body: ``b"planetserve/v1/hrtree-gossip\\x00"``
-(29), kind (1), body length (4), Ed25519 signature (64); :func:`ps_p2p.protocols.hrtree_gossip.seal`
-(kept as a number here so this module does not import the trio/libp2p service; a test checks it)."""
+ENVELOPE_OVERHEAD_BYTES = 1 + 64
+"""Bytes a signed gossip envelope adds to its body: kind (1), Ed25519 signature (64); its domain
+and group are signed, not sent (:func:`ps_p2p.protocols.hrtree_gossip.seal`; kept as a number
+here so this module does not import the trio/libp2p service; a test checks it)."""
 
 _PEER_ID_PREFIX = b"\x00\x24\x08\x01\x12\x20"  # an Ed25519 libp2p peer ID (ps_p2p.keys)
 _MODEL_ID = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -875,15 +875,17 @@ class _Sim:
         receivers = len(self.nodes) - 1
         if self.trees:
             self._absorb(node)
-        node.load_seq += 1
-        data = encode_report(node.router.load_report(node.load_seq))
-        self.gossip.load_messages += 1
-        sent = (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
-        self.gossip.load_bytes += sent
-        if self._warm():
-            self.gossip.warm_load_bytes += sent
-        self._push(self.now + self.config.gossip_delay, _GOT_LOAD, node.index,
-                   decode_report(data))
+        report = node.router.load_report_due(node.load_seq + 1, self.now)
+        if report is not None:  # a meaningful change or the heartbeat, as a node decides
+            node.load_seq += 1
+            data = encode_report(report)
+            self.gossip.load_messages += 1
+            sent = (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
+            self.gossip.load_bytes += sent
+            if self._warm():
+                self.gossip.warm_load_bytes += sent
+            self._push(self.now + self.config.gossip_delay, _GOT_LOAD, node.index,
+                       decode_report(data, node.peer_id, _MODEL_ID))
         if self.stale:
             self._publish_deltas(node)
             self._push(self.now + self.config.stale_load_interval, _LOAD_TICK, node.index, None)
