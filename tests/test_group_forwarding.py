@@ -132,6 +132,58 @@ async def test_a_gap_in_a_peers_deltas_is_closed_by_its_snapshot():
         me.apply_snapshot(B.peer_id, peer.load_envelope())  # not a snapshot
 
 
+async def test_the_node_publishes_its_load_on_a_meaningful_change_or_the_heartbeat_only():
+    now = [0.0]
+    me, _ = _forwarding(A, clock=lambda: now[0])
+    peer, _ = _forwarding(B, clock=lambda: now[0])
+    directory = _directory(_node(A), _node(B))
+    me.set_directory(directory)
+    peer.set_directory(directory)
+
+    def tick(at: float) -> bytes | None:
+        now[0] = at
+        envelope = peer.load_envelope_due()
+        if envelope is not None:
+            me.receive(B.peer_id, envelope)
+        return envelope
+
+    assert tick(0.0) is not None  # the first report
+    assert tick(1.0) is None  # nothing changed within the heartbeat (2 s)
+    peer.load.try_admit()
+    peer.load.start()  # one of its 2 slots busy: a change past the deadband (1/8 of C, >= 1)
+    assert tick(1.5) is not None
+    assert me.book.get(B.peer_id).reported_requests == 1
+    assert tick(2.5) is None
+    assert tick(3.5) is not None  # the heartbeat, 2 s after the last report
+    assert me.dropped == {}  # each one accepted: its seq is above the last
+
+
+async def test_a_malformed_or_oversized_delta_costs_that_message_only():
+    from ps_p2p.gossip.hr_tree import DELTA_DOMAIN, MAX_DELTA_BYTES
+
+    me, _ = _forwarding(A)
+    peer, engine = _forwarding(B)
+    directory = _directory(_node(A), _node(B))
+    me.set_directory(directory)
+    peer.set_directory(directory)
+    await engine.complete("one prompt that fills some blocks " * 4, EngineParams(max_tokens=2))
+    peer.absorb_engine_events()
+    good = peer.router.take_deltas()[0].encode()
+    group = wire.group_of("sim")
+    bad = [
+        good[:-3],  # truncated
+        b"planetserve/v1/hrtree-delta-v2\x00" + good[len(DELTA_DOMAIN):],  # the old encoding
+        good + b"\x00",  # trailing byte
+        DELTA_DOMAIN + b"\x00" * (MAX_DELTA_BYTES + 1),  # oversized
+    ]
+    for body in bad:
+        me.receive(B.peer_id, wire.seal(B, wire.KIND_DELTA, body, group))
+    assert sum(me.dropped.values()) == len(bad) and me.tree.entries(B.peer_id) == 0
+    me.receive(B.peer_id, wire.seal(B, wire.KIND_DELTA, good, group))  # the next one applies
+    assert me.tree.prefixes(B.peer_id) == peer.tree.prefixes(B.peer_id)
+    assert sum(me.dropped.values()) == len(bad)
+
+
 def test_bad_forwarding_settings_are_config_errors():
     with pytest.raises(ConfigError, match="hex"):
         ForwardingConfig(group_key="zz").validate()
