@@ -100,8 +100,10 @@ class ForwardingConfig:
             since its last one (``ps_p2p.gossip.load.LoadReporter``); in
             [``load_interval``, ``load_max_age``).
         load_deadband: change of running requests, as a fraction of the capacity, that makes a
-            report due before the heartbeat (a change of waiting requests or of capacity always
-            does, and a latency change of more than 1/8), in [0, 1]; 0: every change.
+            report due before the heartbeat (a change of waiting requests or of capacity, a
+            forwarded request taken in, or a latency change of more than 1/8 always does), in
+            [0, 1]; 0 (the default): every change (1/8 cost 1-1.5% of mean latency at 1.1 of
+            saturation on toolbench for 3.5% fewer reports, issue 19).
         max_peers: group members connected and followed at most.
     """
 
@@ -119,7 +121,7 @@ class ForwardingConfig:
     delta_interval: float = 2.0
     load_max_age: float = 3.0
     load_heartbeat: float = 2.0
-    load_deadband: float = 0.125
+    load_deadband: float = 0.0
     max_peers: int = 64
 
     @property

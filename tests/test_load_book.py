@@ -376,6 +376,25 @@ def test_a_change_sent_restarts_the_heartbeat_and_becomes_the_reference():
     assert reporter.check(moved, 3.0)
 
 
+def test_a_forwarded_request_taken_in_makes_the_next_report_due():
+    # forwarders count their forwards against this node until its next report
+    reporter = LoadReporter(heartbeat=2.0, deadband=0.125)
+    assert reporter.check(STEADY, 0.0, taken_in=5)
+    assert not reporter.due(STEADY, 1.0, taken_in=5)
+    assert reporter.due(STEADY, 1.0, taken_in=6)
+    assert reporter.check(STEADY, 1.0, taken_in=6)
+    assert not reporter.due(STEADY, 2.0, taken_in=6)
+
+
+def test_the_tracker_counts_requests_taken_in_not_those_it_routes():
+    t = LoadTracker(capacity=2, max_queue=4)
+    t.try_admit(routing=True)  # a user's request, routed by this node
+    t.routed_here()
+    assert t.taken_in == 0
+    t.try_admit()  # another node's forward, straight into the queue
+    assert t.taken_in == 1
+
+
 def test_deadband_zero_sends_every_change():
     reporter = sent_reporter(deadband=0.0)
     assert reporter.due(replace_report(STEADY, in_service=21), 0.5)

@@ -160,6 +160,8 @@ class LoadTracker:
             request never counts that request against itself (issue 19: an idle entry node
             that held the prefix forwarded to an equally idle peer). :meth:`routed_here` moves
             one into the queue, :meth:`cancel` drops one that was forwarded.
+        taken_in: requests admitted straight into the queue, not routed by this node (on a
+            node that routes its users' requests: those other nodes forwarded to it), ever.
     """
 
     capacity: int
@@ -170,6 +172,7 @@ class LoadTracker:
     served: int = 0
     refused: int = 0
     routing: int = 0
+    taken_in: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -192,6 +195,7 @@ class LoadTracker:
             self.routing += 1
         else:
             self.queued += 1
+            self.taken_in += 1
         return True
 
     def routed_here(self) -> None:
@@ -414,6 +418,11 @@ class LoadReporter:
 
     * none was sent yet, or ``heartbeat`` seconds passed since the last one (peers forget a
       report after ``load_max_age``: the heartbeat keeps a quiet node known);
+    * it took in a request another node forwarded to it since its last report
+      (:attr:`LoadTracker.taken_in`): every forwarder counts its forwards against it, as k
+      requests each, until its next report (:class:`LoadBook`), and a report that does not come
+      leaves them counted (without this rule, toolbench at 1.1 of saturation lost 2 points of
+      hit rate and 2.6% of mean latency, 3 seeds);
     * its capacity C or its waiting requests Q changed (F_LB = L x Q / C is the policy's
       queueing delay; any change of Q moves it by L / C), or it went from having a free slot
       to having none or back (the policy counts a request waiting on a full node);
@@ -424,11 +433,8 @@ class LoadReporter:
       requests wait or no slot is free (L then sets the wait F_LB), by more than
       :data:`DEFAULT_IDLE_LATENCY_DEADBAND` otherwise, or got its first sample.
 
-    Otherwise nothing is sent: a group whose nodes' load is steady stops paying ~100 bytes a
-    node a second per peer for reports that say what the last one said. Peers count their own
-    forwards to a node until its next report (:class:`LoadBook`); forwards they send raise its
-    running requests, so a node that receives them reports again within ``deadband`` x C of
-    them.
+    Otherwise nothing is sent: a node whose load is steady and that nobody forwards to stops
+    paying ~80 bytes a second per peer for reports that say what the last one said.
 
     Args:
         heartbeat: seconds after which a report is sent whatever changed (> 0).
@@ -450,14 +456,18 @@ class LoadReporter:
         self.latency_deadband = latency_deadband
         self.last: LoadReport | None = None
         self.last_at = -math.inf
+        self.last_taken_in = 0
         self.sent_count = 0
         self.skipped = 0
 
-    def due(self, report: LoadReport, now: float) -> bool:
+    def due(self, report: LoadReport, now: float, taken_in: int = 0) -> bool:
         """Whether ``report`` (what this node would report at ``now``; its ``seq`` is not
-        looked at) is to be published (class docstring)."""
+        looked at) is to be published (class docstring); ``taken_in``: the node's
+        :attr:`LoadTracker.taken_in` now."""
         last = self.last
         if last is None or now - self.last_at >= self.heartbeat - 1e-9:  # float ticks
+            return True
+        if taken_in != self.last_taken_in:
             return True
         if report.capacity != last.capacity or report.queued != last.queued:
             return True
@@ -478,17 +488,18 @@ class LoadReporter:
                 return True
         return False
 
-    def sent(self, report: LoadReport, now: float) -> None:
-        """``report`` was published at ``now``."""
+    def sent(self, report: LoadReport, now: float, taken_in: int = 0) -> None:
+        """``report`` was published at ``now`` (``taken_in`` as in :meth:`due`)."""
         self.last = report
         self.last_at = now
+        self.last_taken_in = taken_in
         self.sent_count += 1
 
-    def check(self, report: LoadReport, now: float) -> bool:
+    def check(self, report: LoadReport, now: float, taken_in: int = 0) -> bool:
         """:meth:`due`, and if so :meth:`sent` (the caller publishes it); else counted as
         skipped."""
-        if self.due(report, now):
-            self.sent(report, now)
+        if self.due(report, now, taken_in):
+            self.sent(report, now, taken_in)
             return True
         self.skipped += 1
         return False

@@ -394,7 +394,7 @@ class GroupRouter:
         None. The node's publish loop and the simulator both ask this every
         ``load_interval``."""
         report = self.load_report(seq)
-        return report if self.reporter.check(report, now) else None
+        return report if self.reporter.check(report, now, self.tracker.taken_in) else None
 
     def take_deltas(self) -> list[Delta]:
         """The subtree operations not yet published."""
