@@ -110,7 +110,7 @@ from ps_p2p.gossip.forwarding import (
     RequestContext,
     load_balance,
 )
-from ps_p2p.gossip.hr_tree import Delta, NeedSnapshot, chunk_hashes
+from ps_p2p.gossip.hr_tree import HASH_BYTES, Delta, NeedSnapshot, chunk_hashes
 from ps_p2p.gossip.load import (
     DEFAULT_UNKNOWN_LATENCY,
     ForwardOutcome,
@@ -390,8 +390,8 @@ class GossipBytes:
     Attributes:
         delta_bytes, delta_messages: subtree deltas (messages counted once, bytes per receiver).
         delta_entries: subtree entries (prefixes) the publishers' ops added or removed. Sending
-            each changed entry's chunk hash costs 8 bytes per changed entry and receiver (the
-            benchmark's "floor"); a delta can send less, as an eviction names a whole subtree
+            each changed entry's chunk hash costs ``HASH_BYTES`` bytes per changed entry and
+            receiver (the benchmark's "floor"); a delta can send less, as an eviction names a whole subtree
             with one hash and a batch's coalescing drops entries added and removed within it.
         full_bytes, full_messages: what full broadcast of whole subtrees would have sent.
         load_bytes, load_messages: load reports.
@@ -401,7 +401,7 @@ class GossipBytes:
             of the trace to the arrival of its last, when the caches have been filling for half
             the run and requests still arrive (the run's drain is left out).
         prompt_bytes: a reference design that broadcasts each prompt's whole chunk chain
-            (8 bytes a hash, one envelope) to every peer when a node caches it.
+            (``HASH_BYTES`` a hash, one envelope) to every peer when a node caches it.
         event_bytes: a reference design that broadcasts every KV-cache event (8 bytes a block
             hash, a stored event's parent too, one envelope) to every peer.
     """
@@ -437,8 +437,8 @@ class GossipBytes:
                 if self.warm_full_bytes else None)
 
     def delta_floor_bytes(self, receivers: int) -> int:
-        """8 bytes per changed entry per receiver (one chunk hash each)."""
-        return 8 * self.delta_entries * receivers
+        """``HASH_BYTES`` per changed entry per receiver (one chunk hash each)."""
+        return HASH_BYTES * self.delta_entries * receivers
 
 
 @dataclass
@@ -802,7 +802,7 @@ class _Sim:
         node.cache.store(job.tokens, _no_payload)
         if self.trees:  # the reference design that broadcasts every cached prompt's chain
             chain = self.prepared.chunk_chain(job.prompt)
-            self.gossip.prompt_bytes += ((8 * len(chain) + ENVELOPE_OVERHEAD_BYTES)
+            self.gossip.prompt_bytes += ((HASH_BYTES * len(chain) + ENVELOPE_OVERHEAD_BYTES)
                                          * (len(self.nodes) - 1))
         if self.config.serial_prefill:
             node.prefilling = False
