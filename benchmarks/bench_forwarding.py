@@ -373,7 +373,7 @@ def target_line(t: dict) -> str:
             f"{f('gain_vs_none', '.1%')} lower, smallest node share {f('min_share', '.1%')}, "
             f"gossip {f('gossip_fraction', '.2%')} of full broadcast (warm "
             f"{f('warm_fraction', '.2%')}; load reports {f('load_fraction', '.2%')}; the deltas'"
-            f" floor, 8 bytes a changed entry, {f('floor_fraction', '.2%')})")
+            f" floor, one hash a changed entry, {f('floor_fraction', '.2%')})")
 
 
 HEADER = (" load  req/s  policy            hit%    mean     p50     p99  ttft  ttft99  fwd%"
