@@ -299,7 +299,8 @@ METRICS = (  # averaged over seeds (the paper averages three runs per point)
     ("hit_rate",), ("latency", "mean"), ("latency", "p50"), ("latency", "p99"), ("ttft", "mean"),
     ("ttft", "p99"), ("forwarded",), ("rate",), ("sim_seconds",), ("wall_seconds",),
     ("min_share",), ("gossip", "delta_bytes"), ("gossip", "full_bytes"), ("gossip", "load_bytes"),
-    ("gossip", "delta_floor_bytes"),
+    ("gossip", "delta_floor_bytes"), ("gossip", "warm_delta_bytes"), ("gossip", "warm_load_bytes"),
+    ("gossip", "warm_full_bytes"), ("gossip", "prompt_bytes"), ("gossip", "event_bytes"),
 )
 
 
@@ -326,6 +327,15 @@ def average(runs: list[dict]) -> list[dict]:
         g["delta_fraction"] = g["delta_bytes"] / g["full_bytes"] if g["full_bytes"] else None
         g["gossip_fraction"] = ((g["delta_bytes"] + g["load_bytes"]) / g["full_bytes"]
                                 if g["full_bytes"] else None)
+        g["warm_fraction"] = ((g["warm_delta_bytes"] + g["warm_load_bytes"])
+                              / g["warm_full_bytes"] if g["warm_full_bytes"] else None)
+        g["load_fraction"] = g["load_bytes"] / g["full_bytes"] if g["full_bytes"] else None
+        g["vs_prompt_broadcast"] = ((g["delta_bytes"] + g["load_bytes"]) / g["prompt_bytes"]
+                                    if g["prompt_bytes"] else None)
+        g["vs_event_broadcast"] = ((g["delta_bytes"] + g["load_bytes"]) / g["event_bytes"]
+                                   if g["event_bytes"] else None)
+        g["floor_fraction"] = (g["delta_floor_bytes"] / g["full_bytes"]
+                               if g["full_bytes"] else None)
         out.append(row)
     return out
 
@@ -341,7 +351,10 @@ def targets(results: list[dict]) -> list[dict]:
             continue
         t: dict = {"load": load, "hit": ours["hit_rate"], "mean": ours["latency"]["mean"],
                    "min_share": ours["min_share"],
-                   "gossip_fraction": ours["gossip"]["gossip_fraction"]}
+                   "gossip_fraction": ours["gossip"]["gossip_fraction"],
+                   "warm_fraction": ours["gossip"]["warm_fraction"],
+                   "load_fraction": ours["gossip"]["load_fraction"],
+                   "floor_fraction": ours["gossip"]["floor_fraction"]}
         if radix is not None:
             t["hit_gap_points"] = 100 * (radix["hit_rate"] - ours["hit_rate"])
             t["latency_vs_radix"] = ours["latency"]["mean"] / radix["latency"]["mean"] - 1
@@ -358,7 +371,9 @@ def target_line(t: dict) -> str:
     return (f"  load {t['load']:.2f}: hit gap to radix {f('hit_gap_points', '+.2f')} points, "
             f"mean latency vs radix {f('latency_vs_radix', '+.1%')}, vs no-forwarding "
             f"{f('gain_vs_none', '.1%')} lower, smallest node share {f('min_share', '.1%')}, "
-            f"gossip {f('gossip_fraction', '.2%')} of full broadcast")
+            f"gossip {f('gossip_fraction', '.2%')} of full broadcast (warm "
+            f"{f('warm_fraction', '.2%')}; load reports {f('load_fraction', '.2%')}; the deltas'"
+            f" floor, one hash a changed entry, {f('floor_fraction', '.2%')})")
 
 
 HEADER = (" load  req/s  policy            hit%    mean     p50     p99  ttft  ttft99  fwd%"

@@ -2,7 +2,7 @@
 
 The tree is the union of 8 peers' subtrees, 100,000 entries in all (``--entries``): each peer
 holds prompts that start with one of 4 system prompts (2 chunks each, shared by every peer that
-holds them) and go on for 30 chunks of their own (random 8-byte chunk hashes, so the tree's shape
+holds them) and go on for 30 chunks of their own (random chunk hashes of HASH_BYTES, so the tree's shape
 is that of real prompts but hashing is not part of the tree timings). Measures:
 
 1. memory per entry and per tree node (``tracemalloc``: traced bytes after building the tree
@@ -44,6 +44,7 @@ from bench_devnet import machine
 from ps_p2p.engines.kv_events import BlockStored
 from ps_p2p.gossip.cache_view import CacheView
 from ps_p2p.gossip.hr_tree import (
+    HASH_BYTES,
     Delta,
     HRTree,
     Snapshot,
@@ -79,7 +80,7 @@ def summary(name: str, samples: list[float]) -> str:
 
 
 def chain(rng: random.Random, system: tuple[bytes, ...]) -> tuple[bytes, ...]:
-    return system + tuple(rng.randbytes(8) for _ in range(OWN_CHUNKS))
+    return system + tuple(rng.randbytes(HASH_BYTES) for _ in range(OWN_CHUNKS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     iterations = 300 if args.quick else 3000
     rng = random.Random(1)
-    systems = [tuple(rng.randbytes(8) for _ in range(SYSTEM_CHUNKS)) for _ in range(4)]
+    systems = [tuple(rng.randbytes(HASH_BYTES) for _ in range(SYSTEM_CHUNKS)) for _ in range(4)]
     print(f"machine: {machine()}")
 
     # ---- 1. build, memory
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 3. search, hashing
     hit = prompts[PEERS[3]][7]
-    miss = systems[1] + tuple(rng.randbytes(8) for _ in range(OWN_CHUNKS))
+    miss = systems[1] + tuple(rng.randbytes(HASH_BYTES) for _ in range(OWN_CHUNKS))
     assert tree.search(hit, 3).depth == 32 and tree.search(hit, 3).peers == {PEERS[3]}
     assert not tree.search(miss, 3).hit
     print(summary("search, 32-chunk hit", sample(lambda: tree.search(hit, 3), iterations)))

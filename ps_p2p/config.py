@@ -96,6 +96,15 @@ class ForwardingConfig:
         load_interval: seconds between load reports (about 1 s: stale load is the enemy).
         delta_interval: seconds between subtree deltas (the paper syncs every 5 s).
         load_max_age: a peer's load report older than this is unknown (not idle).
+        load_heartbeat: a node checks its load every ``load_interval`` but publishes a report
+            only when it changed meaningfully (``load_deadband``) or this many seconds passed
+            since its last one (``ps_p2p.gossip.load.LoadReporter``); in
+            [``load_interval``, ``load_max_age``).
+        load_deadband: change of running requests, as a fraction of the capacity, that makes a
+            report due before the heartbeat (a change of waiting requests or of capacity, a
+            forwarded request taken in, or a latency change of more than 1/8 always does), in
+            [0, 1]; 0 (the default): every change (1/8 cost 1-1.5% of mean latency at 1.1 of
+            saturation on toolbench for 3.5% fewer reports, issue 19).
         max_peers: group members connected and followed at most.
     """
 
@@ -112,6 +121,8 @@ class ForwardingConfig:
     load_interval: float = 1.0
     delta_interval: float = 2.0
     load_max_age: float = 3.0
+    load_heartbeat: float = 2.0
+    load_deadband: float = 0.0
     max_peers: int = 64
 
     @property
@@ -129,6 +140,13 @@ class ForwardingConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
                 raise ConfigError(f"forwarding.{name} must be > 0, not {value!r}")
+        if not (isinstance(self.load_heartbeat, (int, float))
+                and self.load_interval <= self.load_heartbeat < self.load_max_age):
+            raise ConfigError("forwarding.load_heartbeat must be in [load_interval, "
+                              f"load_max_age), not {self.load_heartbeat!r}")
+        if not (isinstance(self.load_deadband, (int, float)) and 0 <= self.load_deadband <= 1):
+            raise ConfigError(f"forwarding.load_deadband must be in [0, 1], not "
+                              f"{self.load_deadband!r}")
         for name in ("hop_seconds", "busy_weight"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value < math.inf):

@@ -213,7 +213,9 @@ def test_deltas_cost_less_than_broadcasting_whole_subtrees(runs):
     g = runs[fs.HR_TREE].gossip
     assert g.delta_messages > 0 and g.full_messages > 0
     assert 0 < g.delta_bytes < g.full_bytes
-    assert g.delta_floor_bytes(3) <= g.delta_bytes
+    # 8 bytes a changed entry, within a factor 2 either way: headers and envelopes add to it,
+    # an eviction names a whole subtree with one hash and a batch cancels what it undoes
+    assert g.delta_floor_bytes(3) / 2 < g.delta_bytes < 2 * g.delta_floor_bytes(3)
     assert g.snapshot_syncs == 0  # lossless, in-order gossip never leaves a gap
 
 
@@ -263,7 +265,7 @@ def test_envelope_overhead_is_what_seal_adds():
     from ps_p2p.protocols.hrtree_gossip import KIND_DELTA, seal
 
     body = b"x" * 123
-    assert len(seal(Identity.generate(), KIND_DELTA, body)) - len(body) == (
+    assert len(seal(Identity.generate(), KIND_DELTA, body, b"model")) - len(body) == (
         fs.ENVELOPE_OVERHEAD_BYTES)
 
 

@@ -170,3 +170,26 @@ def test_lossless_conversions_of_toml_values_still_pass(tmp_path):
 def test_a_wrong_type_from_a_flag_is_reported_with_its_key():
     with pytest.raises(ConfigError, match=r"status_interval = 'often': Input should be a valid"):
         load_config(None, {"status_interval": "often"})
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("load_heartbeat = 0.5\n", "load_heartbeat must be in"),  # below load_interval
+        ("load_heartbeat = 3.0\n", "load_heartbeat must be in"),  # not below load_max_age
+        ("load_deadband = 1.5\n", "load_deadband must be in"),
+    ],
+)
+def test_a_load_heartbeat_or_deadband_out_of_range_is_refused(tmp_path, table, message):
+    path = tmp_path / "node.toml"
+    path.write_text(f'roles = ["model"]\nengine = "sim"\nmodel = "m"\nbootstrap = ["{BOOT}"]\n[forwarding]\n{table}')
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_load_heartbeat_and_deadband_are_read_from_the_forwarding_table(tmp_path):
+    path = tmp_path / "node.toml"
+    path.write_text(f'bootstrap = ["{BOOT}"]\n[forwarding]\nload_heartbeat = 2.5\n'
+                    "load_deadband = 0.25\n")
+    config = load_config(path)
+    assert (config.forwarding.load_heartbeat, config.forwarding.load_deadband) == (2.5, 0.25)

@@ -85,7 +85,7 @@ async def test_the_snapshot_protocol_answers_members_within_their_budget_only():
     from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
 
     server_id, member, outsider = Identity.generate(), Identity.generate(), Identity.generate()
-    sealed = wire.seal(server_id, wire.KIND_SNAPSHOT, b"subtree")
+    sealed = wire.seal(server_id, wire.KIND_SNAPSHOT, b"subtree", wire.group_of("sim"))
     built = []
     server = wire.SnapshotServer(lambda: built.append(1) or sealed,
                                  lambda peer: peer == member.peer_id, state=lambda: "same")

@@ -48,20 +48,30 @@ def _query(prompt: str, preferred: bytes = b"") -> InferenceQuery:
 A, B, C, OUTSIDER = (Identity.generate() for _ in range(4))
 
 
-def test_an_envelope_opens_only_under_its_publishers_key_and_unchanged():
-    sealed = wire.seal(A, wire.KIND_LOAD, b"body")
-    assert wire.open_envelope(sealed, A.peer_id) == (wire.KIND_LOAD, b"body")
+G = wire.group_of("sim")
+
+
+def test_an_envelope_opens_only_under_its_publishers_key_for_its_group_and_unchanged():
+    sealed = wire.seal(A, wire.KIND_LOAD, b"body", G)
+    assert len(sealed) == len(b"body") + wire.ENVELOPE_OVERHEAD == 4 + 65
+    assert wire.open_envelope(sealed, A.peer_id, G) == (wire.KIND_LOAD, b"body")
     with pytest.raises(InvalidSignatureError):
-        wire.open_envelope(sealed, B.peer_id)
+        wire.open_envelope(sealed, B.peer_id, G)
+    with pytest.raises(InvalidSignatureError):  # the group is signed, not sent
+        wire.open_envelope(sealed, A.peer_id, wire.group_of("another-model"))
     flipped = bytearray(sealed)
     flipped[-66] ^= 1  # inside the body
     with pytest.raises(InvalidSignatureError):
-        wire.open_envelope(bytes(flipped), A.peer_id)
-    for bad in (sealed[:-1], sealed + b"x", b"nonsense", sealed.replace(b"body", b"bodies")):
+        wire.open_envelope(bytes(flipped), A.peer_id, G)
+    other_kind = bytes([wire.KIND_DELTA]) + sealed[1:]  # the kind is signed too
+    with pytest.raises(InvalidSignatureError):
+        wire.open_envelope(other_kind, A.peer_id, G)
+    for bad in (sealed[:-1], sealed + b"x", b"nonsense", sealed.replace(b"body", b"bodies"),
+                b"\x07" + sealed[1:], sealed[:64]):
         with pytest.raises(RemoteProtocolError):
-            wire.open_envelope(bad, A.peer_id)
+            wire.open_envelope(bad, A.peer_id, G)
     with pytest.raises(RemoteProtocolError, match="max"):
-        wire.open_envelope(sealed, A.peer_id, max_bytes=len(sealed) - 1)
+        wire.open_envelope(sealed, A.peer_id, G, max_bytes=len(sealed) - 1)
 
 
 async def test_gossip_from_a_non_member_or_forged_or_replayed_is_dropped():
@@ -72,7 +82,7 @@ async def test_gossip_from_a_non_member_or_forged_or_replayed_is_dropped():
     assert me.members == {B.peer_id}  # a model node of another model is no member
     me.receive(OUTSIDER.peer_id, outsider.load_envelope())
     assert me.dropped == {"not_member": 1}
-    me.receive(B.peer_id, wire.seal(OUTSIDER, wire.KIND_LOAD, b"x"))  # not signed by B
+    me.receive(B.peer_id, wire.seal(OUTSIDER, wire.KIND_LOAD, b"x", G))  # not signed by B
     assert me.dropped["InvalidSignatureError"] == 1
     report = peer.load_envelope()
     me.receive(B.peer_id, report)
@@ -120,6 +130,58 @@ async def test_a_gap_in_a_peers_deltas_is_closed_by_its_snapshot():
     assert me.tree.prefixes(B.peer_id) == peer.tree.prefixes(B.peer_id)
     with pytest.raises(RemoteProtocolError):
         me.apply_snapshot(B.peer_id, peer.load_envelope())  # not a snapshot
+
+
+async def test_the_node_publishes_its_load_on_a_meaningful_change_or_the_heartbeat_only():
+    now = [0.0]
+    me, _ = _forwarding(A, clock=lambda: now[0])
+    peer, _ = _forwarding(B, clock=lambda: now[0])
+    directory = _directory(_node(A), _node(B))
+    me.set_directory(directory)
+    peer.set_directory(directory)
+
+    def tick(at: float) -> bytes | None:
+        now[0] = at
+        envelope = peer.load_envelope_due()
+        if envelope is not None:
+            me.receive(B.peer_id, envelope)
+        return envelope
+
+    assert tick(0.0) is not None  # the first report
+    assert tick(1.0) is None  # nothing changed within the heartbeat (2 s)
+    peer.load.try_admit()
+    peer.load.start()  # one of its 2 slots busy: a change past the deadband (1/8 of C, >= 1)
+    assert tick(1.5) is not None
+    assert me.book.get(B.peer_id).reported_requests == 1
+    assert tick(2.5) is None
+    assert tick(3.5) is not None  # the heartbeat, 2 s after the last report
+    assert me.dropped == {}  # each one accepted: its seq is above the last
+
+
+async def test_a_malformed_or_oversized_delta_costs_that_message_only():
+    from ps_p2p.gossip.hr_tree import DELTA_DOMAIN, MAX_DELTA_BYTES
+
+    me, _ = _forwarding(A)
+    peer, engine = _forwarding(B)
+    directory = _directory(_node(A), _node(B))
+    me.set_directory(directory)
+    peer.set_directory(directory)
+    await engine.complete("one prompt that fills some blocks " * 4, EngineParams(max_tokens=2))
+    peer.absorb_engine_events()
+    good = peer.router.take_deltas()[0].encode()
+    group = wire.group_of("sim")
+    bad = [
+        good[:-3],  # truncated
+        b"planetserve/v1/hrtree-delta-v2\x00" + good[len(DELTA_DOMAIN):],  # the old encoding
+        good + b"\x00",  # trailing byte
+        DELTA_DOMAIN + b"\x00" * (MAX_DELTA_BYTES + 1),  # oversized
+    ]
+    for body in bad:
+        me.receive(B.peer_id, wire.seal(B, wire.KIND_DELTA, body, group))
+    assert sum(me.dropped.values()) == len(bad) and me.tree.entries(B.peer_id) == 0
+    me.receive(B.peer_id, wire.seal(B, wire.KIND_DELTA, good, group))  # the next one applies
+    assert me.tree.prefixes(B.peer_id) == peer.tree.prefixes(B.peer_id)
+    assert sum(me.dropped.values()) == len(bad)
 
 
 def test_bad_forwarding_settings_are_config_errors():

@@ -103,10 +103,10 @@ def check_names(tree: HRTree, exact: bool) -> None:
 
 def reference_chunk_hash(parent: bytes | None, tokens: list[int], key: bytes) -> bytes:
     """The module docstring's formula, written out with hashlib directly."""
-    data = (parent or bytes(8)) + struct.pack(">I", len(tokens)) + b"".join(
+    data = (parent or bytes(6)) + struct.pack(">I", len(tokens)) + b"".join(
         struct.pack(">I", t) for t in tokens
     )
-    return hashlib.blake2b(data, digest_size=8, key=key, person=b"ps-hrtree-chunk1").digest()
+    return hashlib.blake2b(data, digest_size=6, key=key, person=b"ps-hrtree-chunk1").digest()
 
 
 # ------------------------------------------------------------------------------ chunk hashes
@@ -310,7 +310,7 @@ def test_names_resolve_like_the_model_among_the_peers_own_prefixes(ops):
 def test_a_name_resolves_only_among_the_peers_own_prefixes():
     tree = HRTree()
     mine = chained([1, 2, 3])
-    planted = (b"\x77" * 8, mine[1])  # another peer's prefix ending in the same hash
+    planted = (b"\x77" * HASH_BYTES, mine[1])  # another peer's prefix ending in the same hash
     tree.insert(b"other", planted)
     with pytest.raises(SubtreeSyncError):
         tree.insert_under(b"me", mine[1], mine[2:])
@@ -325,17 +325,17 @@ def test_a_name_resolves_only_among_the_peers_own_prefixes():
 
 def test_an_insert_under_a_name_keeps_to_max_depth():
     tree = HRTree()
-    deep = tuple(i.to_bytes(8, "big") for i in range(1, MAX_DEPTH + 1))
+    deep = tuple(i.to_bytes(HASH_BYTES, "big") for i in range(1, MAX_DEPTH + 1))
     tree.insert(b"p", deep[:-1])
     with pytest.raises(SubtreeSyncError):
-        tree.insert_under(b"p", deep[-2], (deep[-1], b"\x01" * 8))
+        tree.insert_under(b"p", deep[-2], (deep[-1], b"\x01" * HASH_BYTES))
     assert tree.insert_under(b"p", deep[-2], deep[-1:]) == 1
     assert tree.entries(b"p") == MAX_DEPTH
 
 
 def test_search_returns_the_peers_of_the_deepest_matched_prefix():
     tree = HRTree()
-    a, b, c, x = HASHES[0], HASHES[1], HASHES[2], b"\x99" * 8
+    a, b, c, x = HASHES[0], HASHES[1], HASHES[2], b"\x99" * HASH_BYTES
     tree.insert(b"long", (a, b, c))
     tree.insert(b"short", (a, b))
     assert tree.search((a, b, c, a), 2) == hr_tree.SearchResult(frozenset({b"long"}), 3)
@@ -345,7 +345,7 @@ def test_search_returns_the_peers_of_the_deepest_matched_prefix():
 def test_a_match_shorter_than_tau_c_is_a_miss_however_the_walk_ends():
     tree = HRTree()
     tree.insert(b"p", tuple(HASHES[:2]))
-    assert tree.search((HASHES[0], b"\x99" * 8), 2) == hr_tree.SearchResult(frozenset(), 1)
+    assert tree.search((HASHES[0], b"\x99" * HASH_BYTES), 2) == hr_tree.SearchResult(frozenset(), 1)
     assert tree.search((HASHES[0],), 2) == hr_tree.SearchResult(frozenset(), 1)
     assert not tree.search((HASHES[0],), 2).hit
     with pytest.raises(LocalProtocolError):
@@ -625,7 +625,7 @@ def test_only_changes_get_a_sequence_number():
 
 def test_take_deltas_splits_into_limited_batches_with_contiguous_seqs():
     pub = SubtreePublisher(HRTree(), b"pub", 1)
-    chains_ = [tuple(i.to_bytes(8, "big") for i in (n, n + 1)) for n in range(0, 5000, 2)]
+    chains_ = [tuple(i.to_bytes(HASH_BYTES, "big") for i in (n, n + 1)) for n in range(0, 5000, 2)]
     for c in chains_:
         pub.insert(c)
     deltas = pub.take_deltas()
@@ -636,12 +636,16 @@ def test_take_deltas_splits_into_limited_batches_with_contiguous_seqs():
     assert pub.take_deltas() == []
 
 
-def test_take_deltas_keeps_each_delta_under_the_byte_limit():
+def test_take_deltas_keeps_each_delta_under_the_hash_and_byte_limits():
     pub = SubtreePublisher(HRTree(max_entries_per_peer=MAX_SNAPSHOT_ENTRIES), b"pub", 1)
-    for n in range(32):  # 32 chains of 2,048 new hashes: 16 KiB each, 512 KiB in all
-        pub.insert(tuple((n * MAX_DEPTH + i + 1).to_bytes(8, "big") for i in range(MAX_DEPTH)))
+    chains = [tuple((n * MAX_DEPTH + i + 1).to_bytes(HASH_BYTES, "big") for i in range(MAX_DEPTH))
+              for n in range(MAX_DELTA_CHAIN_HASHES // MAX_DEPTH + 1)]  # 33 of 2,048 hashes
+    for chain in chains[:-1]:
+        pub.insert(chain)
+    pub.evict(chains[0][:1])  # room for the last one in the subtree, not in one delta
+    pub.insert(chains[-1])
     deltas = pub.take_deltas()
-    assert [(d.seq_from, d.seq_to) for d in deltas] == [(0, 31), (31, 32)]
+    assert [(d.seq_from, d.seq_to) for d in deltas] == [(0, 33), (33, 34)]
     assert all(len(d.encode()) <= MAX_DELTA_BYTES for d in deltas)
     replica = SubtreeReplica(HRTree(max_entries_per_peer=MAX_SNAPSHOT_ENTRIES), b"pub")
     for d in deltas:
@@ -652,7 +656,7 @@ def test_take_deltas_keeps_each_delta_under_the_byte_limit():
 def test_a_publisher_over_its_pending_limit_drops_ops_and_replicas_resync():
     pub = SubtreePublisher(HRTree(max_entries_per_peer=MAX_SNAPSHOT_ENTRIES), b"pub", 1)
     for n in range(MAX_PENDING_OPS + 10):
-        pub.insert((n.to_bytes(8, "big"),))
+        pub.insert((n.to_bytes(HASH_BYTES, "big"),))
     deltas = pub.take_deltas()
     assert pub.dropped_ops == MAX_PENDING_OPS
     assert deltas[0].seq_from == MAX_PENDING_OPS and deltas[-1].seq_to == pub.seq
@@ -771,7 +775,7 @@ def insert_bytes(parent: bytes, hashes, count=None) -> bytes:
 
 
 ONE = insert_bytes(ROOT_HASH, HASHES[:1])
-NAMES = [i.to_bytes(8, "big") for i in range(1, MAX_DELTA_OPS + 2)]
+NAMES = [i.to_bytes(HASH_BYTES, "big") for i in range(1, MAX_DELTA_OPS + 2)]
 
 
 @pytest.mark.parametrize(
@@ -780,6 +784,8 @@ NAMES = [i.to_bytes(8, "big") for i in range(1, MAX_DELTA_OPS + 2)]
         pytest.param(delta_bytes(inserts=[ONE], domain=SNAPSHOT_DOMAIN), id="wrong domain"),
         pytest.param(delta_bytes(inserts=[ONE], domain=b"planetserve/v1/hrtree-delta\x00"),
                      id="the first delta encoding"),
+        pytest.param(delta_bytes(inserts=[ONE], domain=b"planetserve/v1/hrtree-delta-v2\x00"),
+                     id="the second delta encoding"),
         pytest.param(delta_bytes(), id="no evictions or inserts"),
         pytest.param(delta_bytes(inserts=[ONE], span=0), id="no op"),
         pytest.param(delta_bytes([HASHES[0]], [ONE], span=1), id="more items than ops"),
@@ -828,7 +834,7 @@ def leaf_bytes(shared: int, hashes) -> bytes:
         pytest.param(snapshot_bytes([leaf_bytes(0, HASHES[:1] * (MAX_DEPTH + 1))]),
                      id="leaf over max depth"),
         pytest.param(
-            snapshot_bytes([leaf_bytes(0, [i.to_bytes(8, "big")] * MAX_DEPTH)
+            snapshot_bytes([leaf_bytes(0, [i.to_bytes(HASH_BYTES, "big")] * MAX_DEPTH)
                             for i in range(MAX_SNAPSHOT_ENTRIES // MAX_DEPTH + 1)]),
             id="over the entry limit"),
         pytest.param(b"\x00" * (MAX_SNAPSHOT_BYTES + 1), id="oversized"),

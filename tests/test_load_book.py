@@ -9,15 +9,14 @@ from hypothesis import strategies as st
 
 from ps_p2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from ps_p2p.gossip.load import (
-    LOAD_REPORT_DOMAIN,
     MAX_CAPACITY,
     MAX_LATENCY_US,
     MAX_PEER_ID_BYTES,
     MAX_QUEUED,
     MAX_REPORT_BYTES,
-    NO_LATENCY_SAMPLE,
     LoadBook,
     LoadReport,
+    LoadReporter,
     LoadTracker,
     ReportOutcome,
     decode_report,
@@ -175,8 +174,8 @@ def test_tracker_report_carries_its_load():
 def test_tracker_report_before_any_sample_has_no_latency():
     r = LoadTracker(capacity=1, max_queue=0).report(A, MODEL, seq=0)
     assert r.latency_us is None
-    assert encode_report(r).endswith(NO_LATENCY_SAMPLE.to_bytes(4, "big"))
-    assert decode_report(encode_report(r)).latency is None
+    assert encode_report(r).endswith(b"\x00")  # uv(0): no sample
+    assert decode_report(encode_report(r), A, MODEL).latency is None
 
 
 def test_tracker_report_clamps_values_beyond_the_wire_limits():
@@ -188,53 +187,64 @@ def test_tracker_report_clamps_values_beyond_the_wire_limits():
 # ---------------------------------------------------------------------------------- bytes
 
 
-def test_encoded_report_starts_with_its_domain_and_roundtrips():
+def uv(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def test_encoded_report_is_five_varints_and_roundtrips_with_its_envelope_facts():
     r = report(queued=4, in_service=2, capacity=8, latency_us=123_456, seq=2**40)
     data = encode_report(r)
-    assert data.startswith(LOAD_REPORT_DOMAIN)
-    assert len(data) == len(LOAD_REPORT_DOMAIN) + 1 + 38 + 1 + len(MODEL) + 24
-    assert decode_report(data) == r
+    assert data == uv(2**40) + uv(8) + uv(4) + uv(2) + uv(123_457)
+    assert len(data) == 6 + 1 + 1 + 1 + 3  # 12 bytes; the first layout took 126 for this one
+    assert decode_report(data, A, MODEL) == r
+    assert decode_report(data, B, "other").peer_id == B  # who and which group: the envelope's
 
 
 def test_every_truncation_of_a_report_is_refused():
-    data = encode_report(report())
+    data = encode_report(report(seq=2**40, latency_us=123_456))
     for cut in range(len(data)):
         with pytest.raises(RemoteProtocolError):
-            decode_report(data[:cut])
+            decode_report(data[:cut], A, MODEL)
 
 
-def _replace_fixed(data: bytes, offset_from_end: int, value: int, width: int = 4) -> bytes:
-    start = len(data) - offset_from_end
-    return data[:start] + value.to_bytes(width, "big") + data[start + width:]
+def fields(seq=1, capacity=2, queued=0, in_service=0, latency=500_001) -> bytes:
+    return uv(seq) + uv(capacity) + uv(queued) + uv(in_service) + uv(latency)
 
 
-GOOD = encode_report(report(capacity=2))
+GOOD = fields()
 
 
 @pytest.mark.parametrize(
     "data",
     [
         GOOD + b"\x00",
-        b"planetserve/v1/node-record\x00" + GOOD[len(LOAD_REPORT_DOMAIN):],
         b"x" * (MAX_REPORT_BYTES + 1),
-        LOAD_REPORT_DOMAIN + b"\x00" + GOOD[len(LOAD_REPORT_DOMAIN) + 1 + 38:],  # empty peer ID
-        _replace_fixed(GOOD, 16, 0),  # capacity 0
-        _replace_fixed(GOOD, 8, 3),  # in_service 3 > capacity 2
-        _replace_fixed(GOOD, 12, MAX_QUEUED + 1),  # queued over its limit
-        _replace_fixed(GOOD, 4, MAX_LATENCY_US + 1),  # latency over its limit, not the sentinel
+        fields(capacity=0),
+        fields(in_service=3),  # > capacity 2
+        fields(queued=MAX_QUEUED + 1),
+        fields(capacity=MAX_CAPACITY + 1),
+        fields(latency=MAX_LATENCY_US + 2),  # latency + 1 over the limit
+        b"\x81\x00" + GOOD[1:],  # seq 1 as two bytes: not the shortest form
+        b"\xff" * 9 + b"\x02" + GOOD[1:],  # seq over 64 bits
     ],
-    ids=["trailing byte", "other domain", "oversized", "empty peer ID", "capacity 0",
-         "in_service > capacity", "queued too large", "latency too large"],
+    ids=["trailing byte", "oversized", "capacity 0", "in_service > capacity",
+         "queued too large", "capacity too large", "latency too large", "varint not shortest",
+         "varint over 64 bits"],
 )
 def test_malformed_report_is_refused(data):
     with pytest.raises(RemoteProtocolError):
-        decode_report(data)
+        decode_report(data, A, MODEL)
 
 
-def test_model_id_that_is_not_utf8_is_refused():
-    head = LOAD_REPORT_DOMAIN + bytes([38]) + A
-    with pytest.raises(RemoteProtocolError, match="UTF-8"):
-        decode_report(head + b"\x02\xff\xfe" + GOOD[-24:])
+def test_a_report_for_a_peer_or_model_out_of_limits_is_refused():
+    with pytest.raises(RemoteProtocolError):
+        decode_report(GOOD, b"", MODEL)
+    with pytest.raises(RemoteProtocolError):
+        decode_report(GOOD, A, "m" * 65)
 
 
 @pytest.mark.parametrize(
@@ -276,14 +286,124 @@ reports = st.builds(
 def test_any_report_roundtrips_through_its_bytes(r):
     data = encode_report(r)
     assert len(data) <= MAX_REPORT_BYTES
-    assert decode_report(data) == r
+    assert decode_report(data, r.peer_id, r.model_id) == r
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=MAX_REPORT_BYTES + 8))
 def test_arbitrary_bytes_decode_or_raise_remote_protocol_error(data):
     try:
-        r = decode_report(LOAD_REPORT_DOMAIN + data)
+        r = decode_report(data, A, MODEL)
     except RemoteProtocolError:
         return
-    assert encode_report(r) == LOAD_REPORT_DOMAIN + data
+    assert encode_report(r) == data
+
+
+def test_the_longest_report_fits_max_report_bytes():
+    r = report(seq=2**64 - 1, capacity=MAX_CAPACITY, queued=MAX_QUEUED,
+               in_service=MAX_CAPACITY, latency_us=MAX_LATENCY_US)
+    assert len(encode_report(r)) == MAX_REPORT_BYTES == 22
+
+
+# ---------------------------------------------------------------------------------- when to send
+
+C = 32
+STEADY = report(capacity=C, queued=0, in_service=20, latency_us=4_000_000)
+
+
+def sent_reporter(first=STEADY, heartbeat=2.0, deadband=0.125) -> LoadReporter:
+    r = LoadReporter(heartbeat=heartbeat, deadband=deadband)
+    assert r.check(first, 0.0)  # the first report is always sent
+    return r
+
+
+@pytest.mark.parametrize(
+    ("change", "due"),
+    [
+        ({}, False),  # nothing changed
+        ({"seq": 9}, False),  # seq is not looked at
+        ({"in_service": 23}, False),  # 3 < 1/8 x 32 = 4 running slots
+        ({"in_service": 17}, False),
+        ({"in_service": 24}, True),  # 4 slots: the deadband
+        ({"in_service": 16}, True),
+        ({"in_service": 32}, True),  # no free slot any more
+        ({"queued": 1}, True),  # any change of Q (F_LB's L x Q / C)
+        ({"capacity": 40}, True),
+        ({"latency_us": 6_000_000}, False),  # +50%: only the ledger reads L with a free slot
+        ({"latency_us": 6_000_001}, True),  # more than half of it
+        ({"latency_us": None}, True),
+    ],
+    ids=["same", "seq", "+3 running", "-3 running", "+4 running", "-4 running", "full",
+         "one waiting", "capacity", "L +50% idle", "L past +50% idle", "L lost"],
+)
+def test_a_load_report_is_due_only_on_a_meaningful_change_inside_the_heartbeat(change, due):
+    reporter = sent_reporter()
+    now = replace_report(STEADY, **change)
+    assert reporter.due(now, 1.0) is due
+
+
+def replace_report(r: LoadReport, **change) -> LoadReport:
+    fields = {"peer": r.peer_id, "seq": r.seq, "queued": r.queued, "in_service": r.in_service,
+              "capacity": r.capacity, "latency_us": r.latency_us, "model": r.model_id}
+    fields.update(change)
+    return report(**fields)
+
+
+def test_latency_moves_of_an_eighth_count_while_requests_wait():
+    busy = replace_report(STEADY, queued=3)
+    reporter = sent_reporter(busy)
+    assert not reporter.due(replace_report(busy, latency_us=4_500_000), 1.0)  # +12.5%
+    assert reporter.due(replace_report(busy, latency_us=4_500_001), 1.0)
+    assert reporter.due(replace_report(busy, latency_us=3_499_999), 1.0)
+
+
+def test_an_unchanged_load_is_sent_again_on_the_heartbeat_only():
+    reporter = sent_reporter(heartbeat=2.0)
+    assert not reporter.check(STEADY, 1.0)
+    assert not reporter.check(STEADY, 1.999)
+    assert reporter.check(STEADY, 2.0)  # heartbeat: 2 s after the last one sent
+    assert not reporter.check(STEADY, 3.0)
+    assert reporter.check(STEADY, 4.0)
+    assert (reporter.sent_count, reporter.skipped) == (3, 3)
+
+
+def test_a_change_sent_restarts_the_heartbeat_and_becomes_the_reference():
+    reporter = sent_reporter()
+    moved = replace_report(STEADY, in_service=26)
+    assert reporter.check(moved, 1.0)
+    assert not reporter.check(replace_report(STEADY, in_service=23), 2.0)  # 3 from 26
+    assert not reporter.check(moved, 2.5)
+    assert reporter.check(moved, 3.0)
+
+
+def test_a_forwarded_request_taken_in_makes_the_next_report_due():
+    # forwarders count their forwards against this node until its next report
+    reporter = LoadReporter(heartbeat=2.0, deadband=0.125)
+    assert reporter.check(STEADY, 0.0, taken_in=5)
+    assert not reporter.due(STEADY, 1.0, taken_in=5)
+    assert reporter.due(STEADY, 1.0, taken_in=6)
+    assert reporter.check(STEADY, 1.0, taken_in=6)
+    assert not reporter.due(STEADY, 2.0, taken_in=6)
+
+
+def test_the_tracker_counts_requests_taken_in_not_those_it_routes():
+    t = LoadTracker(capacity=2, max_queue=4)
+    t.try_admit(routing=True)  # a user's request, routed by this node
+    t.routed_here()
+    assert t.taken_in == 0
+    t.try_admit()  # another node's forward, straight into the queue
+    assert t.taken_in == 1
+
+
+def test_deadband_zero_sends_every_change():
+    reporter = sent_reporter(deadband=0.0)
+    assert reporter.due(replace_report(STEADY, in_service=21), 0.5)
+    assert not reporter.due(STEADY, 0.5)
+
+
+@pytest.mark.parametrize("kwargs", [{"heartbeat": 0.0, "deadband": 0.1},
+                                    {"heartbeat": 1.0, "deadband": 1.5},
+                                    {"heartbeat": 1.0, "deadband": -0.1}])
+def test_a_reporter_out_of_range_is_refused(kwargs):
+    with pytest.raises(ConfigError):
+        LoadReporter(**kwargs)

@@ -64,7 +64,8 @@ async def main(seconds: float) -> dict[str, object]:
                     async for message in subscription:
                         try:
                             kind, body = wire.open_envelope(bytes(message.data),
-                                                            bytes(message.from_id))
+                                                            bytes(message.from_id),
+                                                            wire.group_of("sim"))
                         except Exception:
                             continue
                         received[kind] = received.get(kind, 0) + 1

@@ -37,6 +37,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]
 
 from ps_p2p.config import ForwardingConfig  # noqa: E402
 from ps_p2p.engines.sim_engine import SimEngine  # noqa: E402
+from ps_p2p.gossip.hr_tree import HASH_BYTES  # noqa: E402
 from ps_p2p.gossip.load import LoadTracker  # noqa: E402
 from ps_p2p.keys import Identity  # noqa: E402
 from ps_p2p.protocols import hrtree_gossip as wire  # noqa: E402
@@ -61,7 +62,7 @@ class Timed:
 
     def __call__(self, *args):  # type: ignore[no-untyped-def]
         data = args[-1] if args else b""
-        if isinstance(data, bytes) and data[len(wire.ENVELOPE_DOMAIN):][:1] == b"\x02":
+        if isinstance(data, bytes) and data[:1] == bytes([wire.KIND_DELTA]):
             self.deltas += 1
         start = time.process_time()
         try:
@@ -74,7 +75,7 @@ class Timed:
 def _fill(fwd: GroupForwarding, entries: int, salt: bytes, depth: int = 8) -> None:
     """``entries`` prefixes in ``fwd``'s own subtree: chains of ``depth`` fresh hashes."""
     for i in range(entries // depth):
-        fwd.publisher.insert([os.urandom(8) for _ in range(depth)])
+        fwd.publisher.insert([os.urandom(HASH_BYTES) for _ in range(depth)])
 
 
 async def main(seconds: float, entries: int, deltas: int) -> dict[str, object]:

@@ -7,8 +7,8 @@ Source: PlanetServe sec. 3.3 ("Hash-Radix tree", "State synchronization"), Appen
 (:class:`~ps_p2p.gossip.sentry.ChunkLengths`, the Sentry's output); only complete chunks are
 hashed, since a trailing partial chunk cannot name a cached block prefix. Chunk i's hash is::
 
-    h_i = BLAKE2b-64(key = group key, person = b"ps-hrtree-chunk1",
-                     h_{i-1} || u32(n) || u32(t_1) || ... || u32(t_n))        (h_0 = 8 zero bytes)
+    h_i = BLAKE2b-48(key = group key, person = b"ps-hrtree-chunk1",
+                     h_{i-1} || u32(n) || u32(t_1) || ... || u32(t_n))        (h_0 = 6 zero bytes)
 
 over its n tokens t (big-endian). It is *keyed* by a secret of the model group (derived from the
 operators' ``[forwarding] group_key``, :meth:`ps_p2p.config.ForwardingConfig.key_bytes`), so a
@@ -18,12 +18,16 @@ prefix. Prompts longer than :data:`MAX_DEPTH` chunks are represented by their fi
 :data:`MAX_DEPTH` chunks.
 
 **False positives.** The paper uses 8-bit hashes and bounds a false match of d levels by 1/256^d
-(sec. 3.3). We use w = :data:`HASH_BYTES` = 8 bytes. A lookup goes one level too deep only if
-the query's next chunk hash equals one of the c children of the node reached, probability at most
-c / 2^(8w) (the hashes of different prefixes are independent under the key). So a lookup's result
-is wrong with probability at most ``sum_i c_i / 2^64 <= N / 2^64`` for a tree of N nodes
-(1e6 nodes: 5.4e-14), and a prompt sharing nothing with the tree falsely matches at depth tau_c
-with probability at most ``prod_{i < tau_c} c_i / 2^64`` (the paper's (c / 2^b)^d with b = 64).
+(sec. 3.3). We use w = :data:`HASH_BYTES` = 6 bytes (48 bits; 8 until issue 19: every delta
+and snapshot carries one hash per entry, so 6 bytes send a quarter less). A lookup goes one
+level too deep only if the query's next chunk hash equals one of the c children of the node
+reached, probability at most c / 2^(8w) (the hashes of different prefixes are independent under
+the key). So a lookup's result is wrong with probability at most ``sum_i c_i / 2^48 <= N /
+2^48`` for a tree of N nodes (1e6 nodes: 3.6e-9; the error is a chunk or more of match
+overstated, which costs a cache-hit guess, never what is served), and a prompt sharing nothing
+with the tree falsely matches at depth tau_c with probability at most ``prod_{i < tau_c} c_i /
+2^48`` (the paper's (c / 2^b)^d with b = 48). The bound that sets w is the names' (below): 4
+bytes would make two names of one peer's 65,536 entries collide with probability about 1/2.
 
 **Tree.** :class:`HRTree` is the union of the subtrees of all peers of a group: a tree node is a
 prefix (a chain of chunk hashes) and holds the set of peers that cache that prefix (the paper's
@@ -60,9 +64,10 @@ batch applies the whole delta.
 A replica finds a name in the peer's part of the tree through a per-peer index (chunk hash ->
 the tree node above that peer's node of that hash), never through another peer's entries, so a
 peer that holds (or invents) a prefix ending in the same hash cannot redirect another peer's
-deltas. Consequences of the 64-bit names: if two prefixes one peer holds ended in the same hash
-(probability about ``n^2 / 2^65`` for n entries: 1e-10 for 65,536), a name would resolve to
-either of them, and a chunk hash equal to :data:`ROOT_HASH` (2^-64) would name the root; the
+deltas. Consequences of the 48-bit names: if two prefixes one peer holds ended in the same hash
+(probability about ``n^2 / 2^49`` for n entries: 7.6e-6 for 65,536, 6e-7 for 18,750), a name
+would resolve to either of them, and a chunk hash equal to :data:`ROOT_HASH` (2^-48) would name
+the root; the
 replica's copy of that peer would then be wrong until its next snapshot, which costs cache-hit
 guesses (where a request is sent), never the correctness of what is served: the chosen node
 serves the prompt from its own cache or computes it. A name the peer does not hold in an
@@ -73,11 +78,11 @@ from the publisher's state) the replica drops the peer's entries and asks for a 
 No signatures here: the service signs and checks the canonical bytes of :meth:`Delta.encode` and
 :meth:`Snapshot.encode`::
 
-    delta    = b"planetserve/v1/hrtree-delta-v2\\x00" || uv(version) || uv(incarnation)
+    delta    = b"HRd3" || uv(version) || uv(incarnation)
                || uv(seq_from) || uv(seq_to - seq_from) || uv(#evictions) || name*
                || uv(#inserts) || insert*
-    insert   = parent (8 bytes) || uv(#hashes) || hashes (8 bytes each)
-    snapshot = b"planetserve/v1/hrtree-snapshot\\x00" || u64(version) || u64(incarnation)
+    insert   = parent (6 bytes) || uv(#hashes) || hashes (6 bytes each)
+    snapshot = b"planetserve/v1/hrtree-snapshot-w6\\x00" || u64(version) || u64(incarnation)
                || u64(seq) || u32(#leaves) || leaf*
     leaf     = u32(shared) || bytes(new hashes)
 
@@ -86,8 +91,9 @@ where ``uv`` is an unsigned LEB128 varint of at most 64 bits in its shortest for
 (:data:`ROOT_HASH` only alone), and a snapshot lists the subtree's leaves (its maximal
 prefixes) in ascending order, each front-coded against the previous one: its first ``shared``
 hashes are the previous leaf's, ``shared`` the longest common prefix, then the ``new`` ones; the
-sum of the ``new`` counts is its number of entries. The first delta encoding (``hrtree-delta``,
-one whole chain per op) is no longer read: its domain differs.
+sum of the ``new`` counts is its number of entries. The first two delta encodings
+(``hrtree-delta``, one whole chain per op; ``hrtree-delta-v2``, this layout after a 31-byte
+domain) are no longer read: their prefix differs.
 
 This module is a pure core: no trio, libp2p, protobuf, clock or randomness.
 """
@@ -149,7 +155,7 @@ __all__ = [
     "pack_tokens",
 ]
 
-HASH_BYTES = 8
+HASH_BYTES = 6
 """w: bytes of a chunk hash (the paper's example uses 1 byte; see the module docstring)."""
 MIN_KEY_BYTES = 16
 """Shortest group key accepted (128 bits)."""
@@ -177,18 +183,21 @@ MAX_DELTA_BYTES = 512 * 1024
 MAX_SNAPSHOT_ENTRIES = DEFAULT_MAX_ENTRIES_PER_PEER
 """Entries (distinct prefixes) in one snapshot."""
 MAX_SNAPSHOT_BYTES = 2 * 1024 * 1024
-"""Encoded snapshot: MAX_SNAPSHOT_ENTRIES entries that are all leaves take 12 bytes + 8 a hash,
-1.25 MiB."""
+"""Encoded snapshot: MAX_SNAPSHOT_ENTRIES entries that are all leaves take 12 bytes + 6 a hash,
+1.1 MiB."""
 MAX_PENDING_DELTAS = 16
 """Deltas a replica holds that arrived before the ones they follow."""
 MAX_PENDING_OPS = 8 * MAX_DELTA_OPS
 """Operations a publisher holds between two :meth:`SubtreePublisher.take_deltas`; beyond, it
 drops them (the sequence still advances, so replicas see a gap and take a snapshot)."""
-DELTA_DOMAIN = b"planetserve/v1/hrtree-delta-v2\x00"
-"""Domain-separation prefix of :meth:`Delta.encode` (the second delta encoding: prefixes named by
-their last chunk hash)."""
-SNAPSHOT_DOMAIN = b"planetserve/v1/hrtree-snapshot\x00"
-"""Domain-separation prefix of :meth:`Snapshot.encode`."""
+DELTA_DOMAIN = b"HRd3"
+"""Format tag that starts :meth:`Delta.encode` (the third delta encoding). Its signature's domain
+separation is the gossip envelope's (``ps_p2p.protocols.hrtree_gossip``: a signed domain, group
+and kind), so the tag only tells encodings apart: the second (``planetserve/v1/hrtree-delta-v2``,
+prefixes named by their last chunk hash as here) spent 31 bytes of every delta on it."""
+SNAPSHOT_DOMAIN = b"planetserve/v1/hrtree-snapshot-w6\x00"
+"""Domain-separation prefix of :meth:`Snapshot.encode` (``-w6``: 6-byte hashes; a snapshot of
+8-byte hashes, ``planetserve/v1/hrtree-snapshot``, is refused)."""
 
 ROOT_HASH = bytes(HASH_BYTES)
 """h_0, the name of the empty prefix (the root) in a :class:`Delta`: an insert under it, or the

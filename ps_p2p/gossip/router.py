@@ -80,6 +80,7 @@ from ps_p2p.gossip.load import (
     ForwardOutcome,
     LoadBook,
     LoadReport,
+    LoadReporter,
     LoadTracker,
     PeerLedger,
     ReportOutcome,
@@ -173,6 +174,8 @@ class RouterSettings(Protocol):
     hop_seconds: float
     busy_weight: float
     load_max_age: float
+    load_heartbeat: float
+    load_deadband: float
     load_interval: float
     delta_interval: float
     max_peers: int
@@ -254,6 +257,8 @@ class GroupRouter:
         self.book = LoadBook(self_id, model_id, (), max_age=settings.load_max_age,
                              max_peers=settings.max_peers)
         self.tracker = tracker
+        self.reporter = LoadReporter(heartbeat=settings.load_heartbeat,
+                                     deadband=settings.load_deadband)
         # a peer holds at most as many of our forwards as we serve at once ourselves
         self.ledger = (PeerLedger(max_outstanding=max(1, tracker.capacity),
                                   max_peers=settings.max_peers) if ledger else None)
@@ -382,6 +387,14 @@ class GroupRouter:
     def load_report(self, seq: int) -> LoadReport:
         """This node's load report now."""
         return self.tracker.report(self.me, self.model_id, seq)
+
+    def load_report_due(self, seq: int, now: float) -> LoadReport | None:
+        """This node's load report with ``seq`` if one is due at ``now`` (a meaningful change
+        or the heartbeat, :class:`~ps_p2p.gossip.load.LoadReporter`; counted as sent), else
+        None. The node's publish loop and the simulator both ask this every
+        ``load_interval``."""
+        report = self.load_report(seq)
+        return report if self.reporter.check(report, now, self.tracker.taken_in) else None
 
     def take_deltas(self) -> list[Delta]:
         """The subtree operations not yet published."""

@@ -17,11 +17,19 @@ What a member may cost us: its gossip is taken within a per-publisher and a tota
 messages and bytes (:class:`GossipAdmission`, :mod:`ps_p2p.gossip.budget`), checked before
 GossipSub delivers or relays a message.
 
-Envelope (bytes; ``u8``/``u32`` big-endian)::
+Envelope (bytes)::
 
-    envelope = b"planetserve/v1/hrtree-gossip\\x00" || u8(kind) || u32(len(body)) || body
-               || signature (64 bytes, Ed25519 of the publisher over everything before it)
+    envelope = u8(kind) || body || signature
+    signed   = b"planetserve/v1/hrtree-gossip2\\x00" || u8(len(group)) || group || u8(kind)
+               || body
     kind     = 1: load report | 2: subtree delta | 3: subtree snapshot (sync answers only)
+
+``signature`` (64 bytes) is the publisher's Ed25519 signature over ``signed``; ``group`` is the
+group's model ID (UTF-8, at most 255 bytes). The domain and the group are signed, not sent: a
+receiver knows both (its own group), so an envelope of another group or another signed kind
+never verifies, and a message costs 65 bytes beside its body (issue 19: the first envelope sent
+its 29-byte domain and a 4-byte length, which the pubsub message already gives, with every
+load report).
 
 A receiver accepts an envelope only from a model node of its group listed in its verified
 directory (the pubsub ``from_id``, checked by strict signing, and our own signature under that
@@ -71,12 +79,15 @@ log = logging.getLogger(__name__)
 
 HRTREE_SYNC_PROTOCOL_ID = TProtocol("/planetserve/hrtree-sync/1.0.0")
 GOSSIPSUB_PROTOCOLS = (TProtocol("/meshsub/1.1.0"), TProtocol("/meshsub/1.0.0"))
-ENVELOPE_DOMAIN = b"planetserve/v1/hrtree-gossip\x00"
+ENVELOPE_DOMAIN = b"planetserve/v1/hrtree-gossip2\x00"
 KIND_LOAD = 1
 KIND_DELTA = 2
 KIND_SNAPSHOT = 3
 SIGNATURE_BYTES = 64
-_HEADER = len(ENVELOPE_DOMAIN) + 1 + 4
+MAX_GROUP_BYTES = 255
+_HEADER = 1  # the kind
+#: Bytes an envelope adds to its body: the kind and the signature.
+ENVELOPE_OVERHEAD = _HEADER + SIGNATURE_BYTES
 #: Largest gossiped envelope (a delta of at most MAX_DELTA_BYTES, or a ~200-byte load report).
 MAX_ENVELOPE_BYTES = _HEADER + MAX_DELTA_BYTES + SIGNATURE_BYTES
 #: Largest snapshot answer of the sync protocol.
@@ -92,31 +103,40 @@ def topic_for(model_id: str) -> str:
     return f"/planetserve/hrtree/1/{model_id}"
 
 
-def seal(signer: Signer, kind: int, body: bytes) -> bytes:
-    """An envelope of ``body`` signed by ``signer`` (module docstring)."""
-    head = ENVELOPE_DOMAIN + struct.pack(">BI", kind, len(body)) + body
-    return head + signer.sign(head)
+def _signed(group: bytes, head: bytes) -> bytes:
+    if len(group) > MAX_GROUP_BYTES:
+        raise RemoteProtocolError(f"group name of {len(group)} bytes (max {MAX_GROUP_BYTES})")
+    return ENVELOPE_DOMAIN + struct.pack(">B", len(group)) + group + head
 
 
-def open_envelope(data: bytes, publisher: bytes, max_bytes: int = MAX_ENVELOPE_BYTES
-                  ) -> tuple[int, bytes]:
-    """Check an envelope ``publisher`` signed; returns ``(kind, body)``.
+def group_of(model_id: str) -> bytes:
+    """The ``group`` an envelope of ``model_id``'s group is signed for (module docstring)."""
+    return model_id.encode("utf-8")
+
+
+def seal(signer: Signer, kind: int, body: bytes, group: bytes) -> bytes:
+    """An envelope of ``body`` signed by ``signer`` for ``group`` (module docstring)."""
+    head = struct.pack(">B", kind) + body
+    return head + signer.sign(_signed(group, head))
+
+
+def open_envelope(data: bytes, publisher: bytes, group: bytes,
+                  max_bytes: int = MAX_ENVELOPE_BYTES) -> tuple[int, bytes]:
+    """Check an envelope ``publisher`` signed for ``group``; returns ``(kind, body)``.
 
     Raises:
         RemoteProtocolError: oversized, malformed, an unknown kind, or a signature that does
-            not verify under ``publisher``'s key (InvalidSignatureError).
+            not verify under ``publisher``'s key for ``group`` (InvalidSignatureError).
     """
     if len(data) > max_bytes:
         raise RemoteProtocolError(f"gossip envelope of {len(data)} bytes (max {max_bytes})")
-    if len(data) < _HEADER + SIGNATURE_BYTES or not data.startswith(ENVELOPE_DOMAIN):
+    if len(data) < _HEADER + SIGNATURE_BYTES:
         raise RemoteProtocolError("not an HR-tree gossip envelope")
-    kind, length = struct.unpack_from(">BI", data, len(ENVELOPE_DOMAIN))
+    kind = data[0]
     if kind not in (KIND_LOAD, KIND_DELTA, KIND_SNAPSHOT):
         raise RemoteProtocolError(f"gossip envelope of unknown kind {kind}")
-    if _HEADER + length + SIGNATURE_BYTES != len(data):
-        raise RemoteProtocolError("gossip envelope length does not match its body")
     head, signature = data[:-SIGNATURE_BYTES], data[-SIGNATURE_BYTES:]
-    verify_signature(publisher, head, signature)
+    verify_signature(publisher, _signed(group, head), signature)
     return kind, data[_HEADER:-SIGNATURE_BYTES]
 
 
@@ -497,8 +517,23 @@ async def fetch_snapshot(host: IHost, peer: bytes, *, timeout: float = 10.0) -> 
 
 
 __all__ = [
-    "GOSSIPSUB_PROTOCOLS", "HRTREE_SYNC_PROTOCOL_ID", "KIND_DELTA", "KIND_LOAD",
-    "KIND_SNAPSHOT", "MAX_ENVELOPE_BYTES", "MAX_SNAPSHOT_ENVELOPE_BYTES", "GossipAdmission",
-    "MemberGate", "SnapshotServer", "fetch_snapshot", "make_pubsub", "member_gate",
-    "open_envelope", "running_pubsub", "seal", "topic_for",
+    "ENVELOPE_OVERHEAD",
+    "GOSSIPSUB_PROTOCOLS",
+    "HRTREE_SYNC_PROTOCOL_ID",
+    "KIND_DELTA",
+    "KIND_LOAD",
+    "KIND_SNAPSHOT",
+    "MAX_ENVELOPE_BYTES",
+    "MAX_SNAPSHOT_ENVELOPE_BYTES",
+    "GossipAdmission",
+    "MemberGate",
+    "SnapshotServer",
+    "fetch_snapshot",
+    "group_of",
+    "make_pubsub",
+    "member_gate",
+    "open_envelope",
+    "running_pubsub",
+    "seal",
+    "topic_for",
 ]

@@ -10,7 +10,8 @@ serving`, trusted ones, or provisional ones while none is proven) keeps
   (:class:`~ps_p2p.gossip.hr_tree.SubtreeReplica`) fed by their signed deltas, with a snapshot
   over ``/planetserve/hrtree-sync/1.0.0`` when a gap shows;
 * the peers' load (:class:`~ps_p2p.gossip.load.LoadBook`), fed by their signed load reports
-  about every second (DESIGN.md: a stale view of load loses most of the gain), with the
+  checked every second and sent when it changed meaningfully or on a heartbeat (DESIGN.md: a
+  stale view of load loses most of the gain; :class:`~ps_p2p.gossip.load.LoadReporter`), with the
   requests this node forwarded to a peer counted against it until its next report;
 * what it observed of each peer as a forwarder (:class:`~ps_p2p.gossip.load.PeerLedger`): the
   model node reports how each forward ended (:meth:`GroupForwarding.forward_done`); a peer's
@@ -98,6 +99,7 @@ class GroupForwarding:
         self.me = identity.peer_id
         self.engine = engine
         self.model_id = engine.model_id
+        self._group = wire.group_of(self.model_id)  # what our envelopes are signed for
         self.config = config or ForwardingConfig()
         self._key = self.config.key_bytes(self.model_id)  # ConfigError without a group_key
         self._clock = clock
@@ -215,16 +217,27 @@ class GroupForwarding:
         """This node's signed load report, now."""
         self._load_seq += 1
         report = self.router.load_report(self._load_seq)
-        return wire.seal(self.identity, wire.KIND_LOAD, encode_report(report))
+        return wire.seal(self.identity, wire.KIND_LOAD, encode_report(report), self._group)
+
+    def load_envelope_due(self) -> bytes | None:
+        """This node's signed load report if one is due now (a meaningful change since the
+        last one, or the heartbeat: :meth:`ps_p2p.gossip.router.GroupRouter.load_report_due`),
+        else None."""
+        report = self.router.load_report_due(self._load_seq + 1, self._clock())
+        if report is None:
+            return None
+        self._load_seq += 1
+        return wire.seal(self.identity, wire.KIND_LOAD, encode_report(report), self._group)
 
     def delta_envelopes(self) -> list[bytes]:
         """The subtree operations not yet published, as signed delta envelopes."""
-        return [wire.seal(self.identity, wire.KIND_DELTA, d.encode())
+        return [wire.seal(self.identity, wire.KIND_DELTA, d.encode(), self._group)
                 for d in self.router.take_deltas()]
 
     def snapshot_envelope(self) -> bytes:
         """This node's whole subtree, signed (the sync protocol's answer)."""
-        return wire.seal(self.identity, wire.KIND_SNAPSHOT, self.publisher.snapshot().encode())
+        return wire.seal(self.identity, wire.KIND_SNAPSHOT, self.publisher.snapshot().encode(),
+                         self._group)
 
     # ------------------------------------------------------------------ peers' state in
 
@@ -240,11 +253,9 @@ class GroupForwarding:
             self._drop("not_member")
             return
         try:
-            kind, body = wire.open_envelope(data, publisher)
+            kind, body = wire.open_envelope(data, publisher, self._group)
             if kind == wire.KIND_LOAD:
-                report = decode_report(body)
-                if report.peer_id != publisher:
-                    raise RemoteProtocolError("load report of another node")
+                report = decode_report(body, publisher, self.model_id)
                 outcome = self.router.receive_load(report, self._clock())
                 if outcome is not ReportOutcome.ACCEPTED:
                     self._drop(f"load_{outcome.value}")
@@ -270,7 +281,8 @@ class GroupForwarding:
         Raises:
             RemoteProtocolError: malformed, badly signed, or not applicable.
         """
-        kind, body = wire.open_envelope(data, peer, wire.MAX_SNAPSHOT_ENVELOPE_BYTES)
+        kind, body = wire.open_envelope(data, peer, self._group,
+                                        wire.MAX_SNAPSHOT_ENVELOPE_BYTES)
         if kind != wire.KIND_SNAPSHOT:
             raise RemoteProtocolError("sync answer is not a snapshot")
         if peer in self.members:
@@ -316,7 +328,9 @@ class GroupForwarding:
             now = self._clock()
             try:
                 self.absorb_engine_events()
-                await pubsub.publish(topic, self.load_envelope())
+                load = self.load_envelope_due()
+                if load is not None:
+                    await pubsub.publish(topic, load)
                 if now >= next_delta:
                     next_delta = now + self.config.delta_interval
                     for envelope in self.delta_envelopes():

@@ -78,11 +78,15 @@ node ``gossip_delay`` seconds later, decoded from its bytes once and applied thr
 receiver's :class:`~ps_p2p.gossip.load.LoadBook` or the publisher's
 :class:`~ps_p2p.gossip.hr_tree.SubtreeReplica`, so peers see a stale view, as on a network. Bytes
 counted: the encoded body plus :data:`ENVELOPE_OVERHEAD_BYTES` (the signed gossip envelope of
-:mod:`ps_p2p.protocols.hrtree_gossip`: domain, kind, length, Ed25519 signature), times the
+:mod:`ps_p2p.protocols.hrtree_gossip`: kind, Ed25519 signature), times the
 receivers (N - 1: a broadcast; GossipSub's own framing and mesh duplicates are not counted, for
 either design). *Full broadcast* (Appendix A6, Figs. 19-20: the design that delta updates
 replace) is every node sending its whole subtree, :meth:`~ps_p2p.gossip.hr_tree.Snapshot.encode`
 plus the envelope, to every other node every ``delta_interval``; it is counted, not sent.
+Counted over the whole run (from cold caches, when the subtrees full broadcast would send are
+still small) and over a *warm window* (from the arrival of the trace's middle request to that
+of its last). Two more reference designs are counted for comparison (:class:`GossipBytes`):
+every cached prompt's whole chain, and every KV-cache event, each broadcast as it happens.
 
 **Metrics** are taken over the requests after the first ``warmup_fraction`` of arrivals (cold
 caches): token-level KV-cache hit rate (cached prompt tokens / prompt tokens), mean / p50 / p99
@@ -106,6 +110,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ps_p2p.config import ForwardingConfig
+from ps_p2p.engines.kv_events import BlockStored
 from ps_p2p.engines.prefix_cache import PrefixCacheIndex, block_hash
 from ps_p2p.engines.sim_cost import SimCostModel, SimParams
 from ps_p2p.errors import ConfigError
@@ -117,7 +122,7 @@ from ps_p2p.gossip.forwarding import (
     RequestContext,
     load_balance,
 )
-from ps_p2p.gossip.hr_tree import Delta, NeedSnapshot, chunk_hashes
+from ps_p2p.gossip.hr_tree import HASH_BYTES, Delta, NeedSnapshot, chunk_hashes
 from ps_p2p.gossip.load import (
     DEFAULT_UNKNOWN_LATENCY,
     ForwardOutcome,
@@ -161,10 +166,10 @@ HR_TREE = "hr-tree"
 HR_TREE_STALE = "hr-tree-stale"
 POLICIES = (NO_FORWARDING, LEAST_LOAD, CENTRAL_RADIX, CENTRAL_LPM, HR_TREE, HR_TREE_STALE)
 
-ENVELOPE_OVERHEAD_BYTES = 29 + 1 + 4 + 64
-"""Bytes a signed gossip envelope adds to its body: ``b"planetserve/v1/hrtree-gossip\\x00"``
-(29), kind (1), body length (4), Ed25519 signature (64); :func:`ps_p2p.protocols.hrtree_gossip.seal`
-(kept as a number here so this module does not import the trio/libp2p service; a test checks it)."""
+ENVELOPE_OVERHEAD_BYTES = 1 + 64
+"""Bytes a signed gossip envelope adds to its body: kind (1), Ed25519 signature (64); its domain
+and group are signed, not sent (:func:`ps_p2p.protocols.hrtree_gossip.seal`; kept as a number
+here so this module does not import the trio/libp2p service; a test checks it)."""
 
 _PEER_ID_PREFIX = b"\x00\x24\x08\x01\x12\x20"  # an Ed25519 libp2p peer ID (ps_p2p.keys)
 _MODEL_ID = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -404,12 +409,20 @@ class GossipBytes:
     Attributes:
         delta_bytes, delta_messages: subtree deltas (messages counted once, bytes per receiver).
         delta_entries: subtree entries (prefixes) the publishers' ops added or removed. Sending
-            each changed entry's chunk hash costs 8 bytes per changed entry and receiver (the
-            benchmark's "floor"); a delta can send less, as an eviction names a whole subtree
+            each changed entry's chunk hash costs ``HASH_BYTES`` bytes per changed entry and
+            receiver (the benchmark's "floor"); a delta can send less, as an eviction names a whole subtree
             with one hash and a batch's coalescing drops entries added and removed within it.
         full_bytes, full_messages: what full broadcast of whole subtrees would have sent.
         load_bytes, load_messages: load reports.
         snapshot_syncs: snapshots a replica needed after a gap (0 on this lossless network).
+        warm_delta_bytes, warm_load_bytes, warm_full_bytes: the same, counted only over the
+            *warm window* (module docstring, "Gossip"): from the arrival of the middle request
+            of the trace to the arrival of its last, when the caches have been filling for half
+            the run and requests still arrive (the run's drain is left out).
+        prompt_bytes: a reference design that broadcasts each prompt's whole chunk chain
+            (``HASH_BYTES`` a hash, one envelope) to every peer when a node caches it.
+        event_bytes: a reference design that broadcasts every KV-cache event (8 bytes a block
+            hash, a stored event's parent too, one envelope) to every peer.
     """
 
     delta_bytes: int = 0
@@ -420,15 +433,31 @@ class GossipBytes:
     load_bytes: int = 0
     load_messages: int = 0
     snapshot_syncs: int = 0
+    warm_delta_bytes: int = 0
+    warm_load_bytes: int = 0
+    warm_full_bytes: int = 0
+    prompt_bytes: int = 0
+    event_bytes: int = 0
 
     @property
     def delta_fraction(self) -> float | None:
         """Delta bytes / full-broadcast bytes (HR-tree updates only, Appendix A6)."""
         return self.delta_bytes / self.full_bytes if self.full_bytes else None
 
+    @property
+    def gossip_fraction(self) -> float | None:
+        """(Deltas + load reports) / full broadcast, over the whole run (cold caches too)."""
+        return (self.delta_bytes + self.load_bytes) / self.full_bytes if self.full_bytes else None
+
+    @property
+    def warm_fraction(self) -> float | None:
+        """(Deltas + load reports) / full broadcast over the warm window."""
+        return ((self.warm_delta_bytes + self.warm_load_bytes) / self.warm_full_bytes
+                if self.warm_full_bytes else None)
+
     def delta_floor_bytes(self, receivers: int) -> int:
-        """8 bytes per changed entry per receiver (one chunk hash each)."""
-        return 8 * self.delta_entries * receivers
+        """``HASH_BYTES`` per changed entry per receiver (one chunk hash each)."""
+        return HASH_BYTES * self.delta_entries * receivers
 
 
 @dataclass
@@ -484,6 +513,10 @@ class RunResult:
                 "snapshot_syncs": g.snapshot_syncs, "delta_fraction": g.delta_fraction,
                 "delta_entries": g.delta_entries,
                 "delta_floor_bytes": g.delta_floor_bytes(self.nodes - 1),
+                "warm_delta_bytes": g.warm_delta_bytes, "warm_load_bytes": g.warm_load_bytes,
+                "warm_full_bytes": g.warm_full_bytes, "prompt_bytes": g.prompt_bytes,
+                "event_bytes": g.event_bytes, "gossip_fraction": g.gossip_fraction,
+                "warm_fraction": g.warm_fraction,
             },
         }
 
@@ -582,6 +615,9 @@ class _Sim:
         self.decisions: dict[str, int] = {}
         self.jobs = [_Job(i, r, trace.prompts[r.prompt]) for i, r in enumerate(trace.requests)]
         self.remaining = len(self.jobs)
+        arrivals = [r.arrival for r in trace.requests]
+        self.warm_from = arrivals[len(arrivals) // 2] if arrivals else 0.0
+        self.warm_to = arrivals[-1] if arrivals else 0.0
         self.nodes = [_Node(i, _peer_id(i), config) for i in range(config.nodes)]
         self.index_of = {n.peer_id: n.index for n in self.nodes}
         self.gossiping = policy in (LEAST_LOAD, HR_TREE, HR_TREE_STALE)
@@ -798,6 +834,10 @@ class _Sim:
         self._advance(node)
         node.chunk_seconds = 0.0
         node.cache.store(job.tokens, _no_payload)
+        if self.trees:  # the reference design that broadcasts every cached prompt's chain
+            chain = self.prepared.chunk_chain(job.prompt)
+            self.gossip.prompt_bytes += ((HASH_BYTES * len(chain) + ENVELOPE_OVERHEAD_BYTES)
+                                         * (len(self.nodes) - 1))
         if self.config.serial_prefill:
             node.prefilling = False
             self._kick_prefill(node)
@@ -851,11 +891,20 @@ class _Sim:
         assert router is not None
         peer = router.me
         entries = router.tree.entries(peer)
+        receivers = len(self.nodes) - 1
         for event in node.cache.drain_events():
+            if isinstance(event, BlockStored):
+                hashes = len(event.block_hashes) + (event.parent_block_hash is not None)
+            else:
+                hashes = len(getattr(event, "block_hashes", ()))
+            self.gossip.event_bytes += (8 * hashes + ENVELOPE_OVERHEAD_BYTES) * receivers
             router.absorb((event,))
             now_entries = router.tree.entries(peer)
             self.gossip.delta_entries += abs(now_entries - entries)
             entries = now_entries
+
+    def _warm(self) -> bool:
+        return self.warm_from <= self.now <= self.warm_to
 
     def _load_tick(self, node_index: object, _: object) -> None:
         node = self.nodes[node_index]  # type: ignore[index]
@@ -863,12 +912,17 @@ class _Sim:
         receivers = len(self.nodes) - 1
         if self.trees:
             self._absorb(node)
-        node.load_seq += 1
-        data = encode_report(node.router.load_report(node.load_seq))
-        self.gossip.load_messages += 1
-        self.gossip.load_bytes += (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
-        self._push(self.now + self.config.gossip_delay, _GOT_LOAD, node.index,
-                   decode_report(data))
+        report = node.router.load_report_due(node.load_seq + 1, self.now)
+        if report is not None:  # a meaningful change or the heartbeat, as a node decides
+            node.load_seq += 1
+            data = encode_report(report)
+            self.gossip.load_messages += 1
+            sent = (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
+            self.gossip.load_bytes += sent
+            if self._warm():
+                self.gossip.warm_load_bytes += sent
+            self._push(self.now + self.config.gossip_delay, _GOT_LOAD, node.index,
+                       decode_report(data, node.peer_id, _MODEL_ID))
         if self.stale:
             self._publish_deltas(node)
             self._push(self.now + self.config.stale_load_interval, _LOAD_TICK, node.index, None)
@@ -888,7 +942,10 @@ class _Sim:
         for delta in node.router.take_deltas():
             data = delta.encode()
             self.gossip.delta_messages += 1
-            self.gossip.delta_bytes += (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
+            sent = (len(data) + ENVELOPE_OVERHEAD_BYTES) * receivers
+            self.gossip.delta_bytes += sent
+            if self._warm():
+                self.gossip.warm_delta_bytes += sent
             self._push(self.now + self.config.gossip_delay, _GOT_DELTA, node.index,
                        Delta.decode(data))
         publisher = node.router.publisher
@@ -897,7 +954,10 @@ class _Sim:
             node.snapshot_state = state
             node.snapshot_bytes = len(node.router.snapshot().encode())
         self.gossip.full_messages += 1
-        self.gossip.full_bytes += (node.snapshot_bytes + ENVELOPE_OVERHEAD_BYTES) * receivers
+        sent = (node.snapshot_bytes + ENVELOPE_OVERHEAD_BYTES) * receivers
+        self.gossip.full_bytes += sent
+        if self._warm():
+            self.gossip.warm_full_bytes += sent
 
     def _got_load(self, sender: object, report: object) -> None:
         assert isinstance(report, LoadReport)
