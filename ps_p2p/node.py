@@ -40,7 +40,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -143,6 +143,18 @@ def directory_refresh_delay(
     if head_ttl is not None:
         delay = min(delay, head_ttl / 2)
     return max(0.1, delay)
+
+
+def directory_news(old: Directory | None, new: Directory, changed: Sequence[NodeRecord]) -> bool:
+    """Whether a directory refresh brought news, so the next one comes soon
+    (:func:`directory_refresh_delay`): the first directory, another number of records, or
+    records that changed (``changed``: the delta's records, or every record of a new list).
+
+    A higher height alone is no news: an idle committee commits an empty block every
+    ``block_interval`` (1 s in ``ps-node devnet``), and counting each as a change kept every
+    node refreshing each second, a fetch per node per second that grows with the network.
+    """
+    return old is None or len(old.records) != len(new.records) or bool(changed)
 
 
 class _DisconnectNotifee(INotifee):
@@ -1185,7 +1197,7 @@ class Node:
         if len(self._record_addrs) > 2 * len(directory.records) + 64:  # departed nodes
             listed = {r.peer_id for r in directory.records}
             self._record_addrs = {p: a for p, a in self._record_addrs.items() if p in listed}
-        if old is None or old.height != directory.height or len(old.records) != len(directory.records):
+        if directory_news(old, directory, changed):
             self._directory_changed_at = trio.current_time()
             self._quiet_refreshes = 0
         else:

@@ -827,3 +827,18 @@ async def test_a_record_with_a_field_over_its_limit_is_refused_naming_it_on_the_
     with pytest.raises(RemoteProtocolError, match="registration refused.*organization"):
         await register_with_committee(one.host, one.verifier, too_long)
     assert (one.service.refused, one.service.reset) == (1, 0)  # an answer, not a reset
+
+
+def test_a_refresh_that_only_brought_a_higher_height_is_no_news():
+    from types import SimpleNamespace
+
+    from ps_p2p.node import directory_news
+
+    def directory(height: int, records: tuple) -> SimpleNamespace:
+        return SimpleNamespace(height=height, records=records)
+
+    held = directory(10, ("a", "b"))
+    assert directory_news(None, held, held.records)  # the first directory
+    assert not directory_news(held, directory(11, ("a", "b")), ())  # an empty block
+    assert directory_news(held, directory(11, ("a", "b")), ("b",))  # a renewed record
+    assert directory_news(held, directory(11, ("a", "b", "c")), ())  # a new node
