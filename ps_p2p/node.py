@@ -147,14 +147,27 @@ def directory_refresh_delay(
 
 def directory_news(old: Directory | None, new: Directory, changed: Sequence[NodeRecord]) -> bool:
     """Whether a directory refresh brought news, so the next one comes soon
-    (:func:`directory_refresh_delay`): the first directory, another number of records, or
-    records that changed (``changed``: the delta's records, or every record of a new list).
+    (:func:`directory_refresh_delay`): the first directory, another number of records, or a
+    record in ``changed`` (the delta's records, or every record of a new list) that is new or
+    says something else than the held one (addresses, roles, keys, model, capacity).
 
-    A higher height alone is no news: an idle committee commits an empty block every
-    ``block_interval`` (1 s in ``ps-node devnet``), and counting each as a change kept every
-    node refreshing each second, a fetch per node per second that grows with the network.
+    No news: a higher height alone (an idle committee commits an empty block every
+    ``block_interval``, 1 s in ``ps-node devnet``) or renewals (the same record with a later
+    lifetime: a network of N nodes renews N/30 records a second, so past ~30 nodes every
+    refresh brought one). Counting those kept every node refreshing every second, N fetches a
+    second that each grow with N.
     """
-    return old is None or len(old.records) != len(new.records) or bool(changed)
+    if old is None or len(old.records) != len(new.records):
+        return True
+    return any(_record_news(old.record(r.peer_id), r) for r in changed)
+
+
+def _record_news(held: NodeRecord | None, record: NodeRecord) -> bool:
+    """``record`` is new, or differs from ``held`` in more than its lifetime and signature."""
+    return held is None or (held.addrs, held.roles, held.onion_key, held.model_id,
+                            held.organization, held.capacity, held.membership) != (
+        record.addrs, record.roles, record.onion_key, record.model_id, record.organization,
+        record.capacity, record.membership)
 
 
 class _DisconnectNotifee(INotifee):

@@ -829,16 +829,20 @@ async def test_a_record_with_a_field_over_its_limit_is_refused_naming_it_on_the_
     assert (one.service.refused, one.service.reset) == (1, 0)  # an answer, not a reset
 
 
-def test_a_refresh_that_only_brought_a_higher_height_is_no_news():
-    from types import SimpleNamespace
+def test_a_refresh_that_brought_only_a_height_or_renewals_is_no_news():
+    import dataclasses
 
     from ps_p2p.node import directory_news
+    from ps_p2p.records import Directory
 
-    def directory(height: int, records: tuple) -> SimpleNamespace:
-        return SimpleNamespace(height=height, records=records)
+    records = [record(i) for i in range(1, 4)]
+    held = Directory(10, T0, T0 + HOUR, tuple(records[:2]))
+    renewed = record(2, issued=T0 + 30 * SECOND)
+    moved = dataclasses.replace(renewed, addrs=("/ip4/10.0.0.99/tcp/4001",))
 
-    held = directory(10, ("a", "b"))
     assert directory_news(None, held, held.records)  # the first directory
-    assert not directory_news(held, directory(11, ("a", "b")), ())  # an empty block
-    assert directory_news(held, directory(11, ("a", "b")), ("b",))  # a renewed record
-    assert directory_news(held, directory(11, ("a", "b", "c")), ())  # a new node
+    assert not directory_news(held, Directory(11, T0, T0 + HOUR, held.records), ())  # empty block
+    assert not directory_news(held, Directory(12, T0, T0 + HOUR, (records[0], renewed)),
+                              (renewed,))  # a renewal: a later lifetime only
+    assert directory_news(held, Directory(12, T0, T0 + HOUR, (records[0], moved)), (moved,))
+    assert directory_news(held, Directory(13, T0, T0 + HOUR, tuple(records)), (records[2],))
