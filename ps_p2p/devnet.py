@@ -105,6 +105,12 @@ ENGINES = ("transformers", "instant", "sim")
 PERTURBATIONS = ("none", "kill-relay", "tamper-clove", "kill-verifier", "byzantine-verifier")
 #: ready paths a user needs before the network counts as ready (n, the cloves per request)
 READY_PATHS = 4
+#: floor of a devnet user's probe deadline (``[user] probe_timeout``, 1 s by default, RFC
+#: 6298's floor for a node with a machine of its own): a devnet shares a few cores among
+#: dozens of nodes, where a 3-hop round trip crosses processes that each wait their turn for a
+#: core, and 1 s suspended a path at every load spike (a 100-user start on 2 loaded cores:
+#: 984 suspensions, users' ready paths going up and down instead of up)
+PROBE_TIMEOUT_FLOOR = 3.0
 #: seconds the workers get to stop after being told to, before SIGKILL
 STOP_GRACE = 8.0
 #: seconds a node killed inside its worker gets to close its connections
@@ -1437,6 +1443,7 @@ class _WorkerProcess:
                     block_interval=1.0,
                 )
                 config.forwarding.group_key = spec.get("group_key", "")
+                config.user.probe_timeout = PROBE_TIMEOUT_FLOOR
                 async with trio.open_nursery() as nursery:
                     node = await nursery.start(Node(config, keys, engine).run)
                     self._nodes[name] = node
