@@ -9,11 +9,12 @@ Processes. Each OS process is a *worker* (``python -m ps_p2p.devnet``) that runs
 ``nodes_per_process`` nodes, each its own :class:`~ps_p2p.node.Node` (its own libp2p host, keys and
 port) in one ``trio.run``: about 97 MB of a node's ~100 MB RSS is imports, which the nodes of one
 worker share. Verifiers, model nodes and users are packed into separate workers (in that order, at
-most ``nodes_per_process`` each). The controller talks to a worker over pipes, one JSON object a
+most ``nodes_per_process`` each; by default :func:`auto_nodes_per_process`: about four workers
+per usable core). The controller talks to a worker over pipes, one JSON object a
 line, so it awaits readiness instead of polling files:
 
-* controller -> worker (stdin): first ``{"nodes": [spec, ...], "log_level": ..., ...}``, then
-  ``{"kill": name}`` (stop that node at once, the others run on) or ``{"stop": true}``; EOF on stdin
+* controller -> worker (stdin): first ``{"nodes": [spec, ...], "log_level": ..., ...}`` (a spec
+  with ``"held": true`` waits), then ``{"start": [name, ...]}`` (start held nodes), ``{"kill": name}`` (stop that node at once, the others run on) or ``{"stop": true}``; EOF on stdin
   (the controller went away, however it died) stops every node of the worker.
 * worker -> controller (its original stdout; fd 1 is pointed at the log): a status line per node
   whenever its directory or ready paths change: ``{"node", "state": "up"|"stopped"|"failed",
@@ -28,6 +29,11 @@ Work directory: ``keys/<node>.key``, ``logs/<node>.log`` (that node's log record
 Progress: :attr:`Devnet.progress` counts nodes up, nodes holding the full directory, users with
 their paths and prompts answered and failed; ``ps-node devnet`` shows them live on a terminal
 (``rich``) and as a plain line every 5 s of the start otherwise (:mod:`ps_p2p.devnet_progress`).
+
+Admission waves: from 32 users on, the users start in up to 4 waves (:func:`admission_waves`); a
+wave starts once 3/4 of the users started before it hold their paths, so the dials, handshakes and
+path setups of a start come in bounded bursts instead of all users' at once. The verifiers and model
+nodes start first, all at once.
 
 Start deadline: one deadline for the whole start (verifiers listening, every node holding the full
 directory, every user holding n ready paths); by default 60 s + 1 s per node. When it passes, the
