@@ -17,7 +17,6 @@ import tempfile
 
 import pytest
 
-from ps_p2p.errors import ConfigError
 from ps_p2p.devnet import (
     DevnetOptions,
     default_start_timeout,
@@ -26,6 +25,7 @@ from ps_p2p.devnet import (
     shared_dir,
     work_directory,
 )
+from ps_p2p.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -365,7 +365,7 @@ async def test_a_devnet_packs_nodes_by_the_automatic_rule_and_admits_users_in_wa
 
 
 class _Quiet:
-    async def run(self, progress):  # noqa: ANN001 - a Display that shows nothing
+    async def run(self, progress):  # a Display that shows nothing
         import trio
 
         await trio.sleep_forever()
