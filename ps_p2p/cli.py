@@ -286,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     devnet.add_argument("--verifiers", type=int, default=4, help="verifier nodes (default 4)")
     devnet.add_argument("--nodes-per-process", type=_nodes_per_process, default=None,
                         metavar="N|auto",
-                        help="nodes run by one OS process (default auto: the nodes spread "
-                             "over 4 processes per CPU core: ceil(nodes / (4 x cores)))")
+                        help="nodes run by one OS process (default auto: the users spread "
+                             "over 4 processes per CPU core, ceil(users / (4 x cores)) each; "
+                             "verifiers and model nodes one per process)")
     devnet.add_argument("--start-timeout", type=float, metavar="S",
                         help="seconds until every user has its paths (default 60 + 1 per node)")
     devnet.add_argument("--json", dest="json_out", metavar="OUT",

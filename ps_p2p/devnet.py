@@ -9,8 +9,8 @@ Processes. Each OS process is a *worker* (``python -m ps_p2p.devnet``) that runs
 ``nodes_per_process`` nodes, each its own :class:`~ps_p2p.node.Node` (its own libp2p host, keys and
 port) in one ``trio.run``: about 97 MB of a node's ~100 MB RSS is imports, which the nodes of one
 worker share. Verifiers, model nodes and users are packed into separate workers (in that order, at
-most ``nodes_per_process`` each; by default :func:`auto_nodes_per_process`: about four workers
-per usable core). The controller talks to a worker over pipes, one JSON object a
+most ``nodes_per_process`` each; by default the users by :func:`auto_nodes_per_process`, about
+four workers per usable core, and the verifiers and model nodes one per process). The controller talks to a worker over pipes, one JSON object a
 line, so it awaits readiness instead of polling files:
 
 * controller -> worker (stdin): first ``{"nodes": [spec, ...], "log_level": ..., ...}`` (a spec
@@ -153,8 +153,10 @@ PROCESSES_PER_CORE = 4
 
 
 def auto_nodes_per_process(nodes: int, cpus: int | None) -> int:
-    """Nodes per worker process when ``--nodes-per-process`` is not given: the nodes spread over
-    about :data:`PROCESSES_PER_CORE` processes per core, ``ceil(nodes / (4 * cpus))``, at least 1.
+    """Nodes per worker process when ``--nodes-per-process`` is not given (the devnet applies it
+    to the users; verifiers and model nodes run one per process, :meth:`DevnetOptions.
+    role_per_process`): the nodes spread over about :data:`PROCESSES_PER_CORE` processes per
+    core, ``ceil(nodes / (4 * cpus))``, at least 1.
 
     Why: a worker is one Python thread, so fewer processes than cores leave cores idle, and
     each process beyond that costs its imports again (~2.5 s of CPU and ~97 MB of a node's
@@ -163,11 +165,10 @@ def auto_nodes_per_process(nodes: int, cpus: int | None) -> int:
     per core rather than one: the roles' loads differ (the verifiers' process is the busiest
     while nodes register, the model nodes' while prompts run), so the OS needs a few runnable
     processes per core to keep every core busy, and each process's trio loop serves fewer
-    nodes in turn. The roles are packed apart, so a small devnet has more processes than this
-    (8 users: 2 per process, 7 processes).
+    nodes in turn.
 
     Args:
-        nodes: nodes of the devnet (verifiers + model nodes + users).
+        nodes: nodes to pack (the devnet's users).
         cpus: usable CPU cores (:func:`usable_cpus`); None or < 1 counts as 1.
     """
     processes = PROCESSES_PER_CORE * max(1, cpus or 1)
@@ -247,9 +248,9 @@ class DevnetOptions:
         prompts: prompt file (see :func:`load_prompts`); :func:`run_devnet` only.
         engine: ``transformers``, ``instant`` (fake engine, answers at once) or ``sim``
             (modelled latencies, :mod:`ps_p2p.engines.sim_engine`).
-        nodes_per_process: nodes per worker process (>= 1); None: the automatic rule,
-            :func:`auto_nodes_per_process` of the node count and :func:`usable_cpus` (see
-            :attr:`per_process`). Model nodes of the ``transformers`` engine always run one
+        nodes_per_process: nodes per worker process (>= 1); None: the automatic rule, the
+            users by :func:`auto_nodes_per_process` of the user count and :func:`usable_cpus`,
+            verifiers and model nodes one per process (:meth:`role_per_process`). Model nodes of the ``transformers`` engine always run one
             per process (each loads its model and generates on the process's one thread).
         shared_prefix: characters of a shared prefix put before every prompt (0: none): the
             prompt set's first prompt repeated up to that length, like a long system prompt or
@@ -287,10 +288,24 @@ class DevnetOptions:
 
     @property
     def per_process(self) -> int:
-        """Nodes per worker process: ``nodes_per_process``, or the automatic rule's choice."""
+        """Users per worker process: ``nodes_per_process``, or the automatic rule's choice for
+        the users (verifiers and model nodes then run one per process: :meth:`role_per_process`)."""
         if self.nodes_per_process is not None:
             return self.nodes_per_process
-        return auto_nodes_per_process(self.nodes, usable_cpus())
+        return auto_nodes_per_process(self.users, usable_cpus())
+
+    def role_per_process(self, role: str) -> int:
+        """Nodes of ``role`` per worker process. Given ``nodes_per_process``, that for every
+        role (but one per process for ``transformers`` model nodes); automatic: the users
+        packed by :func:`auto_nodes_per_process`, verifiers and model nodes one per process.
+        They are few and each serves every other node (registrations, directories, consensus;
+        requests): packed four to a process, the verifiers of a 100-user start shared one
+        core's turn, stopped answering registrations and held the last users back."""
+        if role == "model" and self.engine == "transformers":
+            return 1
+        if self.nodes_per_process is None and role != "user":
+            return 1
+        return self.per_process
 
     @property
     def start_deadline(self) -> float:
@@ -552,9 +567,7 @@ class Devnet:
                     spec["home"] = str(self.workdir / "homes" / name)
             specs.append(spec)
             self._specs[name] = spec
-        per = opts.per_process
-        if role == "model" and opts.engine == "transformers":
-            per = 1
+        per = opts.role_per_process(role)
         for first in range(0, count, per):
             nodes += await self._spawn_worker(specs[first:first + per])
         return nodes
@@ -996,7 +1009,7 @@ async def _devnet(opts: DevnetOptions) -> int:
     print(f"devnet: a committee of {opts.verifiers} verifier(s), "
           f"{opts.models} model nodes ({engine}), "
           f"{opts.users} users, {opts.per_process} node(s) per process"
-          f"{'' if opts.nodes_per_process else ' (auto)'}; "
+          f"{'' if opts.nodes_per_process else ' (auto: users; the others 1)'}; "
           f"{len(prompts)} prompts from {opts.prompts}; "
           f"work dir {opts.workdir or 'temporary (removed at exit)'}", flush=True)
     results: list[dict[str, Any]] = []

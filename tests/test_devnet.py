@@ -310,8 +310,12 @@ def test_auto_nodes_per_process_spreads_the_nodes_over_four_processes_per_core(
 def test_options_use_the_automatic_rule_unless_nodes_per_process_is_given(monkeypatch):
     monkeypatch.setattr("ps_p2p.devnet.usable_cpus", lambda: 2)
 
-    assert DevnetOptions(users=100).per_process == 14
-    assert DevnetOptions(users=100, nodes_per_process=3).per_process == 3
+    auto = DevnetOptions(users=100, engine="instant")
+    assert [auto.role_per_process(r) for r in ("user", "verifier", "model")] == [13, 1, 1]
+    given = DevnetOptions(users=100, engine="instant", nodes_per_process=3)
+    assert [given.role_per_process(r) for r in ("user", "verifier", "model")] == [3, 3, 3]
+    # transformers model nodes each load a model and generate on their process's one thread
+    assert DevnetOptions(nodes_per_process=3).role_per_process("model") == 1
     with pytest.raises(ConfigError, match="--nodes-per-process must be >= 1"):
         DevnetOptions(nodes_per_process=0).validate()
 
@@ -344,13 +348,13 @@ async def test_a_devnet_packs_nodes_by_the_automatic_rule_and_admits_users_in_wa
 ):
     from ps_p2p import devnet
 
-    monkeypatch.setattr(devnet, "usable_cpus", lambda: 1)  # 10 nodes / 4 processes: 3 each
+    monkeypatch.setattr(devnet, "usable_cpus", lambda: 1)  # 8 users / 4 processes: 2 each
     monkeypatch.setattr(devnet, "ADMIT_MIN_WAVE", 4)  # 8 users: 2 waves of 4
     opts = DevnetOptions(engine="instant", users=8, models=1, verifiers=1,
                          workdir=str(tmp_path / "net"), start_timeout=240)
     async with devnet.open_devnet(opts, display=_Quiet()) as net:
         assert [[n.name for n in w.nodes] for w in net.workers] == [
-            ["verifier0"], ["model0"], ["user0", "user1", "user2"], ["user3", "user4", "user5"],
+            ["verifier0"], ["model0"], ["user0", "user1"], ["user2", "user3"], ["user4", "user5"],
             ["user6", "user7"]]
         assert all(u.status.get("ready_paths", 0) >= devnet.READY_PATHS for u in net.users)
         results = await net.send_prompts(
