@@ -10,11 +10,13 @@ Processes. Each OS process is a *worker* (``python -m ps_p2p.devnet``) that runs
 port) in one ``trio.run``: about 97 MB of a node's ~100 MB RSS is imports, which the nodes of one
 worker share. Verifiers, model nodes and users are packed into separate workers (in that order, at
 most ``nodes_per_process`` each; by default the users by :func:`auto_nodes_per_process`, about
-four workers per usable core, and the verifiers and model nodes one per process). The controller talks to a worker over pipes, one JSON object a
-line, so it awaits readiness instead of polling files:
+four workers per usable core, and the verifiers and model nodes one per process). The controller
+talks to a worker over pipes, one JSON object a line, so it awaits readiness instead of polling
+files:
 
 * controller -> worker (stdin): first ``{"nodes": [spec, ...], "log_level": ..., ...}`` (a spec
-  with ``"held": true`` waits), then ``{"start": [name, ...]}`` (start held nodes), ``{"kill": name}`` (stop that node at once, the others run on) or ``{"stop": true}``; EOF on stdin
+  with ``"held": true`` waits), then ``{"start": [name, ...]}`` (start held nodes),
+  ``{"kill": name}`` (stop that node at once, the others run on) or ``{"stop": true}``; EOF on stdin
   (the controller went away, however it died) stops every node of the worker.
 * worker -> controller (its original stdout; fd 1 is pointed at the log): a status line per node
   whenever its directory or ready paths change: ``{"node", "state": "up"|"stopped"|"failed",
@@ -257,8 +259,9 @@ class DevnetOptions:
             (modelled latencies, :mod:`ps_p2p.engines.sim_engine`).
         nodes_per_process: nodes per worker process (>= 1); None: the automatic rule, the
             users by :func:`auto_nodes_per_process` of the user count and :func:`usable_cpus`,
-            verifiers and model nodes one per process (:meth:`role_per_process`). Model nodes of the ``transformers`` engine always run one
-            per process (each loads its model and generates on the process's one thread).
+            verifiers and model nodes one per process (:meth:`role_per_process`). Model nodes
+            of the ``transformers`` engine always run one per process (each loads its model
+            and generates on the process's one thread).
         shared_prefix: characters of a shared prefix put before every prompt (0: none): the
             prompt set's first prompt repeated up to that length, like a long system prompt or
             document every request shares, so model nodes forward requests to the node that
@@ -296,7 +299,8 @@ class DevnetOptions:
     @property
     def per_process(self) -> int:
         """Users per worker process: ``nodes_per_process``, or the automatic rule's choice for
-        the users (verifiers and model nodes then run one per process: :meth:`role_per_process`)."""
+        the users (verifiers and model nodes then run one per process:
+        :meth:`role_per_process`)."""
         if self.nodes_per_process is not None:
             return self.nodes_per_process
         return auto_nodes_per_process(self.users, usable_cpus())
@@ -470,7 +474,8 @@ class Devnet:
         waves = admission_waves(opts.users)
         self.waves = [{"users": [f"user{i}" for i in waves[0]], "started_s": 0.0,
                        "admitted_with_paths": 0, "admitted": 0}]
-        self.users = await self._spawn_group("user", opts.users, boot, held=set().union(*waves[1:]))
+        self.users = await self._spawn_group("user", opts.users, boot,
+                                             held=set().union(*waves[1:]))
         print(f"  {len(self.workers)} processes started; waiting for the directory and the "
               "onion paths" + (f" (users join in {len(waves)} waves of ~{len(waves[0])})"
                                if len(waves) > 1 else "") + "...", flush=True)
