@@ -17,7 +17,7 @@ request an anonymous round trip: S-IDA cloves over 3-hop onion paths) and prints
    sent again, request attempts resent.
 
 Run: ``python benchmarks/bench_devnet.py [--sizes 8,32,64,100] [--engine instant]
-[--nodes-per-process 8]``. The load generator (an httpx client in this process) shares the
+[--nodes-per-process N|auto]`` (default auto, as ``ps-node devnet``). The load generator (an httpx client in this process) shares the
 machine's cores with every node, so on a small machine the numbers are a lower bound of what the
 overlay does when spread over machines.
 """
@@ -114,10 +114,10 @@ async def bench_size(users: int, args: argparse.Namespace) -> dict[str, Any]:
     )
     row: dict[str, Any] = {
         "users": users, "nodes": opts.nodes, "engine": args.engine,
-        "nodes_per_process": args.nodes_per_process,
+        "nodes_per_process": opts.per_process,
     }
     print(f"--- {users} users, {args.models} model nodes, {args.verifiers} verifiers "
-          f"({opts.nodes} nodes, {args.nodes_per_process} per process); start deadline "
+          f"({opts.nodes} nodes, {opts.per_process} per process); start deadline "
           f"{opts.start_deadline:g} s", flush=True)
     try:
         async with open_devnet(opts) as net:
@@ -225,6 +225,10 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _nodes_per_process(text: str) -> int | None:
+    return None if text == "auto" else int(text)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -237,7 +241,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="model folder (engine transformers)")
     p.add_argument("--models", type=int, default=2, help="model nodes (default 2)")
     p.add_argument("--verifiers", type=int, default=4, help="verifiers (default 4)")
-    p.add_argument("--nodes-per-process", type=int, default=8, help="default 8")
+    p.add_argument("--nodes-per-process", type=_nodes_per_process, default=None,
+                   help="a number, or auto (default: the devnet's automatic rule, "
+                        "ceil(nodes / (4 x cores)))")
     p.add_argument("--start-timeout", type=float,
                    help="seconds until ready (default: the devnet's, 60 + 1 per node)")
     p.add_argument("--latency-requests", type=int, default=50,

@@ -249,9 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     devnet.add_argument("--users", type=int, default=8, help="user nodes (default 8)")
     devnet.add_argument("--models", type=int, default=2, help="model nodes (default 2)")
     devnet.add_argument("--verifiers", type=int, default=4, help="verifier nodes (default 4)")
-    devnet.add_argument("--nodes-per-process", type=int, default=1, metavar="N",
-                        help="nodes run by one OS process (default 1; imports are most of a "
-                             "node's memory, so more nodes per process save memory)")
+    devnet.add_argument("--nodes-per-process", type=_nodes_per_process, default=None,
+                        metavar="N|auto",
+                        help="nodes run by one OS process (default auto: the users spread "
+                             "over 4 processes per CPU core, ceil(users / (4 x cores)) each; "
+                             "verifiers and model nodes one per process)")
     devnet.add_argument("--start-timeout", type=float, metavar="S",
                         help="seconds until every user has its paths (default 60 + 1 per node)")
     devnet.add_argument("--json", dest="json_out", metavar="OUT",
@@ -1086,6 +1088,16 @@ def _cmd_devnet(args: argparse.Namespace) -> int:
         start_timeout=args.start_timeout,
     )
     return run_devnet(options)
+
+
+def _nodes_per_process(text: str) -> int | None:
+    """``--nodes-per-process``: a number, or ``auto`` (None: ps_p2p.devnet's automatic rule)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', not {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,13 @@ Processes. Each OS process is a *worker* (``python -m ps_p2p.devnet``) that runs
 ``nodes_per_process`` nodes, each its own :class:`~ps_p2p.node.Node` (its own libp2p host, keys and
 port) in one ``trio.run``: about 97 MB of a node's ~100 MB RSS is imports, which the nodes of one
 worker share. Verifiers, model nodes and users are packed into separate workers (in that order, at
-most ``nodes_per_process`` each). The controller talks to a worker over pipes, one JSON object a
-line, so it awaits readiness instead of polling files:
+most ``nodes_per_process`` each; by default the users by :func:`auto_nodes_per_process`, about
+four workers per usable core, and the verifiers and model nodes one per process). The controller
+talks to a worker over pipes, one JSON object a line, so it awaits readiness instead of polling
+files:
 
-* controller -> worker (stdin): first ``{"nodes": [spec, ...], "log_level": ..., ...}``, then
+* controller -> worker (stdin): first ``{"nodes": [spec, ...], "log_level": ..., ...}`` (a spec
+  with ``"held": true`` waits), then ``{"start": [name, ...]}`` (start held nodes),
   ``{"kill": name}`` (stop that node at once, the others run on) or ``{"stop": true}``; EOF on stdin
   (the controller went away, however it died) stops every node of the worker.
 * worker -> controller (its original stdout; fd 1 is pointed at the log): a status line per node
@@ -28,6 +31,11 @@ Work directory: ``keys/<node>.key``, ``logs/<node>.log`` (that node's log record
 Progress: :attr:`Devnet.progress` counts nodes up, nodes holding the full directory, users with
 their paths and prompts answered and failed; ``ps-node devnet`` shows them live on a terminal
 (``rich``) and as a plain line every 5 s of the start otherwise (:mod:`ps_p2p.devnet_progress`).
+
+Admission waves: from 32 users on, the users start in up to 4 waves (:func:`admission_waves`); a
+wave starts once 3/4 of the users started before it hold their paths, so the dials, handshakes and
+path setups of a start come in bounded bursts instead of all users' at once. The verifiers and model
+nodes start first, all at once.
 
 Start deadline: one deadline for the whole start (verifiers listening, every node holding the full
 directory, every user holding n ready paths); by default 60 s + 1 s per node. When it passes, the
@@ -77,6 +85,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import math
 import os
 import pathlib
 import shutil
@@ -86,7 +95,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +120,12 @@ ENGINES = ("transformers", "instant", "sim")
 PERTURBATIONS = ("none", "kill-relay", "tamper-clove", "kill-verifier", "byzantine-verifier")
 #: ready paths a user needs before the network counts as ready (n, the cloves per request)
 READY_PATHS = 4
+#: floor of a devnet user's probe deadline (``[user] probe_timeout``, 1 s by default, RFC
+#: 6298's floor for a node with a machine of its own): a devnet shares a few cores among
+#: dozens of nodes, where a 3-hop round trip crosses processes that each wait their turn for a
+#: core, and 1 s suspended a path at every load spike (a 100-user start on 2 loaded cores:
+#: 984 suspensions, users' ready paths going up and down instead of up)
+PROBE_TIMEOUT_FLOOR = 3.0
 #: seconds the workers get to stop after being told to, before SIGKILL
 STOP_GRACE = 8.0
 #: seconds a node killed inside its worker gets to close its connections
@@ -133,6 +155,65 @@ def describe_exception(exc: BaseException) -> str:
 
 class DevnetError(PsError):
     """The devnet could not start (a deadline passed, a node failed) or lost a node it needed."""
+
+
+#: worker processes per CPU core that the automatic rule aims at (:func:`auto_nodes_per_process`)
+PROCESSES_PER_CORE = 4
+
+
+def auto_nodes_per_process(nodes: int, cpus: int | None) -> int:
+    """Nodes per worker process when ``--nodes-per-process`` is not given (the devnet applies it
+    to the users; verifiers and model nodes run one per process, :meth:`DevnetOptions.
+    role_per_process`): the nodes spread over about :data:`PROCESSES_PER_CORE` processes per
+    core, ``ceil(nodes / (4 * cpus))``, at least 1.
+
+    Why: a worker is one Python thread, so fewer processes than cores leave cores idle, and
+    each process beyond that costs its imports again (~2.5 s of CPU and ~97 MB of a node's
+    ~100 MB RSS) without adding CPU. Measured on 2 cores (benchmarks/README.md, "Devnet scale"):
+    100 users one node per process spent their first ~130 s importing 106 processes. Four
+    per core rather than one: the roles' loads differ (the verifiers' process is the busiest
+    while nodes register, the model nodes' while prompts run), so the OS needs a few runnable
+    processes per core to keep every core busy, and each process's trio loop serves fewer
+    nodes in turn.
+
+    Args:
+        nodes: nodes to pack (the devnet's users).
+        cpus: usable CPU cores (:func:`usable_cpus`); None or < 1 counts as 1.
+    """
+    processes = PROCESSES_PER_CORE * max(1, cpus or 1)
+    return max(1, -(-nodes // processes))
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under ``taskset``), else
+    :func:`os.cpu_count`, at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+#: users of the first admission wave at least (a 3-hop path with distinct relays and proxies
+#: needs a dozen users to choose from; below this many users all start at once)
+ADMIT_MIN_WAVE = 16
+#: admission waves of users at most (:func:`admission_waves`)
+ADMIT_WAVES = 4
+#: share of the admitted users that must hold their paths before the next wave starts
+ADMIT_READY_SHARE = 0.75
+
+
+def admission_waves(users: int) -> list[list[int]]:
+    """The user indices of each admission wave: the users start in waves (a wave joins when
+    :data:`ADMIT_READY_SHARE` of the users already started hold their paths), so the connection
+    and path-setup burst of a start is bounded instead of every user dialling at once.
+
+    ``users // ADMIT_MIN_WAVE`` waves (so each has at least 16 users), at least 1 and at most
+    :data:`ADMIT_WAVES`; user ``i`` is in wave ``i % waves``, so each worker process (which holds
+    consecutive users) has users in every wave and the work of a wave spreads over all
+    processes. One wave (all at once) below 32 users.
+    """
+    waves = max(1, min(ADMIT_WAVES, users // ADMIT_MIN_WAVE))
+    return [list(range(w, users, waves)) for w in range(waves)]
 
 
 def default_start_timeout(nodes: int) -> float:
@@ -176,7 +257,11 @@ class DevnetOptions:
         prompts: prompt file (see :func:`load_prompts`); :func:`run_devnet` only.
         engine: ``transformers``, ``instant`` (fake engine, answers at once) or ``sim``
             (modelled latencies, :mod:`ps_p2p.engines.sim_engine`).
-        nodes_per_process: nodes per worker process (>= 1).
+        nodes_per_process: nodes per worker process (>= 1); None: the automatic rule, the
+            users by :func:`auto_nodes_per_process` of the user count and :func:`usable_cpus`,
+            verifiers and model nodes one per process (:meth:`role_per_process`). Model nodes
+            of the ``transformers`` engine always run one per process (each loads its model
+            and generates on the process's one thread).
         shared_prefix: characters of a shared prefix put before every prompt (0: none): the
             prompt set's first prompt repeated up to that length, like a long system prompt or
             document every request shares, so model nodes forward requests to the node that
@@ -204,12 +289,34 @@ class DevnetOptions:
     log_level: str = "INFO"
     start_timeout: float | None = None
     engine: str = "transformers"
-    nodes_per_process: int = 1
+    nodes_per_process: int | None = None
     shared_prefix: int = 0
 
     @property
     def nodes(self) -> int:
         return self.verifiers + self.models + self.users
+
+    @property
+    def per_process(self) -> int:
+        """Users per worker process: ``nodes_per_process``, or the automatic rule's choice for
+        the users (verifiers and model nodes then run one per process:
+        :meth:`role_per_process`)."""
+        if self.nodes_per_process is not None:
+            return self.nodes_per_process
+        return auto_nodes_per_process(self.users, usable_cpus())
+
+    def role_per_process(self, role: str) -> int:
+        """Nodes of ``role`` per worker process. Given ``nodes_per_process``, that for every
+        role (but one per process for ``transformers`` model nodes); automatic: the users
+        packed by :func:`auto_nodes_per_process`, verifiers and model nodes one per process.
+        They are few and each serves every other node (registrations, directories, consensus;
+        requests): packed four to a process, the verifiers of a 100-user start shared one
+        core's turn, stopped answering registrations and held the last users back."""
+        if role == "model" and self.engine == "transformers":
+            return 1
+        if self.nodes_per_process is None and role != "user":
+            return 1
+        return self.per_process
 
     @property
     def start_deadline(self) -> float:
@@ -226,7 +333,7 @@ class DevnetOptions:
             raise ConfigError(f"unknown engine {self.engine!r}; choose from {', '.join(ENGINES)}")
         if self.perturb not in PERTURBATIONS:
             raise ConfigError(f"unknown perturbation {self.perturb!r}")
-        if self.nodes_per_process < 1:
+        if self.nodes_per_process is not None and self.nodes_per_process < 1:
             raise ConfigError("--nodes-per-process must be >= 1")
         if self.perturb in ("kill-verifier", "byzantine-verifier") and self.verifiers < 4:
             raise ConfigError(f"--perturb {self.perturb} needs --verifiers >= 4 (a committee "
@@ -328,6 +435,10 @@ class Devnet:
         self.models: list[DevnetNode] = []
         self.users: list[DevnetNode] = []
         self.ready_s: float | None = None
+        #: the users' admission waves (:func:`admission_waves`): ``users`` (names),
+        #: ``started_s`` (seconds after the start), ``admitted_with_paths`` of ``admitted``
+        #: (users started before it, and how many of them held their paths then)
+        self.waves: list[dict[str, Any]] = []
         #: the committee's genesis file (written at the start)
         self.genesis_path: pathlib.Path | None = None
         self._verifier_addrs: list[str] = []
@@ -360,9 +471,36 @@ class Devnet:
         )
         boot = [n.status["listen"][0] for n in self.verifiers]
         self.models = await self._spawn_group("model", opts.models, boot)
-        self.users = await self._spawn_group("user", opts.users, boot)
+        waves = admission_waves(opts.users)
+        self.waves = [{"users": [f"user{i}" for i in waves[0]], "started_s": 0.0,
+                       "admitted_with_paths": 0, "admitted": 0}]
+        self.users = await self._spawn_group("user", opts.users, boot,
+                                             held=set().union(*waves[1:]))
         print(f"  {len(self.workers)} processes started; waiting for the directory and the "
-              "onion paths...", flush=True)
+              "onion paths" + (f" (users join in {len(waves)} waves of ~{len(waves[0])})"
+                               if len(waves) > 1 else "") + "...", flush=True)
+        for number in range(1, len(waves)):
+            # the next wave joins once most users already admitted hold their paths
+            admitted = [self.users[i] for wave in waves[:number] for i in wave]
+            await self._wait(
+                admitted,
+                lambda n: None if n.status.get("ready_paths", 0) >= READY_PATHS
+                else f"{n.status.get('ready_paths', 0)}/{READY_PATHS} ready paths",
+                f"wave {number} of {len(waves)} of the users to get their paths", deadline, what,
+                enough=max(1, math.ceil(ADMIT_READY_SHARE * len(admitted))),
+            )
+            self.waves.append({
+                "users": [self.users[i].name for i in waves[number]],
+                "started_s": round(trio.current_time() - started, 1),
+                "admitted_with_paths": sum(
+                    1 for n in admitted if n.status.get("ready_paths", 0) >= READY_PATHS),
+                "admitted": len(admitted),
+            })
+            for worker in self.workers:
+                names = [self.users[i].name for i in waves[number]
+                         if self.users[i].worker is worker]
+                if names:
+                    await worker.send({"start": names})
 
         def directory_lacks(node: DevnetNode) -> str | None:
             d = node.status.get("directory")
@@ -408,7 +546,11 @@ class Devnet:
         path.write_text(genesis_json(genesis, _devnet_consensus(), names))
         return path
 
-    async def _spawn_group(self, role: str, count: int, boot: list[str]) -> list[DevnetNode]:
+    async def _spawn_group(
+        self, role: str, count: int, boot: list[str], held: Collection[int] = ()
+    ) -> list[DevnetNode]:
+        """Start the workers of ``count`` nodes of ``role``; nodes whose index is in ``held``
+        wait in their worker for a ``{"start": [names]}`` line (admission waves)."""
         opts = self.opts
         nodes: list[DevnetNode] = []
         specs: list[dict[str, Any]] = []
@@ -424,6 +566,7 @@ class Devnet:
                 "tamper": role == "user" and opts.perturb == "tamper-clove" and i == count - 1,
                 "byzantine": (role == "verifier" and opts.perturb == "byzantine-verifier"
                               and i == count - 1),
+                "held": i in held,
             }
             if role == "model":
                 spec["group_key"] = self._group_key
@@ -436,7 +579,7 @@ class Devnet:
                     spec["home"] = str(self.workdir / "homes" / name)
             specs.append(spec)
             self._specs[name] = spec
-        per = opts.nodes_per_process
+        per = opts.role_per_process(role)
         for first in range(0, count, per):
             nodes += await self._spawn_worker(specs[first:first + per])
         return nodes
@@ -520,8 +663,11 @@ class Devnet:
         what: str,
         deadline: float,
         hint: str,
+        *,
+        enough: int | None = None,
     ) -> None:
-        """Wait until ``lacks(node)`` is None for every node (status lines wake it up).
+        """Wait until ``lacks(node)`` is None for every node, or for ``enough`` of them (status
+        lines wake it up).
 
         Raises:
             DevnetError: a node failed or its worker exited, or ``deadline`` (trio time) passed;
@@ -534,7 +680,7 @@ class Devnet:
                     raise DevnetError(self._failure(node))
             pending = [(n, lacks(n)) for n in nodes]
             pending = [(n, why) for n, why in pending if why is not None]
-            if not pending:
+            if len(nodes) - len(pending) >= (len(nodes) if enough is None else enough):
                 return
             now = trio.current_time()
             if now >= deadline:
@@ -874,7 +1020,8 @@ async def _devnet(opts: DevnetOptions) -> int:
                             else " engine")
     print(f"devnet: a committee of {opts.verifiers} verifier(s), "
           f"{opts.models} model nodes ({engine}), "
-          f"{opts.users} users, {opts.nodes_per_process} node(s) per process; "
+          f"{opts.users} users, {opts.per_process} node(s) per process"
+          f"{'' if opts.nodes_per_process else ' (auto: users; the others 1)'}; "
           f"{len(prompts)} prompts from {opts.prompts}; "
           f"work dir {opts.workdir or 'temporary (removed at exit)'}", flush=True)
     results: list[dict[str, Any]] = []
@@ -1227,9 +1374,13 @@ class _WorkerProcess:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write_statuses)
             nursery.start_soon(self._stop_on_sigterm, nursery.cancel_scope)
+            held: dict[str, dict[str, Any]] = {}
             for spec in setup["nodes"]:
                 self._scopes[spec["name"]] = trio.CancelScope()
-                nursery.start_soon(self._run_node, spec, setup)
+                if spec.get("held"):  # started by a later {"start": name} (admission waves)
+                    held[spec["name"]] = spec
+                else:
+                    nursery.start_soon(self._run_node, spec, setup)
             async for line in lines:
                 try:
                     command = json.loads(line)
@@ -1238,6 +1389,9 @@ class _WorkerProcess:
                     continue
                 if command.get("stop"):
                     break
+                for name in command.get("start", ()):
+                    if name in held:
+                        nursery.start_soon(self._run_node, held.pop(name), setup)
                 if command.get("kill") in self._scopes:
                     nursery.start_soon(self._kill, command["kill"])
             nursery.cancel_scope.cancel()  # stop, or EOF: the controller is gone
@@ -1320,6 +1474,7 @@ class _WorkerProcess:
                     block_interval=1.0,
                 )
                 config.forwarding.group_key = spec.get("group_key", "")
+                config.user.probe_timeout = PROBE_TIMEOUT_FLOOR
                 async with trio.open_nursery() as nursery:
                     node = await nursery.start(Node(config, keys, engine).run)
                     self._nodes[name] = node
@@ -1352,7 +1507,9 @@ class _WorkerProcess:
         )
 
     async def _report(self, node: Any, base: dict[str, Any]) -> None:
-        """Emit the node's status now and whenever its directory or path pool changes."""
+        """Emit the node's status now and whenever its directory or path pool changes (the
+        directory's height alone, which an idle committee raises every second, is sent with
+        the next line that has news, not on its own: 100 nodes would send 100 lines a second)."""
         last = None
         while True:
             d = node.directory
@@ -1375,9 +1532,9 @@ class _WorkerProcess:
                 tree = node.forwarding.tree
                 status["forwarding"] = {"peer_entries": sum(
                     tree.entries(p) for p in tree.peers() if p != node.peer_id)}
-            if status != last:
+            if _without_height(status) != last:
                 self._emit(status)
-                last = status
+                last = _without_height(status)
             waits = [node.wait_directory_update]
             if node.user is not None:
                 waits.append(node.user.wait_changed)
@@ -1386,6 +1543,14 @@ class _WorkerProcess:
             async with trio.open_nursery() as race:
                 for wait in waits:
                     race.start_soon(_then_cancel, wait, race.cancel_scope)
+
+
+def _without_height(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` without its directory's height (what decides whether a line is news)."""
+    if not status.get("directory"):
+        return status
+    return {**status, "directory": {k: v for k, v in status["directory"].items()
+                                    if k != "height"}}
 
 
 async def _then_cancel(fn: Callable[[], Any], scope: trio.CancelScope) -> None:

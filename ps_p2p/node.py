@@ -40,7 +40,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -118,6 +118,8 @@ VERIFIER_SUSPECT_SECONDS = 10.0
 #: Directory rounds in a row with no verifier answering before a node given ``--genesis`` asks
 #: its bootstrap peers outside that genesis which chain they serve (:meth:`Node._check_chain`).
 CHAIN_CHECK_AFTER = 3
+#: model nodes a user dials once it holds its paths (:meth:`Node._warm_model_links`)
+WARM_MODEL_LINKS = 4
 #: Most seconds between directory rounds while no verifier answers (then 30 s once the
 #: bootstrap peers turned out to serve another chain).
 REFRESH_BACKOFF_MAX = 4.0
@@ -150,6 +152,31 @@ def directory_refresh_delay(
     if head_ttl is not None:
         delay = min(delay, head_ttl / 2)
     return max(0.1, delay)
+
+
+def directory_news(old: Directory | None, new: Directory, changed: Sequence[NodeRecord]) -> bool:
+    """Whether a directory refresh brought news, so the next one comes soon
+    (:func:`directory_refresh_delay`): the first directory, another number of records, or a
+    record in ``changed`` (the delta's records, or every record of a new list) that is new or
+    says something else than the held one (addresses, roles, keys, model, capacity).
+
+    No news: a higher height alone (an idle committee commits an empty block every
+    ``block_interval``, 1 s in ``ps-node devnet``) or renewals (the same record with a later
+    lifetime: a network of N nodes renews N/30 records a second, so past ~30 nodes every
+    refresh brought one). Counting those kept every node refreshing every second, N fetches a
+    second that each grow with N.
+    """
+    if old is None or len(old.records) != len(new.records):
+        return True
+    return any(_record_news(old.record(r.peer_id), r) for r in changed)
+
+
+def _record_news(held: NodeRecord | None, record: NodeRecord) -> bool:
+    """``record`` is new, or differs from ``held`` in more than its lifetime and signature."""
+    return held is None or (held.addrs, held.roles, held.onion_key, held.model_id,
+                            held.organization, held.capacity, held.membership) != (
+        record.addrs, record.roles, record.onion_key, record.model_id, record.organization,
+        record.capacity, record.membership)
 
 
 class _DisconnectNotifee(QuietNotifee):
@@ -502,6 +529,7 @@ class Node:
                     on_first_token=self.metrics.time_to_first_token.observe,
                 )
                 await nursery.start(self.user.run)
+                nursery.start_soon(self._warm_model_links)
             if self.consensus is not None:
                 await self._start_epochs(nursery)
             nursery.start_soon(self._directory_loop)
@@ -1112,6 +1140,34 @@ class Node:
             head_ttl=head_ttl,
         )
 
+    async def _warm_model_links(self) -> None:
+        """User role: once this node holds its n paths, dial up to :data:`WARM_MODEL_LINKS`
+        model nodes of the directory (at random, one at a time, those not connected yet), so
+        the first clove it delivers as another user's proxy does not wait for a connection
+        (TCP, Noise, Yamux and identify: several round trips). In a 100-user devnet on 2 loaded
+        cores every user's first request took 450 ms (median) against 72 ms for later ones,
+        the proxies' first deliveries dialling the model node. Once per node run."""
+        assert self.host is not None and self.user is not None
+        while True:
+            try:
+                await self.user.wait_ready(timeout=60.0)
+                break
+            except PsError:
+                continue
+        while self.directory is None or not self.directory.model_nodes():
+            await self.wait_directory_update()
+        models = [r.peer_id for r in self.directory.model_nodes()]
+        network = self.host.get_network()
+        for peer in self.rng.sample(models, min(WARM_MODEL_LINKS, len(models))):
+            if network.get_connections(ID(peer)):
+                continue
+            with trio.move_on_after(10.0):
+                try:
+                    await network.dial_peer(ID(peer))
+                except Exception as exc:  # a cold link is only slower: the proxy dials later
+                    log.debug("warming the link to model node %s: %s",
+                              ID(peer).to_base58()[-8:], exc)
+
     async def _ensure_connected(self, peer: bytes) -> bool:
         assert self.host is not None
         if self.host.get_network().get_connections(ID(peer)):
@@ -1206,7 +1262,7 @@ class Node:
             listed = {r.peer_id for r in directory.records}
             self._record_addrs = {p: a for p, a in self._record_addrs.items() if p in listed}
             forget_record_circuits(self.host, listed)
-        if old is None or old.height != directory.height or len(old.records) != len(directory.records):
+        if directory_news(old, directory, changed):
             self._directory_changed_at = trio.current_time()
             self._quiet_refreshes = 0
         else:

@@ -855,3 +855,22 @@ async def test_a_record_with_a_field_over_its_limit_is_refused_naming_it_on_the_
     with pytest.raises(RemoteProtocolError, match="registration refused.*organization"):
         await register_with_committee(one.host, one.verifier, too_long)
     assert (one.service.refused, one.service.reset) == (1, 0)  # an answer, not a reset
+
+
+def test_a_refresh_that_brought_only_a_height_or_renewals_is_no_news():
+    import dataclasses
+
+    from ps_p2p.node import directory_news
+    from ps_p2p.records import Directory
+
+    records = [record(i) for i in range(1, 4)]
+    held = Directory(10, T0, T0 + HOUR, tuple(records[:2]))
+    renewed = record(2, issued=T0 + 30 * SECOND)
+    moved = dataclasses.replace(renewed, addrs=("/ip4/10.0.0.99/tcp/4001",))
+
+    assert directory_news(None, held, held.records)  # the first directory
+    assert not directory_news(held, Directory(11, T0, T0 + HOUR, held.records), ())  # empty block
+    assert not directory_news(held, Directory(12, T0, T0 + HOUR, (records[0], renewed)),
+                              (renewed,))  # a renewal: a later lifetime only
+    assert directory_news(held, Directory(12, T0, T0 + HOUR, (records[0], moved)), (moved,))
+    assert directory_news(held, Directory(13, T0, T0 + HOUR, tuple(records)), (records[2],))

@@ -25,6 +25,7 @@ from ps_p2p.devnet import (
     shared_dir,
     work_directory,
 )
+from ps_p2p.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -290,3 +291,85 @@ def test_a_node_failure_names_the_errors_inside_trio_exception_groups():
     many = ExceptionGroup("n", [ValueError(str(i)) for i in range(5)])
     assert describe_exception(many) == "ValueError: 0; ValueError: 1; ValueError: 2 (and 2 more)"
     assert describe_exception(KeyError("k")) == "KeyError: 'k'"
+
+
+@pytest.mark.parametrize(
+    "nodes, cpus, expected",
+    [(14, 2, 2), (106, 2, 14), (206, 2, 26), (106, 16, 2), (5, 16, 1), (10, None, 3), (9, 0, 3)],
+    ids=["8-users-2-cores", "100-users-2-cores", "200-users-2-cores", "100-users-16-cores",
+         "fewer-nodes-than-processes", "cpus-unknown", "cpus-zero"],
+)
+def test_auto_nodes_per_process_spreads_the_nodes_over_four_processes_per_core(
+    nodes, cpus, expected
+):
+    from ps_p2p.devnet import auto_nodes_per_process
+
+    assert auto_nodes_per_process(nodes, cpus) == expected
+
+
+def test_options_use_the_automatic_rule_unless_nodes_per_process_is_given(monkeypatch):
+    monkeypatch.setattr("ps_p2p.devnet.usable_cpus", lambda: 2)
+
+    auto = DevnetOptions(users=100, engine="instant")
+    assert [auto.role_per_process(r) for r in ("user", "verifier", "model")] == [13, 1, 1]
+    given = DevnetOptions(users=100, engine="instant", nodes_per_process=3)
+    assert [given.role_per_process(r) for r in ("user", "verifier", "model")] == [3, 3, 3]
+    # transformers model nodes each load a model and generate on their process's one thread
+    assert DevnetOptions(nodes_per_process=3).role_per_process("model") == 1
+    with pytest.raises(ConfigError, match="--nodes-per-process must be >= 1"):
+        DevnetOptions(nodes_per_process=0).validate()
+
+
+@pytest.mark.parametrize("text, expected", [("auto", None), ("6", 6)])
+def test_the_nodes_per_process_flag_takes_a_number_or_auto(text, expected):
+    from ps_p2p.cli import build_parser
+
+    args = build_parser().parse_args(["devnet", "--nodes-per-process", text])
+    assert args.nodes_per_process == expected
+    assert build_parser().parse_args(["devnet"]).nodes_per_process is None  # auto by default
+
+
+@pytest.mark.parametrize("users, sizes", [(8, [8]), (31, [31]), (32, [16, 16]),
+                                          (100, [25, 25, 25, 25]), (200, [50] * 4)])
+def test_users_join_in_at_most_four_interleaved_waves_of_at_least_sixteen(users, sizes):
+    from ps_p2p.devnet import admission_waves
+
+    waves = admission_waves(users)
+
+    assert [len(w) for w in waves] == sizes
+    assert sorted(i for w in waves for i in w) == list(range(users))
+    # consecutive users (one worker process) are spread over the waves
+    assert all(i % len(waves) == n for n, w in enumerate(waves) for i in w)
+
+
+@pytest.mark.slow
+async def test_a_devnet_packs_nodes_by_the_automatic_rule_and_admits_users_in_waves(
+    monkeypatch, tmp_path
+):
+    from ps_p2p import devnet
+
+    monkeypatch.setattr(devnet, "usable_cpus", lambda: 1)  # 8 users / 4 processes: 2 each
+    monkeypatch.setattr(devnet, "ADMIT_MIN_WAVE", 4)  # 8 users: 2 waves of 4
+    opts = DevnetOptions(engine="instant", users=8, models=1, verifiers=1,
+                         workdir=str(tmp_path / "net"), start_timeout=240)
+    async with devnet.open_devnet(opts, display=_Quiet()) as net:
+        assert [[n.name for n in w.nodes] for w in net.workers] == [
+            ["verifier0"], ["model0"], ["user0", "user1"], ["user2", "user3"], ["user4", "user5"],
+            ["user6", "user7"]]
+        assert all(u.status.get("ready_paths", 0) >= devnet.READY_PATHS for u in net.users)
+        results = await net.send_prompts(
+            [devnet.Prompt(str(i), f"Once upon a time {i}") for i in range(4)],
+            concurrency=4, timeout=60)
+    assert all(r["ok"] and r["signature_valid"] for r in results), results
+    # the second wave started (by a control line to each worker) once the first had its paths
+    first, second = net.waves
+    assert first["users"] == ["user0", "user2", "user4", "user6"]
+    assert second["users"] == ["user1", "user3", "user5", "user7"]
+    assert second["admitted"] == 4 and second["admitted_with_paths"] >= 3  # 3/4 of 4
+
+
+class _Quiet:
+    async def run(self, progress):  # a Display that shows nothing
+        import trio
+
+        await trio.sleep_forever()
