@@ -26,6 +26,7 @@ from ps_p2p.overlay.circuit_limits import (
     OVER_LIMIT,
     CircuitRelayConfig,
     ReservationBook,
+    circuit_only_relays,
     circuit_relays,
     rank_relays,
 )
@@ -119,6 +120,16 @@ def test_the_relays_of_a_records_circuit_addresses_are_read_from_it():
     direct = multiaddr_bytes("/ip4/10.0.0.2/tcp/4001")
     assert circuit_relays([circuit, direct]) == {relay.peer_id}
     assert circuit_relays([direct]) == frozenset()
+
+
+def test_only_a_record_without_a_direct_address_is_reached_through_its_relays():
+    """What the overlay's setup deadlines count as a relayed hop (``RelayConfig``)."""
+    relay = Identity.generate()
+    circuit = multiaddr_bytes(f"/ip4/10.0.0.1/tcp/4001/p2p/{relay.peer_id_str}/p2p-circuit")
+    direct = multiaddr_bytes("/ip4/10.0.0.2/tcp/4001")
+    assert circuit_only_relays([circuit]) == {relay.peer_id}
+    assert circuit_only_relays([circuit, direct]) == frozenset()
+    assert circuit_only_relays([]) == frozenset()
 
 
 def test_a_path_never_has_a_hop_as_another_hops_relay_host():
