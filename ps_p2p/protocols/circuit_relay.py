@@ -18,7 +18,10 @@ its own it can only ask. With this module it takes every role of a user (issue 2
   ``[circuit_relay] reservations`` (2) reservations on distinct relays, chosen among the
   directory's verifiers and public users (never model nodes: a model node that also carried a
   user's first link could match the cells it relays with the cloves it receives as the
-  destination), renews each at half its lifetime and replaces one whose connection closed; its
+  destination), renews each at half its lifetime, replaces one whose connection closed, and
+  pings the relays every 10 s: one silent for :data:`HOP_TIMEOUT` has its connection closed
+  (and when every relay is silent, this node's address changed, e.g. a NAT remap: every
+  connection silent since is closed, :meth:`ReservationKeeper.check_alive`); its
   record then lists ``<relay address>/p2p/<relay>/p2p-circuit`` for each instead of its
   listen addresses (:meth:`ReservationKeeper.advertised`).
 * **Dialling a NATed peer** (:func:`dial_circuit`, installed as the last resort of
@@ -46,6 +49,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,7 +74,7 @@ from ps_p2p.overlay.circuit_limits import (
     ReservationBook,
     rank_relays,
 )
-from ps_p2p.protocols.host import is_connected, peer_network
+from ps_p2p.protocols.host import is_connected, last_heard, peer_network
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,12 @@ _READ_SIZE = 64 * 1024
 #: carries streams; it is closed once it carries none.
 RELAY_IDLE_CHECK = 10.0
 #: AutoNAT requests a public node serves at once (each may cost one dial back).
+#: Seconds between a private node's liveness pings of its reservations' relays
+#: (:meth:`ReservationKeeper.check_alive`); each may take :data:`HOP_TIMEOUT`.
+RESERVATION_CHECK_INTERVAL = 10.0
+#: libp2p's ping protocol (served by every py-libp2p ``BasicHost``) and its payload size.
+PING_PROTOCOL_ID = "/ipfs/ping/1.0.0"
+PING_BYTES = 32
 AUTONAT_CONCURRENCY = 4
 
 
@@ -304,6 +315,42 @@ async def dial_circuit(host: IHost, addr: multiaddr.Multiaddr, peer: ID,
     return conn
 
 
+async def ping(host: IHost, peer: ID, timeout: float = HOP_TIMEOUT) -> bool:
+    """One libp2p ping (``/ipfs/ping/1.0.0``: ``PING_BYTES`` random bytes echoed) to ``peer``
+    within ``timeout`` seconds; False on no answer, a wrong echo or any stream error."""
+    payload = os.urandom(PING_BYTES)
+    try:
+        with trio.fail_after(timeout):
+            stream = await host.new_stream(peer, [PING_PROTOCOL_ID])
+            try:
+                await stream.write(payload)
+                echo = b""
+                while len(echo) < PING_BYTES:
+                    chunk = await stream.read(PING_BYTES - len(echo))
+                    if not chunk:
+                        return False
+                    echo += chunk
+            finally:
+                with trio.move_on_after(1):
+                    try:
+                        await stream.close()
+                    except Exception:
+                        pass
+    except Exception:
+        return False
+    return echo == payload
+
+
+async def _close_peer(host: IHost, peer: ID) -> None:
+    """Close every connection of ``host`` to ``peer`` (at most 5 s each)."""
+    for conn in list(host.get_network().get_connections(peer)):
+        with trio.move_on_after(5):
+            try:
+                await conn.close()
+            except Exception as exc:
+                log.debug("closing the connection to %s: %r", peer, exc)
+
+
 def is_relayed(conn: Any) -> bool:
     """Whether a swarm connection runs through a relay (``/p2p-circuit``)."""
     try:
@@ -403,6 +450,7 @@ class ReservationKeeper:
         self.candidates = candidates
         self._held: dict[bytes, tuple[float, str]] = {}  # relay -> (renew at, relay address)
         self._failed: dict[bytes, float] = {}  # relay -> retry not before
+        self._checked = -math.inf  # when the relays were last pinged
 
     def advertised(self) -> list[str]:
         """The circuit addresses this node's record lists (one per reservation held)."""
@@ -415,6 +463,9 @@ class ReservationKeeper:
         appeared (the directory fills after a node starts) replaces the worst held one, so the
         private nodes do not all stay on the first public nodes they saw."""
         now = trio.current_time()
+        if now - self._checked >= RESERVATION_CHECK_INTERVAL:
+            self._checked = now
+            await self.check_alive()
         for relay in list(self._held):
             if not is_connected(self.host, relay):
                 log.info("reservation on %s lost (connection closed)", ID(relay))
@@ -446,6 +497,55 @@ class ReservationKeeper:
             del self._held[worse]
         for relay in [r for r, t in self._failed.items() if t <= now]:
             del self._failed[relay]
+
+    async def check_alive(self) -> list[bytes]:
+        """Ping every held reservation's relay (libp2p ping, :data:`HOP_TIMEOUT` each, at once);
+        close the connections of those that do not answer, so their reservations are dropped
+        and taken again on a fresh dial. When none answers, this node's own address changed
+        (its NAT took a new public IP or mapping: every connection it had died at once, and TCP
+        says nothing to either end) or its uplink failed: every connection that read nothing
+        while the pings were out is closed too, so the overlay rebuilds its paths and links on
+        fresh dials from the new address at once instead of after the keepalive (up to
+        ``KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT`` = 60 s of silence, :mod:`ps_p2p.protocols.host`).
+        A relay that is slow but alive answers within :data:`HOP_TIMEOUT`, the bound every
+        relay exchange here already has. Returns the relays found silent."""
+        held = list(self._held)
+        if not held:
+            return []
+        sent = trio.current_time()
+        alive: dict[bytes, bool] = {}
+
+        async def check(relay: bytes) -> None:
+            alive[relay] = await ping(self.host, ID(relay))
+
+        async with trio.open_nursery() as nursery:
+            for relay in held:
+                nursery.start_soon(check, relay)
+        silent = [r for r in held if not alive.get(r)]
+        if not silent:
+            return []
+        for relay in silent:
+            log.info("reservation on %s: relay silent for %.0f s, its connection closed",
+                     ID(relay), HOP_TIMEOUT)
+            self._held.pop(relay, None)
+            await _close_peer(self.host, ID(relay))
+        if len(silent) == len(held):
+            stale = []
+            for peer, conns in list(self.host.get_network().get_connections_map().items()):
+                for conn in conns:
+                    heard = last_heard(conn)
+                    if heard is None or heard < sent:
+                        stale.append((peer, conn))
+            log.warning("no relay of this node's %d reservations answered: its address changed "
+                        "or its uplink failed; %d silent connections closed", len(held),
+                        len(stale))
+            for _, conn in stale:
+                with trio.move_on_after(5):
+                    try:
+                        await conn.close()
+                    except Exception as exc:
+                        log.debug("closing a silent connection: %r", exc)
+        return silent
 
     async def _reserve(self, relay: bytes, addr: str) -> bool:
         now = trio.current_time()
@@ -669,6 +769,7 @@ __all__ = [
     "AUTONAT_GRACE",
     "HOP_TIMEOUT",
     "PINNED_LIBP2P",
+    "RESERVATION_CHECK_INTERVAL",
     "AutoNATServer",
     "NatSupport",
     "Reachability",
@@ -678,6 +779,7 @@ __all__ = [
     "dial_circuit",
     "is_relayed",
     "parse_circuit",
+    "ping",
     "relay_candidates",
     "reserve",
 ]
