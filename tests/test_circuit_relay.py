@@ -35,6 +35,7 @@ from ps_p2p.protocols.addresses import install_circuit_dialing, note_record_circ
 from ps_p2p.protocols.circuit_relay import (
     RelayServer,
     ReservationKeeper,
+    StaleConnectionCloser,
     circuit_multiaddr,
     is_relayed,
     ping,
@@ -481,3 +482,35 @@ async def test_a_live_relay_answers_the_keepers_ping():
             open_host(Identity.generate(), LOOP) as nat:
         nat.get_peerstore().add_addrs(relay.get_id(), [_bare(listen_multiaddrs(relay)[0])], 0)
         assert await ping(nat, relay.get_id())
+
+
+class _PeerConn(_Conn):
+    def __init__(self, peer: ID, heard: float | None, relayed: bool = False) -> None:
+        super().__init__(heard if heard is not None else 0.0)
+        if heard is None:
+            del self.muxed_conn.secured_conn._ps_last_read
+        self.muxed_conn.peer_id = peer
+        self.relayed = relayed
+
+    def get_transport_addresses(self) -> list[str]:
+        return ["/ip4/10.0.0.9/tcp/1/p2p/QmRelay/p2p-circuit"] if self.relayed else ["/ip4/10.0.0.9/tcp/1"]
+
+
+@pytest.mark.parametrize("old_heard, old_relayed, new_relayed, closed", [
+    (-10.0, False, False, True),  # silent 10 s, the peer dialled anew: dead (its NAT remapped)
+    (-1.0, False, False, False),  # heard 1 s ago: both ends dialled at once, alive
+    (-10.0, True, False, False),  # a relayed one a DCUtR upgrade replaces: closed once idle
+    (-10.0, False, True, False),  # a new relayed connection proves nothing about the old
+])
+async def test_a_peer_that_connects_anew_has_its_silent_old_connection_closed(
+        old_heard, old_relayed, new_relayed, closed, autojump_clock):
+    """Issue 20: a NATed node that redials after its NAT remap got its new streams opened on
+    the dead old connection (py-libp2p picks the one with the most streams) until the
+    keepalive closed it, up to 60 s later."""
+    peer = _pid(7)
+    old = _PeerConn(peer, old_heard, old_relayed)
+    new = _PeerConn(peer, 0.0, new_relayed)
+    network = _Network({peer: [old, new]})
+    async with trio.open_nursery() as nursery:
+        await StaleConnectionCloser(nursery).connected(network, new)
+    assert old.closed is closed and not new.closed

@@ -75,6 +75,7 @@ from ps_p2p.overlay.circuit_limits import (
     rank_relays,
 )
 from ps_p2p.protocols.host import is_connected, last_heard, peer_network
+from ps_p2p.protocols.notifee import QuietNotifee
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +350,57 @@ async def _close_peer(host: IHost, peer: ID) -> None:
                 await conn.close()
             except Exception as exc:
                 log.debug("closing the connection to %s: %r", peer, exc)
+
+
+#: Seconds of silence after which a direct connection is taken for dead when its peer connects
+#: to us anew (:class:`StaleConnectionCloser`): the overlay's stream-open timeout, within which
+#: a live peer answers.
+REDIAL_STALE_AFTER = 5.0
+
+
+class StaleConnectionCloser(QuietNotifee):
+    """Closes a peer's older direct connections that read nothing for
+    :data:`REDIAL_STALE_AFTER` s when it connects to us anew over a direct one.
+
+    A peer dials while connected only when its end of the old connection is gone: a NATed
+    node whose router took a new public IP (the old connection is dead but open here until the
+    keepalive closes it, up to 60 s), or a restarted node. py-libp2p 0.8.1 opens new streams on
+    the connection with the most streams (``Swarm._select_connection``, "best"): the dead old
+    one, so replies and cells to the peer went nowhere until then. Relayed connections are left
+    alone (a DCUtR upgrade adds a direct one on purpose; :class:`NatSupport` closes the relayed
+    one once idle), and so is a connection heard from recently (both ends dialling at once).
+
+    Args:
+        nursery: where the closes run (the notification itself must not wait for them).
+    """
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    async def connected(self, network: Any, conn: Any) -> None:
+        peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
+        if peer is None or is_relayed(conn):
+            return
+        now = trio.current_time()
+        for old in list(network.get_connections(peer)):
+            heard = last_heard(old)
+            if old is conn or is_relayed(old) or heard is None:
+                continue
+            if now - heard >= REDIAL_STALE_AFTER:
+                log.info("%s connected anew; its connection silent for %.0f s closed",
+                         peer, now - heard)
+                try:
+                    self._nursery.start_soon(_close_quietly, old)
+                except RuntimeError:  # the node is stopping: its connections close anyway
+                    return
+
+
+async def _close_quietly(conn: Any) -> None:
+    with trio.move_on_after(5):
+        try:
+            await conn.close()
+        except Exception as exc:
+            log.debug("closing a stale connection: %r", exc)
 
 
 def is_relayed(conn: Any) -> bool:
@@ -739,7 +791,9 @@ class NatSupport:
 
         self.dcutr = DCUtRProtocol(self.host)
         self._count_punches(self.dcutr)
-        async with background_trio_service(self.server), background_trio_service(self.dcutr):
+        async with trio.open_nursery() as closers, \
+                background_trio_service(self.server), background_trio_service(self.dcutr):
+            self.host.get_network().register_notifee(StaleConnectionCloser(closers))
             task_status.started()
             wait = 1.0
             while self.reachability.status == "unknown":
@@ -769,12 +823,14 @@ __all__ = [
     "AUTONAT_GRACE",
     "HOP_TIMEOUT",
     "PINNED_LIBP2P",
+    "REDIAL_STALE_AFTER",
     "RESERVATION_CHECK_INTERVAL",
     "AutoNATServer",
     "NatSupport",
     "Reachability",
     "RelayServer",
     "ReservationKeeper",
+    "StaleConnectionCloser",
     "circuit_multiaddr",
     "dial_circuit",
     "is_relayed",
