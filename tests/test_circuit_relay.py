@@ -500,7 +500,8 @@ class _PeerConn(_Conn):
     (-10.0, False, False, True),  # silent 10 s, the peer dialled anew: dead (its NAT remapped)
     (-1.0, False, False, False),  # heard 1 s ago: both ends dialled at once, alive
     (-10.0, True, False, False),  # a relayed one a DCUtR upgrade replaces: closed once idle
-    (-10.0, False, True, False),  # a new relayed connection proves nothing about the old
+    (-10.0, False, True, False),  # a new relayed connection proves nothing about a direct one
+    (-10.0, True, True, True),  # two NATed nodes: the peer redialled through a relay
 ])
 async def test_a_peer_that_connects_anew_has_its_silent_old_connection_closed(
         old_heard, old_relayed, new_relayed, closed, autojump_clock):

@@ -359,16 +359,18 @@ REDIAL_STALE_AFTER = 5.0
 
 
 class StaleConnectionCloser(QuietNotifee):
-    """Closes a peer's older direct connections that read nothing for
-    :data:`REDIAL_STALE_AFTER` s when it connects to us anew over a direct one.
+    """Closes a peer's older connections of the same kind (direct, or relayed) that read
+    nothing for :data:`REDIAL_STALE_AFTER` s when it connects to us anew.
 
     A peer dials while connected only when its end of the old connection is gone: a NATed
     node whose router took a new public IP (the old connection is dead but open here until the
     keepalive closes it, up to 60 s), or a restarted node. py-libp2p 0.8.1 opens new streams on
     the connection with the most streams (``Swarm._select_connection``, "best"): the dead old
-    one, so replies and cells to the peer went nowhere until then. Relayed connections are left
-    alone (a DCUtR upgrade adds a direct one on purpose; :class:`NatSupport` closes the relayed
-    one once idle), and so is a connection heard from recently (both ends dialling at once).
+    one, so replies and cells to the peer went nowhere until then; two NATed nodes redial each
+    other through a relay, so relayed connections are replaced alike. A relayed one is left
+    alone when the new one is direct (a DCUtR upgrade, on purpose; :class:`NatSupport` closes
+    the relayed one once idle), and so is a connection heard from recently (both ends dialling
+    at once).
 
     Args:
         nursery: where the closes run (the notification itself must not wait for them).
@@ -379,12 +381,13 @@ class StaleConnectionCloser(QuietNotifee):
 
     async def connected(self, network: Any, conn: Any) -> None:
         peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
-        if peer is None or is_relayed(conn):
+        if peer is None:
             return
+        relayed = is_relayed(conn)
         now = trio.current_time()
         for old in list(network.get_connections(peer)):
             heard = last_heard(old)
-            if old is conn or is_relayed(old) or heard is None:
+            if old is conn or is_relayed(old) != relayed or heard is None:
                 continue
             if now - heard >= REDIAL_STALE_AFTER:
                 log.info("%s connected anew; its connection silent for %.0f s closed",
