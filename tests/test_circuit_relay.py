@@ -498,7 +498,7 @@ class _PeerConn(_Conn):
 
 @pytest.mark.parametrize("old_heard, old_relayed, new_relayed, closed", [
     (-10.0, False, False, True),  # silent 10 s, the peer dialled anew: dead (its NAT remapped)
-    (-1.0, False, False, False),  # heard 1 s ago: both ends dialled at once, alive
+    (-1.0, False, False, True),  # heard 1 s ago (the peer redialled at once), then silent
     (-10.0, True, False, False),  # a relayed one a DCUtR upgrade replaces: closed once idle
     (-10.0, False, True, False),  # a new relayed connection proves nothing about a direct one
     (-10.0, True, True, True),  # two NATed nodes: the peer redialled through a relay
@@ -515,3 +515,14 @@ async def test_a_peer_that_connects_anew_has_its_silent_old_connection_closed(
     async with trio.open_nursery() as nursery:
         await StaleConnectionCloser(nursery).connected(network, new)
     assert old.closed is closed and not new.closed
+
+
+async def test_an_old_connection_that_reads_after_the_redial_is_kept(autojump_clock):
+    """Both ends dialling at once: the older connection goes on carrying frames."""
+    peer = _pid(7)
+    old, new = _PeerConn(peer, -1.0), _PeerConn(peer, 0.0)
+    async with trio.open_nursery() as nursery:
+        await StaleConnectionCloser(nursery).connected(_Network({peer: [old, new]}), new)
+        await trio.sleep(2.0)
+        old.muxed_conn.secured_conn._ps_last_read = trio.current_time()  # a frame arrives
+    assert not old.closed

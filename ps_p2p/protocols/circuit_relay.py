@@ -360,7 +360,7 @@ REDIAL_STALE_AFTER = 5.0
 
 class StaleConnectionCloser(QuietNotifee):
     """Closes a peer's older connections of the same kind (direct, or relayed) that read
-    nothing for :data:`REDIAL_STALE_AFTER` s when it connects to us anew.
+    nothing for :data:`REDIAL_STALE_AFTER` s (before or after) when it connects to us anew.
 
     A peer dials while connected only when its end of the old connection is gone: a NATed
     node whose router took a new public IP (the old connection is dead but open here until the
@@ -384,18 +384,32 @@ class StaleConnectionCloser(QuietNotifee):
         if peer is None:
             return
         relayed = is_relayed(conn)
-        now = trio.current_time()
         for old in list(network.get_connections(peer)):
-            heard = last_heard(old)
-            if old is conn or is_relayed(old) != relayed or heard is None:
+            if old is conn or is_relayed(old) != relayed or last_heard(old) is None:
                 continue
-            if now - heard >= REDIAL_STALE_AFTER:
-                log.info("%s connected anew; its connection silent for %.0f s closed",
-                         peer, now - heard)
-                try:
-                    self._nursery.start_soon(_close_quietly, old)
-                except RuntimeError:  # the node is stopping: its connections close anyway
-                    return
+            try:
+                self._nursery.start_soon(_close_if_silent, peer, old)
+            except RuntimeError:  # the node is stopping: its connections close anyway
+                return
+
+
+async def _close_if_silent(peer: Any, old: Any) -> None:
+    """Close ``old`` once it has read nothing for :data:`REDIAL_STALE_AFTER` s (at once when it
+    already has; a redial right after the peer's address changed finds its old connection
+    heard from a moment ago), unless a frame arrives on it first (it is alive)."""
+    while True:
+        heard = last_heard(old)
+        if heard is None or getattr(old, "closed", False) is True:
+            return
+        wait = heard + REDIAL_STALE_AFTER - trio.current_time()
+        if wait <= 0:
+            break
+        await trio.sleep(wait)
+        if last_heard(old) != heard:  # it read something meanwhile: alive
+            return
+    log.info("%s connected anew; its older connection, silent for %.0f s, closed", peer,
+             trio.current_time() - heard)
+    await _close_quietly(old)
 
 
 async def _close_quietly(conn: Any) -> None:
