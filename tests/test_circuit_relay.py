@@ -26,6 +26,7 @@ from ps_p2p.overlay.circuit_limits import (
     OVER_LIMIT,
     CircuitRelayConfig,
     ReservationBook,
+    circuit_only_relays,
     circuit_relays,
     rank_relays,
 )
@@ -33,8 +34,11 @@ from ps_p2p.overlay.paths import choose_relays
 from ps_p2p.protocols.addresses import install_circuit_dialing, note_record_circuits
 from ps_p2p.protocols.circuit_relay import (
     RelayServer,
+    ReservationKeeper,
+    StaleConnectionCloser,
     circuit_multiaddr,
     is_relayed,
+    ping,
     reserve,
 )
 from ps_p2p.protocols.host import listen_multiaddrs, open_host
@@ -119,6 +123,16 @@ def test_the_relays_of_a_records_circuit_addresses_are_read_from_it():
     direct = multiaddr_bytes("/ip4/10.0.0.2/tcp/4001")
     assert circuit_relays([circuit, direct]) == {relay.peer_id}
     assert circuit_relays([direct]) == frozenset()
+
+
+def test_only_a_record_without_a_direct_address_is_reached_through_its_relays():
+    """What the overlay's setup deadlines count as a relayed hop (``RelayConfig``)."""
+    relay = Identity.generate()
+    circuit = multiaddr_bytes(f"/ip4/10.0.0.1/tcp/4001/p2p/{relay.peer_id_str}/p2p-circuit")
+    direct = multiaddr_bytes("/ip4/10.0.0.2/tcp/4001")
+    assert circuit_only_relays([circuit]) == {relay.peer_id}
+    assert circuit_only_relays([circuit, direct]) == frozenset()
+    assert circuit_only_relays([]) == frozenset()
 
 
 def test_a_path_never_has_a_hop_as_another_hops_relay_host():
@@ -376,3 +390,139 @@ async def test_no_hole_punch_is_tried_between_two_natted_nodes_unless_configured
             await dcutr.initiate_hole_punch(natted)
             await dcutr.initiate_hole_punch(public)
             assert dcutr.tried == expected
+
+
+class _EchoStream:
+    """A ping stream whose relay answers (echoes) or never answers (its connection died)."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers, self.data = answers, b""
+
+    async def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def read(self, n: int) -> bytes:
+        if not self.answers:
+            await trio.sleep_forever()
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+    async def close(self) -> None:
+        pass
+
+
+class _Conn:
+    def __init__(self, heard: float) -> None:
+        self.closed = False
+        self.muxed_conn = type("Muxed", (), {})()
+        self.muxed_conn.secured_conn = type("Secured", (), {})()
+        self.muxed_conn.secured_conn._ps_last_read = heard
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class _Network:
+    def __init__(self, conns: dict[ID, list[_Conn]]) -> None:
+        self.conns = conns
+
+    def get_connections(self, peer: ID) -> list[_Conn]:
+        return [c for c in self.conns.get(peer, []) if not c.closed]
+
+    def get_connections_map(self) -> dict[ID, list[_Conn]]:
+        return {p: self.get_connections(p) for p in self.conns}
+
+
+class _PingHost:
+    def __init__(self, answering: set[ID], conns: dict[ID, list[_Conn]]) -> None:
+        self.answering, self.network = answering, _Network(conns)
+
+    def get_network(self) -> _Network:
+        return self.network
+
+    def get_id(self) -> ID:
+        return _pid(99)
+
+    async def new_stream(self, peer: ID, protocols: list[str]) -> _EchoStream:
+        assert protocols == ["/ipfs/ping/1.0.0"]
+        return _EchoStream(peer in self.answering)
+
+
+def _pid(i: int) -> ID:
+    return ID(b"\x00\x24\x08\x01\x12\x20" + bytes([i]) * 32)
+
+
+@pytest.mark.parametrize("answering, closed", [
+    ({1, 2}, set()),  # both relays answer: nothing closed
+    ({1}, {2}),  # relay 2's connection died: only it is closed, its reservation dropped
+    (set(), {1, 2, 3}),  # none answers: this node's address changed; every silent one closed
+])
+async def test_a_private_node_closes_the_connections_its_relays_no_longer_answer_on(
+        answering, closed, autojump_clock):
+    """Issue 20: after a NAT remap (a new public IP) every connection of the NATed node is
+    dead but open for up to 60 s (keepalive), and it kept renewing reservations, opening
+    streams and setting up paths on them; the 40-node run had 0 of 4 paths 120 s later."""
+    conns = {_pid(i): [_Conn(heard=-1.0)] for i in (1, 2, 3)}  # heard before the pings
+    later = _Conn(heard=1e9)  # a connection that is heard from during the pings: alive
+    conns[_pid(4)] = [later]
+    host = _PingHost({_pid(i) for i in answering}, conns)
+    keeper = ReservationKeeper(host, CircuitRelayConfig(), candidates=list)
+    keeper._held = {_pid(1).to_bytes(): (1e9, "/ip4/10.0.0.1/tcp/1"),
+                    _pid(2).to_bytes(): (1e9, "/ip4/10.0.0.2/tcp/1")}
+    silent = await keeper.check_alive()
+    assert {ID(p) for p in silent} == {_pid(i) for i in closed} - {_pid(3)}
+    assert {i for i in (1, 2, 3) if conns[_pid(i)][0].closed} == closed
+    assert not later.closed
+    assert set(keeper._held) == {_pid(i).to_bytes() for i in (1, 2) if i not in closed}
+
+
+async def test_a_live_relay_answers_the_keepers_ping():
+    """The liveness ping is one every ps_p2p host serves (else every relay would look dead)."""
+    async with open_host(Identity.generate(), LOOP) as relay, \
+            open_host(Identity.generate(), LOOP) as nat:
+        nat.get_peerstore().add_addrs(relay.get_id(), [_bare(listen_multiaddrs(relay)[0])], 0)
+        assert await ping(nat, relay.get_id())
+
+
+class _PeerConn(_Conn):
+    def __init__(self, peer: ID, heard: float | None, relayed: bool = False) -> None:
+        super().__init__(heard if heard is not None else 0.0)
+        if heard is None:
+            del self.muxed_conn.secured_conn._ps_last_read
+        self.muxed_conn.peer_id = peer
+        self.relayed = relayed
+
+    def get_transport_addresses(self) -> list[str]:
+        return ["/ip4/10.0.0.9/tcp/1/p2p/QmRelay/p2p-circuit"] if self.relayed else ["/ip4/10.0.0.9/tcp/1"]
+
+
+@pytest.mark.parametrize("old_heard, old_relayed, new_relayed, closed", [
+    (-10.0, False, False, True),  # silent 10 s, the peer dialled anew: dead (its NAT remapped)
+    (-1.0, False, False, True),  # heard 1 s ago (the peer redialled at once), then silent
+    (-10.0, True, False, False),  # a relayed one a DCUtR upgrade replaces: closed once idle
+    (-10.0, False, True, False),  # a new relayed connection proves nothing about a direct one
+    (-10.0, True, True, True),  # two NATed nodes: the peer redialled through a relay
+])
+async def test_a_peer_that_connects_anew_has_its_silent_old_connection_closed(
+        old_heard, old_relayed, new_relayed, closed, autojump_clock):
+    """Issue 20: a NATed node that redials after its NAT remap got its new streams opened on
+    the dead old connection (py-libp2p picks the one with the most streams) until the
+    keepalive closed it, up to 60 s later."""
+    peer = _pid(7)
+    old = _PeerConn(peer, old_heard, old_relayed)
+    new = _PeerConn(peer, 0.0, new_relayed)
+    network = _Network({peer: [old, new]})
+    async with trio.open_nursery() as nursery:
+        await StaleConnectionCloser(nursery).connected(network, new)
+    assert old.closed is closed and not new.closed
+
+
+async def test_an_old_connection_that_reads_after_the_redial_is_kept(autojump_clock):
+    """Both ends dialling at once: the older connection goes on carrying frames."""
+    peer = _pid(7)
+    old, new = _PeerConn(peer, -1.0), _PeerConn(peer, 0.0)
+    async with trio.open_nursery() as nursery:
+        await StaleConnectionCloser(nursery).connected(_Network({peer: [old, new]}), new)
+        await trio.sleep(2.0)
+        old.muxed_conn.secured_conn._ps_last_read = trio.current_time()  # a frame arrives
+    assert not old.closed

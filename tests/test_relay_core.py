@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -380,3 +381,73 @@ def test_a_dead_first_hops_setup_timeouts_lengthen_no_other_first_hops_deadline(
     again, _ = core.open_path([onion.HopSpec(dead, key.public)] * 3, "again", now=2000.0)
     assert again.deadline - 2000.0 > 20.0  # the dead first hop's own setups back off
     assert core.own_setup_timeout(alive, 3) == 20.0
+
+
+def _relayed_core(relayed: set[bytes], **config) -> tuple[r.RelayCore, onion.OnionKeyPair]:
+    key = onion.OnionKeyPair.generate()
+    core = r.RelayCore(
+        ME, key, FakeCodec(), r.RelayConfig(**config),
+        is_user=lambda peer: peer in (USER, PREV), is_relayed=lambda peer: peer in relayed,
+    )
+    return core, key
+
+
+def _forward_setup(core, key, now):
+    """``core`` relays a two-hop setup from PREV to NEXT; returns the SendSetup and NEXT's key."""
+    nxt = onion.OnionKeyPair.generate()
+    _, packet = onion.create_path([onion.HopSpec(ME, key.public), onion.HopSpec(NEXT, nxt.public)])
+    (send,) = core.receive_setup(PREV, os.urandom(16), packet, now)
+    assert isinstance(send, r.SendSetup)
+    return send, nxt
+
+
+@pytest.mark.parametrize(
+    "relayed, samples, expected",
+    [
+        ((), (), 5.0),  # direct successor: the floor
+        ((NEXT,), (), 15.0),  # through a relay: relayed_hop_factor (3) times the floor
+        ((NEXT,), (0.5,), 5.0),  # one fast measured setup: the floor again (RFC 6298 2.2)
+        ((NEXT,), (4.0,), 12.0),  # a slow one: SRTT + 4 RTTVAR = 4 + 8
+        ((), (4.0,), 12.0),  # measurements rule alike for a direct successor
+    ],
+)
+def test_a_relayed_next_hops_setup_deadline_starts_at_three_times_the_floor(
+        relayed, samples, expected):
+    """Issue 20: the first contact with a NATed next hop is a circuit through its relay and
+    then Noise, Yamux and multistream over two legs; the 5 s floor failed most such setups."""
+    core, key = _relayed_core(set(relayed), setup_timeout=5.0)
+    now = 0.0
+    for rtt in samples:  # answered setups to NEXT measure it
+        send, nxt = _forward_setup(core, key, now)
+        hop, _ = onion.process_setup(nxt, send.packet)
+        core.receive_setup_reply(NEXT, send.path_id, True, hop.make_ack(), "", now + rtt)
+        now += 100.0
+    core.tick(now)  # clears the answered setups' heap entries
+    assert core.next_hop_timeout(NEXT) == expected
+    send, _ = _forward_setup(core, key, now)
+    assert core.next_deadline() == now + expected
+    failed = [c for c in core.tick(now + expected - 0.01) if isinstance(c, r.SendSetupReply)]
+    assert failed == []  # still waiting just before the deadline
+    failed = [c for c in core.tick(now + expected) if isinstance(c, r.SendSetupReply)]
+    assert [c.ok for c in failed] == [False]
+
+
+def test_a_relayed_next_hops_timeout_backs_off_from_its_own_start():
+    core, key = _relayed_core({NEXT}, setup_timeout=5.0)
+    _forward_setup(core, key, 0.0)
+    core.tick(15.0)  # unanswered: RFC 6298 5.5 doubles the relayed start, not the floor
+    assert core.next_hop_timeout(NEXT) == 30.0
+    assert core.next_hop_timeout(b"direct-peer") == 5.0
+
+
+@pytest.mark.parametrize(
+    "relayed_hops, expected",
+    [(0, 20.0), (1, 30.0), (2, 40.0), (3, 50.0)],  # 5 * (3 + 1) + 10 per relayed hop
+)
+def test_an_own_setup_gets_more_time_per_hop_reached_through_a_relay(relayed_hops, expected):
+    hops = [b"hop-a" * 4, b"hop-b" * 4, b"hop-c" * 4]
+    core, _ = _relayed_core(set(hops[:relayed_hops]), setup_timeout=5.0)
+    key = onion.OnionKeyPair.generate()
+    own, _ = core.open_path([onion.HopSpec(h, key.public) for h in hops], "t", now=100.0)
+    assert own.deadline - 100.0 == expected
+    assert core.own_setup_timeout(hops[0], 3, relayed_hops) == expected

@@ -252,6 +252,21 @@ def circuit_relays(addrs: Iterable[bytes]) -> frozenset[bytes]:
     return frozenset(out)
 
 
+def circuit_only_relays(addrs: Iterable[bytes]) -> frozenset[bytes]:
+    """The relays of a record listed by ``/p2p-circuit`` addresses only (a NATed node, reached
+    through one of them: :func:`circuit_relays`); empty when the record has a direct address
+    too, or none that parses."""
+    texts = []
+    for addr in addrs:
+        try:
+            texts.append(check_multiaddr(addr))
+        except RemoteProtocolError:
+            continue
+    if not texts or any("/p2p-circuit" not in t for t in texts):
+        return frozenset()
+    return circuit_relays(addrs)
+
+
 def relay_hosts_of(records: Iterable[object]) -> dict[bytes, frozenset[bytes]]:
     """peer ID -> the relays of its circuit addresses, for the directory's NATed nodes only
     (:func:`circuit_relays` of each record's ``addrs``)."""
@@ -264,4 +279,4 @@ def relay_hosts_of(records: Iterable[object]) -> dict[bytes, frozenset[bytes]]:
 
 
 __all__ = ["NO_RESERVATION", "OVER_LIMIT", "REACHABILITY", "Circuit", "CircuitRelayConfig",
-           "ReservationBook", "circuit_relays", "rank_relays", "relay_hosts_of"]
+           "ReservationBook", "circuit_only_relays", "circuit_relays", "rank_relays", "relay_hosts_of"]

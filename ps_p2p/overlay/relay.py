@@ -278,6 +278,19 @@ class RelayConfig:
         serves_model: this node accepts deliveries (model nodes).
         setup_timeout: floor of a hop's wait for its successor's reply (the wait itself is the
             RFC 6298 timeout of the setup round trips to that successor).
+        relayed_hop_factor: a successor reached through a Circuit Relay v2 relay (its record
+            lists only ``/p2p-circuit`` addresses) starts its RFC 6298 estimate at
+            ``relayed_hop_factor * setup_timeout`` instead of ``setup_timeout``, and an own
+            setup gets ``(relayed_hop_factor - 1) * setup_timeout`` more per such hop. The
+            first contact with a hop is a dial, a secure channel, a multiplexer and a stream
+            before the setup round trip: about ``h`` = 5 round trips of one link (TCP 1,
+            multistream 1, Noise XX 1.5, Yamux and the onion stream 1, the setup 1). Through a
+            relay it is a dial to the relay when not yet connected (up to ``h`` on the leg to
+            the relay), the HOP CONNECT and STOP round trips (one on each leg), and then the
+            other ``h - 1`` round trips over both legs: ``h + 2 + 2(h - 1) = 3h`` leg round
+            trips against ``h``; with legs as long as a direct link, 3 times the direct first
+            contact (the relay's own processing comes on top; samples then correct it). Samples take over as from any initial RTO (the floor
+            stays ``setup_timeout``), so an established relayed link costs what it measures.
         relay_idle_timeout: relay entries with no traffic for this long are dropped (users probe
             their paths every few seconds, so live paths never idle this long).
         max_relay_entries, max_relay_entries_per_peer: paths relayed at most, in total and for
@@ -302,6 +315,7 @@ class RelayConfig:
     relay: bool = True
     serves_model: bool = False
     setup_timeout: float = 5.0
+    relayed_hop_factor: float = 3.0
     relay_idle_timeout: float = 120.0
     max_relay_entries: int = 10_000
     max_relay_entries_per_peer: int = 1_000
@@ -429,6 +443,10 @@ class RelayCore:
             signature on a response clove (a proxy never passes on a reply it could be blamed
             for).
         random_bytes: randomness for path IDs and padding.
+        is_relayed: whether this node reaches a peer only through a Circuit Relay v2 relay (the
+            directory lists it by ``/p2p-circuit`` addresses only, and this node is none of its
+            relays); such a next hop's setup deadline starts ``relayed_hop_factor`` times
+            longer (:class:`RelayConfig`).
         wall_clock: ``wall_clock(now) -> unix seconds`` for the core's ``now``: own setups carry
             it as their issue time, and a relay refuses setups issued more than
             ``setup_window`` away from it. None (tests only): setups carry 0 and no issue time
@@ -451,8 +469,10 @@ class RelayCore:
         verify_reply: Callable[[bytes, bytes, bytes], bool] = lambda peer, clove, sig: True,
         random_bytes: Callable[[int], bytes] = os.urandom,
         wall_clock: Callable[[float], float] | None = None,
+        is_relayed: Callable[[bytes], bool] = lambda peer: False,
     ) -> None:
         self.peer_id = peer_id
+        self._is_relayed = is_relayed
         self._wall_clock = wall_clock
         self.onion_key = onion_key
         self.codec = codec
@@ -528,17 +548,22 @@ class RelayCore:
         path, packet = onion.create_path(
             hops, random_bytes=self._random_bytes, issued_at=issued_at
         )
-        deadline = now + self.own_setup_timeout(hops[0].peer_id, len(hops))
+        relayed = sum(1 for hop in hops if self._is_relayed(hop.peer_id))
+        deadline = now + self.own_setup_timeout(hops[0].peer_id, len(hops), relayed)
         own = OwnPath(path, token, now, deadline)
         self._paths[own.key] = own
         heapq.heappush(self._path_deadlines, (deadline, next(self._seq), own.key))
         return own, [SendSetup(path.first_hop, path.first_path_id, packet)]
 
-    def own_setup_timeout(self, first_hop: bytes, hops: int) -> float:
+    def own_setup_timeout(self, first_hop: bytes, hops: int, relayed: int = 0) -> float:
         """Seconds an own setup of ``hops`` hops through ``first_hop`` may take: the larger of
-        ``setup_timeout * (hops + 1)`` and the RTO of measured own setups, doubled once per
-        setup through this first hop that timed out since one through it succeeded."""
-        base = max(self.config.setup_timeout * (hops + 1), self._own_setup_rtt.rto)
+        ``setup_timeout * (hops + 1)``, plus ``(relayed_hop_factor - 1) * setup_timeout`` for
+        each of its ``relayed`` hops reached through a relay (:class:`RelayConfig`), and the
+        RTO of measured own setups, doubled once per setup through this first hop that timed
+        out since one through it succeeded."""
+        cfg = self.config
+        floor = cfg.setup_timeout * (hops + 1 + (cfg.relayed_hop_factor - 1) * relayed)
+        base = max(floor, self._own_setup_rtt.rto)
         doublings = self._own_setup_backoff.get(first_hop, 0)
         return min(self._own_setup_rtt.max_rto, base * 2 ** doublings) if doublings else base
 
@@ -637,13 +662,27 @@ class RelayCore:
             self.table.remove(entry)
             return [SendSetupReply(peer, path_id, False, error="loop in path")]
         key = (hop.next_peer_id, hop.out_path_id)
-        deadline = now + self._setup_rtt.rto(hop.next_peer_id)
+        deadline = now + self.next_hop_timeout(hop.next_peer_id)
         self._pending[key] = _PendingSetup(entry, deadline, now)
         heapq.heappush(self._deadlines, (deadline, next(self._seq), key))
         if len(self._deadlines) > 4 * len(self._pending) + 1024:  # answered setups pile up
             self._deadlines = [(p.deadline, next(self._seq), k) for k, p in self._pending.items()]
             heapq.heapify(self._deadlines)
         return [SendSetup(hop.next_peer_id, hop.out_path_id, next_packet)]
+
+    def next_hop_timeout(self, peer: bytes) -> float:
+        """Seconds a relayed setup waits for the reply of its successor ``peer``: the RFC 6298
+        RTO of the setup round trips to ``peer``, started at ``setup_timeout``, or at
+        ``relayed_hop_factor * setup_timeout`` when ``peer`` is reached through a relay, until
+        the first sample (:class:`RelayConfig`)."""
+        return self._setup_rtt.rto(peer, initial_rto=self._hop_initial_rto(peer))
+
+    def _hop_initial_rto(self, peer: bytes) -> float:
+        cfg = self.config
+        return cfg.setup_timeout * (cfg.relayed_hop_factor if self._is_relayed(peer) else 1.0)
+
+    def _hop_rtt(self, peer: bytes) -> RttEstimator:
+        return self._setup_rtt.get(peer, initial_rto=self._hop_initial_rto(peer))
 
     def _setup_quota_refusal(self, peer: bytes, listed: bool) -> str | None:
         """Why the replay cache may not take one more setup of ``peer``, or None."""
@@ -704,7 +743,7 @@ class RelayCore:
         pending = self._pending.pop(key, None)
         if pending is None:
             return []
-        self._setup_rtt.get(peer).sample(now - pending.sent_at)
+        self._hop_rtt(peer).sample(now - pending.sent_at)
         entry = pending.entry
         if not ok:
             return self._fail_relay_setup(entry, error or "refused downstream")
@@ -925,7 +964,7 @@ class RelayCore:
             if pending is None or pending.deadline != deadline:
                 continue  # answered, or replaced by a newer setup
             del self._pending[key]
-            self._setup_rtt.get(key[0]).timed_out()
+            self._hop_rtt(key[0]).timed_out()
             out += self._fail_relay_setup(pending.entry, "timeout waiting for the next hop")
         while self._path_deadlines and self._path_deadlines[0][0] <= now:
             _, _, key = heapq.heappop(self._path_deadlines)

@@ -82,21 +82,38 @@ class RttTable:
         self._max_keys = max_keys
         self._estimators: OrderedDict[Hashable, RttEstimator] = OrderedDict()
 
-    def get(self, key: Hashable) -> RttEstimator:
-        """The estimator of ``key`` (created on first use)."""
+    def get(self, key: Hashable, *, initial_rto: float | None = None) -> RttEstimator:
+        """The estimator of ``key`` (created on first use).
+
+        ``initial_rto`` (s) replaces the table's initial RTO for this key until its first
+        sample (a key known to be slower than the rest, e.g. a relayed peer); samples take over
+        from it as from any initial RTO (RFC 6298 2.2)."""
         estimator = self._estimators.get(key)
         if estimator is None:
-            estimator = self._estimators[key] = RttEstimator(**self._params)
+            params = dict(self._params)
+            if initial_rto is not None:
+                params["initial_rto"] = initial_rto
+            estimator = self._estimators[key] = RttEstimator(**params)
             while len(self._estimators) > self._max_keys:
                 self._estimators.popitem(last=False)
         else:
+            if initial_rto is not None and estimator.srtt is None:
+                estimator.initial_rto = initial_rto
             self._estimators.move_to_end(key)
         return estimator
 
-    def rto(self, key: Hashable) -> float:
-        """RTO of ``key`` (the initial RTO for an unknown key; creates nothing)."""
+    def rto(self, key: Hashable, *, initial_rto: float | None = None) -> float:
+        """RTO of ``key`` (the initial RTO, or ``initial_rto`` as in :meth:`get`, for a key
+        without samples; creates nothing)."""
         estimator = self._estimators.get(key)
-        return estimator.rto if estimator is not None else RttEstimator(**self._params).rto
+        if estimator is None:
+            params = dict(self._params)
+            if initial_rto is not None:
+                params["initial_rto"] = initial_rto
+            return RttEstimator(**params).rto
+        if initial_rto is not None and estimator.srtt is None:
+            estimator.initial_rto = initial_rto
+        return estimator.rto
 
     def forget(self, key: Hashable) -> None:
         self._estimators.pop(key, None)

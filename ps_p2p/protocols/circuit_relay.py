@@ -18,7 +18,10 @@ its own it can only ask. With this module it takes every role of a user (issue 2
   ``[circuit_relay] reservations`` (2) reservations on distinct relays, chosen among the
   directory's verifiers and public users (never model nodes: a model node that also carried a
   user's first link could match the cells it relays with the cloves it receives as the
-  destination), renews each at half its lifetime and replaces one whose connection closed; its
+  destination), renews each at half its lifetime, replaces one whose connection closed, and
+  pings the relays every 10 s: one silent for :data:`HOP_TIMEOUT` has its connection closed
+  (and when every relay is silent, this node's address changed, e.g. a NAT remap: every
+  connection silent since is closed, :meth:`ReservationKeeper.check_alive`); its
   record then lists ``<relay address>/p2p/<relay>/p2p-circuit`` for each instead of its
   listen addresses (:meth:`ReservationKeeper.advertised`).
 * **Dialling a NATed peer** (:func:`dial_circuit`, installed as the last resort of
@@ -46,6 +49,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,7 +74,8 @@ from ps_p2p.overlay.circuit_limits import (
     ReservationBook,
     rank_relays,
 )
-from ps_p2p.protocols.host import is_connected, peer_network
+from ps_p2p.protocols.host import is_connected, last_heard, peer_network
+from ps_p2p.protocols.notifee import QuietNotifee
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,12 @@ _READ_SIZE = 64 * 1024
 #: carries streams; it is closed once it carries none.
 RELAY_IDLE_CHECK = 10.0
 #: AutoNAT requests a public node serves at once (each may cost one dial back).
+#: Seconds between a private node's liveness pings of its reservations' relays
+#: (:meth:`ReservationKeeper.check_alive`); each may take :data:`HOP_TIMEOUT`.
+RESERVATION_CHECK_INTERVAL = 10.0
+#: libp2p's ping protocol (served by every py-libp2p ``BasicHost``) and its payload size.
+PING_PROTOCOL_ID = "/ipfs/ping/1.0.0"
+PING_BYTES = 32
 AUTONAT_CONCURRENCY = 4
 
 
@@ -304,6 +316,110 @@ async def dial_circuit(host: IHost, addr: multiaddr.Multiaddr, peer: ID,
     return conn
 
 
+async def ping(host: IHost, peer: ID, timeout: float = HOP_TIMEOUT) -> bool:
+    """One libp2p ping (``/ipfs/ping/1.0.0``: ``PING_BYTES`` random bytes echoed) to ``peer``
+    within ``timeout`` seconds; False on no answer, a wrong echo or any stream error."""
+    payload = os.urandom(PING_BYTES)
+    try:
+        with trio.fail_after(timeout):
+            stream = await host.new_stream(peer, [PING_PROTOCOL_ID])
+            try:
+                await stream.write(payload)
+                echo = b""
+                while len(echo) < PING_BYTES:
+                    chunk = await stream.read(PING_BYTES - len(echo))
+                    if not chunk:
+                        return False
+                    echo += chunk
+            finally:
+                with trio.move_on_after(1):
+                    try:
+                        await stream.close()
+                    except Exception:
+                        pass
+    except Exception:
+        return False
+    return echo == payload
+
+
+async def _close_peer(host: IHost, peer: ID) -> None:
+    """Close every connection of ``host`` to ``peer`` (at most 5 s each)."""
+    for conn in list(host.get_network().get_connections(peer)):
+        with trio.move_on_after(5):
+            try:
+                await conn.close()
+            except Exception as exc:
+                log.debug("closing the connection to %s: %r", peer, exc)
+
+
+#: Seconds of silence after which a direct connection is taken for dead when its peer connects
+#: to us anew (:class:`StaleConnectionCloser`): the overlay's stream-open timeout, within which
+#: a live peer answers.
+REDIAL_STALE_AFTER = 5.0
+
+
+class StaleConnectionCloser(QuietNotifee):
+    """Closes a peer's older connections of the same kind (direct, or relayed) that read
+    nothing for :data:`REDIAL_STALE_AFTER` s (before or after) when it connects to us anew.
+
+    A peer dials while connected only when its end of the old connection is gone: a NATed
+    node whose router took a new public IP (the old connection is dead but open here until the
+    keepalive closes it, up to 60 s), or a restarted node. py-libp2p 0.8.1 opens new streams on
+    the connection with the most streams (``Swarm._select_connection``, "best"): the dead old
+    one, so replies and cells to the peer went nowhere until then; two NATed nodes redial each
+    other through a relay, so relayed connections are replaced alike. A relayed one is left
+    alone when the new one is direct (a DCUtR upgrade, on purpose; :class:`NatSupport` closes
+    the relayed one once idle), and so is a connection heard from recently (both ends dialling
+    at once).
+
+    Args:
+        nursery: where the closes run (the notification itself must not wait for them).
+    """
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    async def connected(self, network: Any, conn: Any) -> None:
+        peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
+        if peer is None:
+            return
+        relayed = is_relayed(conn)
+        for old in list(network.get_connections(peer)):
+            if old is conn or is_relayed(old) != relayed or last_heard(old) is None:
+                continue
+            try:
+                self._nursery.start_soon(_close_if_silent, peer, old)
+            except RuntimeError:  # the node is stopping: its connections close anyway
+                return
+
+
+async def _close_if_silent(peer: Any, old: Any) -> None:
+    """Close ``old`` once it has read nothing for :data:`REDIAL_STALE_AFTER` s (at once when it
+    already has; a redial right after the peer's address changed finds its old connection
+    heard from a moment ago), unless a frame arrives on it first (it is alive)."""
+    while True:
+        heard = last_heard(old)
+        if heard is None or getattr(old, "closed", False) is True:
+            return
+        wait = heard + REDIAL_STALE_AFTER - trio.current_time()
+        if wait <= 0:
+            break
+        await trio.sleep(wait)
+        if last_heard(old) != heard:  # it read something meanwhile: alive
+            return
+    log.info("%s connected anew; its older connection, silent for %.0f s, closed", peer,
+             trio.current_time() - heard)
+    await _close_quietly(old)
+
+
+async def _close_quietly(conn: Any) -> None:
+    with trio.move_on_after(5):
+        try:
+            await conn.close()
+        except Exception as exc:
+            log.debug("closing a stale connection: %r", exc)
+
+
 def is_relayed(conn: Any) -> bool:
     """Whether a swarm connection runs through a relay (``/p2p-circuit``)."""
     try:
@@ -403,6 +519,7 @@ class ReservationKeeper:
         self.candidates = candidates
         self._held: dict[bytes, tuple[float, str]] = {}  # relay -> (renew at, relay address)
         self._failed: dict[bytes, float] = {}  # relay -> retry not before
+        self._checked = -math.inf  # when the relays were last pinged
 
     def advertised(self) -> list[str]:
         """The circuit addresses this node's record lists (one per reservation held)."""
@@ -415,6 +532,9 @@ class ReservationKeeper:
         appeared (the directory fills after a node starts) replaces the worst held one, so the
         private nodes do not all stay on the first public nodes they saw."""
         now = trio.current_time()
+        if now - self._checked >= RESERVATION_CHECK_INTERVAL:
+            self._checked = now
+            await self.check_alive()
         for relay in list(self._held):
             if not is_connected(self.host, relay):
                 log.info("reservation on %s lost (connection closed)", ID(relay))
@@ -446,6 +566,55 @@ class ReservationKeeper:
             del self._held[worse]
         for relay in [r for r, t in self._failed.items() if t <= now]:
             del self._failed[relay]
+
+    async def check_alive(self) -> list[bytes]:
+        """Ping every held reservation's relay (libp2p ping, :data:`HOP_TIMEOUT` each, at once);
+        close the connections of those that do not answer, so their reservations are dropped
+        and taken again on a fresh dial. When none answers, this node's own address changed
+        (its NAT took a new public IP or mapping: every connection it had died at once, and TCP
+        says nothing to either end) or its uplink failed: every connection that read nothing
+        while the pings were out is closed too, so the overlay rebuilds its paths and links on
+        fresh dials from the new address at once instead of after the keepalive (up to
+        ``KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT`` = 60 s of silence, :mod:`ps_p2p.protocols.host`).
+        A relay that is slow but alive answers within :data:`HOP_TIMEOUT`, the bound every
+        relay exchange here already has. Returns the relays found silent."""
+        held = list(self._held)
+        if not held:
+            return []
+        sent = trio.current_time()
+        alive: dict[bytes, bool] = {}
+
+        async def check(relay: bytes) -> None:
+            alive[relay] = await ping(self.host, ID(relay))
+
+        async with trio.open_nursery() as nursery:
+            for relay in held:
+                nursery.start_soon(check, relay)
+        silent = [r for r in held if not alive.get(r)]
+        if not silent:
+            return []
+        for relay in silent:
+            log.info("reservation on %s: relay silent for %.0f s, its connection closed",
+                     ID(relay), HOP_TIMEOUT)
+            self._held.pop(relay, None)
+            await _close_peer(self.host, ID(relay))
+        if len(silent) == len(held):
+            stale = []
+            for peer, conns in list(self.host.get_network().get_connections_map().items()):
+                for conn in conns:
+                    heard = last_heard(conn)
+                    if heard is None or heard < sent:
+                        stale.append((peer, conn))
+            log.warning("no relay of this node's %d reservations answered: its address changed "
+                        "or its uplink failed; %d silent connections closed", len(held),
+                        len(stale))
+            for _, conn in stale:
+                with trio.move_on_after(5):
+                    try:
+                        await conn.close()
+                    except Exception as exc:
+                        log.debug("closing a silent connection: %r", exc)
+        return silent
 
     async def _reserve(self, relay: bytes, addr: str) -> bool:
         now = trio.current_time()
@@ -639,7 +808,9 @@ class NatSupport:
 
         self.dcutr = DCUtRProtocol(self.host)
         self._count_punches(self.dcutr)
-        async with background_trio_service(self.server), background_trio_service(self.dcutr):
+        async with trio.open_nursery() as closers, \
+                background_trio_service(self.server), background_trio_service(self.dcutr):
+            self.host.get_network().register_notifee(StaleConnectionCloser(closers))
             task_status.started()
             wait = 1.0
             while self.reachability.status == "unknown":
@@ -669,15 +840,19 @@ __all__ = [
     "AUTONAT_GRACE",
     "HOP_TIMEOUT",
     "PINNED_LIBP2P",
+    "REDIAL_STALE_AFTER",
+    "RESERVATION_CHECK_INTERVAL",
     "AutoNATServer",
     "NatSupport",
     "Reachability",
     "RelayServer",
     "ReservationKeeper",
+    "StaleConnectionCloser",
     "circuit_multiaddr",
     "dial_circuit",
     "is_relayed",
     "parse_circuit",
+    "ping",
     "relay_candidates",
     "reserve",
 ]

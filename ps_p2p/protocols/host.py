@@ -721,6 +721,14 @@ def is_connected(host: IHost, peer: bytes) -> bool:
         return False
 
 
+def last_heard(conn: Any) -> float | None:
+    """trio time of the last Yamux frame read on a swarm connection (or muxed connection)
+    ``conn`` (:func:`_keepalive_loop`'s stamp), None when nothing was stamped on it."""
+    muxed = getattr(conn, "muxed_conn", conn)
+    heard = getattr(getattr(muxed, "secured_conn", None), _LAST_READ, None)
+    return heard if isinstance(heard, float) else None
+
+
 def peer_network(host: IHost, peer: bytes) -> str | None:
     """The source network of ``host``'s connection to ``peer``: ``"ip4:a.b.c.0/24"`` or
     ``"ip6:<prefix>/48"`` (:func:`ps_p2p.networks.network_key`: the site one operator usually
@@ -807,6 +815,7 @@ __all__ = [
     "connect",
     "host_identity",
     "is_connected",
+    "last_heard",
     "listen_multiaddrs",
     "open_host",
     "parse_multiaddr",

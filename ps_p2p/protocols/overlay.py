@@ -41,6 +41,7 @@ from ps_p2p import records
 from ps_p2p.crypto import onion
 from ps_p2p.errors import PsError
 from ps_p2p.overlay import relay as core
+from ps_p2p.overlay.circuit_limits import circuit_only_relays
 from ps_p2p.overlay.relay import RelayConfig, RelayCore, RelayStats
 from ps_p2p.pb.planetserve.v1 import clove_pb2
 from ps_p2p.protocols import clove_relay, delivery, onion_setup
@@ -53,6 +54,9 @@ from ps_p2p.protocols.links import LinkManager, LinkStats, make_frame_handler
 from ps_p2p.protocols.onion_setup import ONION_MAX_FRAME, ONION_PROTOCOL_ID
 
 log = logging.getLogger(__name__)
+
+#: Peers whose relayed-or-not answer is memoized per directory (a setup names any next hop).
+MAX_RELAYED_MEMO = 4096
 
 #: Bytes of a reply tag.
 REPLY_TAG_BYTES = core.REPLY_TAG_BYTES
@@ -148,6 +152,7 @@ class OverlayService:
             random_bytes=random_bytes,
             # unix seconds at the core's ``now``: setups carry and check their issue time
             wall_clock=lambda now: now + (time.time() - self._clock()),
+            is_relayed=self._is_relayed,
         )
         self.on_delivery = on_delivery
         self.driver: CoreDriver[core.Command] = CoreDriver(
@@ -158,6 +163,8 @@ class OverlayService:
             clock=clock,
         )
         self._users_counted: tuple[records.Directory | None, int] = (None, 0)
+        self._relays_of: tuple[records.Directory | None, dict[bytes, frozenset[bytes]]] = (
+            None, {})
         self._onion_links: LinkManager | None = None
         self._clove_links: LinkManager | None = None
         self._deliver_links: LinkManager | None = None
@@ -415,6 +422,26 @@ class OverlayService:
         directory = self._directory()
         record = directory.record(peer) if directory is not None else None
         return record is not None and role in record.roles
+
+    def _is_relayed(self, peer: bytes) -> bool:
+        """Whether this node reaches ``peer`` through a Circuit Relay v2 relay: the current
+        directory lists it by ``/p2p-circuit`` addresses only and this node is none of its
+        relays (a relay host reaches it over its reservation connection). Memoized per
+        directory object and peer."""
+        directory = self._directory() if self._directory is not None else None
+        if directory is None:
+            return False
+        cached, relays_of = self._relays_of
+        if directory is not cached:
+            relays_of = {}
+            self._relays_of = (directory, relays_of)
+        relays = relays_of.get(peer)
+        if relays is None:
+            record = directory.record(peer)
+            relays = circuit_only_relays(record.addrs) if record is not None else frozenset()
+            if len(relays_of) < MAX_RELAYED_MEMO:  # next hops come from setup packets
+                relays_of[peer] = relays
+        return bool(relays) and self.peer_id not in relays
 
     def _user_count(self) -> int:
         """Users the current directory lists (counted once per directory object)."""
