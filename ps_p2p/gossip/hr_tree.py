@@ -117,6 +117,7 @@ from ps_p2p.errors import (
     SubtreeSyncError,
 )
 from ps_p2p.gossip.sentry import ChunkLengths
+from ps_p2p.records.canonical import uvarint as _uvarint
 
 __all__ = [
     "DEFAULT_MAX_ENTRIES",
@@ -999,16 +1000,6 @@ class _Reader(Reader):
     def take(self, n: int, field: str) -> bytes:
         """``n`` bytes (``n`` bounded by the caller)."""
         return self._take(n, field)
-
-
-def _uvarint(n: int) -> bytes:
-    """``n`` in [0, 2**64) as an unsigned LEB128 varint, shortest form."""
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _read_uvarint(r: _Reader, field: str) -> int:

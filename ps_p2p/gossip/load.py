@@ -54,6 +54,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from ps_p2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from ps_p2p.records.canonical import uvarint as _uvarint
 from ps_p2p.records.limits import MAX_MODEL_ID_BYTES
 
 __all__ = [
@@ -326,15 +327,6 @@ def _report_problem(r: LoadReport) -> str | None:
     if r.latency_us is not None and not 0 <= r.latency_us <= MAX_LATENCY_US:
         return f"latency must be 0..{MAX_LATENCY_US} us"
     return None
-
-
-def _uvarint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def encode_report(report: LoadReport) -> bytes:

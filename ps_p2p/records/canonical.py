@@ -72,6 +72,18 @@ def lps(text: str) -> bytes:
     return lp(text.encode("utf-8"))
 
 
+def uvarint(n: int) -> bytes:
+    """``n`` >= 0 as an unsigned LEB128 varint, shortest form (the HR-tree's deltas and the load
+    report; the hot path's cell frames have their own table-driven one in
+    ``protocols/fixed_layout.py``)."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 # ---------------------------------------------------------------------------------- signed bytes
 
 
@@ -176,6 +188,7 @@ def response_signing_bytes(
 
 
 __all__ = [
+    "uvarint",
     "clove_signing_bytes",
     "lp",
     "lps",
