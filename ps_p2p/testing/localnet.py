@@ -77,18 +77,74 @@ class LocalNet:
         self.scopes[node.peer_id].cancel()
 
     async def crash(self, node: Node, close_timeout: float = 3.0) -> None:
-        """Stop ``node`` as a crashed process stops: its connections and listener close first
-        (peers read EOF on every link at once; a cancelled task alone can leave its sockets
-        open, which peers take for a frozen node), then its tasks are cancelled.
-
-        Args:
-            close_timeout: seconds allowed for closing the connections.
-        """
+        """Stop ``node`` as a crashed process stops: every TCP socket and listener of its host
+        is closed and its tasks are cancelled in one step, with no schedule point between
+        (:func:`sever_sockets`), so peers read EOF on every link at once and the node does
+        nothing after its first link drops; its listeners close after. Closing the connections one by one first (as
+        ``Swarm.close`` does) let the dying node re-register its record while its peers
+        already found it lost; cancelling alone can leave its sockets open, which peers take
+        for a frozen node."""
         self.crashed.add(node.peer_id)  # what its dying host raises is not the test's
-        if node.host is not None:
-            with trio.move_on_after(close_timeout):
-                await node.host.get_network().close()
+        if node.host is None:
+            self.kill(node)
+            return
+        sever_sockets(node.host)
         self.kill(node)
+        # the listeners' accept loops run in py-libp2p's system tasks, which must not see
+        # their socket vanish: closed the library's way, once nothing of the node runs
+        with trio.move_on_after(close_timeout):
+            await node.host.get_network().close()
+
+
+#: attributes :func:`sever_sockets` does not follow: they lead out of one connection
+_SEVER_SKIP = frozenset({"swarm", "host", "peerstore", "peer_store", "network", "_swarm"})
+
+
+def _socket_streams(root: object, depth: int = 8) -> list[trio.SocketStream]:
+    """The trio socket streams under ``root`` (a py-libp2p connection or listener), found by
+    following instance attributes, lists, tuples and dicts of py-libp2p and trio objects up to
+    ``depth`` levels, never through :data:`_SEVER_SKIP` (so never into another connection)."""
+    found: list[trio.SocketStream] = []
+    seen: set[int] = set()
+    stack: list[tuple[object, int]] = [(root, 0)]
+    while stack:
+        obj, level = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, trio.SocketStream):
+            found.append(obj)
+            continue
+        if level >= depth:
+            continue
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend((item, level + 1) for item in obj)
+            continue
+        if isinstance(obj, dict):
+            stack.extend((item, level + 1) for item in obj.values())
+            continue
+        module = type(obj).__module__ or ""
+        if not module.startswith(("libp2p", "trio")):
+            continue
+        for name, value in getattr(obj, "__dict__", {}).items():
+            if name not in _SEVER_SKIP:
+                stack.append((value, level + 1))
+    return found
+
+
+def sever_sockets(host: object) -> int:
+    """Close every TCP socket of ``host``'s connections at once, synchronously
+    (as the kernel does for a process that dies): peers read EOF, and this host's tasks
+    blocked on them raise ``ClosedResourceError``. Returns how many sockets were closed."""
+    network = host.get_network()  # type: ignore[attr-defined]
+    roots: list[object] = [conn for conns in list(network.connections.values())
+                           for conn in list(conns)]
+    closed = 0
+    for root in roots:
+        for stream in _socket_streams(root):
+            stream.socket.close()
+            closed += 1
+    return closed
 
 
 async def _run_node(node: Node, scope: trio.CancelScope, crashed: set[bytes], *,
