@@ -229,7 +229,10 @@ async def test_a_model_node_killed_mid_request_is_replaced_then_reported_without
             gate.set()  # the other model node answers at once
         (answer,) = answers
         assert answer.ok, answer.error
-        assert answer.served_by == net.models[1 - first].peer_id and answer.attempts == 2
+        # replaced because the proxies reported the node lost, not because an attempt's wait
+        # ran out (a loaded machine may add an attempt when a path drops: attempts >= 2)
+        assert answer.served_by == net.models[1 - first].peer_id and answer.attempts >= 2
+        assert trio.current_time() - killed_at < config.attempt_timeout
         print(f"answered by the other model node {trio.current_time() - killed_at:.2f} s after the kill")
 
         # both dead (their records still listed): the next ask fails naming a lost node

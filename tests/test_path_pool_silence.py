@@ -89,6 +89,23 @@ def test_a_suspended_path_is_replaced_at_once_and_retired_when_it_comes_back_to_
     assert len(pool.ready_paths()) == pool.config.paths
 
 
+def test_a_replacement_ready_after_the_silent_path_came_back_retires_that_path():
+    """The other order: the silent path answers first (it serves again, one path short of a
+    spare), then its replacement is confirmed; the pool holds one path too many, and the one
+    that went silent is let go, not kept beside the replacement until rotation."""
+    pool = _ready_pool(maintenance_interval=100.0)
+    victim = pool.ready_paths()[0]
+    (probe,) = _of(pool.path_silent(victim.path_id, 5.0), SendProbe)
+    (replacement,) = _of(pool.tick(5.0, RELAYS), OpenPath)
+    pool.probe_reply(victim.path_id, probe.nonce, 5.2)  # back before its replacement is in
+    assert victim.path_id in _ready_ids(pool)
+    for p in _of(pool.path_ready(replacement.path_id, 5.5), SendProbe):
+        pool.probe_reply(p.path_id, p.nonce, 5.51)
+    assert replacement.path_id in _ready_ids(pool)
+    assert pool.path(victim.path_id).retiring
+    assert len(pool.ready_paths()) == pool.config.paths
+
+
 # ------------------------------------------------------------------ a frozen path stops quickly
 
 

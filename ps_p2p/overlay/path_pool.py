@@ -228,6 +228,9 @@ class PoolPath:
             proves the path.
         suspended: a probe or a request clove went unanswered: out of the ready set until a
             probe answers.
+        resumed_at: when a probe last brought it back from suspension (None: never
+            suspended); while a replacement built for it is still under way, it is the path
+            let go once that replacement is in.
         rtt: this path's probe round trips (RFC 6298; its RTO is the path's probe deadline).
     """
 
@@ -242,6 +245,7 @@ class PoolPath:
     last_reply_at: float = 0.0
     lost_nonces: tuple[int, ...] = ()
     suspended: bool = False
+    resumed_at: float | None = None
     rtt: RttEstimator = field(default_factory=RttEstimator)
 
     @property
@@ -451,6 +455,7 @@ class PathPool:
             self._penalty.pop(relay, None)
         if path.suspended:
             path.suspended = False
+            path.resumed_at = now
             self._next_maintenance = None
             if len(self.ready_paths()) > self.config.paths and not path.retiring:
                 # its replacement is in: the path that went silent is the one to let go
@@ -460,6 +465,13 @@ class PathPool:
             return []
         path.confirmed = True
         self._next_maintenance = None
+        ready = self.ready_paths()
+        if len(ready) > self.config.paths:
+            # a replacement came in after the path it replaced answered again: let the path
+            # that went silent go (the latest back), not keep both until rotation
+            back = [p for p in ready if p.resumed_at is not None and p is not path]
+            if back:
+                self._retire(max(back, key=lambda p: p.resumed_at or 0.0), now)
         return [PoolChanged()]
 
     def clove_sent(self, path_id: int, now: float) -> list[Command]:
