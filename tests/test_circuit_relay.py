@@ -36,6 +36,7 @@ from ps_p2p.protocols.circuit_relay import (
     RelayServer,
     ReservationKeeper,
     StaleConnectionCloser,
+    close_connection,
     circuit_multiaddr,
     is_relayed,
     ping,
@@ -526,3 +527,58 @@ async def test_an_old_connection_that_reads_after_the_redial_is_kept(autojump_cl
         await trio.sleep(2.0)
         old.muxed_conn.secured_conn._ps_last_read = trio.current_time()  # a frame arrives
     assert not old.closed
+
+
+def _socket(conn):  # type: ignore[no-untyped-def]
+    """The trio socket under a py-libp2p TCP connection (SecureSession -> Noise -> raw)."""
+    return conn.muxed_conn.secured_conn.conn.conn.stream.stream.socket
+
+
+async def test_a_dead_connection_with_a_stuck_writer_is_closed_and_leaves_the_swarm():
+    """Issue 20 (40-node NAT remap): a connection found dead (a redial after a NAT remap, a
+    silent relay) was closed through py-libp2p's graceful close, which first writes a Yamux
+    GO_AWAY behind the connection's write lock; a writer stuck on the dead socket's full send
+    buffer holds that lock, the 5 s bound cancelled the close half done and left the
+    connection in the swarm, marked closed but never cleaned up (its streams open, replies and
+    cells to the peer still written into it) until the keepalive, up to a minute later."""
+    import socket as socketlib
+
+    async with open_host(Identity.generate(), LOOP) as a, \
+            open_host(Identity.generate(), LOOP) as b:
+        b.set_stream_handler(ECHO, _echo)
+        a.get_peerstore().add_addrs(b.get_id(), [_bare(listen_multiaddrs(b)[0])], 0)
+        with trio.fail_after(10):
+            stream = await a.new_stream(b.get_id(), [ECHO])
+            assert await _roundtrip(stream, b"hi") == b"hi"
+        (conn,) = a.get_network().get_connections(b.get_id())
+        (b_conn,) = b.get_network().get_connections(a.get_id())
+        # the peer stops reading (gone: its kernel no longer acknowledges), small buffers
+        _socket(conn).setsockopt(socketlib.SOL_SOCKET, socketlib.SO_SNDBUF, 4096)
+        _socket(b_conn).setsockopt(socketlib.SOL_SOCKET, socketlib.SO_RCVBUF, 4096)
+
+        async def never(*args: object) -> bytes:
+            await trio.sleep_forever()
+            return b""
+
+        b_conn.muxed_conn.secured_conn.read = never
+        failed = trio.Event()
+
+        async def writer() -> None:  # fills the socket and blocks in its send
+            try:
+                await stream.write(b"x" * 200_000)
+            except Exception:
+                failed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            with trio.fail_after(10):
+                while not conn.muxed_conn._write_lock.locked():
+                    await trio.sleep(0.01)
+                await trio.sleep(0.2)
+            assert conn.muxed_conn._write_lock.locked()  # the writer is stuck in the send
+            await close_connection(conn)
+            await wait_until(lambda: not a.get_network().get_connections(b.get_id()),
+                             timeout=10)
+            with trio.fail_after(10):
+                await failed.wait()
+            nursery.cancel_scope.cancel()

@@ -343,13 +343,9 @@ async def ping(host: IHost, peer: ID, timeout: float = HOP_TIMEOUT) -> bool:
 
 
 async def _close_peer(host: IHost, peer: ID) -> None:
-    """Close every connection of ``host`` to ``peer`` (at most 5 s each)."""
+    """Close every connection of ``host`` to ``peer`` (:func:`close_connection`)."""
     for conn in list(host.get_network().get_connections(peer)):
-        with trio.move_on_after(5):
-            try:
-                await conn.close()
-            except Exception as exc:
-                log.debug("closing the connection to %s: %r", peer, exc)
+        await close_connection(conn)
 
 
 #: Seconds of silence after which a direct connection is taken for dead when its peer connects
@@ -409,15 +405,34 @@ async def _close_if_silent(peer: Any, old: Any) -> None:
             return
     log.info("%s connected anew; its older connection, silent for %.0f s, closed", peer,
              trio.current_time() - heard)
-    await _close_quietly(old)
+    await close_connection(old)
 
 
-async def _close_quietly(conn: Any) -> None:
+async def close_connection(conn: Any) -> None:
+    """Close a swarm connection found dead (its peer redialled, its relay went silent, a NAT
+    remap), at once and completely: first its transport (the socket, or the relayed stream),
+    which wakes every task blocked on it and makes Yamux's reader fail and tear the connection
+    down (streams reset, removed from the swarm, peers notified), then py-libp2p's close for
+    what is left (at most 5 s).
+
+    py-libp2p 0.8.1's ``SwarmConn.close`` marks the connection closed and then writes a Yamux
+    GO_AWAY behind the connection's write lock; a writer stuck on a dead peer's full send
+    buffer holds that lock, so a bounded close was cancelled half done and left the connection
+    in the swarm, marked closed (a later close does nothing) and never cleaned up, until the
+    keepalive closed its socket up to a minute later (the 40-node NAT remap run: the
+    remapped user's setups and cells went into such connections for minutes)."""
+    secured = getattr(getattr(conn, "muxed_conn", None), "secured_conn", None)
+    if secured is not None:
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            try:
+                await secured.close()
+            except Exception as exc:
+                log.debug("closing a dead connection's transport: %r", exc)
     with trio.move_on_after(5):
         try:
             await conn.close()
         except Exception as exc:
-            log.debug("closing a stale connection: %r", exc)
+            log.debug("closing a dead connection: %r", exc)
 
 
 def is_relayed(conn: Any) -> bool:
@@ -609,11 +624,7 @@ class ReservationKeeper:
                         "or its uplink failed; %d silent connections closed", len(held),
                         len(stale))
             for _, conn in stale:
-                with trio.move_on_after(5):
-                    try:
-                        await conn.close()
-                    except Exception as exc:
-                        log.debug("closing a silent connection: %r", exc)
+                await close_connection(conn)
         return silent
 
     async def _reserve(self, relay: bytes, addr: str) -> bool:
@@ -849,6 +860,7 @@ __all__ = [
     "ReservationKeeper",
     "StaleConnectionCloser",
     "circuit_multiaddr",
+    "close_connection",
     "dial_circuit",
     "is_relayed",
     "parse_circuit",
