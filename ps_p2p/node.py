@@ -485,7 +485,8 @@ class Node:
                 self.nat = NatSupport(host, self.config.circuit_relay,
                                       directory=lambda: self.directory,
                                       verifiers=lambda: sorted(self.trusted_verifiers),
-                                      verifier=Role.VERIFIER in self.roles)
+                                      verifier=Role.VERIFIER in self.roles,
+                                      reserve=self.config.register)
                 await nursery.start(self.nat.run)
             if Role.VERIFIER in self.roles:
                 await nursery.start(self._run_committee_member, host)

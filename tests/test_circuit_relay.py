@@ -582,3 +582,49 @@ async def test_a_dead_connection_with_a_stuck_writer_is_closed_and_leaves_the_sw
             with trio.fail_after(10):
                 await failed.wait()
             nursery.cancel_scope.cancel()
+
+
+def test_peers_the_directory_does_not_list_hold_at_most_the_newcomer_reservations():
+    """Issue 20 (c): a relay granted every slot to any peer, listed or not, so peers that are
+    no members (from a few /24s) could take every reservation of every relay and lock the
+    network's NATed users out; unlisted peers (newcomers registering) now hold at most
+    ``max_unlisted_reservations``, and the listed ones keep the rest."""
+    book = ReservationBook(CircuitRelayConfig(max_reservations=6,
+                                              max_reservations_per_network=6,
+                                              max_unlisted_reservations=2))
+    assert book.reserve(_peer(1), "a", 0.0, listed=False) is not None
+    assert book.reserve(_peer(2), "b", 0.0, listed=False) is not None
+    assert book.reserve(_peer(3), "c", 0.0, listed=False) is None  # newcomer slots full
+    assert book.reserve(_peer(1), "a", 1.0, listed=False) is not None  # its renewal is kept
+    for i in (4, 5, 6, 7):
+        assert book.reserve(_peer(i), "d", 0.0, listed=True) is not None  # members: the rest
+    assert book.reserve(_peer(8), "d", 0.0, listed=True) is None  # the total still holds
+    assert book.unlisted_reservations() == 2
+    # a newcomer that got listed renews as a member, and frees its newcomer slot
+    assert book.reserve(_peer(2), "b", 2.0, listed=True) is not None
+    assert book.unlisted_reservations() == 1
+    book.release(_peer(4))
+    assert book.reserve(_peer(3), "c", 3.0, listed=False) is not None
+    assert book.unlisted_reservations() == 2
+
+
+async def test_a_relay_refuses_an_unlisted_peer_once_the_newcomer_slots_are_taken():
+    """The relay asks its directory whether the caller is listed (RelayServer's ``listed``)."""
+    async with open_host(Identity.generate(), LOOP) as relay, \
+            open_host(Identity.generate(), LOOP) as member, \
+            open_host(Identity.generate(), LOOP) as newcomer, \
+            open_host(Identity.generate(), LOOP) as stranger:
+        listed = {member.get_id().to_bytes()}
+        server = RelayServer(relay, CircuitRelayConfig(max_unlisted_reservations=1),
+                             listed=listed.__contains__)
+        async with background_trio_service(server):
+            for host in (member, newcomer, stranger):
+                host.get_peerstore().add_addrs(relay.get_id(),
+                                               [_bare(listen_multiaddrs(relay)[0])], 0)
+            with trio.fail_after(10):
+                assert await reserve(newcomer, relay.get_id()) > 0
+                with pytest.raises(ConnectionError):
+                    await reserve(stranger, relay.get_id())
+                assert await reserve(member, relay.get_id()) > 0
+            assert server.book.reservations() == 2
+            assert server.book.unlisted_reservations() == 1

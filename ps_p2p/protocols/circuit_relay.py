@@ -12,8 +12,8 @@ its own it can only ask. With this module it takes every role of a user (issue 2
   (:class:`AutoNATServer`: at most :data:`AUTONAT_CONCURRENCY` requests at once, one per peer).
 * **Relays** (:class:`RelayServer`, a public node): py-libp2p's ``CircuitV2Protocol`` with hop
   enabled, behind the bounds of :class:`~ps_p2p.overlay.circuit_limits.ReservationBook` (per
-  peer, per source network, in total; circuits per destination, per source, in total) and two
-  fixes of py-libp2p 0.8.1 (below).
+  peer, per source network, in total, and for peers the directory does not list; circuits per
+  destination, per source, in total) and two fixes of py-libp2p 0.8.1 (below).
 * **Reservations** (:class:`ReservationKeeper`, a private node): it keeps
   ``[circuit_relay] reservations`` (2) reservations on distinct relays, chosen among the
   directory's verifiers and public users (never model nodes: a model node that also carried a
@@ -148,7 +148,8 @@ class RelayServer(CircuitV2Protocol):
     (:class:`~ps_p2p.overlay.circuit_limits.ReservationBook`) and the two fixes of the module
     docstring. Run it as py-libp2p's service: ``background_trio_service(RelayServer(...))``."""
 
-    def __init__(self, host: IHost, config: CircuitRelayConfig) -> None:
+    def __init__(self, host: IHost, config: CircuitRelayConfig,
+                 listed: Callable[[bytes], bool] | None = None) -> None:
         limits = RelayLimits(
             duration=0,  # no cap on a link's life: the overlay keeps links for hours
             data=config.circuit_bytes,
@@ -158,6 +159,8 @@ class RelayServer(CircuitV2Protocol):
         )
         super().__init__(host, limits, allow_hop=config.serve)
         self.book = ReservationBook(config)
+        #: peer ID -> whether the directory lists it (None: every peer counts as listed)
+        self.listed = listed
         self.refused = 0
         if _libp2p_version() != PINNED_LIBP2P:
             log.warning("circuit relay fixes were written for py-libp2p %s, this is %s: check "
@@ -181,7 +184,8 @@ class RelayServer(CircuitV2Protocol):
         peer = stream.muxed_conn.peer_id
         msg.ClearField("peer")  # fix 1: the reservation is the caller's, whatever msg.peer says
         now = trio.current_time()
-        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now) is None:
+        listed = self.listed is None or self.listed(peer.to_bytes())
+        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now, listed) is None:
             # full: a reservation lives with its holder's connection; give back those of
             # holders gone (at most max_reservations looked at, only when full)
             for holder in self.book.holders():
@@ -189,8 +193,9 @@ class RelayServer(CircuitV2Protocol):
                     self.book.release(holder)
                     # py-libp2p's own table (0.8.1: ``_reservations``) counts it too
                     self.resource_manager._reservations.pop(ID(holder), None)
-        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now) is None:
-            log.debug("reservation of %s refused: over the limits", peer)
+        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now, listed) is None:
+            log.debug("reservation of %s (%s) refused: over the limits", peer,
+                      "listed" if listed else "not listed")
             await self._refuse(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED)
             return
         await super()._handle_reserve(stream, msg)
@@ -695,21 +700,25 @@ class NatSupport:
         directory: () -> the node's current directory (or None).
         verifiers: () -> the verifiers' peer IDs (AutoNAT servers).
         verifier: this node is a verifier (serves AutoNAT; always public).
+        reserve: take reservations once private (False for a node that registers no record:
+            nobody dials it, and its reservations would hold the relays' newcomer slots,
+            :class:`~ps_p2p.overlay.circuit_limits.CircuitRelayConfig`, for ever).
     """
 
     def __init__(self, host: IHost, config: CircuitRelayConfig, *,
                  directory: Callable[[], Any], verifiers: Callable[[], Sequence[bytes]],
-                 verifier: bool) -> None:
+                 verifier: bool, reserve: bool = True) -> None:
         self.host = host
         self.config = config
         self.directory = directory
         self.verifiers = verifiers
         self.verifier = verifier
+        self.reserve = reserve
         mode = "public" if verifier else config.reachability
         if mode == "auto" and _is_loopback_only(host):
             mode = "public"  # every node on one machine (a devnet): nothing to ask
         self.reachability = Reachability(host, mode)
-        self.server = RelayServer(host, config)
+        self.server = RelayServer(host, config, listed=self._listed)
         me = host.get_id().to_bytes()
         self.keeper = ReservationKeeper(host, config,
                                         lambda: relay_candidates(self.directory(), me))
@@ -723,6 +732,14 @@ class NatSupport:
         self.nat_punches = 0
         self.nat_punched = 0
         self.dcutr: Any = None
+
+    def _listed(self, peer: bytes) -> bool:
+        """Whether the node's current directory lists ``peer`` (in any role)."""
+        directory = self.directory()
+        try:
+            return directory is not None and directory.get(peer) is not None
+        except Exception:  # a view superseded meanwhile: the next reservation asks again
+            return False
 
     @property
     def private(self) -> bool:
@@ -750,6 +767,7 @@ class NatSupport:
             "reachability": self.reachability.status,
             "circuit_addrs": self.keeper.advertised() if self.private else [],
             "reservations_granted": self.server.book.reservations(),
+            "reservations_unlisted": self.server.book.unlisted_reservations(),
             "circuits_relayed": self.server.book.circuits(),
             "relayed_connections": sum(1 for c in conns if is_relayed(c)),
             "hole_punches": self.punches,
@@ -832,7 +850,9 @@ class NatSupport:
                     break
                 await trio.sleep(wait)
                 wait = min(wait * 2, 30.0)
-            if self.private:
+            if self.private and not self.reserve:
+                log.info("this node is behind a NAT and registers no record: no reservations")
+            elif self.private:
                 self._changed = True
                 log.info("this node is behind a NAT: it reserves slots on %d relays",
                          self.config.reservations)
