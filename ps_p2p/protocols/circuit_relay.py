@@ -47,6 +47,7 @@ Source: libp2p specs relay/circuit-v2.md, autonat/README.md (v1); issue 20 secti
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import math
@@ -703,17 +704,25 @@ class NatSupport:
         reserve: take reservations once private (False for a node that registers no record:
             nobody dials it, and its reservations would hold the relays' newcomer slots,
             :class:`~ps_p2p.overlay.circuit_limits.CircuitRelayConfig`, for ever).
+        embedded: the host is another application's (``ps_p2p.attach``): only the client
+            side runs (AutoNAT client, reservations, circuit addresses, circuit dialing, the
+            stale-connection closer, and the circuit STOP handler unless the application
+            serves it already); no hop (this host relays nobody's circuits), no AutoNAT
+            server, no DCUtR, since they would add protocols the application did not choose.
     """
 
     def __init__(self, host: IHost, config: CircuitRelayConfig, *,
                  directory: Callable[[], Any], verifiers: Callable[[], Sequence[bytes]],
-                 verifier: bool, reserve: bool = True) -> None:
+                 verifier: bool, reserve: bool = True, embedded: bool = False) -> None:
+        if embedded:
+            config = dataclasses.replace(config, serve=False)
         self.host = host
         self.config = config
         self.directory = directory
         self.verifiers = verifiers
         self.verifier = verifier
         self.reserve = reserve
+        self.embedded = embedded
         mode = "public" if verifier else config.reachability
         if mode == "auto" and _is_loopback_only(host):
             mode = "public"  # every node on one machine (a devnet): nothing to ask
@@ -736,10 +745,7 @@ class NatSupport:
     def _listed(self, peer: bytes) -> bool:
         """Whether the node's current directory lists ``peer`` (in any role)."""
         directory = self.directory()
-        try:
-            return directory is not None and directory.get(peer) is not None
-        except Exception:  # a view superseded meanwhile: the next reservation asks again
-            return False
+        return directory is not None and directory.record(peer) is not None
 
     @property
     def private(self) -> bool:
@@ -825,45 +831,77 @@ class NatSupport:
         return changed
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled: the relay server (stop only when ``embedded``), circuit dialing,
+        the stale-connection closer, AutoNAT (server on a verifier, client until the verdict)
+        and, once private, the reservations. Leaves the host as it found it, but for the
+        circuit dialing (:func:`~ps_p2p.protocols.addresses.install_dial_fallback`, which
+        only acts for peers listed by ``/p2p-circuit`` addresses or on a failed dial)."""
+        from contextlib import AsyncExitStack
+
+        from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
         from libp2p.tools.anyio_service.context import background_trio_service
 
-        from ps_p2p.protocols.addresses import install_circuit_dialing
+        from ps_p2p.protocols.addresses import (
+            install_circuit_dialing,
+            install_dial_fallback,
+        )
+        from ps_p2p.protocols.handlers import registered_protocols
 
         self._started = trio.current_time()
+        network = self.host.get_network()
+        install_dial_fallback(network)  # our own hosts have it from open_host already
         install_circuit_dialing(self.host)
-        if self.verifier:
-            AutoNATServer(self.host)
-        from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+        async with trio.open_nursery() as closers, AsyncExitStack() as stack:
+            if not (self.embedded and str(STOP_PROTOCOL_ID) in registered_protocols(self.host)):
+                # (an application that runs its own relay client accepts circuits for us)
+                await stack.enter_async_context(background_trio_service(self.server))
+            if not self.embedded:
+                if self.verifier:
+                    AutoNATServer(self.host)
+                from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 
-        self.dcutr = DCUtRProtocol(self.host)
-        self._count_punches(self.dcutr)
-        async with trio.open_nursery() as closers, \
-                background_trio_service(self.server), background_trio_service(self.dcutr):
-            self.host.get_network().register_notifee(StaleConnectionCloser(closers))
+                self.dcutr = DCUtRProtocol(self.host)
+                self._count_punches(self.dcutr)
+                await stack.enter_async_context(background_trio_service(self.dcutr))
+            closer = StaleConnectionCloser(closers)
+            network.register_notifee(closer)
+            stack.callback(_unregister_notifee, network, closer)
             task_status.started()
-            wait = 1.0
-            while self.reachability.status == "unknown":
-                servers = [v for v in self.verifiers() if v != self.host.get_id().to_bytes()]
-                if servers:
-                    await self.reachability.check(servers)
-                if self.reachability.status != "unknown":
-                    break
-                await trio.sleep(wait)
-                wait = min(wait * 2, 30.0)
-            if self.private and not self.reserve:
-                log.info("this node is behind a NAT and registers no record: no reservations")
-            elif self.private:
-                self._changed = True
-                log.info("this node is behind a NAT: it reserves slots on %d relays",
-                         self.config.reservations)
-                while True:
-                    before = self.keeper.advertised()
-                    await self.keeper.step()
-                    if self.keeper.advertised() != before:
-                        self._changed = True
-                    held = len(self.keeper.advertised())
-                    await trio.sleep(1.0 if held < self.config.reservations else 5.0)
-            await trio.sleep_forever()
+            await self._reach_and_reserve()
+
+    async def _reach_and_reserve(self) -> None:
+        wait = 1.0
+        while self.reachability.status == "unknown":
+            servers = [v for v in self.verifiers() if v != self.host.get_id().to_bytes()]
+            if servers:
+                await self.reachability.check(servers)
+            if self.reachability.status != "unknown":
+                break
+            await trio.sleep(wait)
+            wait = min(wait * 2, 30.0)
+        if self.private and not self.reserve:
+            log.info("this node is behind a NAT and registers no record: no reservations")
+        elif self.private:
+            self._changed = True
+            log.info("this node is behind a NAT: it reserves slots on %d relays",
+                     self.config.reservations)
+            while True:
+                before = self.keeper.advertised()
+                await self.keeper.step()
+                if self.keeper.advertised() != before:
+                    self._changed = True
+                held = len(self.keeper.advertised())
+                await trio.sleep(1.0 if held < self.config.reservations else 5.0)
+        await trio.sleep_forever()
+
+
+def _unregister_notifee(network: Any, notifee: Any) -> None:
+    """Unregister ``notifee`` (py-libp2p 0.8.1: ``Swarm.remove_notifee``; else the list)."""
+    remove = getattr(network, "remove_notifee", None)
+    if remove is not None:
+        remove(notifee)
+    elif notifee in getattr(network, "notifees", []):
+        network.notifees.remove(notifee)
 
 
 __all__ = [
