@@ -518,15 +518,55 @@ async def test_a_peer_that_connects_anew_has_its_silent_old_connection_closed(
     assert old.closed is closed and not new.closed
 
 
-async def test_an_old_connection_that_reads_after_the_redial_is_kept(autojump_clock):
-    """Both ends dialling at once: the older connection goes on carrying frames."""
+class _PingedConn(_PeerConn):
+    """An older connection heard 0.5 s before the redial; its Yamux answers a PING after
+    ``answer_after`` s (None: never, the connection is dead)."""
+
+    def __init__(self, peer: ID, nursery: trio.Nursery, answer_after: float | None) -> None:
+        super().__init__(peer, trio.current_time() - 0.5)
+        self.pings: list[bytes] = []
+
+        async def answer() -> None:
+            await trio.sleep(answer_after)
+            self.muxed_conn.secured_conn._ps_last_read = trio.current_time()
+
+        async def write_frame(header: bytes) -> None:
+            self.pings.append(header)
+            if answer_after is not None:
+                nursery.start_soon(answer)
+
+        self.muxed_conn._write_frame = write_frame
+
+    async def close(self) -> None:
+        self.closed_at = trio.current_time()
+        await super().close()
+
+
+@pytest.mark.parametrize("answer_after, closed", [
+    (0.3, False),  # both ends dialled at once: the old connection answers, it is kept
+    (None, True),  # its peer's NAT remapped a moment ago: no answer, closed within ~1 s
+])
+async def test_a_redialled_peers_old_connection_is_pinged_and_closed_when_it_does_not_answer(
+        answer_after, closed, autojump_clock):
+    """Issue 20 (NAT remap): the old connection of a peer that redialled right after its
+    address changed was heard a moment before, and was closed only once silent for 5 s;
+    meanwhile replies to the peer (a first hop's setup reply) went onto it and were lost, and
+    the peer's setups waited out their 20-50 s deadlines. It is now pinged at once and closed
+    after about 3 round trips (floor 1 s) without an answer."""
+    from ps_p2p.protocols.circuit_relay import REDIAL_PING_FLOOR, REDIAL_STALE_AFTER
+
     peer = _pid(7)
-    old, new = _PeerConn(peer, -1.0), _PeerConn(peer, 0.0)
+    start = trio.current_time()
     async with trio.open_nursery() as nursery:
+        old = _PingedConn(peer, nursery, answer_after)
+        new = _PeerConn(peer, 0.0)
         await StaleConnectionCloser(nursery).connected(_Network({peer: [old, new]}), new)
-        await trio.sleep(2.0)
-        old.muxed_conn.secured_conn._ps_last_read = trio.current_time()  # a frame arrives
-    assert not old.closed
+    assert len(old.pings) == 1 and old.pings[0][1] == 2  # one Yamux PING (type 2)
+    assert old.closed is closed and not new.closed
+    if closed:
+        # no RTT measured on it: the floor (the old rule waited until silent for 5 s)
+        assert REDIAL_PING_FLOOR <= old.closed_at - start < 2 * REDIAL_PING_FLOOR
+        assert 2 * REDIAL_PING_FLOOR < REDIAL_STALE_AFTER
 
 
 def _socket(conn):  # type: ignore[no-untyped-def]

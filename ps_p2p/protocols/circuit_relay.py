@@ -361,8 +361,10 @@ REDIAL_STALE_AFTER = 5.0
 
 
 class StaleConnectionCloser(QuietNotifee):
-    """Closes a peer's older connections of the same kind (direct, or relayed) that read
-    nothing for :data:`REDIAL_STALE_AFTER` s (before or after) when it connects to us anew.
+    """Closes a peer's older connections of the same kind (direct, or relayed) when it
+    connects to us anew, unless they prove alive (:func:`_close_if_silent`: silent for
+    :data:`REDIAL_STALE_AFTER` s, or no answer to a ping on that connection within about 3
+    round trips).
 
     A peer dials while connected only when its end of the old connection is gone: a NATed
     node whose router took a new public IP (the old connection is dead but open here until the
@@ -371,8 +373,7 @@ class StaleConnectionCloser(QuietNotifee):
     one, so replies and cells to the peer went nowhere until then; two NATed nodes redial each
     other through a relay, so relayed connections are replaced alike. A relayed one is left
     alone when the new one is direct (a DCUtR upgrade, on purpose; :class:`NatSupport` closes
-    the relayed one once idle), and so is a connection heard from recently (both ends dialling
-    at once).
+    the relayed one once idle), and so is one that answers (both ends dialling at once).
 
     Args:
         nursery: where the closes run (the notification itself must not wait for them).
@@ -395,21 +396,53 @@ class StaleConnectionCloser(QuietNotifee):
                 return
 
 
+#: Floor of the wait for an answer to the ping sent on a redialled peer's older connection
+#: (:func:`_close_if_silent`; RFC 6298's 1 s floor); otherwise 3 x the connection's RTT.
+REDIAL_PING_FLOOR = 1.0
+_REDIAL_PING_VALUE = 0x70730001  # any value: the peer echoes it in its ACK
+
+
+async def _ping_connection(conn: Any) -> None:
+    """Send one Yamux PING on ``conn`` itself (best effort, at most 1 s): a live peer's Yamux
+    answers it at once, and the answer is a frame read (:func:`last_heard`)."""
+    from libp2p.stream_muxer.yamux import yamux as yamux_module
+
+    write = getattr(getattr(conn, "muxed_conn", None), "_write_frame", None)
+    if write is None:
+        return
+    header = yamux_module.struct.pack(yamux_module.YAMUX_HEADER_FORMAT, 0,
+                                      yamux_module.TYPE_PING, yamux_module.FLAG_SYN, 0,
+                                      _REDIAL_PING_VALUE)
+    with trio.move_on_after(1.0):
+        try:
+            await write(header)
+        except Exception as exc:
+            log.debug("pinging an older connection: %r", exc)
+
+
 async def _close_if_silent(peer: Any, old: Any) -> None:
-    """Close ``old`` once it has read nothing for :data:`REDIAL_STALE_AFTER` s (at once when it
-    already has; a redial right after the peer's address changed finds its old connection
-    heard from a moment ago), unless a frame arrives on it first (it is alive)."""
-    while True:
-        heard = last_heard(old)
-        if heard is None or getattr(old, "closed", False) is True:
-            return
-        wait = heard + REDIAL_STALE_AFTER - trio.current_time()
-        if wait <= 0:
-            break
-        await trio.sleep(wait)
-        if last_heard(old) != heard:  # it read something meanwhile: alive
-            return
-    log.info("%s connected anew; its older connection, silent for %.0f s, closed", peer,
+    """Close ``old`` unless it proves alive: at once when it has read nothing for
+    :data:`REDIAL_STALE_AFTER` s; otherwise (a redial right after the peer's address changed
+    finds its old connection heard from a moment ago) it is pinged on that very connection
+    and closed when nothing arrives within ``max(REDIAL_PING_FLOOR, 3 x its RTT)`` (at most
+    :data:`REDIAL_STALE_AFTER`). Waiting the full 5 s, as before, lost what was written to the
+    peer meanwhile: a first hop's setup reply to a NATed user that had just redialled went
+    onto the old, dead connection, and the user's setup waited out its 20-50 s deadline (the
+    9-host lossy remap run: every setup sent in the first seconds after the remap, 33 s)."""
+    heard = last_heard(old)
+    if heard is None or getattr(old, "closed", False) is True:
+        return
+    now = trio.current_time()
+    if now - heard < REDIAL_STALE_AFTER:
+        rtt = getattr(getattr(old, "muxed_conn", None), "_rtt", 0.0)
+        rtt = rtt if isinstance(rtt, float) and rtt > 0 else 0.0
+        window = min(REDIAL_STALE_AFTER, max(REDIAL_PING_FLOOR, 3 * rtt))
+        await _ping_connection(old)
+        await trio.sleep_until(now + window)
+        after = last_heard(old)
+        if after is None or after >= now or getattr(old, "closed", False) is True:
+            return  # it read something since the redial (the pong, or any frame): alive
+    log.info("%s connected anew; its older connection, silent for %.1f s, closed", peer,
              trio.current_time() - heard)
     await close_connection(old)
 
@@ -909,6 +942,7 @@ __all__ = [
     "AUTONAT_GRACE",
     "HOP_TIMEOUT",
     "PINNED_LIBP2P",
+    "REDIAL_PING_FLOOR",
     "REDIAL_STALE_AFTER",
     "RESERVATION_CHECK_INTERVAL",
     "AutoNATServer",
