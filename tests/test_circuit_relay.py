@@ -668,3 +668,28 @@ async def test_a_relay_refuses_an_unlisted_peer_once_the_newcomer_slots_are_take
                 assert await reserve(member, relay.get_id()) > 0
             assert server.book.reservations() == 2
             assert server.book.unlisted_reservations() == 1
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+async def test_a_private_node_that_registers_no_record_takes_no_reservation(reserve):
+    """Issue 20 (c): an ask-only NATed node (``register = false``) is never dialled and never
+    listed; its reservations would hold relays' newcomer slots for as long as it runs."""
+    import trio.testing
+
+    from ps_p2p.protocols.circuit_relay import NatSupport
+
+    async with open_host(Identity.generate(), LOOP) as host:
+        nat = NatSupport(host, CircuitRelayConfig(reachability="private"),
+                         directory=lambda: None, verifiers=list, verifier=False,
+                         reserve=reserve)
+        steps = []
+
+        async def step() -> None:
+            steps.append(trio.current_time())
+
+        nat.keeper.step = step
+        async with trio.open_nursery() as nursery:
+            await nursery.start(nat.run)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    assert bool(steps) is reserve
