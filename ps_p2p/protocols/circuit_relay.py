@@ -407,9 +407,16 @@ async def _ping_connection(conn: Any) -> None:
     answers it at once, and the answer is a frame read (:func:`last_heard`)."""
     from libp2p.stream_muxer.yamux import yamux as yamux_module
 
-    write = getattr(getattr(conn, "muxed_conn", None), "_write_frame", None)
+    muxed = getattr(conn, "muxed_conn", None)
+    write = getattr(muxed, "_write_frame", None)
     if write is None:
         return
+    # py-libp2p takes the ACK for an RTT sample since its last ping: make it one since ours
+    # (Yamux sizes its receive window by that RTT)
+    try:
+        muxed._ping_sent_time = trio.current_time()
+    except AttributeError:
+        pass
     header = yamux_module.struct.pack(yamux_module.YAMUX_HEADER_FORMAT, 0,
                                       yamux_module.TYPE_PING, yamux_module.FLAG_SYN, 0,
                                       _REDIAL_PING_VALUE)
