@@ -646,6 +646,11 @@ def test_peers_the_directory_does_not_list_hold_at_most_the_newcomer_reservation
     book.release(_peer(4))
     assert book.reserve(_peer(3), "c", 3.0, listed=False) is not None
     assert book.unlisted_reservations() == 2
+    # counted as held only until they expire (the status file read stale counts)
+    ttl = book.config.reservation_ttl
+    assert book.reserve(_peer(1), "a", 10.0, listed=False) is not None
+    assert book.unlisted_reservations(now=3.0 + ttl + 0.5) == 1  # peer 3's expired, 1's not
+    assert book.reservations(now=3.0 + ttl + 0.5) == 1
 
 
 async def test_a_relay_refuses_an_unlisted_peer_once_the_newcomer_slots_are_taken():

@@ -187,11 +187,17 @@ class ReservationBook:
         self.expire(now)
         return peer in self._expires
 
-    def reservations(self) -> int:
+    def reservations(self, now: float | None = None) -> int:
+        """Reservations held (those expired by ``now`` dropped first, when given)."""
+        if now is not None:
+            self.expire(now)
         return len(self._expires)
 
-    def unlisted_reservations(self) -> int:
-        """Of :meth:`reservations`, those held by peers the directory did not list."""
+    def unlisted_reservations(self, now: float | None = None) -> int:
+        """Of :meth:`reservations`, those held by peers the directory did not list when they
+        last asked."""
+        if now is not None:
+            self.expire(now)
         return len(self._unlisted)
 
     def holders(self) -> list[bytes]:

@@ -812,7 +812,7 @@ class NatSupport:
         return {
             "reachability": self.reachability.status,
             "circuit_addrs": self.keeper.advertised() if self.private else [],
-            "reservations_granted": self.server.book.reservations(),
+            "reservations_granted": self.server.book.reservations(trio.current_time()),
             "reservations_unlisted": self.server.book.unlisted_reservations(),
             "circuits_relayed": self.server.book.circuits(),
             "relayed_connections": sum(1 for c in conns if is_relayed(c)),
