@@ -437,7 +437,7 @@ class Node:
                 if self.config.metrics is not None:
                     self.metrics.serve(self.config.metrics)  # before the host: fail fast
                 if host is None:
-                    self._own_host = True  # Circuit Relay v2 handlers only on our own host
+                    self._own_host = True  # Circuit Relay v2 hop, DCUtR only on our own host
                     async with open_host(self.keys.identity, [self.config.listen],
                                          inbound=self.config.connections) as own_host:
                         await self._serve(own_host, task_status)
@@ -481,12 +481,14 @@ class Node:
                 self._faults.install(host, nursery)
                 await nursery.start(self._faults.watch, faults_file)
             self._learn_bootstrap_addrs(host)
-            if self._own_host:  # an application's host (attach) keeps its own protocols
-                self.nat = NatSupport(host, self.config.circuit_relay,
-                                      directory=lambda: self.directory,
-                                      verifiers=lambda: sorted(self.trusted_verifiers),
-                                      verifier=Role.VERIFIER in self.roles)
-                await nursery.start(self.nat.run)
+            # on an application's host (attach) only the relay client side: no hop, AutoNAT
+            # server or DCUtR protocols the application did not choose (NatSupport)
+            self.nat = NatSupport(host, self.config.circuit_relay,
+                                  directory=lambda: self.directory,
+                                  verifiers=lambda: sorted(self.trusted_verifiers),
+                                  verifier=Role.VERIFIER in self.roles,
+                                  reserve=self.config.register, embedded=not self._own_host)
+            await nursery.start(self.nat.run)
             if Role.VERIFIER in self.roles:
                 await nursery.start(self._run_committee_member, host)
             if self.roles & {Role.USER, Role.MODEL}:

@@ -37,6 +37,7 @@ from ps_p2p.protocols.circuit_relay import (
     ReservationKeeper,
     StaleConnectionCloser,
     circuit_multiaddr,
+    close_connection,
     is_relayed,
     ping,
     reserve,
@@ -517,12 +518,183 @@ async def test_a_peer_that_connects_anew_has_its_silent_old_connection_closed(
     assert old.closed is closed and not new.closed
 
 
-async def test_an_old_connection_that_reads_after_the_redial_is_kept(autojump_clock):
-    """Both ends dialling at once: the older connection goes on carrying frames."""
+class _PingedConn(_PeerConn):
+    """An older connection heard 0.5 s before the redial; its Yamux answers a PING after
+    ``answer_after`` s (None: never, the connection is dead)."""
+
+    def __init__(self, peer: ID, nursery: trio.Nursery, answer_after: float | None) -> None:
+        super().__init__(peer, trio.current_time() - 0.5)
+        self.pings: list[bytes] = []
+
+        async def answer() -> None:
+            await trio.sleep(answer_after)
+            self.muxed_conn.secured_conn._ps_last_read = trio.current_time()
+
+        async def write_frame(header: bytes) -> None:
+            self.pings.append(header)
+            if answer_after is not None:
+                nursery.start_soon(answer)
+
+        self.muxed_conn._write_frame = write_frame
+
+    async def close(self) -> None:
+        self.closed_at = trio.current_time()
+        await super().close()
+
+
+@pytest.mark.parametrize("answer_after, closed", [
+    (0.3, False),  # both ends dialled at once: the old connection answers, it is kept
+    (None, True),  # its peer's NAT remapped a moment ago: no answer, closed within ~1 s
+])
+async def test_a_redialled_peers_old_connection_is_pinged_and_closed_when_it_does_not_answer(
+        answer_after, closed, autojump_clock):
+    """Issue 20 (NAT remap): the old connection of a peer that redialled right after its
+    address changed was heard a moment before, and was closed only once silent for 5 s;
+    meanwhile replies to the peer (a first hop's setup reply) went onto it and were lost, and
+    the peer's setups waited out their 20-50 s deadlines. It is now pinged at once and closed
+    after about 3 round trips (floor 1 s) without an answer."""
+    from ps_p2p.protocols.circuit_relay import REDIAL_PING_FLOOR, REDIAL_STALE_AFTER
+
     peer = _pid(7)
-    old, new = _PeerConn(peer, -1.0), _PeerConn(peer, 0.0)
+    start = trio.current_time()
     async with trio.open_nursery() as nursery:
+        old = _PingedConn(peer, nursery, answer_after)
+        new = _PeerConn(peer, 0.0)
         await StaleConnectionCloser(nursery).connected(_Network({peer: [old, new]}), new)
-        await trio.sleep(2.0)
-        old.muxed_conn.secured_conn._ps_last_read = trio.current_time()  # a frame arrives
-    assert not old.closed
+    assert len(old.pings) == 1 and old.pings[0][1] == 2  # one Yamux PING (type 2)
+    assert old.closed is closed and not new.closed
+    if closed:
+        # no RTT measured on it: the floor (the old rule waited until silent for 5 s)
+        assert REDIAL_PING_FLOOR <= old.closed_at - start < 2 * REDIAL_PING_FLOOR
+        assert 2 * REDIAL_PING_FLOOR < REDIAL_STALE_AFTER
+
+
+def _socket(conn):  # type: ignore[no-untyped-def]
+    """The trio socket under a py-libp2p TCP connection (SecureSession -> Noise -> raw)."""
+    return conn.muxed_conn.secured_conn.conn.conn.stream.stream.socket
+
+
+async def test_a_dead_connection_with_a_stuck_writer_is_closed_and_leaves_the_swarm():
+    """Issue 20 (40-node NAT remap): a connection found dead (a redial after a NAT remap, a
+    silent relay) was closed through py-libp2p's graceful close, which first writes a Yamux
+    GO_AWAY behind the connection's write lock; a writer stuck on the dead socket's full send
+    buffer holds that lock, the 5 s bound cancelled the close half done and left the
+    connection in the swarm, marked closed but never cleaned up (its streams open, replies and
+    cells to the peer still written into it) until the keepalive, up to a minute later."""
+    import socket as socketlib
+
+    async with open_host(Identity.generate(), LOOP) as a, \
+            open_host(Identity.generate(), LOOP) as b:
+        b.set_stream_handler(ECHO, _echo)
+        a.get_peerstore().add_addrs(b.get_id(), [_bare(listen_multiaddrs(b)[0])], 0)
+        with trio.fail_after(10):
+            stream = await a.new_stream(b.get_id(), [ECHO])
+            assert await _roundtrip(stream, b"hi") == b"hi"
+        (conn,) = a.get_network().get_connections(b.get_id())
+        (b_conn,) = b.get_network().get_connections(a.get_id())
+        # the peer stops reading (gone: its kernel no longer acknowledges), small buffers
+        _socket(conn).setsockopt(socketlib.SOL_SOCKET, socketlib.SO_SNDBUF, 4096)
+        _socket(b_conn).setsockopt(socketlib.SOL_SOCKET, socketlib.SO_RCVBUF, 4096)
+
+        async def never(*args: object) -> bytes:
+            await trio.sleep_forever()
+            return b""
+
+        b_conn.muxed_conn.secured_conn.read = never
+        failed = trio.Event()
+
+        async def writer() -> None:  # fills the socket and blocks in its send
+            try:
+                await stream.write(b"x" * 200_000)
+            except Exception:
+                failed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            with trio.fail_after(10):
+                while not conn.muxed_conn._write_lock.locked():
+                    await trio.sleep(0.01)
+                await trio.sleep(0.2)
+            assert conn.muxed_conn._write_lock.locked()  # the writer is stuck in the send
+            await close_connection(conn)
+            await wait_until(lambda: not a.get_network().get_connections(b.get_id()),
+                             timeout=10)
+            with trio.fail_after(10):
+                await failed.wait()
+            nursery.cancel_scope.cancel()
+
+
+def test_peers_the_directory_does_not_list_hold_at_most_the_newcomer_reservations():
+    """Issue 20 (c): a relay granted every slot to any peer, listed or not, so peers that are
+    no members (from a few /24s) could take every reservation of every relay and lock the
+    network's NATed users out; unlisted peers (newcomers registering) now hold at most
+    ``max_unlisted_reservations``, and the listed ones keep the rest."""
+    book = ReservationBook(CircuitRelayConfig(max_reservations=6,
+                                              max_reservations_per_network=6,
+                                              max_unlisted_reservations=2))
+    assert book.reserve(_peer(1), "a", 0.0, listed=False) is not None
+    assert book.reserve(_peer(2), "b", 0.0, listed=False) is not None
+    assert book.reserve(_peer(3), "c", 0.0, listed=False) is None  # newcomer slots full
+    assert book.reserve(_peer(1), "a", 1.0, listed=False) is not None  # its renewal is kept
+    for i in (4, 5, 6, 7):
+        assert book.reserve(_peer(i), "d", 0.0, listed=True) is not None  # members: the rest
+    assert book.reserve(_peer(8), "d", 0.0, listed=True) is None  # the total still holds
+    assert book.unlisted_reservations() == 2
+    # a newcomer that got listed renews as a member, and frees its newcomer slot
+    assert book.reserve(_peer(2), "b", 2.0, listed=True) is not None
+    assert book.unlisted_reservations() == 1
+    book.release(_peer(4))
+    assert book.reserve(_peer(3), "c", 3.0, listed=False) is not None
+    assert book.unlisted_reservations() == 2
+    # counted as held only until they expire (the status file read stale counts)
+    ttl = book.config.reservation_ttl
+    assert book.reserve(_peer(1), "a", 10.0, listed=False) is not None
+    assert book.unlisted_reservations(now=3.0 + ttl + 0.5) == 1  # peer 3's expired, 1's not
+    assert book.reservations(now=3.0 + ttl + 0.5) == 1
+
+
+async def test_a_relay_refuses_an_unlisted_peer_once_the_newcomer_slots_are_taken():
+    """The relay asks its directory whether the caller is listed (RelayServer's ``listed``)."""
+    async with open_host(Identity.generate(), LOOP) as relay, \
+            open_host(Identity.generate(), LOOP) as member, \
+            open_host(Identity.generate(), LOOP) as newcomer, \
+            open_host(Identity.generate(), LOOP) as stranger:
+        listed = {member.get_id().to_bytes()}
+        server = RelayServer(relay, CircuitRelayConfig(max_unlisted_reservations=1),
+                             listed=listed.__contains__)
+        async with background_trio_service(server):
+            for host in (member, newcomer, stranger):
+                host.get_peerstore().add_addrs(relay.get_id(),
+                                               [_bare(listen_multiaddrs(relay)[0])], 0)
+            with trio.fail_after(10):
+                assert await reserve(newcomer, relay.get_id()) > 0
+                with pytest.raises(ConnectionError):
+                    await reserve(stranger, relay.get_id())
+                assert await reserve(member, relay.get_id()) > 0
+            assert server.book.reservations() == 2
+            assert server.book.unlisted_reservations() == 1
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+async def test_a_private_node_that_registers_no_record_takes_no_reservation(reserve):
+    """Issue 20 (c): an ask-only NATed node (``register = false``) is never dialled and never
+    listed; its reservations would hold relays' newcomer slots for as long as it runs."""
+    import trio.testing
+
+    from ps_p2p.protocols.circuit_relay import NatSupport
+
+    async with open_host(Identity.generate(), LOOP) as host:
+        nat = NatSupport(host, CircuitRelayConfig(reachability="private"),
+                         directory=lambda: None, verifiers=list, verifier=False,
+                         reserve=reserve)
+        steps = []
+
+        async def step() -> None:
+            steps.append(trio.current_time())
+
+        nat.keeper.step = step
+        async with trio.open_nursery() as nursery:
+            await nursery.start(nat.run)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    assert bool(steps) is reserve

@@ -111,6 +111,47 @@ async def test_an_attached_user_is_answered_beside_the_app_protocol_and_detaches
             assert host.get_transport_addrs()
 
 
+async def test_an_attached_natted_user_reserves_relay_slots_and_is_listed_by_its_circuits():
+    """Issue 20 (b): a node attached to an application's host ran no relay client, so a NATed
+    embedded user could neither reserve nor advertise circuit addresses (nobody could reach it
+    to relay or proxy). Now the client side runs on the application's host, and only it: no
+    hop (the application's host relays nobody's circuits), and the STOP handler leaves with
+    the node."""
+    from dataclasses import replace
+
+    from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+    from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
+
+    from ps_p2p.overlay.circuit_limits import CircuitRelayConfig, circuit_only_relays
+
+    async with open_localnet(users=6) as net:
+        host = app_host()
+        async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            config = replace(user_config(net.verifier.listen_addrs[0]),
+                             circuit_relay=CircuitRelayConfig(reachability="private"))
+            async with attach(host, config) as node:
+                with trio.fail_after(60):
+                    while True:
+                        record = node.directory.record(node.peer_id) if node.directory else None
+                        if record is not None and circuit_only_relays(record.addrs):
+                            break
+                        await node.wait_directory_update()
+                relays = circuit_only_relays(record.addrs)
+                assert len(relays) == 2 and node.peer_id not in relays
+                assert str(STOP_PROTOCOL_ID) in registered_protocols(host)
+                assert str(HOP_PROTOCOL_ID) not in registered_protocols(host)
+                # the relays now count it among the listed peers (issue 20 c)
+                verifier_nat = net.verifier.nat
+                assert verifier_nat is not None
+                listed = verifier_nat.server.listed
+                assert listed is not None
+                with trio.fail_after(60):
+                    while not listed(node.peer_id):
+                        await net.verifier.wait_directory_update()
+                assert not listed(ID.from_pubkey(ed25519_key_pair().public_key).to_bytes())
+            assert str(STOP_PROTOCOL_ID) not in registered_protocols(host)
+
+
 async def test_a_verifier_attached_in_the_callers_nursery_stops_with_node_stop():
     host = app_host()
     async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):

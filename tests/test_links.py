@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
+import trio.testing
 
 from ps_p2p.keys import NodeKeys
 from ps_p2p.protocols.host import connect, listen_multiaddrs, open_host
@@ -179,3 +181,57 @@ async def test_a_link_closed_while_the_connection_is_busy_still_ends_for_the_pee
             with trio.fail_after(30):  # only bounds a failure
                 await handler_done.wait()
             nursery.cancel_scope.cancel()
+
+
+class _DeadConn:
+    """A swarm connection that last read a frame at trio time ``heard`` (a dead one when the
+    peer is gone: nothing arrives on it, and a stream opened on it is never answered)."""
+
+    def __init__(self, heard: float) -> None:
+        self.closed = False
+        self.muxed_conn = type("Muxed", (), {})()
+        self.muxed_conn.secured_conn = type("Secured", (), {})()
+        self.muxed_conn.secured_conn._ps_last_read = heard
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class _HostOnDeadConn:
+    def __init__(self, conns: list[_DeadConn]) -> None:
+        self.conns = conns
+
+    def get_network(self) -> _HostOnDeadConn:
+        return self
+
+    def get_connections(self, peer: object) -> list[_DeadConn]:
+        return [c for c in self.conns if not c.closed]
+
+    async def new_stream(self, peer: object, protocols: object) -> None:
+        await trio.sleep_forever()  # never answered
+
+
+@pytest.mark.parametrize("heard_after_start, closed", [
+    (None, True),  # silent all through the open: dead, closed (the next open dials anew)
+    (0.5, False),  # a frame arrived meanwhile: the peer lives (slow, not gone), kept
+])
+async def test_a_connection_silent_through_a_timed_out_stream_open_is_closed(
+        heard_after_start, closed, autojump_clock):
+    """Issue 20 (40-node NAT remap): a stream open on a dead connection timed out and the link
+    said "connection alive, paths kept"; py-libp2p opened the next stream on the same dead
+    connection, until the keepalive closed it up to a minute later. A connection that read
+    nothing through a whole timed-out open is closed, so the next open dials anew."""
+    conn = _DeadConn(heard=trio.current_time() - 10.0)
+    host = _HostOnDeadConn([conn])
+    down = trio.Event()
+    async with trio.open_nursery() as nursery:
+        links = LinkManager(host, nursery, "/test/1.0.0", open_timeout=1.0,
+                            on_link_down=lambda p, r: down.set())
+        assert links.send(NodeKeys.generate().identity.peer_id, b"frame")
+        if heard_after_start is not None:
+            await trio.sleep(heard_after_start)
+            conn.muxed_conn.secured_conn._ps_last_read = trio.current_time()
+        await down.wait()
+        await trio.testing.wait_all_tasks_blocked()  # the close task, if any, has run
+        nursery.cancel_scope.cancel()
+    assert conn.closed is closed

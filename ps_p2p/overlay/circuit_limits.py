@@ -9,6 +9,11 @@ hold, so each is bounded per peer AND in total (DESIGN.md, "Security invariants"
 * a reservation is per peer ID (a renewal refreshes it), at most ``max_reservations`` in all and
   ``max_reservations_per_network`` from one source network (the /24 or /48 of the connection
   that asked: identities are free, addresses are not);
+* of them at most ``max_unlisted_reservations`` are held by peers the directory does not list
+  (newcomers: a NATed node reserves before it can register, since its record lists its relays).
+  A listed peer passed the committee's admission caps (per source network); an unlisted one
+  passed nothing, so peers that are no members (sybils from a few /24s) can take the newcomer
+  slots but never the rest, which the network's listed NATed nodes keep renewing;
 * a circuit needs a live reservation of its destination; at most ``max_circuits`` in all,
   ``max_circuits_per_reservation`` to one destination and ``max_circuits_per_source`` from one
   source peer; each carries at most ``circuit_bytes`` (both directions together) before the
@@ -48,6 +53,8 @@ class CircuitRelayConfig:
         serve: a public node grants reservations (the bounds below); False: none.
         max_reservations: reservations granted at once, in all.
         max_reservations_per_network: of them from one source network (IPv4 /24, IPv6 /48).
+        max_unlisted_reservations: of them held by peers the directory does not list
+            (newcomers that reserve before they register; module docstring).
         reservation_ttl: seconds a reservation lasts unless renewed (a private node renews at
             half of it); it also ends when the node's connection to the relay closes.
         max_circuits: relayed links open at once, in all.
@@ -68,6 +75,7 @@ class CircuitRelayConfig:
     serve: bool = True
     max_reservations: int = 16
     max_reservations_per_network: int = 4
+    max_unlisted_reservations: int = 8
     reservation_ttl: float = 120.0
     max_circuits: int = 128
     max_circuits_per_reservation: int = 24
@@ -80,7 +88,8 @@ class CircuitRelayConfig:
         if self.reachability not in REACHABILITY:
             raise ValueError(f"reachability must be one of {', '.join(REACHABILITY)}, "
                              f"not {self.reachability!r}")
-        for name in ("max_reservations", "max_reservations_per_network", "max_circuits",
+        for name in ("max_reservations", "max_reservations_per_network",
+                     "max_unlisted_reservations", "max_circuits",
                      "max_circuits_per_reservation", "max_circuits_per_source", "reservations"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -117,6 +126,7 @@ class ReservationBook:
     def __init__(self, config: CircuitRelayConfig) -> None:
         self.config = config
         self._expires: dict[bytes, float] = {}
+        self._unlisted: set[bytes] = set()  # holders the directory did not list when they asked
         self._network: dict[bytes, str] = {}
         self._per_network: dict[str, int] = {}
         self._heap: list[tuple[float, bytes]] = []
@@ -127,24 +137,36 @@ class ReservationBook:
 
     # reservations --------------------------------------------------------------------------
 
-    def reserve(self, peer: bytes, network: str, now: float) -> float | None:
+    def reserve(self, peer: bytes, network: str, now: float,
+                listed: bool = True) -> float | None:
         """Grant or renew ``peer``'s reservation; returns its expiry (``now + ttl``), or None
-        when a new one would pass ``max_reservations`` or the per-network bound."""
+        when a new one would pass ``max_reservations`` or the per-network bound, or when
+        ``peer`` is not ``listed`` in the directory and the unlisted ones hold
+        ``max_unlisted_reservations`` already (a listed holder whose record left the directory
+        renews as an unlisted one)."""
         self.expire(now)
+        cfg = self.config
+        was_unlisted = peer in self._unlisted
+        if not listed and not was_unlisted and len(self._unlisted) >= cfg.max_unlisted_reservations:
+            return None
         if peer in self._expires:
             if self._network[peer] != network:  # renewed from elsewhere: count it there
-                if self._per_network.get(network, 0) >= self.config.max_reservations_per_network:
+                if self._per_network.get(network, 0) >= cfg.max_reservations_per_network:
                     return None
                 self._uncount(peer)
                 self._network[peer] = network
                 self._per_network[network] = self._per_network.get(network, 0) + 1
         else:
-            if len(self._expires) >= self.config.max_reservations:
+            if len(self._expires) >= cfg.max_reservations:
                 return None
-            if self._per_network.get(network, 0) >= self.config.max_reservations_per_network:
+            if self._per_network.get(network, 0) >= cfg.max_reservations_per_network:
                 return None
             self._network[peer] = network
             self._per_network[network] = self._per_network.get(network, 0) + 1
+        if listed:
+            self._unlisted.discard(peer)
+        else:
+            self._unlisted.add(peer)
         expires = now + self.config.reservation_ttl
         self._expires[peer] = expires
         heapq.heappush(self._heap, (expires, peer))
@@ -159,13 +181,24 @@ class ReservationBook:
             self._uncount(peer)
             del self._expires[peer]
             del self._network[peer]
+            self._unlisted.discard(peer)
 
     def has_reservation(self, peer: bytes, now: float) -> bool:
         self.expire(now)
         return peer in self._expires
 
-    def reservations(self) -> int:
+    def reservations(self, now: float | None = None) -> int:
+        """Reservations held (those expired by ``now`` dropped first, when given)."""
+        if now is not None:
+            self.expire(now)
         return len(self._expires)
+
+    def unlisted_reservations(self, now: float | None = None) -> int:
+        """Of :meth:`reservations`, those held by peers the directory did not list when they
+        last asked."""
+        if now is not None:
+            self.expire(now)
+        return len(self._unlisted)
 
     def holders(self) -> list[bytes]:
         """The peers holding a reservation (at most ``max_reservations``)."""

@@ -12,8 +12,8 @@ its own it can only ask. With this module it takes every role of a user (issue 2
   (:class:`AutoNATServer`: at most :data:`AUTONAT_CONCURRENCY` requests at once, one per peer).
 * **Relays** (:class:`RelayServer`, a public node): py-libp2p's ``CircuitV2Protocol`` with hop
   enabled, behind the bounds of :class:`~ps_p2p.overlay.circuit_limits.ReservationBook` (per
-  peer, per source network, in total; circuits per destination, per source, in total) and two
-  fixes of py-libp2p 0.8.1 (below).
+  peer, per source network, in total, and for peers the directory does not list; circuits per
+  destination, per source, in total) and two fixes of py-libp2p 0.8.1 (below).
 * **Reservations** (:class:`ReservationKeeper`, a private node): it keeps
   ``[circuit_relay] reservations`` (2) reservations on distinct relays, chosen among the
   directory's verifiers and public users (never model nodes: a model node that also carried a
@@ -47,6 +47,7 @@ Source: libp2p specs relay/circuit-v2.md, autonat/README.md (v1); issue 20 secti
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import math
@@ -148,7 +149,8 @@ class RelayServer(CircuitV2Protocol):
     (:class:`~ps_p2p.overlay.circuit_limits.ReservationBook`) and the two fixes of the module
     docstring. Run it as py-libp2p's service: ``background_trio_service(RelayServer(...))``."""
 
-    def __init__(self, host: IHost, config: CircuitRelayConfig) -> None:
+    def __init__(self, host: IHost, config: CircuitRelayConfig,
+                 listed: Callable[[bytes], bool] | None = None) -> None:
         limits = RelayLimits(
             duration=0,  # no cap on a link's life: the overlay keeps links for hours
             data=config.circuit_bytes,
@@ -158,6 +160,8 @@ class RelayServer(CircuitV2Protocol):
         )
         super().__init__(host, limits, allow_hop=config.serve)
         self.book = ReservationBook(config)
+        #: peer ID -> whether the directory lists it (None: every peer counts as listed)
+        self.listed = listed
         self.refused = 0
         if _libp2p_version() != PINNED_LIBP2P:
             log.warning("circuit relay fixes were written for py-libp2p %s, this is %s: check "
@@ -181,7 +185,8 @@ class RelayServer(CircuitV2Protocol):
         peer = stream.muxed_conn.peer_id
         msg.ClearField("peer")  # fix 1: the reservation is the caller's, whatever msg.peer says
         now = trio.current_time()
-        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now) is None:
+        listed = self.listed is None or self.listed(peer.to_bytes())
+        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now, listed) is None:
             # full: a reservation lives with its holder's connection; give back those of
             # holders gone (at most max_reservations looked at, only when full)
             for holder in self.book.holders():
@@ -189,8 +194,9 @@ class RelayServer(CircuitV2Protocol):
                     self.book.release(holder)
                     # py-libp2p's own table (0.8.1: ``_reservations``) counts it too
                     self.resource_manager._reservations.pop(ID(holder), None)
-        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now) is None:
-            log.debug("reservation of %s refused: over the limits", peer)
+        if self.book.reserve(peer.to_bytes(), self._network_of(peer), now, listed) is None:
+            log.debug("reservation of %s (%s) refused: over the limits", peer,
+                      "listed" if listed else "not listed")
             await self._refuse(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED)
             return
         await super()._handle_reserve(stream, msg)
@@ -343,13 +349,9 @@ async def ping(host: IHost, peer: ID, timeout: float = HOP_TIMEOUT) -> bool:
 
 
 async def _close_peer(host: IHost, peer: ID) -> None:
-    """Close every connection of ``host`` to ``peer`` (at most 5 s each)."""
+    """Close every connection of ``host`` to ``peer`` (:func:`close_connection`)."""
     for conn in list(host.get_network().get_connections(peer)):
-        with trio.move_on_after(5):
-            try:
-                await conn.close()
-            except Exception as exc:
-                log.debug("closing the connection to %s: %r", peer, exc)
+        await close_connection(conn)
 
 
 #: Seconds of silence after which a direct connection is taken for dead when its peer connects
@@ -359,8 +361,10 @@ REDIAL_STALE_AFTER = 5.0
 
 
 class StaleConnectionCloser(QuietNotifee):
-    """Closes a peer's older connections of the same kind (direct, or relayed) that read
-    nothing for :data:`REDIAL_STALE_AFTER` s (before or after) when it connects to us anew.
+    """Closes a peer's older connections of the same kind (direct, or relayed) when it
+    connects to us anew, unless they prove alive (:func:`_close_if_silent`: silent for
+    :data:`REDIAL_STALE_AFTER` s, or no answer to a ping on that connection within about 3
+    round trips).
 
     A peer dials while connected only when its end of the old connection is gone: a NATed
     node whose router took a new public IP (the old connection is dead but open here until the
@@ -369,8 +373,7 @@ class StaleConnectionCloser(QuietNotifee):
     one, so replies and cells to the peer went nowhere until then; two NATed nodes redial each
     other through a relay, so relayed connections are replaced alike. A relayed one is left
     alone when the new one is direct (a DCUtR upgrade, on purpose; :class:`NatSupport` closes
-    the relayed one once idle), and so is a connection heard from recently (both ends dialling
-    at once).
+    the relayed one once idle), and so is one that answers (both ends dialling at once).
 
     Args:
         nursery: where the closes run (the notification itself must not wait for them).
@@ -393,31 +396,89 @@ class StaleConnectionCloser(QuietNotifee):
                 return
 
 
+#: Floor of the wait for an answer to the ping sent on a redialled peer's older connection
+#: (:func:`_close_if_silent`; RFC 6298's 1 s floor); otherwise 3 x the connection's RTT.
+REDIAL_PING_FLOOR = 1.0
+_REDIAL_PING_VALUE = 0x70730001  # any value: the peer echoes it in its ACK
+
+
+async def _ping_connection(conn: Any) -> None:
+    """Send one Yamux PING on ``conn`` itself (best effort, at most 1 s): a live peer's Yamux
+    answers it at once, and the answer is a frame read (:func:`last_heard`)."""
+    from libp2p.stream_muxer.yamux import yamux as yamux_module
+
+    muxed = getattr(conn, "muxed_conn", None)
+    write = getattr(muxed, "_write_frame", None)
+    if write is None:
+        return
+    # py-libp2p takes the ACK for an RTT sample since its last ping: make it one since ours
+    # (Yamux sizes its receive window by that RTT)
+    try:
+        muxed._ping_sent_time = trio.current_time()
+    except AttributeError:
+        pass
+    header = yamux_module.struct.pack(yamux_module.YAMUX_HEADER_FORMAT, 0,
+                                      yamux_module.TYPE_PING, yamux_module.FLAG_SYN, 0,
+                                      _REDIAL_PING_VALUE)
+    with trio.move_on_after(1.0):
+        try:
+            await write(header)
+        except Exception as exc:
+            log.debug("pinging an older connection: %r", exc)
+
+
 async def _close_if_silent(peer: Any, old: Any) -> None:
-    """Close ``old`` once it has read nothing for :data:`REDIAL_STALE_AFTER` s (at once when it
-    already has; a redial right after the peer's address changed finds its old connection
-    heard from a moment ago), unless a frame arrives on it first (it is alive)."""
-    while True:
-        heard = last_heard(old)
-        if heard is None or getattr(old, "closed", False) is True:
-            return
-        wait = heard + REDIAL_STALE_AFTER - trio.current_time()
-        if wait <= 0:
-            break
-        await trio.sleep(wait)
-        if last_heard(old) != heard:  # it read something meanwhile: alive
-            return
-    log.info("%s connected anew; its older connection, silent for %.0f s, closed", peer,
+    """Close ``old`` unless it proves alive: at once when it has read nothing for
+    :data:`REDIAL_STALE_AFTER` s; otherwise (a redial right after the peer's address changed
+    finds its old connection heard from a moment ago) it is pinged on that very connection
+    and closed when nothing arrives within ``max(REDIAL_PING_FLOOR, 3 x its RTT)`` (at most
+    :data:`REDIAL_STALE_AFTER`). Waiting the full 5 s, as before, lost what was written to the
+    peer meanwhile: a first hop's setup reply to a NATed user that had just redialled went
+    onto the old, dead connection, and the user's setup waited out its 20-50 s deadline (the
+    9-host lossy remap run: every setup sent in the first seconds after the remap, 33 s)."""
+    heard = last_heard(old)
+    if heard is None or getattr(old, "closed", False) is True:
+        return
+    now = trio.current_time()
+    if now - heard < REDIAL_STALE_AFTER:
+        rtt = getattr(getattr(old, "muxed_conn", None), "_rtt", 0.0)
+        rtt = rtt if isinstance(rtt, float) and rtt > 0 else 0.0
+        window = min(REDIAL_STALE_AFTER, max(REDIAL_PING_FLOOR, 3 * rtt))
+        await _ping_connection(old)
+        await trio.sleep_until(now + window)
+        after = last_heard(old)
+        if after is None or after >= now or getattr(old, "closed", False) is True:
+            return  # it read something since the redial (the pong, or any frame): alive
+    log.info("%s connected anew; its older connection, silent for %.1f s, closed", peer,
              trio.current_time() - heard)
-    await _close_quietly(old)
+    await close_connection(old)
 
 
-async def _close_quietly(conn: Any) -> None:
+async def close_connection(conn: Any) -> None:
+    """Close a swarm connection found dead (its peer redialled, its relay went silent, a NAT
+    remap), at once and completely: first its transport (the socket, or the relayed stream),
+    which wakes every task blocked on it and makes Yamux's reader fail and tear the connection
+    down (streams reset, removed from the swarm, peers notified), then py-libp2p's close for
+    what is left (at most 5 s).
+
+    py-libp2p 0.8.1's ``SwarmConn.close`` marks the connection closed and then writes a Yamux
+    GO_AWAY behind the connection's write lock; a writer stuck on a dead peer's full send
+    buffer holds that lock, so a bounded close was cancelled half done and left the connection
+    in the swarm, marked closed (a later close does nothing) and never cleaned up, until the
+    keepalive closed its socket up to a minute later (the 40-node NAT remap run: the
+    remapped user's setups and cells went into such connections for minutes)."""
+    secured = getattr(getattr(conn, "muxed_conn", None), "secured_conn", None)
+    if secured is not None:
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            try:
+                await secured.close()
+            except Exception as exc:
+                log.debug("closing a dead connection's transport: %r", exc)
     with trio.move_on_after(5):
         try:
             await conn.close()
         except Exception as exc:
-            log.debug("closing a stale connection: %r", exc)
+            log.debug("closing a dead connection: %r", exc)
 
 
 def is_relayed(conn: Any) -> bool:
@@ -609,11 +670,7 @@ class ReservationKeeper:
                         "or its uplink failed; %d silent connections closed", len(held),
                         len(stale))
             for _, conn in stale:
-                with trio.move_on_after(5):
-                    try:
-                        await conn.close()
-                    except Exception as exc:
-                        log.debug("closing a silent connection: %r", exc)
+                await close_connection(conn)
         return silent
 
     async def _reserve(self, relay: bytes, addr: str) -> bool:
@@ -684,21 +741,33 @@ class NatSupport:
         directory: () -> the node's current directory (or None).
         verifiers: () -> the verifiers' peer IDs (AutoNAT servers).
         verifier: this node is a verifier (serves AutoNAT; always public).
+        reserve: take reservations once private (False for a node that registers no record:
+            nobody dials it, and its reservations would hold the relays' newcomer slots,
+            :class:`~ps_p2p.overlay.circuit_limits.CircuitRelayConfig`, for ever).
+        embedded: the host is another application's (``ps_p2p.attach``): only the client
+            side runs (AutoNAT client, reservations, circuit addresses, circuit dialing, the
+            stale-connection closer, and the circuit STOP handler unless the application
+            serves it already); no hop (this host relays nobody's circuits), no AutoNAT
+            server, no DCUtR, since they would add protocols the application did not choose.
     """
 
     def __init__(self, host: IHost, config: CircuitRelayConfig, *,
                  directory: Callable[[], Any], verifiers: Callable[[], Sequence[bytes]],
-                 verifier: bool) -> None:
+                 verifier: bool, reserve: bool = True, embedded: bool = False) -> None:
+        if embedded:
+            config = dataclasses.replace(config, serve=False)
         self.host = host
         self.config = config
         self.directory = directory
         self.verifiers = verifiers
         self.verifier = verifier
+        self.reserve = reserve
+        self.embedded = embedded
         mode = "public" if verifier else config.reachability
         if mode == "auto" and _is_loopback_only(host):
             mode = "public"  # every node on one machine (a devnet): nothing to ask
         self.reachability = Reachability(host, mode)
-        self.server = RelayServer(host, config)
+        self.server = RelayServer(host, config, listed=self._listed)
         me = host.get_id().to_bytes()
         self.keeper = ReservationKeeper(host, config,
                                         lambda: relay_candidates(self.directory(), me))
@@ -712,6 +781,11 @@ class NatSupport:
         self.nat_punches = 0
         self.nat_punched = 0
         self.dcutr: Any = None
+
+    def _listed(self, peer: bytes) -> bool:
+        """Whether the node's current directory lists ``peer`` (in any role)."""
+        directory = self.directory()
+        return directory is not None and directory.record(peer) is not None
 
     @property
     def private(self) -> bool:
@@ -738,7 +812,8 @@ class NatSupport:
         return {
             "reachability": self.reachability.status,
             "circuit_addrs": self.keeper.advertised() if self.private else [],
-            "reservations_granted": self.server.book.reservations(),
+            "reservations_granted": self.server.book.reservations(trio.current_time()),
+            "reservations_unlisted": self.server.book.unlisted_reservations(),
             "circuits_relayed": self.server.book.circuits(),
             "relayed_connections": sum(1 for c in conns if is_relayed(c)),
             "hole_punches": self.punches,
@@ -796,43 +871,77 @@ class NatSupport:
         return changed
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled: the relay server (stop only when ``embedded``), circuit dialing,
+        the stale-connection closer, AutoNAT (server on a verifier, client until the verdict)
+        and, once private, the reservations. Leaves the host as it found it, but for the
+        circuit dialing (:func:`~ps_p2p.protocols.addresses.install_dial_fallback`, which
+        only acts for peers listed by ``/p2p-circuit`` addresses or on a failed dial)."""
+        from contextlib import AsyncExitStack
+
+        from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
         from libp2p.tools.anyio_service.context import background_trio_service
 
-        from ps_p2p.protocols.addresses import install_circuit_dialing
+        from ps_p2p.protocols.addresses import (
+            install_circuit_dialing,
+            install_dial_fallback,
+        )
+        from ps_p2p.protocols.handlers import registered_protocols
 
         self._started = trio.current_time()
+        network = self.host.get_network()
+        install_dial_fallback(network)  # our own hosts have it from open_host already
         install_circuit_dialing(self.host)
-        if self.verifier:
-            AutoNATServer(self.host)
-        from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+        async with trio.open_nursery() as closers, AsyncExitStack() as stack:
+            if not (self.embedded and str(STOP_PROTOCOL_ID) in registered_protocols(self.host)):
+                # (an application that runs its own relay client accepts circuits for us)
+                await stack.enter_async_context(background_trio_service(self.server))
+            if not self.embedded:
+                if self.verifier:
+                    AutoNATServer(self.host)
+                from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 
-        self.dcutr = DCUtRProtocol(self.host)
-        self._count_punches(self.dcutr)
-        async with trio.open_nursery() as closers, \
-                background_trio_service(self.server), background_trio_service(self.dcutr):
-            self.host.get_network().register_notifee(StaleConnectionCloser(closers))
+                self.dcutr = DCUtRProtocol(self.host)
+                self._count_punches(self.dcutr)
+                await stack.enter_async_context(background_trio_service(self.dcutr))
+            closer = StaleConnectionCloser(closers)
+            network.register_notifee(closer)
+            stack.callback(_unregister_notifee, network, closer)
             task_status.started()
-            wait = 1.0
-            while self.reachability.status == "unknown":
-                servers = [v for v in self.verifiers() if v != self.host.get_id().to_bytes()]
-                if servers:
-                    await self.reachability.check(servers)
-                if self.reachability.status != "unknown":
-                    break
-                await trio.sleep(wait)
-                wait = min(wait * 2, 30.0)
-            if self.private:
-                self._changed = True
-                log.info("this node is behind a NAT: it reserves slots on %d relays",
-                         self.config.reservations)
-                while True:
-                    before = self.keeper.advertised()
-                    await self.keeper.step()
-                    if self.keeper.advertised() != before:
-                        self._changed = True
-                    held = len(self.keeper.advertised())
-                    await trio.sleep(1.0 if held < self.config.reservations else 5.0)
-            await trio.sleep_forever()
+            await self._reach_and_reserve()
+
+    async def _reach_and_reserve(self) -> None:
+        wait = 1.0
+        while self.reachability.status == "unknown":
+            servers = [v for v in self.verifiers() if v != self.host.get_id().to_bytes()]
+            if servers:
+                await self.reachability.check(servers)
+            if self.reachability.status != "unknown":
+                break
+            await trio.sleep(wait)
+            wait = min(wait * 2, 30.0)
+        if self.private and not self.reserve:
+            log.info("this node is behind a NAT and registers no record: no reservations")
+        elif self.private:
+            self._changed = True
+            log.info("this node is behind a NAT: it reserves slots on %d relays",
+                     self.config.reservations)
+            while True:
+                before = self.keeper.advertised()
+                await self.keeper.step()
+                if self.keeper.advertised() != before:
+                    self._changed = True
+                held = len(self.keeper.advertised())
+                await trio.sleep(1.0 if held < self.config.reservations else 5.0)
+        await trio.sleep_forever()
+
+
+def _unregister_notifee(network: Any, notifee: Any) -> None:
+    """Unregister ``notifee`` (py-libp2p 0.8.1: ``Swarm.remove_notifee``; else the list)."""
+    remove = getattr(network, "remove_notifee", None)
+    if remove is not None:
+        remove(notifee)
+    elif notifee in getattr(network, "notifees", []):
+        network.notifees.remove(notifee)
 
 
 __all__ = [
@@ -840,6 +949,7 @@ __all__ = [
     "AUTONAT_GRACE",
     "HOP_TIMEOUT",
     "PINNED_LIBP2P",
+    "REDIAL_PING_FLOOR",
     "REDIAL_STALE_AFTER",
     "RESERVATION_CHECK_INTERVAL",
     "AutoNATServer",
@@ -849,6 +959,7 @@ __all__ = [
     "ReservationKeeper",
     "StaleConnectionCloser",
     "circuit_multiaddr",
+    "close_connection",
     "dial_circuit",
     "is_relayed",
     "parse_circuit",

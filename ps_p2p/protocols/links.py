@@ -41,7 +41,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
 
-from ps_p2p.protocols.host import is_connected
+from ps_p2p.protocols.host import is_connected, last_heard
 from libp2p.peer.id import ID
 
 from ps_p2p.records import short_peer_id as _short
@@ -218,6 +218,7 @@ class LinkManager:
         allowance = self._open_rtt.rto
         try:
             started = self._clock()
+            opened_at = trio.current_time()  # last_heard's clock
             if self._persistent:
                 _forget_failed_dial(self._host, link.peer_id)
             with trio.fail_after(allowance):
@@ -246,6 +247,7 @@ class LinkManager:
         except trio.TooSlowError:
             reason = f"could not open a {self._protocol_id} stream in {allowance:.0f} s"
             self._back_off(link.peer_id)
+            self._close_silent_connections(link.peer_id, opened_at)
         except trio.Cancelled:
             raise
         except Exception as exc:  # a dial or stream failure of any kind ends this link only
@@ -279,6 +281,29 @@ class LinkManager:
             if self._on_link_down is not None:
                 self._on_link_down(link.peer_id, reason)
 
+
+    def _close_silent_connections(self, peer_id: bytes, since: float) -> None:
+        """After a stream open to ``peer_id`` timed out: close the peer's connections that read
+        nothing since it began (trio time ``since``). A live peer answers a new stream (Yamux,
+        then multistream-select) within a round trip, and the allowance is at least
+        ``open_timeout``; a connection silent all along is dead (the peer's NAT took a new
+        address, it crashed behind a relay) or its peer is frozen, and py-libp2p would open the
+        next stream on it again (``Swarm._select_connection``: the one with the most streams),
+        until the keepalive closed it up to a minute later. Closed, the next open dials anew.
+        (The 40-node NAT remap run: the remapped user's stream opens to four first hops timed
+        out at 12 s each, "connection alive, paths kept".)"""
+        from ps_p2p.protocols.circuit_relay import close_connection
+
+        try:
+            conns = list(self._host.get_network().get_connections(ID(peer_id)))
+        except Exception:  # a malformed peer ID: no connection to close
+            return
+        for conn in conns:
+            heard = last_heard(conn)
+            if heard is not None and heard < since:
+                log.info("connection to %s silent for %.0f s through a stream open: closed",
+                         _short(peer_id), trio.current_time() - heard)
+                self._nursery.start_soon(close_connection, conn)
 
     def _back_off(self, peer_id: bytes) -> None:
         failures = self._backoff.pop(peer_id, (0, 0.0))[0] + 1
