@@ -15,8 +15,16 @@ What it sees is what a model node has, nothing more:
 * the chain's published data (:class:`ChainView`): the genesis' sampling menu (a request whose
   parameters are exactly a menu entry), the prompts the node has been asked before, and any
   prompt published in clear in an earlier report;
-* public data sets (:class:`PublicIndex`): the prompt verbatim, or its word 5-grams' Jaccard
-  similarity to the nearest public prompt.
+* public data sets (:class:`PublicIndex`): the prompt verbatim, its word 5-grams' Jaccard
+  similarity to the nearest public prompt, and the share of its 5-grams found in any public
+  prompt;
+* its own model (``lm``: stories260K in the benchmark): the prompt's length in tokens and its
+  mean negative log-likelihood (a generated pool reads like the model's own text);
+* its memory of its traffic: a chat whose earlier user turn it was asked before (a user's
+  follow-up after a turn this node served), and the reply proxies in Q: a client's requests
+  share its few paths' proxies until they rotate, so the node counts this epoch's earlier
+  requests from the same client, and whether the client sent a request a past report showed
+  to be a challenge.
 
 Labels come from the chain as well: an EPOCH_REPORT carries SHA-256(Q) of each challenge in
 clear (the node's signature covers it), so after each epoch a node knows exactly which of its
@@ -39,12 +47,15 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ps_p2p.inference import InferenceQuery
 
 SHINGLE = 5
+#: Reply proxies two requests must share to count as one client's (a request uses 4 of its
+#: client's 5 paths, so two requests of one client share at least 3 while its paths live).
+LINK_PROXIES = 2
 #: Features, in the order :func:`features` returns them.
 FEATURES: tuple[str, ...] = (
     # the request as decoded
@@ -59,6 +70,13 @@ FEATURES: tuple[str, ...] = (
     "in_menu", "seen_before", "published_before",
     # public data sets
     "public_verbatim", "public_jaccard",
+    # the prompt under the node's own model (stories260K): tokens, mean negative log-likelihood
+    "prompt_tokens", "lm_nll",
+    # the node's memory of its traffic: a chat whose earlier user turn it was asked before;
+    # the reply proxies' links to this epoch's earlier requests and to known past challenges
+    "earlier_seen", "linked_epoch", "linked_challenge",
+    # public data sets: share of the prompt's word 5-grams found in any public prompt
+    "public_containment",
 )
 #: Feature groups (names of :data:`FEATURES`), for accuracies by what the node looks at.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -69,8 +87,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "content": ("text_words", "text_lines", "question_mark", "non_ascii_fraction",
                 "digit_fraction", "code_marks"),
     "timing": ("epoch_offset_s", "epoch_fraction", "since_previous_s", "index_in_epoch"),
-    "chain": ("in_menu", "seen_before", "published_before"),
-    "public": ("public_verbatim", "public_jaccard"),
+    "chain": ("in_menu", "seen_before", "published_before", "earlier_seen"),
+    "public": ("public_verbatim", "public_jaccard", "public_containment"),
+    "model": ("prompt_tokens", "lm_nll"),
+    "proxies": ("linked_epoch", "linked_challenge"),
 }
 _CODE = re.compile(r"[{};]|def |return |import |#include|=>|\(\)")
 
@@ -85,6 +105,11 @@ class RequestView:
         epoch_offset_s: seconds since the epoch's first block (>= 0).
         since_previous_s: seconds since this node's previous request (inf for the first).
         index_in_epoch: requests this node had earlier in the same epoch.
+        linked_epoch: requests this node had earlier in the same epoch whose reply proxies
+            share at least :data:`LINK_PROXIES` peers with this one's (same client: a client's
+            requests go over the same few paths until they rotate).
+        linked_challenge: this request's reply proxies share at least :data:`LINK_PROXIES`
+            peers with a request of an earlier epoch that a report showed to be a challenge.
     """
 
     query: InferenceQuery
@@ -92,6 +117,8 @@ class RequestView:
     epoch_offset_s: float
     since_previous_s: float = math.inf
     index_in_epoch: int = 0
+    linked_epoch: int = 0
+    linked_challenge: bool = False
 
 
 @dataclass
@@ -148,6 +175,14 @@ class PublicIndex:
             best = max(best, len(s & other) / len(s | other))
         return best
 
+    def containment(self, text: str) -> float:
+        """Share of ``text``'s 5-grams found in some public text, in [0, 1] (a prompt that
+        copies part of a public one scores high even when its Jaccard similarity is low)."""
+        s = shingles(text)
+        if not s:
+            return 0.0
+        return sum(g in self._index for g in s) / len(s)
+
     def __contains__(self, text: str) -> bool:
         return text.strip() in self.verbatim
 
@@ -160,9 +195,21 @@ def request_text(query: InferenceQuery) -> str:
     return users[-1] if users else query.messages[-1].content
 
 
+def earlier_user_turns(query: InferenceQuery) -> list[str]:
+    """A chat's user messages before its last one (its earlier exchanges' user turns)."""
+    users = [m.content for m in query.messages if m.role == "user"]
+    return users[:-1]
+
+
 def features(view: RequestView, chain: ChainView | None = None,
-             public: PublicIndex | None = None) -> list[float]:
-    """The feature vector of one request (:data:`FEATURES` order); pure."""
+             public: PublicIndex | None = None,
+             lm: Callable[[str], tuple[int, float]] | None = None) -> list[float]:
+    """The feature vector of one request (:data:`FEATURES` order); pure when ``lm`` is.
+
+    Args:
+        lm: the node's own model as ``text -> (tokens, mean negative log-likelihood per
+            token in nats)`` of the request's text (:func:`request_text`); None: both 0.
+    """
     chain = chain or ChainView()
     q = view.query
     p = q.params
@@ -191,6 +238,10 @@ def features(view: RequestView, chain: ChainView | None = None,
         float(menu_hit), float(last in chain.seen), float(last in chain.published),
         float(public is not None and last in public),
         public.jaccard(last) if public is not None else 0.0,
+        *(map(float, lm(last)) if lm is not None else (0.0, 0.0)),
+        float(any(t in chain.seen for t in earlier_user_turns(q))),
+        float(view.linked_epoch), float(view.linked_challenge),
+        public.containment(last) if public is not None else 0.0,
     ]
     assert len(vec) == len(FEATURES)
     return vec
@@ -294,18 +345,22 @@ class ChallengeClassifier:
         chain: the chain's view (menu, epoch length; its ``seen`` grows with :meth:`observe`).
         kind: :func:`make_model`'s kind.
         seed: the model's random state.
+        lm: the node's model as ``text -> (tokens, mean NLL)`` (:func:`features`); None: the
+            ``model`` features are 0.
     """
 
     def __init__(self, public: Iterable[str] = (), *, chain: ChainView | None = None,
-                 kind: str = "auto", seed: int = 0) -> None:
+                 kind: str = "auto", seed: int = 0,
+                 lm: Callable[[str], tuple[int, float]] | None = None) -> None:
         self.public = PublicIndex(public)
         self.chain = chain or ChainView()
         self.kind = kind
         self.seed = seed
+        self.lm = lm
         self.model: object = None
 
     def vector(self, view: RequestView) -> list[float]:
-        return features(view, self.chain, self.public)
+        return features(view, self.chain, self.public, self.lm)
 
     def fit(self, views: Sequence[RequestView] | Sequence[Sequence[float]],
             labels: Sequence[int]) -> ChallengeClassifier:
@@ -366,6 +421,35 @@ def cross_validate(vectors: Sequence[Sequence[float]], labels: Sequence[int], *,
     return accuracies
 
 
+def auc(scores: Sequence[float], labels: Sequence[int]) -> float:
+    """The area under the ROC curve of ``scores`` for ``labels`` (1 positive), ties counted
+    half (the Mann-Whitney U statistic over n1 x n0); 0.5 when a class is empty."""
+    order = sorted(range(len(scores)), key=lambda i: scores[i])
+    ranks = [0.0] * len(scores)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    pos = sum(1 for y in labels if y)
+    neg = len(labels) - pos
+    if not pos or not neg:
+        return 0.5
+    return (sum(r for r, y in zip(ranks, labels) if y) - pos * (pos + 1) / 2) / (pos * neg)
+
+
+def univariate_scan(vectors: Sequence[Sequence[float]],
+                    labels: Sequence[int]) -> list[tuple[str, float]]:
+    """Each feature alone: (name, AUC) of its raw value as a challenge score, the ones
+    farthest from 0.5 first (an AUC of 0.3 separates as well as 0.7). The best single feature
+    usually names the leak."""
+    out = [(name, auc([v[i] for v in vectors], labels)) for i, name in enumerate(FEATURES)]
+    return sorted(out, key=lambda kv: -abs(kv[1] - 0.5))
+
+
 def importances(vectors: Sequence[Sequence[float]], labels: Sequence[int],
                 kind: str = "tree", seed: int = 0) -> list[tuple[str, float]]:
     """The features a depth-8 tree splits on most (scikit-learn's impurity importances), the
@@ -390,6 +474,7 @@ __all__ = [
     "PublicIndex",
     "RequestView",
     "SmallTree",
+    "auc",
     "columns",
     "cross_validate",
     "features",
@@ -397,4 +482,5 @@ __all__ = [
     "make_model",
     "request_text",
     "shingles",
+    "univariate_scan",
 ]

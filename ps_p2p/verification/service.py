@@ -176,6 +176,42 @@ def overlay_ask(user: Any, model_id: str) -> Ask:
     return ask
 
 
+class ChallengePaths:
+    """Which model nodes the current generation of this verifier's paths carried a challenge
+    to; pure (issue 18).
+
+    A model node sees the reply proxies of every request (they are in Q), and a client's
+    requests go over the same few paths (4 of ``PoolConfig.paths`` = 5) until they rotate: two
+    requests sharing proxies come from one client. A leader that sent a node its several
+    challenges of an epoch over one generation of paths made them the node's most linked
+    requests (``bench_challenge_privacy.py``: the count of this epoch's earlier requests
+    sharing >= 2 proxies alone had an AUC of 0.81). So no generation carries two challenges to
+    one node: :meth:`before` says when to rotate first (:meth:`~ps_p2p.roles.user.UserClient.
+    rotate_paths`), and every rotation is told (:meth:`rotated`).
+
+    Attributes:
+        generation: rotations counted so far.
+    """
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._nodes: set[bytes] = set()
+
+    def before(self, node: bytes) -> bool:
+        """Call before sending a challenge to ``node``; True: this generation already carried
+        one to it, rotate the paths first (counted here as done)."""
+        rotate = node in self._nodes
+        if rotate:
+            self.rotated()
+        self._nodes.add(bytes(node))
+        return rotate
+
+    def rotated(self) -> None:
+        """The paths were rotated (a new generation carried nothing yet)."""
+        self.generation += 1
+        self._nodes.clear()
+
+
 def master_key(identity_private: bytes) -> bytes:
     """The epoch master key of a validator: SHA-256(MASTER_DOMAIN || its identity key's 32
     private bytes); secret as the identity key is."""
@@ -284,9 +320,14 @@ class EpochService:
         self._nursery: trio.Nursery | None = None
         #: called after each verdict (the node: ``ConsensusService.revalidate``)
         self.on_verdict: Callable[[], None] | None = None
-        #: called once this verifier submitted a report: the report carries Q (sealed for the
-        #: committee), which names its reply proxies (the node: ``UserClient.rotate_paths``)
+        #: called once this verifier submitted a report
         self.on_reported: Callable[[], None] | None = None
+        #: retires every path of this verifier's user role and builds new ones (the node:
+        #: ``UserClient.rotate_paths``): after each report (which names its reply proxies,
+        #: sealed for the committee) and before a challenge to a node the current paths
+        #: already carried one to (:class:`ChallengePaths`); None: never
+        self.rotate_paths: Callable[[], None] | None = None
+        self._paths = ChallengePaths()
 
     # ------------------------------------------------------------------ hooks (sync)
 
@@ -447,6 +488,7 @@ class EpochService:
         self._remember(_tx_key(raw), None)  # its own scores
         answered = sum(r.answer is not None for r in ordered)
         if self._try_submit(raw, f"epoch {epoch} report"):
+            self._rotate()
             if self.on_reported is not None:
                 self.on_reported()
             log.info("epoch %d report submitted: %d of %d answered, scores %s", epoch, answered,
@@ -478,11 +520,22 @@ class EpochService:
             return await self.engine.chat_prompt(request.messages)
         return request.prompt
 
+    def _rotate(self) -> None:
+        if self.rotate_paths is not None:
+            self.rotate_paths()
+            self._paths.rotated()
+
+    async def _send(self, request: ChallengeRequest, node: bytes) -> Any:
+        """Ask ``node`` over paths that carried no other challenge to it (:class:`ChallengePaths`)."""
+        if self.rotate_paths is not None and self._paths.before(node):
+            self.rotate_paths()
+        return await self._ask(request, node, self.challenge_timeout)
+
     async def _challenge(self, ledger: EpochLedger, challenge: epochs.Challenge,
                          request: ChallengeRequest) -> ChallengeResult:
         self.stats.challenges_sent += 1
         started = trio.current_time()
-        answer = await self._ask(request, challenge.model_node, self.challenge_timeout)
+        answer = await self._send(request, challenge.model_node)
         log.debug("challenge to %s took %.2f s", peer_label(challenge.model_node),
                   trio.current_time() - started)
         signed = self._signed_answer(answer, ledger, challenge.model_node)
@@ -639,7 +692,7 @@ class EpochService:
         request = derive_request(self._rng.randbytes(epochs.SECRET_BYTES), epoch, 0,
                                  epochs.Challenge(node, index), self.pool[index],
                                  self.mix_for(state.ledger))
-        answer = await self._ask(request, node, self.challenge_timeout)
+        answer = await self._send(request, node)
         reply = getattr(answer, "reply", None)
         request = getattr(answer, "request", b"")
         problem = None
@@ -713,4 +766,4 @@ def load_pool(paths: Sequence[str], limit: int | None = None) -> list[str]:
     return pool[:limit] if limit else pool
 
 
-__all__ = ["EpochService", "EpochStats", "TxCodec", "load_pool", "master_key", "overlay_ask"]
+__all__ = ["ChallengePaths", "EpochService", "EpochStats", "TxCodec", "load_pool", "master_key", "overlay_ask"]
