@@ -466,7 +466,9 @@ def run(args: argparse.Namespace) -> None:
         plan = epochs.derive_plan(seed, nodes, len(pool), per_node, exclude=used,
                                   sampling_options=len(menu))
         used |= {c.prompt_index for c in plan.challenges}
-        mix_now = learning.mix() if learning else None
+        mix_now = learning.mix() if learning else challenge_shapes.DEFAULT_MIX
+        if hasattr(challenge_shapes, "for_pool"):  # as the service: the pool's history share
+            mix_now = challenge_shapes.for_pool(mix_now, challenge_shapes.history_share(pool))
         made = leader_paths(plan, pool, trackers[leader], attacked, seed=seed, epoch=e,
                             mix=mix_now, rotate=args.leader_paths == "rotate")
         for (at, ask), gen in zip(sorted(challenge_asks(plan, attacked, pool, menu, rng, epoch=e,

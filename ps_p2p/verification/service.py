@@ -80,6 +80,8 @@ from ps_p2p.verification.challenges import (
     ChallengeMix,
     ChallengeRequest,
     derive_request,
+    for_pool,
+    history_share,
     request_problem,
 )
 from ps_p2p.verification.epochs import VALUE_CHECK_PENDING
@@ -296,6 +298,7 @@ class EpochService:
         self.engine = engine
         self.pool = list(pool)
         self._pool_index = {p: i for i, p in reversed(list(enumerate(self.pool)))}
+        self._history_share = history_share(self.pool)
         #: how answers are scored (a genesis parameter set in a later version; the defaults)
         self.challenge_scoring = DEFAULT_CHALLENGE_SCORING
         self._master = bytes(master)
@@ -406,8 +409,10 @@ class EpochService:
 
     def mix_for(self, ledger: EpochLedger) -> ChallengeMix:
         """The mix the challenges of ``ledger``'s current epoch are drawn from: ``mix`` when
-        set, else the committed one."""
-        return self.mix if self.mix is not None else mix_of(ledger.mix)
+        set, else the committed one, for this pool's share of entries with history
+        (:func:`~ps_p2p.verification.challenges.for_pool`)."""
+        mix = self.mix if self.mix is not None else mix_of(ledger.mix)
+        return for_pool(mix, self._history_share)
 
     def _publish_mix(self, state: Any) -> None:
         """One MIX_REPORT per epoch, once the API's window is publishable."""
