@@ -189,6 +189,19 @@ class Clients:
         return self.verifiers + rng.randrange(self.users)
 
 
+def _fresh(thirds: dict[str, list[list[str]]], part: int, rng: random.Random):
+    """``name -> a prompt of that corpus's part``: each once, in a random order, before any
+    comes back."""
+    left: dict[str, list[str]] = {}
+
+    def draw(name: str) -> str:
+        if not left.get(name):
+            left[name] = rng.sample(thirds[name][part], len(thirds[name][part]))
+        return left[name].pop()
+
+    return draw
+
+
 def session_requests(thirds: dict[str, list[list[str]]], part: int, rng: random.Random, *,
                      start: float, length: float, rate: float, nodes: int, mean_turns: float,
                      gap_s: float, population) -> list[tuple[float, tuple[str, dict], int]]:
@@ -203,6 +216,7 @@ def session_requests(thirds: dict[str, list[list[str]]], part: int, rng: random.
     a stand-in text of the same corpus). A completion session has one turn.
     """
     out = []
+    fresh = _fresh(thirds, part, rng)
     for t0 in poisson_times(rng, rate * nodes / mean_turns, length):
         name = rng.choices(list(thirds), weights=[len(v[part]) for v in thirds.values()])[0]
         texts = thirds[name][part]
@@ -214,7 +228,7 @@ def session_requests(thirds: dict[str, list[list[str]]], part: int, rng: random.
         at = start + t0
         sid = rng.randrange(2**62)
         for k in range(turns):
-            prompt = rng.choice(texts)
+            prompt = fresh(name)
             path, body = user_body(random.Random(shape_seed), Conversation(prompt),
                                    mix=population)
             if "messages" in body:
@@ -237,6 +251,7 @@ def session_pool(thirds: dict[str, list[list[str]]], rng: random.Random, size: i
     depths), each with its whole earlier history when :func:`~ps_p2p.verification.challenges.
     encode_entry` takes one, else its last exchange."""
     out: list[str] = []
+    fresh = _fresh(thirds, 2, rng)
     while len(out) < size:
         name = rng.choices(list(thirds), weights=[len(v[2]) for v in thirds.values()])[0]
         texts = thirds[name][2]
@@ -245,7 +260,7 @@ def session_pool(thirds: dict[str, list[list[str]]], rng: random.Random, size: i
             turns += 1
         history: list[str] = []
         for _ in range(turns):
-            prompt = rng.choice(texts)
+            prompt = fresh(name)
             if not history:
                 out.append(challenge_shapes.encode_entry(prompt))
             else:
@@ -347,9 +362,10 @@ class MixLearning:
     bodies); each window samples its requests from those (with replacement).
     """
 
-    def __init__(self, population, rng: random.Random, *, verifiers: int, per_window: int):
-        bodies = [user_body(rng, Conversation("q", ("a", "b")), mix=population)
-                  for _ in range(4000)]
+    def __init__(self, population, rng: random.Random, *, verifiers: int, per_window: int,
+                 bodies: list[tuple[str, dict]] | None = None):
+        bodies = bodies or [user_body(rng, Conversation("q", ("a", "b")), mix=population)
+                            for _ in range(4000)]
         self.shapes = [learned_mix.RequestShape.of_ask(
             a["prompt"], a.get("messages", ()), stream=a["streamed"],
             **{k: a.get(k) for k in ("max_tokens", "temperature", "top_p", "seed", "stop")})
@@ -431,8 +447,16 @@ def run(args: argparse.Namespace) -> None:
     if args.mix == "learned":
         if learned_mix is None:
             raise SystemExit("--mix learned needs ps_p2p.verification.mix")
+        bodies = None
+        if args.users == "sessions":  # the verifiers' API users chat in sessions too
+            lrng = random.Random(args.seed + 4)
+            bodies = [b for _, b, _ in session_requests(
+                thirds, 1, lrng, start=0.0, length=4000 / args.user_rate, rate=args.user_rate,
+                nodes=1, mean_turns=args.mean_turns, gap_s=args.turn_gap_s,
+                population=population)][:4000]
         learning = MixLearning(population, random.Random(args.seed + 3),
-                               verifiers=args.verifiers, per_window=args.verifier_requests)
+                               verifiers=args.verifiers, per_window=args.verifier_requests,
+                               bodies=bodies)
         for _ in range(args.warmup_epochs):
             learning.epoch()
         print(f"mix learned over {args.warmup_epochs} epochs before the first measured one: "
@@ -560,6 +584,10 @@ def run(args: argparse.Namespace) -> None:
             spread = statistics.pstdev(accs)
             print(f"  {label:15s} {kind:9s} accuracy {statistics.mean(accs):.3f} +- "
                   f"{spread:.3f} (min {min(accs):.3f}, max {max(accs):.3f}; {len(accs)} folds)")
+    if args.dump:  # the balanced set, for other classifiers
+        import json
+
+        pathlib.Path(args.dump).write_text(json.dumps({"features": FEATURES, "x": x, "y": y}))
     scan = univariate_scan(x, y)[:10]
     print("  single features (AUC): " + ", ".join(f"{n} {a:.3f}" for n, a in scan))
     top = importances(x, y)[:8]
@@ -603,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="rotate: the leader's paths rotate before a second challenge to one "
                         "node (the service); shared: one generation for the whole epoch (before "
                         "the fix)")
+    p.add_argument("--dump", default="", help="write the balanced set's vectors (JSON) here")
     p.add_argument("--lm", action="store_true",
                    help="also the prompt's tokens and mean NLL under stories260K (the node's "
                         "model)")
