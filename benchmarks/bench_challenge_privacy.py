@@ -478,6 +478,7 @@ def run(args: argparse.Namespace) -> None:
                       users=args.clients)
     crng = random.Random(args.seed + 6)
     trackers = [service.ChallengePaths() for _ in range(args.verifiers)]
+    mixes: list = []
     session_client: dict[int, int] = {}
     # (epoch, time, ask, label, client)
     traffic: list[tuple[int, float, dict, int, int]] = []
@@ -500,6 +501,9 @@ def run(args: argparse.Namespace) -> None:
                                                         mix=mix_now),
                                          key=lambda a: a[0]), made):
             traffic.append((e, at, ask, 1, (leader, gen)))
+        # the committed mix this epoch's challenges were drawn from: public in the ledger
+        mixes.append(learning.committed if learning and learning.committed
+                     else learned_mix.DEFAULT_HISTOGRAM if learned_mix else None)
         if learning is not None:  # the committee keeps learning, one step per epoch
             learning.epoch()
         if args.users == "sessions":
@@ -538,6 +542,7 @@ def run(args: argparse.Namespace) -> None:
             _, proxies, was = past.pop(0)
             if was:
                 known_challenge_proxies.append(proxies)
+        chain.mix = mixes[e]
         mine = frozenset(p.peer_id for p in query.reply_proxies)
         linked_epoch = sum(len(mine & p) >= LINK_PROXIES for _, p, _ in past)
         linked_challenge = any(len(mine & p) >= LINK_PROXIES for p in known_challenge_proxies)

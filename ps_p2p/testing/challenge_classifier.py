@@ -13,8 +13,9 @@ What it sees is what a model node has, nothing more:
 * when it arrived: seconds since the epoch began (the epoch's first block time is on the
   chain), seconds since the node's previous request, and how many requests it had this epoch;
 * the chain's published data (:class:`ChainView`): the genesis' sampling menu (a request whose
-  parameters are exactly a menu entry), the prompts the node has been asked before, and any
-  prompt published in clear in an earlier report;
+  parameters are exactly a menu entry), the prompts the node has been asked before, any
+  prompt published in clear in an earlier report, and the committed mix of shapes that
+  challenges are drawn from (the request's log-probability under it);
 * public data sets (:class:`PublicIndex`): the prompt verbatim, its word 5-grams' Jaccard
   similarity to the nearest public prompt, and the share of its 5-grams found in any public
   prompt;
@@ -49,6 +50,7 @@ import random
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ps_p2p.inference import InferenceQuery
 
@@ -77,6 +79,8 @@ FEATURES: tuple[str, ...] = (
     "earlier_seen", "linked_epoch", "linked_challenge",
     # public data sets: share of the prompt's word 5-grams found in any public prompt
     "public_containment",
+    # the chain's committed mix (MIX_REPORTs): log-probability that a challenge has this shape
+    "mix_logp",
 )
 #: Feature groups (names of :data:`FEATURES`), for accuracies by what the node looks at.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -87,7 +91,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "content": ("text_words", "text_lines", "question_mark", "non_ascii_fraction",
                 "digit_fraction", "code_marks"),
     "timing": ("epoch_offset_s", "epoch_fraction", "since_previous_s", "index_in_epoch"),
-    "chain": ("in_menu", "seen_before", "published_before", "earlier_seen"),
+    "chain": ("in_menu", "seen_before", "published_before", "earlier_seen", "mix_logp"),
     "public": ("public_verbatim", "public_jaccard", "public_containment"),
     "model": ("prompt_tokens", "lm_nll"),
     "proxies": ("linked_epoch", "linked_challenge"),
@@ -131,12 +135,36 @@ class ChainView:
         published: prompts read in clear from earlier reports (before issue 16's sealing).
         seen: prompts this node was asked before (updated by :meth:`ChallengeClassifier.
             observe`).
+        mix: the committed mix of request shapes challenges are drawn from this epoch (a
+            :class:`~ps_p2p.verification.mix.ShapeHistogram`, public in the ledger); None:
+            ``mix_logp`` is 0.
     """
 
     menu: tuple[tuple[int, float, float], ...] = ()
     epoch_s: float = 300.0
     published: set[str] = field(default_factory=set)
     seen: set[str] = field(default_factory=set)
+    mix: Any = None
+
+
+def mix_logp(query: InferenceQuery, histogram: Any) -> float:
+    """Natural log of the probability that a challenge drawn from ``histogram`` (a
+    :class:`~ps_p2p.verification.mix.ShapeHistogram`) has ``query``'s shape: the sum over its
+    buckets (:meth:`~ps_p2p.verification.mix.RequestShape.buckets`) of log(share), a share of 0
+    (a suppressed bucket: no challenge has it) counted as half a basis point."""
+    from ps_p2p.verification import mix as learned
+
+    p = query.params
+    shape = learned.RequestShape.of_ask(
+        query.prompt, query.messages, stream=query.stream, max_tokens=p.max_tokens,
+        temperature=round(p.temperature, 4), top_p=round(p.top_p, 4), seed=p.seed,
+        stop=p.stop)
+    total = 0.0
+    for dim, bucket in shape.buckets():
+        row = histogram.shares[dim]
+        if sum(row):
+            total += math.log(max(row[bucket], 0.5) / learned.SCALE)
+    return total
 
 
 def _words(text: str) -> list[str]:
@@ -242,6 +270,7 @@ def features(view: RequestView, chain: ChainView | None = None,
         float(any(t in chain.seen for t in earlier_user_turns(q))),
         float(view.linked_epoch), float(view.linked_challenge),
         public.containment(last) if public is not None else 0.0,
+        mix_logp(q, chain.mix) if chain.mix is not None else 0.0,
     ]
     assert len(vec) == len(FEATURES)
     return vec
@@ -480,6 +509,7 @@ __all__ = [
     "features",
     "importances",
     "make_model",
+    "mix_logp",
     "request_text",
     "shingles",
     "univariate_scan",
