@@ -228,13 +228,16 @@ def session_requests(thirds: dict[str, list[list[str]]], part: int, rng: random.
         at = start + t0
         sid = rng.randrange(2**62)
         for k in range(turns):
-            prompt = fresh(name)
+            mine = rng.randrange(nodes) == 0
+            # the node's own requests each prompt once (a small data set must not make users
+            # repeat themselves); turns elsewhere reach it only as history
+            prompt = fresh(name) if mine else rng.choice(texts)
             path, body = user_body(random.Random(shape_seed), Conversation(prompt),
                                    mix=population)
             if "messages" in body:
                 system = [m for m in body["messages"] if m["role"] == "system"]
                 body["messages"] = system + history + [{"role": "user", "content": prompt}]
-            if at < start + length and rng.randrange(nodes) == 0:
+            if at < start + length and mine:
                 out.append((at, (path, body), sid))
             if "messages" not in body:
                 break
@@ -555,7 +558,10 @@ def run(args: argparse.Namespace) -> None:
         vectors.append(features(view, chain, index, lm))
         labels.append(label)
         past.append((e, mine, label))
-        chain.seen.add(query.prompt or (query.messages[-1].content if query.messages else ""))
+        text = query.prompt or (query.messages[-1].content if query.messages else "")
+        # the node remembers what it was asked; history carries the first EARLIER_CHARS of a
+        # turn (a real node would match the whole turn), so it remembers that prefix too
+        chain.seen |= {text, text[:EARLIER_CHARS]}
         last_at, count = at, count + 1
     pos = [i for i, y in enumerate(labels) if y == 1]
     neg = [i for i, y in enumerate(labels) if y == 0]
