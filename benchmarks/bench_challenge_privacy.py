@@ -531,6 +531,7 @@ def run(args: argparse.Namespace) -> None:
     lm = model_lm() if args.lm else None
     vectors: list[list[float]] = []
     labels: list[int] = []
+    epochs_of: list[int] = []
     last_epoch, last_at, count = -1, 0.0, 0
     qrng = random.Random(args.seed + 1)
     past: list[tuple[int, frozenset[bytes], int]] = []  # (epoch, proxies, label) at the node
@@ -557,6 +558,7 @@ def run(args: argparse.Namespace) -> None:
         view = RequestView(query, len(raw), at, since, count, linked_epoch, linked_challenge)
         vectors.append(features(view, chain, index, lm))
         labels.append(label)
+        epochs_of.append(e)
         past.append((e, mine, label))
         text = query.prompt or (query.messages[-1].content if query.messages else "")
         # the node remembers what it was asked; history carries the first EARLIER_CHARS of a
@@ -571,6 +573,7 @@ def run(args: argparse.Namespace) -> None:
     chosen = sorted(pos + neg)
     x = [vectors[i] for i in chosen]
     y = [labels[i] for i in chosen]
+    blocks = [epochs_of[i] for i in chosen] if args.folds == "epochs" else None
     code = ("challenges derived by ps_p2p.verification.challenges" if challenge_shapes
             else "today's challenges (pool prompt at the menu's parameters, at the epoch start)")
     print(f"code: {code}")
@@ -581,7 +584,7 @@ def run(args: argparse.Namespace) -> None:
              f"learned by {args.verifiers} verifiers ({args.verifier_requests} requests per "
              f"window), distance to the users' at the end {learning.distance():.3f}"))
     print(f"balanced set: {len(pos)} challenges + {len(neg)} user requests "
-          f"({len(FEATURES)} features)")
+          f"({len(FEATURES)} features; folds {args.folds})")
     views = [("everything", tuple(GROUPS))] + [(g, (g,)) for g in GROUPS] + [
         ("fields+content", ("fields", "content"))]
     if args.views:
@@ -591,7 +594,7 @@ def run(args: argparse.Namespace) -> None:
         for kind in args.models.split(","):
             accs = []
             for s in range(args.seeds):
-                accs += cross_validate(cols, y, folds=5, seed=s, kind=kind)
+                accs += cross_validate(cols, y, folds=5, seed=s, kind=kind, blocks=blocks)
             spread = statistics.pstdev(accs)
             print(f"  {label:15s} {kind:9s} accuracy {statistics.mean(accs):.3f} +- "
                   f"{spread:.3f} (min {min(accs):.3f}, max {max(accs):.3f}; {len(accs)} folds)")
@@ -642,6 +645,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="rotate: the leader's paths rotate before a second challenge to one "
                         "node (the service); shared: one generation for the whole epoch (before "
                         "the fix)")
+    p.add_argument("--folds", choices=["shuffled", "epochs"], default="shuffled",
+                   help="shuffled: stratified folds; epochs: 5 contiguous runs of epochs (no "
+                        "fold trains on the epochs it tests, as a node labelled after each "
+                        "epoch)")
     p.add_argument("--dump", default="", help="write the balanced set's vectors (JSON) here")
     p.add_argument("--lm", action="store_true",
                    help="also the prompt's tokens and mean NLL under stories260K (the node's "

@@ -125,3 +125,16 @@ def test_the_single_feature_scan_ranks_the_leaking_feature_first():
         v[leak] = rng.random() + (0.8 if y else 0.0)
         v[0] = rng.random()
     assert univariate_scan(vectors, labels)[0][0] == "linked_epoch"
+
+
+def test_folds_by_epoch_never_train_on_the_epochs_they_test():
+    # each epoch's requests share a value and a label (a session): shuffled folds learn the
+    # value from the same epoch's other requests, folds by epoch cannot
+    rng = random.Random(5)
+    marks = [(rng.random(), rng.randrange(2)) for _ in range(20)]
+    x = [[marks[e][0]] for e in range(20) for _ in range(10)]
+    y = [marks[e][1] for e in range(20) for _ in range(10)]
+    blocks = [e for e in range(20) for _ in range(10)]
+    shuffled = sum(cross_validate(x, y, folds=5, kind="small")) / 5
+    by_epoch = sum(cross_validate(x, y, folds=5, kind="small", blocks=blocks)) / 5
+    assert shuffled > 0.9 and by_epoch < 0.7

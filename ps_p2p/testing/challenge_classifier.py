@@ -426,18 +426,29 @@ def columns(vectors: Sequence[Sequence[float]], groups: Iterable[str]) -> list[l
 
 
 def cross_validate(vectors: Sequence[Sequence[float]], labels: Sequence[int], *, folds: int = 5,
-                   seed: int = 0, kind: str = "auto") -> list[float]:
+                   seed: int = 0, kind: str = "auto",
+                   blocks: Sequence[int] | None = None) -> list[float]:
     """Accuracy of each fold of a stratified ``folds``-fold cross-validation (shuffled by
-    ``seed``); a fresh model per fold."""
+    ``seed``); a fresh model per fold.
+
+    ``blocks`` (e.g. each request's epoch, non-decreasing): folds are ``folds`` contiguous runs
+    of blocks instead, so no fold trains on requests of the same epochs as it tests (a user's
+    session spans a few minutes: shuffled folds let the model learn a session's later turns
+    from its earlier ones, which a node, labelled only after each epoch, cannot)."""
     rng = random.Random(seed)
-    by_class: dict[int, list[int]] = {}
-    for i, y in enumerate(labels):
-        by_class.setdefault(int(y), []).append(i)
     fold_of = [0] * len(labels)
-    for idx in by_class.values():
-        rng.shuffle(idx)
-        for k, i in enumerate(idx):
-            fold_of[i] = k % folds
+    if blocks is not None:
+        first, last = min(blocks), max(blocks)
+        span = last - first + 1
+        fold_of = [min(folds - 1, (b - first) * folds // span) for b in blocks]
+    else:
+        by_class: dict[int, list[int]] = {}
+        for i, y in enumerate(labels):
+            by_class.setdefault(int(y), []).append(i)
+        for idx in by_class.values():
+            rng.shuffle(idx)
+            for k, i in enumerate(idx):
+                fold_of[i] = k % folds
     accuracies = []
     for f in range(folds):
         train = [i for i in range(len(labels)) if fold_of[i] != f]

@@ -15,7 +15,8 @@ committed block (:meth:`EpochService.notify`) and at each attempt boundary it:
    prompt, streamed or not, with parameters drawn from users' distribution), sends each one at
    its own time spread over the epoch (:meth:`EpochService.send_window`) with
    :meth:`~ps_p2p.roles.user.UserClient.ask` (the same call, so the same bytes, as a user's
-   request of that shape), checks and scores each signed answer with its reference engine
+   request of that shape) over paths that carried no other challenge to that node
+   (:class:`ChallengePaths`: Q names its reply proxies), checks and scores each signed answer with its reference engine
    under the request's own parameters, and submits the EPOCH_REPORT with each Q sealed under
    the committee key (:mod:`~ps_p2p.verification.sealing`: blocks reach every listed node);
 3. **re-scores** every EPOCH_REPORT that reaches its mempool, off the consensus task: each
