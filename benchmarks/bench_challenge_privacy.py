@@ -25,12 +25,23 @@ Traffic, one attacked model node among ``--nodes``, ``--epochs`` epochs of ``--e
   samples), ``public`` (MT-Bench + the public 20%), ``private`` (the other 40% of the same
   sets: the committee's unpublished prompts, shaped like users').
 
-Prints the cross-validated accuracy (stratified 5 folds x ``--seeds`` seeds) of a gradient
-boosting classifier and of a depth-8 tree on a balanced set (as many user requests, drawn at
-random, as challenges), mean and spread, and the features the tree uses most::
+Senders: every request comes from a client whose paths' proxies the node sees in Q
+(:class:`Clients`: ``--clients`` users and ``--verifiers`` verifiers, 5 paths each, proxies
+among ``--relays`` relays, rebuilt every 15 minutes); the leader's paths rotate as the service
+rotates them (:class:`~ps_p2p.verification.service.ChallengePaths`; ``--leader-paths shared``:
+one generation per epoch, as before that fix). ``--users sessions``: users chat in sessions
+(:func:`session_requests`; the pool then holds every turn of private conversations,
+:func:`session_pool`). ``--lm`` adds the prompt's tokens and NLL under stories260K.
+
+Prints the cross-validated accuracy (``--folds shuffled``: stratified 5 folds x ``--seeds``
+seeds; ``--folds epochs``: 5 contiguous runs of epochs) of a gradient boosting classifier and
+of a depth-8 tree on a balanced set (as many user requests, drawn at random, as challenges),
+mean and spread, each feature's AUC alone (best first), and the features the tree uses
+most::
 
     python benchmarks/bench_challenge_privacy.py --pool generated     # today's testnet
     python benchmarks/bench_challenge_privacy.py --pool private
+    python benchmarks/bench_challenge_privacy.py --users sessions --mix learned --lm
 
 Needs scikit-learn for the boosting model (``pip install -e .[bench]``); without it only the
 small tree of :mod:`~ps_p2p.testing.challenge_classifier` runs.
