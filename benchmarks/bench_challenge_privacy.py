@@ -25,12 +25,23 @@ Traffic, one attacked model node among ``--nodes``, ``--epochs`` epochs of ``--e
   samples), ``public`` (MT-Bench + the public 20%), ``private`` (the other 40% of the same
   sets: the committee's unpublished prompts, shaped like users').
 
-Prints the cross-validated accuracy (stratified 5 folds x ``--seeds`` seeds) of a gradient
-boosting classifier and of a depth-8 tree on a balanced set (as many user requests, drawn at
-random, as challenges), mean and spread, and the features the tree uses most::
+Senders: every request comes from a client whose paths' proxies the node sees in Q
+(:class:`Clients`: ``--clients`` users and ``--verifiers`` verifiers, 5 paths each, proxies
+among ``--relays`` relays, rebuilt every 15 minutes); the leader's paths rotate as the service
+rotates them (:class:`~ps_p2p.verification.service.ChallengePaths`; ``--leader-paths shared``:
+one generation per epoch, as before that fix). ``--users sessions``: users chat in sessions
+(:func:`session_requests`; the pool then holds every turn of private conversations,
+:func:`session_pool`). ``--lm`` adds the prompt's tokens and NLL under stories260K.
+
+Prints the cross-validated accuracy (``--folds shuffled``: stratified 5 folds x ``--seeds``
+seeds; ``--folds epochs``: 5 contiguous runs of epochs) of a gradient boosting classifier and
+of a depth-8 tree on a balanced set (as many user requests, drawn at random, as challenges),
+mean and spread, each feature's AUC alone (best first), and the features the tree uses
+most::
 
     python benchmarks/bench_challenge_privacy.py --pool generated     # today's testnet
     python benchmarks/bench_challenge_privacy.py --pool private
+    python benchmarks/bench_challenge_privacy.py --users sessions --mix learned --lm
 
 Needs scikit-learn for the boosting model (``pip install -e .[bench]``); without it only the
 small tree of :mod:`~ps_p2p.testing.challenge_classifier` runs.
@@ -55,6 +66,7 @@ if "PYTHONPATH" not in os.environ:
     sys.path.insert(0, str(REPO))
 
 from ps_p2p.errors import PsError
+from ps_p2p.overlay.path_pool import PoolConfig
 from ps_p2p.prompts import load_prompts
 from ps_p2p.testing.api_traffic import (
     SHIFTED_MIX,
@@ -69,6 +81,7 @@ from ps_p2p.testing.api_traffic import (
 from ps_p2p.testing.challenge_classifier import (
     FEATURES,
     GROUPS,
+    LINK_PROXIES,
     ChainView,
     PublicIndex,
     RequestView,
@@ -76,6 +89,7 @@ from ps_p2p.testing.challenge_classifier import (
     cross_validate,
     features,
     importances,
+    univariate_scan,
 )
 from ps_p2p.verification import epochs, service
 from ps_p2p.verification.ledger import SamplingOption
@@ -88,7 +102,8 @@ try:
     from ps_p2p.verification import mix as learned_mix
 except ImportError:  # before the committee learned the users' mix
     learned_mix = None  # type: ignore[assignment]
-POPULATIONS = {"default": USER_MIX, "shifted": SHIFTED_MIX}
+POPULATIONS = {"default": USER_MIX, "shifted": SHIFTED_MIX, "sessions": USER_MIX}
+POOL = PoolConfig()
 
 SHARED = pathlib.Path(os.environ.get("PS_SHARED_DIR", REPO.parent / "shared"))
 DATA = SHARED / "data"
@@ -151,6 +166,150 @@ def generated_pool(size: int, seed: int) -> list[str]:
     return [p.text for p in trio.run(generate_prompts, engine, size, key)]
 
 
+# ---------------------------------------------------------------------------- clients
+
+
+class Clients:
+    """Who sends each request, as the model node sees it: the proxies of the sender's paths.
+
+    Each client (``verifiers`` verifiers' user roles first, then ``users`` users) keeps
+    :class:`~ps_p2p.overlay.path_pool.PoolConfig`'s ``paths`` paths, each ending at a proxy
+    drawn among ``relays`` relays, and rebuilds them every ``rotate_period`` (15 min), each
+    client at its own phase; a request goes over ``total`` (4) of them with distinct proxies
+    (the real request core picks them, :func:`~ps_p2p.testing.api_traffic.query_of_ask`).
+    """
+
+    def __init__(self, seed: int, *, relays: int, verifiers: int, users: int) -> None:
+        rng = random.Random(seed)
+        self.seed = seed
+        self.relays = [b"\x00\x24" + rng.randbytes(36) for _ in range(relays)]
+        self.verifiers = verifiers
+        self.users = users
+        self.phase = [rng.uniform(0, POOL.rotate_period) for _ in range(verifiers + users)]
+
+    def proxies(self, client: int | tuple[int, int], t: float) -> list[bytes]:
+        """The proxies of ``client``'s paths at time ``t`` (s); a verifier's client is
+        (verifier, rotations its service made: :class:`~ps_p2p.verification.service.
+        ChallengePaths`), its paths also rotating every 15 minutes as anyone's."""
+        client, made = client if isinstance(client, tuple) else (client, 0)
+        generation = int((t + self.phase[client]) // POOL.rotate_period)
+        rng = random.Random(f"{self.seed}/{client}/{made}/{generation}")
+        return [rng.choice(self.relays) for _ in range(POOL.paths)]
+
+    def user(self, rng: random.Random) -> int:
+        return self.verifiers + rng.randrange(self.users)
+
+
+def _fresh(thirds: dict[str, list[list[str]]], part: int, rng: random.Random):
+    """``name -> a prompt of that corpus's part``: each once, in a random order, before any
+    comes back."""
+    left: dict[str, list[str]] = {}
+
+    def draw(name: str) -> str:
+        if not left.get(name):
+            left[name] = rng.sample(thirds[name][part], len(thirds[name][part]))
+        return left[name].pop()
+
+    return draw
+
+
+def session_requests(thirds: dict[str, list[list[str]]], part: int, rng: random.Random, *,
+                     start: float, length: float, rate: float, nodes: int, mean_turns: float,
+                     gap_s: float, population) -> list[tuple[float, tuple[str, dict], int]]:
+    """Users in chat sessions (``--users sessions``): (time, (path, body), session) of each
+    request that reaches the attacked node in [start, start + length).
+
+    Sessions start as a Poisson process (rate ``rate x nodes / mean_turns``, so the node gets
+    ``rate`` requests per second); a session has a geometric number of turns (mean
+    ``mean_turns``), exponential gaps (mean ``gap_s``), one client app's shape for all its turns
+    (one :func:`user_body` draw), each turn sent to a random one of ``nodes`` model nodes and
+    carrying the whole conversation so far (prompts of one corpus and part; each earlier answer
+    a stand-in text of the same corpus). A completion session has one turn.
+    """
+    out = []
+    fresh = _fresh(thirds, part, rng)
+    for t0 in poisson_times(rng, rate * nodes / mean_turns, length):
+        name = rng.choices(list(thirds), weights=[len(v[part]) for v in thirds.values()])[0]
+        texts = thirds[name][part]
+        turns = 1
+        while rng.random() > 1 / mean_turns:
+            turns += 1
+        shape_seed = rng.random()
+        history: list[dict] = []
+        at = start + t0
+        sid = rng.randrange(2**62)
+        for k in range(turns):
+            mine = rng.randrange(nodes) == 0
+            # the node's own requests each prompt once (a small data set must not make users
+            # repeat themselves); turns elsewhere reach it only as history
+            prompt = fresh(name) if mine else rng.choice(texts)
+            path, body = user_body(random.Random(shape_seed), Conversation(prompt),
+                                   mix=population)
+            if "messages" in body:
+                system = [m for m in body["messages"] if m["role"] == "system"]
+                body["messages"] = system + history + [{"role": "user", "content": prompt}]
+            if at < start + length and mine:
+                out.append((at, (path, body), sid))
+            if "messages" not in body:
+                break
+            history += [{"role": "user", "content": prompt[:EARLIER_CHARS]},
+                        {"role": "assistant", "content": rng.choice(texts)[:EARLIER_CHARS]}]
+            at += rng.expovariate(1 / gap_s)
+    return out
+
+
+def session_pool(thirds: dict[str, list[list[str]]], rng: random.Random, size: int,
+                 mean_turns: float) -> list[str]:
+    """The committee's private pool when its users chat in sessions: every turn of private
+    conversations made as :func:`session_requests` makes users' (so entries have the users'
+    depths), each with its whole earlier history when :func:`~ps_p2p.verification.challenges.
+    encode_entry` takes one, else its last exchange."""
+    out: list[str] = []
+    fresh = _fresh(thirds, 2, rng)
+    while len(out) < size:
+        name = rng.choices(list(thirds), weights=[len(v[2]) for v in thirds.values()])[0]
+        texts = thirds[name][2]
+        turns = 1
+        while rng.random() > 1 / mean_turns:
+            turns += 1
+        history: list[str] = []
+        for _ in range(turns):
+            prompt = fresh(name)
+            if not history:
+                out.append(challenge_shapes.encode_entry(prompt))
+            else:
+                try:
+                    out.append(challenge_shapes.encode_entry(prompt, history))
+                except ValueError:  # entries of one earlier exchange only
+                    out.append(challenge_shapes.encode_entry(prompt, history[-2:]))
+            history += [prompt[:EARLIER_CHARS], rng.choice(texts)[:EARLIER_CHARS]]
+    return list(dict.fromkeys(out))[:size]
+
+
+def model_lm():
+    """(tokens, mean NLL in nats) of a text under stories260K, cached: the node's own model."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL).eval()
+    cache: dict[str, tuple[int, float]] = {}
+
+    def lm(text: str) -> tuple[int, float]:
+        if text not in cache:
+            ids = tok(text, return_tensors="pt").input_ids[:, :256]
+            if ids.shape[1] < 2:
+                cache[text] = (int(ids.shape[1]), 0.0)
+            else:
+                with torch.no_grad():
+                    loss = model(ids, labels=ids).loss
+                cache[text] = (len(tok(text).input_ids), float(loss))
+        return cache[text]
+
+    return lm
+
+
 # ---------------------------------------------------------------------------- challenges
 
 
@@ -184,6 +343,25 @@ def challenge_asks(plan: epochs.Plan, node: bytes, pool: list[str], menu, rng: r
     return out
 
 
+def leader_paths(plan: epochs.Plan, pool: list[str], tracker, node: bytes, *, seed: bytes,
+                 epoch: int, mix, rotate: bool) -> list[int]:
+    """The generation of the leader's paths (``tracker.generation``) that carries each of
+    ``node``'s challenges, in send order, as the service rotates them: before a challenge to
+    a node the paths already carried one to (``rotate``; the service since issue 18's proxy
+    fix) and after the report (always)."""
+    order = sorted(plan.challenges, key=lambda c: challenge_shapes.derive_request(
+        seed, epoch, 0, c, pool[c.prompt_index], mix or challenge_shapes.DEFAULT_MIX)
+        .send_fraction)
+    out = []
+    for c in order:
+        if rotate:
+            tracker.before(c.model_node)
+        if c.model_node == node:
+            out.append(tracker.generation)
+    tracker.rotated()  # after the report
+    return out
+
+
 # ---------------------------------------------------------------------------- the mix
 
 
@@ -198,9 +376,10 @@ class MixLearning:
     bodies); each window samples its requests from those (with replacement).
     """
 
-    def __init__(self, population, rng: random.Random, *, verifiers: int, per_window: int):
-        bodies = [user_body(rng, Conversation("q", ("a", "b")), mix=population)
-                  for _ in range(4000)]
+    def __init__(self, population, rng: random.Random, *, verifiers: int, per_window: int,
+                 bodies: list[tuple[str, dict]] | None = None):
+        bodies = bodies or [user_body(rng, Conversation("q", ("a", "b")), mix=population)
+                            for _ in range(4000)]
         self.shapes = [learned_mix.RequestShape.of_ask(
             a["prompt"], a.get("messages", ()), stream=a["streamed"],
             **{k: a.get(k) for k in ("max_tokens", "temperature", "top_p", "seed", "stop")})
@@ -266,6 +445,8 @@ def run(args: argparse.Namespace) -> None:
         pool = generated_pool(args.pool_size, args.seed)
     elif args.pool == "public":
         pool = list(public)
+    elif args.users == "sessions":  # every turn of private conversations, like users'
+        pool = session_pool(thirds, rng, args.pool_size, args.mean_turns)
     else:  # the committee's unpublished prompts, shaped like users' (each used once)
         size = min(args.pool_size, sum(len(t[2]) for t in thirds.values()))
         items = conversations(thirds, 2, rng, size)
@@ -280,8 +461,16 @@ def run(args: argparse.Namespace) -> None:
     if args.mix == "learned":
         if learned_mix is None:
             raise SystemExit("--mix learned needs ps_p2p.verification.mix")
+        bodies = None
+        if args.users == "sessions":  # the verifiers' API users chat in sessions too
+            lrng = random.Random(args.seed + 4)
+            bodies = [b for _, b, _ in session_requests(
+                thirds, 1, lrng, start=0.0, length=4000 / args.user_rate, rate=args.user_rate,
+                nodes=1, mean_turns=args.mean_turns, gap_s=args.turn_gap_s,
+                population=population)][:4000]
         learning = MixLearning(population, random.Random(args.seed + 3),
-                               verifiers=args.verifiers, per_window=args.verifier_requests)
+                               verifiers=args.verifiers, per_window=args.verifier_requests,
+                               bodies=bodies)
         for _ in range(args.warmup_epochs):
             learning.epoch()
         print(f"mix learned over {args.warmup_epochs} epochs before the first measured one: "
@@ -299,8 +488,16 @@ def run(args: argparse.Namespace) -> None:
                           + 100)
     user_iter = iter(users)
     used: set[int] = set()
-    traffic: list[tuple[int, float, dict, int]] = []  # (epoch, time, ask, label)
+    clients = Clients(args.seed + 5, relays=args.relays, verifiers=args.verifiers,
+                      users=args.clients)
+    crng = random.Random(args.seed + 6)
+    trackers = [service.ChallengePaths() for _ in range(args.verifiers)]
+    mixes: list = []
+    session_client: dict[int, int] = {}
+    # (epoch, time, ask, label, client)
+    traffic: list[tuple[int, float, dict, int, int]] = []
     for e in range(args.epochs):
+        leader = crng.randrange(args.verifiers)
         seed = rng.randbytes(32)
         available = len(pool) - len(used)
         if available < len(nodes) * per_node:
@@ -308,36 +505,76 @@ def run(args: argparse.Namespace) -> None:
         plan = epochs.derive_plan(seed, nodes, len(pool), per_node, exclude=used,
                                   sampling_options=len(menu))
         used |= {c.prompt_index for c in plan.challenges}
-        for at, ask in challenge_asks(plan, attacked, pool, menu, rng, epoch=e,
-                                      epoch_s=args.epoch_s, seed=seed,
-                                      mix=learning.mix() if learning else None):
-            traffic.append((e, at, ask, 1))
+        mix_now = learning.mix() if learning else challenge_shapes.DEFAULT_MIX
+        if hasattr(challenge_shapes, "for_pool"):  # as the service: the pool's history share
+            mix_now = challenge_shapes.for_pool(mix_now, challenge_shapes.history_share(pool))
+        made = leader_paths(plan, pool, trackers[leader], attacked, seed=seed, epoch=e,
+                            mix=mix_now, rotate=args.leader_paths == "rotate")
+        for (at, ask), gen in zip(sorted(challenge_asks(plan, attacked, pool, menu, rng, epoch=e,
+                                                        epoch_s=args.epoch_s, seed=seed,
+                                                        mix=mix_now),
+                                         key=lambda a: a[0]), made):
+            traffic.append((e, at, ask, 1, (leader, gen)))
+        # the committed mix this epoch's challenges were drawn from: public in the ledger
+        mixes.append(learning.committed if learning and learning.committed
+                     else learned_mix.DEFAULT_HISTOGRAM if learned_mix else None)
         if learning is not None:  # the committee keeps learning, one step per epoch
             learning.epoch()
-        times = poisson_times(rng, args.user_rate, args.epoch_s)
-        bodies = [user_body(rng, next(user_iter), mix=population) for _ in times]
-        for at, asks in zip(times, api_asks(bodies)):
+        if args.users == "sessions":
+            if e == 0:
+                every = session_requests(thirds, 1, rng, start=0.0,
+                                         length=args.epochs * args.epoch_s, rate=args.user_rate,
+                                         nodes=args.nodes, mean_turns=args.mean_turns,
+                                         gap_s=args.turn_gap_s, population=population)
+            reqs = [r for r in every if int(r[0] // args.epoch_s) == e]
+            times = [t - e * args.epoch_s for t, _, _ in reqs]
+            bodies = [b for _, b, _ in reqs]
+            senders = [session_client.setdefault(sid, clients.user(crng)) for _, _, sid in reqs]
+        else:
+            times = poisson_times(rng, args.user_rate, args.epoch_s)
+            bodies = [user_body(rng, next(user_iter), mix=population) for _ in times]
+            senders = [clients.user(crng) for _ in times]
+        for at, asks, who in zip(times, api_asks(bodies), senders):
             for ask in asks:  # n > 1: n requests at once
-                traffic.append((e, at, ask, 0))
+                traffic.append((e, at, ask, 0, who))
+    # sessions started in an earlier epoch may have turns here: order by time overall
     traffic.sort(key=lambda t: (t[0], t[1]))
+    lm = model_lm() if args.lm else None
     vectors: list[list[float]] = []
     labels: list[int] = []
+    epochs_of: list[int] = []
     last_epoch, last_at, count = -1, 0.0, 0
     qrng = random.Random(args.seed + 1)
-    for e, at, ask, label in traffic:
+    past: list[tuple[int, frozenset[bytes], int]] = []  # (epoch, proxies, label) at the node
+    known_challenge_proxies: list[frozenset[bytes]] = []
+    for e, at, ask, label, who in traffic:
         try:
-            query, raw = query_of_ask(ask, qrng)
+            query, raw = query_of_ask(ask, qrng, proxies=clients.proxies(
+                who, e * args.epoch_s + at))
         except (PsError, ValueError):  # too long for a cell: the client refuses it, for both
             continue
+        while past and past[0][0] < e:  # reports of earlier epochs: their labels are public
+            _, proxies, was = past.pop(0)
+            if was:
+                known_challenge_proxies.append(proxies)
+        chain.mix = mixes[e]
+        mine = frozenset(p.peer_id for p in query.reply_proxies)
+        linked_epoch = sum(len(mine & p) >= LINK_PROXIES for _, p, _ in past)
+        linked_challenge = any(len(mine & p) >= LINK_PROXIES for p in known_challenge_proxies)
         if e != last_epoch:
             since = float("inf") if e == 0 else at + args.epoch_s - last_at
             last_epoch, count = e, 0
         else:
             since = at - last_at
-        view = RequestView(query, len(raw), at, since, count)
-        vectors.append(features(view, chain, index))
+        view = RequestView(query, len(raw), at, since, count, linked_epoch, linked_challenge)
+        vectors.append(features(view, chain, index, lm))
         labels.append(label)
-        chain.seen.add(query.prompt or (query.messages[-1].content if query.messages else ""))
+        epochs_of.append(e)
+        past.append((e, mine, label))
+        text = query.prompt or (query.messages[-1].content if query.messages else "")
+        # the node remembers what it was asked; history carries the first EARLIER_CHARS of a
+        # turn (a real node would match the whole turn), so it remembers that prefix too
+        chain.seen |= {text, text[:EARLIER_CHARS]}
         last_at, count = at, count + 1
     pos = [i for i, y in enumerate(labels) if y == 1]
     neg = [i for i, y in enumerate(labels) if y == 0]
@@ -347,6 +584,7 @@ def run(args: argparse.Namespace) -> None:
     chosen = sorted(pos + neg)
     x = [vectors[i] for i in chosen]
     y = [labels[i] for i in chosen]
+    blocks = [epochs_of[i] for i in chosen] if args.folds == "epochs" else None
     code = ("challenges derived by ps_p2p.verification.challenges" if challenge_shapes
             else "today's challenges (pool prompt at the menu's parameters, at the epoch start)")
     print(f"code: {code}")
@@ -357,7 +595,7 @@ def run(args: argparse.Namespace) -> None:
              f"learned by {args.verifiers} verifiers ({args.verifier_requests} requests per "
              f"window), distance to the users' at the end {learning.distance():.3f}"))
     print(f"balanced set: {len(pos)} challenges + {len(neg)} user requests "
-          f"({len(FEATURES)} features)")
+          f"({len(FEATURES)} features; folds {args.folds})")
     views = [("everything", tuple(GROUPS))] + [(g, (g,)) for g in GROUPS] + [
         ("fields+content", ("fields", "content"))]
     if args.views:
@@ -367,10 +605,16 @@ def run(args: argparse.Namespace) -> None:
         for kind in args.models.split(","):
             accs = []
             for s in range(args.seeds):
-                accs += cross_validate(cols, y, folds=5, seed=s, kind=kind)
+                accs += cross_validate(cols, y, folds=5, seed=s, kind=kind, blocks=blocks)
             spread = statistics.pstdev(accs)
             print(f"  {label:15s} {kind:9s} accuracy {statistics.mean(accs):.3f} +- "
                   f"{spread:.3f} (min {min(accs):.3f}, max {max(accs):.3f}; {len(accs)} folds)")
+    if args.dump:  # the balanced set, for other classifiers
+        import json
+
+        pathlib.Path(args.dump).write_text(json.dumps({"features": FEATURES, "x": x, "y": y}))
+    scan = univariate_scan(x, y)[:10]
+    print("  single features (AUC): " + ", ".join(f"{n} {a:.3f}" for n, a in scan))
     top = importances(x, y)[:8]
     if top:
         print("  tree's top features: " + ", ".join(f"{n} {v:.2f}" for n, v in top))
@@ -399,7 +643,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mix", choices=["constant", "learned"], default="constant",
                    help="challenges from DEFAULT_MIX, or from the mix the committee learns from "
                         "its verifiers' MIX_REPORTs")
-    p.add_argument("--verifiers", type=int, default=4)
+    p.add_argument("--verifiers", type=int, default=4,
+                   help="verifiers: the mix's reporters and the leaders' clients")
+    p.add_argument("--clients", type=int, default=200,
+                   help="users' clients (each with its own paths) whose requests reach the node")
+    p.add_argument("--relays", type=int, default=50, help="relays that proxies are drawn from")
+    p.add_argument("--mean-turns", type=float, default=3.0,
+                   help="--users sessions: mean turns of a chat session")
+    p.add_argument("--turn-gap-s", type=float, default=60.0,
+                   help="--users sessions: mean seconds between a session's turns")
+    p.add_argument("--leader-paths", choices=["rotate", "shared"], default="rotate",
+                   help="rotate: the leader's paths rotate before a second challenge to one "
+                        "node (the service); shared: one generation for the whole epoch (before "
+                        "the fix)")
+    p.add_argument("--folds", choices=["shuffled", "epochs"], default="shuffled",
+                   help="shuffled: stratified folds; epochs: 5 contiguous runs of epochs (no "
+                        "fold trains on the epochs it tests, as a node labelled after each "
+                        "epoch)")
+    p.add_argument("--dump", default="", help="write the balanced set's vectors (JSON) here")
+    p.add_argument("--lm", action="store_true",
+                   help="also the prompt's tokens and mean NLL under stories260K (the node's "
+                        "model)")
     p.add_argument("--verifier-requests", type=int, default=600,
                    help="requests each verifier's API sees per epoch")
     p.add_argument("--warmup-epochs", type=int, default=30,

@@ -588,7 +588,7 @@ class Node:
             **({} if self.challenge_mix is None else {"mix": self.challenge_mix}))
         validator.value_check = self.epochs.value_check
         self.epochs.on_verdict = self.consensus.revalidate
-        self.epochs.on_reported = user.rotate_paths
+        self.epochs.rotate_paths = user.rotate_paths
         previous = self.consensus.on_commit
         epochs = self.epochs
 

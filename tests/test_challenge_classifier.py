@@ -90,3 +90,51 @@ def test_api_bodies_reach_the_model_node_as_the_api_sends_them():
 def test_a_request_over_a_cell_is_refused_like_the_client_does():
     with pytest.raises(RequestTooLargeError):
         query_of_ask({"prompt": "x" * (4 * 1024 * 1024 + 1)}, random.Random(1))
+
+
+def test_features_see_follow_ups_proxy_links_and_the_committed_mix():
+    from ps_p2p.inference import ChatMessage
+    from ps_p2p.verification.challenges import DEFAULT_MIX
+    from ps_p2p.verification.mix import histogram_of
+
+    chat = (ChatMessage("user", "first turn"), ChatMessage("assistant", "an answer"),
+            ChatMessage("user", "a follow-up"))
+    q = InferenceQuery(b"r" * 16, "m", "", SamplingParams(), (), messages=chat)
+    chain = ChainView(seen={"first turn"}, mix=histogram_of(DEFAULT_MIX))
+    v = dict(zip(FEATURES, features(RequestView(q, 100, 5.0, linked_epoch=2,
+                                                linked_challenge=True), chain)))
+    assert v["earlier_seen"] == 1.0 and v["assistant_turns"] == 1.0
+    assert v["linked_epoch"] == 2.0 and v["linked_challenge"] == 1.0
+    # a shape DEFAULT_MIX never draws (top_p 0.5 is no bucket of it) is less likely
+    odd = InferenceQuery(b"r" * 16, "m", "", SamplingParams(top_p=0.5), (), messages=chat)
+    w = dict(zip(FEATURES, features(RequestView(odd, 100, 5.0), chain)))
+    assert w["mix_logp"] < v["mix_logp"] < 0.0
+    public = PublicIndex(["one two three four five six seven"])
+    assert public.containment("one two three four five six eight nine") == pytest.approx(2 / 4)
+
+
+def test_the_single_feature_scan_ranks_the_leaking_feature_first():
+    from ps_p2p.testing.challenge_classifier import auc, univariate_scan
+
+    assert auc([1, 2, 3, 4], [0, 0, 1, 1]) == 1.0 and auc([1, 1, 1, 1], [0, 1, 0, 1]) == 0.5
+    rng = random.Random(3)
+    vectors = [[0.0] * len(FEATURES) for _ in range(200)]
+    labels = [i % 2 for i in range(200)]
+    leak = FEATURES.index("linked_epoch")
+    for v, y in zip(vectors, labels):
+        v[leak] = rng.random() + (0.8 if y else 0.0)
+        v[0] = rng.random()
+    assert univariate_scan(vectors, labels)[0][0] == "linked_epoch"
+
+
+def test_folds_by_epoch_never_train_on_the_epochs_they_test():
+    # each epoch's requests share a value and a label (a session): shuffled folds learn the
+    # value from the same epoch's other requests, folds by epoch cannot
+    rng = random.Random(5)
+    marks = [(rng.random(), rng.randrange(2)) for _ in range(20)]
+    x = [[marks[e][0]] for e in range(20) for _ in range(10)]
+    y = [marks[e][1] for e in range(20) for _ in range(10)]
+    blocks = [e for e in range(20) for _ in range(10)]
+    shuffled = sum(cross_validate(x, y, folds=5, kind="small")) / 5
+    by_epoch = sum(cross_validate(x, y, folds=5, kind="small", blocks=blocks)) / 5
+    assert shuffled > 0.9 and by_epoch < 0.7

@@ -17,12 +17,15 @@ from ps_p2p.verification.challenges import (
     decode_entry,
     derive_request,
     encode_entry,
+    for_pool,
+    history_share,
     request_problem,
     send_times,
 )
 from ps_p2p.verification.epochs import Challenge
 
 NODE = b"\x00\x24" + bytes(36)
+SECRET = hashlib.sha256(b"epoch secret").digest()
 ENTRY = encode_entry("Why is the sky blue?", ("Hi there.", "Hello! How can I help?"))
 
 
@@ -131,3 +134,32 @@ def test_the_request_keeps_the_api_defaults_a_client_leaves_out():
              and r.top_p == 1.0 and r.seed is None and not r.stop)
     assert r.params == QueryParams(max_tokens=API_DEFAULT_MAX_TOKENS,
                                    temperature=r.temperature)
+
+
+def test_a_pool_entry_carries_a_conversation_of_any_depth_into_its_chat_challenge():
+    # users chat in sessions: a challenge never deeper than one earlier exchange was told apart
+    # by its message count alone (issue 18, bench_challenge_privacy --users sessions)
+    history = ("first question", "first answer", "second question", "second answer")
+    entry = encode_entry("third question", history)
+    assert decode_entry(entry) == ("third question", history)
+    always = dataclasses.replace(DEFAULT_MIX, chat=1.0, multi_turn=1.0, system=0.0)
+    req = derive_request(SECRET, 1, 0, Challenge(NODE, 0), entry, always)
+    assert [(m.role, m.content) for m in req.messages] == [
+        ("user", "first question"), ("assistant", "first answer"),
+        ("user", "second question"), ("assistant", "second answer"),
+        ("user", "third question")]
+    with pytest.raises(ValueError):
+        encode_entry("q", ("a user turn", "an answer", "a user turn without its answer"))
+
+
+def test_chat_challenges_carry_history_as_often_as_the_mix_says_whatever_the_pool_share():
+    # a pool where a third of the entries have history: for_pool scales the chance so that the
+    # mix's share of chats with history is what challenges get
+    pool = [encode_entry(f"q{i}", ("u", "a")) if i % 3 == 0 else f"q{i}" for i in range(300)]
+    assert history_share(pool) == pytest.approx(1 / 3)
+    mix = for_pool(dataclasses.replace(DEFAULT_MIX, chat=1.0, multi_turn=0.3), 1 / 3)
+    with_history = sum(
+        len(derive_request(SECRET, 1, 0, Challenge(NODE, i), entry, mix).messages) > 2
+        for i, entry in enumerate(pool))
+    assert with_history / len(pool) == pytest.approx(0.3, abs=0.07)
+    assert for_pool(DEFAULT_MIX, 1.0) is DEFAULT_MIX

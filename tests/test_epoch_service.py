@@ -752,6 +752,39 @@ async def test_a_leader_spreads_its_challenges_over_the_epoch_at_their_derived_t
     assert times[-1] - times[0] > 5.0  # not a burst at the start
 
 
+async def test_a_leader_never_sends_two_challenges_to_one_node_over_the_same_paths(mock_clock):
+    # a model node sees the reply proxies in Q: a node's challenges of an epoch over one
+    # generation of the leader's paths were its most linked requests (issue 18)
+    params = dataclasses.replace(verification("fake-model", sampling=(GREEDY,)),
+                                 challenges_per_node=3)
+    state, mine, _ = started_epoch(params)
+    stubs = Stubs(state)
+    svc = service(stubs, InstantEngine(), params)
+    events: list[bytes | None] = []  # a node asked, or None: the paths rotated
+    svc.rotate_paths = lambda: events.append(None)
+    ask = svc._ask
+
+    async def recorded(request: ChallengeRequest, node: bytes, timeout: float) -> Answer:
+        events.append(node)
+        return await ask(request, node, timeout)
+
+    svc._ask = recorded
+    stubs.now_ms = state.ledger.start_ms + mine * ATTEMPT_MS + 1
+    async with running(svc):
+        await settle(svc)
+    assert stubs.txs(EpochReportTx)
+    asked = [n for n in events if n is not None]
+    assert asked == [MODEL.peer_id] * 3
+    generation: list[bytes] = []
+    for node in events:
+        if node is None:
+            generation = []
+        else:
+            assert node not in generation, "two challenges to one node over the same paths"
+            generation.append(node)
+    assert events[-1] is None  # and after the report, which names the proxies
+
+
 def signed_reply(stubs: Stubs, request: bytes, model_id: str = "fake-model", *,
                  text: str = "an answer", finish_reason: str = "stop",
                  model: Identity = MODEL) -> Answer:

@@ -244,11 +244,13 @@ def api_asks(requests: Sequence[tuple[str, dict[str, Any]]],
 
 
 def query_of_ask(ask: dict[str, Any], rng: random.Random,
-                 model_id: str = "stories260K") -> tuple[InferenceQuery, bytes]:
+                 model_id: str = "stories260K",
+                 proxies: Sequence[bytes] | None = None) -> tuple[InferenceQuery, bytes]:
     """Q as the model node decodes it from the cloves of one ``ask`` call (module docstring).
 
     ``ask`` holds :meth:`~ps_p2p.roles.user.UserClient.ask`'s keyword arguments (and
-    ``streamed``); paths are four fresh ones with random proxies.
+    ``streamed``); ``proxies``: the proxies of the client's ready paths (the request core picks
+    distinct ones among them, as a client does), else four fresh random ones.
 
     Raises:
         RequestTooLargeError: Q does not fit a cell (the user client refuses it).
@@ -275,7 +277,8 @@ def query_of_ask(ask: dict[str, Any], rng: random.Random,
         path_id: int
         proxy: bytes
 
-    paths = [_Path(i, rng.randbytes(38)) for i in range(RequestConfig().total)]
+    paths = ([_Path(i, p) for i, p in enumerate(proxies)] if proxies is not None
+             else [_Path(i, rng.randbytes(38)) for i in range(RequestConfig().total)])
     commands = core.start(spec, 0.0, paths)
     cloves = [c.clove for c in commands if isinstance(c, SendClove)]
     if not cloves:  # the request core refused it (over a cell): the API answers an error

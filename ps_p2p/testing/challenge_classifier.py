@@ -13,10 +13,19 @@ What it sees is what a model node has, nothing more:
 * when it arrived: seconds since the epoch began (the epoch's first block time is on the
   chain), seconds since the node's previous request, and how many requests it had this epoch;
 * the chain's published data (:class:`ChainView`): the genesis' sampling menu (a request whose
-  parameters are exactly a menu entry), the prompts the node has been asked before, and any
-  prompt published in clear in an earlier report;
-* public data sets (:class:`PublicIndex`): the prompt verbatim, or its word 5-grams' Jaccard
-  similarity to the nearest public prompt.
+  parameters are exactly a menu entry), the prompts the node has been asked before, any
+  prompt published in clear in an earlier report, and the committed mix of shapes that
+  challenges are drawn from (the request's log-probability under it);
+* public data sets (:class:`PublicIndex`): the prompt verbatim, its word 5-grams' Jaccard
+  similarity to the nearest public prompt, and the share of its 5-grams found in any public
+  prompt;
+* its own model (``lm``: stories260K in the benchmark): the prompt's length in tokens and its
+  mean negative log-likelihood (a generated pool reads like the model's own text);
+* its memory of its traffic: a chat whose earlier user turn it was asked before (a user's
+  follow-up after a turn this node served), and the reply proxies in Q: a client's requests
+  share its few paths' proxies until they rotate, so the node counts this epoch's earlier
+  requests from the same client, and whether the client sent a request a past report showed
+  to be a challenge.
 
 Labels come from the chain as well: an EPOCH_REPORT carries SHA-256(Q) of each challenge in
 clear (the node's signature covers it), so after each epoch a node knows exactly which of its
@@ -39,12 +48,16 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ps_p2p.inference import InferenceQuery
 
 SHINGLE = 5
+#: Reply proxies two requests must share to count as one client's (a request uses 4 of its
+#: client's 5 paths, so two requests of one client share at least 3 while its paths live).
+LINK_PROXIES = 2
 #: Features, in the order :func:`features` returns them.
 FEATURES: tuple[str, ...] = (
     # the request as decoded
@@ -59,6 +72,15 @@ FEATURES: tuple[str, ...] = (
     "in_menu", "seen_before", "published_before",
     # public data sets
     "public_verbatim", "public_jaccard",
+    # the prompt under the node's own model (stories260K): tokens, mean negative log-likelihood
+    "prompt_tokens", "lm_nll",
+    # the node's memory of its traffic: a chat whose earlier user turn it was asked before;
+    # the reply proxies' links to this epoch's earlier requests and to known past challenges
+    "earlier_seen", "linked_epoch", "linked_challenge",
+    # public data sets: share of the prompt's word 5-grams found in any public prompt
+    "public_containment",
+    # the chain's committed mix (MIX_REPORTs): log-probability that a challenge has this shape
+    "mix_logp",
 )
 #: Feature groups (names of :data:`FEATURES`), for accuracies by what the node looks at.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -69,8 +91,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "content": ("text_words", "text_lines", "question_mark", "non_ascii_fraction",
                 "digit_fraction", "code_marks"),
     "timing": ("epoch_offset_s", "epoch_fraction", "since_previous_s", "index_in_epoch"),
-    "chain": ("in_menu", "seen_before", "published_before"),
-    "public": ("public_verbatim", "public_jaccard"),
+    "chain": ("in_menu", "seen_before", "published_before", "earlier_seen", "mix_logp"),
+    "public": ("public_verbatim", "public_jaccard", "public_containment"),
+    "model": ("prompt_tokens", "lm_nll"),
+    "proxies": ("linked_epoch", "linked_challenge"),
 }
 _CODE = re.compile(r"[{};]|def |return |import |#include|=>|\(\)")
 
@@ -85,6 +109,11 @@ class RequestView:
         epoch_offset_s: seconds since the epoch's first block (>= 0).
         since_previous_s: seconds since this node's previous request (inf for the first).
         index_in_epoch: requests this node had earlier in the same epoch.
+        linked_epoch: requests this node had earlier in the same epoch whose reply proxies
+            share at least :data:`LINK_PROXIES` peers with this one's (same client: a client's
+            requests go over the same few paths until they rotate).
+        linked_challenge: this request's reply proxies share at least :data:`LINK_PROXIES`
+            peers with a request of an earlier epoch that a report showed to be a challenge.
     """
 
     query: InferenceQuery
@@ -92,6 +121,8 @@ class RequestView:
     epoch_offset_s: float
     since_previous_s: float = math.inf
     index_in_epoch: int = 0
+    linked_epoch: int = 0
+    linked_challenge: bool = False
 
 
 @dataclass
@@ -104,12 +135,36 @@ class ChainView:
         published: prompts read in clear from earlier reports (before issue 16's sealing).
         seen: prompts this node was asked before (updated by :meth:`ChallengeClassifier.
             observe`).
+        mix: the committed mix of request shapes challenges are drawn from this epoch (a
+            :class:`~ps_p2p.verification.mix.ShapeHistogram`, public in the ledger); None:
+            ``mix_logp`` is 0.
     """
 
     menu: tuple[tuple[int, float, float], ...] = ()
     epoch_s: float = 300.0
     published: set[str] = field(default_factory=set)
     seen: set[str] = field(default_factory=set)
+    mix: Any = None
+
+
+def mix_logp(query: InferenceQuery, histogram: Any) -> float:
+    """Natural log of the probability that a challenge drawn from ``histogram`` (a
+    :class:`~ps_p2p.verification.mix.ShapeHistogram`) has ``query``'s shape: the sum over its
+    buckets (:meth:`~ps_p2p.verification.mix.RequestShape.buckets`) of log(share), a share of 0
+    (a suppressed bucket: no challenge has it) counted as half a basis point."""
+    from ps_p2p.verification import mix as learned
+
+    p = query.params
+    shape = learned.RequestShape.of_ask(
+        query.prompt, query.messages, stream=query.stream, max_tokens=p.max_tokens,
+        temperature=round(p.temperature, 4), top_p=round(p.top_p, 4), seed=p.seed,
+        stop=p.stop)
+    total = 0.0
+    for dim, bucket in shape.buckets():
+        row = histogram.shares[dim]
+        if sum(row):
+            total += math.log(max(row[bucket], 0.5) / learned.SCALE)
+    return total
 
 
 def _words(text: str) -> list[str]:
@@ -148,6 +203,14 @@ class PublicIndex:
             best = max(best, len(s & other) / len(s | other))
         return best
 
+    def containment(self, text: str) -> float:
+        """Share of ``text``'s 5-grams found in some public text, in [0, 1] (a prompt that
+        copies part of a public one scores high even when its Jaccard similarity is low)."""
+        s = shingles(text)
+        if not s:
+            return 0.0
+        return sum(g in self._index for g in s) / len(s)
+
     def __contains__(self, text: str) -> bool:
         return text.strip() in self.verbatim
 
@@ -160,9 +223,21 @@ def request_text(query: InferenceQuery) -> str:
     return users[-1] if users else query.messages[-1].content
 
 
+def earlier_user_turns(query: InferenceQuery) -> list[str]:
+    """A chat's user messages before its last one (its earlier exchanges' user turns)."""
+    users = [m.content for m in query.messages if m.role == "user"]
+    return users[:-1]
+
+
 def features(view: RequestView, chain: ChainView | None = None,
-             public: PublicIndex | None = None) -> list[float]:
-    """The feature vector of one request (:data:`FEATURES` order); pure."""
+             public: PublicIndex | None = None,
+             lm: Callable[[str], tuple[int, float]] | None = None) -> list[float]:
+    """The feature vector of one request (:data:`FEATURES` order); pure when ``lm`` is.
+
+    Args:
+        lm: the node's own model as ``text -> (tokens, mean negative log-likelihood per
+            token in nats)`` of the request's text (:func:`request_text`); None: both 0.
+    """
     chain = chain or ChainView()
     q = view.query
     p = q.params
@@ -191,6 +266,11 @@ def features(view: RequestView, chain: ChainView | None = None,
         float(menu_hit), float(last in chain.seen), float(last in chain.published),
         float(public is not None and last in public),
         public.jaccard(last) if public is not None else 0.0,
+        *(map(float, lm(last)) if lm is not None else (0.0, 0.0)),
+        float(any(t in chain.seen for t in earlier_user_turns(q))),
+        float(view.linked_epoch), float(view.linked_challenge),
+        public.containment(last) if public is not None else 0.0,
+        mix_logp(q, chain.mix) if chain.mix is not None else 0.0,
     ]
     assert len(vec) == len(FEATURES)
     return vec
@@ -294,18 +374,22 @@ class ChallengeClassifier:
         chain: the chain's view (menu, epoch length; its ``seen`` grows with :meth:`observe`).
         kind: :func:`make_model`'s kind.
         seed: the model's random state.
+        lm: the node's model as ``text -> (tokens, mean NLL)`` (:func:`features`); None: the
+            ``model`` features are 0.
     """
 
     def __init__(self, public: Iterable[str] = (), *, chain: ChainView | None = None,
-                 kind: str = "auto", seed: int = 0) -> None:
+                 kind: str = "auto", seed: int = 0,
+                 lm: Callable[[str], tuple[int, float]] | None = None) -> None:
         self.public = PublicIndex(public)
         self.chain = chain or ChainView()
         self.kind = kind
         self.seed = seed
+        self.lm = lm
         self.model: object = None
 
     def vector(self, view: RequestView) -> list[float]:
-        return features(view, self.chain, self.public)
+        return features(view, self.chain, self.public, self.lm)
 
     def fit(self, views: Sequence[RequestView] | Sequence[Sequence[float]],
             labels: Sequence[int]) -> ChallengeClassifier:
@@ -342,18 +426,29 @@ def columns(vectors: Sequence[Sequence[float]], groups: Iterable[str]) -> list[l
 
 
 def cross_validate(vectors: Sequence[Sequence[float]], labels: Sequence[int], *, folds: int = 5,
-                   seed: int = 0, kind: str = "auto") -> list[float]:
+                   seed: int = 0, kind: str = "auto",
+                   blocks: Sequence[int] | None = None) -> list[float]:
     """Accuracy of each fold of a stratified ``folds``-fold cross-validation (shuffled by
-    ``seed``); a fresh model per fold."""
+    ``seed``); a fresh model per fold.
+
+    ``blocks`` (e.g. each request's epoch, non-decreasing): folds are ``folds`` contiguous runs
+    of blocks instead, so no fold trains on requests of the same epochs as it tests (a user's
+    session spans a few minutes: shuffled folds let the model learn a session's later turns
+    from its earlier ones, which a node, labelled only after each epoch, cannot)."""
     rng = random.Random(seed)
-    by_class: dict[int, list[int]] = {}
-    for i, y in enumerate(labels):
-        by_class.setdefault(int(y), []).append(i)
     fold_of = [0] * len(labels)
-    for idx in by_class.values():
-        rng.shuffle(idx)
-        for k, i in enumerate(idx):
-            fold_of[i] = k % folds
+    if blocks is not None:
+        first, last = min(blocks), max(blocks)
+        span = last - first + 1
+        fold_of = [min(folds - 1, (b - first) * folds // span) for b in blocks]
+    else:
+        by_class: dict[int, list[int]] = {}
+        for i, y in enumerate(labels):
+            by_class.setdefault(int(y), []).append(i)
+        for idx in by_class.values():
+            rng.shuffle(idx)
+            for k, i in enumerate(idx):
+                fold_of[i] = k % folds
     accuracies = []
     for f in range(folds):
         train = [i for i in range(len(labels)) if fold_of[i] != f]
@@ -364,6 +459,35 @@ def cross_validate(vectors: Sequence[Sequence[float]], labels: Sequence[int], *,
         hits = sum((p[1] >= 0.5) == bool(labels[i]) for p, i in zip(proba, test))
         accuracies.append(hits / len(test))
     return accuracies
+
+
+def auc(scores: Sequence[float], labels: Sequence[int]) -> float:
+    """The area under the ROC curve of ``scores`` for ``labels`` (1 positive), ties counted
+    half (the Mann-Whitney U statistic over n1 x n0); 0.5 when a class is empty."""
+    order = sorted(range(len(scores)), key=lambda i: scores[i])
+    ranks = [0.0] * len(scores)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    pos = sum(1 for y in labels if y)
+    neg = len(labels) - pos
+    if not pos or not neg:
+        return 0.5
+    return (sum(r for r, y in zip(ranks, labels) if y) - pos * (pos + 1) / 2) / (pos * neg)
+
+
+def univariate_scan(vectors: Sequence[Sequence[float]],
+                    labels: Sequence[int]) -> list[tuple[str, float]]:
+    """Each feature alone: (name, AUC) of its raw value as a challenge score, the ones
+    farthest from 0.5 first (an AUC of 0.3 separates as well as 0.7). The best single feature
+    usually names the leak."""
+    out = [(name, auc([v[i] for v in vectors], labels)) for i, name in enumerate(FEATURES)]
+    return sorted(out, key=lambda kv: -abs(kv[1] - 0.5))
 
 
 def importances(vectors: Sequence[Sequence[float]], labels: Sequence[int],
@@ -390,11 +514,14 @@ __all__ = [
     "PublicIndex",
     "RequestView",
     "SmallTree",
+    "auc",
     "columns",
     "cross_validate",
     "features",
     "importances",
     "make_model",
+    "mix_logp",
     "request_text",
     "shingles",
+    "univariate_scan",
 ]

@@ -23,8 +23,13 @@ reveal every verifier re-derives the very request from the report alone
 (:func:`request_problem`) and scores under its parameters: the leader chooses nothing.
 
 Pool entries (:func:`encode_entry`, :func:`decode_entry`) are a prompt, or a JSON object
-``{"prompt": ..., "earlier": [user turn, assistant turn]}`` for a conversation with an earlier
-exchange, so chat challenges can carry multi-turn history as users' chats do.
+``{"prompt": ..., "earlier": [user turn, assistant turn, user turn, ...]}`` for a conversation
+with earlier exchanges (any number of them), so chat challenges carry multi-turn history as
+deep as users' chats do: a challenge that never had more than one earlier exchange was told
+apart by its message count alone wherever users chat in sessions (issue 18). How often a chat
+challenge carries its entry's history is the mix's share of chats with one, divided by the
+pool's share of entries that have one (:func:`for_pool`): the pool decides the depths, the mix
+the share.
 
 Send times: ``send_fraction`` is uniform in [0, 1); the leader sends the challenge at that
 fraction of its sending window (:func:`send_times`), so the challenges of an epoch arrive as
@@ -34,6 +39,7 @@ looks like over one epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,7 +82,10 @@ class ChallengeMix:
     stream_chat: float = 0.5
     stream_completion: float = 0.2
     system: float = 0.5
-    multi_turn: float = 0.4  # of the chats whose pool entry has an earlier exchange
+    #: share of chats carrying earlier exchanges; :func:`derive_request` reads it as the
+    #: chance that a chat carries its entry's history (:func:`for_pool` converts one to the
+    #: other for a pool where not every entry has history)
+    multi_turn: float = 0.4
     temperature: tuple[tuple[Any, float], ...] = (
         (None, 0.30), (0.0, 0.15), (0.1, 0.03), (0.2, 0.04), (0.5, 0.05), (0.7, 0.22),
         (0.8, 0.04), (1.0, 0.10), (1.2, 0.02), (1.5, 0.02), (2.0, 0.01), ("uniform", 0.02),
@@ -159,24 +168,31 @@ class ChallengeRequest:
                 "stop": p.stop}
 
 
+def _is_history(earlier: object) -> bool:
+    return (isinstance(earlier, (list, tuple)) and len(earlier) >= 2 and len(earlier) % 2 == 0
+            and all(isinstance(t, str) and t.strip() for t in earlier))
+
+
 def encode_entry(prompt: str, earlier: Sequence[str] | None = None) -> str:
-    """A pool entry: ``prompt`` alone, or with an earlier (user, assistant) exchange.
+    """A pool entry: ``prompt`` alone, or with the conversation before it: ``earlier`` =
+    (user turn, assistant turn, user turn, assistant turn, ...), one or more exchanges.
 
     Raises:
-        ValueError: a blank prompt, or ``earlier`` not two strings.
+        ValueError: a blank prompt, or ``earlier`` not an even number (>= 2) of non-blank
+            strings.
     """
     if not prompt.strip():
         raise ValueError("a pool entry needs a non-blank prompt")
     if earlier is None:
         return prompt
-    if len(earlier) != 2 or not all(isinstance(t, str) and t.strip() for t in earlier):
-        raise ValueError("earlier must be a (user turn, assistant turn) pair")
+    if not _is_history(earlier):
+        raise ValueError("earlier must be (user turn, assistant turn) pairs, at least one")
     return json.dumps({"prompt": prompt, "earlier": list(earlier)}, ensure_ascii=False)
 
 
-def decode_entry(entry: str) -> tuple[str, tuple[str, str] | None]:
-    """(prompt, earlier exchange or None) of a pool entry (:func:`encode_entry`); an entry that
-    is not such a JSON object is a prompt."""
+def decode_entry(entry: str) -> tuple[str, tuple[str, ...] | None]:
+    """(prompt, earlier exchanges as (user, assistant, user, ...) or None) of a pool entry
+    (:func:`encode_entry`); an entry that is not such a JSON object is a prompt."""
     if entry.startswith("{"):
         try:
             data = json.loads(entry)
@@ -184,11 +200,28 @@ def decode_entry(entry: str) -> tuple[str, tuple[str, str] | None]:
             return entry, None
         if isinstance(data, dict) and isinstance(data.get("prompt"), str):
             earlier = data.get("earlier")
-            if isinstance(earlier, list) and len(earlier) == 2 \
-                    and all(isinstance(t, str) for t in earlier):
-                return data["prompt"], (earlier[0], earlier[1])
+            if _is_history(earlier):
+                return data["prompt"], tuple(earlier)
             return data["prompt"], None
     return entry, None
+
+
+def history_share(pool: Sequence[str]) -> float:
+    """Share of ``pool``'s entries that carry earlier exchanges, in [0, 1] (0 for an empty
+    pool)."""
+    if not pool:
+        return 0.0
+    return sum(decode_entry(e)[1] is not None for e in pool) / len(pool)
+
+
+def for_pool(mix: ChallengeMix, share: float) -> ChallengeMix:
+    """``mix`` for a pool whose entries carry history in ``share`` of cases: a chat carries
+    its entry's history with probability ``mix.multi_turn / share`` (at most 1), so that
+    ``mix.multi_turn`` of chat challenges carry one, as that share of users' chats do (as far
+    as the pool allows); ``mix`` itself when ``share`` is 0 or 1."""
+    if share <= 0.0 or share >= 1.0:
+        return mix
+    return dataclasses.replace(mix, multi_turn=min(1.0, mix.multi_turn / share))
 
 
 class _Draws(CounterDraws):
@@ -267,7 +300,8 @@ def derive_request(secret: bytes, epoch: int, attempt: int, challenge: Challenge
     if chat:
         turns = [ChatMessage("system", system_text)] if system else []
         if multi and earlier is not None:
-            turns += [ChatMessage("user", earlier[0]), ChatMessage("assistant", earlier[1])]
+            turns += [ChatMessage("user" if i % 2 == 0 else "assistant", text)
+                      for i, text in enumerate(earlier)]
         messages = (*turns, ChatMessage("user", prompt))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             seed=seed, stop=stop)
@@ -305,6 +339,8 @@ __all__ = [
     "decode_entry",
     "derive_request",
     "encode_entry",
+    "for_pool",
+    "history_share",
     "request_problem",
     "send_times",
 ]

@@ -15,7 +15,8 @@ committed block (:meth:`EpochService.notify`) and at each attempt boundary it:
    prompt, streamed or not, with parameters drawn from users' distribution), sends each one at
    its own time spread over the epoch (:meth:`EpochService.send_window`) with
    :meth:`~ps_p2p.roles.user.UserClient.ask` (the same call, so the same bytes, as a user's
-   request of that shape), checks and scores each signed answer with its reference engine
+   request of that shape) over paths that carried no other challenge to that node
+   (:class:`ChallengePaths`: Q names its reply proxies), checks and scores each signed answer with its reference engine
    under the request's own parameters, and submits the EPOCH_REPORT with each Q sealed under
    the committee key (:mod:`~ps_p2p.verification.sealing`: blocks reach every listed node);
 3. **re-scores** every EPOCH_REPORT that reaches its mempool, off the consensus task: each
@@ -80,6 +81,8 @@ from ps_p2p.verification.challenges import (
     ChallengeMix,
     ChallengeRequest,
     derive_request,
+    for_pool,
+    history_share,
     request_problem,
 )
 from ps_p2p.verification.epochs import VALUE_CHECK_PENDING
@@ -176,6 +179,42 @@ def overlay_ask(user: Any, model_id: str) -> Ask:
     return ask
 
 
+class ChallengePaths:
+    """Which model nodes the current generation of this verifier's paths carried a challenge
+    to; pure (issue 18).
+
+    A model node sees the reply proxies of every request (they are in Q), and a client's
+    requests go over the same few paths (4 of ``PoolConfig.paths`` = 5) until they rotate: two
+    requests sharing proxies come from one client. A leader that sent a node its several
+    challenges of an epoch over one generation of paths made them the node's most linked
+    requests (``bench_challenge_privacy.py``: the count of this epoch's earlier requests
+    sharing >= 2 proxies alone had an AUC of 0.81). So no generation carries two challenges to
+    one node: :meth:`before` says when to rotate first (:meth:`~ps_p2p.roles.user.UserClient.
+    rotate_paths`), and every rotation is told (:meth:`rotated`).
+
+    Attributes:
+        generation: rotations counted so far.
+    """
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._nodes: set[bytes] = set()
+
+    def before(self, node: bytes) -> bool:
+        """Call before sending a challenge to ``node``; True: this generation already carried
+        one to it, rotate the paths first (counted here as done)."""
+        rotate = node in self._nodes
+        if rotate:
+            self.rotated()
+        self._nodes.add(bytes(node))
+        return rotate
+
+    def rotated(self) -> None:
+        """The paths were rotated (a new generation carried nothing yet)."""
+        self.generation += 1
+        self._nodes.clear()
+
+
 def master_key(identity_private: bytes) -> bytes:
     """The epoch master key of a validator: SHA-256(MASTER_DOMAIN || its identity key's 32
     private bytes); secret as the identity key is."""
@@ -260,6 +299,7 @@ class EpochService:
         self.engine = engine
         self.pool = list(pool)
         self._pool_index = {p: i for i, p in reversed(list(enumerate(self.pool)))}
+        self._history_share = history_share(self.pool)
         #: how answers are scored (a genesis parameter set in a later version; the defaults)
         self.challenge_scoring = DEFAULT_CHALLENGE_SCORING
         self._master = bytes(master)
@@ -284,9 +324,14 @@ class EpochService:
         self._nursery: trio.Nursery | None = None
         #: called after each verdict (the node: ``ConsensusService.revalidate``)
         self.on_verdict: Callable[[], None] | None = None
-        #: called once this verifier submitted a report: the report carries Q (sealed for the
-        #: committee), which names its reply proxies (the node: ``UserClient.rotate_paths``)
+        #: called once this verifier submitted a report
         self.on_reported: Callable[[], None] | None = None
+        #: retires every path of this verifier's user role and builds new ones (the node:
+        #: ``UserClient.rotate_paths``): after each report (which names its reply proxies,
+        #: sealed for the committee) and before a challenge to a node the current paths
+        #: already carried one to (:class:`ChallengePaths`); None: never
+        self.rotate_paths: Callable[[], None] | None = None
+        self._paths = ChallengePaths()
 
     # ------------------------------------------------------------------ hooks (sync)
 
@@ -365,8 +410,10 @@ class EpochService:
 
     def mix_for(self, ledger: EpochLedger) -> ChallengeMix:
         """The mix the challenges of ``ledger``'s current epoch are drawn from: ``mix`` when
-        set, else the committed one."""
-        return self.mix if self.mix is not None else mix_of(ledger.mix)
+        set, else the committed one, for this pool's share of entries with history
+        (:func:`~ps_p2p.verification.challenges.for_pool`)."""
+        mix = self.mix if self.mix is not None else mix_of(ledger.mix)
+        return for_pool(mix, self._history_share)
 
     def _publish_mix(self, state: Any) -> None:
         """One MIX_REPORT per epoch, once the API's window is publishable."""
@@ -447,6 +494,7 @@ class EpochService:
         self._remember(_tx_key(raw), None)  # its own scores
         answered = sum(r.answer is not None for r in ordered)
         if self._try_submit(raw, f"epoch {epoch} report"):
+            self._rotate()
             if self.on_reported is not None:
                 self.on_reported()
             log.info("epoch %d report submitted: %d of %d answered, scores %s", epoch, answered,
@@ -478,11 +526,22 @@ class EpochService:
             return await self.engine.chat_prompt(request.messages)
         return request.prompt
 
+    def _rotate(self) -> None:
+        if self.rotate_paths is not None:
+            self.rotate_paths()
+            self._paths.rotated()
+
+    async def _send(self, request: ChallengeRequest, node: bytes) -> Any:
+        """Ask ``node`` over paths that carried no other challenge to it (:class:`ChallengePaths`)."""
+        if self.rotate_paths is not None and self._paths.before(node):
+            self.rotate_paths()
+        return await self._ask(request, node, self.challenge_timeout)
+
     async def _challenge(self, ledger: EpochLedger, challenge: epochs.Challenge,
                          request: ChallengeRequest) -> ChallengeResult:
         self.stats.challenges_sent += 1
         started = trio.current_time()
-        answer = await self._ask(request, challenge.model_node, self.challenge_timeout)
+        answer = await self._send(request, challenge.model_node)
         log.debug("challenge to %s took %.2f s", peer_label(challenge.model_node),
                   trio.current_time() - started)
         signed = self._signed_answer(answer, ledger, challenge.model_node)
@@ -639,7 +698,7 @@ class EpochService:
         request = derive_request(self._rng.randbytes(epochs.SECRET_BYTES), epoch, 0,
                                  epochs.Challenge(node, index), self.pool[index],
                                  self.mix_for(state.ledger))
-        answer = await self._ask(request, node, self.challenge_timeout)
+        answer = await self._send(request, node)
         reply = getattr(answer, "reply", None)
         request = getattr(answer, "request", b"")
         problem = None
@@ -713,4 +772,4 @@ def load_pool(paths: Sequence[str], limit: int | None = None) -> list[str]:
     return pool[:limit] if limit else pool
 
 
-__all__ = ["EpochService", "EpochStats", "TxCodec", "load_pool", "master_key", "overlay_ask"]
+__all__ = ["ChallengePaths", "EpochService", "EpochStats", "TxCodec", "load_pool", "master_key", "overlay_ask"]
