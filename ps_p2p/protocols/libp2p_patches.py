@@ -103,7 +103,15 @@ ENV = "PS_LIBP2P_PATCHES"
 #: Bytes asked of the socket per buffered read (trio's own default receive size).
 RECEIVE_SIZE = 65536
 
+#: At most this many uncontended :class:`FastAcquire` acquires (of any lock, by any task) between
+#: two of them that take trio's schedule point anyway: a loop whose only awaits are such acquires
+#: (a read retried at a stream's end, a write retried on a reset stream, the Yamux reader going
+#: through frames already buffered) still lets the other tasks and trio's deadlines run.
+CHECKPOINT_EVERY = 32
+
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+_cancel_shielded_checkpoint = trio.lowlevel.cancel_shielded_checkpoint
+_since_checkpoint = 0
 
 
 class FastAcquire:
@@ -122,11 +130,17 @@ class FastAcquire:
 
     @trio.lowlevel.enable_ki_protection
     async def acquire(self) -> None:
+        global _since_checkpoint
         await _checkpoint_if_cancelled()
         try:
             self._inner.acquire_nowait()
         except trio.WouldBlock:
             await self._inner.acquire()
+            return
+        _since_checkpoint += 1
+        if _since_checkpoint >= CHECKPOINT_EVERY:
+            _since_checkpoint = 0
+            await _cancel_shielded_checkpoint()  # what trio.Lock does on every acquire
 
     def acquire_nowait(self) -> None:
         self._inner.acquire_nowait()
@@ -142,11 +156,17 @@ class FastAcquire:
 
     @trio.lowlevel.enable_ki_protection
     async def __aenter__(self) -> None:
+        global _since_checkpoint
         await _checkpoint_if_cancelled()
         try:
             self._inner.acquire_nowait()
         except trio.WouldBlock:
             await self._inner.acquire()
+            return
+        _since_checkpoint += 1
+        if _since_checkpoint >= CHECKPOINT_EVERY:
+            _since_checkpoint = 0
+            await _cancel_shielded_checkpoint()  # what trio.Lock does on every acquire
 
     @trio.lowlevel.enable_ki_protection
     async def __aexit__(self, *exc_info: object) -> None:
