@@ -58,7 +58,7 @@ def test_a_patch_whose_pinned_source_differs_is_refused_with_one_warning(
 def test_selection_by_environment():
     assert libp2p_patches.selected("none") == ()
     assert libp2p_patches.selected("all") == libp2p_patches.NAMES
-    assert libp2p_patches.selected("default") == ("lean_yamux", "bufread")
+    assert libp2p_patches.selected("default") == ("fast_locks", "lean_yamux", "bufread")
     assert libp2p_patches.selected("bufread, fast_locks") == ("fast_locks", "bufread")
 
 
