@@ -22,6 +22,13 @@ py-libp2p work-arounds (``ps_p2p.protocols.libp2p_patches``). ``--quiet`` also s
 directory refresh (30 s), the registrations (40 s) and the empty blocks (30 s) once the network
 is up: on a loaded machine a round trip takes long enough that the background subtracted over
 its time outweighs it (negative results at load 45).
+
+``--idle [--users N --window S --windows K --warmup W]`` measures CPU at rest: 4 verifiers, 2
+model nodes and N users (default 8) in this process with the production intervals (the users'
+``UserConfig()`` probes, directory refresh, registration, record lifetime and block interval of
+``NodeConfig()``, set once the localnet is up), no requests; prints the process CPU per node per
+minute (the median of K windows of S seconds after W seconds of warm-up) and the libp2p (Noise)
+messages per node per minute. Compare trees alternating, with the machine's load noted.
 """
 
 from __future__ import annotations
