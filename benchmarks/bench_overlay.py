@@ -22,6 +22,13 @@ py-libp2p work-arounds (``ps_p2p.protocols.libp2p_patches``). ``--quiet`` also s
 directory refresh (30 s), the registrations (40 s) and the empty blocks (30 s) once the network
 is up: on a loaded machine a round trip takes long enough that the background subtracted over
 its time outweighs it (negative results at load 45).
+
+``--idle [--users N --window S --windows K --warmup W]`` measures CPU at rest: 4 verifiers, 2
+model nodes and N users (default 8) in this process with the production intervals (the users'
+``UserConfig()`` probes, directory refresh, registration, record lifetime and block interval of
+``NodeConfig()``, set once the localnet is up), no requests; prints the process CPU per node per
+minute (the median of K windows of S seconds after W seconds of warm-up) and the libp2p (Noise)
+messages per node per minute. Compare trees alternating, with the machine's load noted.
 """
 
 from __future__ import annotations
@@ -312,6 +319,48 @@ async def bench_cpu(rounds: int, quiet: bool = False) -> None:
               f"({calls[0] / messages:.0f} per Noise message; separate pass of {profiled})")
 
 
+async def bench_idle(users: int, models: int, committee: int, window: float, windows: int,
+                     warmup: float) -> None:
+    """CPU at rest per node (see ``--idle``): production intervals, no requests."""
+    from ps_p2p.config import NodeConfig
+
+    try:
+        from ps_p2p.protocols.libp2p_patches import installed
+    except ImportError:  # a tree from before issue 22
+        def installed() -> tuple[str, ...]:
+            return ()
+
+    print(machine())
+    print(f"py-libp2p work-arounds installed: {', '.join(installed()) or 'none'}")
+    count_noise_messages()
+    production = NodeConfig()
+    async with open_localnet(users=users, models=models, committee=committee,
+                             user_config=UserConfig(), block_interval=production.block_interval,
+                             record_lifetime=production.record_lifetime) as net:
+        nodes = [*(net.verifiers or [net.verifier]), *net.models, *net.users]
+        for node in nodes:  # the localnet's fast start-up intervals, back to production
+            node.config.directory_refresh = production.directory_refresh
+            node.config.register_interval = production.register_interval
+        for node in net.users:
+            await node.user.wait_ready(timeout=120.0)
+        await trio.sleep(warmup)  # refresh back-off, first probes, registrations settle
+        per_minute = 60.0 / window / len(nodes)
+        cpu_ms, msgs = [], []
+        for _ in range(windows):
+            cpu, sent = time.process_time(), NOISE_MESSAGES[0]
+            await trio.sleep(window)
+            cpu_ms.append((time.process_time() - cpu) * 1000 * per_minute)
+            msgs.append((NOISE_MESSAGES[0] - sent) * per_minute)
+        print(f"nodes: {committee} verifiers, {models} model nodes, {users} users; windows "
+              f"{windows} x {window:.0f} s after {warmup:.0f} s of warm-up")
+        print(f"{'CPU at rest per node per minute':<48} {statistics.median(cpu_ms):8.1f} ms   "
+              f"(windows: {' / '.join(f'{c:.1f}' for c in cpu_ms)})")
+        print(f"{'libp2p (Noise) messages per node per minute':<48} "
+              f"{statistics.median(msgs):8.1f}")
+        print("load average (1, 5, 15 min) at the end: "
+              + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -322,8 +371,16 @@ def main() -> int:
                         help="--cpu: directory refresh every 30 s, registration every 40 s, "
                              "blocks every 30 s once the network is up (for a loaded machine, "
                              "where slow round trips make the subtracted background dominate)")
+    parser.add_argument("--idle", action="store_true",
+                        help="CPU at rest per node: production intervals, no requests")
+    parser.add_argument("--users", type=int, default=8, help="--idle: user nodes")
+    parser.add_argument("--window", type=float, default=60.0, help="--idle: seconds a window")
+    parser.add_argument("--windows", type=int, default=3, help="--idle: windows (median)")
+    parser.add_argument("--warmup", type=float, default=30.0, help="--idle: seconds before")
     args = parser.parse_args()
-    if args.cpu:
+    if args.idle:
+        trio.run(bench_idle, args.users, 2, 4, args.window, args.windows, args.warmup)
+    elif args.cpu:
         trio.run(bench_cpu, args.rounds, args.quiet)
     else:
         trio.run(bench, args.quick)

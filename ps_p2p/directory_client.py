@@ -75,6 +75,8 @@ class CommitteeClient:
         self.replica: CommitteeReplica | None = None
         self.trusted_verifiers = trusted
         self.registrations_needed = 1
+        #: one open directory stream per verifier asked, reused by every refresh
+        self.streams = committee_proto.DirectoryStreams()
         if genesis is not None:
             self._follow(genesis)
 
@@ -165,7 +167,8 @@ class CommitteeClient:
         await self._ensure_genesis(host, verifier, timeout)
         assert self.replica is not None
         directory = await committee_proto.fetch_committed_directory(
-            host, verifier, self.replica, now_ms=_now_ms, timeout=timeout)
+            host, verifier, self.replica, now_ms=_now_ms, timeout=timeout,
+            streams=self.streams)
         return directory, self.replica.last_changed
 
 

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
-from libp2p.network.stream.exceptions import StreamError
+from libp2p.network.stream.exceptions import StreamEOF, StreamError
 from libp2p.peer.id import ID
 
 from ps_p2p import registry as app
@@ -52,6 +52,7 @@ from ps_p2p.protocols.committee_directory import (
     ERROR_UNAVAILABLE,
     MAX_REFUSALS_PER_STREAM,
     CommitteeDirectoryService,
+    DirectoryStreams,
     deregister_from_committee,
     fetch_committed_directory,
     register_with_committee,
@@ -758,10 +759,11 @@ async def test_a_peer_over_its_answer_rate_is_refused_with_an_error_then_reset_a
                                                       r"rate: retry in [0-9.]+ s"):
             await fetch(host, verifier, CommitteeReplica(GENESIS), chain)
         stream = await host.new_stream(ID(verifier), [COMMITTEE_DIRECTORY_PROTOCOL_ID])
-        for _ in range(MAX_REFUSALS_PER_STREAM + 1):
-            await stream.write(request(get=directory_pb2.GetCommittedDirectory()))
+        # one at a time: py-libp2p drops what a reader has not read yet when the reset comes
         for _ in range(MAX_REFUSALS_PER_STREAM):
+            await stream.write(request(get=directory_pb2.GetCommittedDirectory()))
             assert (await reply(stream)).error.code == ERROR_UNAVAILABLE
+        await stream.write(request(get=directory_pb2.GetCommittedDirectory()))
         await assert_reset(stream)  # the one request too many
         assert service.rate_limited == 1 + MAX_REFUSALS_PER_STREAM and service.served == 1
         assert service.reset == 1
@@ -771,6 +773,93 @@ async def test_a_peer_over_its_answer_rate_is_refused_with_an_error_then_reset_a
             assert len((await fetch(ohost, verifier, CommitteeReplica(GENESIS), chain)).records) \
                 == 20
         assert service.served == 2
+
+
+def _counting_new_streams(host, monkeypatch) -> list[int]:
+    opened = [0]
+    original = host.new_stream
+
+    async def new_stream(*args, **kwargs):
+        opened[0] += 1
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(host, "new_stream", new_stream)
+    return opened
+
+
+def reuse_fetch(host, verifier, replica, chain: Chain, streams: DirectoryStreams):
+    return fetch_committed_directory(
+        host, verifier, replica, now_ms=lambda: chain.history.header.time_ms + SECOND,
+        streams=streams)
+
+
+async def test_refreshes_from_one_verifier_share_one_stream(monkeypatch):
+    chain = Chain()
+    chain.block([reg(record(i)) for i in range(1, 6)])
+    chain.block()
+    replica, streams = CommitteeReplica(GENESIS), DirectoryStreams()
+    async with serving(chain) as (service, host, verifier):
+        opened = _counting_new_streams(host, monkeypatch)
+        heights = []
+        for i in range(3):
+            heights.append((await reuse_fetch(host, verifier, replica, chain, streams)).height)
+            chain.block([reg(record(10 + i))])
+        await streams.aclose()
+    assert heights == [1, 2, 3] and service.served == 3
+    assert opened[0] == 1
+
+
+async def test_a_held_stream_that_is_gone_is_replaced_and_the_refresh_succeeds(monkeypatch):
+    chain = Chain()
+    chain.block([reg(record(i)) for i in range(1, 6)])
+    chain.block()
+    replica, streams = CommitteeReplica(GENESIS), DirectoryStreams()
+    async with serving(chain) as (_, host, verifier):
+        opened = _counting_new_streams(host, monkeypatch)
+        await reuse_fetch(host, verifier, replica, chain, streams)
+        held, _, _ = streams._held[verifier]
+        await held.reset()  # the server closed it, or the connection dropped
+        chain.block([reg(record(9))])
+        chain.block()
+        directory = await reuse_fetch(host, verifier, replica, chain, streams)
+    assert directory.height == 3 and directory.record(who(9).peer_id) is not None
+    assert opened[0] == 2
+
+
+@pytest.mark.parametrize("limit", ["requests", "age"])
+async def test_a_client_opens_a_new_stream_before_the_server_would_close_the_old(
+    monkeypatch, limit
+):
+    from ps_p2p.protocols import committee_directory
+
+    if limit == "requests":
+        monkeypatch.setattr(committee_directory, "MAX_REQUESTS_PER_STREAM", 2)
+    else:
+        monkeypatch.setattr(committee_directory, "CLIENT_REUSE_SECONDS", 0.0)
+    chain = Chain()
+    chain.block([reg(record(i)) for i in range(1, 6)])
+    chain.block()
+    replica, streams = CommitteeReplica(GENESIS), DirectoryStreams()
+    async with serving(chain) as (service, host, verifier):
+        opened = _counting_new_streams(host, monkeypatch)
+        for _ in range(3):
+            await reuse_fetch(host, verifier, replica, chain, streams)
+    assert opened[0] == (2 if limit == "requests" else 3) and service.served == 3
+
+
+async def test_the_server_closes_a_stream_that_sends_no_request_for_the_idle_timeout(
+    monkeypatch
+):
+    from ps_p2p.protocols import committee_directory
+
+    monkeypatch.setattr(committee_directory, "STREAM_IDLE_TIMEOUT", 0.2)
+    chain = Chain()
+    chain.block()
+    async with serving(chain) as (service, host, verifier):
+        stream = await host.new_stream(ID(verifier), [COMMITTEE_DIRECTORY_PROTOCOL_ID])
+        with trio.fail_after(10), pytest.raises(StreamEOF):
+            await stream.read(1)
+    assert service.reset == 0
 
 
 # ---------------------------------------------------------------------------------- node

@@ -58,7 +58,7 @@ def test_a_patch_whose_pinned_source_differs_is_refused_with_one_warning(
 def test_selection_by_environment():
     assert libp2p_patches.selected("none") == ()
     assert libp2p_patches.selected("all") == libp2p_patches.NAMES
-    assert libp2p_patches.selected("default") == ("lean_yamux", "bufread")
+    assert libp2p_patches.selected("default") == ("fast_locks", "lean_yamux", "bufread")
     assert libp2p_patches.selected("bufread, fast_locks") == ("fast_locks", "bufread")
 
 
@@ -326,8 +326,13 @@ class _Steps(trio.abc.Instrument):
         self.steps += 1
 
 
-async def test_fast_lock_takes_no_schedule_point_when_nobody_holds_it():
-    for lock, most in ((libp2p_patches.FastAcquire(trio.Lock()), 0), (trio.Lock(), 100)):
+async def test_fast_lock_takes_a_schedule_point_only_every_checkpoint_every_free_acquires(
+    monkeypatch,
+):
+    monkeypatch.setattr(libp2p_patches, "_since_checkpoint", 0)
+    every = libp2p_patches.CHECKPOINT_EVERY
+    for lock, most in ((libp2p_patches.FastAcquire(trio.Lock()), 100 // every),
+                       (trio.Lock(), 100)):
         steps = _Steps()
         trio.lowlevel.add_instrument(steps)
         try:
@@ -337,6 +342,127 @@ async def test_fast_lock_takes_no_schedule_point_when_nobody_holds_it():
         finally:
             trio.lowlevel.remove_instrument(steps)
         assert steps.steps == most, type(lock).__name__
+
+
+async def _longest_run_without_the_other_task(acquire_once, count: int) -> int:
+    """Calls ``acquire_once()`` ``count`` times while another task counts its own steps;
+    returns the most calls in a row during which that task did not run."""
+    ticks = 0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    longest = run = 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await trio.lowlevel.checkpoint()
+        seen = ticks
+        for _ in range(count):
+            await acquire_once()
+            run = 0 if ticks != seen else run + 1
+            seen = ticks
+            longest = max(longest, run)
+        stop = True
+    return longest
+
+
+async def test_a_loop_of_free_lock_acquires_still_lets_the_other_tasks_run(monkeypatch):
+    monkeypatch.setattr(libp2p_patches, "_since_checkpoint", 0)
+    lock = libp2p_patches.FastAcquire(trio.Lock())
+
+    async def once() -> None:
+        async with lock:
+            pass
+
+    every = libp2p_patches.CHECKPOINT_EVERY  # trio runs each runnable task once per batch:
+    assert await _longest_run_without_the_other_task(once, 20 * every) < 2 * every
+
+
+async def test_a_loop_of_free_lock_acquires_is_cancelled_by_another_task(monkeypatch):
+    monkeypatch.setattr(libp2p_patches, "_since_checkpoint", 0)
+    lock = libp2p_patches.FastAcquire(trio.Lock())
+    every = libp2p_patches.CHECKPOINT_EVERY
+    done = 0
+    scope = trio.CancelScope()
+
+    async def cancel() -> None:  # runs only if the loop below lets it
+        scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cancel)
+        with scope:
+            for _ in range(100 * every):
+                async with lock:
+                    done += 1
+    assert scope.cancelled_caught and done <= 2 * every  # trio's batch order: one more pass
+
+
+async def test_a_loop_of_free_lock_acquires_ends_at_its_deadline():
+    lock = libp2p_patches.FastAcquire(trio.Lock())
+    done = 0
+    with trio.move_on_after(0.001) as scope:
+        for _ in range(300_000):  # far longer than 1 ms on any machine
+            async with lock:
+                done += 1
+    assert scope.cancelled_caught and done < 300_000
+
+
+async def test_a_task_reading_a_stream_at_its_end_in_a_loop_does_not_starve_the_others(
+    restore_patches, monkeypatch
+):
+    """py-libp2p answers a read at a stream's end (and a write on a reset stream) with only
+    lock acquires; with ``fast_locks`` a caller retrying it must still let the process run."""
+    libp2p_patches.install(libp2p_patches.NAMES)
+    monkeypatch.setattr(libp2p_patches, "_since_checkpoint", 0)
+    a_id, b_id = Identity.generate(), Identity.generate()
+
+    async def close_at_once(stream) -> None:
+        await stream.close()
+
+    async with open_host(a_id, ["/ip4/127.0.0.1/tcp/0"]) as a, open_host(
+        b_id, ["/ip4/127.0.0.1/tcp/0"]
+    ) as b:
+        b.set_stream_handler(PROTOCOL, close_at_once)
+        with trio.fail_after(30):
+            await connect(a, listen_multiaddrs(b)[0])
+            stream = await a.new_stream(ID(b_id.peer_id), [PROTOCOL])
+            assert isinstance(stream._state_lock, libp2p_patches.FastAcquire)
+            with pytest.raises(StreamEOF):
+                await stream.read(1)
+
+            async def read_at_end() -> None:
+                with pytest.raises(StreamEOF):
+                    await stream.read(1)
+
+            every = libp2p_patches.CHECKPOINT_EVERY
+            longest = await _longest_run_without_the_other_task(read_at_end, 20 * every)
+            assert longest < 2 * every
+
+
+async def test_a_stream_of_writes_lets_the_other_tasks_run_between_writes(restore_patches):
+    libp2p_patches.install(libp2p_patches.NAMES)
+    a_id, b_id = Identity.generate(), Identity.generate()
+
+    async def drain(stream) -> None:
+        while await stream.read(65536):
+            pass
+
+    async with open_host(a_id, ["/ip4/127.0.0.1/tcp/0"]) as a, open_host(
+        b_id, ["/ip4/127.0.0.1/tcp/0"]
+    ) as b:
+        b.set_stream_handler(PROTOCOL, drain)
+        with trio.fail_after(30):
+            await connect(a, listen_multiaddrs(b)[0])
+            stream = await a.new_stream(ID(b_id.peer_id), [PROTOCOL])
+
+            async def write() -> None:
+                await stream.write(b"x" * 1000)
+
+            assert await _longest_run_without_the_other_task(write, 300) <= 1  # batch order
 
 
 async def _exchange_on_one_stream(count: int, measure) -> int:

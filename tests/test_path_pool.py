@@ -193,6 +193,66 @@ def test_the_next_probe_goes_out_a_probe_interval_after_the_last_reply():
     assert [c.path_id for c in _of(pool.tick(3.5, RELAYS), SendProbe)] == [opened.path_id]
 
 
+def _probe_gaps(pool: PathPool, path_id: int, count: int) -> list[float]:
+    """Seconds from each answer to the path's next probe, for its next ``count`` probes (the
+    pool ticked at its own deadlines; each probe answered 0.05 s after it went out)."""
+    gaps: list[float] = []
+    path = pool.path(path_id)
+    while len(gaps) < count:
+        answered = max(path.last_reply_at, path.probe_sent_at)
+        probes: list[SendProbe] = []
+        now = answered
+        while not probes:  # deadlines without a probe: the pool's maintenance
+            deadline = pool.next_deadline()  # None: at once
+            now = now if deadline is None else max(now, deadline)
+            probes = [p for p in _of(pool.tick(now, RELAYS), SendProbe) if p.path_id == path_id]
+        (probe,) = probes
+        gaps.append(round(now - answered, 6))
+        pool.probe_reply(path_id, probe.nonce, now + 0.05)
+    return gaps
+
+
+def test_an_idle_path_that_keeps_answering_is_probed_less_often_up_to_its_ceiling():
+    pool = _pool(paths=1, total=1, maintenance_interval=100.0, probe_interval=10.0)
+    (opened,) = _open_all(pool, 0.0)
+    # 10 s, then twice as long after each answer, up to 4 x 10 s
+    assert _probe_gaps(pool, opened.path_id, 6) == [10.0, 20.0, 40.0, 40.0, 40.0, 40.0]
+
+
+def test_a_request_clove_brings_an_idle_path_back_to_the_probe_interval():
+    pool = _pool(paths=1, total=1, maintenance_interval=100.0, probe_interval=10.0)
+    (opened,) = _open_all(pool, 0.0)
+    assert _probe_gaps(pool, opened.path_id, 3)[-1] == 40.0
+    path = pool.path(opened.path_id)
+    now = path.last_reply_at + 5.0
+    (probe,) = _of(pool.clove_sent(opened.path_id, now), SendProbe)  # silent > probe_on_use
+    pool.probe_reply(opened.path_id, probe.nonce, now + 0.05)
+    assert pool.next_deadline() == pytest.approx(now + 0.05 + 10.0)
+
+
+def test_a_path_that_went_silent_is_probed_at_the_probe_interval_after_it_answers_again():
+    pool = _pool(paths=1, total=1, maintenance_interval=100.0, probe_interval=10.0,
+                 probe_attempts=3)
+    (opened,) = _open_all(pool, 0.0)
+    assert _probe_gaps(pool, opened.path_id, 3)[-1] == 40.0
+    path = pool.path(opened.path_id)
+    now = path.last_reply_at + 40.0
+    (_,) = _of(pool.tick(now, RELAYS), SendProbe)
+    # unanswered past its deadline: suspended, probed again, then answered late
+    (again,) = _of(pool.tick(now + pool.path(opened.path_id).rtt.rto, RELAYS), SendProbe)
+    assert path.suspended
+    pool.probe_reply(opened.path_id, again.nonce, now + 5.0)
+    assert not path.suspended
+    assert _probe_gaps(pool, opened.path_id, 2) == [10.0, 20.0]  # backs off from the start
+
+
+@pytest.mark.parametrize("interval, factor, most", [(10.0, 100, 40.0), (60.0, 4, 60.0),
+                                                     (10.0, 1, 10.0)])
+def test_an_idle_path_waits_at_most_the_ceiling_or_the_probe_interval(interval, factor, most):
+    config = PoolConfig(probe_interval=interval, probe_idle_factor=factor)
+    assert config.probe_idle_max == most
+
+
 def test_a_probe_unanswered_past_the_rto_replaces_the_path_and_penalizes_its_relays():
     pool = _pool(paths=1, total=1, maintenance_interval=100.0, probe_attempts=1)
     (opened,) = _open_all(pool, 0.0)

@@ -14,6 +14,10 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
   request clove goes out on it and nothing came back on it for ``probe_on_use`` s
   (:meth:`PathPool.clove_sent`): a frozen relay (SIGSTOP, a laptop closed: its TCP connections
   stay open, nothing says it is gone) is found by the clove's own probe, not ten seconds later;
+  a path that keeps answering its probes and carries no request waits twice as long after each
+  answer, up to ``probe_idle_factor`` times ``probe_interval`` and never more than
+  :data:`IDLE_PROBE_CEILING` (relays drop a path unused for 120 s): an idle user's probes cost
+  a quarter, and a request on an idle path is still covered by its clove's probe;
 * each path has its own RFC 6298 timeout (:mod:`~ps_p2p.overlay.rtt`, floor ``probe_timeout``),
   started from the round trips of all paths and then fed by its own probes: a frozen relay's
   silence lengthens no other path's deadline;
@@ -66,6 +70,10 @@ from ps_p2p.records import short_peer_id as _short
 
 log = logging.getLogger(__name__)
 
+#: Seconds an idle path that answers its probes waits at most between them (unless
+#: ``probe_interval`` itself is longer): well inside the relays' 120 s idle timeout
+#: (:attr:`~ps_p2p.overlay.relay.RelayConfig.relay_idle_timeout`), which a probe refreshes.
+IDLE_PROBE_CEILING = 40.0
 #: Seconds a proxy caught altering a response clove is kept off this user's paths.
 BAD_PROXY_COOLDOWN = 600.0
 #: Weight of a convicted proxy in the proxy count of relay choice: never a proxy while flagged.
@@ -92,6 +100,14 @@ class PoolConfig:
             frozen relay's path stop carrying cloves about a second after the clove's probe.
         probe_on_use: a clove sent on a path that has been silent this long also probes it
             (:meth:`PathPool.clove_sent`); a path answering its requests is never probed so.
+        probe_idle_factor: a path whose probes are answered and that carries no request
+            waits ``probe_interval`` s, then twice that after each answered probe, up to this
+            many times ``probe_interval`` (at most :data:`IDLE_PROBE_CEILING` s); a request
+            clove or a silence brings it back to ``probe_interval``. 1: every path every
+            ``probe_interval``. Default 4 (10, 20, then every 40 s): at rest, probes were the
+            larger share of a user's CPU (benchmarks/README.md, "CPU at rest"); a frozen relay
+            of an idle path is found within 40 s and the probe deadline instead of 10 s, and a
+            request sent on it meanwhile is covered by its clove's own probe (``probe_on_use``).
         probe_attempts: unanswered probes in a row (each waiting twice as long as the one
             before) that replace a path.
         failed_relay_cooldown: a relay's penalty is forgotten this long after its last failure.
@@ -113,6 +129,7 @@ class PoolConfig:
     probe_interval: float = 10.0
     probe_timeout: float = 1.0
     probe_on_use: float = 1.0
+    probe_idle_factor: int = 4
     probe_attempts: int = 2
     failed_relay_cooldown: float = 30.0
     bad_proxy_cooldown: float = BAD_PROXY_COOLDOWN
@@ -127,6 +144,14 @@ class PoolConfig:
             raise ConfigError("need max_setups >= 1")
         if self.probe_attempts < 1:
             raise ConfigError("need probe_attempts >= 1")
+        if self.probe_idle_factor < 1:
+            raise ConfigError("need probe_idle_factor >= 1")
+
+    @property
+    def probe_idle_max(self) -> float:
+        """Seconds an idle path that answers its probes waits at most between them."""
+        return max(self.probe_interval,
+                   min(self.probe_interval * self.probe_idle_factor, IDLE_PROBE_CEILING))
 
 
 #: Reasons a ready path is lost (:attr:`PoolStats.lost`): it died (a hop went away, a Destroy
@@ -246,6 +271,8 @@ class PoolPath:
     lost_nonces: tuple[int, ...] = ()
     suspended: bool = False
     resumed_at: float | None = None
+    idle_probes: int = 0  # answered probes in a row with no request clove or silence between
+    clove_sent_at: float = -1.0  # the last request clove sent on it
     rtt: RttEstimator = field(default_factory=RttEstimator)
 
     @property
@@ -453,6 +480,9 @@ class PathPool:
         path.lost_nonces = ()
         for relay in path.relays[:-1]:
             self._penalty.pop(relay, None)
+        if path.confirmed and not path.suspended and path.clove_sent_at < path.probe_sent_at:
+            # an idle path that kept answering (not a clove's own probe): the next waits longer
+            path.idle_probes = min(path.idle_probes + 1, 32)
         if path.suspended:
             path.suspended = False
             path.resumed_at = now
@@ -479,7 +509,11 @@ class PathPool:
         for ``probe_on_use`` s and no probe is out (the clove's answer may take a model's
         generation time; the probe's answer takes one round trip)."""
         path = self._paths.get(path_id)
-        if path is None or path.probe_nonce is not None:
+        if path is None:
+            return []
+        path.idle_probes = 0  # carrying requests: probed at probe_interval again once idle
+        path.clove_sent_at = now
+        if path.probe_nonce is not None:
             return []
         if now - max(path.last_reply_at, path.probe_sent_at) < self.config.probe_on_use:
             return []
@@ -612,7 +646,11 @@ class PathPool:
         retry = self._probe_retry.get(path.path_id)
         if retry is not None:
             return retry
-        return max(path.probe_sent_at, path.last_reply_at) + self.config.probe_interval
+        cfg = self.config
+        wait = cfg.probe_interval
+        if path.idle_probes:
+            wait = min(cfg.probe_interval * 2.0 ** path.idle_probes, cfg.probe_idle_max)
+        return max(path.probe_sent_at, path.last_reply_at) + wait
 
     def _probe_deadline(self, path: PoolPath) -> float:
         # the path's own RTO, backed off once per unanswered probe until a probe answered in
@@ -633,6 +671,7 @@ class PathPool:
 
     def _suspend(self, path: PoolPath, now: float) -> list[Command]:
         """Take a silent path out of the ready set (see the module docstring)."""
+        path.idle_probes = 0
         if path.suspended:
             return []
         path.suspended = True

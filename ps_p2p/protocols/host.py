@@ -32,8 +32,8 @@
   nothing :data:`KEEPALIVE_TIMEOUT` seconds later, so a peer that vanished without a FIN (or
   stopped reading) gives its place back within about a minute instead of holding it for ever;
 * py-libp2p's per-message costs trimmed (:mod:`ps_p2p.protocols.libp2p_patches`: no debug
-  formatting unless DEBUG is on, one socket read per Noise message; locks without schedule
-  points only with ``PS_LIBP2P_PATCHES=all``), each patch pinned to py-libp2p 0.8.1's source.
+  formatting unless DEBUG is on, one socket read per Noise message, uncontended locks without
+  a schedule point but on every 32nd), each patch pinned to py-libp2p 0.8.1's source.
 
 The module-level settings above (the dial delay, the Yamux window updates, RTT pings and keepalive,
 the listener without ``SO_REUSEPORT``) are installed when this module is imported and hold for every

@@ -16,8 +16,8 @@ replaces or relies on). None changes a byte on the wire (``tests/test_libp2p_pat
 compares the Yamux frames two hosts exchange with and without them).
 
 ``PS_LIBP2P_PATCHES`` (environment, read by :func:`install`): unset or ``default`` installs
-:data:`DEFAULT` (``lean_yamux`` and ``bufread``; ``fast_locks`` not yet, see there);
-``all`` every patch; ``none`` (or ``0``) none; a comma-separated list of names only those (for
+:data:`DEFAULT` (every patch; ``default`` and ``all`` are the same since ``fast_locks``
+joined them, see there); ``none`` (or ``0``) none; a comma-separated list of names only those (for
 A/B benchmarks with ``benchmarks/bench_overlay.py --cpu``).
 
 ``fast_locks``
@@ -32,7 +32,9 @@ A/B benchmarks with ``benchmarks/bench_overlay.py --cpu``).
 *What it costs.* 5 scheduler steps per frame sent, ~40% of trio's share of a round trip.
 
 *Proposed change.* Acquire with ``acquire_nowait()`` first and fall back to ``await acquire()``
-only when contended (:class:`FastAcquire`). Kept: a task already cancelled gets ``Cancelled`` at
+only when contended (:class:`FastAcquire`), and take trio's schedule point anyway on every
+:data:`CHECKPOINT_EVERY`-th uncontended acquire (so no loop of them starves the other tasks
+or outlives its deadline). Kept: a task already cancelled gets ``Cancelled`` at
 the acquire (``checkpoint_if_cancelled``), a contended acquire parks in trio's FIFO (a free lock
 with waiters is not free: ``acquire_nowait`` refuses it, so nobody overtakes a waiter), the
 owner checks of ``trio.Lock`` (release by another task raises). Every frame sent still passes one
@@ -103,7 +105,15 @@ ENV = "PS_LIBP2P_PATCHES"
 #: Bytes asked of the socket per buffered read (trio's own default receive size).
 RECEIVE_SIZE = 65536
 
+#: At most this many uncontended :class:`FastAcquire` acquires (of any lock, by any task) between
+#: two of them that take trio's schedule point anyway: a loop whose only awaits are such acquires
+#: (a read retried at a stream's end, a write retried on a reset stream, the Yamux reader going
+#: through frames already buffered) still lets the other tasks and trio's deadlines run.
+CHECKPOINT_EVERY = 32
+
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+_cancel_shielded_checkpoint = trio.lowlevel.cancel_shielded_checkpoint
+_since_checkpoint = 0
 
 
 class FastAcquire:
@@ -122,11 +132,17 @@ class FastAcquire:
 
     @trio.lowlevel.enable_ki_protection
     async def acquire(self) -> None:
+        global _since_checkpoint
         await _checkpoint_if_cancelled()
         try:
             self._inner.acquire_nowait()
         except trio.WouldBlock:
             await self._inner.acquire()
+            return
+        _since_checkpoint += 1
+        if _since_checkpoint >= CHECKPOINT_EVERY:
+            _since_checkpoint = 0
+            await _cancel_shielded_checkpoint()  # what trio.Lock does on every acquire
 
     def acquire_nowait(self) -> None:
         self._inner.acquire_nowait()
@@ -142,11 +158,17 @@ class FastAcquire:
 
     @trio.lowlevel.enable_ki_protection
     async def __aenter__(self) -> None:
+        global _since_checkpoint
         await _checkpoint_if_cancelled()
         try:
             self._inner.acquire_nowait()
         except trio.WouldBlock:
             await self._inner.acquire()
+            return
+        _since_checkpoint += 1
+        if _since_checkpoint >= CHECKPOINT_EVERY:
+            _since_checkpoint = 0
+            await _cancel_shielded_checkpoint()  # what trio.Lock does on every acquire
 
     @trio.lowlevel.enable_ki_protection
     async def __aexit__(self, *exc_info: object) -> None:
@@ -391,21 +413,26 @@ _refused_logged: set[str] = set()
 NAMES = ("fast_locks", "lean_yamux", "bufread")
 """Every patch, in the order :func:`install` applies them."""
 
-DEFAULT = ("lean_yamux", "bufread")
-"""The patches installed unless ``PS_LIBP2P_PATCHES`` says otherwise; ``all`` adds
-``fast_locks``. It was left out because ``tests/test_overlay_security.py``'s localnet tests
-timed out with it in 2 of 3 runs on a loaded machine (0 of 3 without). What was found
-(2026-11-26): a lost wakeup in those tests' own ``_until`` helper (its waiters took the
-driver's event after checking the condition, so an input a stream handler applied in between,
-the last one, woke nobody: more likely the fewer schedule points a handler passes; fixed with
-``CoreDriver.processed``). With that fixed, at load 35-47 on 2 cores, 3 file runs each,
-alternating: with ``fast_locks`` 1 run failed (3 of 5 tests), without it 1 run failed (2 of 5),
-with the same symptoms (connection upgrades cancelled at their 5 s deadline, identify answers
-over 10 s, probes unanswered: the process starved of CPU), so no failure specific to it is
-left. Its one real trade: no wakeup is lost, but trio runs each runnable task one step per
-pass, and without the locks' schedule points busy tasks do ~4x more work per step, so a
-multi-step handshake waits longer between its steps on a starved process. It stays off until
-the localnet suites pass with ``PS_LIBP2P_PATCHES=all`` on a machine that is not starved."""
+DEFAULT = NAMES
+"""The patches installed unless ``PS_LIBP2P_PATCHES`` says otherwise: all three.
+
+``fast_locks`` was left out at first because ``tests/test_overlay_security.py``'s localnet
+tests timed out with it in 2 of 3 runs on a loaded machine (0 of 3 without). What was found
+(2026-11-26): a lost wakeup in those tests' own ``_until`` helper (fixed with
+``CoreDriver.processed``); after it, at load 35-47 on 2 cores, 1 of 3 runs failed with it and
+1 of 3 without, with the same symptoms (a process starved of CPU). An audit of every acquire
+of the patched locks in py-libp2p 0.8.1 (``NetStream``, ``YamuxStream``, ``Yamux``,
+``TrioTCPStream``) and in ``ps_p2p`` found no loop that spins on them: every loop also
+writes to a socket, waits on an event or sleeps. What the missing schedule points did change:
+(1) a read at a stream's end, or a write on a reset or closed stream, answered with only lock
+acquires, so a caller retrying it in a loop would have frozen the whole process (and never
+reached its deadline: trio notices expired deadlines between task steps) instead of
+busy-looping beside the others; (2) the Yamux reader went through every frame already
+buffered (up to a Noise message and a 64 KiB socket read) in one task step. Both are bounded
+by :data:`CHECKPOINT_EVERY`, after which ``tests/test_overlay_security.py`` passed 3 of 3 runs
+with ``fast_locks`` and 3 of 3 without (load 15-25 on 2 cores, 2026-11-26). Cancellation is
+unchanged: trio's own uncontended acquire is a *cancel-shielded* schedule point, so it never
+delivered a cancellation that ``checkpoint_if_cancelled`` (kept) does not."""
 
 
 def _set(undo: list[tuple[Any, str, Any]], owner: Any, attribute: str, value: Any) -> None:
