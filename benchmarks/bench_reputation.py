@@ -692,7 +692,7 @@ async def simulate(args: argparse.Namespace) -> int:
                 for who in (kind, "honest-0") if (
                         kind == "forwarder" and route == "honest") else (kind,):
                     served[who].append(micro)
-                    if t == 0:
+                    if t == 0 or micro == 0:  # the ledger's binding scores
                         binding[who].append(micro)
         row: dict[str, object] = {"epoch": epoch, "t": round(time.monotonic() - started, 2),
                                   "cpu": round(time.process_time() - cpu_start, 2)}
@@ -802,7 +802,7 @@ async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore
                 top_p = _draw(rng, MENU_TOP_P) if t > 0 else 1.0
                 c = rng.choice(bank[(t, top_p)])
                 vals.append(c)
-                if t == 0:
+                if t == 0 or round(c * 1_000_000) == 0:  # the ledger's binding scores
                     caps.append(c)
             state = update(state, min([sum(vals) / len(vals)] + caps), params)
             lowest = min(lowest, state.reputation)
