@@ -12,8 +12,8 @@ sampling parameters drawn from the user-traffic menu ``MENU``: greedy 45%, tempe
 2, top_p 0.9/0.95/1), the verifier scores each answer with
 :func:`~ps_p2p.verification.scoring.score_challenge` (decoy prompts drawn from the pool as the
 service does), the epoch's C per node is the ledger's (:func:`~ps_p2p.verification.ledger.
-subject_scores`: the mean, capped by the lowest greedy score; a forwarded challenge counts for
-the forwarder), and the reputation rule of :mod:`ps_p2p.verification.reputation` runs on it.
+subject_scores`: the mean, capped by the lowest greedy score and by any answer scored 0; a
+forwarded challenge counts for the forwarder), and the reputation rule of :mod:`ps_p2p.verification.reputation` runs on it.
 The model nodes (``KINDS``):
 
 * ``honest-i``: the model itself;
