@@ -336,3 +336,36 @@ async def test_re_tokenisation_does_not_rescue_an_answer_the_model_would_not_wri
                                       top_p=0.9, max_tokens=32, finish_reason="length",
                                       decoys=PROMPTS)
         assert challenge_credibility(stats) == 0.0
+
+
+#: A ShareGPT prompt ending "...js" and stories260K's honest answer at T = 0.1, top_p = 0.9
+#: (seed 26): the model continued the prompt's last word ("e", "en"), and the prompt + answer
+#: encode "s" + "e" as one token "se", so the answer's tokens cannot be cut from the joint
+#: encoding and were encoded on their own, with a word boundary: "▁e", another text.
+BOUNDARY_PROMPT = (
+    "I was hoping you could create a React component for me. Ultimately, I need the jsx code "
+    "for a modal component. The modal component should display some information about a "
+    "feature within a web application that allowed users to browse data in a \"Portal\". The "
+    "information in the modal component is not important and can be very generic. It is "
+    "important that the modal is created in the style of a modal that exists in this file on "
+    "GitHub: https://github.com/nasa/earthdata-search/blob/master/static/src/js/components/"
+    "AboutCwicModal/AboutCwicModal.js")
+BOUNDARY_ANSWER = "een the most beautiful pictures. And they all lived happily e"
+#: Honest at T = 1.0, top_p = 0.95 (seed 22): "Gotpard" encodes with tokens outside the
+#: nucleus of top_p 0.95 that the model did not generate.
+NUCLEUS_ANSWER = " and her cat. Gotpard splashed at it with a beautiful p"
+
+
+@pytest.mark.needs_shared
+@pytest.mark.parametrize("prompt, answer, t, top_p", [
+    (BOUNDARY_PROMPT, BOUNDARY_ANSWER, 0.1, 0.9), ("Trading View", NUCLEUS_ANSWER, 1.0, 0.95)])
+async def test_an_honest_answer_spelt_across_the_prompt_boundary_or_the_nucleus_scores_honest(
+        shared, prompt, answer, t, top_p):
+    """The 3 honest answers that scored 0 in bench_reputation's honest bank (runs 7 to 9):
+    the scored tokens must spell the answer's own text after the prompt's tokens, and a token
+    outside the asked nucleus is re-spelt (module docstring, "Re-tokenisation")."""
+    ref = _reference(shared)
+    stats = await challenge_stats(ref, prompt, answer, temperature=t, top_p=top_p,
+                                  max_tokens=32, finish_reason="length", decoys=PROMPTS)
+    assert abs(stats.z_fit) < DEFAULT_CHALLENGE_SCORING.z_ok
+    assert challenge_credibility(stats) == 1.0

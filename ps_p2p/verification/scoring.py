@@ -111,11 +111,18 @@ than the model generated: it merged a generated "i", "g" into the one token "ig"
 stories260K gives e**-105 at T = 0.1, so z_fit was -6.3 and an honest answer scored 0 (1 in
 1,000 honest answers at T = 0.1-0.2 with top_p < 1, 3 of 840 in the bench's bank; ``trim``
 forgives one token, but the merge also changes the next token's context). An answer with
-*implausible* tokens (sampled: probability below exp(stat_floor) under the tempered
-distribution; greedy: not the top choice within ``tie_nats``), at most ``retokenise_max`` of
-them, is re-spelt: each implausible token is split into two tokens spelling the same text whose
-first the model finds plausible (the second ranked by the row after the old token), or merged
-with the token before into one it finds plausible; the decoded text must stay the same. One
+*implausible* tokens (sampled: probability below exp(stat_floor) under the asked sampling
+distribution, so outside the top_p nucleus too; greedy: not the top choice within
+``tie_nats``), at most ``retokenise_max`` of them, is re-spelt: each implausible token is
+replaced by a plausible token of the same text (a byte fallback such as ``<0x65>`` for "e"),
+or split into two tokens spelling the same text whose first the model finds plausible (the
+second ranked by the row after the old token), or merged with the token before into one it
+finds plausible; the decoded text must stay the same. Where the joint encoding merges the
+prompt's last characters with the answer's first (a prompt ending "...js", an answer "een":
+"se"), the answer is spelt by the joint encoding's tokens after the straddling one and one or
+two tokens for the rest of its text, not encoded on its own (which adds a word boundary,
+"▁e", another text); :func:`_answer_ids`. These causes made the 3 honest zeros of the
+bench's bank (T = 0.1 / top_p 0.9, T = 0.2 / 0.95, T = 1.0 / 0.95). One
 more forward pass scores the new spelling, up to ``retokenise_rounds`` rounds, and the spelling
 with the fewest implausible tokens is scored. It never changes the text, so an answer the
 model would not write stays implausible in every spelling (a test). Cost: nothing for an
@@ -777,7 +784,7 @@ async def challenge_stats_many(
                 n = len(await engine.encode(response, add_special_tokens=False))
                 done.append(AnswerStats(n, True, 0.0, 0.0, 0, True))
                 continue
-        ids, start = await _token_ids(engine, prompt, response)
+        ids, start = await _answer_ids(engine, prompt, response)
         decoys: list[list[int]] = []
         if start < len(ids) and temperature > 0:  # type: ignore[operator]
             for decoy in list(a.get("decoys", ()))[: params.decoys]:  # type: ignore[call-overload]
@@ -799,7 +806,7 @@ async def challenge_stats_many(
         again: list[_Job] = []
         for job, first, end in spans:
             r = np.asarray(rows[first], dtype=np.float64)
-            bad = _implausible(r, job.answer, job.temperature, job.params)
+            bad = _implausible(r, job.answer, job.temperature, job.params, job.top_p)
             if job.best is None or len(bad) < job.best[0]:
                 job.best = (len(bad), list(job.answer), r, list(rows[first + 1:end]))
             if bad and round_ < job.params.retokenise_rounds:
@@ -836,6 +843,7 @@ class _Job:
                  prompt: list[int], answer: list[int], decoys: list[list[int]]) -> None:
         self.at, self.answer_kwargs, self.params = at, answer_kwargs, params
         self.temperature = float(answer_kwargs["temperature"])  # type: ignore[arg-type]
+        self.top_p = float(answer_kwargs.get("top_p", 1.0))  # type: ignore[arg-type]
         self.prompt, self.answer, self.decoys = prompt, answer, decoys
         self.best: tuple[int, list[int], object, list[object]] | None = None
 
@@ -848,10 +856,10 @@ class _Job:
 
 
 def _implausible(rows, tokens: Sequence[int], temperature: float,  # type: ignore[no-untyped-def]
-                 params: ChallengeScoring) -> list[int]:
+                 params: ChallengeScoring, top_p: float = 1.0) -> list[int]:
     """Positions whose token an honest sampler practically never emits: greedy, not the top
     choice within ``tie_nats``; sampled, a probability below exp(stat_floor) under the
-    tempered distribution (before top_p)."""
+    asked sampling distribution (outside the top_p nucleus included)."""
     import numpy as np
 
     if not len(tokens):
@@ -862,22 +870,23 @@ def _implausible(rows, tokens: Sequence[int], temperature: float,  # type: ignor
     if temperature == 0:
         bad = body.max(axis=-1) - body[pos, idx] > params.tie_nats
     else:
-        bad = sampling_logprobs(body, temperature)[pos, idx] < params.stat_floor
+        bad = sampling_logprobs(body, temperature, top_p)[pos, idx] < params.stat_floor
     return [int(i) for i in np.flatnonzero(bad)]
 
 
 async def _retokenised(engine: Engine, job: _Job, rows,  # type: ignore[no-untyped-def]
                        bad: Sequence[int]) -> list[int] | None:
     """Another tokenisation of the same answer text, where each implausible token (at most
-    ``retokenise_max`` of them) is split in two whose first part the model finds plausible,
-    or merged with the token before into one it finds plausible (module docstring,
+    ``retokenise_max`` of them) is replaced by a plausible token of the same text (a byte
+    fallback), or split in two whose first part the model finds plausible, or merged with
+    the token before into one it finds plausible (module docstring,
     "Re-tokenisation"); None when no repair applies."""
     params = job.params
     if len(bad) > params.retokenise_max:
         return None
     texts = await _vocab_texts(engine)
     by_text = _vocab_index(engine, texts)
-    logq = rows if job.temperature == 0 else sampling_logprobs(rows, job.temperature)
+    logq = rows if job.temperature == 0 else sampling_logprobs(rows, job.temperature, job.top_p)
     ok = (lambda k, t: rows[k].max() - rows[k, t] <= params.tie_nats) if job.temperature == 0 \
         else (lambda k, t: logq[k, t] >= params.stat_floor)
     old = job.answer
@@ -888,7 +897,13 @@ async def _retokenised(engine: Engine, job: _Job, rows,  # type: ignore[no-untyp
             continue
         t = old[k]
         text = texts[t] if 0 <= t < len(texts) else ""
-        best: tuple[float, list[int], int] | None = None
+        # (rank, replacement, first position replaced, tokens replaced)
+        best: tuple[float, list[int], int, int] | None = None
+        for a in by_text.get(text, ()):  # another token of the same text (a byte fallback)
+            if a != t and ok(k, a) and (best is None or logq[k, a] > best[0]):
+                trial = new[:k] + [a] + new[k + 1:]
+                if await _same_text(engine, job.prompt, trial, new):
+                    best = (float(logq[k, a]) + 1e9, [a], k, 1)
         for cut in range(1, len(text)):
             for a in by_text.get(text[:cut], ()):
                 if not ok(k, a):
@@ -900,18 +915,54 @@ async def _retokenised(engine: Engine, job: _Job, rows,  # type: ignore[no-untyp
                     if best is None or value > best[0]:
                         trial = new[:k] + [a, b] + new[k + 1:]
                         if await _same_text(engine, job.prompt, trial, new):
-                            best = (value, [a, b], k)
+                            best = (value, [a, b], k, 1)
         if best is None and k > 0 and 0 <= old[k - 1] < len(texts):
             for m in by_text.get(texts[old[k - 1]] + text, ()):
                 if ok(k - 1, m) and (best is None or logq[k - 1, m] > best[0]):
                     trial = new[:k - 1] + [m] + new[k + 1:]
                     if await _same_text(engine, job.prompt, trial, new):
-                        best = (float(logq[k - 1, m]), [m], k - 1)
+                        best = (float(logq[k - 1, m]), [m], k - 1, 2)
         if best is not None:
-            _, repl, at = best
-            new = new[:at] + repl + new[at + (2 if len(repl) == 1 else 1):]
+            _, repl, at, width = best
+            new = new[:at] + repl + new[at + width:]
             limit = at
     return new if limit < len(old) else None
+
+
+async def _answer_ids(engine: Engine, prompt: str, response: str) -> tuple[list[int], int]:
+    """:func:`_token_ids`, except where the joint encoding merges the prompt's last characters
+    with the answer's first (a prompt ending "...js" and an answer "een ..." encode "se"):
+    there the answer is not encoded on its own (that adds a word boundary, "▁e", so another
+    text), but spelt as the joint encoding's tokens after the straddling one, preceded by at
+    most two tokens that spell the rest of the straddling text; the decoded text must be the
+    joint one (module docstring, "Re-tokenisation"). Falls back to :func:`_token_ids`."""
+    prompt_ids = list(await engine.tokenize(prompt))
+    if not response:
+        return prompt_ids, len(prompt_ids)
+    joint = list(await engine.tokenize(prompt + response))
+    if len(joint) > len(prompt_ids) and joint[:len(prompt_ids)] == prompt_ids:
+        return joint, len(prompt_ids)
+    common = 0
+    while common < min(len(joint), len(prompt_ids)) and joint[common] == prompt_ids[common]:
+        common += 1
+    whole = await engine.decode(joint)
+    before = await engine.decode(prompt_ids)
+    texts = await _vocab_texts(engine)
+    by_text = _vocab_index(engine, texts)
+    for m in range(common + 1, min(len(joint), common + 4)):
+        head = await engine.decode(joint[:m])
+        if not head.startswith(before) or len(head) == len(before):
+            continue
+        piece = head[len(before):]
+        spellings = [[b] for b in by_text.get(piece, ())]
+        for cut in range(1, len(piece)):
+            spellings += [[a, b] for a in by_text.get(piece[:cut], ())
+                          for b in by_text.get(piece[cut:], ())]
+        for spelt in spellings:
+            if await engine.decode(prompt_ids + spelt + joint[m:]) == whole:
+                return prompt_ids + spelt + joint[m:], len(prompt_ids)
+        break
+    return await _token_ids(engine, prompt, response)
 
 
 async def _same_text(engine: Engine, prompt: Sequence[int], a: Sequence[int],
