@@ -106,27 +106,30 @@ answer or an implausible end; greedy: 1 - (misses - trim) / greedy_misses_bad; s
 |z_fit| and -z_tie up to z_ok, 0 from z_bad, linear between, the lower of the two. ``trim``
 (default 1) leaves the most surprising token out of each statistic (and forgives one greedy
 miss): the signed answer is text, and its re-tokenisation differed from the generated tokens
-in 1 of 40 answers at T = 0.3. Re-tokenisation: the signed answer is text, and the encoder may spell it with other tokens
-than the model generated: it merged a generated "i", "g" into the one token "ig", which
-stories260K gives e**-105 at T = 0.1, so z_fit was -6.3 and an honest answer scored 0 (1 in
-1,000 honest answers at T = 0.1-0.2 with top_p < 1, 3 of 840 in the bench's bank; ``trim``
-forgives one token, but the merge also changes the next token's context). An answer with
-*implausible* tokens (sampled: probability below exp(stat_floor) under the asked sampling
-distribution, so outside the top_p nucleus too; greedy: not the top choice within
-``tie_nats``), at most ``retokenise_max`` of them, is re-spelt: each implausible token is
-replaced by a plausible token of the same text (a byte fallback such as ``<0x65>`` for "e"),
-or split into two tokens spelling the same text whose first the model finds plausible (the
-second ranked by the row after the old token), or merged with the token before into one it
-finds plausible; the decoded text must stay the same. Where the joint encoding merges the
-prompt's last characters with the answer's first (a prompt ending "...js", an answer "een":
-"se"), the answer is spelt by the joint encoding's tokens after the straddling one and one or
-two tokens for the rest of its text, not encoded on its own (which adds a word boundary,
-"▁e", another text); :func:`_answer_ids`. These causes made the 3 honest zeros of the
-bench's bank (T = 0.1 / top_p 0.9, T = 0.2 / 0.95, T = 1.0 / 0.95). One
-more forward pass scores the new spelling, up to ``retokenise_rounds`` rounds, and the spelling
-with the fewest implausible tokens is scored. It never changes the text, so an answer the
-model would not write stays implausible in every spelling (a test). Cost: nothing for an
-answer without implausible tokens; at most ``retokenise_rounds`` more passes otherwise.
+in 1 of 40 answers at T = 0.3.
+
+Re-tokenisation: the signed answer is text, and the encoder may spell it with other tokens than
+the model generated: it merged a generated "i", "g" into the one token "ig", which stories260K
+gives e**-105 at T = 0.1, so z_fit was -6.3 and an honest answer scored 0 (1 in 1,000 honest
+answers at T = 0.1-0.2 with top_p < 1; ``trim`` forgives one token, but the merge also changes
+the next token's context). An answer with *implausible* tokens (sampled: probability below
+exp(stat_floor) under the asked sampling distribution, so outside the top_p nucleus too;
+greedy: not the top choice within ``tie_nats``), at most ``retokenise_max`` of them, is
+re-spelt: each implausible token is replaced by a plausible token of the same text (a byte
+fallback such as ``<0x65>`` for "e"), or split into two tokens spelling the same text whose
+first the model finds plausible (the second ranked by the row after the old token), or merged
+with the token before into one it finds plausible; the decoded text must stay the same. Where
+the joint encoding merges the prompt's last characters with the answer's first (a prompt ending
+"...js", an answer "een": "se"), the answer is spelt by the joint encoding's tokens after the
+straddling one and one or two tokens for the rest of its text, not encoded on its own (which
+adds a word boundary, "▁e", another text); :func:`_answer_ids`. These causes made the 3 honest
+zeros of the bench's bank (T = 0.1 / top_p 0.9, T = 0.2 / 0.95: the boundary; T = 1.0 / 0.95:
+tokens outside the nucleus). One more forward pass scores the new spelling, up to
+``retokenise_rounds`` rounds, and the spelling with the fewest implausible tokens is scored. It
+never changes the text, so an answer the model would not write stays implausible in every
+spelling (a test). Cost: nothing for an answer without implausible tokens; at most
+``retokenise_rounds`` more passes otherwise.
+
 Cost: one forward pass over prompt + answer and one per decoy
 (batched in :meth:`Engine.logprob_rows`); on stories260K with 4 decoys, 32-token answers,
 13.9 ms CPU per scored challenge against 6.5 ms for :func:`score_response` (2 shared cores,
