@@ -866,7 +866,7 @@ def main() -> int:
     ap.add_argument("--log", default="WARNING", help="log level of ps_p2p")
     ap.add_argument("--localnet", action="store_true",
                     help="the network run (committee of 4, three dishonest kinds)")
-    ap.add_argument("--challenges", type=int, default=8, help="challenges per node per epoch")
+    ap.add_argument("--challenges", type=int, default=12, help="challenges per node per epoch")
     ap.add_argument("--kinds", default=",".join(KINDS), help="dishonest kinds to simulate")
     ap.add_argument("--detector-epochs", type=int, default=60,
                     help="epochs of traffic the selective nodes' detector is trained on")
