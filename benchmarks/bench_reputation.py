@@ -12,8 +12,8 @@ sampling parameters drawn from the user-traffic menu ``MENU``: greedy 45%, tempe
 2, top_p 0.9/0.95/1), the verifier scores each answer with
 :func:`~ps_p2p.verification.scoring.score_challenge` (decoy prompts drawn from the pool as the
 service does), the epoch's C per node is the ledger's (:func:`~ps_p2p.verification.ledger.
-subject_scores`: the mean, capped by the lowest greedy score; a forwarded challenge counts for
-the forwarder), and the reputation rule of :mod:`ps_p2p.verification.reputation` runs on it.
+subject_scores`: the mean, capped by the lowest greedy score and by any answer scored 0; a
+forwarded challenge counts for the forwarder), and the reputation rule of :mod:`ps_p2p.verification.reputation` runs on it.
 The model nodes (``KINDS``):
 
 * ``honest-i``: the model itself;
@@ -692,7 +692,7 @@ async def simulate(args: argparse.Namespace) -> int:
                 for who in (kind, "honest-0") if (
                         kind == "forwarder" and route == "honest") else (kind,):
                     served[who].append(micro)
-                    if t == 0:
+                    if t == 0 or micro == 0:  # the ledger's binding scores
                         binding[who].append(micro)
         row: dict[str, object] = {"epoch": epoch, "t": round(time.monotonic() - started, 2),
                                   "cpu": round(time.process_time() - cpu_start, 2)}
@@ -802,7 +802,7 @@ async def honest_simulation(args, reference, pool, rng) -> bool:  # type: ignore
                 top_p = _draw(rng, MENU_TOP_P) if t > 0 else 1.0
                 c = rng.choice(bank[(t, top_p)])
                 vals.append(c)
-                if t == 0:
+                if t == 0 or round(c * 1_000_000) == 0:  # the ledger's binding scores
                     caps.append(c)
             state = update(state, min([sum(vals) / len(vals)] + caps), params)
             lowest = min(lowest, state.reputation)
@@ -866,7 +866,7 @@ def main() -> int:
     ap.add_argument("--log", default="WARNING", help="log level of ps_p2p")
     ap.add_argument("--localnet", action="store_true",
                     help="the network run (committee of 4, three dishonest kinds)")
-    ap.add_argument("--challenges", type=int, default=8, help="challenges per node per epoch")
+    ap.add_argument("--challenges", type=int, default=12, help="challenges per node per epoch")
     ap.add_argument("--kinds", default=",".join(KINDS), help="dishonest kinds to simulate")
     ap.add_argument("--detector-epochs", type=int, default=60,
                     help="epochs of traffic the selective nodes' detector is trained on")

@@ -295,3 +295,77 @@ async def test_scoring_many_answers_at_once_gives_each_answers_own_statistics(
         assert a.z_tie == pytest.approx(b.z_tie, abs=1e-4)
         assert challenge_credibility(a) == pytest.approx(challenge_credibility(b), abs=1e-4)
     assert {challenge_credibility(s) > 0.5 for s in together} == {True, False}
+
+
+#: An honest answer of stories260K at T = 0.1, top_p = 0.9 (seed 161) to an MT-Bench prompt:
+#: the model generated "i" then "g" at its end, which the tokenizer encodes as one token "ig"
+#: that the model gives e**-105 at this temperature (1 such answer in 1,000 at low T).
+RETOKENISED_PROMPT = (
+    "Given a set of complex equations, extract all unique variable names from each equation. "
+    "Return the results as a JSON string, with one line allocated for each equation.\n```\n"
+    "1) y = (3/4)x^3 - e^(2x) + sin(pi*x) - sqrt(7)\n2) 2A - B/(3+C) * sum(N=1 to 5; ln(N)^2) "
+    "= 5D*integral(a=0 to pi; cos(comb(N=1 to 10; N*a)))\n3) E = m(c^2) + gamma*(v/d)/"
+    "(-(alpha/2) + sqrt(beta^2 + (alpha/2)^2))\n```")
+RETOKENISED_ANSWER = " a small party. Well all the parts and make a colorigo"
+
+
+@pytest.mark.needs_shared
+async def test_an_honest_answer_whose_text_encodes_to_other_tokens_than_generated_scores_honest(
+        shared):
+    """The verifier scores the tokenisation of the signed text the model finds plausible: the
+    encoder's merge of two generated tokens into one the model never emits at T = 0.1 made
+    this honest answer score 0 (z_fit -6.3)."""
+    ref = _reference(shared)
+    kwargs = {"temperature": 0.1, "top_p": 0.9, "max_tokens": 32, "finish_reason": "length",
+              "decoys": PROMPTS}
+    as_encoded = await challenge_stats(ref, RETOKENISED_PROMPT, RETOKENISED_ANSWER,
+                                       params=ChallengeScoring(retokenise_rounds=0), **kwargs)
+    assert challenge_credibility(as_encoded) == 0.0  # the cause: the encoded tokens
+    stats = await challenge_stats(ref, RETOKENISED_PROMPT, RETOKENISED_ANSWER, **kwargs)
+    assert stats.tokens == as_encoded.tokens + 1  # "ig" scored as the generated "i", "g"
+    assert abs(stats.z_fit) < DEFAULT_CHALLENGE_SCORING.z_ok
+    assert challenge_credibility(stats) == 1.0
+
+
+@pytest.mark.needs_shared
+async def test_re_tokenisation_does_not_rescue_an_answer_the_model_would_not_write(shared):
+    """Only spellings of the same text are tried: a fixed story asked at T = 0.1 stays at 0."""
+    ref = _reference(shared)
+    for prompt in PROMPTS[2:]:
+        stats = await challenge_stats(ref, prompt, RETOKENISED_ANSWER, temperature=0.1,
+                                      top_p=0.9, max_tokens=32, finish_reason="length",
+                                      decoys=PROMPTS)
+        assert challenge_credibility(stats) == 0.0
+
+
+#: A ShareGPT prompt ending "...js" and stories260K's honest answer at T = 0.1, top_p = 0.9
+#: (seed 26): the model continued the prompt's last word ("e", "en"), and the prompt + answer
+#: encode "s" + "e" as one token "se", so the answer's tokens cannot be cut from the joint
+#: encoding and were encoded on their own, with a word boundary: "▁e", another text.
+BOUNDARY_PROMPT = (
+    "I was hoping you could create a React component for me. Ultimately, I need the jsx code "
+    "for a modal component. The modal component should display some information about a "
+    "feature within a web application that allowed users to browse data in a \"Portal\". The "
+    "information in the modal component is not important and can be very generic. It is "
+    "important that the modal is created in the style of a modal that exists in this file on "
+    "GitHub: https://github.com/nasa/earthdata-search/blob/master/static/src/js/components/"
+    "AboutCwicModal/AboutCwicModal.js")
+BOUNDARY_ANSWER = "een the most beautiful pictures. And they all lived happily e"
+#: Honest at T = 1.0, top_p = 0.95 (seed 22): "Gotpard" encodes with tokens outside the
+#: nucleus of top_p 0.95 that the model did not generate.
+NUCLEUS_ANSWER = " and her cat. Gotpard splashed at it with a beautiful p"
+
+
+@pytest.mark.needs_shared
+@pytest.mark.parametrize("prompt, answer, t, top_p", [
+    (BOUNDARY_PROMPT, BOUNDARY_ANSWER, 0.1, 0.9), ("Trading View", NUCLEUS_ANSWER, 1.0, 0.95)])
+async def test_an_honest_answer_spelt_across_the_prompt_boundary_or_the_nucleus_scores_honest(
+        shared, prompt, answer, t, top_p):
+    """The 3 honest answers that scored 0 in bench_reputation's honest bank (runs 7 to 9):
+    the scored tokens must spell the answer's own text after the prompt's tokens, and a token
+    outside the asked nucleus is re-spelt (module docstring, "Re-tokenisation")."""
+    ref = _reference(shared)
+    stats = await challenge_stats(ref, prompt, answer, temperature=t, top_p=top_p,
+                                  max_tokens=32, finish_reason="length", decoys=PROMPTS)
+    assert abs(stats.z_fit) < DEFAULT_CHALLENGE_SCORING.z_ok
+    assert challenge_credibility(stats) == 1.0

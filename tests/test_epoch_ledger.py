@@ -1113,6 +1113,24 @@ def test_the_greedy_flag_of_an_answered_challenge_survives_encoding_and_decides_
     assert plain.reputation_changes[s1].window[0] > result.reputation_changes[s1].window[0]
 
 
+def test_a_sampled_answer_scored_zero_caps_the_epoch_score_as_a_greedy_one_does(epoch1):
+    """A sampled answer whose calibrated statistics are decisive (score 0) is not averaged away
+    by the node's other answers: a node honest only on what it takes for challenges hid its
+    cheap sampled answers in the mean (issue 18, the forwarder). A low non-zero sampled score
+    is only averaged."""
+    results = results_for(epoch1)
+    k = _m1_slot(epoch1)
+    s1 = subject(M1.peer_id)
+    steps = {}
+    for low in (0, 1):
+        marked = [dataclasses.replace(r, greedy=False, score=low if i == k else r.score)
+                  for i, r in enumerate(results)]
+        _, result, _ = run(epoch1, [report(epoch1, marked)], epoch1.ledger.start_ms + 9 * SECOND)
+        steps[low] = result.reputation_changes[s1].window[0]
+    assert steps[0] == fresh_step(0).window[0]
+    assert steps[1] > steps[0]
+
+
 def test_the_lowest_greedy_score_caps_a_subjects_epoch_score(epoch1):
     """Issue 18, finding 6: a greedy answer is deterministic, so its low score is no bad luck
     and is not averaged away by sampled answers that pass."""

@@ -67,8 +67,9 @@ fails prevotes nil, so a report with wrong scores never gets 2/3 of the prevotes
 
 Effects of an executed report: each subject whose nodes answered gets one reputation step with C
 = the mean of its answers' scores (micro units, rounded half up), capped by its lowest greedy
-answer's score (:func:`subject_scores`); an answer counts for the challenged node and, when
-it forwarded the challenge, for the node that served it as well; unanswered challenges cost
+answer's score and by any answer scored 0 (:func:`subject_scores`); an answer counts for the
+challenged node and, when it forwarded the challenge, for the node that served it as well;
+unanswered challenges cost
 nothing yet: they are listed as *open misses* of e, with the node's subject in e's challenged
 set. A MISS_REPORT for an open miss of one of the last ``params.miss_epochs`` epochs is recorded;
 the leader's report counts as the leader's own. Once validators with more than 1/3 of the power
@@ -867,7 +868,10 @@ def check_epoch_report(tx: EpochReportTx, ledger: EpochLedger, chain_id: str,
             raise InvalidTransactionError(
                 f"challenge of {peer_label(c.model_node)} prompt {c.prompt_index}: {exc}"
             ) from None
-        binding = res.greedy  # checked by every verifier against the re-derived request
+        # greedy (checked by every verifier against the re-derived request), or an answer
+        # whose calibrated statistics are decisive (score 0: beyond z_bad, an honest sampler's
+        # Gaussian tail of about 1e-5; or an empty or cut answer): both cap C(T)
+        binding = res.greedy or res.score == 0
         # the challenged node answers for what it forwards (it chose the peer); the node that
         # served it is scored too (issue 18, "accountability through forwarding")
         for node in dict.fromkeys((c.model_node, server)):
@@ -880,7 +884,7 @@ def check_epoch_report(tx: EpochReportTx, ledger: EpochLedger, chain_id: str,
 
 class ServedScores(list):  # type: ignore[type-arg]
     """A node's answer scores in one report (micro units), and among them (``binding``) those
-    of greedy challenges, which cap the node's C(T) (:func:`subject_scores`)."""
+    of greedy challenges and those scored 0, which cap the node's C(T) (:func:`subject_scores`)."""
 
     def __init__(self, scores: Sequence[int] = (), binding: Sequence[int] = ()) -> None:
         super().__init__(scores)
@@ -890,11 +894,15 @@ class ServedScores(list):  # type: ignore[type-arg]
 def subject_scores(served: Mapping[bytes, Sequence[int]],
                    ledger: EpochLedger) -> dict[bytes, int]:
     """Subject -> C(T) in micro units: the mean of its nodes' answer scores, rounded half up,
-    capped by its lowest greedy (binding) score.
+    capped by its lowest binding score (greedy answers, and any answer scored 0).
 
     A greedy answer is deterministic: the right model gives every token as its top choice, so
     a low greedy score is no bad luck, and averaging it with sampled answers (whose tests see
     little of a near-equivalent model) would hide it (docs/verification.md, "Epoch score").
+    A sampled answer scored 0 is as decisive: its calibrated statistic is beyond z_bad (4.5
+    standard deviations), which an honest sampler reaches with probability about 1e-5; averaged,
+    one such answer among 8 still left C at 0.875 (a node that cheats on what it takes for user
+    requests hid its cheap sampled answers that way).
     """
     by_subject: dict[bytes, list[int]] = {}
     caps: dict[bytes, int] = {}

@@ -106,7 +106,31 @@ answer or an implausible end; greedy: 1 - (misses - trim) / greedy_misses_bad; s
 |z_fit| and -z_tie up to z_ok, 0 from z_bad, linear between, the lower of the two. ``trim``
 (default 1) leaves the most surprising token out of each statistic (and forgives one greedy
 miss): the signed answer is text, and its re-tokenisation differed from the generated tokens
-in 1 of 40 answers at T = 0.3. Cost: one forward pass over prompt + answer and one per decoy
+in 1 of 40 answers at T = 0.3.
+
+Re-tokenisation: the signed answer is text, and the encoder may spell it with other tokens than
+the model generated: it merged a generated "i", "g" into the one token "ig", which stories260K
+gives e**-105 at T = 0.1, so z_fit was -6.3 and an honest answer scored 0 (1 in 1,000 honest
+answers at T = 0.1-0.2 with top_p < 1; ``trim`` forgives one token, but the merge also changes
+the next token's context). An answer with *implausible* tokens (sampled: probability below
+exp(stat_floor) under the asked sampling distribution, so outside the top_p nucleus too;
+greedy: not the top choice within ``tie_nats``), at most ``retokenise_max`` of them, is
+re-spelt: each implausible token is replaced by a plausible token of the same text (a byte
+fallback such as ``<0x65>`` for "e"), or split into two tokens spelling the same text whose
+first the model finds plausible (the second ranked by the row after the old token), or merged
+with the token before into one it finds plausible; the decoded text must stay the same. Where
+the joint encoding merges the prompt's last characters with the answer's first (a prompt ending
+"...js", an answer "een": "se"), the answer is spelt by the joint encoding's tokens after the
+straddling one and one or two tokens for the rest of its text, not encoded on its own (which
+adds a word boundary, "▁e", another text); :func:`_answer_ids`. These causes made the 3 honest
+zeros of the bench's bank (T = 0.1 / top_p 0.9, T = 0.2 / 0.95: the boundary; T = 1.0 / 0.95:
+tokens outside the nucleus). One more forward pass scores the new spelling, up to
+``retokenise_rounds`` rounds, and the spelling with the fewest implausible tokens is scored. It
+never changes the text, so an answer the model would not write stays implausible in every
+spelling (a test). Cost: nothing for an answer without implausible tokens; at most
+``retokenise_rounds`` more passes otherwise.
+
+Cost: one forward pass over prompt + answer and one per decoy
 (batched in :meth:`Engine.logprob_rows`); on stories260K with 4 decoys, 32-token answers,
 13.9 ms CPU per scored challenge against 6.5 ms for :func:`score_response` (2 shared cores,
 load average ~6). :func:`challenge_stats_many` scores many answers with one ``logprob_rows``
@@ -464,6 +488,10 @@ DEFAULT_DECOYS = 4
 DEFAULT_DECOY_TOKENS = 32
 #: Most surprising tokens per answer left out of each statistic (re-tokenisation).
 DEFAULT_TRIM = 1
+#: Re-tokenisation repairs (module docstring, "Re-tokenisation"): rounds of one more forward
+#: pass each, and the most implausible tokens an answer may have for a repair to be tried.
+DEFAULT_RETOKENISE_ROUNDS = 2
+DEFAULT_RETOKENISE_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -484,6 +512,9 @@ class ChallengeScoring:
             misses forgiven), in [0, 64]: a re-tokenised answer may differ from what the model
             generated in a token (measured: 1 of 40 answers at T = 0.3, top_p = 0.9).
         decoy_tokens: tokens of each decoy prompt used, >= 2 (its first and its last ones).
+        retokenise_rounds: re-tokenisation rounds (one more forward pass each), in [0, 8].
+        retokenise_max: most implausible tokens of an answer for which a re-tokenisation is
+            tried (more: the answer is scored as encoded), >= 0.
     """
 
     stat_floor: float = DEFAULT_STAT_FLOOR
@@ -497,6 +528,8 @@ class ChallengeScoring:
     min_tokens_slack: int = 8
     trim: int = DEFAULT_TRIM
     decoy_tokens: int = DEFAULT_DECOY_TOKENS
+    retokenise_rounds: int = DEFAULT_RETOKENISE_ROUNDS
+    retokenise_max: int = DEFAULT_RETOKENISE_MAX
 
     def __post_init__(self) -> None:
         _check_floor(self.stat_floor)
@@ -507,7 +540,8 @@ class ChallengeScoring:
         if not _is_real(self.tie_nats) or self.tie_nats < 0:
             raise ValueError("tie_nats must be >= 0")
         for name, lo, hi in (("greedy_misses_bad", 1, 1 << 20), ("decoys", 0, 64), ("trim", 0, 64),
-                             ("decoy_tokens", 2, 1 << 20),
+                             ("decoy_tokens", 2, 1 << 20), ("retokenise_rounds", 0, 8),
+                             ("retokenise_max", 0, 1 << 20),
                              ("min_tokens_slack", 0, 4096)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -722,17 +756,19 @@ async def challenge_stats_many(
 ) -> list[AnswerStats]:
     """:func:`challenge_stats` of several answers (each a mapping of its keyword arguments,
     ``prompt`` and ``response`` included), with ONE :meth:`Engine.logprob_rows` call for all
-    of them (an engine may batch its forward passes) and one reference greedy answer per
-    (prompt, max_tokens). The same statistics as one call each, up to the float rounding of
-    batched forward passes.
+    of them (an engine may batch its forward passes), one more for each re-tokenisation round
+    that some answer needs (module docstring, "Re-tokenisation"; at most
+    ``params.retokenise_rounds``), and one reference greedy answer per (prompt, max_tokens).
+    The same statistics as one call each, up to the float rounding of batched forward passes.
 
     Raises:
         as :func:`challenge_stats` (for any of the answers).
     """
+    import numpy as np
+
     own: dict[tuple[str, int], str] = {}
     done: list[AnswerStats | None] = []
-    sequences: list[tuple[Sequence[int], int]] = []
-    pending: list[tuple[int, int, int, Mapping[str, object], list[int]]] = []
+    jobs: list[_Job] = []
     for a in answers:
         prompt, response = str(a["prompt"]), str(a["response"])
         temperature = a["temperature"]
@@ -751,34 +787,193 @@ async def challenge_stats_many(
                 n = len(await engine.encode(response, add_special_tokens=False))
                 done.append(AnswerStats(n, True, 0.0, 0.0, 0, True))
                 continue
-        ids, start = await _token_ids(engine, prompt, response)
-        answer = ids[start:]
-        first = len(sequences)
-        sequences.append((ids, start))
-        if answer and temperature > 0:  # type: ignore[operator]
+        ids, start = await _answer_ids(engine, prompt, response)
+        decoys: list[list[int]] = []
+        if start < len(ids) and temperature > 0:  # type: ignore[operator]
             for decoy in list(a.get("decoys", ()))[: params.decoys]:  # type: ignore[call-overload]
                 d = list(await engine.tokenize(decoy))
                 if len(d) > params.decoy_tokens:  # its first token (BOS) and its last ones
                     d = d[:1] + d[len(d) - params.decoy_tokens + 1:]
-                if d and len(d) + len(answer) <= engine.max_context:
-                    sequences.append((d + answer, len(d)))
-        pending.append((len(done), first, len(sequences), a, answer))
+                decoys.append(d)
+        jobs.append(_Job(len(done), a, params, list(ids[:start]), list(ids[start:]), decoys))
         done.append(None)
-    rows = await engine.logprob_rows(sequences) if sequences else []
-    for at, first, end, a, answer in pending:
-        params = a.get("params", DEFAULT_CHALLENGE_SCORING)
-        assert isinstance(params, ChallengeScoring)
+    todo = jobs
+    for round_ in range(1 + max((j.params.retokenise_rounds for j in jobs), default=0)):
+        sequences: list[tuple[Sequence[int], int]] = []
+        spans = []
+        for job in todo:
+            first = len(sequences)
+            sequences += job.sequences(engine.max_context)
+            spans.append((job, first, len(sequences)))
+        rows = await engine.logprob_rows(sequences) if sequences else []
+        again: list[_Job] = []
+        for job, first, end in spans:
+            r = np.asarray(rows[first], dtype=np.float64)
+            bad = _implausible(r, job.answer, job.temperature, job.params, job.top_p)
+            if job.best is None or len(bad) < job.best[0]:
+                job.best = (len(bad), list(job.answer), r, list(rows[first + 1:end]))
+            if bad and round_ < job.params.retokenise_rounds:
+                repaired = await _retokenised(engine, job, r, bad)
+                if repaired is not None:
+                    job.answer = repaired
+                    again.append(job)
+        todo = again
+        if not todo:
+            break
+    for job in jobs:
+        a, params = job.answer_kwargs, job.params
+        assert job.best is not None
+        _, answer, r, decoy_rows = job.best
         ends = set(engine.end_token_ids)
         for s in a.get("stop", ()):  # type: ignore[attr-defined]
             if s:
                 ends |= await _tokens_containing(engine, s[0])
-        done[at] = answer_stats(
-            rows[first], answer, temperature=a["temperature"],  # type: ignore[arg-type]
-            top_p=a.get("top_p", 1.0), decoy_rows=rows[first + 1:end],  # type: ignore[arg-type]
+        done[job.at] = answer_stats(
+            r, answer, temperature=job.temperature,
+            top_p=a.get("top_p", 1.0), decoy_rows=decoy_rows,  # type: ignore[arg-type]
             finish_reason=str(a.get("finish_reason", "")),
             max_tokens=int(a.get("max_tokens", 0)),  # type: ignore[call-overload]
             end_ids=ends, params=params)
     return [x for x in done if x is not None]
+
+
+class _Job:
+    """One answer of :func:`challenge_stats_many` that needs the reference's rows: its
+    prompt's and decoys' tokens, its current tokenisation, the best one scored so far
+    (fewest implausible tokens: the count, the tokens, their rows, the decoys' rows)."""
+
+    def __init__(self, at: int, answer_kwargs: Mapping[str, object], params: ChallengeScoring,
+                 prompt: list[int], answer: list[int], decoys: list[list[int]]) -> None:
+        self.at, self.answer_kwargs, self.params = at, answer_kwargs, params
+        self.temperature = float(answer_kwargs["temperature"])  # type: ignore[arg-type]
+        self.top_p = float(answer_kwargs.get("top_p", 1.0))  # type: ignore[arg-type]
+        self.prompt, self.answer, self.decoys = prompt, answer, decoys
+        self.best: tuple[int, list[int], object, list[object]] | None = None
+
+    def sequences(self, max_context: int) -> list[tuple[list[int], int]]:
+        out = [(self.prompt + self.answer, len(self.prompt))]
+        if self.answer:  # a decoy that would not fit the context with the answer is left out
+            out += [(d + self.answer, len(d)) for d in self.decoys
+                    if d and len(d) + len(self.answer) <= max_context]
+        return out
+
+
+def _implausible(rows, tokens: Sequence[int], temperature: float,  # type: ignore[no-untyped-def]
+                 params: ChallengeScoring, top_p: float = 1.0) -> list[int]:
+    """Positions whose token an honest sampler practically never emits: greedy, not the top
+    choice within ``tie_nats``; sampled, a probability below exp(stat_floor) under the
+    asked sampling distribution (outside the top_p nucleus included)."""
+    import numpy as np
+
+    if not len(tokens):
+        return []
+    idx = np.asarray(list(tokens), dtype=np.int64)
+    body = rows[: len(tokens)]
+    pos = np.arange(len(tokens))
+    if temperature == 0:
+        bad = body.max(axis=-1) - body[pos, idx] > params.tie_nats
+    else:
+        bad = sampling_logprobs(body, temperature, top_p)[pos, idx] < params.stat_floor
+    return [int(i) for i in np.flatnonzero(bad)]
+
+
+async def _retokenised(engine: Engine, job: _Job, rows,  # type: ignore[no-untyped-def]
+                       bad: Sequence[int]) -> list[int] | None:
+    """Another tokenisation of the same answer text, where each implausible token (at most
+    ``retokenise_max`` of them) is replaced by a plausible token of the same text (a byte
+    fallback), or split in two whose first part the model finds plausible, or merged with
+    the token before into one it finds plausible (module docstring,
+    "Re-tokenisation"); None when no repair applies."""
+    params = job.params
+    if len(bad) > params.retokenise_max:
+        return None
+    texts = await _vocab_texts(engine)
+    by_text = _vocab_index(engine, texts)
+    logq = rows if job.temperature == 0 else sampling_logprobs(rows, job.temperature, job.top_p)
+    ok = (lambda k, t: rows[k].max() - rows[k, t] <= params.tie_nats) if job.temperature == 0 \
+        else (lambda k, t: logq[k, t] >= params.stat_floor)
+    old = job.answer
+    new = list(old)
+    limit = len(old)  # positions from here on were changed
+    for k in sorted(bad, reverse=True):  # right to left: earlier positions keep their index
+        if k >= limit:
+            continue
+        t = old[k]
+        text = texts[t] if 0 <= t < len(texts) else ""
+        # (rank, replacement, first position replaced, tokens replaced)
+        best: tuple[float, list[int], int, int] | None = None
+        for a in by_text.get(text, ()):  # another token of the same text (a byte fallback)
+            if a != t and ok(k, a) and (best is None or logq[k, a] > best[0]):
+                trial = new[:k] + [a] + new[k + 1:]
+                if await _same_text(engine, job.prompt, trial, new):
+                    best = (float(logq[k, a]) + 1e9, [a], k, 1)
+        for cut in range(1, len(text)):
+            for a in by_text.get(text[:cut], ()):
+                if not ok(k, a):
+                    continue
+                for b in by_text.get(text[cut:], ()):
+                    # b's own row is not known before the next pass: the row after t ranks
+                    # the candidates (a byte-fallback spelling is never likely there)
+                    value = float(logq[k, a] + rows[k + 1, b])
+                    if best is None or value > best[0]:
+                        trial = new[:k] + [a, b] + new[k + 1:]
+                        if await _same_text(engine, job.prompt, trial, new):
+                            best = (value, [a, b], k, 1)
+        if best is None and k > 0 and 0 <= old[k - 1] < len(texts):
+            for m in by_text.get(texts[old[k - 1]] + text, ()):
+                if ok(k - 1, m) and (best is None or logq[k - 1, m] > best[0]):
+                    trial = new[:k - 1] + [m] + new[k + 1:]
+                    if await _same_text(engine, job.prompt, trial, new):
+                        best = (float(logq[k - 1, m]), [m], k - 1, 2)
+        if best is not None:
+            _, repl, at, width = best
+            new = new[:at] + repl + new[at + width:]
+            limit = at
+    return new if limit < len(old) else None
+
+
+async def _answer_ids(engine: Engine, prompt: str, response: str) -> tuple[list[int], int]:
+    """:func:`_token_ids`, except where the joint encoding merges the prompt's last characters
+    with the answer's first (a prompt ending "...js" and an answer "een ..." encode "se"):
+    there the answer is not encoded on its own (that adds a word boundary, "▁e", so another
+    text), but spelt as the joint encoding's tokens after the straddling one, preceded by at
+    most two tokens that spell the rest of the straddling text; the decoded text must be the
+    joint one (module docstring, "Re-tokenisation"). Falls back to :func:`_token_ids`."""
+    prompt_ids = list(await engine.tokenize(prompt))
+    if not response:
+        return prompt_ids, len(prompt_ids)
+    joint = list(await engine.tokenize(prompt + response))
+    if len(joint) > len(prompt_ids) and joint[:len(prompt_ids)] == prompt_ids:
+        return joint, len(prompt_ids)
+    common = 0
+    while common < min(len(joint), len(prompt_ids)) and joint[common] == prompt_ids[common]:
+        common += 1
+    whole = await engine.decode(joint)
+    before = await engine.decode(prompt_ids)
+    texts = await _vocab_texts(engine)
+    by_text = _vocab_index(engine, texts)
+    for m in range(common + 1, min(len(joint), common + 4)):
+        head = await engine.decode(joint[:m])
+        if not head.startswith(before) or len(head) == len(before):
+            continue
+        piece = head[len(before):]
+        spellings = [[b] for b in by_text.get(piece, ())]
+        for cut in range(1, len(piece)):
+            spellings += [[a, b] for a in by_text.get(piece[:cut], ())
+                          for b in by_text.get(piece[cut:], ())]
+        for spelt in spellings:
+            if await engine.decode(prompt_ids + spelt + joint[m:]) == whole:
+                return prompt_ids + spelt + joint[m:], len(prompt_ids)
+        break
+    return await _token_ids(engine, prompt, response)
+
+
+async def _same_text(engine: Engine, prompt: Sequence[int], a: Sequence[int],
+                     b: Sequence[int]) -> bool:
+    """Whether two answer tokenisations decode to the same text after the prompt's last token
+    (so a leading word boundary counts)."""
+    ctx = list(prompt[-1:])
+    return await engine.decode(ctx + list(a)) == await engine.decode(ctx + list(b))
 
 
 async def score_challenge(engine: Engine, prompt: str, response: str, **kwargs: object) -> float:
@@ -793,17 +988,35 @@ async def score_challenge(engine: Engine, prompt: str, response: str, **kwargs: 
 
 
 _VOCAB_TEXT: dict[int, list[str]] = {}
+_VOCAB_INDEX: dict[int, dict[str, list[int]]] = {}
 
 
-async def _tokens_containing(engine: Engine, char: str) -> set[int]:
-    """Token IDs whose decoded text contains ``char`` (cached per engine object)."""
+async def _vocab_texts(engine: Engine) -> list[str]:
+    """Each token ID's decoded text (cached per engine object)."""
     key = id(engine)
     texts = _VOCAB_TEXT.get(key)
     if texts is None:
         size = int(getattr(engine, "vocab_size", 0) or 0)
         texts = [await engine.decode([i]) for i in range(size)]
         _VOCAB_TEXT[key] = texts
-    return {i for i, t in enumerate(texts) if char in t}
+    return texts
+
+
+def _vocab_index(engine: Engine, texts: Sequence[str]) -> dict[str, list[int]]:
+    """Decoded text -> the token IDs with that text (non-empty texts; cached per engine)."""
+    index = _VOCAB_INDEX.get(id(engine))
+    if index is None:
+        index = {}
+        for i, t in enumerate(texts):
+            if t:
+                index.setdefault(t, []).append(i)
+        _VOCAB_INDEX[id(engine)] = index
+    return index
+
+
+async def _tokens_containing(engine: Engine, char: str) -> set[int]:
+    """Token IDs whose decoded text contains ``char`` (cached per engine object)."""
+    return {i for i, t in enumerate(await _vocab_texts(engine)) if char in t}
 
 
 DECOY_DOMAIN = b"planetserve/v1/challenge-decoys\x00"
