@@ -141,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="block time a leader has before the next one is drawn (default: "
                               "the epoch + 90 s, so that a leader spreads its challenges over "
                               "the whole epoch as users' requests are; 60 when the epoch is 0)")
-    testnet.add_argument("--challenges-per-node", type=int, default=4, metavar="N",
-                         help="challenges per model node per epoch (default 4)")
+    testnet.add_argument("--challenges-per-node", type=int, default=12, metavar="N",
+                         help="challenges per model node per epoch (default 12: what "
+                              "bench_reputation needs to convict a node that forwards what it "
+                              "takes for challenges; docs/verification.md)")
 
     valset = sub.add_parser(
         "valset", help="replace committee members: approve and assemble a VALSET_UPDATE "
