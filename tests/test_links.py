@@ -179,3 +179,51 @@ async def test_a_link_closed_while_the_connection_is_busy_still_ends_for_the_pee
             with trio.fail_after(30):  # only bounds a failure
                 await handler_done.wait()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_warmed_link_opens_its_stream_before_any_frame_and_the_first_send_reuses_it():
+    from ps_p2p.protocols.links import make_frame_handler
+
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as peer_host:
+        opened_by: list[bytes] = []
+        frames: list[bytes] = []
+        stream_arrived = trio.Event()
+        frame_arrived = trio.Event()
+
+        def on_open(peer: bytes) -> None:
+            opened_by.append(peer)
+            stream_arrived.set()
+
+        def on_frame(peer: bytes, frame: bytes) -> None:
+            frames.append(frame)
+            frame_arrived.set()
+
+        peer_host.set_stream_handler(
+            "/test/1.0.0", make_frame_handler("/test/1.0.0", 1024, on_frame, on_open=on_open))
+        await connect(host, listen_multiaddrs(peer_host)[0])
+        peer = peer_host.get_id().to_bytes()
+        async with trio.open_nursery() as nursery:
+            links = LinkManager(host, nursery, "/test/1.0.0")
+            assert links.warm(peer) and links.has_link(peer)
+            await stream_arrived.wait()  # the peer's handler runs before any frame
+            assert opened_by == [host.get_id().to_bytes()] and frames == []
+            assert links.warm(peer)  # already open: nothing new
+            assert links.send(peer, b"first")
+            await frame_arrived.wait()
+            nursery.cancel_scope.cancel()
+    assert frames == [b"first"]
+    assert links.stats.links_opened == 1  # the first frame went on the warmed stream
+
+
+async def test_warming_a_backed_off_peer_that_is_not_connected_opens_nothing(autojump_clock):
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host:
+        down = trio.Event()
+        async with trio.open_nursery() as nursery:
+            links = LinkManager(host, nursery, "/test/1.0.0", open_timeout=1.0,
+                                on_link_down=lambda p, r: down.set())
+            unknown = NodeKeys.generate().identity.peer_id  # no address known: the dial fails
+            assert links.warm(unknown)
+            await down.wait()
+            assert not links.warm(unknown) and not links.has_link(unknown)
+            nursery.cancel_scope.cancel()
