@@ -223,7 +223,10 @@ def user_not_ready(status: Mapping[str, Any], users: int) -> str | None:
     send a request at once, or None: :data:`READY_PATHS` ready paths whose proxies are
     distinct (at most ``users - 1``, the other users). A request waits up to 1 s
     (``distinct_proxy_grace``) for n distinct proxies; a user counted ready with 4 paths over 3
-    proxies paid that second on every request of an 8-user devnet."""
+    proxies paid that second on every request of an 8-user devnet. ``users``: the users
+    started so far (the held users of later admission waves are in no
+    directory yet, so no proxies).
+    """
     paths = status.get("ready_paths", 0)
     proxies = status.get("ready_proxies", 0)
     if paths < READY_PATHS:
@@ -457,6 +460,8 @@ class Devnet:
         #: ``started_s`` (seconds after the start), ``admitted_with_paths`` of ``admitted``
         #: (users started before it, and how many of them held their paths then)
         self.waves: list[dict[str, Any]] = []
+        #: users started so far (the first admission wave, then each wave as it joins)
+        self.users_started = 0
         #: the committee's genesis file (written at the start)
         self.genesis_path: pathlib.Path | None = None
         self._verifier_addrs: list[str] = []
@@ -494,6 +499,7 @@ class Devnet:
                        "admitted_with_paths": 0, "admitted": 0}]
         self.users = await self._spawn_group("user", opts.users, boot,
                                              held=set().union(*waves[1:]))
+        self.users_started = len(waves[0])
         print(f"  {len(self.workers)} processes started; waiting for the directory and the "
               "onion paths" + (f" (users join in {len(waves)} waves of ~{len(waves[0])})"
                                if len(waves) > 1 else "") + "...", flush=True)
@@ -501,7 +507,7 @@ class Devnet:
             # the next wave joins once most users already admitted hold their paths
             admitted = [self.users[i] for wave in waves[:number] for i in wave]
             await self._wait(
-                admitted, lambda n: user_not_ready(n.status, opts.users),
+                admitted, lambda n, k=len(admitted): user_not_ready(n.status, k),
                 f"wave {number} of {len(waves)} of the users to get their paths", deadline, what,
                 enough=max(1, math.ceil(ADMIT_READY_SHARE * len(admitted))),
             )
@@ -509,7 +515,7 @@ class Devnet:
                 "users": [self.users[i].name for i in waves[number]],
                 "started_s": round(trio.current_time() - started, 1),
                 "admitted_with_paths": sum(
-                    1 for n in admitted if user_not_ready(n.status, opts.users) is None),
+                    1 for n in admitted if user_not_ready(n.status, len(admitted)) is None),
                 "admitted": len(admitted),
             })
             for worker in self.workers:
@@ -517,6 +523,7 @@ class Devnet:
                          if self.users[i].worker is worker]
                 if names:
                     await worker.send({"start": names})
+            self.users_started += len(waves[number])
 
         def directory_lacks(node: DevnetNode) -> str | None:
             d = node.status.get("directory")
@@ -668,7 +675,7 @@ class Devnet:
             and d["users"] >= opts.users and d["model_nodes"] >= opts.models
         )
         p.users_ready = sum(1 for n in self.users
-                            if user_not_ready(n.status, self.opts.users) is None)
+                            if user_not_ready(n.status, self.users_started) is None)
 
     async def _wait(
         self,
