@@ -181,7 +181,10 @@ async def test_a_link_closed_while_the_connection_is_busy_still_ends_for_the_pee
             nursery.cancel_scope.cancel()
 
 
-async def test_a_warmed_link_opens_its_stream_before_any_frame_and_the_first_send_reuses_it():
+async def test_a_warmed_link_opens_its_stream_before_any_frame_and_the_first_send_reuses_it(
+    autojump_clock,
+):
+    from ps_p2p.protocols.handlers import FIRST_BYTE_TIMEOUT, StreamHandlers
     from ps_p2p.protocols.links import make_frame_handler
 
     async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host, \
@@ -199,21 +202,27 @@ async def test_a_warmed_link_opens_its_stream_before_any_frame_and_the_first_sen
             frames.append(frame)
             frame_arrived.set()
 
-        peer_host.set_stream_handler(
-            "/test/1.0.0", make_frame_handler("/test/1.0.0", 1024, on_frame, on_open=on_open))
+        # served as the overlay serves it: a stream silent for FIRST_BYTE_TIMEOUT is reset
+        handlers = StreamHandlers(peer_host)
+        handlers.add("/test/1.0.0",
+                     make_frame_handler("/test/1.0.0", 1024, on_frame, on_open=on_open))
         await connect(host, listen_multiaddrs(peer_host)[0])
         peer = peer_host.get_id().to_bytes()
         async with trio.open_nursery() as nursery:
             links = LinkManager(host, nursery, "/test/1.0.0")
             assert links.warm(peer) and links.has_link(peer)
-            await stream_arrived.wait()  # the peer's handler runs before any frame
+            await stream_arrived.wait()  # the peer's handler runs before any message
             assert opened_by == [host.get_id().to_bytes()] and frames == []
             assert links.warm(peer)  # already open: nothing new
+            # idle past the first-byte deadline: the opening frame kept the stream
+            await trio.sleep(FIRST_BYTE_TIMEOUT + 5)
             assert links.send(peer, b"first")
-            await frame_arrived.wait()
+            with trio.fail_after(30):  # a reset stream would lose it
+                await frame_arrived.wait()
             nursery.cancel_scope.cancel()
-    assert frames == [b"first"]
-    assert links.stats.links_opened == 1  # the first frame went on the warmed stream
+        await handlers.aclose()
+    assert frames == [b"first"]  # the opening frame is no message
+    assert links.stats.links_opened == 1 and links.stats.links_failed == 0
 
 
 async def test_warming_a_backed_off_peer_that_is_not_connected_opens_nothing(autojump_clock):

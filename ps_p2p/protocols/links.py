@@ -62,6 +62,10 @@ BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 30.0
 #: Peers whose back-off is remembered.
 MAX_BACKOFF_PEERS = 4096
+#: The frame a link warmed ahead of its first message opens with (:meth:`LinkManager.warm`):
+#: empty; a frame handler skips it as the first frame of a stream (a later empty frame goes to
+#: ``on_frame`` like any other: the overlay's decoders refuse it).
+OPENING_FRAME = encode_frame(b"")
 #: Seconds a stream's close (the FIN) may take, at the end of an outbound link or of an inbound
 #: frame stream, before the stream is reset instead: a close waits behind the connection's
 #: other writes, and py-libp2p's Yamux marks a cancelled close closed without sending the FIN.
@@ -186,9 +190,11 @@ class LinkManager:
         return True
 
     def warm(self, peer_id: bytes) -> bool:
-        """Open the link to ``peer_id`` now, without a message, so that the first :meth:`send`
+        """Open the link to ``peer_id`` now, before any message, so that the first :meth:`send`
         finds its stream open (a stream open is a Yamux SYN and a multistream-select round
-        trip: on a loaded machine tens of ms, paid by the first request otherwise).
+        trip: on a loaded machine tens of ms, paid by the first request otherwise). The stream
+        starts with :data:`OPENING_FRAME`, which :func:`make_frame_handler` skips: an inbound
+        stream that sends nothing for 10 s is reset (:mod:`ps_p2p.protocols.handlers`).
 
         Returns:
             True when the link exists or is opening; False when the peer is in dial back-off
@@ -202,7 +208,9 @@ class LinkManager:
             if not is_connected(self._host, peer_id):
                 return False
             del self._backoff[peer_id]
-        self._open(peer_id)
+        link = self._open(peer_id)
+        link.send.send_nowait(OPENING_FRAME)
+        link.queued_bytes += len(OPENING_FRAME)
         return True
 
     def has_link(self, peer_id: bytes) -> bool:
@@ -328,7 +336,8 @@ def make_frame_handler(
     on_frame: Callable[[bytes, bytes], None],
     on_open: Callable[[bytes], None] | None = None,
 ) -> Callable[[INetStream], object]:
-    """Build a stream handler that reads frames until EOF and hands them to ``on_frame``.
+    """Build a stream handler that reads frames until EOF and hands them to ``on_frame``
+    (all but an empty first frame, :data:`OPENING_FRAME`).
 
     Args:
         protocol_id: for logs.
@@ -354,9 +363,12 @@ def make_frame_handler(
             except Exception:
                 log.exception("%s: on_open for %s failed", protocol_id, peer)
         try:
-            while True:
+            frame = await reader.read_frame()
+            if not frame:  # OPENING_FRAME: a link opened ahead of its first message
                 frame = await reader.read_frame()
+            while True:
                 on_frame(peer_bytes, frame)
+                frame = await reader.read_frame()
         except StreamEOF:
             with trio.move_on_after(CLOSE_TIMEOUT) as scope:
                 await _quietly(stream.close)
