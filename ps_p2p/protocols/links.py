@@ -10,6 +10,10 @@ opened. A :class:`LinkManager` owns the outbound side for one protocol ID:
 * a writer task per peer opens the stream lazily (dialing the peer from the peerstore's
   addresses if needed), coalesces queued frames into one ``write()`` and, when the stream fails,
   reports the peer through ``on_link_down`` and forgets the link (the next send opens a new one);
+* :meth:`LinkManager.warm` opens a link ahead of its first message (a user's delivery links to
+  the model nodes, and a model node's reply link back to each such user): the stream starts
+  with an empty frame (:data:`OPENING_FRAME`) that :func:`make_frame_handler` skips, since an
+  inbound stream without a first byte for 10 s is reset (:mod:`ps_p2p.protocols.handlers`);
 * a peer whose stream could not be opened is not dialled again at once: sends to it are refused
   for an exponentially growing, jittered back-off (0.5 s doubling up to 30 s, times 0.5-1.5),
   cleared by the next link that opens;
