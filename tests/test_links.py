@@ -236,3 +236,32 @@ async def test_warming_a_backed_off_peer_that_is_not_connected_opens_nothing(aut
             await down.wait()
             assert not links.warm(unknown) and not links.has_link(unknown)
             nursery.cancel_scope.cancel()
+
+
+async def test_an_open_that_runs_out_of_time_doubles_the_next_opens_allowance(autojump_clock):
+    """RFC 6298 5.5 for stream opens: only successes are sampled, so without backing off a
+    machine too busy to finish handshakes in the allowance cancels every open at it."""
+    from types import SimpleNamespace
+
+    class _StuckHost:  # every dial and negotiation hangs (a starved peer or machine)
+        def get_network(self):
+            return SimpleNamespace(get_connections=lambda peer: [])
+
+        async def new_stream(self, peer, protocols):
+            await trio.sleep_forever()
+
+    reasons: list[str] = []
+    down = trio.Event()
+
+    def link_down(peer: bytes, reason: str) -> None:
+        reasons.append(reason)
+        down.set()
+
+    async with trio.open_nursery() as nursery:
+        links = LinkManager(_StuckHost(), nursery, "/test/1.0.0", on_link_down=link_down)
+        for i in range(3):
+            down = trio.Event()
+            assert links.send(NodeKeys.generate().identity.peer_id, b"frame")
+            await down.wait()
+        nursery.cancel_scope.cancel()
+    assert [r.rsplit(" in ", 1)[1] for r in reasons] == ["5 s", "10 s", "20 s"]
