@@ -1146,9 +1146,10 @@ class Node:
         the first clove it delivers as another user's proxy does not wait for a connection
         (TCP, Noise, Yamux and identify: several round trips), and open its delivery link to
         each (:meth:`OverlayService.warm_delivery_link`; the model node then opens its reply
-        link back), so that it does not wait for two stream opens either. In a 100-user devnet on 2 loaded
-        cores every user's first request took 450 ms (median) against 72 ms for later ones,
-        the proxies' first deliveries dialling the model node. Once per node run."""
+        link back), so that it does not wait for two stream opens either. In a 100-user
+        devnet on 2 loaded cores every user's first request took 450 ms (median) against 72 ms
+        for later ones, the proxies' first deliveries dialling the model node. Once per node
+        run."""
         assert self.host is not None and self.user is not None
         while True:
             try:

@@ -39,8 +39,8 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
   ``retire_grace`` s later, when the answers it carries are in;
 * rebalancing: once the pool is full and confirmed, a path whose proxy repeats (while a
   candidate relay is nobody's proxy: a clean one, or the least suspected while the clean ones
-  are too few for n distinct proxies), else a path sharing relays (while enough unused clean relays exist),
-  retires and is replaced, one at a time.
+  are too few for n distinct proxies), else a path sharing relays (while enough unused clean
+  relays exist), retires and is replaced, one at a time.
 
 Counters (:class:`PoolStats`, for logs and metrics): paths built, setups failed, paths lost by
 reason, lost paths repaired, paths rotated out.
