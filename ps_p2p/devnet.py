@@ -21,7 +21,7 @@ files:
 * worker -> controller (its original stdout; fd 1 is pointed at the log): a status line per node
   whenever its directory or ready paths change: ``{"node", "state": "up"|"stopped"|"failed",
   "peer_id", "listen", "api", "directory": {"height", "users", "model_nodes"}, "ready_paths",
-  "error"}``.
+  "ready_proxies" (distinct proxies of the ready paths), "error"}``.
 
 Work directory: ``keys/<node>.key``, ``logs/<node>.log`` (that node's log records),
 ``logs/worker<i>.log`` (everything else the worker process printed: tracebacks, libraries),
@@ -38,8 +38,9 @@ path setups of a start come in bounded bursts instead of all users' at once. The
 nodes start first, all at once.
 
 Start deadline: one deadline for the whole start (verifiers listening, every node holding the full
-directory, every user holding n ready paths); by default 60 s + 1 s per node. When it passes, the
-error names every node that was not ready and what it lacked.
+directory, every user holding n ready paths over n distinct proxies: :func:`user_not_ready`); by
+default 60 s + 1 s per node. When it passes, the error names every node that was not ready and
+what it lacked.
 
 Perturbations (each prompt must still be answered, since n > k):
 
@@ -118,7 +119,8 @@ log = logging.getLogger(__name__)
 #: Prompt files are capped: a devnet is for a look at the system, not a load test.
 ENGINES = ("transformers", "instant", "sim")
 PERTURBATIONS = ("none", "kill-relay", "tamper-clove", "kill-verifier", "byzantine-verifier")
-#: ready paths a user needs before the network counts as ready (n, the cloves per request)
+#: ready paths a user needs before the network counts as ready (n, the cloves per request), with
+#: as many distinct proxies (:func:`user_not_ready`)
 READY_PATHS = 4
 #: floor of a devnet user's probe deadline (``[user] probe_timeout``, 1 s by default, RFC
 #: 6298's floor for a node with a machine of its own): a devnet shares a few cores among
@@ -214,6 +216,25 @@ def admission_waves(users: int) -> list[list[int]]:
     """
     waves = max(1, min(ADMIT_WAVES, users // ADMIT_MIN_WAVE))
     return [list(range(w, users, waves)) for w in range(waves)]
+
+
+def user_not_ready(status: Mapping[str, Any], users: int) -> str | None:
+    """What a user's status line (``ready_paths``, ``ready_proxies``) lacks before the user can
+    send a request at once, or None: :data:`READY_PATHS` ready paths whose proxies are
+    distinct (at most ``users - 1``, the other users). A request waits up to 1 s
+    (``distinct_proxy_grace``) for n distinct proxies; a user counted ready with 4 paths over 3
+    proxies paid that second on every request of an 8-user devnet. ``users``: the users
+    started so far (the held users of later admission waves are in no
+    directory yet, so no proxies).
+    """
+    paths = status.get("ready_paths", 0)
+    proxies = status.get("ready_proxies", 0)
+    if paths < READY_PATHS:
+        return f"{paths}/{READY_PATHS} ready paths"
+    distinct = min(READY_PATHS, users - 1)
+    if proxies < distinct:
+        return f"{READY_PATHS} ready paths over {proxies}/{distinct} distinct proxies"
+    return None
 
 
 def default_start_timeout(nodes: int) -> float:
@@ -439,6 +460,8 @@ class Devnet:
         #: ``started_s`` (seconds after the start), ``admitted_with_paths`` of ``admitted``
         #: (users started before it, and how many of them held their paths then)
         self.waves: list[dict[str, Any]] = []
+        #: users started so far (the first admission wave, then each wave as it joins)
+        self.users_started = 0
         #: the committee's genesis file (written at the start)
         self.genesis_path: pathlib.Path | None = None
         self._verifier_addrs: list[str] = []
@@ -476,6 +499,7 @@ class Devnet:
                        "admitted_with_paths": 0, "admitted": 0}]
         self.users = await self._spawn_group("user", opts.users, boot,
                                              held=set().union(*waves[1:]))
+        self.users_started = len(waves[0])
         print(f"  {len(self.workers)} processes started; waiting for the directory and the "
               "onion paths" + (f" (users join in {len(waves)} waves of ~{len(waves[0])})"
                                if len(waves) > 1 else "") + "...", flush=True)
@@ -483,9 +507,7 @@ class Devnet:
             # the next wave joins once most users already admitted hold their paths
             admitted = [self.users[i] for wave in waves[:number] for i in wave]
             await self._wait(
-                admitted,
-                lambda n: None if n.status.get("ready_paths", 0) >= READY_PATHS
-                else f"{n.status.get('ready_paths', 0)}/{READY_PATHS} ready paths",
+                admitted, lambda n, k=len(admitted): user_not_ready(n.status, k),
                 f"wave {number} of {len(waves)} of the users to get their paths", deadline, what,
                 enough=max(1, math.ceil(ADMIT_READY_SHARE * len(admitted))),
             )
@@ -493,7 +515,7 @@ class Devnet:
                 "users": [self.users[i].name for i in waves[number]],
                 "started_s": round(trio.current_time() - started, 1),
                 "admitted_with_paths": sum(
-                    1 for n in admitted if n.status.get("ready_paths", 0) >= READY_PATHS),
+                    1 for n in admitted if user_not_ready(n.status, len(admitted)) is None),
                 "admitted": len(admitted),
             })
             for worker in self.workers:
@@ -501,6 +523,7 @@ class Devnet:
                          if self.users[i].worker is worker]
                 if names:
                     await worker.send({"start": names})
+            self.users_started += len(waves[number])
 
         def directory_lacks(node: DevnetNode) -> str | None:
             d = node.status.get("directory")
@@ -514,11 +537,8 @@ class Devnet:
         await self._wait([*self.models, *self.users], directory_lacks, "the full directory",
                          deadline, what)
 
-        def paths_lack(node: DevnetNode) -> str | None:
-            count = node.status.get("ready_paths", 0)
-            return None if count >= READY_PATHS else f"{count}/{READY_PATHS} ready paths"
-
-        await self._wait(self.users, paths_lack, "user paths", deadline, what)
+        await self._wait(self.users, lambda n: user_not_ready(n.status, opts.users),
+                         "user paths", deadline, what)
         self.ready_s = trio.current_time() - started
         self.progress.ready = True
         self.progress.phase = "ready"
@@ -654,7 +674,8 @@ class Devnet:
             if (d := n.status.get("directory")) is not None
             and d["users"] >= opts.users and d["model_nodes"] >= opts.models
         )
-        p.users_ready = sum(1 for n in self.users if n.status.get("ready_paths", 0) >= READY_PATHS)
+        p.users_ready = sum(1 for n in self.users
+                            if user_not_ready(n.status, self.users_started) is None)
 
     async def _wait(
         self,
@@ -1513,6 +1534,7 @@ class _WorkerProcess:
         last = None
         while True:
             d = node.directory
+            ready = node.user.ready_paths() if node.user else []
             status = {
                 **base,
                 "state": "up",
@@ -1522,7 +1544,8 @@ class _WorkerProcess:
                     "height": d.height, "users": len(d.users()),
                     "model_nodes": len(d.model_nodes()),
                 },
-                "ready_paths": len(node.user.ready_paths()) if node.user else 0,
+                "ready_paths": len(ready),
+                "ready_proxies": len({p.relays[-1] for p in ready}),
             }
             committee = node.committee_status()
             if committee is not None:  # a committee verifier: its height, signatures, evidence

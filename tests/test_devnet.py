@@ -342,6 +342,20 @@ def test_users_join_in_at_most_four_interleaved_waves_of_at_least_sixteen(users,
     assert all(i % len(waves) == n for n, w in enumerate(waves) for i in w)
 
 
+@pytest.mark.parametrize("status, users, lacks", [
+    ({}, 8, "0/4 ready paths"),
+    ({"ready_paths": 3, "ready_proxies": 3}, 8, "3/4 ready paths"),
+    # 4 paths over 3 proxies: every request would wait out the 1 s distinct-proxy grace
+    ({"ready_paths": 5, "ready_proxies": 3}, 8, "4 ready paths over 3/4 distinct proxies"),
+    ({"ready_paths": 5, "ready_proxies": 4}, 8, None),
+    ({"ready_paths": 4, "ready_proxies": 3}, 4, None),  # 3 other users: 3 proxies at most
+])
+def test_a_user_is_ready_with_n_paths_over_n_distinct_proxies(status, users, lacks):
+    from ps_p2p.devnet import user_not_ready
+
+    assert user_not_ready(status, users) == lacks
+
+
 @pytest.mark.slow
 async def test_a_devnet_packs_nodes_by_the_automatic_rule_and_admits_users_in_waves(
     monkeypatch, tmp_path
@@ -356,7 +370,7 @@ async def test_a_devnet_packs_nodes_by_the_automatic_rule_and_admits_users_in_wa
         assert [[n.name for n in w.nodes] for w in net.workers] == [
             ["verifier0"], ["model0"], ["user0", "user1"], ["user2", "user3"], ["user4", "user5"],
             ["user6", "user7"]]
-        assert all(u.status.get("ready_paths", 0) >= devnet.READY_PATHS for u in net.users)
+        assert all(devnet.user_not_ready(u.status, 8) is None for u in net.users)
         results = await net.send_prompts(
             [devnet.Prompt(str(i), f"Once upon a time {i}") for i in range(4)],
             concurrency=4, timeout=60)

@@ -235,3 +235,89 @@ async def test_a_connection_silent_through_a_timed_out_stream_open_is_closed(
         await trio.testing.wait_all_tasks_blocked()  # the close task, if any, has run
         nursery.cancel_scope.cancel()
     assert conn.closed is closed
+
+
+async def test_a_warmed_link_opens_its_stream_before_any_frame_and_the_first_send_reuses_it(
+    autojump_clock,
+):
+    from ps_p2p.protocols.handlers import FIRST_BYTE_TIMEOUT, StreamHandlers
+    from ps_p2p.protocols.links import make_frame_handler
+
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as peer_host:
+        opened_by: list[bytes] = []
+        frames: list[bytes] = []
+        stream_arrived = trio.Event()
+        frame_arrived = trio.Event()
+
+        def on_open(peer: bytes) -> None:
+            opened_by.append(peer)
+            stream_arrived.set()
+
+        def on_frame(peer: bytes, frame: bytes) -> None:
+            frames.append(frame)
+            frame_arrived.set()
+
+        # served as the overlay serves it: a stream silent for FIRST_BYTE_TIMEOUT is reset
+        handlers = StreamHandlers(peer_host)
+        handlers.add("/test/1.0.0",
+                     make_frame_handler("/test/1.0.0", 1024, on_frame, on_open=on_open))
+        await connect(host, listen_multiaddrs(peer_host)[0])
+        peer = peer_host.get_id().to_bytes()
+        async with trio.open_nursery() as nursery:
+            links = LinkManager(host, nursery, "/test/1.0.0")
+            assert links.warm(peer) and links.has_link(peer)
+            await stream_arrived.wait()  # the peer's handler runs before any message
+            assert opened_by == [host.get_id().to_bytes()] and frames == []
+            assert links.warm(peer)  # already open: nothing new
+            # idle past the first-byte deadline: the opening frame kept the stream
+            await trio.sleep(FIRST_BYTE_TIMEOUT + 5)
+            assert links.send(peer, b"first")
+            with trio.fail_after(30):  # a reset stream would lose it
+                await frame_arrived.wait()
+            nursery.cancel_scope.cancel()
+        await handlers.aclose()
+    assert frames == [b"first"]  # the opening frame is no message
+    assert links.stats.links_opened == 1 and links.stats.links_failed == 0
+
+
+async def test_warming_a_backed_off_peer_that_is_not_connected_opens_nothing(autojump_clock):
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host:
+        down = trio.Event()
+        async with trio.open_nursery() as nursery:
+            links = LinkManager(host, nursery, "/test/1.0.0", open_timeout=1.0,
+                                on_link_down=lambda p, r: down.set())
+            unknown = NodeKeys.generate().identity.peer_id  # no address known: the dial fails
+            assert links.warm(unknown)
+            await down.wait()
+            assert not links.warm(unknown) and not links.has_link(unknown)
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_open_that_runs_out_of_time_doubles_the_next_opens_allowance(autojump_clock):
+    """RFC 6298 5.5 for stream opens: only successes are sampled, so without backing off a
+    machine too busy to finish handshakes in the allowance cancels every open at it."""
+    from types import SimpleNamespace
+
+    class _StuckHost:  # every dial and negotiation hangs (a starved peer or machine)
+        def get_network(self):
+            return SimpleNamespace(get_connections=lambda peer: [])
+
+        async def new_stream(self, peer, protocols):
+            await trio.sleep_forever()
+
+    reasons: list[str] = []
+    down = trio.Event()
+
+    def link_down(peer: bytes, reason: str) -> None:
+        reasons.append(reason)
+        down.set()
+
+    async with trio.open_nursery() as nursery:
+        links = LinkManager(_StuckHost(), nursery, "/test/1.0.0", on_link_down=link_down)
+        for i in range(3):
+            down = trio.Event()
+            assert links.send(NodeKeys.generate().identity.peer_id, b"frame")
+            await down.wait()
+        nursery.cancel_scope.cancel()
+    assert [r.rsplit(" in ", 1)[1] for r in reasons] == ["5 s", "10 s", "20 s"]

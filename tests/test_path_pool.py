@@ -572,3 +572,31 @@ def test_paths_rotating_at_one_tick_are_logged_in_one_line_naming_each_once(capl
 
     for command in opened:  # distinct proxies: each path named exactly once
         assert line.count(f"..{short_peer_id(command.relays[-1])}") == 1
+
+
+
+def _suspect(pool: PathPool, relays: list[bytes], now: float) -> None:
+    """Every setup over ``relays`` fails (e.g. at a start, a relay that did not know the next
+    hop's address yet): each of them is suspect."""
+    for command in _of(pool.tick(now, relays), OpenPath):
+        pool.path_failed(command.path_id, now + 0.1)
+    assert all(pool.penalty(r) > 0 for r in relays)
+
+
+def test_suspect_relays_fill_up_to_n_distinct_proxies_when_the_clean_ones_are_too_few():
+    # 3 clean relays of 7 after a start's failed setups: the pool must still reach n = 4
+    # distinct proxies (else every request waits out the request core's distinct-proxy
+    # grace, 1 s) instead of waiting out the 30 s cooldown
+    pool = _pool(paths=5, total=4)
+    _suspect(pool, RELAYS[3:7], 0.0)
+    opened = _open_all(pool, 0.6, RELAYS[:7])
+    assert len({c.relays[-1] for c in opened}) >= 4
+
+
+def test_a_full_pool_short_of_n_distinct_proxies_rebalances_onto_a_suspect_relay():
+    pool = _pool(paths=5, total=4)
+    _suspect(pool, RELAYS[3:7], 0.0)
+    opened = _open_all(pool, 0.6, RELAYS[:3])  # 3 users known: 3 distinct proxies at most
+    assert len({c.relays[-1] for c in opened}) == 3
+    (replacement,) = _of(pool.tick(1.2, RELAYS[:7]), OpenPath)
+    assert replacement.relays[-1] in RELAYS[3:7]  # a fourth proxy, although a suspect one

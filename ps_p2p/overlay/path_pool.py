@@ -32,7 +32,8 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
 * a path is *confirmed*, and used for requests, only after its first probe reply: the setup
   acknowledgement only travels backwards, past a relay that corrupts forward cells;
 * penalties: a relay on a path that failed setup (only the first hop when the first hop itself
-  went down) or went silent is suspect, and skipped while clean relays are enough; a probe reply
+  went down) or went silent is suspect, and skipped while clean relays are enough (for the hops
+  and for n distinct proxies: ``max(hops, total)`` of them); a probe reply
   clears the relays *before the proxy* only (the proxy answers probes itself, which says nothing
   of what it does with cloves); a penalty is forgotten ``failed_relay_cooldown`` s after its
   last failure;
@@ -40,9 +41,10 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
   paths and is no proxy for ``bad_proxy_cooldown`` s;
 * rotation: a path older than ``rotate_period`` retires (no new requests) and is closed
   ``retire_grace`` s later, when the answers it carries are in;
-* rebalancing: once the pool is full and confirmed, a path whose proxy repeats (while a clean
-  relay is nobody's proxy), else a path sharing relays (while enough unused clean relays exist),
-  retires and is replaced, one at a time.
+* rebalancing: once the pool is full and confirmed, a path whose proxy repeats (while a
+  candidate relay is nobody's proxy: a clean one, or the least suspected while the clean ones
+  are too few for n distinct proxies), else a path sharing relays (while enough unused clean
+  relays exist), retires and is replaced, one at a time.
 
 Counters (:class:`PoolStats`, for logs and metrics): paths built, setups failed, paths lost by
 reason, lost paths repaired, paths rotated out.
@@ -733,11 +735,7 @@ class PathPool:
         if len(users) < cfg.hops:
             log.debug("only %d other users known; need %d relays", len(users), cfg.hops)
             return []
-        clean = [r for r in users if r not in self._penalty]
-        if len(clean) >= cfg.hops:
-            candidates = clean
-        else:  # too few relays above suspicion: the least suspected ones fill up
-            candidates = sorted(users, key=self.penalty)[: cfg.hops]
+        candidates = self._candidates(users)
         in_use: dict[bytes, int] = {}
         # a convicted proxy may still relay but is never a proxy again while flagged
         proxy_uses: dict[bytes, int] = {p: _BAD_PROXY_WEIGHT for p in self._bad_proxies}
@@ -768,6 +766,20 @@ class PathPool:
                 self._repairs.add(path_id)
             commands.append(OpenPath(path_id, tuple(chosen)))
         return commands
+
+    def _candidates(self, users: list[bytes]) -> list[bytes]:
+        """The relays new paths may use: the clean ones (no penalty) while they are enough
+        for ``hops`` relays and n distinct proxies, else the least suspected ones fill up to
+        that many. Enough means both: with clean relays for the hops only, a start's early
+        setup failures (a relay that did not know the next hop's address yet) left a user of an
+        8-user devnet with 3 distinct proxies for 30 s, and each of its requests waited out
+        the request core's ``distinct_proxy_grace`` (1 s) before going out with a proxy
+        carrying two cloves."""
+        need = max(self.config.hops, self.config.total)
+        clean = [r for r in users if r not in self._penalty]
+        if len(clean) >= need:
+            return clean
+        return sorted(users, key=self.penalty)[:need]  # stable: the clean ones first
 
     def _report_reuse(self, candidates: int) -> None:
         """Log once, at INFO, that relays repeat across this user's paths.
@@ -801,8 +813,9 @@ class PathPool:
             return []
         ready = self.ready_paths()
         users = self._usable(relays)
-        clean = [r for r in users if r not in self._penalty and r not in self._bad_proxies]
-        # first: replace a path whose proxy repeats while a clean relay is nobody's proxy
+        clean = [r for r in self._candidates(users) if r not in self._bad_proxies]
+        # first: replace a path whose proxy repeats while a candidate relay (a clean one, or
+        # while those are too few for n distinct proxies the least suspected) is nobody's proxy
         proxies: dict[bytes, list[PoolPath]] = {}
         for path in ready:
             proxies.setdefault(path.proxy, []).append(path)

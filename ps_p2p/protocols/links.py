@@ -10,6 +10,10 @@ opened. A :class:`LinkManager` owns the outbound side for one protocol ID:
 * a writer task per peer opens the stream lazily (dialing the peer from the peerstore's
   addresses if needed), coalesces queued frames into one ``write()`` and, when the stream fails,
   reports the peer through ``on_link_down`` and forgets the link (the next send opens a new one);
+* :meth:`LinkManager.warm` opens a link ahead of its first message (a user's delivery links to
+  the model nodes, and a model node's reply link back to each such user): the stream starts
+  with an empty frame (:data:`OPENING_FRAME`) that :func:`make_frame_handler` skips, since an
+  inbound stream without a first byte for 10 s is reset (:mod:`ps_p2p.protocols.handlers`);
 * a peer whose stream could not be opened is not dialled again at once: sends to it are refused
   for an exponentially growing, jittered back-off (0.5 s doubling up to 30 s, times 0.5-1.5),
   cleared by the next link that opens;
@@ -62,6 +66,10 @@ BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 30.0
 #: Peers whose back-off is remembered.
 MAX_BACKOFF_PEERS = 4096
+#: The frame a link warmed ahead of its first message opens with (:meth:`LinkManager.warm`):
+#: empty; a frame handler skips it as the first frame of a stream (a later empty frame goes to
+#: ``on_frame`` like any other: the overlay's decoders refuse it).
+OPENING_FRAME = encode_frame(b"")
 #: Seconds a stream's close (the FIN) may take, at the end of an outbound link or of an inbound
 #: frame stream, before the stream is reset instead: a close waits behind the connection's
 #: other writes, and py-libp2p's Yamux marks a cancelled close closed without sending the FIN.
@@ -105,7 +113,8 @@ class LinkManager:
             when a stream to that peer could not be opened or failed while writing.
         queue_frames: frames queued per peer before :meth:`send` starts refusing (default 4096).
         open_timeout: the floor of the time allowed to dial and negotiate a stream (default
-            5 s); the allowance itself is the RFC 6298 timeout of the measured stream opens, so
+            5 s); the allowance itself is the RFC 6298 timeout of the measured stream opens,
+            doubled by each open that runs out of it (up to 60 s, until one succeeds), so
             a machine too busy to finish handshakes in 5 s does not fail every link it opens
             (which made a 100-user devnet tear down working paths and dial again, at once).
         clock: seconds (trio's clock); random: uniform [0, 1) draws for the back-off jitter.
@@ -185,6 +194,35 @@ class LinkManager:
             return False
         return True
 
+    def warm(self, peer_id: bytes) -> bool:
+        """Open the link to ``peer_id`` now, before any message, so that the first :meth:`send`
+        finds its stream open (a stream open is a Yamux SYN and a multistream-select round
+        trip: on a loaded machine tens of ms, paid by the first request otherwise). The stream
+        starts with :data:`OPENING_FRAME`, which :func:`make_frame_handler` skips: an inbound
+        stream that sends nothing for 10 s is reset (:mod:`ps_p2p.protocols.handlers`).
+
+        Returns:
+            True when the link exists or is opening; False when the peer is in dial back-off
+            and not connected (nothing is done).
+        """
+        link = self._links.get(peer_id)
+        if link is not None and not link.closed:
+            return True
+        backoff = self._backoff.get(peer_id)
+        if backoff is not None and self._clock() < backoff[1]:
+            if not is_connected(self._host, peer_id):
+                return False
+            del self._backoff[peer_id]
+        link = self._open(peer_id)
+        link.send.send_nowait(OPENING_FRAME)
+        link.queued_bytes += len(OPENING_FRAME)
+        return True
+
+    def has_link(self, peer_id: bytes) -> bool:
+        """Whether a link to ``peer_id`` is open or opening."""
+        link = self._links.get(peer_id)
+        return link is not None and not link.closed
+
     async def flush(self) -> None:
         """Wait until every frame queued so far is written or its link has failed (a node
         that stops sends its last answers first). Wrap it in a deadline: a link still
@@ -248,6 +286,11 @@ class LinkManager:
             reason = f"could not open a {self._protocol_id} stream in {allowance:.0f} s"
             self._back_off(link.peer_id)
             self._close_silent_connections(link.peer_id, opened_at)
+            # RFC 6298 5.5: the next open gets twice the time (until one succeeds). Only
+            # successes are sampled, so on a machine too busy to finish a handshake within the
+            # allowance every open was cancelled at it and its work wasted, nothing sampled: a
+            # 100-user devnet on 2 cores at load 20-28 cancelled 1,155 opens at 5 s in 166 s
+            self._open_rtt.timed_out()
         except trio.Cancelled:
             raise
         except Exception as exc:  # a dial or stream failure of any kind ends this link only
@@ -326,8 +369,10 @@ def make_frame_handler(
     protocol_id: str,
     max_frame_bytes: int,
     on_frame: Callable[[bytes, bytes], None],
+    on_open: Callable[[bytes], None] | None = None,
 ) -> Callable[[INetStream], object]:
-    """Build a stream handler that reads frames until EOF and hands them to ``on_frame``.
+    """Build a stream handler that reads frames until EOF and hands them to ``on_frame``
+    (all but an empty first frame, :data:`OPENING_FRAME`).
 
     Args:
         protocol_id: for logs.
@@ -335,6 +380,9 @@ def make_frame_handler(
         on_frame: ``on_frame(peer_id_bytes, frame)``, synchronous. It may raise
             RemoteProtocolError to reset this stream; any other exception is logged and also only
             resets this stream.
+        on_open: ``on_open(peer_id_bytes)``, synchronous, called once when a stream arrives,
+            before its first frame (e.g. to open the link back to that peer ahead of the first
+            answer); an exception it raises is logged and the stream served all the same.
 
     Returns:
         an ``async def handler(stream)`` for ``host.set_stream_handler`` that never raises.
@@ -344,10 +392,18 @@ def make_frame_handler(
         peer = stream.muxed_conn.peer_id
         peer_bytes = peer.to_bytes()
         reader = FrameReader(stream, max_frame_bytes)
+        if on_open is not None:
+            try:
+                on_open(peer_bytes)
+            except Exception:
+                log.exception("%s: on_open for %s failed", protocol_id, peer)
         try:
-            while True:
+            frame = await reader.read_frame()
+            if not frame:  # OPENING_FRAME: a link opened ahead of its first message
                 frame = await reader.read_frame()
+            while True:
                 on_frame(peer_bytes, frame)
+                frame = await reader.read_frame()
         except StreamEOF:
             with trio.move_on_after(CLOSE_TIMEOUT) as scope:
                 await _quietly(stream.close)

@@ -207,12 +207,14 @@ class OverlayService:
         """
         handlers = StreamHandlers(self.host)
         try:
-            for protocol_id, limit, handler in (
-                (ONION_PROTOCOL_ID, ONION_MAX_FRAME, self._on_onion_frame),
-                (CLOVE_PROTOCOL_ID, CLOVE_MAX_FRAME, self._on_clove_frame),
-                (DELIVER_PROTOCOL_ID, DELIVER_MAX_FRAME, self._on_deliver_frame),
+            for protocol_id, limit, handler, on_open in (
+                (ONION_PROTOCOL_ID, ONION_MAX_FRAME, self._on_onion_frame, None),
+                (CLOVE_PROTOCOL_ID, CLOVE_MAX_FRAME, self._on_clove_frame, None),
+                (DELIVER_PROTOCOL_ID, DELIVER_MAX_FRAME, self._on_deliver_frame,
+                 self._on_deliver_stream),
             ):
-                handlers.add(protocol_id, make_frame_handler(protocol_id, limit, handler))
+                handlers.add(protocol_id,
+                             make_frame_handler(protocol_id, limit, handler, on_open=on_open))
             await self._serve(task_status)
         finally:
             await handlers.aclose()
@@ -282,6 +284,24 @@ class OverlayService:
                 self.core.receive_reply, peer, frame.reply_tag, frame.clove, frame.signature
             )
         self.driver.submit(event, peer=peer, direct=True)
+
+    def _on_deliver_stream(self, peer: bytes) -> None:
+        """A delivery stream arrived: a model node opens its reply link back to that proxy
+        now (when the peer is a directory user), so that the first response clove does not
+        wait for a stream to open (:meth:`warm_delivery_link` is the proxy's half)."""
+        if self._on_delivery is not None and self._has_role(records.Role.USER, peer):
+            self.warm_delivery_link(peer)
+
+    def warm_delivery_link(self, peer: bytes) -> bool:
+        """Open the ``/planetserve/deliver`` link to ``peer`` (a model node, or for a model
+        node a proxy) ahead of the first clove, without sending anything: a stream open is a
+        multistream-select round trip through two busy processes, and a proxy's first delivery
+        and a model node's first reply to a proxy otherwise each wait for one (in a 100-user
+        devnet on 2 cores every prompt was its user's first request, and these waits were most
+        of its latency). Returns False before :meth:`run` or while the peer is backed off."""
+        if self._deliver_links is None:
+            return False
+        return self._deliver_links.warm(peer)
 
     def _link_down(self, peer: bytes, reason: str) -> None:
         self.driver.submit(
