@@ -107,9 +107,28 @@ async def test_a_prompt_cached_on_a_peer_is_routed_there_once_its_delta_and_load
         me.receive(B.peer_id, envelope)
     assert await me.route(_query(prefix + "second question")) == B.peer_id
     assert me.decisions["cache_hit"] == 1
-    # counted against B until its next report, once for each entry node of the group (2)
-    assert me.book.get(B.peer_id).forwarded == 2
+    # counted against B until its next report, once: our own send (issue 19, third session)
+    assert me.book.get(B.peer_id).forwarded == 1
     assert await me.route(_query("an unrelated prompt, nothing cached anywhere")) is None
+
+
+async def test_a_holder_with_a_free_slot_left_gets_the_next_prompt_of_its_prefix_too():
+    """Role level (issue 19, third session): a forward counted once per entry node of the
+    group (here 2) made B, with 2 slots and 1 request of ours, look full, and the next prompt
+    of the prefix B holds was served here, uncached."""
+    me, _ = _forwarding(A)
+    peer, engine = _forwarding(B)
+    directory = _directory(_node(A), _node(B))
+    me.set_directory(directory)
+    peer.set_directory(directory)
+    prefix = "system prompt shared by the tools, " * 8
+    await engine.complete(prefix + "first question", EngineParams(max_tokens=2))
+    peer.absorb_engine_events()
+    for envelope in [peer.load_envelope(), *peer.delta_envelopes()]:
+        me.receive(B.peer_id, envelope)
+    assert await me.route(_query(prefix + "second question")) == B.peer_id
+    assert await me.route(_query(prefix + "third question")) == B.peer_id
+    assert me.decisions == {"cache_hit": 2}
 
 
 async def test_a_gap_in_a_peers_deltas_is_closed_by_its_snapshot():
