@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import IHost
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 
 from ps_p2p import records
 from ps_p2p.crypto import onion
@@ -50,7 +52,12 @@ from ps_p2p.protocols.delivery import DELIVER_MAX_FRAME, DELIVER_PROTOCOL_ID
 from ps_p2p.protocols.driver import CoreDriver
 from ps_p2p.protocols.handlers import StreamHandlers
 from ps_p2p.protocols.host import is_connected, peer_network
-from ps_p2p.protocols.links import LinkManager, LinkStats, make_frame_handler
+from ps_p2p.protocols.links import (
+    LinkManager,
+    LinkStats,
+    forget_failed_dial,
+    make_frame_handler,
+)
 from ps_p2p.protocols.onion_setup import ONION_MAX_FRAME, ONION_PROTOCOL_ID
 
 log = logging.getLogger(__name__)
@@ -168,6 +175,7 @@ class OverlayService:
         self._onion_links: LinkManager | None = None
         self._clove_links: LinkManager | None = None
         self._deliver_links: LinkManager | None = None
+        self._nursery: trio.Nursery | None = None
 
     @property
     def on_delivery(self) -> Callable[[bytes, bytes], None] | None:
@@ -219,6 +227,7 @@ class OverlayService:
 
     async def _serve(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             self._onion_links = LinkManager(
                 self.host, nursery, ONION_PROTOCOL_ID, on_link_down=self._link_down
             )
@@ -286,6 +295,29 @@ class OverlayService:
     def _link_down(self, peer: bytes, reason: str) -> None:
         self.driver.submit(
             functools.partial(self.core.link_failed, peer, reason, self._connected(peer))
+        )
+
+    async def _check_destination(self, peer: bytes, reason: str) -> None:
+        """Dial model node ``peer`` again (``CheckDestination``), within the delivery links'
+        open allowance, and tell the core whether it answered (a model node that is gone
+        fails at once or times out; one whose connection was only replaced is connected)."""
+        assert self._deliver_links is not None
+        reachable = self._connected(peer)
+        if not reachable:
+            forget_failed_dial(self.host, peer)  # a dial that failed before says nothing now
+            allowance = self._deliver_links.open_allowance
+            outcome = f"no connection within {allowance:.0f} s"
+            with trio.move_on_after(allowance):
+                try:
+                    await self.host.connect(
+                        PeerInfo(ID(peer), self.host.get_peerstore().addrs(ID(peer))))
+                    reachable = True
+                except Exception as exc:  # any dial failure: the node is not reachable
+                    outcome = f"{type(exc).__name__}"
+            reason = f"{reason}; redial: {outcome}"
+        self.driver.submit(
+            functools.partial(self.core.destination_checked, peer, reachable, reason),
+            essential=True,
         )
 
     def peer_disconnected(self, peer: bytes) -> None:
@@ -394,6 +426,9 @@ class OverlayService:
             case core.DeliverToModel(proxy, clove):
                 if self._on_delivery is not None:
                     self._on_delivery(proxy, clove)
+            case core.CheckDestination(peer, reason):
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._check_destination, peer, reason)
             case core.PathReady(token):
                 handle: PathHandle = token  # type: ignore[assignment]
                 handle.is_ready = True
