@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 
 from ps_p2p import records
 from ps_p2p.crypto import onion
@@ -298,25 +297,25 @@ class OverlayService:
         )
 
     async def _check_destination(self, peer: bytes, reason: str) -> None:
-        """Dial model node ``peer`` again (``CheckDestination``), within the delivery links'
-        open allowance, and tell the core whether it answered (a model node that is gone
-        fails at once or times out; one whose connection was only replaced is connected)."""
+        """Open a delivery stream to model node ``peer`` again (``CheckDestination``), within
+        the delivery links' open allowance, and tell the core whether it opened: a node that
+        is gone fails at once or times out, one whose connection was only replaced answers.
+        A stream of the protocol, not a connection only: a host that is stopping may still
+        finish a handshake and then drop the connection."""
         assert self._deliver_links is not None
-        reachable = self._connected(peer)
-        if not reachable:
-            forget_failed_dial(self.host, peer)  # a dial that failed before says nothing now
-            allowance = self._deliver_links.open_allowance
-            outcome = f"no connection within {allowance:.0f} s"
-            with trio.move_on_after(allowance):
-                try:
-                    await self.host.connect(
-                        PeerInfo(ID(peer), self.host.get_peerstore().addrs(ID(peer))))
-                    reachable = True
-                except Exception as exc:  # any dial failure: the node is not reachable
-                    outcome = f"{type(exc).__name__}"
-            reason = f"{reason}; redial: {outcome}"
+        forget_failed_dial(self.host, peer)  # a dial that failed before says nothing now
+        allowance = self._deliver_links.open_allowance
+        reachable, outcome = False, f"no stream within {allowance:.0f} s"
+        with trio.move_on_after(allowance):
+            try:
+                stream = await self.host.new_stream(ID(peer), [DELIVER_PROTOCOL_ID])
+                reachable = True
+                await stream.close()
+            except Exception as exc:  # any dial or stream failure: not reachable
+                outcome = type(exc).__name__
         self.driver.submit(
-            functools.partial(self.core.destination_checked, peer, reachable, reason),
+            functools.partial(self.core.destination_checked, peer, reachable,
+                              f"{reason}; redial: {outcome}"),
             essential=True,
         )
 
