@@ -42,7 +42,11 @@ reply (at a proxy)            passed back under a live reply tag from its model 
 destroy                       own path failed, or the entry removed and the destroy passed on
 link failed                   nothing while the connection lives (the next send opens a new
                               stream); otherwise every setup, entry and own path over the peer
-                              goes, with destroys to the other side
+                              goes, with destroys to the other side, and a model node with live
+                              reply tags is checked (``CheckDestination``: redialled) before
+                              they are told it is lost
+destination checked           a model node that could not be redialled is lost: its live reply
+                              tags each answer ``DeliveryFailed``; one that could keeps them
 send failed                   a setup whose next hop is unreachable fails at once; a delivery
                               the proxy could not queue answers ``DeliveryFailed``
 tick                          expires setups past their deadline (heap-indexed), own paths past
@@ -260,9 +264,21 @@ class BackwardReceived:
     message: BackwardMessage
 
 
+@dataclass(frozen=True)
+class CheckDestination:
+    """Proxy: the last connection to model node ``peer`` closed (``reason``) while reply tags
+    wait for it. The driver dials it again (within a stream-open allowance) and reports with
+    :meth:`RelayCore.destination_checked`: a connection that closes says nothing of the node
+    being gone (both ends replacing a connection, a reset stream), and one it answers over a
+    moment later must find its reply tags still there."""
+
+    peer: bytes
+    reason: str
+
+
 Command = (
     SendSetup | SendSetupReply | SendCell | SendDestroy | SendDelivery | SendReply
-    | DeliverToModel | PathReady | PathFailed | BackwardReceived
+    | DeliverToModel | PathReady | PathFailed | BackwardReceived | CheckDestination
 )
 
 
@@ -302,6 +318,9 @@ class RelayConfig:
             from one source network (:mod:`ps_p2p.overlay.relay_table`).
         max_reply_tags: live reply tags at most (the oldest is forgotten beyond it).
         reply_tag_ttl: seconds a proxy forwards replies under a request's reply tag.
+        destination_check_timeout: seconds a proxy waits for the outcome of a
+            :class:`CheckDestination` (its driver redials within the stream-open allowance,
+            5 s or more); without one by then the model node is lost.
         setup_window: a setup's issue time (put in the packet by its user) may differ from this
             relay's wall clock by this much, in seconds (clock skew between volunteers' machines
             plus the setup's travel); the replay cache remembers a packet twice as long.
@@ -325,6 +344,7 @@ class RelayConfig:
     max_unlisted_per_origin: int = DEFAULT_MAX_UNLISTED_PER_ORIGIN
     max_reply_tags: int = 100_000
     reply_tag_ttl: float = 600.0
+    destination_check_timeout: float = 15.0
     setup_window: float = SETUP_WINDOW
     max_remembered_setups: int = MAX_REMEMBERED_SETUPS
     max_setups_per_peer: int = MAX_SETUPS_PER_PEER
@@ -491,6 +511,10 @@ class RelayCore:
             max_unlisted_per_origin=self.config.max_unlisted_per_origin,
         )
         self.stats = RelayStats()
+        # model nodes being redialled (CheckDestination) after their last connection closed ->
+        # (lost at this time without an outcome, the reason); one per destination with reply
+        # tags (bounded by max_reply_tags)
+        self._checking: dict[bytes, tuple[float, str]] = {}
         self._paths: dict[tuple[bytes, bytes], OwnPath] = {}
         self._path_deadlines: list[tuple[float, int, tuple[bytes, bytes]]] = []
         # setup packets that opened: ephemeral key -> (forget at, predecessor, listed), in
@@ -525,6 +549,7 @@ class RelayCore:
         """When :meth:`tick` next has work (setup deadlines, idle entries, tag expiry), or None;
         O(1) (stale heap tops only make a tick come early)."""
         times = [d[0] for d in (self._deadlines[:1] + self._path_deadlines[:1])]
+        times += [deadline for deadline, _ in self._checking.values()]
         expiry = self.table.next_expiry(self.config.relay_idle_timeout)
         if expiry is not None:
             times.append(expiry)
@@ -900,7 +925,12 @@ class RelayCore:
         if connected:
             log.info("stream to %s failed (%s); connection alive, paths kept", _short(peer), reason)
             return []
-        out: list[Command] = self.destination_lost(peer, reason, now)
+        out: list[Command] = []
+        if self.table.has_tags_for(peer) and peer not in self._checking:
+            # not lost yet: a model node whose connection was replaced (or that redials us to
+            # answer) is still there; destination_checked tells the users if it is not
+            self._checking[peer] = (now + self.config.destination_check_timeout, reason)
+            out.append(CheckDestination(peer, reason))
         for key, pending in list(self._pending.items()):
             if key[0] == peer:
                 del self._pending[key]
@@ -917,6 +947,18 @@ class RelayCore:
                 self.stats.paths_lost_to_link_down += 1
                 out += self._path_failed(own, f"first hop down: {reason}", first_hop_down=True)
         return out
+
+    def destination_checked(self, peer: bytes, reachable: bool, reason: str,
+                            now: float) -> list[Command]:
+        """The outcome of a :class:`CheckDestination` for model node ``peer``: ``reachable``
+        (a connection to it is open again) keeps its reply tags, so an answer it sends still
+        goes back; otherwise it is lost (:meth:`destination_lost`, with ``reason``)."""
+        if self._checking.pop(peer, None) is None:
+            return []  # already decided (tick: no outcome in time)
+        if reachable:
+            log.info("model node %s reachable again after its connection closed", _short(peer))
+            return []
+        return self.destination_lost(peer, reason, now)
 
     def destination_lost(self, peer: bytes, reason: str, now: float) -> list[Command]:
         """Proxies: the connection to model node ``peer`` is gone (it died or left). Every
@@ -956,8 +998,13 @@ class RelayCore:
     # ------------------------------------------------------------------ timers
 
     def tick(self, now: float) -> list[Command]:
-        """Expire setups past their deadline, idle entries and spent tags (O(expired))."""
+        """Expire setups past their deadline, idle entries and spent tags (O(expired)), and
+        lose the model nodes whose :class:`CheckDestination` had no outcome in time."""
         out: list[Command] = []
+        for peer, (deadline, reason) in list(self._checking.items()):
+            if deadline <= now:
+                del self._checking[peer]
+                out += self.destination_lost(peer, f"{reason}; no redial in time", now)
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, _, key = heapq.heappop(self._deadlines)
             pending = self._pending.get(key)
@@ -991,6 +1038,7 @@ def _flip_byte(data: bytes) -> bytes:
 __all__ = [
     "BackwardMessage",
     "BackwardReceived",
+    "CheckDestination",
     "Command",
     "DROP_BAD_CELL",
     "DROP_BAD_REPLY_SIGNATURE",

@@ -282,6 +282,11 @@ class RelayTable:
         self._tags_by_destination.setdefault(destination, {})[tag] = None
         return True
 
+    def has_tags_for(self, destination: bytes) -> bool:
+        """Whether reply tags (live or not yet expired by :meth:`expire`) wait for replies
+        from model node ``destination``; O(1)."""
+        return bool(self._tags_by_destination.get(destination))
+
     def take_tags_for(self, destination: bytes, now: float) -> list[tuple[bytes, RelayEntry]]:
         """Forget and return the live (unexpired, unspent) reply tags registered for replies
         from model node ``destination``, oldest first, with the path each one belongs to;

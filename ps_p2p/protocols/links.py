@@ -153,6 +153,12 @@ class LinkManager:
         self.stats = LinkStats()
         self._wrote = trio.Event()  # set after every write and every link's end (flush)
 
+    @property
+    def open_allowance(self) -> float:
+        """Seconds a stream open (with its dial) may take before it counts as failed: the
+        RFC 6298 RTO of the opens measured so far, at least ``open_timeout``."""
+        return self._open_rtt.rto
+
     def send(self, peer_id: bytes, message: bytes) -> bool:
         """Queue one message (the frame prefix is added here) for ``peer_id``; never blocks.
 
@@ -258,7 +264,7 @@ class LinkManager:
             started = self._clock()
             opened_at = trio.current_time()  # last_heard's clock
             if self._persistent:
-                _forget_failed_dial(self._host, link.peer_id)
+                forget_failed_dial(self._host, link.peer_id)
             with trio.fail_after(allowance):
                 stream = await self._host.new_stream(ID(link.peer_id), [self._protocol_id])
             self._open_rtt.sample(self._clock() - started)
@@ -357,7 +363,7 @@ class LinkManager:
             self._backoff.popitem(last=False)
 
 
-def _forget_failed_dial(host: IHost, peer_id: bytes) -> None:
+def forget_failed_dial(host: IHost, peer_id: bytes) -> None:
     """Drop ``peer_id`` from py-libp2p 0.8.1's negative dial cache (a private attribute of
     its swarm; nothing happens when it is not there)."""
     cache = getattr(host.get_network(), "_negative_peer_cache", None)

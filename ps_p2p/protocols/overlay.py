@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import IHost
+from libp2p.peer.id import ID
 
 from ps_p2p import records
 from ps_p2p.crypto import onion
@@ -50,7 +51,12 @@ from ps_p2p.protocols.delivery import DELIVER_MAX_FRAME, DELIVER_PROTOCOL_ID
 from ps_p2p.protocols.driver import CoreDriver
 from ps_p2p.protocols.handlers import StreamHandlers
 from ps_p2p.protocols.host import is_connected, peer_network
-from ps_p2p.protocols.links import LinkManager, LinkStats, make_frame_handler
+from ps_p2p.protocols.links import (
+    LinkManager,
+    LinkStats,
+    forget_failed_dial,
+    make_frame_handler,
+)
 from ps_p2p.protocols.onion_setup import ONION_MAX_FRAME, ONION_PROTOCOL_ID
 
 log = logging.getLogger(__name__)
@@ -168,6 +174,7 @@ class OverlayService:
         self._onion_links: LinkManager | None = None
         self._clove_links: LinkManager | None = None
         self._deliver_links: LinkManager | None = None
+        self._nursery: trio.Nursery | None = None
 
     @property
     def on_delivery(self) -> Callable[[bytes, bytes], None] | None:
@@ -221,6 +228,7 @@ class OverlayService:
 
     async def _serve(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             self._onion_links = LinkManager(
                 self.host, nursery, ONION_PROTOCOL_ID, on_link_down=self._link_down
             )
@@ -306,6 +314,29 @@ class OverlayService:
     def _link_down(self, peer: bytes, reason: str) -> None:
         self.driver.submit(
             functools.partial(self.core.link_failed, peer, reason, self._connected(peer))
+        )
+
+    async def _check_destination(self, peer: bytes, reason: str) -> None:
+        """Open a delivery stream to model node ``peer`` again (``CheckDestination``), within
+        the delivery links' open allowance, and tell the core whether it opened: a node that
+        is gone fails at once or times out, one whose connection was only replaced answers.
+        A stream of the protocol, not a connection only: a host that is stopping may still
+        finish a handshake and then drop the connection."""
+        assert self._deliver_links is not None
+        forget_failed_dial(self.host, peer)  # a dial that failed before says nothing now
+        allowance = self._deliver_links.open_allowance
+        reachable, outcome = False, f"no stream within {allowance:.0f} s"
+        with trio.move_on_after(allowance):
+            try:
+                stream = await self.host.new_stream(ID(peer), [DELIVER_PROTOCOL_ID])
+                reachable = True
+                await stream.close()
+            except Exception as exc:  # any dial or stream failure: not reachable
+                outcome = type(exc).__name__
+        self.driver.submit(
+            functools.partial(self.core.destination_checked, peer, reachable,
+                              f"{reason}; redial: {outcome}"),
+            essential=True,
         )
 
     def peer_disconnected(self, peer: bytes) -> None:
@@ -414,6 +445,9 @@ class OverlayService:
             case core.DeliverToModel(proxy, clove):
                 if self._on_delivery is not None:
                     self._on_delivery(proxy, clove)
+            case core.CheckDestination(peer, reason):
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._check_destination, peer, reason)
             case core.PathReady(token):
                 handle: PathHandle = token  # type: ignore[assignment]
                 handle.is_ready = True
