@@ -512,3 +512,24 @@ def test_paths_rotating_at_one_tick_are_logged_in_one_line_naming_each_once(capl
 
     for command in opened:  # distinct proxies: each path named exactly once
         assert line.count(f"..{short_peer_id(command.relays[-1])}") == 1
+
+
+def test_a_setup_abandoned_after_an_address_change_makes_no_relay_suspect():
+    pool = _pool(paths=1, total=1)
+    (opened,) = _of(pool.tick(0.0, RELAYS), OpenPath)
+    assert pool.path_failed(opened.path_id, 0.1, blameless=True) == []
+    assert [pool.penalty(r) for r in opened.relays] == [0, 0, 0]
+    assert (pool.stats.setups_abandoned, pool.stats.setups_failed) == (1, 0)
+    (rebuilt,) = _of(pool.tick(0.6, RELAYS), OpenPath)  # rebuilt at the next maintenance
+    assert rebuilt.path_id != opened.path_id
+
+
+def test_an_address_change_forgives_the_relays_that_failed_since_its_first_signs():
+    # the first hops "went down" because this node's own connections died, not theirs
+    pool = _pool(paths=2, total=2)
+    before, during = _of(pool.tick(0.0, RELAYS), OpenPath)
+    pool.path_failed(before.path_id, 1.0, first_hop_down=True)  # long before the change
+    pool.path_failed(during.path_id, 9.0, first_hop_down=True)
+    assert pool.address_changed(since=8.0, now=10.0) == []
+    assert pool.penalty(during.relays[0]) == 0
+    assert pool.penalty(before.relays[0]) == 1
