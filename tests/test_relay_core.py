@@ -486,8 +486,9 @@ def test_a_node_whose_links_all_died_at_once_abandons_its_setups_in_flight():
     assert core.link_failed(Y, "reset", False, now=2.0) == []
     out = core.link_failed(Z, "reset", False, now=3.0)
     assert out[0] == r.AddressChanged(3.0, since=1.0)
-    assert _failed(out) == [r.PathFailed("one", "abandoned: own address changed", False, False, True),
-                            r.PathFailed("two", "abandoned: own address changed", False, False, True)]
+    abandoned = "abandoned: own address changed"
+    assert _failed(out) == [r.PathFailed("one", abandoned, False, False, True),
+                            r.PathFailed("two", abandoned, False, False, True)]
     assert r.SendDestroy(first.path.first_hop, first.path.first_path_id, "abandoned") in out
     assert r.SendDestroy(second.path.first_hop, second.path.first_path_id, "abandoned") in out
     assert core.own_paths() == [] and core.moves == 1
