@@ -530,6 +530,20 @@ def test_an_address_change_forgives_the_relays_that_failed_since_its_first_signs
     before, during = _of(pool.tick(0.0, RELAYS), OpenPath)
     pool.path_failed(before.path_id, 1.0, first_hop_down=True)  # long before the change
     pool.path_failed(during.path_id, 9.0, first_hop_down=True)
-    assert pool.address_changed(since=8.0, now=10.0) == []
+    assert pool.address_changed(since=8.0, now=10.0) == []  # no ready path to probe
     assert pool.penalty(during.relays[0]) == 0
     assert pool.penalty(before.relays[0]) == 1
+
+
+def test_an_address_change_probes_every_ready_path_and_replaces_the_dead_within_a_deadline():
+    # a path whose first hop's connection died with all the others, but that carried nothing
+    # since, is found one probe deadline after the change, not at its next probe 10 s on
+    pool = _pool(probe_interval=10.0, probe_timeout=1.0)
+    opened = _open_all(pool, 0.0)
+    probes = _of(pool.address_changed(since=4.0, now=5.0), SendProbe)
+    assert sorted(p.path_id for p in probes) == sorted(c.path_id for c in opened)
+    live = probes[0]
+    pool.probe_reply(live.path_id, live.nonce, 5.1)
+    rebuilt = _of(pool.tick(6.5, RELAYS), OpenPath)  # the other four: suspended, replaced
+    assert len(rebuilt) == 4
+    assert [p.path_id for p in pool.ready_paths()] == [live.path_id]

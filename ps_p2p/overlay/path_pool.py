@@ -429,14 +429,25 @@ class PathPool:
         "down", setups unanswered, paths silent) did nothing wrong; their penalties are
         forgotten, and the pool refills at its next tick instead of going around them. (A
         penalty also counts older failures; those go too: one change is rare, a relay that
-        fails again is suspect again at once.)"""
+        fails again is suspect again at once.) Every ready path with no probe out is probed
+        now: one whose first hop's connection died with the others but has not yet failed
+        (nothing was sent on it since) is suspended and replaced one probe deadline later
+        (floor ``probe_timeout``), not at its next probe ``probe_interval`` s on.
+
+        Returns:
+            a :class:`SendProbe` per ready path probed.
+        """
         forgiven = [peer for peer, (_, last) in self._penalty.items() if last >= since]
         for peer in forgiven:
             del self._penalty[peer]
         if forgiven:
             log.info("own address changed: %d relays' penalties forgiven", len(forgiven))
         self._next_maintenance = None
-        return []
+        commands: list[Command] = []
+        for path in self._paths.values():
+            if path.probe_nonce is None:
+                commands += self._probe(path, now)
+        return commands
 
     def path_down(self, path_id: int, now: float) -> list[Command]:
         """A ready path died (its first hop disconnected, a Destroy came back...)."""
