@@ -32,6 +32,10 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
   clears the relays *before the proxy* only (the proxy answers probes itself, which says nothing
   of what it does with cloves); a penalty is forgotten ``failed_relay_cooldown`` s after its
   last failure;
+* this node's own address changed (:meth:`PathPool.address_changed`, found by the relay core:
+  every connection died at once): the setups it abandoned blame nobody (``path_failed`` with
+  ``blameless``), the relays that failed it since the first sign are forgiven, and every ready
+  path is probed at once (one riding a dead connection is replaced a probe deadline later);
 * a proxy convicted of altering a response clove (:meth:`PathPool.convict_proxy`) loses its
   paths and is no proxy for ``bad_proxy_cooldown`` s;
 * rotation: a path older than ``rotate_period`` retires (no new requests) and is closed
