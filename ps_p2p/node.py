@@ -502,6 +502,9 @@ class Node:
                     directory=lambda: self.directory,
                 )
                 await nursery.start(self.overlay.run)
+                # no relay answering a NATed node means its address changed: its setups in
+                # flight are abandoned at once (the overlay also sees it from its links)
+                self.nat.keeper.on_address_changed = self.overlay.address_changed
                 self._notifee = _DisconnectNotifee(self.overlay.peer_disconnected)
                 network.register_notifee(self._notifee)
             if Role.MODEL in self.roles:

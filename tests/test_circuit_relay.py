@@ -468,6 +468,8 @@ async def test_a_private_node_closes_the_connections_its_relays_no_longer_answer
     conns[_pid(4)] = [later]
     host = _PingHost({_pid(i) for i in answering}, conns)
     keeper = ReservationKeeper(host, CircuitRelayConfig(), candidates=list)
+    moves: list[bool] = []
+    keeper.on_address_changed = lambda: moves.append(True)
     keeper._held = {_pid(1).to_bytes(): (1e9, "/ip4/10.0.0.1/tcp/1"),
                     _pid(2).to_bytes(): (1e9, "/ip4/10.0.0.2/tcp/1")}
     silent = await keeper.check_alive()
@@ -475,6 +477,8 @@ async def test_a_private_node_closes_the_connections_its_relays_no_longer_answer
     assert {i for i in (1, 2, 3) if conns[_pid(i)][0].closed} == closed
     assert not later.closed
     assert set(keeper._held) == {_pid(i).to_bytes() for i in (1, 2) if i not in closed}
+    # the overlay hears of the change only when no relay answered (it abandons its setups)
+    assert moves == ([True] if not answering else [])
 
 
 async def test_a_live_relay_answers_the_keepers_ping():

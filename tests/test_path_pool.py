@@ -574,7 +574,6 @@ def test_paths_rotating_at_one_tick_are_logged_in_one_line_naming_each_once(capl
         assert line.count(f"..{short_peer_id(command.relays[-1])}") == 1
 
 
-
 def _suspect(pool: PathPool, relays: list[bytes], now: float) -> None:
     """Every setup over ``relays`` fails (e.g. at a start, a relay that did not know the next
     hop's address yet): each of them is suspect."""
@@ -600,3 +599,38 @@ def test_a_full_pool_short_of_n_distinct_proxies_rebalances_onto_a_suspect_relay
     assert len({c.relays[-1] for c in opened}) == 3
     (replacement,) = _of(pool.tick(1.2, RELAYS[:7]), OpenPath)
     assert replacement.relays[-1] in RELAYS[3:7]  # a fourth proxy, although a suspect one
+
+
+def test_a_setup_abandoned_after_an_address_change_makes_no_relay_suspect():
+    pool = _pool(paths=1, total=1)
+    (opened,) = _of(pool.tick(0.0, RELAYS), OpenPath)
+    assert pool.path_failed(opened.path_id, 0.1, blameless=True) == []
+    assert [pool.penalty(r) for r in opened.relays] == [0, 0, 0]
+    assert (pool.stats.setups_abandoned, pool.stats.setups_failed) == (1, 0)
+    (rebuilt,) = _of(pool.tick(0.6, RELAYS), OpenPath)  # rebuilt at the next maintenance
+    assert rebuilt.path_id != opened.path_id
+
+
+def test_an_address_change_forgives_the_relays_that_failed_since_its_first_signs():
+    # the first hops "went down" because this node's own connections died, not theirs
+    pool = _pool(paths=2, total=2)
+    before, during = _of(pool.tick(0.0, RELAYS), OpenPath)
+    pool.path_failed(before.path_id, 1.0, first_hop_down=True)  # long before the change
+    pool.path_failed(during.path_id, 9.0, first_hop_down=True)
+    assert pool.address_changed(since=8.0, now=10.0) == []  # no ready path to probe
+    assert pool.penalty(during.relays[0]) == 0
+    assert pool.penalty(before.relays[0]) == 1
+
+
+def test_an_address_change_probes_every_ready_path_and_replaces_the_dead_within_a_deadline():
+    # a path whose first hop's connection died with all the others, but that carried nothing
+    # since, is found one probe deadline after the change, not at its next probe 10 s on
+    pool = _pool(probe_interval=10.0, probe_timeout=1.0)
+    opened = _open_all(pool, 0.0)
+    probes = _of(pool.address_changed(since=4.0, now=5.0), SendProbe)
+    assert sorted(p.path_id for p in probes) == sorted(c.path_id for c in opened)
+    live = probes[0]
+    pool.probe_reply(live.path_id, live.nonce, 5.1)
+    rebuilt = _of(pool.tick(6.5, RELAYS), OpenPath)  # the other four: suspended, replaced
+    assert len(rebuilt) == 4
+    assert [p.path_id for p in pool.ready_paths()] == [live.path_id]

@@ -451,3 +451,91 @@ def test_an_own_setup_gets_more_time_per_hop_reached_through_a_relay(relayed_hop
     own, _ = core.open_path([onion.HopSpec(h, key.public) for h in hops], "t", now=100.0)
     assert own.deadline - 100.0 == expected
     assert core.own_setup_timeout(hops[0], 3, relayed_hops) == expected
+
+
+# ------------------------------------------------------------------ own address changed
+
+A_HOP, B_HOP, C_HOP = (bytes([0x40 + i]) * 38 for i in range(3))
+X, Y, Z = (bytes([0x50 + i]) * 38 for i in range(3))
+
+
+def _moving_core(connected: int, **config) -> r.RelayCore:
+    key = onion.OnionKeyPair.generate()
+    return r.RelayCore(ME, key, FakeCodec(), r.RelayConfig(setup_timeout=5.0, **config),
+                       connected_peers=lambda: connected)
+
+
+def _open(core, token, now, first=A_HOP):
+    key = onion.OnionKeyPair.generate()
+    hops = [onion.HopSpec(h, key.public) for h in (first, B_HOP, C_HOP)]
+    own, _ = core.open_path(hops, token, now)
+    return own
+
+
+def _failed(commands):
+    return [c for c in commands if isinstance(c, r.PathFailed)]
+
+
+def test_a_node_whose_links_all_died_at_once_abandons_its_setups_in_flight():
+    # its NAT took a new public IP: the links to X, Y, Z (all it had) closed within 2 s; the
+    # replies of the setups it sent before go to its old address: they are given up at once
+    # and blamed on nobody, not waited for until their 20 s deadlines
+    core = _moving_core(connected=0)
+    first, second = _open(core, "one", 0.0), _open(core, "two", 0.5, first=B_HOP)
+    assert core.link_failed(X, "reset", False, now=1.0) == []
+    assert core.link_failed(Y, "reset", False, now=2.0) == []
+    out = core.link_failed(Z, "reset", False, now=3.0)
+    assert out[0] == r.AddressChanged(3.0, since=1.0)
+    abandoned = "abandoned: own address changed"
+    assert _failed(out) == [r.PathFailed("one", abandoned, False, False, True),
+                            r.PathFailed("two", abandoned, False, False, True)]
+    assert r.SendDestroy(first.path.first_hop, first.path.first_path_id, "abandoned") in out
+    assert r.SendDestroy(second.path.first_hop, second.path.first_path_id, "abandoned") in out
+    assert core.own_paths() == [] and core.moves == 1
+
+
+@pytest.mark.parametrize(
+    "connected, losses",
+    [(10, 3), (0, 2)],
+    ids=["three-of-thirteen-peers-lost", "two-peers-lost"],
+)
+def test_a_few_lost_links_are_no_address_change(connected, losses):
+    core = _moving_core(connected=connected)
+    _open(core, "one", 0.0)
+    for i, peer in enumerate((X, Y, Z)[:losses]):
+        assert core.link_failed(peer, "reset", False, now=1.0 + i) == []
+    assert len(core.own_paths()) == 1 and core.moves == 0
+
+
+def test_links_lost_further_apart_than_the_window_are_no_address_change():
+    core = _moving_core(connected=0, moved_window=5.0)
+    _open(core, "one", 0.0)
+    for now, peer in ((1.0, X), (4.0, Y), (9.5, Z)):  # X left the window before Z went
+        assert core.link_failed(peer, "reset", False, now=now) == []
+    assert core.moves == 0
+
+
+def test_a_setup_opened_right_after_an_address_change_is_abandoned_soon_blaming_nobody():
+    # a peer closes the old connection of a node that redialled it within 5 s; a reply written
+    # before went onto it and is lost: a setup still unanswered 5 s after that is sent anew
+    core = _moving_core(connected=0, moved_settle=5.0)
+    core.address_changed(now=10.0)
+    early = _open(core, "early", 11.0)
+    late = _open(core, "late", 15.5, first=B_HOP)
+    assert early.deadline == 20.0  # moved + settle + setup_timeout, not 11 + 20
+    assert late.deadline == 15.5 + 20.0  # after the settling time: the normal deadline
+    out = core.tick(20.0)
+    assert _failed(out) == [
+        r.PathFailed("early", "abandoned: unanswered after the address change", False, False, True)
+    ]
+    assert r.SendDestroy(A_HOP, early.path.first_path_id, "abandoned") in out
+    assert core.own_setup_timeout(A_HOP, 3) == 20.0  # its first hop's deadline not backed off
+
+
+def test_an_address_change_forgets_the_first_hops_setup_backoff():
+    core = _moving_core(connected=0)
+    _open(core, "one", 0.0)
+    assert _failed(core.tick(20.0)) == [r.PathFailed("one", "setup timed out", False)]
+    assert core.own_setup_timeout(A_HOP, 3) == 40.0  # doubled: A's setup timed out
+    core.address_changed(now=30.0)
+    assert core.own_setup_timeout(A_HOP, 3) == 20.0

@@ -33,6 +33,7 @@ class FakeHandle:
         self.is_ready = False
         self.error: str | None = None
         self.first_hop_down = False
+        self.blameless = False
 
     @property
     def alive(self) -> bool:
@@ -54,6 +55,7 @@ class FakeOverlay:
         self.peer_id = b"\xaa" * 38
         self.on_backward = None
         self.on_path_down = None
+        self.on_address_changed = None
         self.acknowledge = acknowledge
         self.answer_probes = answer_probes
         self.opened: list[tuple[float, FakeHandle]] = []
@@ -346,6 +348,38 @@ async def test_a_failed_setup_is_answered_and_rebuilt_at_the_next_maintenance(au
         assert len(overlay.opened) == 10
         assert {t for t, _ in overlay.opened[5:]} == {0.5}
         assert failed_at == 0.1
+        nursery.cancel_scope.cancel()
+
+
+async def test_setups_abandoned_on_an_address_change_leave_every_relay_above_suspicion(
+    autojump_clock,
+):
+    # the overlay found this node's address changed: a first hop that "went down" just before
+    # (its connection died with all the others) is forgiven, and the setups the overlay then
+    # abandoned blame nobody; the pool rebuilds through any relay at its next maintenance
+    overlay = FakeOverlay(acknowledge=False)
+    client = _client(overlay, max_setups=5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.run)
+        await trio.testing.wait_all_tasks_blocked()
+        first, *rest = [h for _, h in overlay.opened]
+        await trio.sleep(0.1)
+        first.first_hop_down = True
+        first.die("first hop down: reset")
+        first.ready.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert client._pool.penalty(first.relays[0]) == 1
+        assert overlay.on_address_changed is not None
+        overlay.on_address_changed(0.0)
+        for handle in rest:
+            handle.blameless = True
+            handle.die("abandoned: own address changed")
+            handle.ready.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert all(client._pool.penalty(r) == 0 for _, h in overlay.opened for r in h.relays)
+        assert client._pool.stats.setups_abandoned == 4
+        await trio.sleep(1.0)
+        assert len(overlay.opened) == 10
         nursery.cancel_scope.cancel()
 
 

@@ -37,6 +37,10 @@ PlanetServe sec. 3.2 with the fixes of DESIGN.md ("The anonymous overlay", "Secu
   clears the relays *before the proxy* only (the proxy answers probes itself, which says nothing
   of what it does with cloves); a penalty is forgotten ``failed_relay_cooldown`` s after its
   last failure;
+* this node's own address changed (:meth:`PathPool.address_changed`, found by the relay core:
+  every connection died at once): the setups it abandoned blame nobody (``path_failed`` with
+  ``blameless``), the relays that failed it since the first sign are forgiven, and every ready
+  path is probed at once (one riding a dead connection is replaced a probe deadline later);
 * a proxy convicted of altering a response clove (:meth:`PathPool.convict_proxy`) loses its
   paths and is no proxy for ``bad_proxy_cooldown`` s;
 * rotation: a path older than ``rotate_period`` retires (no new requests) and is closed
@@ -170,6 +174,8 @@ class PoolStats:
     Attributes:
         built: path setups acknowledged (a path joined the pool).
         setups_failed: path setups that failed (refused, timed out, a hop unreachable).
+        setups_abandoned: path setups given up because this node's own address changed
+            (:meth:`PathPool.path_failed` with ``blameless``); not in ``setups_failed``.
         lost: ready paths lost, by reason (:data:`LOST_DOWN`, :data:`LOST_PROBE_TIMEOUT`,
             :data:`LOST_BAD_PROXY`); rotation is no loss.
         repaired: paths built to replace a lost one that was not retiring (counted when the
@@ -180,6 +186,7 @@ class PoolStats:
 
     built: int = 0
     setups_failed: int = 0
+    setups_abandoned: int = 0
     lost: dict[str, int] = field(default_factory=dict)
     repaired: int = 0
     rotated: int = 0
@@ -427,20 +434,53 @@ class PathPool:
         self._next_maintenance = None
         return [*self._probe(path, now), PoolChanged()]
 
-    def path_failed(self, path_id: int, now: float, *, first_hop_down: bool = False) -> list[Command]:
+    def path_failed(
+        self, path_id: int, now: float, *, first_hop_down: bool = False, blameless: bool = False
+    ) -> list[Command]:
         """The path's setup failed: its relays are suspect (only the first one when it is the
-        first hop that went down). The pool rebuilds at its next maintenance, not at once (no
-        tight retry loop)."""
+        first hop that went down; none when ``blameless``: this node abandoned it because its
+        own address changed). The pool rebuilds at its next maintenance, not at once (no tight
+        retry loop)."""
         relays = self._opening.pop(path_id, None)
         self._opened_at.pop(path_id, None)
         self._slow_setups.discard(path_id)
         if relays is not None:
-            self.stats.setups_failed += 1
+            if blameless:
+                self.stats.setups_abandoned += 1
+            else:
+                self.stats.setups_failed += 1
             if path_id in self._repairs:  # the repair is still owed
                 self._repairs.discard(path_id)
                 self._owed_repairs += 1
-            self._penalize(relays[:1] if first_hop_down else relays, now)
+            if not blameless:
+                self._penalize(relays[:1] if first_hop_down else relays, now)
         return []
+
+    def address_changed(self, since: float, now: float) -> list[Command]:
+        """This node's own address changed (``ps_p2p.overlay.relay.AddressChanged``): every
+        connection it had died, so the relays that failed it since ``since`` (first hops
+        "down", setups unanswered, paths silent) did nothing wrong; their penalties are
+        forgotten, and the pool refills at its next tick instead of going around them. (A
+        penalty also counts older failures; those go too: one change is rare, a relay that
+        fails again is suspect again at once.) Every ready path with no probe out is probed
+        now: one whose first hop's connection died with the others but has not yet failed
+        (nothing was sent on it since) is suspended and replaced one probe deadline later
+        (floor ``probe_timeout``), not at its next probe ``probe_interval`` s on.
+
+        Returns:
+            a :class:`SendProbe` per ready path probed.
+        """
+        forgiven = [peer for peer, (_, last) in self._penalty.items() if last >= since]
+        for peer in forgiven:
+            del self._penalty[peer]
+        if forgiven:
+            log.info("own address changed: %d relays' penalties forgiven", len(forgiven))
+        self._next_maintenance = None
+        commands: list[Command] = []
+        for path in self._paths.values():
+            if path.probe_nonce is None:
+                commands += self._probe(path, now)
+        return commands
 
     def path_down(self, path_id: int, now: float) -> list[Command]:
         """A ready path died (its first hop disconnected, a Destroy came back...)."""

@@ -44,9 +44,18 @@ link failed                   nothing while the connection lives (the next send 
                               stream); otherwise every setup, entry and own path over the peer
                               goes, with destroys to the other side, and a model node with live
                               reply tags is checked (``CheckDestination``: redialled) before
-                              they are told it is lost
+                              they are told it is lost; when ``moved_links``
+                              peers or more went so within ``moved_window`` s, and they were at
+                              least ``moved_share`` of the peers connected, this node's own
+                              address changed (below)
 destination checked           a model node that could not be redialled is lost: its live reply
                               tags each answer ``DeliveryFailed``; one that could keeps them
+address changed               (detected above, or told: ``address_changed``, e.g. no relay of
+                              a NATed node's reservations answers) every own setup in flight is
+                              abandoned at once, blaming nobody (``PathFailed.blameless``), the
+                              first hops' back-off is forgotten, and own setups opened in the
+                              next ``moved_settle`` s are abandoned ``setup_timeout`` s after
+                              that settling time if still unanswered
 send failed                   a setup whose next hop is unreachable fails at once; a delivery
                               the proxy could not queue answers ``DeliveryFailed``
 tick                          expires setups past their deadline (heap-indexed), own paths past
@@ -256,6 +265,19 @@ class PathFailed:
     reason: str
     was_ready: bool
     first_hop_down: bool = False
+    #: abandoned by this node because its own address changed (:meth:`RelayCore.address_changed`):
+    #: no hop of the path is to blame
+    blameless: bool = False
+
+
+@dataclass(frozen=True)
+class AddressChanged:
+    """This node's own address changed at ``at`` (seconds, the core's clock): every connection
+    it had died at once. Failures of its paths' hops since ``since`` were its own, not theirs
+    (the path pool forgives them: :meth:`~ps_p2p.overlay.path_pool.PathPool.address_changed`)."""
+
+    at: float
+    since: float
 
 
 @dataclass(frozen=True)
@@ -278,7 +300,8 @@ class CheckDestination:
 
 Command = (
     SendSetup | SendSetupReply | SendCell | SendDestroy | SendDelivery | SendReply
-    | DeliverToModel | PathReady | PathFailed | BackwardReceived | CheckDestination
+    | DeliverToModel | PathReady | PathFailed | AddressChanged | BackwardReceived
+    | CheckDestination
 )
 
 
@@ -328,6 +351,20 @@ class RelayConfig:
         max_setups_per_peer, max_setups_per_unlisted_peer, max_setups_unlisted: setups the
             replay cache holds at most for one directory user, for one peer it does not list,
             and for all those together (a rate: entries leave after twice ``setup_window``).
+        moved_links, moved_window, moved_share: this node's own address changed (its NAT took
+            a new public IP, its uplink moved: every connection it had dies at once, and the
+            replies to its setups in flight go to the old address, or onto a peer's old
+            connection to it that the peer has not yet found dead) when the last connection to
+            at least ``moved_links`` distinct peers closed within ``moved_window`` s and those
+            peers were at least ``moved_share`` of the peers connected just before. One peer
+            leaving, or a few of many, is no move.
+        moved_settle: after an address change, own setups opened within this many seconds are
+            abandoned (blaming nobody) when unanswered ``setup_timeout`` s after it: a peer
+            that this node redialled from its new address closes its old connection, onto
+            which it may write the setup's reply, within 5 s
+            (:data:`ps_p2p.protocols.circuit_relay.REDIAL_STALE_AFTER`), so a setup still
+            unanswered 5 s after that lost its reply, or is slow, and a new one costs less than
+            the 20-50 s own setup deadline (issue 20, NAT remap).
         tamper: TEST ONLY (``--perturb tamper-clove``): corrupt the cells and cloves relayed.
     """
 
@@ -350,6 +387,10 @@ class RelayConfig:
     max_setups_per_peer: int = MAX_SETUPS_PER_PEER
     max_setups_per_unlisted_peer: int = MAX_SETUPS_PER_UNLISTED_PEER
     max_setups_unlisted: int = MAX_SETUPS_UNLISTED
+    moved_links: int = 3
+    moved_window: float = 5.0
+    moved_share: float = 0.5
+    moved_settle: float = 5.0
     tamper: bool = False
 
 
@@ -431,6 +472,9 @@ class OwnPath:
     created_at: float
     deadline: float
     ready: bool = False
+    #: opened in the settling time after an address change (its deadline is short, and its
+    #: timeout blames nobody)
+    after_move: bool = False
 
     @property
     def key(self) -> tuple[bytes, bytes]:
@@ -463,6 +507,9 @@ class RelayCore:
             signature on a response clove (a proxy never passes on a reply it could be blamed
             for).
         random_bytes: randomness for path IDs and padding.
+        connected_peers: () -> how many peers this node has a connection to now (the
+            address-change rule of :class:`RelayConfig`); the default 0 makes
+            ``moved_links`` losses in ``moved_window`` s a move.
         is_relayed: whether this node reaches a peer only through a Circuit Relay v2 relay (the
             directory lists it by ``/p2p-circuit`` addresses only, and this node is none of its
             relays); such a next hop's setup deadline starts ``relayed_hop_factor`` times
@@ -490,8 +537,16 @@ class RelayCore:
         random_bytes: Callable[[int], bytes] = os.urandom,
         wall_clock: Callable[[float], float] | None = None,
         is_relayed: Callable[[bytes], bool] = lambda peer: False,
+        connected_peers: Callable[[], int] = lambda: 0,
     ) -> None:
         self.peer_id = peer_id
+        self._connected_peers = connected_peers
+        # peers whose last connection closed, in closing order: (when, peer), within
+        # ``moved_window`` (at most one entry per peer and window: bounded by the peers)
+        self._losses: OrderedDict[bytes, float] = OrderedDict()
+        #: when this node's own address last changed (-inf: never)
+        self.moved_at = -float("inf")
+        self.moves = 0
         self._is_relayed = is_relayed
         self._wall_clock = wall_clock
         self.onion_key = onion_key
@@ -575,7 +630,11 @@ class RelayCore:
         )
         relayed = sum(1 for hop in hops if self._is_relayed(hop.peer_id))
         deadline = now + self.own_setup_timeout(hops[0].peer_id, len(hops), relayed)
-        own = OwnPath(path, token, now, deadline)
+        settled = self.moved_at + self.config.moved_settle
+        after_move = now < settled
+        if after_move:  # its reply may go onto a peer's old connection: retried soon
+            deadline = min(deadline, settled + self.config.setup_timeout)
+        own = OwnPath(path, token, now, deadline, after_move=after_move)
         self._paths[own.key] = own
         heapq.heappush(self._path_deadlines, (deadline, next(self._seq), own.key))
         return own, [SendSetup(path.first_hop, path.first_path_id, packet)]
@@ -607,13 +666,56 @@ class RelayCore:
         return [SendDestroy(own.path.first_hop, own.path.first_path_id, reason[:MAX_REASON_CHARS])]
 
     def _path_failed(
-        self, own: OwnPath, reason: str, *, first_hop_down: bool = False
+        self, own: OwnPath, reason: str, *, first_hop_down: bool = False, blameless: bool = False
     ) -> list[Command]:
         if self._paths.get(own.key) is not own:
             return []
         del self._paths[own.key]
         log.info("path via %s failed: %s", _short(own.path.first_hop), reason)
-        return [PathFailed(own.token, reason, own.ready, first_hop_down)]
+        return [PathFailed(own.token, reason, own.ready, first_hop_down, blameless)]
+
+    def address_changed(self, now: float, since: float | None = None) -> list[Command]:
+        """This node's own address changed (its NAT took a new public IP; see
+        :class:`RelayConfig`): its own setups in flight are abandoned at once (their replies
+        go to the old address or onto a peer's old connection) with destroys to their first
+        hops, blaming nobody; the first hops' own-setup back-off is forgotten (their timeouts
+        were this node's); setups opened in the next ``moved_settle`` s get a short deadline.
+
+        Args:
+            now: when the change was found.
+            since: when its first signs came (default ``now - moved_window``).
+
+        Returns:
+            :class:`AddressChanged`, then a ``SendDestroy`` and a blameless
+            :class:`PathFailed` per abandoned setup.
+        """
+        since = now - self.config.moved_window if since is None else since
+        self.moved_at = now
+        self.moves += 1
+        self._losses.clear()
+        self._own_setup_backoff.clear()
+        out: list[Command] = [AddressChanged(now, since)]
+        pending = [own for own in self._paths.values() if not own.ready]
+        log.warning("own address changed: %d own setups in flight abandoned", len(pending))
+        for own in pending:
+            out.append(SendDestroy(own.path.first_hop, own.path.first_path_id, "abandoned"))
+            out += self._path_failed(own, "abandoned: own address changed", blameless=True)
+        return out
+
+    def _peer_lost(self, peer: bytes, now: float) -> list[Command]:
+        """The last connection to ``peer`` closed: an address change when enough went at once
+        (:class:`RelayConfig`)."""
+        cfg = self.config
+        self._losses.pop(peer, None)
+        self._losses[peer] = now
+        while self._losses and next(iter(self._losses.values())) < now - cfg.moved_window:
+            self._losses.popitem(last=False)
+        lost = len(self._losses)
+        if lost < cfg.moved_links or now - self.moved_at < cfg.moved_window:
+            return []
+        if lost < cfg.moved_share * (lost + self._connected_peers()):
+            return []
+        return self.address_changed(now, since=next(iter(self._losses.values())))
 
     # ------------------------------------------------------------------ setup
 
@@ -925,7 +1027,7 @@ class RelayCore:
         if connected:
             log.info("stream to %s failed (%s); connection alive, paths kept", _short(peer), reason)
             return []
-        out: list[Command] = []
+        out: list[Command] = self._peer_lost(peer, now)
         if self.table.has_tags_for(peer) and peer not in self._checking:
             # not lost yet: a model node whose connection was replaced (or that redials us to
             # answer) is still there; destination_checked tells the users if it is not
@@ -1016,7 +1118,11 @@ class RelayCore:
         while self._path_deadlines and self._path_deadlines[0][0] <= now:
             _, _, key = heapq.heappop(self._path_deadlines)
             own = self._paths.get(key)
-            if own is not None and not own.ready and now >= own.deadline:
+            if own is not None and not own.ready and now >= own.deadline and own.after_move:
+                out.append(SendDestroy(own.path.first_hop, own.path.first_path_id, "abandoned"))
+                out += self._path_failed(own, "abandoned: unanswered after the address change",
+                                         blameless=True)
+            elif own is not None and not own.ready and now >= own.deadline:
                 first = own.path.first_hop
                 self._own_setup_backoff[first] = min(self._own_setup_backoff.get(first, 0) + 1, 8)
                 self._own_setup_backoff.move_to_end(first)
@@ -1036,15 +1142,20 @@ def _flip_byte(data: bytes) -> bytes:
 
 
 __all__ = [
-    "BackwardMessage",
-    "BackwardReceived",
-    "CheckDestination",
-    "Command",
     "DROP_BAD_CELL",
     "DROP_BAD_REPLY_SIGNATURE",
     "DROP_REPLAYED_CELL",
     "DROP_UNKNOWN_PATH",
     "DROP_UNKNOWN_REPLY_TAG",
+    "REFUSE_NOT_SERVING",
+    "REFUSE_NOT_USER",
+    "REFUSE_NO_MODEL_NODE",
+    "REPLY_TAG_BYTES",
+    "AddressChanged",
+    "BackwardMessage",
+    "BackwardReceived",
+    "CheckDestination",
+    "Command",
     "DeliverClove",
     "DeliverToModel",
     "DeliveryFailed",
@@ -1054,10 +1165,6 @@ __all__ = [
     "PathReady",
     "PayloadCodec",
     "Probe",
-    "REFUSE_NOT_SERVING",
-    "REFUSE_NOT_USER",
-    "REFUSE_NO_MODEL_NODE",
-    "REPLY_TAG_BYTES",
     "RelayConfig",
     "RelayCore",
     "RelayStats",

@@ -570,6 +570,11 @@ class ReservationKeeper:
         config: ``[circuit_relay]``.
         candidates: () -> [(peer ID, its record's addresses as text multiaddrs)] of the public
             nodes that may be asked (verifiers and public users of the directory).
+
+    Attributes:
+        on_address_changed: () -> None, called when no relay answered (this node's address
+            changed): the node's overlay abandons its setups in flight
+            (:meth:`ps_p2p.protocols.overlay.OverlayService.address_changed`); None: nobody.
     """
 
     def __init__(self, host: IHost, config: CircuitRelayConfig,
@@ -581,6 +586,7 @@ class ReservationKeeper:
         self._held: dict[bytes, tuple[float, str]] = {}  # relay -> (renew at, relay address)
         self._failed: dict[bytes, float] = {}  # relay -> retry not before
         self._checked = -math.inf  # when the relays were last pinged
+        self.on_address_changed: Callable[[], None] | None = None
 
     def advertised(self) -> list[str]:
         """The circuit addresses this node's record lists (one per reservation held)."""
@@ -671,6 +677,8 @@ class ReservationKeeper:
                         len(stale))
             for _, conn in stale:
                 await close_connection(conn)
+            if self.on_address_changed is not None:
+                self.on_address_changed()
         return silent
 
     async def _reserve(self, relay: bytes, addr: str) -> bool:

@@ -87,6 +87,8 @@ class PathHandle:
     error: str | None = None
     #: the path failed because the link to its first hop was lost (the first hop is to blame)
     first_hop_down: bool = False
+    #: abandoned because this node's own address changed (nobody is to blame)
+    blameless: bool = False
     is_ready: bool = False
     cells_sent: int = 0
     cells_received: int = 0
@@ -118,6 +120,9 @@ class OverlayService:
         on_backward: users: ``on_backward(handle, payload)`` with each BackwardPayload (parsed)
             arriving on one of this node's paths.
         on_path_down: users: ``on_path_down(handle)`` when a ready path dies.
+        on_address_changed: users: ``on_address_changed(since)`` when this node's own address
+            changed (:class:`~ps_p2p.overlay.relay.AddressChanged`; ``since`` on the core's
+            clock); assigning the attribute later works too.
         directory: returns the current verified directory (or None): a proxy delivers only to
             its model nodes, a model node accepts deliveries only from its users. None (tests
             only) trusts every peer.
@@ -134,6 +139,7 @@ class OverlayService:
         on_delivery: Callable[[bytes, bytes], None] | None = None,
         on_backward: Callable[[PathHandle, clove_pb2.BackwardPayload], None] | None = None,
         on_path_down: Callable[[PathHandle], None] | None = None,
+        on_address_changed: Callable[[float], None] | None = None,
         directory: Callable[[], records.Directory | None] | None = None,
         clock: Callable[[], float] = trio.current_time,
         random_bytes: Callable[[int], bytes] = os.urandom,
@@ -144,6 +150,7 @@ class OverlayService:
         self.config = config or OverlayConfig()
         self.on_backward = on_backward
         self.on_path_down = on_path_down
+        self.on_address_changed = on_address_changed
         self._directory = directory
         self._clock = clock
         self.core = RelayCore(
@@ -159,6 +166,7 @@ class OverlayService:
             # unix seconds at the core's ``now``: setups carry and check their issue time
             wall_clock=lambda now: now + (time.time() - self._clock()),
             is_relayed=self._is_relayed,
+            connected_peers=self._connected_peers,
         )
         self.on_delivery = on_delivery
         self.driver: CoreDriver[core.Command] = CoreDriver(
@@ -346,6 +354,13 @@ class OverlayService:
             functools.partial(self.core.link_failed, peer, "disconnected", self._connected(peer))
         )
 
+    def address_changed(self) -> None:
+        """Call when this node's own address changed (e.g. no relay of a NATed node's
+        reservations answers any more: ``ReservationKeeper.on_address_changed``): its own
+        setups in flight are abandoned and new ones sent
+        (:meth:`~ps_p2p.overlay.relay.RelayCore.address_changed`). Never blocks."""
+        self.driver.submit(self.core.address_changed, essential=True)
+
     # ------------------------------------------------------------------ user API
 
     def open_path(self, hops: list[onion.HopSpec]) -> PathHandle:
@@ -452,15 +467,19 @@ class OverlayService:
                 handle: PathHandle = token  # type: ignore[assignment]
                 handle.is_ready = True
                 handle.ready.set()
-            case core.PathFailed(token, reason, was_ready, first_hop_down):
+            case core.PathFailed(token, reason, was_ready, first_hop_down, blameless):
                 handle = token  # type: ignore[assignment]
                 if not handle.done.is_set():
                     handle.error = reason
                     handle.first_hop_down = first_hop_down
+                    handle.blameless = blameless
                     handle.done.set()
                     handle.ready.set()  # wake waiters; they check handle.is_ready
                     if was_ready and self.on_path_down is not None:
                         self.on_path_down(handle)
+            case core.AddressChanged(_, since):
+                if self.on_address_changed is not None:
+                    self.on_address_changed(since)
             case core.BackwardReceived(token, message):
                 handle = token  # type: ignore[assignment]
                 handle.cells_received += 1
@@ -508,6 +527,12 @@ class OverlayService:
 
     def _connected(self, peer: bytes) -> bool:
         return is_connected(self.host, peer)
+
+    def _connected_peers(self) -> int:
+        try:
+            return len(self.host.get_network().get_connections_map())
+        except AttributeError:  # a network without the call
+            return 0
 
 
 __all__ = [

@@ -469,6 +469,7 @@ class UserClient:
         self._relay_cache: tuple[Directory | None, int, list[bytes] | None] = (None, -1, None)
         overlay.on_backward = self._on_backward
         overlay.on_path_down = self._on_path_down
+        overlay.on_address_changed = self._on_address_changed
 
     # ------------------------------------------------------------------ public face
 
@@ -936,7 +937,8 @@ class UserClient:
         log.info("path setup via %s failed: %s", _short(handle.path.first_hop), error)
         self._forget_handle(path_id)
         # a lost first hop names the culprit; otherwise any hop of the path may be at fault
-        return self._pool.path_failed(path_id, now, first_hop_down=handle.first_hop_down)
+        return self._pool.path_failed(path_id, now, first_hop_down=handle.first_hop_down,
+                                      blameless=handle.blameless)
 
     def _forget_handle(self, path_id: int) -> PathHandle | None:
         handle = self._handles.pop(path_id, None)
@@ -966,6 +968,12 @@ class UserClient:
             # not essential (this runs inside the overlay's command execution): if the inbox
             # is full, the next tick finds the handle dead and reports the path down itself
             self.driver.submit(partial(self._pool.path_down, path_id))
+
+    def _on_address_changed(self, since: float) -> None:
+        # the overlay abandons this node's setups in flight; the pool forgives the relays that
+        # failed it since (their connections died because of this node's move); not essential
+        # (this runs inside the overlay's command execution), a lost one only costs detours
+        self.driver.submit(partial(self._pool.address_changed, since))
 
     def _on_backward(self, handle: PathHandle, message: clove_pb2.BackwardPayload) -> None:
         """Decode one backward payload and submit it to the driver; never raises (one bad
