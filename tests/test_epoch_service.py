@@ -1021,10 +1021,8 @@ async def test_a_committee_takes_a_dishonest_model_node_out_of_users_reach(share
     from ps_p2p.engines.transformers_engine import TransformersEngine
     from ps_p2p.prompts import load_prompts
     from ps_p2p.testing.dishonest import DishonestEngine
-    from ps_p2p.testing.localnet import open_localnet
+    from ps_p2p.testing.localnet import CHALLENGE_TIMEOUT_S, open_localnet
     from ps_p2p.verification.reputation import is_trusted
-
-    from ps_p2p.testing.localnet import CHALLENGE_TIMEOUT_S
     from ps_p2p.verification.service import REPORT_MARGIN_S
 
     pool = [p.text for p in load_prompts(shared / "data" / "mtbench" / "question.jsonl")][:40]
