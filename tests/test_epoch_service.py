@@ -1021,13 +1021,20 @@ async def test_a_committee_takes_a_dishonest_model_node_out_of_users_reach(share
     from ps_p2p.engines.transformers_engine import TransformersEngine
     from ps_p2p.prompts import load_prompts
     from ps_p2p.testing.dishonest import DishonestEngine
-    from ps_p2p.testing.localnet import open_localnet
+    from ps_p2p.testing.localnet import CHALLENGE_TIMEOUT_S, open_localnet
     from ps_p2p.verification.reputation import is_trusted
+    from ps_p2p.verification.service import REPORT_MARGIN_S
 
     pool = [p.text for p in load_prompts(shared / "data" / "mtbench" / "question.jsonl")][:40]
+    # an attempt as long as its leader may need (its challenges' timeout and the margin to
+    # score and submit): a shorter one drew the next attempt's leader while the first was still
+    # challenging on a loaded machine, and every extra leader's challenges, scores and
+    # re-scores by the 3 others slowed the epoch further (8 s attempts: 2-3 leaders per epoch
+    # at load 20, a timeout at load 21); a dead leader is not part of this test
+    attempt_ms = round((CHALLENGE_TIMEOUT_S + REPORT_MARGIN_S) * 1000)
     params = VerificationParams(
         model_id=engine.model_id, pool_sha256=pool_digest(pool), pool_size=len(pool),
-        sampling=(SamplingOption(max_tokens=24),), attempt_ms=8000)
+        sampling=(SamplingOption(max_tokens=24),), attempt_ms=attempt_ms)
 
     def model_engine(i: int) -> Engine:
         own = TransformersEngine.load(shared / "models" / "stories260K")

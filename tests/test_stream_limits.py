@@ -119,3 +119,45 @@ def test_the_budget_refuses_over_each_bound_and_forgets_what_ended():
                           (b"c", "10.0.0.2")]:
         budget.give_back(peer, address)
     assert budget.open == 0 and budget._peers == {} and budget._addresses == {}
+
+
+class _RemovingCommunicator:
+    """A peer's side of a multistream negotiation of ``protocol`` whose reply write is the
+    moment ``removal`` runs (the handler removed while the negotiation is in flight)."""
+
+    def __init__(self, protocol: str, removal) -> None:
+        self._reads = ["/multistream/1.0.0", protocol]
+        self._protocol = protocol
+        self._removal = removal
+
+    async def read(self) -> str:
+        return self._reads.pop(0)
+
+    async def write(self, message: str) -> None:
+        if message == self._protocol:
+            await self._removal()
+
+
+async def test_a_handler_removed_while_its_protocol_is_negotiated_resets_the_stream_not_the_host():
+    from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID
+
+    from ps_p2p.protocols.handlers import StreamHandlers, reset_removed
+
+    assert MULTISELECT_PROTOCOL_ID == "/multistream/1.0.0"
+    protocol = "/test/removed/1.0.0"
+    served = []
+
+    async def handler(stream) -> None:
+        served.append(stream)
+
+    async with open_host(Identity.generate(), LOOPBACK) as host:
+        registered = StreamHandlers(host)
+        registered.add(protocol, handler)
+        communicator = _RemovingCommunicator(protocol, registered.aclose)
+        # py-libp2p checks the protocol is served, writes its echo (the handler goes), then
+        # looks the handler up: a KeyError there escaped into the host's nursery
+        chosen, chosen_handler = await host.get_mux().negotiate(communicator, 5)
+        assert chosen == protocol
+        assert chosen_handler is reset_removed
+        assert protocol not in handlers_module.registered_protocols(host)
+        assert not served

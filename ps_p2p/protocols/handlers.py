@@ -9,6 +9,12 @@ second copy of the same service), remembers the inbound streams its handlers are
 py-libp2p 0.8.1 keeps handlers in ``host.get_mux().handlers`` (a dict protocol ID -> handler,
 written by ``BasicHost.set_stream_handler`` and emptied by ``remove_stream_handler``); a stream
 whose protocol was negotiated just before the removal reaches a handler that resets it at once.
+A stream whose negotiation is in flight at the removal is reset too: py-libp2p's
+``Multiselect.negotiate`` checks ``protocol in handlers``, awaits its reply's write, then reads
+``handlers[protocol]``, and a handler removed during that write raised ``KeyError`` out of the
+connection's task into the host's nursery (a loaded machine widens the write; a localnet test
+failed at teardown, load 13). :class:`StreamHandlers` gives the host's mux a
+:class:`RemovedHandlerDict`, whose missing entries read as a handler that resets the stream.
 
 Every inbound stream our handlers serve is bounded (issue 16: 195 streams that never sent a byte
 were held for ever):
@@ -161,6 +167,28 @@ def registered_protocols(host: IHost) -> frozenset[str]:
     return frozenset(str(p) for p in handlers if p is not None)
 
 
+class RemovedHandlerDict(dict):  # type: ignore[type-arg]
+    """A host mux's handler table (protocol ID -> handler) in which a protocol removed while
+    a negotiation of it was in flight reads as :func:`reset_removed` instead of ``KeyError``
+    (module docstring); ``in``, ``get`` and the protocol list are a dict's."""
+
+    def __missing__(self, protocol: object) -> StreamHandler:
+        return reset_removed
+
+
+async def reset_removed(stream: INetStream) -> None:
+    """The handler of a protocol removed during its stream's negotiation: reset the stream."""
+    await reset_quietly(stream)
+
+
+def _removal_safe(host: IHost) -> None:
+    """Give ``host``'s mux a :class:`RemovedHandlerDict` (once; same entries)."""
+    mux = host.get_mux()
+    handlers = getattr(mux, "handlers", None)
+    if isinstance(handlers, dict) and not isinstance(handlers, RemovedHandlerDict):
+        mux.handlers = RemovedHandlerDict(handlers)  # type: ignore[attr-defined]
+
+
 class StreamHandlers:
     """The stream handlers of one service on one host (see the module docstring).
 
@@ -227,6 +255,7 @@ class StreamHandlers:
                 budget.give_back(peer, address)
 
         self._handlers[protocol] = tracked
+        _removal_safe(self._host)
         self._host.set_stream_handler(protocol, tracked)
 
     async def aclose(self) -> None:
@@ -311,7 +340,18 @@ async def reset_quietly(stream: INetStream) -> None:
 
 
 __all__ = [
-    "FIRST_BYTE_TIMEOUT", "MAX_STREAMS", "MAX_STREAMS_PER_ADDRESS", "MAX_STREAMS_PER_PEER",
-    "RESET_TIMEOUT", "StreamBudget", "StreamHandler", "StreamHandlers", "exchange", "registered_protocols",
-    "reset_quietly", "serve_handlers",
+    "FIRST_BYTE_TIMEOUT",
+    "MAX_STREAMS",
+    "MAX_STREAMS_PER_ADDRESS",
+    "MAX_STREAMS_PER_PEER",
+    "RESET_TIMEOUT",
+    "RemovedHandlerDict",
+    "StreamBudget",
+    "StreamHandler",
+    "StreamHandlers",
+    "exchange",
+    "registered_protocols",
+    "reset_quietly",
+    "reset_removed",
+    "serve_handlers",
 ]

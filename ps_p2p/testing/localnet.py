@@ -41,6 +41,11 @@ from ps_p2p.verification.sealing import generate_committee_key, key_commitment
 
 log = logging.getLogger(__name__)
 
+#: seconds a verifier's challenge may take in a localnet (``[verification] challenge_timeout``);
+#: a genesis whose leaders should not overlap gives each attempt at least this plus
+#: :data:`~ps_p2p.verification.service.REPORT_MARGIN_S` (``attempt_ms``)
+CHALLENGE_TIMEOUT_S = 30.0
+
 
 @dataclass
 class LocalNet:
@@ -307,7 +312,7 @@ async def _open_localnet(
             pool_path = tmp / "pool.jsonl"
             pool_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in pool))
             epochs = dict(verification=VerificationConfig(pool=[str(pool_path)],
-                                                          challenge_timeout=30.0,
+                                                          challenge_timeout=CHALLENGE_TIMEOUT_S,
                                                           committee_key=committee_key.hex()),
                           model="reference", user=dataclasses.replace(ucfg))
         verifiers: list[Node] = []
