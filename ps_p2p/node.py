@@ -1269,6 +1269,8 @@ class Node:
             if self._record_addrs.get(record.peer_id) != record.addrs:
                 replace_peer_addrs(self.host, record.peer_id, record.addrs)
                 note_record_circuits(self.host, record.peer_id, record.addrs)
+                if record.peer_id in self._record_addrs and self.overlay is not None:
+                    self.overlay.peer_moved(record.peer_id)  # old addresses' failures go
                 self._record_addrs[record.peer_id] = record.addrs
         if len(self._record_addrs) > 2 * len(directory.records) + 64:  # departed nodes
             listed = {r.peer_id for r in directory.records}

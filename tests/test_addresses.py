@@ -167,3 +167,22 @@ async def test_a_verifier_that_starts_after_the_node_is_reached_within_a_few_ref
         await nursery.start(verifier.run)
         await user.wait_directory(timeout=15)  # py-libp2p alone: blocked for 60 s
         nursery.cancel_scope.cancel()
+
+
+async def test_a_record_that_names_new_addresses_drops_the_links_dial_back_off():
+    """A proxy whose dial to a model node's old address failed backs the node off; when the
+    committed record names new addresses (the node restarted elsewhere) the back-off goes at
+    once, so the next delivery dials the new address instead of failing until it runs out."""
+    import dataclasses
+
+    async with open_localnet(users=4, models=1) as net:
+        user, model = net.users[0], net.models[0]
+        links = user.overlay._deliver_links
+        links._back_off(model.peer_id)  # as a failed dial to its old address leaves it
+        record = user.directory.record(model.peer_id)
+        moved = dataclasses.replace(record, addrs=(*record.addrs[1:], _dead_tcp_addr().to_bytes()))
+        user._install(user.directory, changed=(moved,))
+        assert model.peer_id not in links._backoff
+        links._back_off(model.peer_id)
+        user._install(user.directory, changed=(moved,))  # the same addresses again: kept
+        assert model.peer_id in links._backoff

@@ -71,6 +71,39 @@ async def test_a_backed_off_peer_that_is_connected_gets_a_stream_without_waiting
     assert links.stats.frames_backed_off == 1
 
 
+async def test_a_backed_off_peer_whose_record_moved_is_dialled_at_its_new_address_at_once(
+        autojump_clock):
+    """Issue 20: the dial to a model node's old address failed (it restarted on a new IP), then
+    the directory gave its new address: the back-off from the old one must not refuse the next
+    delivery (a proxy answered DeliveryFailed at once until the back-off ran out)."""
+    from ps_p2p.protocols.addresses import replace_peer_addrs
+
+    async with open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_host(NodeKeys.generate().identity, ["/ip4/127.0.0.1/tcp/0"]) as peer_host:
+        received = trio.Event()
+
+        async def handler(stream) -> None:
+            await stream.read(100)
+            received.set()
+
+        peer_host.set_stream_handler("/test/1.0.0", handler)
+        peer = peer_host.get_id().to_bytes()
+        down = trio.Event()
+        async with trio.open_nursery() as nursery:
+            links = LinkManager(host, nursery, "/test/1.0.0", open_timeout=1.0,
+                                on_link_down=lambda p, r: down.set())
+            replace_peer_addrs(host, peer, ["/ip4/127.0.0.1/tcp/9"])  # its old address: refused
+            assert links.send(peer, b"frame")
+            await down.wait()
+            assert not links.send(peer, b"frame")  # backed off
+            replace_peer_addrs(host, peer, [str(listen_multiaddrs(peer_host)[0])])  # moved
+            assert links.forget_backoff(peer)
+            assert links.send(peer, b"frame")  # dialled at the new address, no waiting
+            await received.wait()
+            nursery.cancel_scope.cancel()
+    assert links.stats.frames_backed_off == 1
+
+
 class _EndedStream:
     """A peer's stream at its end (reads raise StreamEOF) whose close waits ``close_takes``
     seconds (None: for ever), as behind a connection's stuck writes."""

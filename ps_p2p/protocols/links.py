@@ -45,6 +45,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
 
+from ps_p2p.protocols.addresses import forget_dial_failures
 from ps_p2p.protocols.host import is_connected, last_heard
 from libp2p.peer.id import ID
 
@@ -354,6 +355,13 @@ class LinkManager:
                          _short(peer_id), trio.current_time() - heard)
                 self._nursery.start_soon(close_connection, conn)
 
+    def forget_backoff(self, peer_id: bytes) -> bool:
+        """Drop ``peer_id``'s dial back-off: its record now names other addresses, so the
+        failures at the old ones say nothing of the new (a model node restarted on a new IP
+        would otherwise be refused at once until the back-off ran out). Returns True when
+        there was one."""
+        return self._backoff.pop(peer_id, None) is not None
+
     def _back_off(self, peer_id: bytes) -> None:
         failures = self._backoff.pop(peer_id, (0, 0.0))[0] + 1
         wait = min(self._backoff_max, BACKOFF_INITIAL * 2 ** (failures - 1))
@@ -364,11 +372,9 @@ class LinkManager:
 
 
 def forget_failed_dial(host: IHost, peer_id: bytes) -> None:
-    """Drop ``peer_id`` from py-libp2p 0.8.1's negative dial cache (a private attribute of
-    its swarm; nothing happens when it is not there)."""
-    cache = getattr(host.get_network(), "_negative_peer_cache", None)
-    if cache is not None:
-        cache.evict(str(ID(peer_id)))
+    """Drop ``peer_id`` from py-libp2p 0.8.1's negative dial cache
+    (:func:`~ps_p2p.protocols.addresses.forget_dial_failures`)."""
+    forget_dial_failures(host.get_network(), ID(peer_id))
 
 
 def make_frame_handler(

@@ -347,6 +347,15 @@ class OverlayService:
             essential=True,
         )
 
+    def peer_moved(self, peer: bytes) -> None:
+        """Call when ``peer``'s committed record names other addresses than before (a node
+        restarted on a new port or IP): the links' dial back-off from failures at its old
+        addresses is dropped, so cells and deliveries for it dial the new ones at once
+        instead of being refused until the back-off runs out."""
+        for links in (self._onion_links, self._clove_links, self._deliver_links):
+            if links is not None:
+                links.forget_backoff(peer)
+
     def peer_disconnected(self, peer: bytes) -> None:
         """Call when a connection to ``peer`` closed: its paths are torn down at once, unless
         another connection to it is still open."""
