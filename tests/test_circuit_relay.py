@@ -11,6 +11,7 @@ import random
 import multiaddr
 import pytest
 import trio
+import trio.testing
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
@@ -615,10 +616,8 @@ async def test_a_dead_connection_with_a_stuck_writer_is_closed_and_leaves_the_sw
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer)
-            with trio.fail_after(10):
-                while not conn.muxed_conn._write_lock.locked():
-                    await trio.sleep(0.01)
-                await trio.sleep(0.2)
+            with trio.fail_after(10):  # every task waits: the writer in its send, on a full socket
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
             assert conn.muxed_conn._write_lock.locked()  # the writer is stuck in the send
             await close_connection(conn)
             await wait_until(lambda: not a.get_network().get_connections(b.get_id()),
