@@ -1276,6 +1276,8 @@ class Node:
             listed = {r.peer_id for r in directory.records}
             self._record_addrs = {p: a for p, a in self._record_addrs.items() if p in listed}
             forget_record_circuits(self.host, listed)
+        if self.overlay is not None:
+            self.overlay.directory_changed()  # reply links to users listed only now
         if directory_news(old, directory, changed):
             self._directory_changed_at = trio.current_time()
             self._quiet_refreshes = 0

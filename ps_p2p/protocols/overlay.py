@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -63,6 +64,9 @@ log = logging.getLogger(__name__)
 
 #: Peers whose relayed-or-not answer is memoized per directory (a setup names any next hop).
 MAX_RELAYED_MEMO = 4096
+#: peers remembered for a reply link to warm once the directory lists them (a peer that is
+#: never listed costs one entry, the oldest dropped first)
+MAX_WARM_PENDING = 1024
 
 #: Bytes of a reply tag.
 REPLY_TAG_BYTES = core.REPLY_TAG_BYTES
@@ -183,6 +187,9 @@ class OverlayService:
         self._clove_links: LinkManager | None = None
         self._deliver_links: LinkManager | None = None
         self._nursery: trio.Nursery | None = None
+        #: peers whose delivery stream came before the directory listed them (oldest first,
+        #: at most MAX_WARM_PENDING): their reply link is warmed once it does
+        self._warm_pending: OrderedDict[bytes, None] = OrderedDict()
 
     @property
     def on_delivery(self) -> Callable[[bytes, bytes], None] | None:
@@ -305,8 +312,25 @@ class OverlayService:
         """A delivery stream arrived: a model node opens its reply link back to that proxy
         now (when the peer is a directory user), so that the first response clove does not
         wait for a stream to open (:meth:`warm_delivery_link` is the proxy's half)."""
-        if self._on_delivery is not None and self._has_role(records.Role.USER, peer):
+        if self._on_delivery is None:
+            return
+        if self._has_role(records.Role.USER, peer):
             self.warm_delivery_link(peer)
+            return
+        # a user this node's directory does not list yet (it refreshes every few seconds;
+        # users start in waves): warmed by directory_changed once it does
+        self._warm_pending.pop(peer, None)
+        self._warm_pending[peer] = None
+        while len(self._warm_pending) > MAX_WARM_PENDING:
+            self._warm_pending.popitem(last=False)
+
+    def directory_changed(self) -> None:
+        """Call after the node adopted a new directory: reply links are warmed to the peers
+        whose delivery stream arrived before the directory listed them as users."""
+        for peer in list(self._warm_pending):
+            if self._has_role(records.Role.USER, peer):
+                del self._warm_pending[peer]
+                self.warm_delivery_link(peer)
 
     def warm_delivery_link(self, peer: bytes) -> bool:
         """Open the ``/planetserve/deliver`` link to ``peer`` (a model node, or for a model
